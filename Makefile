@@ -1,0 +1,31 @@
+# Two commands on a fresh clone: `make demo` and `make test`. Both create .venv when it is missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch is installed first and pinned: the pinned CPU wheel is on disk, an unpinned torch pulls a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
+DEMO_DIR ?= demo-out
+
+.PHONY: install demo test completions clean
+
+$(BIN)/smolctl: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_PIN)
+	echo "$(TORCH_PIN)" > $(VENV)/constraints.txt
+	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e '.[test]'
+	touch $(BIN)/smolctl
+
+install: $(BIN)/smolctl
+
+demo: install
+	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh $(DEMO_DIR)
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+completions: install
+	$(BIN)/python -m smolctl.completions completions
+
+clean:
+	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache

@@ -1,0 +1,3 @@
+from smolctl.cli import main
+
+main()

@@ -1,0 +1,117 @@
+"""Everything a command shows: rich on stderr for people, one JSON object on stdout for scripts."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator, Sequence
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+console = Console(stderr=True, highlight=False)
+
+
+def log(message: str) -> None:
+    console.print(message)
+
+
+def warn(message: str) -> None:
+    console.print(f"[yellow]warning:[/] {message}")
+
+
+def emit_json(payload: Any) -> None:
+    """Print the machine-readable result: exactly one JSON object on stdout."""
+    sys.stdout.write(json.dumps(payload, default=_json_default, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return str(value)
+
+
+@contextmanager
+def progress(enabled: bool = True) -> Iterator[Progress]:
+    """A progress bar with rate and ETA on stderr; silent when disabled (e.g. under --json in a pipe)."""
+    bar = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TaskProgressColumn(),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+        TextColumn("eta"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not enabled,
+        transient=False,
+    )
+    with bar:
+        yield bar
+
+
+def human_count(n: float) -> str:
+    for unit in ("", "K", "M", "B", "T"):
+        if abs(n) < 1000:
+            return f"{n:.0f}{unit}" if unit == "" else f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}P"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def human_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, sec = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m{sec:02d}s" if hours else f"{minutes}m{sec:02d}s"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], justify: str = "right") -> Table:
+    """A table whose first column is left-aligned and the rest `justify`-aligned (numbers read best right)."""
+    out = Table(title=title, title_justify="left", header_style="bold")
+    for i, name in enumerate(columns):
+        out.add_column(name, justify="left" if i == 0 else justify)
+    for row in rows:
+        out.add_row(*(str(cell) for cell in row))
+    return out
+
+
+def key_values(title: str, pairs: Iterable[tuple[str, Any]]) -> Table:
+    out = Table(title=title, title_justify="left", show_header=False)
+    out.add_column(style="bold")
+    out.add_column()
+    for key, value in pairs:
+        out.add_row(key, str(value))
+    return out
+
+
+def show(renderable: Any) -> None:
+    console.print(renderable)

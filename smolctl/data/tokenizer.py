@@ -1,0 +1,141 @@
+"""Train a byte-level BPE tokenizer on a dataset folder, and load any local (or hub) Hugging Face tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from smolctl.errors import UserError
+from smolctl.shards import OutputFolder, open_documents
+
+DOCUMENT_END = "<|endoftext|>"
+PAD = "<|pad|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [DOCUMENT_END, PAD, IM_START, IM_END]
+KIND_TOKENIZER = "tokenizer"
+
+# ChatML, with {% generation %} markers around what the assistant says so TRL's assistant_only_loss can find it.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{% generation %}{{- message['content'] + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+    "{%- else %}"
+    "{{- message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclass
+class TokenizerTrainResult:
+    output: str
+    vocab_size: int
+    documents: int
+    characters: int
+    seconds: float
+    chars_per_token: float
+
+
+def _texts(source, text_column: str, counter: dict) -> Iterator[list[str]]:
+    for batch in source.iter_batches(columns=[text_column], batch_size=2048):
+        texts = [t for t in batch.column(0).to_pylist() if t]
+        counter["documents"] += len(texts)
+        counter["characters"] += sum(len(t) for t in texts)
+        counter.setdefault("sample", texts[:200])
+        yield texts
+
+
+def train_tokenizer(input_path: str, output: str, *, vocab_size: int, text_column: str = "text",
+                    min_frequency: int = 2, overwrite: bool = False, on_batch=None) -> TokenizerTrainResult:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS):
+        raise UserError("--vocab-size", f"{vocab_size} is too small", f"use at least {256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens)")
+    source = open_documents(input_path)
+    source.require(text=[text_column])
+    started = time.perf_counter()
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    counter = {"documents": 0, "characters": 0}
+
+    def batches():
+        for texts in _texts(source, text_column, counter):
+            if on_batch:
+                on_batch(len(texts))
+            yield texts
+
+    tokenizer.train_from_iterator(batches(), trainer=trainer, length=source.num_rows)
+    if counter["documents"] == 0:
+        raise UserError(input_path, f"column '{text_column}' holds no text", "pass a dataset with non-empty documents")
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=DOCUMENT_END,
+        pad_token=PAD,
+        model_max_length=1_000_000,
+        additional_special_tokens=[IM_START, IM_END],
+    )
+    wrapped.chat_template = CHATML_TEMPLATE
+    sample = "\n".join(counter["sample"])
+    chars_per_token = len(sample) / max(1, len(tokenizer.encode(sample).ids))
+
+    with OutputFolder(output, kind=KIND_TOKENIZER, overwrite=overwrite, inputs=source.lineage()) as folder:
+        wrapped.save_pretrained(str(folder.staging))
+        folder.commit(stats={"vocab_size": len(wrapped), "documents": counter["documents"],
+                             "characters": counter["characters"], "chars_per_token": round(chars_per_token, 3),
+                             "fingerprint": tokenizer_fingerprint(wrapped)})
+    return TokenizerTrainResult(output, len(wrapped), counter["documents"], counter["characters"],
+                                time.perf_counter() - started, chars_per_token)
+
+
+def load_tokenizer(spec: str | Path):
+    """A fast tokenizer from a local folder (ours, or any Hugging Face tokenizer folder) or a hub id."""
+    from transformers import AutoTokenizer
+
+    path = Path(spec)
+    if path.exists():
+        if not path.is_dir():
+            raise UserError(path, "is a file, not a tokenizer folder", "pass the folder holding tokenizer.json")
+        if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+            raise UserError(path, "is not a tokenizer folder (no tokenizer.json or tokenizer_config.json)",
+                            "pass a folder written by `smolctl train-tokenizer` or a Hugging Face tokenizer folder")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(spec), local_files_only=path.exists())
+    except (OSError, ValueError, json.JSONDecodeError, Exception) as exc:  # transformers raises many kinds here
+        where = "a local folder" if path.exists() else "the Hugging Face Hub (is it reachable, and is the id right?)"
+        raise UserError(spec, f"cannot load a tokenizer from {where}: {str(exc).splitlines()[0][:200]}",
+                        "pass a tokenizer folder (see `smolctl train-tokenizer`)") from exc
+    if not getattr(tokenizer, "is_fast", False):
+        raise UserError(spec, "is a slow (Python) tokenizer", "pass a folder with tokenizer.json (a fast tokenizer)")
+    return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of the tokenizer's vocabulary and rules: equal fingerprints tokenise text identically."""
+    canonical = tokenizer.backend_tokenizer.to_str()
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def document_end_id(tokenizer) -> int:
+    """The token appended after every document: the tokenizer's EOS (SmolLM3's and ours alike)."""
+    token_id = tokenizer.eos_token_id
+    if token_id is None:
+        raise UserError(getattr(tokenizer, "name_or_path", "tokenizer"), "has no end-of-sequence token",
+                        "use a tokenizer that defines eos_token")
+    return int(token_id)

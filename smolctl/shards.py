@@ -1,0 +1,577 @@
+"""The file contract between stages, written once and used by every stage.
+
+A *dataset folder* holds parquet shards `part-00000.parquet ...`; a *packed folder* holds safetensors shards;
+a *model folder* is a Hugging Face model folder. Each carries a `manifest.json` that records what it holds
+(shards with rows, tokens and sha256, the schema), the command and tool version that made it, and the manifests
+of its inputs (the lineage), so the next stage can check what it is given.
+
+Writes go to a hidden staging folder beside the output (`.NAME.partial`); each shard is written under a
+temporary name and renamed, the manifest is written last, and only then does the staging folder replace the
+output. A run interrupted at any moment leaves the earlier output (or none) and a stale staging folder that
+the next run removes, never a folder that looks complete when it is not.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from smolctl import __version__
+from smolctl.errors import UserError
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+KIND_DOCUMENTS = "documents"
+KIND_PACKED = "packed"
+KIND_MODEL = "model"
+DEFAULT_SHARD_BYTES = 256 * 1024**2
+PARQUET_MAGIC = b"PAR1"
+
+# ---------------------------------------------------------------------------------------------------------------
+# Small atomic primitives
+
+
+def sha256_file(path: Path, chunk: int = 4 * 1024**2) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write under a temporary name in the same folder, fsync, then rename: readers see all or nothing."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UserError(path, f"cannot write: {exc.strerror or exc}", "check free space and permissions") from exc
+
+
+def atomic_write_json(path: Path, payload: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(payload, indent=2, default=str) + "\n").encode())
+
+
+def command_line() -> list[str]:
+    return ["smolctl" if i == 0 else arg for i, arg in enumerate(sys.argv)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Manifests and lineage
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """The folder's manifest, or None when it has none. A manifest that is not valid JSON is a user error."""
+    path = Path(folder) / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(path, f"is not valid JSON ({exc})", "re-run the stage that wrote this folder") from exc
+    if not isinstance(manifest, dict) or "kind" not in manifest:
+        raise UserError(path, "is not a smolctl manifest (no 'kind')", "re-run the stage that wrote this folder")
+    return manifest
+
+
+def lineage_ref(folder: Path, manifest: dict | None = None) -> dict:
+    """How an output names one of its inputs: absolute path, kind, and the sha256 of the input's manifest."""
+    folder = Path(folder).resolve()
+    manifest_path = folder / MANIFEST_NAME
+    if manifest_path.is_file():
+        kind = (manifest or read_manifest(folder) or {}).get("kind")
+        return {"path": str(folder), "kind": kind, "manifest_sha256": sha256_file(manifest_path)}
+    return {"path": str(folder), "kind": None, "manifest_sha256": None}
+
+
+def lineage_chain(folder: Path) -> list[dict]:
+    """Walk the inputs back to the raw data: one entry per folder, depth first, each with its depth."""
+    chain: list[dict] = []
+    seen: set[str] = set()
+
+    def visit(path: Path, depth: int, expected_sha: str | None) -> None:
+        key = str(Path(path).resolve())
+        manifest = read_manifest(path) if Path(path).is_dir() else None
+        entry = {
+            "depth": depth,
+            "path": key,
+            "kind": manifest.get("kind") if manifest else None,
+            "command": " ".join(manifest.get("command", [])) if manifest else None,
+            "rows": manifest.get("rows") if manifest else None,
+            "tokens": manifest.get("tokens") if manifest else None,
+            "status": "ok",
+        }
+        if manifest is None:
+            entry["status"] = "raw input (no manifest)" if Path(path).exists() else "missing"
+        elif expected_sha and sha256_file(Path(path) / MANIFEST_NAME) != expected_sha:
+            entry["status"] = "changed since it was used"
+        chain.append(entry)
+        if manifest is None or key in seen:
+            return
+        seen.add(key)
+        for ref in manifest.get("inputs", []):
+            visit(Path(ref["path"]), depth + 1, ref.get("manifest_sha256"))
+
+    visit(Path(folder), 0, None)
+    return chain
+
+
+def schema_to_dict(schema: pa.Schema) -> dict[str, str]:
+    return {name: str(schema.field(name).type) for name in schema.names}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Output folders
+
+
+def parse_shard_size(text: str) -> tuple[int | None, int | None]:
+    """'256MB' / '1GiB' → a byte limit; '50000' / '50000rows' → a row limit. Returns (bytes, rows)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    units = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "k": 1e3, "m": 1e6, "g": 1e9}
+    if match:
+        number, unit = float(match.group(1)), match.group(2).lower()
+        if number > 0 and unit in ("", "rows", "row"):
+            return None, int(number)
+        if number > 0 and unit in units:
+            return int(number * units[unit]), None
+    raise UserError("--shard-size", f"cannot parse {text!r}", "use a size like 256MB or a row count like 100000rows")
+
+
+class OutputFolder:
+    """A stage's output folder, written in a staging folder and swapped into place on commit."""
+
+    def __init__(self, path: str | Path, *, kind: str, overwrite: bool = False, inputs: Sequence[dict] = ()):
+        self.path = Path(path)
+        self.kind = kind
+        self.inputs = list(inputs)
+        self.shards: list[dict] = []
+        check_output_path(self.path, overwrite)
+        self.staging = self.path.parent / f".{self.path.name}.partial"
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.staging.exists():
+                shutil.rmtree(self.staging)
+            self.staging.mkdir()
+        except OSError as exc:
+            raise UserError(self.path, f"cannot create the output folder: {exc.strerror or exc}",
+                            "check the path and its permissions") from exc
+
+    def file(self, name: str) -> Path:
+        """Where a file of this output is written before the commit."""
+        return self.staging / name
+
+    def add_shard(self, name: str, rows: int, tokens: int | None = None, **extra: Any) -> dict:
+        path = self.staging / name
+        shard = {"name": name, "rows": int(rows), "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        if tokens is not None:
+            shard["tokens"] = int(tokens)
+        shard.update(extra)
+        self.shards.append(shard)
+        return shard
+
+    def commit(self, *, schema: dict | None = None, stats: dict | None = None, **fields: Any) -> dict:
+        """Write the manifest last, then swap the staging folder into place. Returns the manifest."""
+        tokens = [s.get("tokens") for s in self.shards]
+        manifest = {
+            "format_version": FORMAT_VERSION,
+            "kind": self.kind,
+            "smolctl_version": __version__,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": command_line(),
+            "inputs": self.inputs,
+            "rows": sum(s["rows"] for s in self.shards),
+            "tokens": sum(tokens) if tokens and all(t is not None for t in tokens) else None,
+            "shards": self.shards,
+            "schema": schema or {},
+            "stats": stats or {},
+            **fields,
+        }
+        atomic_write_json(self.staging / MANIFEST_NAME, manifest)
+        self._swap_into_place()
+        return manifest
+
+    def _swap_into_place(self) -> None:
+        old = self.path.parent / f".{self.path.name}.old"
+        try:
+            if old.exists():
+                shutil.rmtree(old)
+            if self.path.exists():
+                os.replace(self.path, old)
+            os.replace(self.staging, self.path)
+            if old.exists():
+                shutil.rmtree(old)
+        except OSError as exc:
+            raise UserError(self.path, f"cannot move the finished output into place: {exc.strerror or exc}",
+                            f"the complete output is in {self.staging}") from exc
+
+    def abort(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def __enter__(self) -> "OutputFolder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def check_output_path(path: Path, overwrite: bool) -> None:
+    """Refuse to clobber: a non-empty output folder needs --overwrite; a file is never a folder."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(path, "exists and is a file, not a folder", "choose an output folder path")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise UserError(path, "already exists and is not empty", "pass --overwrite to replace it, or choose another folder")
+    parent = path.parent if not path.exists() else path
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        raise UserError(parent, "is not writable", "choose an output folder you can write to")
+
+
+class DatasetWriter:
+    """Parquet shards that roll at a size or row limit, each written under a temporary name and renamed."""
+
+    def __init__(self, folder: OutputFolder, *, schema: pa.Schema | None = None,
+                 shard_bytes: int | None = DEFAULT_SHARD_BYTES, shard_rows: int | None = None,
+                 prefix: str = "part", compression: str = "zstd"):
+        self.folder = folder
+        self.schema = schema
+        self.shard_bytes = shard_bytes
+        self.shard_rows = shard_rows
+        self.prefix = prefix
+        self.compression = compression
+        self._writer: pq.ParquetWriter | None = None
+        self._tmp: Path | None = None
+        self._rows = 0
+        self._bytes = 0
+
+    def _open(self) -> None:
+        name = f"{self.prefix}-{len(self.folder.shards):05d}.parquet"
+        self._tmp = self.folder.file(f".{name}.tmp")
+        self._writer = pq.ParquetWriter(self._tmp, self.schema, compression=self.compression)
+        self._rows = self._bytes = 0
+
+    def write(self, batch: pa.RecordBatch | pa.Table) -> None:
+        if batch.num_rows == 0:
+            return
+        if self.schema is None:
+            self.schema = batch.schema
+        elif batch.schema != self.schema:
+            batch = batch.cast(self.schema) if isinstance(batch, pa.Table) else pa.Table.from_batches([batch]).cast(self.schema)
+        table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
+        start = 0
+        while start < table.num_rows:
+            if self._writer is None:
+                self._open()
+            take = table.num_rows - start
+            if self.shard_rows:
+                take = min(take, self.shard_rows - self._rows)
+            if self.shard_bytes:
+                row_bytes = max(1, table.nbytes // max(1, table.num_rows))
+                room = max(1, (self.shard_bytes - self._bytes) // row_bytes)
+                take = min(take, room)
+            piece = table.slice(start, take)
+            self._write_piece(piece)
+            start += take
+            if (self.shard_rows and self._rows >= self.shard_rows) or (self.shard_bytes and self._bytes >= self.shard_bytes):
+                self._close_shard()
+
+    def _write_piece(self, piece: pa.Table) -> None:
+        try:
+            self._writer.write_table(piece)
+        except OSError as exc:
+            raise UserError(self.folder.path, f"cannot write a shard: {exc}", "check free space and permissions") from exc
+        self._rows += piece.num_rows
+        self._bytes += piece.nbytes
+
+    def _close_shard(self) -> None:
+        if self._writer is None:
+            return
+        try:
+            self._writer.close()
+        except OSError as exc:
+            raise UserError(self.folder.path, f"cannot write a shard: {exc}", "check free space and permissions") from exc
+        final = self._tmp.with_name(self._tmp.name[1:-len(".tmp")])
+        os.replace(self._tmp, final)
+        self.folder.add_shard(final.name, self._rows)
+        self._writer = None
+
+    def close(self) -> pa.Schema | None:
+        """Finish the open shard. Returns the schema written (None when nothing was written)."""
+        self._close_shard()
+        return self.schema
+
+
+class PackedWriter:
+    """Safetensors shards of equal-length rows (e.g. input_ids and position_ids, both [rows, seq_len])."""
+
+    def __init__(self, folder: OutputFolder, *, rows_per_shard: int, prefix: str = "part"):
+        self.folder = folder
+        self.rows_per_shard = rows_per_shard
+        self.prefix = prefix
+        self._pending: list[dict[str, np.ndarray]] = []
+        self._pending_tokens: list[np.ndarray] = []
+        self._pending_rows = 0
+
+    def write(self, tensors: dict[str, np.ndarray], row_tokens: np.ndarray) -> None:
+        """Add rows; `row_tokens[i]` counts the real (non-padding) tokens of row i, for the manifest."""
+        self._pending.append(tensors)
+        self._pending_tokens.append(np.asarray(row_tokens, dtype=np.int64))
+        self._pending_rows += len(row_tokens)
+        while self._pending_rows >= self.rows_per_shard:
+            self._flush(self.rows_per_shard)
+
+    def _flush(self, rows: int) -> None:
+        from safetensors.numpy import save_file
+
+        merged = {k: np.concatenate([p[k] for p in self._pending]) for k in self._pending[0]}
+        tokens = np.concatenate(self._pending_tokens)
+        head = {k: np.ascontiguousarray(v[:rows]) for k, v in merged.items()}
+        name = f"{self.prefix}-{len(self.folder.shards):05d}.safetensors"
+        tmp = self.folder.file(f".{name}.tmp")
+        try:
+            save_file(head, str(tmp))
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise UserError(self.folder.path, f"cannot write a shard: {exc}", "check free space and permissions") from exc
+        os.replace(tmp, self.folder.file(name))
+        self.folder.add_shard(name, rows, tokens=int(tokens[:rows].sum()))
+        self._pending_rows -= rows
+        self._pending = [{k: v[rows:] for k, v in merged.items()}] if self._pending_rows else []
+        self._pending_tokens = [tokens[rows:]] if self._pending_rows else []
+
+    def close(self) -> None:
+        if self._pending_rows:
+            self._flush(self._pending_rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Readers
+
+
+def _is_hidden(path: Path, root: Path) -> bool:
+    return any(part.startswith((".", "_")) for part in path.relative_to(root).parts)
+
+
+def _check_parquet_magic(path: Path) -> None:
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            head = handle.read(4)
+            handle.seek(max(0, size - 4))
+            tail = handle.read(4)
+    except OSError as exc:
+        raise UserError(path, f"cannot read: {exc.strerror or exc}", "check the path and its permissions") from exc
+    if size < 12 or head != PARQUET_MAGIC or tail != PARQUET_MAGIC:
+        what = "is empty" if size == 0 else "is not a parquet file (or is truncated)"
+        raise UserError(path, what, "pass parquet shards, e.g. a folder written by smolctl or datasets.to_parquet")
+
+
+def resolve_parquet_files(spec: str | Path) -> tuple[list[Path], dict | None, Path | None]:
+    """Files named by a dataset folder, a plain folder of parquet files, a single file or a glob.
+
+    Returns (files, manifest or None, folder or None).
+    """
+    text = str(spec)
+    if any(ch in text for ch in "*?[") and not Path(text).exists():
+        files = sorted(Path(p) for p in globlib.glob(text, recursive=True) if Path(p).is_file())
+        if not files:
+            raise UserError(text, "the pattern matches no files", "check the glob (quote it so the shell leaves it alone)")
+        return files, None, None
+    path = Path(text)
+    if not path.exists():
+        raise UserError(path, "no such file or folder", "check the path")
+    if path.is_file():
+        return [path], None, None
+    manifest = read_manifest(path)
+    if manifest is not None:
+        if manifest["kind"] != KIND_DOCUMENTS:
+            raise UserError(path, f"is a {manifest['kind']} folder, not a dataset (documents) folder",
+                            "pass a folder of parquet documents" + ("; packed folders feed pretrain" if manifest["kind"] == KIND_PACKED else ""))
+        files = [path / shard["name"] for shard in manifest["shards"]]
+        for file in files:
+            if not file.is_file():
+                raise UserError(file, "is listed in the manifest but missing", "re-run the stage that wrote this folder")
+        if not files:
+            raise UserError(path, "holds no shards (its manifest lists none)", "re-run the stage with a non-empty input")
+        return files, manifest, path
+    files = sorted(p for p in path.rglob("*.parquet") if p.is_file() and not _is_hidden(p, path))
+    if not files:
+        others = [p.name for p in path.iterdir() if not p.name.startswith(".")][:5]
+        hint = f" (it holds {', '.join(others)})" if others else " (it is empty)"
+        raise UserError(path, f"holds no parquet files{hint}", "pass a folder of .parquet shards, a .parquet file or a glob")
+    return files, None, path
+
+
+@dataclass
+class DocumentSource:
+    """A streamable set of parquet files, schema-checked up front; nothing is read whole into memory."""
+
+    spec: str
+    files: list[Path]
+    manifest: dict | None
+    folder: Path | None
+    schema: pa.Schema
+    file_rows: list[int] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.file_rows)
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self.schema.names)
+
+    def require(self, *columns: str, text: Sequence[str] = ()) -> None:
+        """Every named column must exist; those in `text` must hold strings."""
+        for name in (*columns, *text):
+            if name not in self.schema.names:
+                raise UserError(self.spec, f"has no column '{name}' (columns: {', '.join(self.schema.names)})",
+                                f"pass the right column name (e.g. --text-column {self.schema.names[0]})" if self.schema.names else "check the input")
+        for name in text:
+            kind = self.schema.field(name).type
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+                raise UserError(self.spec, f"column '{name}' holds {kind}, not text", "pass a column of strings")
+
+    def lineage(self) -> list[dict]:
+        if self.folder is not None:
+            return [lineage_ref(self.folder, self.manifest)]
+        return [{"path": str(Path(f).resolve()), "kind": None, "manifest_sha256": None} for f in self.files[:1000]]
+
+    def iter_file_batches(self, index: int, columns: Sequence[str] | None = None,
+                          batch_size: int = 8192) -> Iterator[pa.RecordBatch]:
+        path = self.files[index]
+        try:
+            handle = pq.ParquetFile(path)
+            columns = list(columns) if columns is not None else None
+            for batch in handle.iter_batches(batch_size=batch_size, columns=columns):
+                if columns is not None and batch.schema.names != columns:
+                    batch = batch.select(columns)
+                yield batch
+        except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+            raise UserError(path, f"cannot be read as parquet ({str(exc).splitlines()[0]})",
+                            "the file is corrupt or truncated; re-create it") from exc
+
+    def iter_batches(self, columns: Sequence[str] | None = None, batch_size: int = 8192) -> Iterator[pa.RecordBatch]:
+        for index in range(len(self.files)):
+            yield from self.iter_file_batches(index, columns, batch_size)
+
+
+def open_documents(spec: str | Path) -> DocumentSource:
+    """Open a dataset folder, a plain folder of parquet files, a single parquet file or a glob."""
+    files, manifest, folder = resolve_parquet_files(spec)
+    schema: pa.Schema | None = None
+    rows: list[int] = []
+    for path in files:
+        _check_parquet_magic(path)
+        try:
+            meta = pq.read_metadata(path)
+            file_schema = pq.read_schema(path)
+        except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+            raise UserError(path, f"cannot be read as parquet ({str(exc).splitlines()[0]})",
+                            "the file is corrupt or truncated; re-create it") from exc
+        file_schema = file_schema.remove_metadata()
+        if schema is None:
+            schema = file_schema
+        elif not file_schema.equals(schema):
+            mismatched = [n for n in schema.names if n not in file_schema.names or file_schema.field(n).type != schema.field(n).type]
+            raise UserError(path, f"has a different schema from {files[0].name} (columns {', '.join(mismatched) or 'extra'} differ)",
+                            "make all shards share one schema")
+        rows.append(meta.num_rows)
+    return DocumentSource(str(spec), files, manifest, folder, schema, rows)
+
+
+@dataclass
+class PackedSource:
+    """A packed folder: safetensors shards of fixed-length rows, with the manifest that describes them."""
+
+    folder: Path
+    manifest: dict
+    files: list[Path]
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.manifest["seq_len"])
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.manifest["rows"])
+
+    @property
+    def shard_rows(self) -> list[int]:
+        return [int(s["rows"]) for s in self.manifest["shards"]]
+
+    def load_shard(self, index: int) -> dict[str, np.ndarray]:
+        from safetensors import SafetensorError
+        from safetensors.numpy import load_file
+
+        path = self.files[index]
+        try:
+            return load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise UserError(path, f"cannot be read as safetensors ({exc})", "the shard is corrupt or truncated; re-run pack") from exc
+
+
+def open_packed(spec: str | Path) -> PackedSource:
+    path = Path(spec)
+    if not path.exists():
+        raise UserError(path, "no such folder", "check the path")
+    if not path.is_dir():
+        raise UserError(path, "is a file, not a packed folder", "pass the folder written by `smolctl pack`")
+    manifest = read_manifest(path)
+    if manifest is None:
+        raise UserError(path, "has no manifest.json, so it is not a packed folder", "create it with `smolctl pack`")
+    if manifest["kind"] != KIND_PACKED:
+        raise UserError(path, f"is a {manifest['kind']} folder, not a packed folder", "run `smolctl pack` on it first")
+    files = [path / shard["name"] for shard in manifest["shards"]]
+    for file in files:
+        if not file.is_file():
+            raise UserError(file, "is listed in the manifest but missing", "re-run `smolctl pack`")
+    return PackedSource(path, manifest, files)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Verification
+
+
+def verify_checksums(folder: Path, manifest: dict | None = None) -> list[str]:
+    """Problems found comparing each shard with the manifest's size and sha256 (empty when all match)."""
+    folder = Path(folder)
+    manifest = manifest or read_manifest(folder)
+    if manifest is None:
+        raise UserError(folder, "has no manifest.json to verify against", "only folders written by smolctl can be verified")
+    problems = []
+    for shard in manifest.get("shards", []):
+        path = folder / shard["name"]
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif path.stat().st_size != shard.get("bytes", path.stat().st_size):
+            problems.append(f"{path}: size {path.stat().st_size} != {shard['bytes']} in the manifest")
+        elif sha256_file(path) != shard["sha256"]:
+            problems.append(f"{path}: sha256 differs from the manifest")
+    return problems
+
+
+def iter_rows(batches: Iterable[pa.RecordBatch]) -> Iterator[dict]:
+    for batch in batches:
+        yield from batch.to_pylist()
