@@ -9,8 +9,8 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-import click
 import typer
+from typer._click import exceptions as click_exceptions
 
 from smolctl import __version__
 from smolctl.console import console, emit_json, human_count, key_values, progress, show, table
@@ -169,10 +169,10 @@ def main(argv: list[str] | None = None) -> None:
     debug = os.environ.get("SMOLCTL_DEBUG") == "1"
     try:
         code = app(args=argv, prog_name="smolctl", standalone_mode=False)
-    except click.exceptions.Abort:
+    except typer.Abort:
         console.print("aborted")
         code = 130
-    except click.ClickException as exc:
+    except click_exceptions.ClickException as exc:
         exc.show()
         code = exc.exit_code
     except UserError as exc:

@@ -1,0 +1,34 @@
+"""Fixtures shared by the foundation tests: the sample corpus, a trained tokenizer, and a CLI runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE = REPO / "data" / "sample"
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess, as a user would."""
+    full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "smolctl", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd or REPO, env=full_env, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def sample() -> Path:
+    return SAMPLE
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from smolctl.data.tokenizer import train_tokenizer
+
+    out = tmp_path_factory.mktemp("tok") / "tokenizer"
+    train_tokenizer(str(SAMPLE / "web"), str(out), vocab_size=2048)
+    return out

@@ -1,0 +1,80 @@
+"""The CLI shell as a user meets it: help, version, one-line errors with exit 2, --json, completions in sync."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from smolctl.completions import completion_scripts
+from tests.conftest import REPO, run_cli
+
+
+def test_version_and_bare_command_show_the_pipeline():
+    assert run_cli("--version").stdout.strip().startswith("smolctl ")
+    bare = run_cli()
+    assert bare.returncode == 0
+    assert "train-tokenizer → dedup → mix → pack" in bare.stderr and "inspect" in bare.stderr
+
+
+@pytest.mark.parametrize("command", ["train-tokenizer", "inspect"])
+def test_every_help_has_examples(command):
+    result = run_cli(command, "--help")
+    assert result.returncode == 0 and "Examples" in result.stdout
+
+
+def test_inspect_json_describes_a_dataset_folder(sample):
+    result = run_cli("inspect", sample / "math", "--json", "--samples", "2", "--verify", "--lineage")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["kind"] == "documents" and info["rows"] == 237 and info["verified"] is True
+    assert len(info["samples"]) == 2 and info["schema"]["text"] == "string"
+
+
+def _assert_one_line_error(result, needle):
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert needle in lines[0] and "Traceback" not in result.stderr
+
+
+def test_wrong_path_empty_folder_non_parquet_and_corrupt_files_are_one_line_errors(tmp_path):
+    _assert_one_line_error(run_cli("inspect", tmp_path / "nope"), "no such file or folder")
+    (tmp_path / "empty").mkdir()
+    _assert_one_line_error(run_cli("inspect", tmp_path / "empty"), "holds no parquet files")
+    (tmp_path / "notes.txt").write_text("plain text")
+    _assert_one_line_error(run_cli("inspect", tmp_path / "notes.txt"), "not a parquet file")
+    corrupt = tmp_path / "corrupt.parquet"
+    pq.write_table(pa.table({"text": ["a" * 100] * 100}), corrupt)
+    corrupt.write_bytes(corrupt.read_bytes()[:-40])
+    _assert_one_line_error(run_cli("inspect", corrupt), "corrupt.parquet")
+
+
+def test_debug_env_shows_the_traceback(tmp_path):
+    result = run_cli("inspect", tmp_path / "nope", env={"SMOLCTL_DEBUG": "1"})
+    assert result.returncode == 2 and "Traceback" in result.stderr
+
+
+def test_usage_errors_exit_2():
+    assert run_cli("inspect").returncode == 2
+    assert run_cli("no-such-command").returncode == 2
+
+
+def test_verify_exits_1_on_a_flipped_byte(tmp_path, sample):
+    import shutil
+
+    copy = tmp_path / "math"
+    shutil.copytree(sample / "math", copy)
+    shard = sorted(copy.glob("part-*.parquet"))[0]
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0x01
+    shard.write_bytes(bytes(data))
+    result = run_cli("inspect", copy, "--verify", "--samples", "0")
+    assert result.returncode == 1 and "sha256 differs" in result.stderr
+
+
+def test_completions_are_in_sync_with_the_cli():
+    for name, text in completion_scripts().items():
+        assert (REPO / "completions" / name).read_text() == text, f"regenerate with `make completions` ({name})"

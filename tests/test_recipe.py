@@ -1,0 +1,60 @@
+"""Recipe loading: key-path errors with did-you-mean, strict types, --set overrides, TOML syntax errors."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pytest
+
+from smolctl.errors import UserError
+from smolctl.recipe import Section, load_recipe
+
+
+class Training(Section):
+    steps: int = 10
+    micro_batch: int = 1
+    lr: float = 1e-3
+    precision: Literal["fp32", "bf16"] = "fp32"
+
+
+class Stage(Section):
+    name: str
+    start_step: int = 0
+
+
+class Recipe(Section):
+    training: Training = Training()
+    stages: list[Stage] = []
+
+
+def _recipe(tmp_path, text):
+    path = tmp_path / "r.toml"
+    path.write_text(text)
+    return path
+
+
+def test_valid_recipe_with_overrides(tmp_path):
+    path = _recipe(tmp_path, "[training]\nsteps = 5\nlr = 3e-4\n[[stages]]\nname = 'a'\n[[stages]]\nname = 'b'\n")
+    recipe = load_recipe(Recipe, path, ["training.steps=200", "training.lr=1", "stages.1.start_step=50"])
+    assert recipe.training.steps == 200 and recipe.training.lr == 1.0 and recipe.stages[1].start_step == 50
+
+
+@pytest.mark.parametrize("text, message", [
+    ('[training]\nmicro_batch = "3"\n', "training.micro_batch: expected int, got '3'"),
+    ("[training]\nmicro_bach = 3\n", "training.micro_bach: unknown key — did you mean 'micro_batch'?"),
+    ("[trainin]\nsteps = 3\n", "trainin: unknown key — did you mean 'training'?"),
+    ('[training]\nprecision = "fp8"\n', "training.precision: Input should be 'fp32' or 'bf16', got 'fp8'"),
+    ("[[stages]]\nstart_step = 3\n", "stages[0].name: missing required key"),
+    ("[training\nsteps = 3\n", "is not valid TOML"),
+])
+def test_errors_name_the_key_path(tmp_path, text, message):
+    with pytest.raises(UserError) as info:
+        load_recipe(Recipe, _recipe(tmp_path, text))
+    assert message in str(info.value) and "r.toml" in str(info.value)
+
+
+def test_bad_override_syntax(tmp_path):
+    with pytest.raises(UserError, match="key.path=value"):
+        load_recipe(Recipe, _recipe(tmp_path, ""), ["training.steps"])
+    with pytest.raises(UserError, match="index out of range"):
+        load_recipe(Recipe, _recipe(tmp_path, "[[stages]]\nname = 'a'\n"), ["stages.3.name=x"])

@@ -1,0 +1,244 @@
+"""The file contract: round trips, atomicity under failure, overwrite refusal, foreign parquet, checksums."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from smolctl.errors import UserError
+from smolctl.shards import (
+    KIND_DOCUMENTS,
+    KIND_PACKED,
+    MANIFEST_NAME,
+    DatasetWriter,
+    OutputFolder,
+    PackedWriter,
+    open_documents,
+    open_packed,
+    parse_shard_size,
+    read_manifest,
+    schema_to_dict,
+    verify_checksums,
+)
+from tests.conftest import REPO
+
+
+def _table(n: int, start: int = 0) -> pa.Table:
+    return pa.table({"id": [f"doc-{i}" for i in range(start, start + n)],
+                     "text": [f"document number {i} " * (1 + i % 7) for i in range(start, start + n)]})
+
+
+def _write(path, n=250, shard_rows=100, overwrite=False):
+    with OutputFolder(path, kind=KIND_DOCUMENTS, overwrite=overwrite) as folder:
+        writer = DatasetWriter(folder, shard_rows=shard_rows)
+        for start in range(0, n, 60):
+            writer.write(_table(min(60, n - start), start))
+        schema = writer.close()
+        return folder.commit(schema=schema_to_dict(schema), stats={"note": "test"})
+
+
+def test_round_trip_rolls_shards_and_records_manifest(tmp_path):
+    out = tmp_path / "ds"
+    manifest = _write(out)
+    assert [s["rows"] for s in manifest["shards"]] == [100, 100, 50]
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, "part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+    assert manifest["rows"] == 250 and manifest["schema"] == {"id": "string", "text": "string"}
+    source = open_documents(out)
+    rows = [r for b in source.iter_batches() for r in b.to_pylist()]
+    assert rows == _table(250).to_pylist()
+    assert not list(tmp_path.glob(".*")), "no staging folder is left behind"
+    assert verify_checksums(out) == []
+
+
+def test_byte_limit_rolls_shards(tmp_path):
+    with OutputFolder(tmp_path / "ds", kind=KIND_DOCUMENTS) as folder:
+        writer = DatasetWriter(folder, shard_bytes=4000, shard_rows=None)
+        writer.write(_table(300))
+        writer.close()
+        manifest = folder.commit()
+    assert len(manifest["shards"]) > 2 and manifest["rows"] == 300
+
+
+def test_exception_mid_shard_leaves_nothing(tmp_path):
+    out = tmp_path / "ds"
+    with pytest.raises(RuntimeError):
+        with OutputFolder(out, kind=KIND_DOCUMENTS) as folder:
+            writer = DatasetWriter(folder, shard_rows=100)
+            writer.write(_table(150))
+            raise RuntimeError("killed mid-shard")
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_overwrite_keeps_the_earlier_output(tmp_path):
+    out = tmp_path / "ds"
+    before = _write(out)
+    with pytest.raises(RuntimeError):
+        with OutputFolder(out, kind=KIND_DOCUMENTS, overwrite=True) as folder:
+            DatasetWriter(folder, shard_rows=10).write(_table(50))
+            raise RuntimeError("disk full")
+    assert read_manifest(out)["shards"] == before["shards"]
+    assert verify_checksums(out) == []
+
+
+def test_sigkill_mid_write_never_leaves_a_complete_looking_folder(tmp_path):
+    out = tmp_path / "ds"
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from tests.test_shards import _table
+        from smolctl.shards import OutputFolder, DatasetWriter, KIND_DOCUMENTS
+        folder = OutputFolder({str(out)!r}, kind=KIND_DOCUMENTS)
+        writer = DatasetWriter(folder, shard_rows=50)
+        writer.write(_table(120))
+        print("written", flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "written"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists(), "the output only appears when complete"
+    assert (tmp_path / ".ds.partial").is_dir()
+    manifest = _write(out)  # a re-run clears the stale staging folder and finishes
+    assert manifest["rows"] == 250 and not (tmp_path / ".ds.partial").exists()
+
+
+def test_overwrite_is_refused_without_the_flag(tmp_path):
+    out = tmp_path / "ds"
+    _write(out)
+    with pytest.raises(UserError, match="--overwrite"):
+        _write(out)
+    assert _write(out, n=20, overwrite=True)["rows"] == 20
+    assert len(open_documents(out).files) == 1
+
+
+def test_missing_column_names_the_existing_ones(tmp_path):
+    _write(tmp_path / "ds")
+    source = open_documents(tmp_path / "ds")
+    with pytest.raises(UserError, match=r"no column 'content' \(columns: id, text\)"):
+        source.require(text=["content"])
+    with pytest.raises(UserError, match="not text"):
+        pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+        open_documents(tmp_path / "ints.parquet").require(text=["text"])
+
+
+def test_reads_foreign_parquet_folders_files_and_globs(tmp_path):
+    spark = tmp_path / "spark"
+    (spark / "lang=en").mkdir(parents=True)
+    pq.write_table(_table(30), spark / "lang=en" / "c000.snappy.parquet")
+    pq.write_table(_table(20, 30), spark / "lang=en" / "c001.snappy.parquet")
+    (spark / "_SUCCESS").write_text("")
+    (spark / ".hidden.parquet").write_text("not parquet")
+    assert open_documents(spark).num_rows == 50
+    assert open_documents(spark / "lang=en" / "c001.snappy.parquet").num_rows == 20
+    assert open_documents(str(spark / "**" / "*.parquet")).num_rows == 50
+    assert open_documents(str(spark / "lang=en" / "c00[01].snappy.parquet")).num_rows == 50
+
+
+def test_schema_mismatch_between_files_names_the_file(tmp_path):
+    pq.write_table(_table(3), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"id": ["x"], "text": [1]}), tmp_path / "b.parquet")
+    with pytest.raises(UserError, match="b.parquet: has a different schema"):
+        open_documents(tmp_path)
+
+
+@pytest.mark.parametrize("case", ["missing", "empty_folder", "not_parquet", "truncated", "empty_file"])
+def test_bad_inputs_are_user_errors_naming_the_file(tmp_path, case):
+    target = tmp_path / "input"
+    if case == "empty_folder":
+        target.mkdir()
+    elif case == "not_parquet":
+        target = tmp_path / "notes.parquet"
+        target.write_text("hello, I am text")
+    elif case == "truncated":
+        target = tmp_path / "cut.parquet"
+        pq.write_table(_table(100), target)
+        target.write_bytes(target.read_bytes()[:-300])
+    elif case == "empty_file":
+        target = tmp_path / "zero.parquet"
+        target.write_bytes(b"")
+    with pytest.raises(UserError) as info:
+        open_documents(target)
+    assert str(target) in str(info.value)
+
+
+def test_corrupt_page_inside_a_valid_footer_is_a_user_error(tmp_path):
+    path = tmp_path / "bad.parquet"
+    pq.write_table(_table(500), path, compression="zstd")
+    data = bytearray(path.read_bytes())
+    for offset in range(20, 400):
+        data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+    source = open_documents(path)
+    with pytest.raises(UserError, match="bad.parquet"):
+        list(source.iter_batches())
+
+
+def test_checksum_verification_catches_a_flipped_byte(tmp_path):
+    out = tmp_path / "ds"
+    _write(out)
+    shard = out / "part-00001.parquet"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    problems = verify_checksums(out)
+    assert len(problems) == 1 and "part-00001.parquet" in problems[0]
+
+
+def test_outputs_load_with_datasets_and_safetensors(tmp_path):
+    import datasets
+    from safetensors.torch import load_file
+
+    _write(tmp_path / "ds")
+    loaded = datasets.load_dataset("parquet", data_files=str(tmp_path / "ds" / "*.parquet"), split="train")
+    assert loaded.num_rows == 250 and loaded[0]["id"] == "doc-0"
+
+    with OutputFolder(tmp_path / "packed", kind=KIND_PACKED) as folder:
+        writer = PackedWriter(folder, rows_per_shard=4)
+        ids = np.arange(6 * 8, dtype=np.int32).reshape(6, 8)
+        writer.write({"input_ids": ids, "position_ids": np.tile(np.arange(8, dtype=np.int32), (6, 1))},
+                     row_tokens=np.full(6, 8))
+        writer.close()
+        folder.commit(seq_len=8)
+    packed = open_packed(tmp_path / "packed")
+    assert packed.shard_rows == [4, 2] and packed.manifest["tokens"] == 48
+    tensors = load_file(str(packed.files[1]))
+    assert tensors["input_ids"].tolist() == ids[4:].tolist()
+    with pytest.raises(UserError, match="not a packed folder"):
+        open_packed(tmp_path / "ds")
+    with pytest.raises(UserError, match="packed folder, not a dataset"):
+        open_documents(tmp_path / "packed")
+
+
+def test_manifest_is_written_last_and_names_its_inputs(tmp_path):
+    from smolctl.shards import lineage_chain, lineage_ref
+
+    first = tmp_path / "first"
+    _write(first)
+    with OutputFolder(tmp_path / "second", kind=KIND_DOCUMENTS, inputs=[lineage_ref(first)]) as folder:
+        writer = DatasetWriter(folder)
+        writer.write(_table(5))
+        writer.close()
+        folder.commit()
+    manifest = json.loads((tmp_path / "second" / MANIFEST_NAME).read_text())
+    assert manifest["inputs"][0]["path"] == str(first.resolve())
+    chain = lineage_chain(tmp_path / "second")
+    assert [e["depth"] for e in chain] == [0, 1] and chain[1]["status"] == "ok"
+
+
+def test_parse_shard_size():
+    assert parse_shard_size("256MB") == (256_000_000, None)
+    assert parse_shard_size("1GiB") == (2**30, None)
+    assert parse_shard_size("5000rows") == (None, 5000)
+    with pytest.raises(UserError):
+        parse_shard_size("lots")
