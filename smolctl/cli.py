@@ -3,6 +3,7 @@ module, and renders the result (rich on stderr, or one JSON object on stdout wit
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import traceback
@@ -164,6 +165,15 @@ def _render_inspect(result: dict) -> None:
 # Entry point
 
 
+# The file system refusing a write is the user's environment, not a bug: name the file and what to do.
+ENVIRONMENT_ERRNOS = {
+    errno.ENOSPC: "free some space (or point the output elsewhere) and run again; earlier outputs are intact",
+    errno.EDQUOT: "free some quota (or point the output elsewhere) and run again; earlier outputs are intact",
+    errno.EACCES: "check the permissions of that path",
+    errno.EROFS: "the file system is read-only; write the output elsewhere",
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI: user mistakes are one line and exit 2, failed checks exit 1, bugs exit 1 with a hint."""
     debug = os.environ.get("SMOLCTL_DEBUG") == "1"
@@ -188,6 +198,17 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         console.print("interrupted")
         code = 130
+    except OSError as exc:
+        if debug:
+            traceback.print_exc()
+        if exc.errno in ENVIRONMENT_ERRNOS:
+            console.print(f"[red]error:[/] {exc.filename or 'output'}: {exc.strerror} — {ENVIRONMENT_ERRNOS[exc.errno]}",
+                          soft_wrap=True)
+            code = 2
+        else:
+            console.print(f"[red]internal error:[/] {exc} — please report it; SMOLCTL_DEBUG=1 shows the traceback",
+                          soft_wrap=True)
+            code = 1
     except Exception as exc:  # a bug in smolctl, not the user's mistake
         if debug:
             traceback.print_exc()

@@ -268,7 +268,10 @@ class DatasetWriter:
     def _open(self) -> None:
         name = f"{self.prefix}-{len(self.folder.shards):05d}.parquet"
         self._tmp = self.folder.file(f".{name}.tmp")
-        self._writer = pq.ParquetWriter(self._tmp, self.schema, compression=self.compression)
+        try:
+            self._writer = pq.ParquetWriter(self._tmp, self.schema, compression=self.compression)
+        except OSError as exc:
+            raise UserError(self.folder.path, f"cannot write a shard: {exc}", "check free space and permissions") from exc
         self._rows = self._bytes = 0
 
     def write(self, batch: pa.RecordBatch | pa.Table) -> None:
