@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -80,13 +81,12 @@ def train_tokenizer_command(
 ) -> None:
     """Train a byte-level BPE tokenizer with ChatML chat template and special tokens for document end and padding."""
     from smolctl.data.tokenizer import train_tokenizer
-    from smolctl.shards import open_documents
 
-    total = open_documents(input).num_rows
     with progress(not json_out) as bar:
-        task = bar.add_task("reading documents", total=total, rate="")
+        task = bar.add_task("reading documents", total=None, rate="", visible=False)
         result = train_tokenizer(input, str(output), vocab_size=vocab_size, text_column=text_column,
                                  min_frequency=min_frequency, overwrite=overwrite,
+                                 on_start=lambda total: bar.update(task, total=total, visible=True),
                                  on_batch=lambda n: bar.advance(task, n))
     if json_out:
         emit_json(result.__dict__)
@@ -174,6 +174,20 @@ ENVIRONMENT_ERRNOS = {
 }
 
 
+def _report_unexpected(exc: Exception) -> int:
+    # Rust-backed libraries (tokenizers, safetensors) report OS errors as plain exceptions: "(os error 28)".
+    number = exc.errno if isinstance(exc, OSError) else None
+    if number is None and (match := re.search(r"\(os error (\d+)\)", str(exc))):
+        number = int(match.group(1))
+    if number in ENVIRONMENT_ERRNOS:
+        where = getattr(exc, "filename", None) or "output"
+        console.print(f"[red]error:[/] {where}: {os.strerror(number)} — {ENVIRONMENT_ERRNOS[number]}", soft_wrap=True)
+        return 2
+    console.print(f"[red]internal error:[/] {type(exc).__name__}: {exc} — please report it; "
+                  "SMOLCTL_DEBUG=1 shows the traceback", soft_wrap=True)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI: user mistakes are one line and exit 2, failed checks exit 1, bugs exit 1 with a hint."""
     debug = os.environ.get("SMOLCTL_DEBUG") == "1"
@@ -198,21 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         console.print("interrupted")
         code = 130
-    except OSError as exc:
+    except Exception as exc:  # the file system refusing a write, or a bug in smolctl
         if debug:
             traceback.print_exc()
-        if exc.errno in ENVIRONMENT_ERRNOS:
-            console.print(f"[red]error:[/] {exc.filename or 'output'}: {exc.strerror} — {ENVIRONMENT_ERRNOS[exc.errno]}",
-                          soft_wrap=True)
-            code = 2
-        else:
-            console.print(f"[red]internal error:[/] {exc} — please report it; SMOLCTL_DEBUG=1 shows the traceback",
-                          soft_wrap=True)
-            code = 1
-    except Exception as exc:  # a bug in smolctl, not the user's mistake
-        if debug:
-            traceback.print_exc()
-        console.print(f"[red]internal error:[/] {type(exc).__name__}: {exc} — please report it; "
-                      "SMOLCTL_DEBUG=1 shows the traceback", soft_wrap=True)
-        code = 1
+        code = _report_unexpected(exc)
     sys.exit(code if isinstance(code, int) else 0)

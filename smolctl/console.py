@@ -45,10 +45,27 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
+class _LazyProgress(Progress):
+    """Shows nothing until a visible task exists, so an input error raised before any work prints one clean line."""
+
+    def _start_if_visible(self) -> None:
+        if not self.live.is_started and any(task.visible for task in self.tasks):
+            self.start()
+
+    def add_task(self, *args, **kwargs):
+        task = super().add_task(*args, **kwargs)
+        self._start_if_visible()
+        return task
+
+    def update(self, *args, **kwargs) -> None:
+        super().update(*args, **kwargs)
+        self._start_if_visible()
+
+
 @contextmanager
 def progress(enabled: bool = True) -> Iterator[Progress]:
     """A progress bar with rate and ETA on stderr; silent when disabled (e.g. under --json in a pipe)."""
-    bar = Progress(
+    bar = _LazyProgress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -61,8 +78,11 @@ def progress(enabled: bool = True) -> Iterator[Progress]:
         disable=not enabled,
         transient=False,
     )
-    with bar:
+    try:
         yield bar
+    finally:
+        if bar.live.is_started:
+            bar.stop()
 
 
 def human_count(n: float) -> str:

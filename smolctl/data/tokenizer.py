@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Iterator
 
 from smolctl.errors import UserError
-from smolctl.shards import OutputFolder, open_documents
+from smolctl.shards import OutputFolder, check_output_path, open_documents
 
 DOCUMENT_END = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -53,7 +53,9 @@ def _texts(source, text_column: str, counter: dict) -> Iterator[list[str]]:
 
 
 def train_tokenizer(input_path: str, output: str, *, vocab_size: int, text_column: str = "text",
-                    min_frequency: int = 2, overwrite: bool = False, on_batch=None) -> TokenizerTrainResult:
+                    min_frequency: int = 2, overwrite: bool = False, on_start=None, on_batch=None) -> TokenizerTrainResult:
+    """Train on the text column, streaming. `on_start(total_documents)` is called once the inputs are checked,
+    `on_batch(documents)` as they are read."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -61,6 +63,9 @@ def train_tokenizer(input_path: str, output: str, *, vocab_size: int, text_colum
         raise UserError("--vocab-size", f"{vocab_size} is too small", f"use at least {256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens)")
     source = open_documents(input_path)
     source.require(text=[text_column])
+    check_output_path(Path(output), overwrite)
+    if on_start:
+        on_start(source.num_rows)
     started = time.perf_counter()
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
