@@ -162,6 +162,179 @@ def _render_inspect(result: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# pack
+
+
+@app.command("pack", epilog="""[bold]Examples[/]
+
+  smolctl pack demo-out/mix/stage-1 demo-out/packed --tokenizer demo-out/tokenizer --seq-len 256
+
+  smolctl pack mix/ packed/ --tokenizer HuggingFaceTB/SmolLM3-3B --seq-len 4096 --workers 8
+
+  smolctl pack 'corpus/*.parquet' packed/ --tokenizer tok/ --seq-len 2048 --strategy concat --json
+""")
+def pack_command(
+    input: str = typer.Argument(..., help="Dataset folder (a mix stage, or a whole mix output: all stages in order), "
+                                "folder of parquet files, a .parquet file or a glob."),
+    output: Path = typer.Argument(..., help="Packed folder to write (input_ids and position_ids, [rows, seq_len])."),
+    tokenizer: str = typer.Option(..., "--tokenizer", help="Tokenizer folder (or hub id) with a fast tokenizer."),
+    seq_len: int = typer.Option(4096, "--seq-len", help="Tokens per row: the training context length."),
+    strategy: str = typer.Option("bfd", "--strategy", help="bfd: best-fit-decreasing, pads only row ends; "
+                                 "concat: concatenate and cut, no padding."),
+    long_docs: str = typer.Option("split", "--long-docs", help="Documents longer than seq_len: split (keep every "
+                                  "token) or truncate."),
+    workers: int = typer.Option(1, "--workers", help="Tokeniser processes (1: in-process, Rust threads still used)."),
+    text_column: str = typer.Option("text", "--text-column", help="Column holding the documents."),
+    buffer_tokens: int = typer.Option(8_000_000, "--buffer-tokens", help="Tokens packed together by bfd: more "
+                                      "means less padding and more memory (about 20 bytes per token)."),
+    shard_size: str = typer.Option("256MB", "--shard-size", help="Shard size in bytes (256MB) or rows (8192rows)."),
+    seed: int = typer.Option(0, "--seed", help="Seeds the shuffle of each bfd buffer's rows."),
+    overwrite: bool = OVERWRITE_OPTION,
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Tokenise documents and pack them into fixed-length rows with document-masked position ids."""
+    import time
+
+    from smolctl.data.pack import PackConfig, prepare_pack
+
+    config = PackConfig(seq_len=seq_len, strategy=strategy, long_docs=long_docs, text_column=text_column,
+                        workers=workers, buffer_tokens=buffer_tokens, shard_size=shard_size, seed=seed)
+    job = prepare_pack(input, output, tokenizer_spec=tokenizer, config=config, overwrite=overwrite)
+    with progress(not json_out) as bar:
+        task = bar.add_task("packing", total=job.total_documents, rate="")
+        started, tokens = time.perf_counter(), [0]
+
+        def advance(documents: int, new_tokens: int) -> None:
+            tokens[0] += new_tokens
+            rate = tokens[0] / max(1e-9, time.perf_counter() - started)
+            bar.update(task, advance=documents, rate=f"{human_count(rate)} tok/s")
+
+        result = job.run(advance)
+    if json_out:
+        emit_json(result.to_dict())
+        return
+    stats = result.stats
+    show(key_values("pack", [
+        ("output", result.output), ("tokenizer", f"{result.tokenizer['name']} ({result.tokenizer['fingerprint']})"),
+        ("strategy", f"{result.strategy}, long documents {result.long_docs}"), ("seq_len", result.seq_len),
+        ("documents", human_count(stats.documents)), ("rows", human_count(stats.rows)),
+        ("tokens", human_count(stats.tokens)),
+        ("padding", f"{human_count(stats.padding_tokens)} tokens ({stats.padding_fraction:.3%})"),
+        ("split / truncated", f"{stats.split_documents} / {stats.truncated_documents} documents "
+                              f"({human_count(stats.truncated_tokens)} tokens cut)"),
+        ("skipped empty", stats.skipped_empty), ("shards", result.shards),
+        ("time", f"{result.seconds:.1f}s ({human_count(result.tokens_per_second)} tokens/s)"),
+    ]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cluster validation: benchmark-nccl, stress-gpu
+
+
+def _quiet_on_other_ranks(rank: int, exc: Exception) -> None:
+    """Every rank raises the same error; only rank 0 says it, the others leave with the same exit code."""
+    if rank != 0:
+        raise typer.Exit(exc.exit_code)
+    raise exc
+
+
+@app.command("benchmark-nccl", epilog="""[bold]Examples[/]
+
+  torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --expect-busbw 300
+
+  torchrun --nproc_per_node 2 -m smolctl benchmark-nccl --max-bytes 1M --iters 5 --warmup 1    (CPU, gloo)
+
+  torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --ops all_reduce,all_to_all --min-bytes 1M --max-bytes 8G
+
+  sbatch --nodes 4 recipes/slurm/benchmark-nccl.sbatch    (multi-node: adds intra vs inter-node and the slowest pair)
+""")
+def benchmark_nccl_command(
+    ops: str = typer.Option("all_reduce,all_gather,reduce_scatter,all_to_all,broadcast,send_recv", "--ops",
+                            help="Comma-separated ops (or 'all')."),
+    min_bytes: str = typer.Option("8", "--min-bytes", help="Smallest message (K/M/G = powers of 1024, as nccl-tests -b)."),
+    max_bytes: Optional[str] = typer.Option(None, "--max-bytes", help="Largest message [default: 8G with NCCL, 64M with gloo]."),
+    factor: float = typer.Option(2.0, "--factor", help="Size multiplier between steps (nccl-tests -f)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16, fp16, fp32, fp64 or int32 [default: bf16 with NCCL, fp32 with gloo]."),
+    iters: int = typer.Option(20, "--iters", help="Timed calls per size."),
+    warmup: int = typer.Option(5, "--warmup", help="Untimed calls per size before timing."),
+    backend: str = typer.Option("auto", "--backend", help="auto (nccl when GPUs are visible, else gloo), nccl or gloo."),
+    expect_busbw: Optional[float] = typer.Option(None, "--expect-busbw", help="GB/s each op's busbw at the largest size must reach; exit 1 below it."),
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Collective bandwidth like nccl-tests (time, algbw, busbw, #wrong per size) for every op, under torchrun."""
+    from smolctl.infra.collectives import build_config, run_benchmark
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        config = build_config(ops=ops, min_bytes=min_bytes, max_bytes=max_bytes, factor=factor, dtype=dtype,
+                              iters=iters, warmup=warmup, backend=backend, expect_busbw=expect_busbw)
+        with progress(rank == 0 and not json_out) as bar:
+            task = bar.add_task("benchmark-nccl", total=None, rate="")
+            report = run_benchmark(config, on_plan=lambda total: bar.update(task, total=total),
+                                   on_size=lambda op, size: bar.update(task, advance=1, rate=f"{op} {size} B"))
+    except UserError as exc:
+        _quiet_on_other_ranks(rank, exc)
+    if rank == 0:
+        emit_json(report.to_dict()) if json_out else _render_nccl(report)
+    if not report.passed:
+        _quiet_on_other_ranks(rank, CheckFailed(_nccl_failure(report)))
+
+
+def _nccl_failure(report) -> str:
+    problems = [f"{report.wrong} wrong element(s)"] if report.wrong else []
+    problems += [f"{r.op} busbw {r.peak.busbw:.2f} GB/s < {report.expect_busbw:g}" if r.peak else f"{r.op}: no size ran"
+                 for r in report.below_expectation()]
+    return "benchmark-nccl: " + "; ".join(problems)
+
+
+def _render_nccl(report) -> None:
+    from smolctl.console import human_bytes
+
+    topo = report.topology
+    facts = [("world size", topo["world_size"]), ("nodes", topo["nodes"]),
+             ("GPUs per node" if topo["backend"] == "nccl" else "ranks per node", topo["ranks_per_node"]),
+             ("hosts", ", ".join(topo["hosts"][:4]) + (" …" if len(topo["hosts"]) > 4 else "")),
+             ("device", topo["device"]), ("backend", topo["backend"]), ("torch", topo["torch"]),
+             ("NCCL", topo["nccl"] or "-"),
+             ("NCCL_* env", "\n".join(f"{k}={v}" for k, v in topo["nccl_env"].items()) or "(none set)")]
+    if topo["env_mismatch"]:
+        facts.append(("[red]differs across ranks[/]", ", ".join(topo["env_mismatch"])))
+    show(key_values("benchmark-nccl", facts))
+    # nccl-tests' own layout, so that its users read it at once (and plain text never gets truncated)
+    head = f"{'size':>12} {'count':>12} {'type':>9} {'redop':>6} {'root':>5} {'time':>10} {'algbw':>8} {'busbw':>8} {'#wrong':>7}"
+    units = f"{'(B)':>12} {'(elements)':>12} {'':>9} {'':>6} {'':>5} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8} {'':>7}"
+    for result in report.results:
+        placement = "in-place" if result.op in ("all_reduce", "broadcast") else "out-of-place"
+        lines = [f"# {result.op}: {topo['world_size']} ranks, {topo['backend']}, {placement}", "#" + head[1:],
+                 "#" + units[1:]]
+        lines += [f"{r.size:>12} {r.count:>12} {r.type:>9} {r.redop:>6} {r.root:>5} {r.time_us:>10.2f} "
+                  f"{r.algbw:>8.2f} {r.busbw:>8.2f} {r.wrong:>7}" for r in result.rows]
+        lines.append(f"# {result.op} avg bus bandwidth: {result.avg_busbw:.3f} GB/s\n")
+        console.print("\n".join(lines), markup=False, soft_wrap=True)
+    if report.multinode:
+        split = report.multinode
+        rows = [(name.replace("_", "-"), split[name]["groups"], split[name]["ranks_per_group"],
+                 f"{split[name]['busbw_min']:.2f}" if split[name]["busbw_min"] is not None else "-",
+                 f"{split[name]['busbw_median']:.2f}" if split[name]["busbw_median"] is not None else "-")
+                for name in ("intra_node", "inter_node")]
+        show(table(f"all_reduce at {human_bytes(split['size'])}: inside vs across nodes",
+                   ["scope", "groups", "ranks/group", "busbw min (GB/s)", "busbw median (GB/s)"], rows))
+        pairs = split["send_recv"]
+        slow = pairs["slowest"]
+        console.print(f"send/recv to the same local rank on the next node ({pairs['pairs']} pairs, "
+                      f"{human_bytes(pairs['size'])}): median {pairs['busbw_median']:.2f} GB/s; slowest pair rank "
+                      f"{slow['rank']} → rank {slow['peer']} at {slow['busbw']:.2f} GB/s")
+    console.print(f"# Out of bounds values : {report.wrong} {'OK' if not report.wrong else 'FAILED'}")
+    console.print(f"# Avg bus bandwidth    : {report.avg_busbw:.3f} GB/s (all ops, all sizes)")
+    if report.expect_busbw is not None:
+        below = {r.op for r in report.below_expectation()}
+        for result in report.results:
+            verdict = "[red]FAIL[/]" if result.op in below else "[green]PASS[/]"
+            peak = f"{result.peak.busbw:.2f} GB/s at {human_bytes(result.peak.size)}" if result.peak else "no size ran"
+            console.print(f"{verdict} {result.op}: busbw {peak} (expected ≥ {report.expect_busbw:g})")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Entry point
 
 
