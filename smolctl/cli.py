@@ -262,12 +262,13 @@ def benchmark_nccl_command(
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Collective bandwidth like nccl-tests (time, algbw, busbw, #wrong per size) for every op, under torchrun."""
-    from smolctl.infra.collectives import build_config, run_benchmark
+    from smolctl.infra.collectives import build_config, launch_environment, run_benchmark
 
     rank = int(os.environ.get("RANK", "0"))
     try:
         config = build_config(ops=ops, min_bytes=min_bytes, max_bytes=max_bytes, factor=factor, dtype=dtype,
                               iters=iters, warmup=warmup, backend=backend, expect_busbw=expect_busbw)
+        launch_environment()
         with progress(rank == 0 and not json_out) as bar:
             task = bar.add_task("benchmark-nccl", total=None, rate="")
             report = run_benchmark(config, on_plan=lambda total: bar.update(task, total=total),
@@ -323,7 +324,7 @@ def _render_nccl(report) -> None:
         slow = pairs["slowest"]
         console.print(f"send/recv to the same local rank on the next node ({pairs['pairs']} pairs, "
                       f"{human_bytes(pairs['size'])}): median {pairs['busbw_median']:.2f} GB/s; slowest pair rank "
-                      f"{slow['rank']} → rank {slow['peer']} at {slow['busbw']:.2f} GB/s")
+                      f"{slow['rank']} → rank {slow['peer']} at {slow['busbw']:.2f} GB/s", soft_wrap=True)
     console.print(f"# Out of bounds values : {report.wrong} {'OK' if not report.wrong else 'FAILED'}")
     console.print(f"# Avg bus bandwidth    : {report.avg_busbw:.3f} GB/s (all ops, all sizes)")
     if report.expect_busbw is not None:
@@ -332,6 +333,123 @@ def _render_nccl(report) -> None:
             verdict = "[red]FAIL[/]" if result.op in below else "[green]PASS[/]"
             peak = f"{result.peak.busbw:.2f} GB/s at {human_bytes(result.peak.size)}" if result.peak else "no size ran"
             console.print(f"{verdict} {result.op}: busbw {peak} (expected ≥ {report.expect_busbw:g})")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dedup
+
+
+@app.command("dedup", epilog="""[bold]Examples[/]
+
+  smolctl dedup data/sample/web demo-out/dedup/web --minhash          exact + near duplicates, all cores
+
+  smolctl dedup crawl/ deduped/ --minhash --threshold 0.7 --keep longest --json
+
+  smolctl dedup new-crawl/ fresh/ --minhash --against last-release/   drop what the reference already has
+
+  smolctl dedup crawl/ out/ --minhash --stage signatures --tasks 64 --task-id $SLURM_ARRAY_TASK_ID
+  (see recipes/slurm/dedup.sbatch: signatures → buckets → components → filter, chained with afterok)
+""")
+def dedup_command(
+    input: str = typer.Argument(..., help="Dataset folder, folder of parquet files, a .parquet file or a glob."),
+    output: Path = typer.Argument(..., help="Dataset folder to write: kept documents (same schema and order), "
+                                  "duplicates/ (id, duplicate_of, cluster, reason, jaccard) and the manifest."),
+    exact: bool = typer.Option(True, "--exact/--no-exact", help="Remove identical texts (NFKC, case-folded, "
+                               "whitespace collapsed)."),
+    use_minhash: bool = typer.Option(False, "--minhash", help="Also remove near duplicates (MinHash LSH, verified)."),
+    threshold: Optional[float] = typer.Option(None, "--threshold", help="Jaccard of the shingle sets at or above "
+                                              "which documents are duplicates [default: 0.8]."),
+    num_perm: Optional[int] = typer.Option(None, "--num-perm", help="Signature length [default: 100]."),
+    bands: Optional[int] = typer.Option(None, "--bands", help="LSH bands (bands x rows = num-perm) "
+                                        "[default: derived from the threshold, leaning to recall]."),
+    rows: Optional[int] = typer.Option(None, "--rows", help="Signature values per band."),
+    ngram: Optional[int] = typer.Option(None, "--ngram", help="Shingle length in words or characters [default: 5]."),
+    shingle: Optional[str] = typer.Option(None, "--shingle", help="word, or char for languages written without "
+                                          "spaces [default: word]."),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Check candidates by exact Jaccard (grey zone "
+                                "only); --no-verify trusts the signature estimate."),
+    text_column: str = typer.Option("text", "--text-column", help="Column holding the documents."),
+    id_column: Optional[str] = typer.Option(None, "--id-column", help="Column of unique ids [default: id if "
+                                            "present, else shard:row]."),
+    against: Optional[str] = typer.Option(None, "--against", help="Reference dataset: drop INPUT documents that "
+                                          "duplicate it; the reference is never changed."),
+    keep: str = typer.Option("first", "--keep", help="Survivor of each cluster: first (input order) or longest."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Processes [default: the CPUs available]."),
+    stage: Optional[str] = typer.Option(None, "--stage", help="Run one stage only: signatures, buckets, "
+                                        "components or filter (Slurm arrays); default: all stages."),
+    tasks: int = typer.Option(1, "--tasks", help="Array size for --stage (units are split round-robin)."),
+    task_id: int = typer.Option(0, "--task-id", help="This task's index in 0..tasks-1 ($SLURM_ARRAY_TASK_ID)."),
+    overwrite: bool = OVERWRITE_OPTION,
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Remove exact and near-duplicate documents; the same result on one core, many, or a Slurm array."""
+    from smolctl.data.dedup import DedupConfig, run
+    from smolctl.data.minhash import MinHashParams
+
+    given = {"--threshold": threshold, "--num-perm": num_perm, "--bands": bands, "--rows": rows, "--ngram": ngram,
+             "--shingle": shingle}
+    if not use_minhash and any(v is not None for v in given.values()):
+        flag = next(k for k, v in given.items() if v is not None)
+        raise UserError(flag, "applies to near-duplicate removal only", "add --minhash")
+    params = MinHashParams.for_threshold(
+        0.8 if threshold is None else threshold, 100 if num_perm is None else num_perm, bands, rows,
+        5 if ngram is None else ngram, shingle or "word") if use_minhash else None
+    config = DedupConfig(input=input, output=str(output), exact=exact, minhash=params, verify=verify,
+                         text_column=text_column, id_column=id_column, against=against, keep=keep, overwrite=overwrite)
+    with progress(not json_out) as bar:
+        result = run(config, stage=stage, tasks=tasks, task_id=task_id,
+                     workers=workers or len(os.sched_getaffinity(0)), report=_stage_progress(bar))
+    if json_out:
+        emit_json(result.__dict__)
+        return
+    _render_dedup(result, tasks, task_id)
+
+
+def _stage_progress(bar):
+    """Progress callback: one bar per stage, created when the stage announces its total."""
+    import time
+
+    bars: dict[str, tuple[int, float]] = {}
+    units = {"signatures": "docs", "filter": "docs", "buckets": "bands", "verify": "pairs"}
+
+    def report(stage: str, advance: int, total: int | None = None) -> None:
+        if stage not in bars:
+            if not total:
+                return
+            bars[stage] = (bar.add_task(stage, total=total, rate=""), time.perf_counter())
+        task, started = bars[stage]
+        done = bar.tasks[task].completed + advance
+        rate = done / max(1e-9, time.perf_counter() - started)
+        bar.update(task, advance=advance, rate=f"{human_count(rate)} {units.get(stage, '')}/s")
+
+    return report
+
+
+def _render_dedup(result, tasks: int, task_id: int) -> None:
+    if not result.finished:
+        where = f"task {task_id} of {tasks}, " if tasks > 1 else ""
+        show(key_values(f"dedup --stage {result.stage}", [
+            ("units", f"{where}{result.units_done} done, {result.units_skipped} already finished (skipped)"),
+            ("time", f"{result.seconds:.1f}s"),
+            ("output", f"{result.output} (committed by the filter task that finishes last)")]))
+        return
+    removed = result.exact_removed + result.near_removed
+    rate = result.documents / max(result.seconds, 1e-9)
+    facts = [("documents in", f"{result.documents:,}")]
+    if result.null_text:
+        facts.append(("null texts", f"{result.null_text} (kept as they are, not deduplicated)"))
+    facts += [("exact removed", f"{result.exact_removed:,}"),
+              ("near removed", f"{result.near_removed:,}" if result.params["minhash"] else "- (no --minhash)"),
+              ("kept", f"{result.kept:,} ({result.kept / max(result.documents, 1):.1%})"),
+              ("clusters", f"{result.clusters} ({removed} removed, see duplicates/)")]
+    if result.params["minhash"]:
+        mh = result.params["minhash"]
+        facts.append(("candidates", f"{result.candidate_pairs} pairs, {result.verified_pairs} by exact Jaccard "
+                      f"({mh['bands']} bands x {mh['rows']} rows, threshold {mh['threshold']})"))
+    facts += [("throughput", f"{human_count(rate)} docs/s, {result.bytes / max(result.seconds, 1e-9) / 1e6:.1f} MB/s"
+               + (f" ({result.units_skipped} unit(s) resumed)" if result.units_skipped else "")),
+              ("time", f"{result.seconds:.1f}s"), ("output", result.output)]
+    show(key_values("dedup", facts))
 
 
 # ---------------------------------------------------------------------------------------------------------------
