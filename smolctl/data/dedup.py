@@ -314,6 +314,11 @@ def _check_unique_ids(ids: pa.ChunkedArray, where: str, id_column: str | None) -
                         "make ids unique (or pass --id-column with a unique column)")
 
 
+def _id_chunks(plan_: Plan, file_index: int) -> list[pa.Array]:
+    return [pc.cast(batch.column(0), pa.string())
+            for batch in plan_.source.iter_file_batches(file_index, [plan_.id_column], 65536)]
+
+
 def _signature_matrix(column: pa.ChunkedArray, num_perm: int) -> np.ndarray:
     array = column.combine_chunks()
     width = num_perm * 4
@@ -496,6 +501,10 @@ def run(config: DedupConfig, *, stage: str | None = None, tasks: int = 1, task_i
     if stage == "components" and tasks != 1:
         raise UserError("--tasks", "the components stage is a single task", "run it with --tasks 1 --task-id 0")
     plan_ = plan(config)
+    if stage is None:
+        # Locally the ids are checked before anything is written; an array checks them in the components task.
+        _check_unique_ids(pa.chunked_array([c for i in range(len(plan_.source.files)) for c in _id_chunks(plan_, i)], pa.string())
+                          if plan_.id_column else None, config.input, plan_.id_column)
     check_work_area(plan_)
     stages = STAGES if stage is None else (stage,)
     if stage is not None:

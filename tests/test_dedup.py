@@ -1,0 +1,303 @@
+"""smolctl dedup: planted duplicates found, distinct documents kept, accounting, determinism across workers, tasks
+and shard layouts, --against, --keep, the staged Slurm path with markers, and the bad-input catalogue."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from smolctl.data import minhash
+from smolctl.data.dedup import DedupConfig, run
+from smolctl.data.minhash import MinHashParams
+from smolctl.errors import UserError
+from tests.conftest import SAMPLE, run_cli
+
+PARAMS = MinHashParams.for_threshold(0.8)
+
+
+def sample_table(name: str = "web") -> pa.Table:
+    return pa.concat_tables(pq.read_table(p) for p in sorted((SAMPLE / name).glob("part-*.parquet")))
+
+
+def reference_shingles(text: str, n: int = 5) -> set[tuple[str, ...]]:
+    """Word n-grams in plain Python: the definition the vectorised hashing must reproduce."""
+    words = [w for w in minhash.words([minhash.normalize(text)]).to_pylist()[0] if w]
+    return {tuple(words[j:j + n]) for j in range(max(1, len(words) - n + 1))} if words else set()
+
+
+def reference_jaccard(a: str, b: str) -> float:
+    sa, sb = reference_shingles(a), reference_shingles(b)
+    return len(sa & sb) / len(sa | sb) if sa | sb else 1.0
+
+
+def edit_words(text: str, fraction: float, rng: random.Random) -> str:
+    words = text.split()
+    for _ in range(max(1, int(len(words) * fraction))):
+        words[rng.randrange(len(words))] = f"zq{rng.randrange(10**6)}"
+    return " ".join(words)
+
+
+def write_shards(folder: Path, table: pa.Table, shards: int) -> Path:
+    folder.mkdir(parents=True)
+    bounds = np.linspace(0, table.num_rows, shards + 1).astype(int)
+    for i in range(shards):
+        pq.write_table(table.slice(bounds[i], bounds[i + 1] - bounds[i]), folder / f"part-{i:05d}.parquet")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory) -> dict:
+    """Sample web documents plus planted copies: exact (case/space changes), near (J >= 0.85), far (J < 0.6)."""
+    base = sample_table().slice(0, 500)
+    texts = [t for t in base.column("text").to_pylist()]
+    ids = base.column("id").to_pylist()
+    rng = random.Random(0)
+    long_enough = [i for i, t in enumerate(texts) if len(t.split()) >= 80]
+    originals = rng.sample(long_enough, 60)
+    planted_rows, truth = [], {}
+    for k, i in enumerate(originals):
+        if k < 20:
+            copy, kind = "  " + texts[i].upper().replace(" ", "   "), "exact"
+        elif k < 45:
+            copy, kind = edit_words(texts[i], 0.01, rng), "near"
+        else:
+            copy, kind = edit_words(texts[i], 0.35, rng), "far"
+        copy_id = f"planted-{k:03d}"
+        planted_rows.append((rng.randrange(len(texts) + len(planted_rows) + 1), copy_id, copy))
+        truth[copy_id] = (ids[i], kind, reference_jaccard(texts[i], copy))
+    for position, copy_id, copy in sorted(planted_rows, reverse=True):
+        texts.insert(max(position, ids.index(truth[copy_id][0]) + 1), copy)
+        ids.insert(max(position, ids.index(truth[copy_id][0]) + 1), copy_id)
+    table = pa.table({"id": ids, "text": texts, "origin": ["web"] * len(ids)})
+    root = tmp_path_factory.mktemp("planted")
+    return {"root": root, "table": table, "truth": truth, "input": write_shards(root / "input", table, 3)}
+
+
+def dedup(input: Path, output: Path, **options):
+    options.setdefault("minhash", PARAMS)
+    run_options = {k: options.pop(k) for k in ("workers", "stage", "tasks", "task_id") if k in options}
+    return run(DedupConfig(input=str(input), output=str(output), **options), **run_options)
+
+
+def read_output(output: Path) -> tuple[pa.Table, pa.Table]:
+    manifest = json.loads((output / "manifest.json").read_text())
+    kept = pa.concat_tables(pq.read_table(output / s["name"]) for s in manifest["shards"])
+    return kept, pq.read_table(output / "duplicates" / "part-00000.parquet")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The vectorised core against plain Python
+
+
+def test_shingle_hashes_reproduce_python_shingles_and_jaccard():
+    texts = sample_table().column("text").to_pylist()[:150] + [
+        "", "   ", "one two", "Ünïcode café — naïve résumé, ok?", "a b c d e", "x " * 40]
+    sets = minhash.shingle_sets([minhash.normalize(t) for t in texts], 5, "word")
+    for text, hashed in zip(texts, sets):
+        assert len(hashed) == len(reference_shingles(text))
+    rng = random.Random(1)
+    for _ in range(40):
+        i, j = rng.randrange(150), rng.randrange(150)
+        near = edit_words(texts[i], rng.choice([0.02, 0.1, 0.3]), rng)
+        hashed = minhash.shingle_sets([minhash.normalize(texts[i]), minhash.normalize(near), minhash.normalize(texts[j])])
+        assert minhash.jaccard(hashed[0], hashed[1]) == pytest.approx(reference_jaccard(texts[i], near))
+        assert minhash.jaccard(hashed[0], hashed[2]) == pytest.approx(reference_jaccard(texts[i], texts[j]))
+
+
+def test_char_shingles_work_without_spaces():
+    texts = ["机器学习是人工智能的一个分支领域研究", "机器学习是人工智能的一个分支领域研究。", "今天天气很好我们去公园散步吧"]
+    sets = minhash.shingle_sets([minhash.normalize(t) for t in texts], 3, "char")
+    assert minhash.jaccard(sets[0], sets[1]) == 1.0 and minhash.jaccard(sets[0], sets[2]) == 0.0
+    assert len(sets[0]) == len(texts[0]) - 2
+
+
+def test_signature_estimates_track_exact_jaccard():
+    texts = sample_table().column("text").to_pylist()
+    rng = random.Random(2)
+    base = [t for t in texts if len(t.split()) > 150][:60]
+    edited = [edit_words(t, rng.uniform(0.0, 0.25), rng) for t in base]
+    normalized = [minhash.normalize(t) for t in base + edited]
+    sigs = minhash.signatures(*minhash.shingle_hashes(normalized, 5), PARAMS.permutations())
+    sets = minhash.shingle_sets(normalized)
+    truth = np.array([minhash.jaccard(sets[i], sets[i + len(base)]) for i in range(len(base))])
+    estimate = minhash.estimate_jaccard(sigs[:len(base)], sigs[len(base):])
+    assert np.abs(estimate - truth).mean() < 0.04 and np.abs(estimate - truth).max() < 0.2
+
+
+def test_bands_lean_to_recall_and_are_validated():
+    assert (PARAMS.bands, PARAMS.rows) == (20, 5)
+    assert minhash.band_collision_probability(0.8, 20, 5) > 0.999 > minhash.band_collision_probability(0.8, 9, 12) + 0.4
+    with pytest.raises(UserError, match="not --num-perm"):
+        MinHashParams.for_threshold(0.8, 100, 9, 12)
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(UserError, match="outside"):
+            MinHashParams.for_threshold(bad)
+
+
+def test_union_find_is_order_free_and_labels_by_smallest_node():
+    u, v = np.array([5, 9, 2, 7, 3]), np.array([9, 2, 20, 8, 4])
+    nodes, root = minhash.connected_components(u, v)
+    labels = dict(zip(nodes.tolist(), root.tolist()))
+    assert labels == {2: 2, 5: 2, 9: 2, 20: 2, 7: 7, 8: 7, 3: 3, 4: 3}
+    perm = np.random.default_rng(0).permutation(len(u))
+    assert np.array_equal(minhash.connected_components(v[perm], u[perm])[1], root)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# End to end on planted duplicates
+
+
+def test_planted_duplicates_removed_distinct_kept_and_accounted(planted, tmp_path):
+    result = dedup(planted["input"], tmp_path / "out", workers=1)
+    kept, report = read_output(tmp_path / "out")
+    removed = dict(zip(report.column("id").to_pylist(), report.to_pylist()))
+    for copy_id, (original, kind, similarity) in planted["truth"].items():
+        if kind == "exact":
+            assert removed[copy_id]["reason"] == "exact" and removed[copy_id]["duplicate_of"] == original
+        elif similarity >= 0.8:
+            assert removed[copy_id]["duplicate_of"] == original, (copy_id, similarity)
+        else:
+            assert copy_id not in removed and original not in removed, (copy_id, similarity)
+    assert sum(kind == "far" for _, kind, _ in planted["truth"].values()) == 15
+    texts = dict(zip(planted["table"].column("id").to_pylist(), planted["table"].column("text").to_pylist()))
+    for row in report.to_pylist():
+        if row["reason"] == "minhash":
+            assert reference_jaccard(texts[row["id"]], texts[row["duplicate_of"]]) >= 0.8
+    # Accounting, order and schema.
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    stats = manifest["stats"]
+    assert stats["documents"] == planted["table"].num_rows == stats["kept"] + stats["exact_removed"] + stats["near_removed"]
+    assert kept.num_rows == stats["kept"] and report.num_rows == stats["exact_removed"] + stats["near_removed"]
+    expected = [i for i in planted["table"].column("id").to_pylist() if i not in removed]
+    assert kept.column("id").to_pylist() == expected and kept.schema.names == ["id", "text", "origin"]
+    assert set(report.column("duplicate_of").to_pylist()) <= set(expected)
+    assert not list((tmp_path / "out").glob("_work")) and not list(tmp_path.glob(".out*"))
+
+
+def test_same_output_whatever_workers_tasks_or_shard_layout(planted, tmp_path):
+    dedup(planted["input"], tmp_path / "local", workers=1)
+    dedup(planted["input"], tmp_path / "pool", workers=2)
+    staged = tmp_path / "staged"
+    for stage, tasks in (("signatures", 2), ("buckets", 3), ("components", 1), ("filter", 2)):
+        for task in range(tasks):
+            result = dedup(planted["input"], staged, stage=stage, tasks=tasks, task_id=task)
+    assert result.finished
+    resharded = write_shards(tmp_path / "resharded", planted["table"], 5)
+    dedup(resharded, tmp_path / "layout", workers=1)
+    reference_kept, reference_report = read_output(tmp_path / "local")
+    for name in ("pool", "staged", "layout"):
+        kept, report = read_output(tmp_path / name)
+        assert kept.equals(reference_kept) and report.equals(reference_report), name
+    for name in ("pool", "staged"):
+        for shard in ("part-00000.parquet", "part-00002.parquet", "duplicates/part-00000.parquet"):
+            assert (tmp_path / name / shard).read_bytes() == (tmp_path / "local" / shard).read_bytes()
+
+
+def test_staged_markers_skip_finished_tasks_and_a_rerun_resumes(planted, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match="signatures stage has not finished"):
+        dedup(planted["input"], out, stage="filter", tasks=2, task_id=0)
+    assert not out.exists()
+    first = dedup(planted["input"], out, stage="signatures", tasks=2, task_id=0)
+    again = dedup(planted["input"], out, stage="signatures", tasks=2, task_id=0)
+    assert (first.units_done, again.units_done, again.units_skipped) == (2, 0, 2)
+    with pytest.raises(UserError, match="1 unit"):
+        dedup(planted["input"], out, stage="buckets")
+    # A run "killed" after the signatures of task 0: the plain local run finishes it, reusing the markers.
+    result = dedup(planted["input"], out, workers=1)
+    assert result.finished and result.units_skipped == 2
+    dedup(planted["input"], tmp_path / "fresh", workers=1)
+    for name in ("part-00000.parquet", "part-00001.parquet", "duplicates/part-00000.parquet"):
+        assert (out / name).read_bytes() == (tmp_path / "fresh" / name).read_bytes()
+    with pytest.raises(UserError, match="already exists"):
+        dedup(planted["input"], out, stage="signatures")
+
+
+def test_against_reference_removes_what_it_holds_and_keeps_it(planted, tmp_path):
+    table, truth = planted["table"], planted["truth"]
+    near = [c for c, (_, kind, s) in truth.items() if kind == "near" and s >= 0.8][:5]
+    reference_ids = [truth[c][0] for c in near]
+    ids = table.column("id").to_pylist()
+    reference = write_shards(tmp_path / "reference", table.take([ids.index(i) for i in reference_ids]), 1)
+    before = (reference / "part-00000.parquet").read_bytes()
+    fresh = write_shards(tmp_path / "fresh", table.take([ids.index(c) for c in near] + list(range(40))), 2)
+    dedup(fresh, tmp_path / "out", against=str(reference), workers=1)
+    kept, report = read_output(tmp_path / "out")
+    removed = dict(zip(report.column("id").to_pylist(), report.column("duplicate_of").to_pylist()))
+    for copy_id in near:
+        assert removed[copy_id] == truth[copy_id][0]
+    assert not set(reference_ids) & set(kept.column("id").to_pylist())
+    assert (reference / "part-00000.parquet").read_bytes() == before
+
+
+def test_keep_longest_and_null_texts_passed_through(tmp_path):
+    text = " ".join(f"word{i}" for i in range(60))
+    table = pa.table({"id": ["a", "b", "c", "d", "e"],
+                      "text": [text, text + " extra", None, "Other text entirely, short.", None]})
+    src = tmp_path / "in.parquet"
+    pq.write_table(table, src)
+    result = dedup(src, tmp_path / "out", keep="longest", workers=1)
+    kept, report = read_output(tmp_path / "out")
+    assert kept.column("id").to_pylist() == ["b", "c", "d", "e"]
+    assert report.to_pylist()[0] | {"jaccard": None} == {"id": "a", "duplicate_of": "b", "cluster": 0,
+                                                          "reason": "minhash", "jaccard": None}
+    assert (result.null_text, result.documents, result.kept) == (2, 5, 4)
+
+
+def test_ids_default_to_shard_and_row(tmp_path):
+    src = tmp_path / "noid"
+    write_shards(src, pa.table({"text": ["same text here", "other", "Same  TEXT here"]}), 1)
+    dedup(src, tmp_path / "out", minhash=None, workers=1)
+    _, report = read_output(tmp_path / "out")
+    assert report.to_pylist() == [{"id": "part-00000:2", "duplicate_of": "part-00000:0", "cluster": 0,
+                                   "reason": "exact", "jaccard": 1.0}]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The CLI: demo path and bad input
+
+
+def test_cli_json_and_summary(tmp_path):
+    done = run_cli("dedup", SAMPLE / "math", tmp_path / "math", "--minhash", "--workers", "1", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["finished"] and result["documents"] == result["kept"] + result["exact_removed"] + result["near_removed"]
+    done = run_cli("dedup", SAMPLE / "math", tmp_path / "math2", "--minhash", "--workers", "1")
+    assert done.returncode == 0 and "near removed" in done.stderr and "docs/s" in done.stderr
+
+
+def _bad_inputs(tmp: Path) -> list[tuple[list, str]]:
+    pq.write_table(pa.table({"id": pa.array([], pa.string()), "text": pa.array([], pa.string())}), tmp / "empty.parquet")
+    pq.write_table(pa.table({"id": ["a", "a"], "text": ["x", "y"]}), tmp / "dupids.parquet")
+    pq.write_table(pa.table({"id": ["a", "b"], "text": [1, 2]}), tmp / "ints.parquet")
+    web = str(SAMPLE / "web")
+    return [
+        ([tmp / "nowhere", "OUT"], "no such file"),
+        ([tmp / "empty.parquet", "OUT"], "holds no documents"),
+        ([web, "OUT", "--text-column", "body"], "columns: id, text, origin"),
+        ([web, "OUT", "--id-column", "uid"], "has no column 'uid'"),
+        ([tmp / "dupids.parquet", "OUT"], "repeated id"),
+        ([tmp / "ints.parquet", "OUT"], "not text"),
+        ([web, "OUT", "--minhash", "--threshold", "1.2"], "outside (0, 1)"),
+        ([web, "OUT", "--minhash", "--bands", "9", "--rows", "12"], "not --num-perm 100"),
+        ([web, "OUT", "--threshold", "0.7"], "add --minhash"),
+        ([web, "OUT", "--minhash", "--stage", "signatures", "--tasks", "4", "--task-id", "4"], "out of range"),
+        ([web, "OUT", "--minhash", "--stage", "filter"], "has not finished"),
+        ([web, "OUT", "--no-exact"], "both exact and MinHash"),
+    ]
+
+
+def test_bad_inputs_are_one_line_errors_and_write_nothing(tmp_path):
+    for argv, message in _bad_inputs(tmp_path):
+        out = tmp_path / "out"
+        done = run_cli("dedup", *[out if a == "OUT" else a for a in argv])
+        assert done.returncode == 2, (argv, done.stderr)
+        assert message in done.stderr and "Traceback" not in done.stderr, (argv, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert not out.exists() and not list(tmp_path.glob(".out*")), argv
