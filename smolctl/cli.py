@@ -452,6 +452,397 @@ def _render_dedup(result, tasks: int, task_id: int) -> None:
     show(key_values("dedup", facts))
 
 
+@app.command("stress-gpu", epilog="""[bold]Examples[/]
+
+  smolctl stress-gpu                                   60 s on every GPU: bf16 8192² matmuls, all results checked
+
+  smolctl stress-gpu --duration 10m --devices 0,1 --json
+
+  smolctl stress-gpu --duration 3s                     on a machine without GPUs: the CPU, fp32 512²
+""")
+def stress_gpu_command(
+    duration: str = typer.Option("60", "--duration", help="Seconds, or 30s, 5m, 1h."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 [default: bf16 on GPUs, fp32 on CPU]."),
+    size: Optional[int] = typer.Option(None, "--size", help="n of the n×n matmuls [default: 8192 on GPUs, 512 on CPU]."),
+    memory_fraction: float = typer.Option(0.9, "--memory-fraction", help="Share of each GPU's memory to fill and pattern-test, in (0, 1)."),
+    tolerance: float = typer.Option(0.10, "--tolerance", help="A device more than this fraction slower than the best fails."),
+    devices: str = typer.Option("all", "--devices", help="all, cpu, or GPU indices like 0,1."),
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Burn every GPU with checked matmuls and a memory pattern test; OK/FAULTY per device like gpu-burn."""
+    from smolctl.infra.stress import build_config, run_stress
+
+    config = build_config(duration=duration, dtype=dtype, size=size, memory_fraction=memory_fraction,
+                          tolerance=tolerance, devices=devices)
+
+    def tick(elapsed: float, reports) -> None:
+        latest = " · ".join(f"{r.device} {r.tflops[-1]:.3g}" for r in reports if r.tflops)
+        bar.update(task, completed=min(elapsed, config.duration_s), rate=f"TFLOPS {latest}" if latest else "setting up")
+
+    with progress(not json_out) as bar:
+        task = bar.add_task(f"stress {config.dtype} {config.size}²", total=config.duration_s, rate="")
+        reports = run_stress(config, on_tick=tick)
+    if json_out:
+        emit_json({"config": config.__dict__, "devices": [r.to_dict() for r in reports]})
+    else:
+        _render_stress(config, reports)
+    faulty = [r for r in reports if r.verdict != "OK"]
+    if faulty:
+        raise CheckFailed("stress-gpu: " + "; ".join(f"{r.device} FAULTY ({', '.join(r.reasons)})" for r in faulty))
+
+
+def _render_stress(config, reports) -> None:
+    from smolctl.console import human_bytes
+
+    def number(value, fmt: str = ".3g") -> str:
+        return "-" if value is None else format(value, fmt)
+
+    rows = [(r.device, f"{number(r.tflops_min)} / {number(r.tflops_median)}", r.mismatches, r.memory_errors,
+             number(r.telemetry.get("max_temp_c"), "d"), ", ".join(r.telemetry.get("throttle") or []) or "-",
+             "[green]OK[/]" if r.verdict == "OK" else "[red]FAULTY[/]") for r in reports]
+    names = ", ".join(dict.fromkeys(r.name for r in reports if r.name)) or "?"
+    show(table(f"stress-gpu: {names}, {config.dtype} {config.size}² matmuls, {config.duration_s:g}s",
+               ["device", "TFLOPS min / median", "mismatches", "memory errors", "max °C", "throttling", "result"],
+               rows))
+    for r in reports:
+        console.print(f"{r.device}: {r.matmuls} matmuls checked, {human_bytes(r.memory_tested_bytes)} pattern-tested "
+                      f"in {r.pattern_passes} passes" + (f" — [red]{'; '.join(r.reasons)}[/]" if r.reasons else ""),
+                      soft_wrap=True)
+    ok = sum(r.verdict == "OK" for r in reports)
+    console.print(f"{ok}/{len(reports)} device(s) OK (FAULTY: any mismatch or memory error, or median TFLOPS more "
+                  f"than {config.tolerance:.0%} below the best device)", soft_wrap=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# mix
+
+
+@app.command("mix", epilog="""[bold]Examples[/]
+
+  smolctl mix demo-out/mix --recipe recipes/demo-mix.toml --set sources.web.path=demo-out/dedup/web
+
+  smolctl mix out/ --source web=data/sample/web:0.7 --source code=data/sample/code:0.3 --bytes 1MB
+
+  smolctl mix out/ --source web=web/:85 --source code=code/:12 --source math=math/:3 --tokens 2B --tokenizer tok/
+
+  smolctl mix out/ --recipe recipes/smollm3-mix.toml --set stages.0.tokens=1_000_000_000 --json
+""")
+def mix_command(
+    output: Path = typer.Argument(..., help="Dataset folder to write; with a recipe, one subfolder per stage."),
+    source: Optional[list[str]] = typer.Option(None, "--source", help="NAME=PATH:WEIGHT (repeat). PATH: any dataset "
+                                               "folder, parquet file or glob; weights are normalised."),
+    recipe: Optional[Path] = typer.Option(None, "--recipe", help="TOML recipe with [sources.NAME] and [[stages]]."),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", help="Override a recipe key, e.g. sources.web.path=x."),
+    tokens: Optional[str] = typer.Option(None, "--tokens", help="Budget in tokens (needs --tokenizer), e.g. 2.5M."),
+    bytes_: Optional[str] = typer.Option(None, "--bytes", help="Budget in UTF-8 bytes of text, e.g. 100MB."),
+    documents: Optional[str] = typer.Option(None, "--documents", help="Budget in documents, e.g. 100K."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Weigh by tokens with this tokenizer "
+                                            "(else by bytes)."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seeds sampling and shuffling (default 0)."),
+    max_repeat: Optional[float] = typer.Option(None, "--max-repeat", help="How many times a source may be used "
+                                               "across all stages (default 1: each document at most once)."),
+    text_column: str = typer.Option("text", "--text-column", help="Column holding the documents."),
+    shuffle_buffer: int = typer.Option(20_000, "--shuffle-buffer", help="Rows per shuffled block (bounds memory)."),
+    overwrite: bool = OVERWRITE_OPTION,
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Mix document sources by weight (tokens or bytes) in stages, with repetition limits and a seeded shuffle."""
+    from smolctl.data.mix import plan_from_flags, plan_from_recipe, prepare_mix
+
+    if recipe is not None:
+        if source:
+            raise UserError("--source", "cannot be combined with --recipe", "put the sources in the recipe, or "
+                            "override their paths with --set sources.NAME.path=PATH")
+        if tokens or bytes_ or documents:
+            raise UserError("--tokens/--bytes/--documents", "budgets of a recipe live in its stages",
+                            "override them with --set stages.0.tokens=N")
+        extra = [f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"
+                 for key, value in (("seed", seed), ("max_repeat", max_repeat), ("tokenizer", tokenizer),
+                                    ("shuffle_buffer", shuffle_buffer if shuffle_buffer != 20_000 else None),
+                                    ("text_column", text_column if text_column != "text" else None))
+                 if value is not None]
+        plan = plan_from_recipe(recipe, [*(overrides or []), *(e.replace("'", '"') for e in extra)])
+    else:
+        if overrides:
+            raise UserError("--set", "overrides a recipe", "pass --recipe, or set options directly")
+        plan = plan_from_flags(source or [], tokens=tokens, bytes_=bytes_, documents=documents, tokenizer=tokenizer,
+                               seed=seed or 0, max_repeat=1.0 if max_repeat is None else max_repeat,
+                               text_column=text_column, shuffle_buffer=shuffle_buffer)
+    job = prepare_mix(plan, output, overwrite=overwrite)
+    with progress(not json_out) as bar:
+        measuring = bar.add_task(f"measuring sources ({plan.unit})", total=job.total_rows, rate="")
+
+        def stage_task(name: str, rows: int):
+            task = bar.add_task(f"writing {name}", total=rows, rate="")
+            return lambda n: bar.advance(task, n)
+
+        result = job.run(on_measure=lambda n: bar.advance(measuring, n), on_stage=stage_task)
+    if json_out:
+        emit_json(result.to_dict())
+        return
+    for stage in result.stages:
+        show(table(f"{stage.name} → {stage.path}  ({human_count(stage.units)} {stage.unit}, "
+                   f"{human_count(stage.documents)} documents)",
+                   ["source", "target weight", "achieved", stage.unit, "documents", "repeat", "repeat so far"],
+                   ([s.name, f"{s.start_weight:.3f} → {s.end_weight:.3f}" if s.start_weight != s.end_weight
+                     else f"{s.target_weight:.3f}", f"{s.achieved_weight:.3f}", human_count(s.units),
+                     human_count(s.documents), f"{s.repeat:.2f}x", f"{s.cumulative_repeat:.2f}x"]
+                    for s in stage.sources)))
+    console.print(f"weights are fractions of [bold]{result.unit}[/]"
+                  + ("" if result.unit == "tokens" else " (pass --tokenizer to weigh by tokens)")
+                  + f"; seed {result.seed}, max repeat {result.max_repeat:g}; {result.seconds:.1f}s")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Post-training: sft, dpo, ppo (RUN/checkpoints, RUN/metrics.jsonl, RUN/final)
+
+POSTTRAIN_FROM = typer.Option(None, "--from", help="Starting checkpoint: a model folder or a run folder "
+                              "(its final/); overrides [model] from.")
+POSTTRAIN_OUTPUT = typer.Option(None, "--output", "-o", help="Run folder: checkpoints/, metrics.jsonl and the "
+                                "finished model in final/; overrides the recipe's output.")
+POSTTRAIN_SET = typer.Option(None, "--set", help="Override a recipe key, e.g. training.steps=20 (repeat).")
+POSTTRAIN_RESUME = typer.Option(None, "--resume", help="'auto' continues from the newest complete checkpoint "
+                                "in RUN/checkpoints (a fresh start when there is none), or a checkpoint folder.")
+
+
+def _post_train(stage: str, load, run, recipe: Path, from_: Optional[str], output: Optional[str],
+                overrides: Optional[list[str]], resume: Optional[str], overwrite: bool, json_out: bool) -> None:
+    """Shared by sft, dpo and ppo: validate the recipe, train with a live bar, print the summary."""
+    from smolctl.console import human_duration
+
+    config = load(recipe, overrides or [])
+    with progress(not json_out) as bar:
+        task = bar.add_task(stage, total=None, rate="")
+
+        def on_step(step: int, total: int, metrics: dict) -> None:
+            shown = [f"{key.split('/')[-1] if key.startswith('rewards/acc') else key} {metrics[key]:.4g}"
+                     for key in ("loss", "reward", "rewards/accuracies", "kl") if key in metrics]
+            bar.update(task, completed=step, total=total, rate="  ".join(shown))
+
+        result = run(config, output=output, start=from_, resume=resume, overwrite=overwrite, on_step=on_step)
+    if json_out:
+        emit_json(result.__dict__)
+        return
+    facts = [("model", result.output), ("from", result.parent), ("steps", result.steps),
+             ("time", human_duration(result.seconds))]
+    if result.resumed_from:
+        facts.append(("resumed from", result.resumed_from))
+    facts += [(key, f"{value:.4g}" if isinstance(value, float) else value) for key, value in result.metrics.items()]
+    facts += [(key, ", ".join(f"{k} {v}" for k, v in value.items()) if isinstance(value, dict) else value)
+              for key, value in result.data.items()]
+    facts.append(("metrics", str(Path(result.run) / "metrics.jsonl")))
+    show(key_values(f"{result.stage} → {result.run}", facts))
+
+
+@app.command("sft", epilog="""[bold]Examples[/]
+
+  smolctl sft recipes/sft-tiny.toml --from demo-out/pretrain/final --output demo-out/sft
+
+  smolctl sft recipes/smollm3-sft.toml --from runs/midtrain --output runs/sft --resume auto
+
+  smolctl sft recipes/sft-tiny.toml --from ckpt/ -o out/ --set sft.packing=padding_free --set training.steps=10
+
+  torchrun --nproc_per_node 8 -m smolctl sft recipes/smollm3-sft.toml --from runs/midtrain -o runs/sft
+""")
+def sft_command(
+    recipe: Path = typer.Argument(..., help="TOML recipe ([model] [data] [training] [checkpoint] [sft])."),
+    from_: Optional[str] = POSTTRAIN_FROM,
+    output: Optional[str] = POSTTRAIN_OUTPUT,
+    overrides: Optional[list[str]] = POSTTRAIN_SET,
+    resume: Optional[str] = POSTTRAIN_RESUME,
+    overwrite: bool = OVERWRITE_OPTION,
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Supervised fine-tuning on chat data with TRL's SFTTrainer: assistant-only loss, BFD packing or padding-free,
+    task-balanced sampling."""
+    from smolctl.train.posttrain import load_sft_recipe, run_sft
+
+    _post_train("sft", load_sft_recipe, run_sft, recipe, from_, output, overrides, resume, overwrite, json_out)
+
+
+@app.command("dpo", epilog="""[bold]Examples[/]
+
+  smolctl dpo recipes/dpo-tiny.toml --from demo-out/sft --output demo-out/dpo
+
+  smolctl dpo recipes/smollm3-dpo.toml --from runs/sft -o runs/apo --set dpo.loss_type=apo_zero --set dpo.beta=0.05
+
+  smolctl dpo recipes/dpo-tiny.toml --from demo-out/sft -o demo-out/dpo --resume auto --json
+""")
+def dpo_command(
+    recipe: Path = typer.Argument(..., help="TOML recipe ([model] [data] [training] [checkpoint] [dpo])."),
+    from_: Optional[str] = POSTTRAIN_FROM,
+    output: Optional[str] = POSTTRAIN_OUTPUT,
+    overrides: Optional[list[str]] = POSTTRAIN_SET,
+    resume: Optional[str] = POSTTRAIN_RESUME,
+    overwrite: bool = OVERWRITE_OPTION,
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Preference optimisation (DPO, APO-zero, IPO, ...) with TRL's DPOTrainer against the starting checkpoint as
+    reference; reports reward accuracy and margins."""
+    from smolctl.train.posttrain import load_dpo_recipe, run_dpo
+
+    _post_train("dpo", load_dpo_recipe, run_dpo, recipe, from_, output, overrides, resume, overwrite, json_out)
+
+
+@app.command("ppo", epilog="""[bold]Examples[/]
+
+  smolctl ppo recipes/ppo-tiny.toml --from demo-out/dpo --output demo-out/ppo
+
+  smolctl ppo recipes/ppo-tiny.toml --from demo-out/dpo -o demo-out/grpo --set algorithm=grpo
+
+  smolctl ppo recipes/smollm3-ppo.toml --from runs/apo -o runs/ppo --resume auto
+""")
+def ppo_command(
+    recipe: Path = typer.Argument(..., help="TOML recipe ([model] [data] [training] [generation] [ppo] [[rewards]])."),
+    from_: Optional[str] = POSTTRAIN_FROM,
+    output: Optional[str] = POSTTRAIN_OUTPUT,
+    overrides: Optional[list[str]] = POSTTRAIN_SET,
+    resume: Optional[str] = POSTTRAIN_RESUME,
+    overwrite: bool = OVERWRITE_OPTION,
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Reinforcement learning on composable rewards (task match, length penalty, n-gram diversity): smolctl's PPO
+    (value head, KL to the reference, GAE, clipped loss) or, with algorithm = "grpo", TRL's GRPOTrainer."""
+    from smolctl.train.ppo import load_ppo_recipe, run_ppo
+
+    _post_train("ppo", load_ppo_recipe, run_ppo, recipe, from_, output, overrides, resume, overwrite, json_out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pretrain, midtrain
+
+SET_OPTION = typer.Option([], "--set", help="Override a recipe key, e.g. --set training.steps=200 (repeatable; values are TOML).")
+DATA_OPTION = typer.Option([], "--data", help="Packed folder(s) to train on, replacing the recipe's [data] paths/stages (repeatable).")
+RESUME_OPTION = typer.Option("none", "--resume", help="auto: continue from the newest complete checkpoint in RUN "
+                             "(start fresh if none); none: start fresh; or a RUN/checkpoints/step-N path.")
+DRY_RUN_OPTION = typer.Option(False, "--dry-run", help="Validate, print the resolved recipe, parameter count and a "
+                              "memory/time estimate; build the model on the meta device; train nothing.")
+WORLD_SIZE_OPTION = typer.Option(None, "--world-size", help="--dry-run only: plan for this many processes "
+                                 "(default: WORLD_SIZE or 1).")
+
+
+@app.command("pretrain", epilog="""[bold]Examples[/]
+
+  smolctl pretrain recipes/smollm3-tiny.toml demo-out/pretrain --data demo-out/packed
+
+  smolctl pretrain recipes/smollm3.toml --dry-run --world-size 192
+
+  torchrun --nproc_per_node 8 -m smolctl pretrain recipes/smollm3.toml runs/3b --resume auto
+
+  smolctl pretrain recipes/smollm3-tiny.toml runs/t --data packed/ --set training.steps=50 --set optimizer.lr=1e-3 --json
+""")
+def pretrain_command(
+    recipe: Path = typer.Argument(..., help="TOML recipe ([model] [data] [optimizer] [schedule] [training] ...)."),
+    run: Optional[Path] = typer.Argument(None, help="Run folder: checkpoints/, final/ (the HF model), metrics.jsonl, events.jsonl."),
+    data: list[str] = DATA_OPTION,
+    set_: list[str] = SET_OPTION,
+    resume: str = RESUME_OPTION,
+    dry_run: bool = DRY_RUN_OPTION,
+    world_size: Optional[int] = WORLD_SIZE_OPTION,
+    overwrite: bool = typer.Option(False, "--overwrite", help="Delete RUN first if it already holds a run."),
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Pretrain a causal LM from a recipe on packed folders: resumable bit for bit, guarded, single process or torchrun."""
+    _train_command("pretrain", recipe, run, data=data, overrides=set_, resume=resume, dry_run=dry_run,
+                   world_size=world_size, overwrite=overwrite, json_out=json_out)
+
+
+@app.command("midtrain", epilog="""[bold]Examples[/]
+
+  smolctl midtrain recipes/smollm3-tiny-midtrain.toml demo-out/midtrain --from demo-out/pretrain/final --data demo-out/packed-long
+
+  smolctl midtrain recipes/smollm3-tiny-midtrain.toml runs/m --from runs/t/checkpoints/step-0000200 --keep-optimizer
+""")
+def midtrain_command(
+    recipe: Path = typer.Argument(..., help="TOML recipe for the new stage (new data, fresh schedule, maybe longer seq_len + rope_theta)."),
+    run: Optional[Path] = typer.Argument(None, help="Run folder for this stage."),
+    from_: Optional[Path] = typer.Option(None, "--from", help="Model folder to start from: RUN/final or RUN/checkpoints/step-N."),
+    keep_optimizer: bool = typer.Option(False, "--keep-optimizer", help="Carry the AdamW state over (needs a checkpoints/step-N folder)."),
+    data: list[str] = DATA_OPTION,
+    set_: list[str] = SET_OPTION,
+    resume: str = RESUME_OPTION,
+    dry_run: bool = DRY_RUN_OPTION,
+    world_size: Optional[int] = WORLD_SIZE_OPTION,
+    overwrite: bool = typer.Option(False, "--overwrite", help="Delete RUN first if it already holds a run."),
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Continue pretraining from a checkpoint: annealing or long-context extension, recorded as the parent in the manifest."""
+    if from_ is None and not dry_run:
+        raise UserError("--from", "is required", "pass the model folder to continue from, e.g. RUN/final")
+    _train_command("midtrain", recipe, run, data=data, overrides=set_, resume=resume, dry_run=dry_run, world_size=world_size,
+                   overwrite=overwrite, json_out=json_out, init_from=str(from_) if from_ else None, keep_optimizer=keep_optimizer)
+
+
+def _train_command(stage: str, recipe: Path, run: Path | None, *, data, overrides, resume: str, dry_run: bool,
+                   world_size: int | None, overwrite: bool, json_out: bool, init_from: str | None = None,
+                   keep_optimizer: bool = False) -> None:
+    from smolctl.train.distributed import world_size_from_env
+    from smolctl.train.pretrain import load_train_recipe, train
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        if dry_run:
+            from smolctl.train.dryrun import dry_run as plan_run
+
+            result = plan_run(load_train_recipe(recipe, overrides, data), world_size=world_size or world_size_from_env())
+            emit_json(result) if json_out else _render_dry_run(recipe, result)
+            return
+        if run is None:
+            raise UserError("RUN", "is required to train", f"e.g. smolctl {stage} {recipe} runs/my-run")
+        outcome = train(recipe, run, overrides=overrides, data=data, stage=stage, resume=resume, overwrite=overwrite,
+                        init_from=init_from, keep_optimizer=keep_optimizer, show=not json_out and rank == 0)
+    except (UserError, CheckFailed) as exc:
+        _quiet_on_other_ranks(rank, exc)
+    if rank != 0:
+        return
+    if json_out:
+        emit_json(outcome.__dict__)
+    else:
+        _render_train(outcome)
+
+
+def _render_dry_run(recipe: Path, r: dict) -> None:
+    from smolctl.console import human_bytes
+
+    model, training = r["recipe"]["model"], r["recipe"]["training"]
+    mem = r["memory_per_device"]
+    show(key_values(f"{recipe} (dry run: nothing trained, model built on the meta device)", [
+        ("model", f"{model['architecture']}: {model['num_hidden_layers']} layers, hidden {model['hidden_size']}, "
+                  f"FFN {model['intermediate_size']}, {model['num_attention_heads']} heads / {model['num_key_value_heads'] or model['num_attention_heads']} KV, "
+                  f"vocab {r['vocab_size']:,}, rope θ {model['rope_theta']:g}"),
+        ("parameters", f"{human_count(r['parameters'])} ({r['parameters']:,}; {human_count(r['non_embedding_parameters'])} non-embedding)"),
+        ("batch", f"{r['global_batch']} sequences × {training['seq_len']} = {r['tokens_per_step']:,} tokens/step; micro batch "
+                  f"{r['micro_batch']} × world {r['world_size']} × accumulation {r['grad_accum']}"),
+        ("budget", f"{r['steps']:,} steps = {human_count(r['total_tokens'])} tokens, {r['total_flops']:.3g} FLOPs "
+                   f"({r['flops_per_token']:.3g} per token)"),
+        ("memory / device", f"{human_bytes(mem['total'])} = {human_bytes(mem['weights_grads_optimizer'])} weights+grads+AdamW"
+                            f"{' (sharded)' if training['shard'] else ''} + {human_bytes(mem['activations'])} activations"),
+        ("time", f"{r['estimate']['gpu_hours']:,.0f} {r['estimate']['reference_gpu']} GPU-hours at {r['estimate']['assumed_mfu']:.0%} MFU"
+                 f" = {r['estimate']['wall_hours_on_world'] / 24:,.1f} days on {r['world_size']}"),
+    ]))
+    show(table("data", ["folder", "status"], r["data"].items(), justify="left"))
+    console.print("resolved recipe: [bold]--json[/] prints it in full")
+
+
+def _render_train(r) -> None:
+    speed = r.speed
+    rate = f"{human_count(speed['tokens_per_s'])} tokens/s, " + (
+        f"MFU {speed['mfu']:.1%}" if speed["mfu"] is not None else f"{human_count(speed['flops_per_s'])}FLOP/s (CPU: no MFU)")
+    loss = f"{r.first_loss:.4f} → {r.final_loss:.4f}" if r.first_loss is not None else "-"
+    show(key_values(f"{r.stage} {r.run_dir}", [
+        ("final model", f"{r.final_model}  (AutoModelForCausalLM.from_pretrained loads it; next stage: --from)"),
+        ("steps", f"{r.steps:,} ({speed['steps_run']:,} run now{', resumed from ' + r.resumed_from if r.resumed_from else ''})"),
+        ("tokens seen", human_count(r.tokens_seen)), ("parameters", human_count(r.parameters)),
+        ("loss", loss + (f"  (validation {r.val_loss:.4f})" if r.val_loss is not None else "")),
+        ("batch", f"{r.plan['global_batch']} seq × {r.plan['seq_len']} = {r.plan['tokens_per_step']:,} tokens/step "
+                  f"(micro {r.plan['micro_batch']} × world {r.plan['world_size']} × accumulation {r.plan['grad_accum']})"),
+        ("speed", f"{rate}; data wait {speed['data_wait']:.2%} of step time"),
+        ("guards", f"{r.skipped_steps} skipped (non-finite), {r.spikes} spikes, {r.rollbacks} rollbacks"
+                   + (f" — see {r.run_dir}/events.jsonl" if r.events else "")),
+        ("parent", r.parent or "-"), ("checkpoints", "\n".join(r.checkpoints) or "-"),
+    ]))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Entry point
 

@@ -1,0 +1,503 @@
+"""benchmark-nccl: collective bandwidth the way nccl-tests measures it, with nothing to compile.
+
+    torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --max-bytes 8G --expect-busbw 300
+
+For every op and message size: warm-up, `iters` timed calls (CUDA events on GPU, wall clock after a barrier on
+CPU), the per-rank time averaged over ranks (nccl-tests' default), algbw = size / time and busbw = algbw × the
+nccl-tests bus factor, then one verification call on a known pattern whose wrong elements are counted over all
+ranks (#wrong). Multi-node runs add an intra- vs inter-node all_reduce split and a rail-aligned send/recv probe
+between nodes that names the slowest rank pair. Every rank computes the same report; only rank 0 shows it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from smolctl.errors import UserError
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+LAUNCH_HINT = ("launch one process per GPU with torchrun: `torchrun --nproc_per_node 8 -m smolctl benchmark-nccl "
+               "...` (across nodes: recipes/slurm/benchmark-nccl.sbatch)")
+
+# name → (torch dtype attribute, the nccl-tests type name, largest integer the type holds exactly)
+DTYPES = {
+    "bf16": ("bfloat16", "bfloat16", 2**8),
+    "fp16": ("float16", "half", 2**11),
+    "fp32": ("float32", "float", 2**24),
+    "fp64": ("float64", "double", 2**53),
+    "int32": ("int32", "int32", 2**31 - 1),
+}
+DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32", "float32": "fp32",
+                 "double": "fp64", "float64": "fp64", "int": "int32"}
+CHUNKED_OPS = ("all_gather", "reduce_scatter", "all_to_all")  # the buffer splits into one chunk per rank
+PERIOD = 31  # verification patterns repeat every 31 elements (prime, so chunk offsets rarely line up)
+RANK_STRIDE = 7  # rank r's pattern is shifted by 7·r, so data from the wrong rank shows up as wrong
+VERIFY_CHUNK = 2**22  # elements filled/compared per kernel, which bounds the pattern tile's memory
+
+
+def bus_factor(op: str, world: int) -> float:
+    """nccl-tests' busbw factor (doc/PERFORMANCE.md): the fraction of the data each rank's link must carry, so
+    that busbw is comparable across ops and world sizes with the hardware's bandwidth."""
+    if op == "all_reduce":
+        return 2 * (world - 1) / world
+    if op in CHUNKED_OPS:
+        return (world - 1) / world
+    return 1.0  # broadcast, send_recv
+
+
+def bandwidths(op: str, size_bytes: int, seconds: float, world: int) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s (1e9 bytes/s, as nccl-tests prints them)."""
+    algbw = size_bytes / seconds / 1e9
+    return algbw, algbw * bus_factor(op, world)
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """'8', '64K', '1M', '8G', '1MiB', '512KB' → bytes; K/M/G are powers of 1024 as in nccl-tests' -b/-e."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", str(text), flags=re.IGNORECASE)
+    if not match or float(match.group(1)) <= 0:
+        raise UserError(flag, f"cannot read the size {text!r}", "use bytes like 8, 64K, 1M or 8G (powers of 1024)")
+    scale = 1024 ** "_kmgt".index(match.group(2).lower() or "_")
+    return int(float(match.group(1)) * scale)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark-nccl run, validated before any process group exists (every rank raises the same error)."""
+
+    ops: tuple[str, ...]
+    min_bytes: int
+    max_bytes: int | None
+    """None: 8 GiB with NCCL, 64 MiB with gloo (CPU memory and time)."""
+    factor: float
+    dtype: str | None
+    """None: bf16 with NCCL (what training reduces), fp32 with gloo."""
+    iters: int = 20
+    warmup: int = 5
+    backend: str = "auto"
+    expect_busbw: float | None = None
+    """GB/s that every op's busbw at the largest size must reach."""
+
+
+def build_config(*, ops: str, min_bytes: str, max_bytes: str | None, factor: float, dtype: str | None,
+                 iters: int, warmup: int, backend: str, expect_busbw: float | None) -> BenchConfig:
+    names = [op.strip().lower().replace("-", "_") for op in ops.split(",") if op.strip()]
+    if names == ["all"]:
+        names = list(OPS)
+    for name in names:
+        if name not in OPS:
+            raise UserError("--ops", f"unknown op {name!r}", f"choose from {', '.join(OPS)} (comma-separated)")
+    if not names:
+        raise UserError("--ops", "no op given", f"choose from {', '.join(OPS)}")
+    dtype_name = None if dtype is None else DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
+    if dtype_name is not None and dtype_name not in DTYPES:
+        raise UserError("--dtype", f"unknown dtype {dtype!r}", f"choose from {', '.join(DTYPES)}")
+    low = parse_bytes(min_bytes, "--min-bytes")
+    high = None if max_bytes is None else parse_bytes(max_bytes, "--max-bytes")
+    if high is not None and low > high:
+        raise UserError("--min-bytes", f"{min_bytes} is larger than --max-bytes {max_bytes}",
+                        "give a --min-bytes no larger than --max-bytes")
+    if factor <= 1:
+        raise UserError("--factor", f"{factor} does not grow the size", "use a factor above 1, e.g. 2")
+    if backend not in ("auto", "nccl", "gloo"):
+        raise UserError("--backend", f"unknown backend {backend!r}", "choose auto, nccl or gloo")
+    if expect_busbw is not None and expect_busbw <= 0:
+        raise UserError("--expect-busbw", f"{expect_busbw} is not a bandwidth", "give GB/s above 0, e.g. 300")
+    if iters < 1 or warmup < 0:
+        raise UserError("--iters", "needs at least 1 timed iteration and 0 or more warm-up ones", "e.g. --iters 20")
+    return BenchConfig(tuple(dict.fromkeys(names)), low, high, factor, dtype_name, iters, warmup, backend,
+                       expect_busbw)
+
+
+def launch_environment() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment, or a UserError saying how to launch."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise UserError("benchmark-nccl", "not started by torchrun (RANK and WORLD_SIZE are not set)", LAUNCH_HINT)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world < 2:
+        raise UserError("benchmark-nccl", "only 1 rank: bus bandwidth needs at least 2 ranks to move data between",
+                        "start 2 or more, e.g. `torchrun --nproc_per_node 2 -m smolctl benchmark-nccl` (one per GPU)")
+    return rank, world, int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def message_sizes(op: str, min_bytes: int, max_bytes: int, factor: float, elem_size: int,
+                  world: int) -> list[tuple[int, int]]:
+    """(bytes, elements) from min to max by `factor`; chunked ops round down to a whole element per rank, like
+    nccl-tests; sizes that round to nothing (or repeat) are skipped."""
+    sizes, seen, size = [], set(), float(min_bytes)
+    while size <= max_bytes * (1 + 1e-9):
+        count = int(size) // elem_size
+        if op in CHUNKED_OPS:
+            count -= count % world
+        if count > 0 and count not in seen:
+            seen.add(count)
+            sizes.append((count * elem_size, count))
+        size *= factor
+    return sizes
+
+
+# --- verification patterns: every buffer is a periodic table of values, described as segments ---------------
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements [start, start+length) of a buffer hold table[(phase + k) % PERIOD] for k = 0..length-1."""
+
+    start: int
+    length: int
+    table: str  # "moved" | "summand" | "sum"
+    phase: int
+
+
+def pattern_tables(world: int, exact_limit: int) -> dict[str, list[float]]:
+    """Data-moving ops carry 0..30. Reductions carry values small enough that the sum over all ranks stays an
+    exact integer in the dtype (bf16 holds integers up to 256 exactly), so #wrong needs no tolerance."""
+    moved = [float(k) for k in range(PERIOD)]
+    modulus = max(2, min(PERIOD, exact_limit // world + 1))
+    summand = [float(k % modulus) for k in range(PERIOD)]
+    total = [float(sum(summand[(k + RANK_STRIDE * r) % PERIOD] for r in range(world))) for k in range(PERIOD)]
+    return {"moved": moved, "summand": summand, "sum": total}
+
+
+def input_segments(op: str, rank: int, world: int, count: int) -> list[Segment]:
+    """What rank `rank` puts in its input buffer before the verification call (`count` = total elements)."""
+    chunk = count // world
+    if op == "all_reduce":
+        return [Segment(0, count, "summand", RANK_STRIDE * rank)]
+    if op == "reduce_scatter":
+        return [Segment(0, count, "summand", RANK_STRIDE * rank)]
+    if op == "all_gather":
+        return [Segment(0, chunk, "moved", RANK_STRIDE * rank)]
+    if op == "broadcast":  # the root's data; the others start from a value no pattern holds
+        return [Segment(0, count, "moved", 0)] if rank == 0 else [Segment(0, count, "fill", PERIOD)]
+    return [Segment(0, count, "moved", RANK_STRIDE * rank)]  # all_to_all, send_recv
+
+
+def expected_segments(op: str, rank: int, world: int, count: int) -> list[Segment]:
+    """What rank `rank`'s output buffer must hold after one call on the inputs of `input_segments`."""
+    chunk = count // world
+    if op == "all_reduce":
+        return [Segment(0, count, "sum", 0)]
+    if op == "reduce_scatter":
+        return [Segment(0, chunk, "sum", rank * chunk)]
+    if op == "all_gather":
+        return [Segment(j * chunk, chunk, "moved", RANK_STRIDE * j) for j in range(world)]
+    if op == "all_to_all":  # chunk j comes from rank j's input, at this rank's offset
+        return [Segment(j * chunk, chunk, "moved", rank * chunk + RANK_STRIDE * j) for j in range(world)]
+    if op == "broadcast":
+        return [Segment(0, count, "moved", 0)]
+    return [Segment(0, count, "moved", RANK_STRIDE * ((rank - 1) % world))]  # send_recv: from the previous rank
+
+
+class PatternTiles:
+    """The tables laid out once on the device, PERIOD elements longer than a chunk, so any segment's slice at any
+    phase is a view: filling is one copy and checking one compare per chunk, with no index tensors."""
+
+    def __init__(self, tables: dict[str, list[float]], dtype, device, chunk: int = VERIFY_CHUNK):
+        import torch
+
+        self.chunk = chunk
+        index = torch.arange(chunk + PERIOD, device=device) % PERIOD
+        self.tiles = {name: torch.tensor(values, dtype=torch.float64, device=device)[index].to(dtype)
+                      for name, values in tables.items()}
+
+    def _pieces(self, segment: Segment):
+        for offset in range(0, segment.length, self.chunk):
+            length = min(self.chunk, segment.length - offset)
+            phase = (segment.phase + offset) % PERIOD
+            yield segment.start + offset, length, phase
+
+    def fill(self, buffer, segments: list[Segment]) -> None:
+        for segment in segments:
+            if segment.table == "fill":
+                buffer[segment.start:segment.start + segment.length].fill_(segment.phase)
+                continue
+            tile = self.tiles[segment.table]
+            for start, length, phase in self._pieces(segment):
+                buffer[start:start + length].copy_(tile[phase:phase + length])
+
+    def count_wrong(self, buffer, segments: list[Segment]):
+        """Elements of `buffer` that differ from the segments' pattern, as a device int64 scalar (no sync)."""
+        import torch
+
+        wrong = torch.zeros((), dtype=torch.int64, device=buffer.device)
+        covered = 0
+        for segment in segments:
+            tile = self.tiles[segment.table]
+            covered += segment.length
+            for start, length, phase in self._pieces(segment):
+                wrong += torch.ne(buffer[start:start + length], tile[phase:phase + length]).sum()
+        return wrong + (buffer.numel() - covered)  # a buffer of the wrong size is wrong everywhere else
+
+
+# --- running the benchmark -------------------------------------------------------------------------------------
+
+@dataclass
+class SizeResult:
+    size: int
+    count: int
+    type: str
+    redop: str
+    root: int
+    time_us: float
+    algbw: float
+    busbw: float
+    wrong: int
+
+
+@dataclass
+class OpResult:
+    op: str
+    rows: list[SizeResult] = field(default_factory=list)
+
+    @property
+    def avg_busbw(self) -> float:
+        return statistics.fmean(row.busbw for row in self.rows) if self.rows else 0.0
+
+    @property
+    def peak(self) -> SizeResult | None:
+        return self.rows[-1] if self.rows else None
+
+
+@dataclass
+class BenchReport:
+    topology: dict
+    results: list[OpResult]
+    expect_busbw: float | None
+    multinode: dict | None = None
+
+    @property
+    def wrong(self) -> int:
+        return sum(row.wrong for result in self.results for row in result.rows)
+
+    @property
+    def avg_busbw(self) -> float:
+        rows = [row.busbw for result in self.results for row in result.rows]
+        return statistics.fmean(rows) if rows else 0.0
+
+    def below_expectation(self) -> list[OpResult]:
+        """Ops whose busbw at the largest size misses --expect-busbw. The largest size, not the average: small
+        sizes are latency-bound, and the plateau is the number a cluster is specified by."""
+        if self.expect_busbw is None:
+            return []
+        return [r for r in self.results if r.peak is None or r.peak.busbw < self.expect_busbw]
+
+    @property
+    def passed(self) -> bool:
+        return self.wrong == 0 and not self.below_expectation()
+
+    def to_dict(self) -> dict:
+        return {"topology": self.topology, "expect_busbw": self.expect_busbw, "passed": self.passed,
+                "wrong": self.wrong, "avg_busbw": self.avg_busbw, "multinode": self.multinode,
+                "results": [{"op": r.op, "avg_busbw": r.avg_busbw, "rows": [asdict(row) for row in r.rows]}
+                            for r in self.results]}
+
+
+def run_benchmark(config: BenchConfig, on_size: Callable[[str, int], None] | None = None,
+                  on_plan: Callable[[int], None] | None = None) -> BenchReport:
+    """Join the process group torchrun set up, run every op over every size, and return the same report on every
+    rank. `on_plan(total sizes)` and `on_size(op, bytes)` drive a progress bar."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world, local_rank = launch_environment()
+    backend = config.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise UserError("--backend", "nccl needs CUDA GPUs and none is visible", "use --backend gloo on CPU")
+    dtype_name = config.dtype or ("bf16" if backend == "nccl" else "fp32")
+    max_bytes = config.max_bytes or (8 * 2**30 if backend == "nccl" else 64 * 2**20)
+    if config.min_bytes > max_bytes:
+        raise UserError("--min-bytes", f"{config.min_bytes} B is above the default --max-bytes {max_bytes} B",
+                        "give --max-bytes too")
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    try:
+        runner = Runner(rank, world, device, dtype_name, config.iters, config.warmup)
+        topology = runner.topology(backend, max_bytes)
+        plans = [(op, message_sizes(op, config.min_bytes, max_bytes, config.factor, runner.elem_size, world))
+                 for op in config.ops]
+        if on_plan:
+            on_plan(sum(len(sizes) for _, sizes in plans))
+        results = []
+        for op, sizes in plans:
+            result = OpResult(op)
+            for size, count in sizes:
+                result.rows.append(runner.measure(op, size, count))
+                if on_size:
+                    on_size(op, size)
+            results.append(result)
+        multinode = runner.multinode(topology, max_bytes) if topology["nodes"] > 1 else None
+        return BenchReport(topology, results, config.expect_busbw, multinode)
+    finally:
+        dist.destroy_process_group()
+
+
+def node_key() -> str:
+    """Ranks on one machine share a node key. torchrun's GROUP_RANK is the node's index in the job, which also
+    tells apart agents started on one host (a two-'node' run on a laptop)."""
+    return f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}"
+
+
+class Runner:
+    """Buffers, calls and timing for one rank; every method is collective (all ranks call it in the same order)."""
+
+    def __init__(self, rank: int, world: int, device, dtype_name: str, iters: int, warmup: int):
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist = torch, dist
+        self.rank, self.world, self.device = rank, world, device
+        self.dtype_name, self.iters, self.warmup = dtype_name, iters, warmup
+        attr, self.type_name, exact_limit = DTYPES[dtype_name]
+        self.dtype = getattr(torch, attr)
+        self.elem_size = torch.empty((), dtype=self.dtype).element_size()
+        self.tiles = PatternTiles(pattern_tables(world, exact_limit), self.dtype, device)
+        self.cuda = device.type == "cuda"
+
+    def topology(self, backend: str, max_bytes: int) -> dict:
+        torch, dist = self.torch, self.dist
+        mine = {"node": node_key(), "host": socket.gethostname(),
+                "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_NCCL_"))}}
+        everyone: list = [None] * self.world
+        dist.all_gather_object(everyone, mine)
+        node_names = list(dict.fromkeys(info["node"] for info in everyone))
+        node_of_rank = [node_names.index(info["node"]) for info in everyone]
+        per_node = sorted({node_of_rank.count(k) for k in range(len(node_names))})
+        env_keys = sorted({key for info in everyone for key in info["env"]})
+        return {
+            "world_size": self.world, "nodes": len(node_names),
+            "ranks_per_node": per_node[0] if len(per_node) == 1 else per_node,
+            "hosts": list(dict.fromkeys(info["host"] for info in everyone)), "node_of_rank": node_of_rank,
+            "backend": backend, "device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
+            "dtype": self.type_name, "max_bytes": max_bytes, "torch": torch.__version__,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if self.cuda else None,
+            "nccl_env": everyone[0]["env"],
+            # a variable set differently on some ranks is a classic cause of one slow or hanging node
+            "env_mismatch": [k for k in env_keys if len({info["env"].get(k) for info in everyone}) > 1],
+        }
+
+    def _buffers(self, op: str, count: int):
+        chunk = count // self.world
+        inp = self.torch.zeros(chunk if op == "all_gather" else count, dtype=self.dtype, device=self.device)
+        if op in ("all_reduce", "broadcast"):  # in-place ops, as torch.distributed offers them
+            return inp, inp
+        out = self.torch.zeros(chunk if op == "reduce_scatter" else count, dtype=self.dtype, device=self.device)
+        return inp, out
+
+    def _call(self, op: str, inp, out, group=None, send_to: int | None = None, recv_from: int | None = None):
+        dist = self.dist
+        if op == "all_reduce":
+            return lambda: dist.all_reduce(out, group=group)
+        if op == "all_gather":
+            return lambda: dist.all_gather_single(out, inp, group=group)
+        if op == "reduce_scatter":
+            return lambda: dist.reduce_scatter_single(out, inp, group=group)
+        if op == "all_to_all":
+            return lambda: dist.all_to_all_single(out, inp, group=group)
+        if op == "broadcast":
+            return lambda: dist.broadcast(out, src=0, group=group)
+        send_to = (self.rank + 1) % self.world if send_to is None else send_to
+        recv_from = (self.rank - 1) % self.world if recv_from is None else recv_from
+
+        def exchange() -> None:
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, inp, send_to),
+                                                dist.P2POp(dist.irecv, out, recv_from)]):
+                work.wait()
+        return exchange
+
+    def _seconds(self, call: Callable[[], object], group=None) -> float:
+        """This rank's seconds per call: CUDA events around the timed calls on GPU, wall clock on CPU; both start
+        right after a barrier so that every rank begins together."""
+        torch, dist = self.torch, self.dist
+        for _ in range(self.warmup):
+            call()
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=group)
+            start.record()
+            for _ in range(self.iters):
+                call()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / self.iters
+        dist.barrier(group=group)
+        began = time.perf_counter()
+        for _ in range(self.iters):
+            call()
+        return (time.perf_counter() - began) / self.iters
+
+    def _sum(self, values: list[float], group=None) -> list[float]:
+        tensor = self.torch.tensor(values, dtype=self.torch.float64, device=self.device)
+        self.dist.all_reduce(tensor, group=group)
+        return tensor.tolist()
+
+    def measure(self, op: str, size: int, count: int) -> SizeResult:
+        inp, out = self._buffers(op, count)
+        call = self._call(op, inp, out)
+        seconds = self._seconds(call)
+        self.tiles.fill(inp, input_segments(op, self.rank, self.world, count))
+        call()
+        wrong = self.tiles.count_wrong(out, expected_segments(op, self.rank, self.world, count))
+        total_seconds, total_wrong = self._sum([seconds, float(wrong)])
+        mean = total_seconds / self.world  # nccl-tests' default: the time averaged over ranks
+        algbw, busbw = bandwidths(op, size, mean, self.world)
+        return SizeResult(size, count, self.type_name, "sum" if op in ("all_reduce", "reduce_scatter") else "none",
+                          0 if op == "broadcast" else -1, mean * 1e6, algbw, busbw, int(total_wrong))
+
+    def _gather(self, value: float) -> list[float]:
+        values = self.torch.zeros(self.world, dtype=self.torch.float64, device=self.device)
+        values[self.rank] = value
+        self.dist.all_reduce(values)
+        return values.tolist()
+
+    def multinode(self, topology: dict, max_bytes: int) -> dict:
+        """All_reduce inside each node vs across nodes (one rank per node and local index, as rail-optimised
+        fabrics pair them), and a send/recv probe from every rank to the same local rank on the next node."""
+        node_of_rank = topology["node_of_rank"]
+        by_node = [[r for r, k in enumerate(node_of_rank) if k == node] for node in range(topology["nodes"])]
+        local = by_node[node_of_rank[self.rank]].index(self.rank)
+        widest = max(len(ranks) for ranks in by_node)
+        inter = [[ranks[j] for ranks in by_node if j < len(ranks)] for j in range(widest)]
+        count = max_bytes // self.elem_size
+        size = count * self.elem_size
+        split = {"size": size}
+        for name, groups in (("intra_node", by_node), ("inter_node", inter)):
+            group, _ = self.dist.new_subgroups_by_enumeration(groups)
+            members = next(g for g in groups if self.rank in g)
+            seconds = float("nan")
+            if len(members) > 1:
+                inp, out = self._buffers("all_reduce", count)
+                mine = self._seconds(self._call("all_reduce", inp, out, group=group), group=group)
+                seconds = self._sum([mine], group=group)[0] / len(members)
+            per_rank = self._gather(seconds)
+            busbw = [bandwidths("all_reduce", size, per_rank[g[0]], len(g))[1] for g in groups if len(g) > 1]
+            split[name] = {"groups": len([g for g in groups if len(g) > 1]), "ranks_per_group": len(members),
+                           "busbw_min": min(busbw) if busbw else None,
+                           "busbw_median": statistics.median(busbw) if busbw else None}
+        node = node_of_rank[self.rank]
+        ahead, behind = by_node[(node + 1) % len(by_node)], by_node[(node - 1) % len(by_node)]
+        seconds = float("nan")
+        inp, out = self._buffers("send_recv", count)
+        if local < len(ahead) and local < len(behind):
+            seconds = self._seconds(self._call("send_recv", inp, out, send_to=ahead[local],
+                                               recv_from=behind[local]))
+        else:  # no peer on a smaller node: still meet the others at the barrier inside _seconds
+            self.dist.barrier()
+        per_rank = self._gather(seconds)
+        timed = [(t, r) for r, t in enumerate(per_rank) if t == t]
+        slowest_seconds, slowest = max(timed)
+        peer_node = by_node[(node_of_rank[slowest] + 1) % len(by_node)]
+        split["send_recv"] = {
+            "size": size, "pairs": len(timed), "busbw_median": statistics.median(size / t / 1e9 for t, _ in timed),
+            "slowest": {"rank": slowest, "peer": peer_node[by_node[node_of_rank[slowest]].index(slowest)],
+                        "busbw": size / slowest_seconds / 1e9}}
+        return split
