@@ -178,23 +178,38 @@ def _init_worker(tokenizer_json: str) -> None:
     _worker_backend = Tokenizer.from_str(tokenizer_json)
 
 
-def _encode_in_worker(texts: list[str]) -> TokenBatch:
-    return encode_texts(_worker_backend, texts)
+def _encode_in_worker(item: tuple[int, list[str]]) -> tuple[int, TokenBatch]:
+    group, texts = item
+    return group, encode_texts(_worker_backend, texts)
 
 
-def tokenised_batches(source, tokenizer, config: PackConfig) -> Iterator[tuple[int, TokenBatch]]:
-    """(documents read, token batch) in input order, tokenised in this process or by `workers` processes."""
-    texts = ([t if t is not None else "" for t in batch.column(0).to_pylist()]
-             for batch in source.iter_batches(columns=[config.text_column], batch_size=config.batch_documents))
+def file_groups(source) -> list[list[int]]:
+    """Input files grouped by mix stage (a whole `smolctl mix` output lists its stages' shards in order), so that
+    packing never mixes two stages in one row or one shuffled buffer. Any other input is one group."""
+    stages = (source.manifest or {}).get("stages")
+    if not stages:
+        return [list(range(len(source.files)))]
+    groups: dict[str, list[int]] = {}
+    for index, shard in enumerate(source.manifest["shards"]):
+        groups.setdefault(shard["name"].split("/")[0], []).append(index)
+    return list(groups.values())
+
+
+def tokenised_batches(source, tokenizer, config: PackConfig) -> Iterator[tuple[int, int, TokenBatch]]:
+    """(file group, documents read, token batch) in input order, tokenised here or by `workers` processes."""
+    texts = ((group, [t if t is not None else "" for t in batch.column(0).to_pylist()])
+             for group, files in enumerate(file_groups(source)) for index in files
+             for batch in source.iter_file_batches(index, columns=[config.text_column],
+                                                   batch_size=config.batch_documents))
     if config.workers == 1:
         backend = tokenizer.backend_tokenizer
-        for chunk in texts:
-            yield len(chunk), encode_texts(backend, chunk)
+        for group, chunk in texts:
+            yield group, len(chunk), encode_texts(backend, chunk)
         return
     context = multiprocessing.get_context("spawn")  # fork after Rust threads have started can deadlock
     with context.Pool(config.workers, initializer=_init_worker, initargs=(tokenizer.backend_tokenizer.to_str(),)) as pool:
-        for batch in pool.imap(_encode_in_worker, texts, chunksize=1):
-            yield len(batch.lengths), batch
+        for group, batch in pool.imap(_encode_in_worker, texts, chunksize=1):
+            yield group, len(batch.lengths), batch
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -432,7 +447,11 @@ class PackJob:
                     stats.tokens += real
                     stats.padding_tokens += len(rows.row_tokens) * config.seq_len - real
 
-            for read, batch in tokenised_batches(self.source, self.tokenizer, config):
+            current_group = 0
+            for group, read, batch in tokenised_batches(self.source, self.tokenizer, config):
+                if group != current_group:
+                    write(packer.finish())
+                    current_group = group
                 batch, empty = append_document_end(batch, self.record["eos_token_id"])
                 stats.skipped_empty += empty
                 stats.documents += len(batch.lengths)

@@ -1,0 +1,628 @@
+"""`smolctl mix`: weighted, staged mixtures of document sources, streamed, with a deterministic shuffle.
+
+    smolctl mix demo-out/mix --recipe recipes/demo-mix.toml
+    smolctl mix out/ --source web=data/sample/web:0.7 --source code=data/sample/code:0.3 --bytes 1MB
+
+How it works, in two streaming passes over each source (memory: two arrays of 2**16 bins per source, the shuffle
+buffer, and one batch per source; never a whole source):
+1. Measure. Every document gets a bin from a hash of (seed, source name, row index) and its size (tokens with
+   EOS, as `pack` will count them, when a tokenizer is given; UTF-8 bytes otherwise) is added to that bin. The
+   bins order each source randomly; an "epoch" walks the bins 0..65535.
+2. Allocate. Each stage's budget is split by weight; each source's share is a slice of its endless, repeating
+   walk through the bins, continuing where the previous stage stopped (so stages see fresh documents first).
+   The slice ends at the bin boundary nearest the target, so achieved weights are exact to a bin (1/65536 of a
+   source) or a document, whichever is larger, and are computed from the bins without re-reading anything.
+   A slice that walks the source more than `max_repeat` times is an error that says what weight it can carry.
+3. Write. Each source streams the rows of its slice (files in a seeded order). Each row is due at the point of
+   the stage where the (possibly interpolated) schedule wants it; rows are merged by due point and written in
+   blocks of `shuffle_buffer` rows, each block shuffled with a seeded generator: every block holds the sources in
+   proportion, and the same seed gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from smolctl.errors import UserError
+from smolctl.recipe import Section, load_recipe
+from smolctl.shards import (
+    KIND_DOCUMENTS,
+    DatasetWriter,
+    DocumentSource,
+    OutputFolder,
+    check_output_path,
+    open_documents,
+    schema_to_dict,
+)
+
+BIN_BITS = 16
+BINS = 1 << BIN_BITS
+SOURCE_COLUMN = "source"
+BUDGET_KINDS = ("tokens", "bytes", "documents")
+STAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plan: sources, stages, weights, budgets
+
+
+class SourceSection(Section):
+    path: str
+
+
+class StageSection(Section):
+    name: str
+    weights: dict[str, float]
+    end_weights: dict[str, float] | None = None
+    interpolate: bool = False
+    tokens: int | None = None
+    bytes: int | None = None
+    documents: int | None = None
+
+
+class MixRecipe(Section):
+    seed: int = 0
+    max_repeat: float = 1.0
+    tokenizer: str | None = None
+    text_column: str = "text"
+    shuffle_buffer: int = 20_000
+    sources: dict[str, SourceSection]
+    stages: list[StageSection]
+
+
+@dataclass
+class Stage:
+    name: str
+    start: dict[str, float]
+    """Normalised weights at the start of the stage."""
+    end: dict[str, float]
+    """Normalised weights at the end (equal to `start` unless the weights move across the stage)."""
+    budget: int | None = None
+    budget_kind: str | None = None
+    """tokens, bytes or documents; None takes as much as max_repeat allows."""
+
+    def share(self, name: str) -> float:
+        """The source's fraction of the whole stage: the mean of a linear schedule."""
+        return (self.start.get(name, 0.0) + self.end.get(name, 0.0)) / 2
+
+
+@dataclass
+class MixPlan:
+    sources: dict[str, str]
+    stages: list[Stage]
+    tokenizer: str | None = None
+    seed: int = 0
+    max_repeat: float = 1.0
+    text_column: str = "text"
+    shuffle_buffer: int = 20_000
+    staged: bool = True
+    """True: each stage goes to OUTPUT/<stage>/ under a top-level manifest; False: OUTPUT is the one stage."""
+
+    @property
+    def unit(self) -> str:
+        return "tokens" if self.tokenizer else "bytes"
+
+
+def parse_amount(text: str, flag: str) -> int:
+    """'2.5M' → 2_500_000; '1GB' / '1GiB' for bytes. Suffixes are decimal (K, M, B or G, T) or binary (KiB...)."""
+    units = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    match = re.fullmatch(r"\s*([0-9_]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if match and match.group(2).lower() in units:
+        value = float(match.group(1).replace("_", "")) * units[match.group(2).lower()]
+        if value >= 1:
+            return int(value)
+    raise UserError(flag, f"cannot parse {text!r} as an amount", "write e.g. 1000000, 2.5M or 8B")
+
+
+def parse_source(text: str) -> tuple[str, str, float]:
+    """'web=data/web:0.7' → ('web', 'data/web', 0.7). The weight follows the last ':' (paths may hold ':')."""
+    name, sep, rest = text.partition("=")
+    path, colon, weight = rest.rpartition(":")
+    if not sep or not colon or not name.strip() or not path:
+        raise UserError("--source", f"{text!r} is not NAME=PATH:WEIGHT", "write e.g. --source web=data/web:0.7")
+    try:
+        value = float(weight)
+    except ValueError:
+        raise UserError("--source", f"{text!r}: weight {weight!r} is not a number", "write e.g. web=data/web:0.7") from None
+    return name.strip(), path, value
+
+
+def normalise(weights: dict[str, float], where: str, sources: dict[str, str]) -> dict[str, float]:
+    for name, weight in weights.items():
+        if name not in sources:
+            raise UserError(where, f"weight for unknown source {name!r}", f"known sources: {', '.join(sources)}")
+        if not math.isfinite(weight) or weight < 0:
+            raise UserError(where, f"weight of {name!r} is {weight}", "weights are finite numbers >= 0")
+    total = sum(weights.values())
+    if total <= 0:
+        raise UserError(where, "the weights sum to zero", "give at least one source a positive weight")
+    return {name: weights.get(name, 0.0) / total for name in sources}
+
+
+def plan_from_flags(sources: list[str], *, tokens: str | None = None, bytes_: str | None = None,
+                    documents: str | None = None, tokenizer: str | None = None, seed: int = 0,
+                    max_repeat: float = 1.0, text_column: str = "text", shuffle_buffer: int = 20_000) -> MixPlan:
+    parsed = [parse_source(text) for text in sources]
+    if not parsed:
+        raise UserError("--source", "no sources given", "pass --source NAME=PATH:WEIGHT (repeat it) or --recipe")
+    names = [name for name, _, _ in parsed]
+    if len(set(names)) != len(names):
+        raise UserError("--source", f"a source name is used twice ({', '.join(names)})", "give each source its own name")
+    paths = {name: path for name, path, _ in parsed}
+    budgets = {kind: value for kind, value in zip(BUDGET_KINDS, (tokens, bytes_, documents)) if value is not None}
+    if len(budgets) > 1:
+        raise UserError("--tokens/--bytes/--documents", "more than one budget given", "pass only one")
+    kind, amount = next(iter(budgets.items()), (None, None))
+    weights = normalise({name: weight for name, _, weight in parsed}, "--source", paths)
+    stage = Stage("mix", weights, weights, parse_amount(amount, f"--{kind}") if amount else None, kind)
+    plan = MixPlan(paths, [stage], tokenizer, seed, max_repeat, text_column, shuffle_buffer, staged=False)
+    check_plan(plan)
+    return plan
+
+
+def plan_from_recipe(path: str | Path, overrides: list[str] = ()) -> MixPlan:
+    recipe = load_recipe(MixRecipe, path, overrides)
+    sources = {name: section.path for name, section in recipe.sources.items()}
+    if not sources:
+        raise UserError(path, "sources: no sources", "add [sources.NAME] tables with a path")
+    if not recipe.stages:
+        raise UserError(path, "stages: no stages", "add [[stages]] tables with a name and weights")
+    stages = []
+    for i, section in enumerate(recipe.stages):
+        where = f"{path}: stages[{i}] ({section.name})"
+        start = normalise(section.weights, f"{where}.weights", sources)
+        if section.interpolate and section.end_weights is not None:
+            raise UserError(where, "has both interpolate and end_weights", "use one: interpolate moves to the next stage's weights")
+        if section.interpolate and i + 1 == len(recipe.stages):
+            raise UserError(where, "interpolate = true on the last stage", "give it end_weights instead")
+        target = recipe.stages[i + 1].weights if section.interpolate else section.end_weights
+        end = normalise(target, f"{where}.end_weights", sources) if target is not None else start
+        budgets = [(kind, getattr(section, kind)) for kind in BUDGET_KINDS if getattr(section, kind) is not None]
+        if len(budgets) > 1:
+            raise UserError(where, f"more than one budget ({', '.join(k for k, _ in budgets)})", "give one of tokens, bytes, documents")
+        kind, amount = budgets[0] if budgets else (None, None)
+        if amount is not None and amount < 1:
+            raise UserError(where, f"{kind} = {amount}", "budgets are positive")
+        stages.append(Stage(section.name, start, end, amount, kind))
+    plan = MixPlan(sources, stages, recipe.tokenizer, recipe.seed, recipe.max_repeat, recipe.text_column,
+                   recipe.shuffle_buffer, staged=True)
+    check_plan(plan)
+    return plan
+
+
+def check_plan(plan: MixPlan) -> None:
+    if not (plan.max_repeat > 0 and math.isfinite(plan.max_repeat)):
+        raise UserError("--max-repeat", f"{plan.max_repeat} is not a positive number", "use e.g. 1 (each document at most once) or 4")
+    if plan.shuffle_buffer < 1:
+        raise UserError("shuffle_buffer", f"{plan.shuffle_buffer} rows", "use a positive row count")
+    names = [stage.name for stage in plan.stages]
+    for name in names:
+        if not STAGE_NAME.fullmatch(name):
+            raise UserError(f"stage {name!r}", "is not a usable folder name", "use letters, digits, '.', '_' and '-'")
+    if len(set(names)) != len(names):
+        raise UserError("stages", f"a stage name is used twice ({', '.join(names)})", "give each stage its own name")
+    for stage in plan.stages:
+        if stage.budget_kind == "tokens" and not plan.tokenizer:
+            raise UserError(f"stage {stage.name!r}", "a budget in tokens needs a tokenizer", "pass --tokenizer (or set tokenizer in the recipe), or give the budget in bytes")
+        if stage.budget_kind == "bytes" and plan.tokenizer:
+            raise UserError(f"stage {stage.name!r}", "with a tokenizer, weights are fractions of tokens, so a budget in bytes is ambiguous",
+                            "give the budget in tokens or documents")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pass 1: measure every source into hash bins
+
+
+def source_key(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}\0{name}".encode()).digest()[:8], "little")
+
+
+def row_bins(key: int, rows: np.ndarray) -> np.ndarray:
+    """A bin in [0, BINS) for each global row index: splitmix64 of (row, key), top bits. Pure, vectorised."""
+    z = (rows.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(key)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return (z >> np.uint64(64 - BIN_BITS)).astype(np.int64)
+
+
+@dataclass
+class SourceProfile:
+    name: str
+    source: DocumentSource
+    key: int
+    units: np.ndarray
+    """Units (tokens or bytes) per bin."""
+    documents: np.ndarray
+    """Documents per bin."""
+
+    @property
+    def total_units(self) -> int:
+        return int(self.units.sum())
+
+    @property
+    def total_documents(self) -> int:
+        return int(self.documents.sum())
+
+    def file_offsets(self) -> list[int]:
+        return np.concatenate([[0], np.cumsum(self.source.file_rows)]).astype(int).tolist()
+
+
+def document_sizes(texts: pa.Array, backend) -> np.ndarray:
+    """Tokens (ids + the EOS `pack` appends; 0 for an empty document) or UTF-8 bytes of each document."""
+    if backend is None:
+        return pc.fill_null(pc.binary_length(texts), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    from smolctl.data.pack import encode_texts
+
+    lengths = encode_texts(backend, [t if t is not None else "" for t in texts.to_pylist()]).lengths
+    return np.where(lengths > 0, lengths + 1, 0)
+
+
+def measure(name: str, source: DocumentSource, key: int, text_column: str, backend,
+            on_rows: Callable[[int], None] | None = None) -> SourceProfile:
+    units = np.zeros(BINS, dtype=np.int64)
+    documents = np.zeros(BINS, dtype=np.int64)
+    row = 0
+    for batch in source.iter_batches(columns=[text_column], batch_size=4096):
+        bins = row_bins(key, np.arange(row, row + batch.num_rows))
+        units += np.bincount(bins, weights=document_sizes(batch.column(0), backend), minlength=BINS).astype(np.int64)
+        documents += np.bincount(bins, minlength=BINS)
+        row += batch.num_rows
+        if on_rows:
+            on_rows(batch.num_rows)
+    return SourceProfile(name, source, key, units, documents)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Allocation: each stage takes a slice of every source's repeating walk through its bins
+
+
+@dataclass
+class SourceReport:
+    name: str
+    start_weight: float
+    end_weight: float
+    target_weight: float
+    achieved_weight: float = 0.0
+    units: int = 0
+    documents: int = 0
+    repeat: float = 0.0
+    """How many times this stage's slice covers the source."""
+    cumulative_repeat: float = 0.0
+    """How many times this and all earlier stages together cover the source."""
+    source_units: int = 0
+    source_documents: int = 0
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+    """Bin ranges [lo, hi) read in this stage, one pass each (a range repeats when the slice wraps)."""
+
+
+@dataclass
+class StageReport:
+    name: str
+    path: str
+    unit: str
+    budget: int | None
+    budget_kind: str | None
+    units: int
+    documents: int
+    sources: list[SourceReport]
+    shards: int = 0
+
+
+def bin_boundary(cumulative: np.ndarray, position: float) -> int:
+    """The global bin boundary (epochs × BINS + bin) whose walk position is nearest `position` units."""
+    total = int(cumulative[-1])
+    epoch, within = divmod(position, total)
+    right = int(np.searchsorted(cumulative, within))
+    left = max(0, right - 1)
+    best = left if abs(cumulative[left] - within) <= abs(cumulative[min(right, BINS)] - within) else min(right, BINS)
+    return int(epoch) * BINS + best
+
+
+def walk_units(cumulative: np.ndarray, boundary: int) -> int:
+    epoch, index = divmod(boundary, BINS)
+    return epoch * int(cumulative[-1]) + int(cumulative[index])
+
+
+def allocate(plan: MixPlan, profiles: dict[str, SourceProfile]) -> list[list[SourceReport]]:
+    """Each stage's per-source slices. Raises a UserError for a weight that needs more than max_repeat."""
+    cumulative = {n: np.concatenate([[0], np.cumsum(p.units)]) for n, p in profiles.items()}
+    position = {name: 0 for name in profiles}  # global bin boundary reached by earlier stages
+    allocations = []
+    for stage in plan.stages:
+        used = {n: s for n in profiles if (s := stage.share(n)) > 0}
+        for name in used:
+            if profiles[name].total_units == 0:
+                raise UserError(f"source {name!r}", f"has no {plan.unit} (every document is empty)", "drop it or give it weight 0")
+        room = {n: plan.max_repeat * profiles[n].total_units - walk_units(cumulative[n], position[n]) for n in used}
+        if stage.budget_kind == "documents":
+            units_per_doc = {n: profiles[n].total_units / max(1, profiles[n].total_documents) for n in used}
+            total = stage.budget / sum(share / units_per_doc[n] for n, share in used.items())
+        elif stage.budget is not None:
+            total = float(stage.budget)
+        else:
+            total = min(room[n] / share for n, share in used.items())
+            if total <= 0:
+                raise UserError(f"stage {stage.name!r}", f"has no budget and earlier stages used its sources up to max_repeat {plan.max_repeat:g}",
+                                "give the stage a budget, or raise --max-repeat")
+        reports = []
+        for name in profiles:
+            profile, share = profiles[name], stage.share(name)
+            report = SourceReport(name, stage.start[name], stage.end[name], share,
+                                  source_units=profile.total_units, source_documents=profile.total_documents)
+            if share > 0:
+                check_room(plan, stage, profile, share, total, room[name])
+                begin = position[name]
+                end = max(begin, bin_boundary(cumulative[name], walk_units(cumulative[name], begin) + share * total))
+                report.ranges = bin_ranges(begin, end)
+                report.units = sum(int(profile.units[lo:hi].sum()) for lo, hi in report.ranges)
+                report.documents = sum(int(profile.documents[lo:hi].sum()) for lo, hi in report.ranges)
+                report.repeat = report.units / profile.total_units
+                position[name] = end
+            report.cumulative_repeat = walk_units(cumulative[name], position[name]) / max(1, profile.total_units)
+            reports.append(report)
+        stage_units = sum(r.units for r in reports)
+        for report in reports:
+            report.achieved_weight = report.units / stage_units if stage_units else 0.0
+        allocations.append(reports)
+    return allocations
+
+
+def check_room(plan: MixPlan, stage: Stage, profile: SourceProfile, share: float, total: float, room: float) -> None:
+    need = share * total
+    if need <= room * (1 + 1e-9):
+        return
+    earlier = (plan.max_repeat * profile.total_units - room) / profile.total_units
+    used_before = f", of which earlier stages already used {earlier:.2f}x" if earlier > 0 else ""
+    raise UserError(
+        f"stage {stage.name!r}, source {profile.name!r}",
+        f"has {profile.total_units:,} {plan.unit} in {profile.total_documents:,} documents; weight {share:.4g} of "
+        f"{total:,.0f} {plan.unit} needs {need:,.0f}, {need / profile.total_units:.2f}x the source, beyond "
+        f"max_repeat {plan.max_repeat:g}{used_before}: it can carry a weight of at most {max(0.0, room) / total:.4g}",
+        "lower its weight or the budget, or raise --max-repeat (max_repeat in a recipe)",
+    )
+
+
+def bin_ranges(begin: int, end: int) -> list[tuple[int, int]]:
+    """Global bin boundaries [begin, end) as per-epoch ranges [lo, hi) of bins."""
+    ranges = []
+    while begin < end:
+        epoch, lo = divmod(begin, BINS)
+        hi = min(BINS, end - epoch * BINS)
+        ranges.append((lo, hi))
+        begin = epoch * BINS + hi
+    return ranges
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pass 2: stream each stage's rows, merged by due point, in shuffled blocks
+
+
+def output_schema(schemas: dict[str, pa.Schema]) -> pa.Schema:
+    """The union of the sources' columns (a column a source lacks is null in its rows), plus `source`.
+
+    A `source` column already in a source (e.g. an earlier mix) is replaced by the name given here.
+    """
+    try:
+        merged = pa.unify_schemas([pa.schema([f for f in s if f.name != SOURCE_COLUMN]) for s in schemas.values()])
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        first: dict[str, tuple[str, pa.DataType]] = {}
+        for name, schema in schemas.items():
+            for column in schema:
+                seen = first.setdefault(column.name, (name, column.type))
+                if seen[1] != column.type:
+                    raise UserError(f"source {name!r}", f"column '{column.name}' is {column.type} but {seen[1]} in "
+                                    f"source {seen[0]!r}", "cast it to one type in every source") from exc
+        raise UserError("--source", f"the sources' schemas do not combine ({exc})", "give them compatible columns") from exc
+    return merged.append(pa.field(SOURCE_COLUMN, pa.string()))
+
+
+def conform(batch: pa.RecordBatch, schema: pa.Schema, name: str) -> pa.Table:
+    columns = [batch.column(f.name) if f.name in batch.schema.names else pa.nulls(batch.num_rows, f.type)
+               for f in schema if f.name != SOURCE_COLUMN]
+    columns.append(pa.array([name] * batch.num_rows, pa.string()))
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def due_points(stage: Stage, name: str, progress: np.ndarray) -> np.ndarray:
+    """Where in the stage (0..1) a source's rows belong, given how far through its slice each row is (0..1).
+
+    With weights moving linearly from a to b, the source's cumulative share at stage point x is
+    a·x + (b - a)·x²/2, normalised by its total (a + b)/2; this solves that for x.
+    """
+    a, b = stage.start[name], stage.end[name]
+    curve = (b - a) / 2
+    if abs(curve) < 1e-12:
+        return progress
+    target = progress * (a + b) / 2
+    return (-a + np.sqrt(np.maximum(a * a + 4 * curve * target, 0.0))) / (2 * curve)
+
+
+def stream_rows(profile: SourceProfile, report: SourceReport, stage: Stage, plan: MixPlan, schema: pa.Schema,
+                stage_index: int) -> Iterator[tuple[pa.Table, np.ndarray]]:
+    """(rows, due points) of one source's slice, one read pass per bin range, files in a seeded order."""
+    offsets = profile.file_offsets()
+    emitted = 0
+    for pass_index, (lo, hi) in enumerate(report.ranges):
+        rng = np.random.default_rng([plan.seed, profile.key % 2**32, stage_index, pass_index])
+        for file_index in rng.permutation(len(profile.source.files)).tolist():
+            row = offsets[file_index]
+            for batch in profile.source.iter_file_batches(file_index, batch_size=1024):
+                bins = row_bins(profile.key, np.arange(row, row + batch.num_rows))
+                row += batch.num_rows
+                keep = (bins >= lo) & (bins < hi)
+                if not keep.any():
+                    continue
+                rows = conform(batch.filter(pa.array(keep)), schema, profile.name)
+                progress = (emitted + np.arange(rows.num_rows) + 0.5) / max(1, report.documents)
+                emitted += rows.num_rows
+                yield rows, due_points(stage, profile.name, progress)
+
+
+def merged_blocks(streams: list[Iterator[tuple[pa.Table, np.ndarray]]], block_rows: int, seed: int,
+                  stage_index: int) -> Iterator[pa.Table]:
+    """Merge the streams by due point; emit blocks of `block_rows` rows, each shuffled by a seeded generator.
+
+    A row is ready once no stream can still produce an earlier due point (each stream's points only grow), so
+    the buffer never holds more than a block plus one batch per source.
+    """
+    heap: list[tuple[float, int, pa.Table, np.ndarray]] = []
+    buffer: list[tuple[pa.Table, np.ndarray]] = []
+    blocks = 0
+
+    def pull(index: int) -> None:
+        for rows, due in streams[index]:
+            heapq.heappush(heap, (float(due[0]), index, rows, due))
+            return
+
+    def ready_blocks(final: bool) -> Iterator[pa.Table]:
+        nonlocal buffer, blocks
+        rows = pa.concat_tables([t for t, _ in buffer]) if len(buffer) > 1 else buffer[0][0]
+        points = np.concatenate([d for _, d in buffer])
+        order = np.argsort(points, kind="stable")
+        ready = len(order) if final else int(np.searchsorted(points[order], heap[0][0], side="right"))
+        while ready >= block_rows or (final and ready > 0):
+            take = min(block_rows, ready)
+            shuffle = np.random.default_rng([seed, stage_index, blocks]).permutation(take)
+            yield rows.take(pa.array(order[:take][shuffle]))
+            blocks += 1
+            order, ready = order[take:], ready - take
+        buffer = [(rows.take(pa.array(order)), points[order])] if len(order) else []
+
+    for index in range(len(streams)):
+        pull(index)
+    buffered = 0
+    while heap:
+        _, index, rows, due = heapq.heappop(heap)
+        buffer.append((rows, due))
+        buffered += rows.num_rows
+        pull(index)
+        if heap and buffered >= block_rows:
+            yield from ready_blocks(final=False)
+            buffered = sum(t.num_rows for t, _ in buffer)
+    if buffer:
+        yield from ready_blocks(final=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The command
+
+
+@dataclass
+class MixResult:
+    output: str
+    unit: str
+    seed: int
+    max_repeat: float
+    stages: list[StageReport]
+    seconds: float
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for stage in out["stages"]:
+            for source in stage["sources"]:
+                source.pop("ranges")
+        return out
+
+
+@dataclass
+class MixJob:
+    """A validated mix (sources opened, schemas unified, tokenizer loaded, output checked): see `prepare_mix`."""
+
+    plan: MixPlan
+    output: Path
+    overwrite: bool
+    sources: dict[str, DocumentSource]
+    schema: pa.Schema
+    backend: object
+
+    @property
+    def total_rows(self) -> int:
+        return sum(source.num_rows for source in self.sources.values())
+
+    def run(self, on_measure: Callable[[int], None] | None = None,
+            on_stage: Callable[[str, int], Callable[[int], None]] | None = None) -> MixResult:
+        """Measure, allocate, write. `on_stage(name, rows)` returns the per-block callback for that stage."""
+        started = time.perf_counter()
+        plan = self.plan
+        profiles = {name: measure(name, source, source_key(plan.seed, name), plan.text_column, self.backend, on_measure)
+                    for name, source in self.sources.items()}
+        allocations = allocate(plan, profiles)
+        inputs = [ref for source in self.sources.values() for ref in source.lineage()]
+        stages = []
+        with OutputFolder(self.output, kind=KIND_DOCUMENTS, overwrite=self.overwrite, inputs=inputs) as top:
+            for index, (stage, reports) in enumerate(zip(plan.stages, allocations)):
+                on_rows = on_stage(stage.name, sum(r.documents for r in reports)) if on_stage else None
+                if plan.staged:
+                    with OutputFolder(top.staging / stage.name, kind=KIND_DOCUMENTS, inputs=inputs) as folder:
+                        report = self._write_stage(folder, index, stage, reports, profiles, on_rows)
+                    top.shards += [{**s, "name": f"{stage.name}/{s['name']}"} for s in report.pop("shards")]
+                else:
+                    report = self._write_stage(top, index, stage, reports, profiles, on_rows, commit=False)
+                    report.pop("shards")
+                stages.append(StageReport(stage.name, str(self.output / stage.name if plan.staged else self.output),
+                                          plan.unit, stage.budget, stage.budget_kind, report["units"],
+                                          report["documents"], reports, report["shard_count"]))
+            mix = {"unit": plan.unit, "seed": plan.seed, "max_repeat": plan.max_repeat, "tokenizer": plan.tokenizer,
+                   "stages": [stage_manifest(s) for s in stages]}
+            top.commit(schema=schema_to_dict(self.schema), stats=totals(stages, plan.unit), mix=mix,
+                       stages=[s.name for s in stages] if plan.staged else None)
+        return MixResult(str(self.output), plan.unit, plan.seed, plan.max_repeat, stages, time.perf_counter() - started)
+
+    def _write_stage(self, folder: OutputFolder, index: int, stage: Stage, reports: list[SourceReport],
+                     profiles: dict[str, SourceProfile], on_rows, commit: bool = True) -> dict:
+        plan = self.plan
+        streams = [stream_rows(profiles[r.name], r, stage, plan, self.schema, index) for r in reports if r.ranges]
+        writer = DatasetWriter(folder, schema=self.schema)
+        for block in merged_blocks(streams, plan.shuffle_buffer, plan.seed, index):
+            writer.write(block)
+            if on_rows:
+                on_rows(block.num_rows)
+        writer.close()
+        units, documents = sum(r.units for r in reports), sum(r.documents for r in reports)
+        shards = list(folder.shards)
+        if commit:
+            report = StageReport(stage.name, "", plan.unit, stage.budget, stage.budget_kind, units, documents, reports)
+            folder.commit(schema=schema_to_dict(self.schema), stats=totals([report], plan.unit),
+                          mix={"unit": plan.unit, "seed": plan.seed, "max_repeat": plan.max_repeat,
+                               "tokenizer": plan.tokenizer, "stages": [stage_manifest(report)]})
+        return {"units": units, "documents": documents, "shards": shards, "shard_count": len(shards)}
+
+
+def stage_manifest(stage: StageReport) -> dict:
+    return {"name": stage.name, "budget": stage.budget, "budget_kind": stage.budget_kind, "units": stage.units,
+            "documents": stage.documents,
+            "sources": [{k: v for k, v in asdict(s).items() if k != "ranges"} for s in stage.sources]}
+
+
+def totals(stages: list[StageReport], unit: str) -> dict:
+    return {unit: sum(s.units for s in stages), "documents": sum(s.documents for s in stages)}
+
+
+def prepare_mix(plan: MixPlan, output: str | Path, *, overwrite: bool = False) -> MixJob:
+    """Open and check every source, unify their schemas, load the tokenizer, check the output: before any work."""
+    used = [name for name in plan.sources if any(stage.share(name) > 0 for stage in plan.stages)]
+    sources = {}
+    for name in used:
+        source = open_documents(plan.sources[name])
+        source.require(text=[plan.text_column])
+        sources[name] = source
+    schema = output_schema({name: source.schema for name, source in sources.items()})
+    check_output_path(Path(output), overwrite)
+    backend = None
+    if plan.tokenizer:
+        from smolctl.data.tokenizer import load_tokenizer
+
+        backend = load_tokenizer(plan.tokenizer).backend_tokenizer
+    return MixJob(plan, Path(output), overwrite, sources, schema, backend)

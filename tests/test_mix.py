@@ -1,0 +1,232 @@
+"""`smolctl mix`: achieved weights, determinism, repetition limits, stages and interpolation, bad inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import run_cli
+from smolctl.data.mix import parse_source, plan_from_flags, plan_from_recipe, prepare_mix
+from smolctl.errors import UserError
+from smolctl.shards import open_documents, read_manifest
+
+
+def mix(sources: list[str], output: Path, **options):
+    return prepare_mix(plan_from_flags(sources, **options), output).run()
+
+
+def read_rows(folder: Path) -> pa.Table:
+    source = open_documents(folder)
+    return pa.Table.from_batches(list(source.iter_batches()), schema=source.schema)
+
+
+def byte_shares(table: pa.Table) -> dict[str, float]:
+    sizes = pc.binary_length(table["text"]).to_numpy(zero_copy_only=False)
+    names = table["source"].to_numpy(zero_copy_only=False)
+    return {name: sizes[names == name].sum() / sizes.sum() for name in set(names)}
+
+
+def write_recipe(path: Path, sample: Path, body: str) -> Path:
+    sources = "".join(f'[sources.{n}]\npath = "{sample / n}"\n\n' for n in ("web", "code", "math"))
+    path.write_text(body.split("[[stages]]", 1)[0] + sources + "[[stages]]" + body.split("[[stages]]", 1)[1])
+    return path
+
+
+SOURCES = ["web={}/web:0.5", "code={}/code:0.3", "math={}/math:0.2"]
+
+
+def test_achieved_byte_weights_are_within_one_percent(sample, tmp_path):
+    result = mix([s.format(sample) for s in SOURCES], tmp_path / "out", bytes_="3MB", max_repeat=4, shuffle_buffer=500)
+    shares = byte_shares(read_rows(tmp_path / "out"))
+    for name, target in {"web": 0.5, "code": 0.3, "math": 0.2}.items():
+        assert abs(shares[name] - target) < 0.01
+    reported = {s.name: s for s in result.stages[0].sources}
+    for name, share in shares.items():  # the manifest's numbers are the output's numbers
+        assert reported[name].achieved_weight == pytest.approx(share, abs=1e-9)
+    assert reported["math"].repeat > 3  # math (190 KB) is repeated to reach 600 KB
+    assert sum(s.units for s in reported.values()) == pytest.approx(3_000_000, rel=0.01)
+    assert read_manifest(tmp_path / "out")["mix"]["stages"][0]["sources"][2]["name"] == "math"
+
+
+def test_achieved_token_weights_are_within_one_percent(sample, tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    mix([f"web={sample}/web:6", f"code={sample}/code:2.5", f"math={sample}/math:1.5"], tmp_path / "out",
+        tokens="400K", tokenizer=str(tokenizer_dir), max_repeat=3)
+    rows = read_rows(tmp_path / "out")
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    counts = np.array([len(ids) + 1 if ids else 0 for ids in tokenizer(rows["text"].to_pylist(),
+                                                                       add_special_tokens=False)["input_ids"]])
+    names = rows["source"].to_numpy(zero_copy_only=False)
+    assert counts.sum() == pytest.approx(400_000, rel=0.01)
+    for name, target in {"web": 0.6, "code": 0.25, "math": 0.15}.items():
+        assert abs(counts[names == name].sum() / counts.sum() - target) < 0.01
+
+
+def test_same_seed_same_bytes_and_sources_interleaved(sample, tmp_path):
+    sources = [s.format(sample) for s in SOURCES]
+    for name, seed in (("a", 7), ("b", 7), ("c", 8)):
+        mix(sources, tmp_path / name, bytes_="800KB", seed=seed, shuffle_buffer=200)
+    shards = {n: [s["sha256"] for s in read_manifest(tmp_path / n)["shards"]] for n in "abc"}
+    assert shards["a"] == shards["b"] != shards["c"]
+    first_block = read_rows(tmp_path / "a").slice(0, 200)["source"].to_pylist()
+    assert set(first_block) == {"web", "code", "math"}  # every block holds the sources in proportion
+
+
+def test_max_repeat_error_names_the_weight_a_source_can_carry(sample, tmp_path):
+    sources = [f"web={sample}/web:0.5", f"math={sample}/math:0.5"]
+    with pytest.raises(UserError) as error:
+        mix(sources, tmp_path / "out", bytes_="1MB")
+    message = str(error.value)
+    math_bytes = text_bytes(sample / "math")
+    assert f"has {math_bytes:,} bytes in 237 documents" in message and "max_repeat 1" in message
+    carry = float(message.split("at most ")[1].split(" ")[0])
+    assert carry == pytest.approx(math_bytes / 1_000_000, rel=1e-3)
+    assert not (tmp_path / "out").exists()
+    # the weight it names is one the source can carry
+    result = mix([f"web={sample}/web:{1 - carry * 0.999}", f"math={sample}/math:{carry * 0.999}"],
+                 tmp_path / "ok", bytes_="1MB")
+    assert {s.name: s.repeat for s in result.stages[0].sources}["math"] <= 1.0
+
+
+def text_bytes(folder: Path) -> int:
+    return int(pc.sum(pc.binary_length(read_rows(folder)["text"])).as_py())
+
+
+def test_stages_continue_through_sources_and_interpolate(sample, tmp_path):
+    recipe = write_recipe(tmp_path / "mix.toml", sample, """
+seed = 3
+max_repeat = 1.0
+shuffle_buffer = 100
+
+[[stages]]
+name = "stable"
+bytes = 400_000
+weights = { web = 60, code = 30, math = 10 }
+
+[[stages]]
+name = "decay"
+bytes = 300_000
+weights = { web = 80, code = 20, math = 0 }
+end_weights = { web = 20, code = 40, math = 40 }
+""")
+    result = prepare_mix(plan_from_recipe(recipe), tmp_path / "out").run()
+    stable, decay = (read_rows(tmp_path / "out" / name) for name in ("stable", "decay"))
+    for name, target in byte_shares(stable).items():
+        assert abs(target - {"web": 0.6, "code": 0.3, "math": 0.1}[name]) < 0.01
+    # the schedule's mean over the stage, then its two halves: a + (b - a)/4 and a + 3(b - a)/4
+    for name, target in {"web": 0.5, "code": 0.3, "math": 0.2}.items():
+        assert abs(byte_shares(decay)[name] - target) < 0.01
+    half = decay.num_rows // 2
+    first, second = byte_shares(decay.slice(0, half)), byte_shares(decay.slice(half))
+    assert first["web"] == pytest.approx(0.65, abs=0.05) and second["web"] == pytest.approx(0.35, abs=0.05)
+    assert first["math"] == pytest.approx(0.10, abs=0.04) and second["math"] == pytest.approx(0.30, abs=0.05)
+    # stage two reads documents stage one did not (max_repeat 1: no document twice in the whole mix)
+    ids = stable["id"].to_pylist() + decay["id"].to_pylist()
+    assert len(ids) == len(set(ids))
+    decay_report = {s.name: s for s in result.stages[1].sources}
+    assert decay_report["web"].start_weight == 0.8 and decay_report["web"].target_weight == pytest.approx(0.5)
+    # the top-level folder is a dataset of every stage in order, with a manifest per stage
+    top = read_manifest(tmp_path / "out")
+    assert top["stages"] == ["stable", "decay"] and top["rows"] == stable.num_rows + decay.num_rows
+    assert [s["name"].split("/")[0] for s in top["shards"]] == ["stable", "decay"]
+    assert read_manifest(tmp_path / "out" / "decay")["kind"] == "documents"
+    assert open_documents(tmp_path / "out").num_rows == top["rows"]
+
+
+def test_interpolate_moves_to_the_next_stage_and_sources_may_differ_in_columns(sample, tmp_path):
+    extra = tmp_path / "extra.parquet"
+    pq.write_table(pa.table({"text": ["an extra document"] * 50, "score": np.arange(50.0)}), extra)
+    recipe = tmp_path / "mix.toml"
+    recipe.write_text(f"""
+max_repeat = 100.0
+[sources.web]
+path = "{sample / 'web'}"
+[sources.extra]
+path = "{extra}"
+[[stages]]
+name = "one"
+documents = 400
+weights = {{ web = 1, extra = 0 }}
+interpolate = true
+[[stages]]
+name = "two"
+documents = 100
+weights = {{ web = 1, extra = 1 }}
+""")
+    result = prepare_mix(plan_from_recipe(recipe), tmp_path / "out").run()
+    one = result.stages[0].sources
+    assert [s.end_weight for s in one] == [0.5, 0.5] and one[1].target_weight == pytest.approx(0.25)
+    rows = read_rows(tmp_path / "out" / "two")
+    assert rows.schema.names == ["id", "text", "origin", "score", "source"]
+    from_web = pc.equal(rows["source"], "web")
+    assert rows.filter(from_web)["score"].null_count == rows.filter(from_web).num_rows
+    assert rows.filter(pc.invert(from_web))["id"].null_count == rows.filter(pc.invert(from_web)).num_rows
+
+
+def test_parse_source_splits_on_the_last_colon():
+    assert parse_source("web=C:/data/web:0.5") == ("web", "C:/data/web", 0.5)
+    assert parse_source("code=s3://bucket/code:12") == ("code", "s3://bucket/code", 12.0)
+
+
+@pytest.mark.parametrize("sources, options, message", [
+    (["web=data/sample/web"], {}, "is not NAME=PATH:WEIGHT"),
+    (["web=data/sample/web:lots"], {}, "weight 'lots' is not a number"),
+    (["web=data/sample/web:0", "code=data/sample/code:0"], {}, "the weights sum to zero"),
+    (["web=data/sample/web:-1", "code=data/sample/code:2"], {}, "weight of 'web' is -1"),
+    (["web=data/sample/nowhere:1"], {}, "no such file or folder"),
+    (["chat=data/sample/chat:1"], {}, "has no column 'text'"),
+    (["web=data/sample/web:1"], {"tokens": "1M"}, "a budget in tokens needs a tokenizer"),
+    (["web=data/sample/web:1"], {"bytes_": "lots"}, "cannot parse 'lots'"),
+    (["web=data/sample/web:1", "web=data/sample/code:1"], {}, "a source name is used twice"),
+    (["web=data/sample/web:1"], {"max_repeat": 0}, "is not a positive number"),
+    ([], {}, "no sources given"),
+])
+def test_bad_flags(sources, options, message):
+    with pytest.raises(UserError, match=message):
+        prepare_mix(plan_from_flags(sources, **options), "unused-output")
+
+
+def test_bad_recipes(sample, tmp_path):
+    base = """
+[[stages]]
+name = "one"
+weights = { web = 1 }
+"""
+    cases = [
+        (base.replace('name = "one"', 'name = "one"\ninterpolat = true'), "unknown key — did you mean 'interpolate'"),
+        (base.replace("web = 1", "wbe = 1"), "weight for unknown source 'wbe'"),
+        (base + '\n[[stages]]\nname = "one"\nweights = { web = 1 }\n', "a stage name is used twice"),
+        (base.replace("weights = { web = 1 }", "weights = { web = 1 }\ninterpolate = true"), "interpolate = true on the last stage"),
+        (base.replace('"one"', '"../up"'), "is not a usable folder name"),
+        (base.replace("weights = { web = 1 }", "weights = { web = 1 }\nbytes = 10\ndocuments = 5"), "more than one budget"),
+    ]
+    for body, message in cases:
+        with pytest.raises(UserError, match=message):
+            plan_from_recipe(write_recipe(tmp_path / "r.toml", sample, body))
+
+
+def test_schema_clash_is_an_error(sample, tmp_path):
+    pq.write_table(pa.table({"text": ["x"], "origin": [1]}), tmp_path / "other.parquet")
+    with pytest.raises(UserError, match="column 'origin' is int64 but string"):
+        prepare_mix(plan_from_flags([f"web={sample}/web:1", f"other={tmp_path}/other.parquet:1"]), tmp_path / "out")
+
+
+def test_cli_recipe_with_overrides_then_pack(sample, tokenizer_dir, tmp_path):
+    out = tmp_path / "mix"
+    done = run_cli("mix", out, "--recipe", "recipes/demo-mix.toml", "--tokenizer", tokenizer_dir,
+                   "--set", f"sources.math.path={sample / 'math'}", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["unit"] == "tokens" and [s["name"] for s in result["stages"]] == ["stage-1", "stage-2", "stage-3"]
+    packed = run_cli("pack", out / "stage-1", tmp_path / "packed", "--tokenizer", tokenizer_dir, "--seq-len", "256")
+    assert packed.returncode == 0, packed.stderr
+    refused = run_cli("mix", tmp_path / "x", "--recipe", "recipes/demo-mix.toml", "--source", "web=a:1")
+    assert refused.returncode == 2 and "cannot be combined with --recipe" in refused.stderr
+    assert not (tmp_path / "x").exists()
