@@ -825,9 +825,11 @@ def _render_dry_run(recipe: Path, r: dict) -> None:
 
 
 def _render_train(r) -> None:
+    from smolctl.train.monitor import flops_text
+
     speed = r.speed
     rate = f"{human_count(speed['tokens_per_s'])} tokens/s, " + (
-        f"MFU {speed['mfu']:.1%}" if speed["mfu"] is not None else f"{human_count(speed['flops_per_s'])}FLOP/s (CPU: no MFU)")
+        f"MFU {speed['mfu']:.1%}" if speed["mfu"] is not None else f"{flops_text(speed['flops_per_s'])} (no MFU: no known peak)")
     loss = f"{r.first_loss:.4f} → {r.final_loss:.4f}" if r.first_loss is not None else "-"
     show(key_values(f"{r.stage} {r.run_dir}", [
         ("final model", f"{r.final_model}  (AutoModelForCausalLM.from_pretrained loads it; next stage: --from)"),
@@ -841,6 +843,144 @@ def _render_train(r) -> None:
                    + (f" — see {r.run_dir}/events.jsonl" if r.events else "")),
         ("parent", r.parent or "-"), ("checkpoints", "\n".join(r.checkpoints) or "-"),
     ]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# estimate
+
+
+@app.command("estimate", epilog="""[bold]Examples[/]
+
+  smolctl estimate recipes/smollm3.toml --gpus 384 --tp 2 --tokens 11.2T     the published SmolLM3 run
+
+  smolctl estimate --model smollm3-3b --seq-len 4096 --micro-batch 3 --gpus 384 --gpu h100 --tp 2 --zero 1
+  --tokens 11.2T --mfu 0.30 --price-per-gpu-hour 2.5
+
+  smolctl estimate --model llama3-8b --gpus 64 --gpu a100-80 --find           what fits: layouts, micro batch
+
+  smolctl estimate recipes/smollm3-tiny.toml --validate                       estimate vs measured, side by side
+
+  smolctl estimate path/to/model-folder --target-days 14 --tokens 1T --json
+""")
+def estimate_command(
+    recipe: Optional[str] = typer.Argument(None, help="A pretrain recipe (TOML); or use --model."),
+    model: Optional[str] = typer.Option(None, "--model", help="Preset (smollm3-3b, llama3-8b, ...) or a config.json / model folder."),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", help="Override a recipe key, e.g. model.vocab_size=49152."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence [default: recipe, else 4096]."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Sequences per GPU per forward [default: recipe, else 1]."),
+    global_batch_tokens: Optional[str] = typer.Option(None, "--global-batch-tokens", help="Tokens per optimizer step, e.g. 2359296 or 2.36M."),
+    tokens: Optional[str] = typer.Option(None, "--tokens", help="Training tokens: 11.2T, 100B, 5e9."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="GPUs in the run [default: global batch ÷ micro batch × tp·pp·cp]."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="h100, h200, a100-80, a100-40, l40s, b200, mi300x, ... [default: h100]."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor parallel size (with sequence parallelism)."),
+    pp: Optional[int] = typer.Option(None, "--pp", help="Pipeline stages (1F1B schedule)."),
+    cp: Optional[int] = typer.Option(None, "--cp", help="Context parallel size (splits the sequence)."),
+    zero: Optional[int] = typer.Option(None, "--zero", help="ZeRO stage 0-3 over data parallel (recipe shard=true: 3)."),
+    recompute: Optional[str] = typer.Option(None, "--recompute", help="none | selective | full activation recomputation."),
+    attention: Optional[str] = typer.Option(None, "--attention", help="flash | sdpa | eager."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="bf16 (bf16 weights + fp32 master) | amp (fp32 weights, bf16 autocast) | fp32."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw | adamw8bit | sgd."),
+    mfu: Optional[float] = typer.Option(None, "--mfu", help="Achieved model FLOPs utilisation [default: 0.30]."),
+    price: Optional[float] = typer.Option(None, "--price-per-gpu-hour", help="Cost of one GPU-hour, for the total."),
+    target_days: Optional[float] = typer.Option(None, "--target-days", help="Also report the GPUs needed to finish in this many days."),
+    checkpoint_gbps: Optional[float] = typer.Option(None, "--checkpoint-gbps", help="Checkpoint storage write bandwidth, GB/s [default: 5]."),
+    checkpoint_hours: Optional[float] = typer.Option(None, "--checkpoint-hours", help="Hours between checkpoints [default: 1]."),
+    overhead: Optional[float] = typer.Option(None, "--overhead", help="Use this wall-clock overhead factor instead of the computed one."),
+    find: bool = typer.Option(False, "--find", help="Also search the layouts and the largest micro batch that fit."),
+    validate: bool = typer.Option(False, "--validate", help="Run a (scaled-down) copy here and print estimate vs measured."),
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Parameters, memory per GPU, FLOPs, time and cost of a training run; --find what fits; --validate against
+    a measured forward + backward."""
+    from smolctl.infra.estimate import estimate, load_model
+    from smolctl.infra.plan import plan_from_sources
+
+    if recipe is not None and model is not None:
+        raise UserError("estimate", "got both RECIPE and --model", "pass one (flags override the recipe's values)")
+    flags = dict(model=model, seq_len=seq_len, micro_batch=micro_batch, global_batch_tokens=global_batch_tokens,
+                 tokens=tokens, gpus=gpus, gpu=gpu, tp=tp, pp=pp, cp=cp, zero=zero, recompute=recompute,
+                 attention=attention, precision=precision, optimizer=optimizer, mfu=mfu, price_per_gpu_hour=price,
+                 target_days=target_days, checkpoint_gbps=checkpoint_gbps, checkpoint_hours=checkpoint_hours,
+                 overhead=overhead)
+    plan = plan_from_sources(recipe=recipe, overrides=overrides, flags=flags)
+    result = estimate(plan, find=find)
+    if validate:
+        from smolctl.infra.measure import validate as run_validation
+
+        with console.status("validating: forward + backward on this machine", spinner="dots"):
+            result["validate"] = run_validation(plan, load_model(plan)[0])
+    if json_out:
+        emit_json(result)
+    else:
+        _render_estimate(result)
+
+
+def _render_estimate(r: dict) -> None:
+    from smolctl.console import human_bytes, human_duration
+
+    m, lay, mem, comp = r["model"], r["layout"], r["memory"], r["compute"]
+    p = m["params"]
+    show(key_values(f"model: {m['name']} ({m['model_type']})", [
+        ("parameters", f"{human_count(p['total'])} ({p['total']:,}; closed form "
+                       f"{'n/a' if p['closed_form'] is None else format(p['closed_form'], ',')})"),
+        ("embedding / LM head", f"{human_count(p['embedding'])} / {'tied' if m['tied'] else human_count(p['lm_head'])}"),
+        ("non-embedding / per layer", f"{human_count(p['non_embedding'])} / {human_count(p['per_layer'])}"),
+        ("shape", f"{m['layers']} layers, hidden {m['hidden']}, FFN {m['ffn']}, {m['heads']} heads "
+                  f"({m['kv_heads']} KV) × {m['head_dim']}, vocab {m['vocab']}"),
+    ]))
+    show(key_values("layout", [
+        ("GPUs", f"{lay['gpus']} × {lay['gpu']} = tp {lay['tp']} × pp {lay['pp']} × cp {lay['cp']} × dp {lay['dp']}"),
+        ("batch", f"micro {lay['micro_batch']} × {lay['seq_len']} tokens, accumulation {lay['gradient_accumulation']}, "
+                  f"global {human_count(lay['global_batch_tokens'])} tokens/step"),
+        ("training", f"{lay['precision']}, {lay['optimizer']}, ZeRO-{lay['zero']}, recompute {lay['recompute']}, "
+                     f"{lay['attention']} attention"),
+    ]))
+    rows = [(name, human_bytes(mem[key]), f"{mem[key] / mem['capacity']:.1%}") for name, key in [
+        ("weights", "weights"), ("gradients", "grads"), ("fp32 master weights", "master"),
+        ("optimizer states", "optimizer"), ("ZeRO-3 gather buffers", "gather"), ("activations (peak)", "activations"),
+        ("logits gradient (transient)", "logits_grad"), (f"allocator headroom", "allocator_headroom"),
+        ("CUDA context + NCCL", "runtime_reserved")] if mem[key]]
+    verdict = "[green]fits[/]" if mem["fits"] else "[red]does not fit[/]"
+    rows.append((f"total — {verdict} {mem['gpu']}", human_bytes(mem["total"]), f"{mem['total'] / mem['capacity']:.1%}"))
+    stage = "" if mem["stage"] == "all" else f", {mem['stage']} pipeline stage"
+    show(table(f"memory per GPU ({human_bytes(mem['capacity'])}{stage})", ["", "bytes", "of GPU"], rows))
+    t = comp["time"]
+    facts = [
+        ("FLOPs per token", f"{comp['flops_per_token']:.3e} = 6N {comp['six_n']:.3e} + attention "
+                            f"{comp['attention_flops_per_token']:.3e}"),
+        ("tokens / total FLOPs", f"{human_count(comp['tokens'])} / {comp['total_flops']:.3e}"),
+        ("throughput", f"{comp['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU at MFU {lay['mfu']:.0%}; "
+                       f"{comp['step_seconds']:.2f} s/step, {comp['steps']:,} steps"),
+        ("compute time", human_duration(comp["compute_time"]["seconds"])),
+        ("overhead", f"× {comp['overhead']['factor']:.3f}"),
+        ("time", f"{human_duration(t['seconds'])} = {t['hours']:,.1f} h = {t['days']:.2f} days"),
+        ("GPU-hours", f"{comp['gpu_hours']:,.0f}" + (f"  cost {comp['cost']:,.0f}" if comp["cost"] else "")),
+        ("checkpoint", f"{human_bytes(comp['checkpoint']['bytes'])} (model only "
+                       f"{human_bytes(comp['checkpoint']['model_bytes'])}), "
+                       f"{comp['checkpoint']['write_seconds']:.1f} s to write at {comp['checkpoint']['gbps']:g} GB/s"),
+    ]
+    if comp.get("gpus_for_target"):
+        target = comp["gpus_for_target"]
+        facts.append((f"GPUs for {target['days']:g} days", f"{target['gpus']}"))
+    if comp["pipeline_bubble"]:
+        facts.append(("pipeline bubble", f"{comp['pipeline_bubble']:.1%} of each step (inside the MFU)"))
+    show(key_values("compute and time", facts))
+    for note in [comp["overhead"]["why"], *r["notes"]]:
+        console.print(f"[dim]note:[/] {note}", soft_wrap=False)
+    if "find" in r:
+        found = r["find"]
+        console.print(f"largest micro batch that fits this layout: [bold]{found['largest_micro_batch'] or 'none'}[/]")
+        show(table(f"layouts that fit {lay['gpus']} × {lay['gpu']} at micro batch {lay['micro_batch']}, fastest first",
+                   ["tp", "pp", "cp", "dp", "zero", "recompute", "total", "free"],
+                   [(x["tp"], x["pp"], x["cp"], x["dp"], x["zero"], x["recompute"], human_bytes(x["total"]),
+                     human_bytes(x["free"])) for x in found["layouts"]] or [("none fit", "", "", "", "", "", "", "")]))
+    if "validate" in r:
+        v = r["validate"]
+        fmt = lambda row, x: human_bytes(x) if row["unit"] == "bytes" else (f"{x:,}" if row["unit"] == "count" else f"{x:.4e}")
+        show(table(f"validate on {v['device']}: {v['ran']}, micro batch {v['micro_batch']} × {v['seq_len']}",
+                   ["", "estimate", "measured", "estimate/measured"],
+                   [(row["what"], fmt(row, row["estimate"]), fmt(row, row["measured"]),
+                     f"{row['estimate'] / row['measured']:.3f}") for row in v["rows"]]))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,220 @@
+"""The run `smolctl estimate` sizes: model, batch, precision, parallel layout and cluster, read from a pretrain
+recipe and/or flags (flags win), checked before anything is computed.
+
+    plan = plan_from_sources(recipe="recipes/smollm3.toml", flags={"gpus": 384, "tp": 2, "tokens": "11.2T"})
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from smolctl.errors import UserError
+from smolctl.infra.memory import ATTENTIONS, GPUS, OPTIMIZER_BYTES, PRECISIONS, RECOMPUTES
+
+_SUFFIXES = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15}
+
+
+def parse_count(text: str | int | float, where: str) -> int:
+    """'11.2T', '100B', '5e9', '2_359_296' → an integer count."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = re.fullmatch(r"\s*([0-9][0-9_]*\.?[0-9_]*(?:[eE][+-]?[0-9]+)?)\s*([KMBGTP]?)\s*", str(text), re.I)
+        if not match:
+            raise UserError(where, f"{text!r} is not a count", "write e.g. 11.2T, 100B, 350M or 5e9")
+        value = float(match.group(1).replace("_", "")) * _SUFFIXES[match.group(2).upper()]
+    if not math.isfinite(value) or value <= 0:
+        raise UserError(where, f"{text!r} must be a positive count", "write e.g. 11.2T, 100B or 5e9")
+    return int(round(value))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    model: dict[str, Any] | str
+    """A recipe [model] table, or a preset name / config.json path."""
+    seq_len: int = 4096
+    micro_batch: int = 1
+    """Sequences per forward/backward on one GPU."""
+    global_batch_tokens: int | None = None
+    """Tokens per optimizer step over all GPUs; default: one micro batch per data-parallel rank."""
+    tokens: int | None = None
+    """Training tokens; default: one step of the global batch."""
+    gpus: int | None = None
+    """Default: enough data-parallel ranks to run the global batch without gradient accumulation."""
+    gpu: str = "h100"
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero: int = 0
+    recompute: str = "none"
+    attention: str = "flash"
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    mfu: float = 0.30
+    """Achieved model FLOPs utilisation (steady state, as the training monitor reports it)."""
+    price_per_gpu_hour: float | None = None
+    target_days: float | None = None
+    checkpoint_gbps: float = 5.0
+    """Aggregate write bandwidth of the checkpoint storage in GB/s."""
+    checkpoint_hours: float = 1.0
+    """Hours between checkpoints."""
+    overhead: float | None = None
+    """Replace the computed overhead factor (checkpoint writes + failure recovery) by this one."""
+    source: str = "flags"
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp * self.cp
+
+
+# Recipe [training] keys → plan fields; values translated where the recipe speaks the trainer's language.
+_RECIPE_PRECISION = {"auto": "amp", "bf16": "amp", "fp32": "fp32"}
+_RECIPE_ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash", "flex_attention": "flash"}
+
+
+def _vocab_from_tokenizer(folder: Path) -> int | None:
+    """Vocabulary of a local tokenizer folder, read from tokenizer.json without loading the tokenizer."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    ids = list(data.get("model", {}).get("vocab", {}).values()) + [t["id"] for t in data.get("added_tokens", [])]
+    return max(ids) + 1 if ids else None
+
+
+def _vocab_from_data(recipe: dict) -> int | None:
+    data = recipe.get("data", {})
+    paths = list(data.get("paths") or []) + [p for stage in data.get("stages") or [] for p in stage.get("paths", [])]
+    for path in paths:
+        manifest = Path(path) / "manifest.json"
+        if manifest.is_file():
+            vocab = json.loads(manifest.read_text()).get("tokenizer", {}).get("vocab_size")
+            if vocab:
+                return int(vocab)
+    return None
+
+
+def _recipe_values(recipe: dict, path: str) -> dict[str, Any]:
+    model = dict(recipe.get("model") or {})
+    if not model:
+        raise UserError(path, "has no [model] table", "pass a pretrain recipe (recipes/smollm3.toml) or use --model")
+    if "vocab_size" not in model:
+        tokenizer = model.get("tokenizer")
+        vocab = (_vocab_from_tokenizer(Path(tokenizer)) if tokenizer else None) or _vocab_from_data(recipe)
+        if vocab is None:
+            raise UserError(f"{path}: model.vocab_size", "is not set and no local tokenizer or packed data says it",
+                            "add --set model.vocab_size=N (or run `smolctl pack` first)")
+        model["vocab_size"] = vocab
+    training = recipe.get("training") or {}
+    values: dict[str, Any] = {"model": model}
+    for key in ("seq_len", "micro_batch", "tp", "pp", "cp", "zero", "gpus"):
+        if key in training:
+            values[key] = training[key]
+    if "global_batch_tokens" in training:
+        values["global_batch_tokens"] = training["global_batch_tokens"]
+    elif "global_batch" in training and "seq_len" in training:
+        values["global_batch_tokens"] = training["global_batch"] * training["seq_len"]
+    if "tokens" in training:
+        values["tokens"] = training["tokens"]
+    elif "steps" in training and "global_batch_tokens" in values:
+        values["tokens"] = training["steps"] * values["global_batch_tokens"]
+    # Absent keys mean the pretrain schema's defaults: precision "auto" (amp on GPU), attention "sdpa".
+    values["precision"] = _RECIPE_PRECISION.get(training.get("precision", "auto"), "amp")
+    values["attention"] = _RECIPE_ATTENTION.get(training.get("attention", "sdpa"), "sdpa")
+    if training.get("gradient_checkpointing"):
+        values["recompute"] = "full"
+    if training.get("shard") and "zero" not in training:
+        values["zero"] = 3
+    return values
+
+
+def plan_from_sources(*, recipe: str | None = None, overrides: list[str] | None = None,
+                      flags: dict[str, Any] | None = None) -> Plan:
+    """Recipe values first, then every flag that was given (None means not given)."""
+    from smolctl.recipe import apply_overrides, load_toml
+
+    values: dict[str, Any] = {}
+    if recipe is not None:
+        values = _recipe_values(apply_overrides(load_toml(recipe), overrides or []), recipe)
+        values["source"] = recipe
+    elif overrides:
+        raise UserError("--set", "overrides a recipe", "pass RECIPE.toml, or use the flags directly")
+    for key, value in (flags or {}).items():
+        if value is not None:
+            values[key] = value
+    if "model" not in values:
+        raise UserError("estimate", "no model given", "pass RECIPE.toml or --model smollm3-3b|PATH-TO-CONFIG")
+    for key in ("tokens", "global_batch_tokens"):
+        if key in values:
+            values[key] = parse_count(values[key], f"--{key.replace('_', '-')}")
+    known = {f.name for f in fields(Plan)}
+    return check_plan(Plan(**{k: v for k, v in values.items() if k in known}))
+
+
+def _choice(value: str, known, flag: str) -> None:
+    if value not in known:
+        raise UserError(flag, f"{value!r} is not known", f"known: {', '.join(known)}")
+
+
+def check_plan(plan: Plan) -> Plan:
+    """Reject impossible plans with the flag to change; fill in the derived defaults."""
+    _choice(plan.gpu, GPUS, "--gpu")
+    _choice(plan.precision, PRECISIONS, "--precision")
+    _choice(plan.optimizer, OPTIMIZER_BYTES, "--optimizer")
+    _choice(plan.recompute, RECOMPUTES, "--recompute")
+    _choice(plan.attention, ATTENTIONS, "--attention")
+    for name in ("seq_len", "micro_batch", "tp", "pp", "cp"):
+        if getattr(plan, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')}", f"must be at least 1, got {getattr(plan, name)}")
+    if plan.zero not in (0, 1, 2, 3):
+        raise UserError("--zero", f"must be 0, 1, 2 or 3, got {plan.zero}")
+    if not 0 < plan.mfu <= 1:
+        raise UserError("--mfu", f"must be in (0, 1], got {plan.mfu}", "typical: 0.3–0.5 on H100 for dense models")
+    if plan.seq_len % plan.cp:
+        raise UserError("--cp", f"{plan.cp} does not divide --seq-len {plan.seq_len}")
+    if plan.global_batch_tokens is not None and plan.global_batch_tokens % plan.seq_len:
+        raise UserError("--global-batch-tokens", f"{plan.global_batch_tokens} is not a whole number of "
+                        f"{plan.seq_len}-token sequences")
+    gpus = plan.gpus
+    if gpus is None:
+        sequences = (plan.global_batch_tokens or plan.seq_len * plan.micro_batch) // plan.seq_len
+        data_parallel = sequences // plan.micro_batch if sequences % plan.micro_batch == 0 else 1
+        gpus = data_parallel * plan.model_parallel
+        plan = replace(plan, notes=plan.notes + (f"--gpus not given: {gpus} (global batch ÷ micro batch = "
+                                                 f"{data_parallel} data-parallel ranks × tp·pp·cp)",))
+    if gpus < 1 or gpus % plan.model_parallel:
+        raise UserError("--gpus", f"{gpus} GPUs cannot hold tp {plan.tp} × pp {plan.pp} × cp {plan.cp} = "
+                        f"{plan.model_parallel} (the layout must multiply to --gpus with a whole data-parallel size)",
+                        f"use a multiple of {plan.model_parallel} GPUs")
+    return replace(plan, gpus=gpus)
+
+
+def check_model_layout(plan: Plan, heads: int, kv_heads: int, layers: int) -> None:
+    """Layout checks that need the model: TP splits heads, PP splits layers."""
+    if heads % plan.tp:
+        raise UserError("--tp", f"{plan.tp} does not divide the {heads} attention heads",
+                        f"use a divisor of {heads}")
+    if kv_heads % plan.tp and plan.tp % kv_heads:
+        raise UserError("--tp", f"{plan.tp} neither divides nor is a multiple of the {kv_heads} key/value heads",
+                        f"use a divisor of {kv_heads}")
+    if plan.pp > layers:
+        raise UserError("--pp", f"{plan.pp} pipeline stages for {layers} layers", f"use at most {layers}")
+
+
+def data_parallel(plan: Plan) -> int:
+    return plan.gpus // plan.model_parallel
+
+
+def accumulation(plan: Plan) -> tuple[int, int]:
+    """(global batch tokens, gradient accumulation steps). The global batch is rounded up to a whole number of
+    micro batches on every data-parallel rank."""
+    per_step = plan.micro_batch * data_parallel(plan) * plan.seq_len
+    wanted = plan.global_batch_tokens or per_step
+    steps = max(1, math.ceil(wanted / per_step))
+    return steps * per_step, steps
