@@ -597,7 +597,7 @@ def mix_command(
 # Post-training: sft, dpo, ppo (RUN/checkpoints, RUN/metrics.jsonl, RUN/final)
 
 POSTTRAIN_FROM = typer.Option(None, "--from", help="Starting checkpoint: a model folder or a run folder "
-                              "(its final/); overrides [model] from.")
+                              "(its final/); overrides the recipe's model.from.")
 POSTTRAIN_OUTPUT = typer.Option(None, "--output", "-o", help="Run folder: checkpoints/, metrics.jsonl and the "
                                 "finished model in final/; overrides the recipe's output.")
 POSTTRAIN_SET = typer.Option(None, "--set", help="Override a recipe key, e.g. training.steps=20 (repeat).")
@@ -615,8 +615,8 @@ def _post_train(stage: str, load, run, recipe: Path, from_: Optional[str], outpu
         task = bar.add_task(stage, total=None, rate="")
 
         def on_step(step: int, total: int, metrics: dict) -> None:
-            shown = [f"{key.split('/')[-1] if key.startswith('rewards/acc') else key} {metrics[key]:.4g}"
-                     for key in ("loss", "reward", "rewards/accuracies", "kl") if key in metrics]
+            shown = [f"{label} {metrics[key]:.4g}" for key, label in (
+                ("loss", "loss"), ("reward", "reward"), ("rewards/accuracies", "acc"), ("kl", "kl")) if key in metrics]
             bar.update(task, completed=step, total=total, rate="  ".join(shown))
 
         result = run(config, output=output, start=from_, resume=resume, overwrite=overwrite, on_step=on_step)
@@ -645,7 +645,7 @@ def _post_train(stage: str, load, run, recipe: Path, from_: Optional[str], outpu
   torchrun --nproc_per_node 8 -m smolctl sft recipes/smollm3-sft.toml --from runs/midtrain -o runs/sft
 """)
 def sft_command(
-    recipe: Path = typer.Argument(..., help="TOML recipe ([model] [data] [training] [checkpoint] [sft])."),
+    recipe: Path = typer.Argument(..., help="TOML recipe: tables model, data, training, checkpoint, sft."),
     from_: Optional[str] = POSTTRAIN_FROM,
     output: Optional[str] = POSTTRAIN_OUTPUT,
     overrides: Optional[list[str]] = POSTTRAIN_SET,
@@ -669,7 +669,7 @@ def sft_command(
   smolctl dpo recipes/dpo-tiny.toml --from demo-out/sft -o demo-out/dpo --resume auto --json
 """)
 def dpo_command(
-    recipe: Path = typer.Argument(..., help="TOML recipe ([model] [data] [training] [checkpoint] [dpo])."),
+    recipe: Path = typer.Argument(..., help="TOML recipe: tables model, data, training, checkpoint, dpo."),
     from_: Optional[str] = POSTTRAIN_FROM,
     output: Optional[str] = POSTTRAIN_OUTPUT,
     overrides: Optional[list[str]] = POSTTRAIN_SET,
@@ -693,7 +693,7 @@ def dpo_command(
   smolctl ppo recipes/smollm3-ppo.toml --from runs/apo -o runs/ppo --resume auto
 """)
 def ppo_command(
-    recipe: Path = typer.Argument(..., help="TOML recipe ([model] [data] [training] [generation] [ppo] [[rewards]])."),
+    recipe: Path = typer.Argument(..., help="TOML recipe: tables model, data, training, generation, ppo, grpo, rewards."),
     from_: Optional[str] = POSTTRAIN_FROM,
     output: Optional[str] = POSTTRAIN_OUTPUT,
     overrides: Optional[list[str]] = POSTTRAIN_SET,
