@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 
 import torch
@@ -49,7 +50,12 @@ def main() -> None:
     dtype_name, n = ("bf16", 8192) if on_gpu else ("fp32", 512)
     dtype = torch.bfloat16 if on_gpu else torch.float32
     window = min(2.0, max(0.25, args.seconds / 30))
-    plain = plain_loop(device, dtype, n, args.seconds, window)
+    # in a thread, as stress-gpu drives each device: on a CPU, OpenMP runs a thread's matmuls differently from
+    # the main thread's (on a busy 2-core machine up to 4× slower there), which would skew the ratio
+    plain: list[float] = []
+    worker = threading.Thread(target=lambda: plain.extend(plain_loop(device, dtype, n, args.seconds, window)))
+    worker.start()
+    worker.join()
     config = StressConfig(duration_s=args.seconds, devices=(str(device),), dtype=dtype_name, size=n,
                           memory_fraction=0.9, tolerance=0.1, sample_s=window)
     [report] = run_stress(config)

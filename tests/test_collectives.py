@@ -52,6 +52,7 @@ def test_chunked_ops_round_to_whole_elements_per_rank():
     ({"ops": "all_reduce,allreduce"}, "--ops"), ({"dtype": "fp8"}, "--dtype"),
     ({"min_bytes": "2M", "max_bytes": "1M"}, "--min-bytes"), ({"max_bytes": "lots"}, "--max-bytes"),
     ({"factor": 1.0}, "--factor"), ({"backend": "mpi"}, "--backend"), ({"expect_busbw": 0.0}, "--expect-busbw"),
+    ({"iters": 0}, "--iters"), ({"warmup": -1}, "--warmup"),
 ])
 def test_bad_flags_name_the_flag(flags, flag):
     arguments = {"ops": "all", "min_bytes": "8", "max_bytes": None, "factor": 2.0, "dtype": None, "iters": 2,
@@ -130,6 +131,8 @@ def test_without_torchrun_it_says_how_to_launch(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     code, err = run_cli(capsys, "benchmark-nccl", "--max-bytes", "1K")
     assert code == 2 and "needs at least 2 ranks" in err and len(err.strip().splitlines()) == 1
+    code, err = run_cli(capsys, "benchmark-nccl", "--expect-busbw")
+    assert code == 2 and "'--expect-busbw' requires an argument" in err
 
 
 def torchrun(*args: str, cwd: Path = ROOT) -> subprocess.Popen:

@@ -108,8 +108,10 @@ def build_config(*, ops: str, min_bytes: str, max_bytes: str | None, factor: flo
         raise UserError("--backend", f"unknown backend {backend!r}", "choose auto, nccl or gloo")
     if expect_busbw is not None and expect_busbw <= 0:
         raise UserError("--expect-busbw", f"{expect_busbw} is not a bandwidth", "give GB/s above 0, e.g. 300")
-    if iters < 1 or warmup < 0:
-        raise UserError("--iters", "needs at least 1 timed iteration and 0 or more warm-up ones", "e.g. --iters 20")
+    if iters < 1:
+        raise UserError("--iters", f"{iters} timed calls measure nothing", "use 1 or more, e.g. --iters 20")
+    if warmup < 0:
+        raise UserError("--warmup", f"{warmup} is negative", "use 0 or more, e.g. --warmup 5")
     return BenchConfig(tuple(dict.fromkeys(names)), low, high, factor, dtype_name, iters, warmup, backend,
                        expect_busbw)
 
