@@ -252,9 +252,9 @@ def benchmark_nccl_command(
     ops: str = typer.Option("all_reduce,all_gather,reduce_scatter,all_to_all,broadcast,send_recv", "--ops",
                             help="Comma-separated ops (or 'all')."),
     min_bytes: str = typer.Option("8", "--min-bytes", help="Smallest message (K/M/G = powers of 1024, as nccl-tests -b)."),
-    max_bytes: Optional[str] = typer.Option(None, "--max-bytes", help="Largest message [default: 8G with NCCL, 64M with gloo]."),
+    max_bytes: Optional[str] = typer.Option(None, "--max-bytes", help="Largest message (default: 8G with NCCL, 64M with gloo)."),
     factor: float = typer.Option(2.0, "--factor", help="Size multiplier between steps (nccl-tests -f)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16, fp16, fp32, fp64 or int32 [default: bf16 with NCCL, fp32 with gloo]."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16, fp16, fp32, fp64 or int32 (default: bf16 with NCCL, fp32 with gloo)."),
     iters: int = typer.Option(20, "--iters", help="Timed calls per size."),
     warmup: int = typer.Option(5, "--warmup", help="Untimed calls per size before timing."),
     backend: str = typer.Option("auto", "--backend", help="auto (nccl when GPUs are visible, else gloo), nccl or gloo."),
@@ -462,8 +462,8 @@ def _render_dedup(result, tasks: int, task_id: int) -> None:
 """)
 def stress_gpu_command(
     duration: str = typer.Option("60", "--duration", help="Seconds, or 30s, 5m, 1h."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 [default: bf16 on GPUs, fp32 on CPU]."),
-    size: Optional[int] = typer.Option(None, "--size", help="n of the n×n matmuls [default: 8192 on GPUs, 512 on CPU]."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (default: bf16 on GPUs, fp32 on CPU)."),
+    size: Optional[int] = typer.Option(None, "--size", help="n of the n×n matmuls (default: 8192 on GPUs, 512 on CPU)."),
     memory_fraction: float = typer.Option(0.9, "--memory-fraction", help="Share of each GPU's memory to fill and pattern-test, in (0, 1)."),
     tolerance: float = typer.Option(0.10, "--tolerance", help="A device more than this fraction slower than the best fails."),
     devices: str = typer.Option("all", "--devices", help="all, cpu, or GPU indices like 0,1."),
@@ -556,12 +556,15 @@ def mix_command(
         if tokens or bytes_ or documents:
             raise UserError("--tokens/--bytes/--documents", "budgets of a recipe live in its stages",
                             "override them with --set stages.0.tokens=N")
-        extra = [f"{key}={value!r}" if isinstance(value, str) else f"{key}={value}"
+        import json
+
+        # Options given with a recipe override its keys; json.dumps writes a valid TOML string or number.
+        extra = [f"{key}={json.dumps(value)}"
                  for key, value in (("seed", seed), ("max_repeat", max_repeat), ("tokenizer", tokenizer),
                                     ("shuffle_buffer", shuffle_buffer if shuffle_buffer != 20_000 else None),
                                     ("text_column", text_column if text_column != "text" else None))
                  if value is not None]
-        plan = plan_from_recipe(recipe, [*(overrides or []), *(e.replace("'", '"') for e in extra)])
+        plan = plan_from_recipe(recipe, [*(overrides or []), *extra])
     else:
         if overrides:
             raise UserError("--set", "overrides a recipe", "pass --recipe, or set options directly")
