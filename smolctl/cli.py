@@ -547,7 +547,8 @@ def mix_command(
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Mix document sources by weight (tokens or bytes) in stages, with repetition limits and a seeded shuffle."""
-    from smolctl.data.mix import plan_from_flags, plan_from_recipe, prepare_mix
+    from smolctl.data.mix import prepare_mix
+    from smolctl.data.mix_plan import plan_from_flags, plan_from_recipe
 
     if recipe is not None:
         if source:

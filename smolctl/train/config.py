@@ -1,0 +1,242 @@
+"""The pretrain / midtrain recipe: one pydantic section per TOML table, each field with its unit or reason.
+
+    smolctl pretrain recipes/smollm3-tiny.toml --dry-run
+
+Validation happens here, when the recipe is built, so every mistake is reported with its key path before any
+model is built or any data is read. `derive_batch` turns the batch keys into the numbers the loop uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from smolctl.errors import UserError
+from smolctl.recipe import Section
+
+
+class ModelSection(Section):
+    """Any causal LM transformers knows; SmolLM3 by default (GQA, NoPE every 4th layer, tied embeddings)."""
+
+    architecture: str = "smollm3"
+    """A transformers `model_type` with a causal-LM head: smollm3, llama, qwen3, mistral, ..."""
+    tokenizer: str | None = None
+    """Tokenizer folder or hub id; default: the one recorded in the packed data's manifest."""
+    vocab_size: int | None = Field(None, gt=0)
+    """Embedding rows; default: the tokenizer's length. Set it to pad the vocabulary (e.g. to a multiple of 128)."""
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_hidden_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int | None = Field(None, gt=0)
+    """GQA groups; default: as many as attention heads (plain multi-head attention)."""
+    rope_theta: float = Field(50_000.0, gt=0)
+    """RoPE base. Raise it with training.seq_len for long-context extension (SmolLM3: 50k → 2M → 5M)."""
+    no_rope_layer_interval: int = Field(4, gt=0)
+    """SmolLM3 only: every n-th layer has no rotary embedding (NoPE)."""
+    tie_word_embeddings: bool = True
+    initializer_range: float = Field(0.02, gt=0)
+    rms_norm_eps: float = Field(1e-6, gt=0)
+    config: dict[str, Any] = {}
+    """Any further keys of the architecture's transformers config (e.g. sliding_window)."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelSection":
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}")
+        if self.num_key_value_heads and self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by num_key_value_heads {self.num_key_value_heads}")
+        return self
+
+
+class DataStage(Section):
+    start_step: int = Field(0, ge=0)
+    """The optimizer step from which this stage's mixture is sampled (nanotron-style stage switching)."""
+    paths: list[str] = Field(min_length=1)
+    """Packed folders written by `smolctl pack`."""
+    weights: list[float] | None = None
+    """Sampling weights over `paths` (normalised); default: proportional to each folder's rows."""
+
+    @model_validator(mode="after")
+    def _weights_match(self) -> "DataStage":
+        if self.weights is not None:
+            if len(self.weights) != len(self.paths):
+                raise ValueError(f"weights has {len(self.weights)} entries but paths has {len(self.paths)}")
+            if any(w < 0 for w in self.weights) or sum(self.weights) <= 0:
+                raise ValueError("weights must be non-negative with a positive sum")
+        return self
+
+
+class DataSection(Section):
+    paths: list[str] | None = None
+    """One stage: packed folders sampled for the whole run. Use [[data.stages]] for a schedule of mixtures."""
+    weights: list[float] | None = None
+    stages: list[DataStage] | None = None
+    validation: str | None = None
+    """A packed folder held out for evaluation."""
+    validation_interval: int = Field(0, ge=0)
+    """Evaluate every n steps (0: only at the end when a validation folder is given)."""
+    validation_batches: int = Field(8, gt=0)
+    """Micro batches per evaluation (the first ones of the folder, so evaluations are comparable)."""
+
+    @model_validator(mode="after")
+    def _one_layout(self) -> "DataSection":
+        if (self.paths is None) == (self.stages is None):
+            raise ValueError("give either paths (one stage) or [[data.stages]], not both or neither")
+        if self.stages is not None:
+            starts = [s.start_step for s in self.stages]
+            if not starts or starts[0] != 0 or starts != sorted(set(starts)):
+                raise ValueError(f"stage start_step values must begin at 0 and increase, got {starts}")
+        return self
+
+    def stage_list(self) -> list[DataStage]:
+        if self.stages is not None:
+            return self.stages
+        return [DataStage(start_step=0, paths=list(self.paths or []), weights=self.weights)]
+
+    def all_paths(self) -> list[str]:
+        return list(dict.fromkeys(p for stage in self.stage_list() for p in stage.paths))
+
+
+class OptimizerSection(Section):
+    """AdamW; no weight decay on embeddings, norms and biases."""
+
+    lr: float = Field(gt=0)
+    """Peak learning rate (the schedule scales it)."""
+    betas: list[float] = Field([0.9, 0.95], min_length=2, max_length=2)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this value (0: no clipping, the norm is still measured)."""
+
+
+class ScheduleSection(Section):
+    kind: Literal["wsd", "cosine", "constant"] = "wsd"
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup from lr/warmup_steps to the peak."""
+    decay_steps: int | None = Field(None, ge=0)
+    """wsd: length of the final decay in steps (exclusive with decay_fraction)."""
+    decay_fraction: float | None = Field(None, ge=0, le=1)
+    """wsd: length of the final decay as a fraction of all steps (1.0: decay from the end of warmup)."""
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "linear"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """The lr at the end of the decay, as a fraction of the peak (cosine and wsd)."""
+
+    @model_validator(mode="after")
+    def _one_decay_length(self) -> "ScheduleSection":
+        if self.decay_steps is not None and self.decay_fraction is not None:
+            raise ValueError("give decay_steps or decay_fraction, not both")
+        return self
+
+
+class TrainingSection(Section):
+    steps: int | None = Field(None, gt=0)
+    """Optimizer steps; or give `tokens` and the steps are derived from the global batch."""
+    tokens: int | None = Field(None, gt=0)
+    seq_len: int = Field(gt=0)
+    """Must equal the packed folders' seq_len."""
+    micro_batch: int = Field(gt=0)
+    """Sequences per forward/backward on one device."""
+    global_batch: int | None = Field(None, gt=0)
+    """Sequences per optimizer step over all devices (exclusive with global_batch_tokens)."""
+    global_batch_tokens: int | None = Field(None, gt=0)
+    seed: int = 42
+    """Seeds the weights and the data order: the order is a pure function of (seed, batch number)."""
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """auto: bf16 autocast on GPU (fp32 master weights), fp32 on CPU."""
+    gradient_checkpointing: bool = False
+    compile: bool = False
+    """torch.compile the model (first steps are slower while it compiles)."""
+    shard: bool = False
+    """Under torchrun: FSDP2 fully_shard instead of DDP (parameters, gradients and optimizer state sharded)."""
+    attention: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
+
+    @model_validator(mode="after")
+    def _budget_and_batch(self) -> "TrainingSection":
+        if (self.steps is None) == (self.tokens is None):
+            raise ValueError("give either steps or tokens")
+        if (self.global_batch is None) == (self.global_batch_tokens is None):
+            raise ValueError("give either global_batch (sequences) or global_batch_tokens")
+        return self
+
+
+class CheckpointSection(Section):
+    interval: int = Field(1000, ge=0)
+    """Save every n steps into RUN/checkpoints/step-NNNNNNN (0: only the final model)."""
+    keep: int = Field(3, gt=0)
+    """How many of the newest checkpoints to keep."""
+
+
+class LoggingSection(Section):
+    interval: int = Field(10, gt=0)
+    """Steps between lines in RUN/metrics.jsonl and on the console."""
+    tensorboard: bool = False
+    """Also write TensorBoard scalars to RUN/tensorboard (needs the tensorboard package)."""
+
+
+class GuardsSection(Section):
+    spike_window: int = Field(100, ge=8)
+    """Recent losses the spike detector compares against."""
+    spike_zscore: float = Field(6.0, gt=0)
+    """Robust z-score (median / MAD) above which a loss is a spike."""
+    max_bad_steps: int = Field(5, gt=0)
+    """After this many consecutive bad steps (non-finite or spike) roll back to the last checkpoint."""
+    max_rollbacks: int = Field(3, ge=0)
+    """Give up (exit 1) after this many rollbacks in one run."""
+    inject_nan_batches: list[int] = []
+    """Fault drill: the loss of these batches (1-based) is made NaN, to rehearse the guards."""
+
+
+class TrainRecipe(Section):
+    model: ModelSection
+    data: DataSection
+    optimizer: OptimizerSection
+    schedule: ScheduleSection = ScheduleSection()
+    training: TrainingSection
+    checkpoint: CheckpointSection = CheckpointSection()
+    logging: LoggingSection = LoggingSection()
+    guards: GuardsSection = GuardsSection()
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The numbers the loop runs on, derived once and printed: nothing is re-derived later."""
+
+    world_size: int
+    micro_batch: int
+    global_batch: int  # sequences per optimizer step
+    grad_accum: int  # micro batches per device per step
+    seq_len: int
+    steps: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    @property
+    def local_batch(self) -> int:
+        return self.global_batch // self.world_size
+
+
+def derive_batch(training: TrainingSection, schedule: ScheduleSection, world_size: int) -> BatchPlan:
+    """Global batch → gradient accumulation for this world size; token budget → steps. UserError when they do
+    not divide, naming the keys to change."""
+    if training.global_batch_tokens is not None:
+        if training.global_batch_tokens % training.seq_len:
+            raise UserError("training.global_batch_tokens", f"{training.global_batch_tokens} is not a multiple of seq_len {training.seq_len}",
+                            "use a multiple of training.seq_len, or give training.global_batch in sequences")
+        global_batch = training.global_batch_tokens // training.seq_len
+    else:
+        global_batch = int(training.global_batch)
+    per_pass = training.micro_batch * world_size
+    if global_batch % per_pass:
+        raise UserError("training.global_batch", f"{global_batch} sequences is not divisible by micro_batch {training.micro_batch} × "
+                        f"world size {world_size} = {per_pass}", f"use a multiple of {per_pass}, or change training.micro_batch")
+    steps = training.steps if training.steps is not None else -(-int(training.tokens) // (global_batch * training.seq_len))
+    decay = schedule.decay_steps or 0
+    if schedule.warmup_steps + decay > steps:
+        raise UserError("schedule", f"warmup_steps {schedule.warmup_steps} + decay_steps {decay} exceed the {steps} training steps",
+                        "shorten the warmup/decay or train longer")
+    return BatchPlan(world_size, training.micro_batch, global_batch, global_batch // per_pass, training.seq_len, steps)

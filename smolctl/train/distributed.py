@@ -1,0 +1,120 @@
+"""One process, torchrun, or accelerate launch: the same environment variables, the same code path.
+
+`Dist` is a null object when there is one process, so the loop never asks `if distributed:`.
+Backends: NCCL on GPUs, gloo on CPU (tests run two CPU processes with torchrun).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+    sharded: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    def barrier(self) -> None:
+        if self.active:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def sum(self, value):
+        """All-reduce a tensor by sum (in place) and return it; identity with one process."""
+        if self.active:
+            import torch.distributed as dist
+
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value
+
+    def close(self) -> None:
+        if self.active:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed() -> Dist:
+    """Read RANK / WORLD_SIZE / LOCAL_RANK (set by torchrun and accelerate launch) and join the process group."""
+    import torch
+
+    world = world_size_from_env()
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+    if world > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", device_id=torch.device(device) if device.startswith("cuda") else None)
+    return Dist(rank, local_rank, world, device)
+
+
+def wrap_model(model, dist: Dist, *, shard: bool):
+    """DDP (replicated) or FSDP2 fully_shard per decoder layer (sharded) when there is more than one process."""
+    if not dist.active:
+        return model
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        dist.sharded = True
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [dist.local_rank] if dist.device.startswith("cuda") else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def gradient_sync(wrapped, dist: Dist, last_micro_batch: bool):
+    """Skip the gradient all-reduce on all but the last micro batch of a step (gradient accumulation)."""
+    if not dist.active or last_micro_batch:
+        if dist.sharded:
+            wrapped.set_requires_gradient_sync(True)
+        return nullcontext()
+    if dist.sharded:
+        wrapped.set_requires_gradient_sync(False)
+        return nullcontext()
+    return wrapped.no_sync()
+
+
+def full_state_dict(model, dist: Dist) -> dict:
+    """Unsharded CPU weights for the Hugging Face folder (every rank must call it under FSDP; rank 0 uses it)."""
+    if dist.sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def load_full_state_dict(model, state: dict, dist: Dist) -> None:
+    if dist.sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        return
+    model.load_state_dict(state, strict=False)
+    if model.config.tie_word_embeddings:
+        model.tie_weights()

@@ -1,0 +1,79 @@
+"""Guards against the failures that ruin long runs: non-finite losses or gradients, and loss spikes.
+
+A non-finite loss or gradient norm skips the update. A loss far above the recent median (robust z-score over a
+window, so one earlier spike does not hide the next) is a spike: the update is kept and the event logged. After
+`max_bad_steps` consecutive bad steps the loop rolls back to the last checkpoint and skips the offending batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from smolctl.train.config import GuardsSection
+
+_MAD_TO_SIGMA = 1.4826  # MAD × this estimates the standard deviation of normally distributed values
+_MIN_HISTORY = 8  # losses needed before a z-score means anything
+
+
+@dataclass
+class Verdict:
+    apply_update: bool
+    event: dict | None = None
+    rollback: bool = False
+    bad_batches: list[int] = field(default_factory=list)
+
+
+class Guards:
+    def __init__(self, config: GuardsSection):
+        self.config = config
+        self.recent: deque[float] = deque(maxlen=config.spike_window)
+        self.bad_run: list[int] = []  # batch numbers of the current run of consecutive bad steps
+        self.skipped = 0
+        self.spikes = 0
+        self.rollbacks = 0
+
+    def zscore(self, loss: float) -> float:
+        if len(self.recent) < _MIN_HISTORY:
+            return 0.0
+        ordered = sorted(self.recent)
+        median = ordered[len(ordered) // 2]
+        mad = sorted(abs(x - median) for x in ordered)[len(ordered) // 2]
+        return (loss - median) / max(_MAD_TO_SIGMA * mad, 1e-3 * abs(median), 1e-8)
+
+    def observe(self, step: int, batch: int, loss: float, grad_norm: float) -> Verdict:
+        """Judge one step from its (globally reduced) loss and gradient norm; every rank reaches the same verdict."""
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.skipped += 1
+            verdict = Verdict(False, {"event": "nonfinite", "step": step, "batch": batch, "loss": _jsonable(loss),
+                                      "grad_norm": _jsonable(grad_norm), "action": "update skipped"})
+        else:
+            z = self.zscore(loss)
+            if z > self.config.spike_zscore:
+                self.spikes += 1
+                verdict = Verdict(True, {"event": "spike", "step": step, "batch": batch, "loss": loss,
+                                         "zscore": round(z, 2), "grad_norm": grad_norm})
+            else:
+                self.recent.append(loss)
+                self.bad_run.clear()
+                return Verdict(True)
+        self.bad_run.append(batch)
+        if len(self.bad_run) >= self.config.max_bad_steps:
+            verdict.rollback = True
+            verdict.bad_batches = list(self.bad_run)
+            self.bad_run.clear()
+        return verdict
+
+    def state_dict(self) -> dict:
+        return {"recent": list(self.recent), "skipped": self.skipped, "spikes": self.spikes, "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.recent.clear()
+        self.recent.extend(float(x) for x in state["recent"])
+        self.skipped, self.spikes, self.rollbacks = int(state["skipped"]), int(state["spikes"]), int(state["rollbacks"])
+        self.bad_run.clear()
+
+
+def _jsonable(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)

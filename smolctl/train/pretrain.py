@@ -1,0 +1,372 @@
+"""The training loop for `smolctl pretrain` and `smolctl midtrain`: one process, torchrun (DDP / FSDP2) or
+accelerate launch, the same code.
+
+    smolctl pretrain recipes/smollm3-tiny.toml runs/tiny --data demo-out/packed
+    torchrun --nproc_per_node 8 -m smolctl pretrain recipes/smollm3.toml runs/3b --resume auto
+
+Setup validates everything (recipe, data folders, tokenizer, batch arithmetic, checkpoints) before the model is
+built; `Trainer.run` then reads as a checklist: step, guard, log, checkpoint, evaluate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from smolctl.errors import CheckFailed, UserError
+from smolctl.recipe import apply_overrides, load_toml, validate
+from smolctl.shards import atomic_write_json, lineage_ref
+from smolctl.train.config import BatchPlan, TrainRecipe, derive_batch
+
+RUN_FILE = "run.json"
+FINAL = "final"
+
+
+def load_train_recipe(path: str | Path, overrides: Sequence[str] = (), data: Sequence[str] = ()) -> TrainRecipe:
+    """The recipe with `--data` folders (replacing [data] paths/stages) and `--set` overrides applied."""
+    raw = load_toml(path)
+    if data:
+        kept = {k: v for k, v in raw.get("data", {}).items() if k not in ("paths", "weights", "stages")}
+        raw["data"] = {**kept, "paths": [str(p) for p in data]}
+    return validate(TrainRecipe, apply_overrides(raw, overrides), path)
+
+
+@dataclass
+class TrainResult:
+    run_dir: str
+    stage: str
+    final_model: str
+    steps: int
+    tokens_seen: int
+    parameters: int
+    first_loss: float | None
+    final_loss: float | None
+    val_loss: float | None
+    resumed_from: str | None
+    parent: str | None
+    skipped_steps: int
+    spikes: int
+    rollbacks: int
+    checkpoints: list[str]
+    plan: dict
+    speed: dict
+    events: list[dict] = field(default_factory=list)
+
+
+class Trainer:
+    """Owns the model, optimizer, data stream, guards and monitor of one run; `run()` is the loop."""
+
+    def __init__(self, recipe: TrainRecipe, run_dir: Path, *, stage: str = "pretrain", resume: str = "none",
+                 overwrite: bool = False, init_from: str | None = None, keep_optimizer: bool = False, show: bool = True):
+        from smolctl.train.distributed import init_distributed
+
+        self.recipe, self.run_dir, self.stage, self.show = recipe, Path(run_dir), stage, show
+        self.dist = init_distributed()
+        self.plan: BatchPlan = derive_batch(recipe.training, recipe.schedule, self.dist.world_size)
+        self.resume_from = self._resume_point(resume, overwrite)
+        self.init_from = str(Path(init_from).resolve()) if init_from and self.resume_from is None else None
+        self.keep_optimizer = keep_optimizer
+        self._validate_inputs()
+
+    # ---- setup: every check before any compute ----------------------------------------------------------------
+
+    def _resume_point(self, resume: str, overwrite: bool) -> Path | None:
+        from smolctl.train.checkpoint import complete_checkpoints
+
+        checkpoints = complete_checkpoints(self.run_dir)
+        if resume == "auto":
+            if checkpoints:
+                return checkpoints[-1]
+            if self.run_dir.is_dir() and any(self.run_dir.iterdir()) and not (self.run_dir / RUN_FILE).is_file() and not overwrite:
+                raise UserError(self.run_dir, "holds files that are not a smolctl run", "choose another run folder or pass --overwrite")
+            return None
+        if resume != "none":
+            path = Path(resume)
+            if path not in checkpoints and path.resolve() not in [c.resolve() for c in checkpoints]:
+                raise UserError("--resume", f"{path} is not a complete checkpoint of {self.run_dir}",
+                                "pass auto, none, or one of RUN/checkpoints/step-NNNNNNN")
+            return path
+        if self.run_dir.is_dir() and any(self.run_dir.iterdir()) and not overwrite:
+            hint = "--resume auto to continue it, or --overwrite to start again" if checkpoints else "--overwrite to replace it"
+            raise UserError(self.run_dir, "already holds a run", f"pass {hint}")
+        if overwrite and self.run_dir.is_dir() and self.dist.is_main:
+            shutil.rmtree(self.run_dir)
+        return None
+
+    def _validate_inputs(self) -> None:
+        from smolctl.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+        from smolctl.train.checkpoint import check_model_folder
+        from smolctl.train.loader import PackedStream, validation_batches
+        from smolctl.train.model import build_config
+        from smolctl.train.monitor import check_tensorboard
+
+        recipe = self.recipe
+        if self.init_from:
+            check_model_folder(self.init_from, need_optimizer=self.keep_optimizer)
+        self.stream = PackedStream(recipe.data.stage_list(), seed=recipe.training.seed, seq_len=recipe.training.seq_len)
+        data_tokenizer = self.stream.tokenizer_info()
+        spec = recipe.model.tokenizer or self.init_from or data_tokenizer.get("path")
+        if spec is None:
+            raise UserError("model.tokenizer", "is not set and the packed manifest records no tokenizer", "set model.tokenizer")
+        self.tokenizer = load_tokenizer(spec)
+        fingerprint = tokenizer_fingerprint(self.tokenizer)
+        if data_tokenizer.get("fingerprint") and data_tokenizer["fingerprint"] != fingerprint:
+            raise UserError(self.stream.paths[0], f"was packed with tokenizer {data_tokenizer.get('path')} (fingerprint "
+                            f"{data_tokenizer['fingerprint']}), not {spec} ({fingerprint})",
+                            "re-pack the data with this tokenizer or set model.tokenizer to the one it was packed with")
+        self.vocab_size = recipe.model.vocab_size or len(self.tokenizer)
+        data_vocab = max(len(self.tokenizer), int(data_tokenizer.get("vocab_size") or 0))
+        if self.vocab_size < data_vocab:
+            raise UserError("model.vocab_size", f"{self.vocab_size} is smaller than the tokenizer's {data_vocab} token ids",
+                            f"set model.vocab_size >= {data_vocab} or leave it unset")
+        self.config = build_config(recipe.model, vocab_size=self.vocab_size, seq_len=recipe.training.seq_len,
+                                   eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id)
+        self.val_batches = []
+        if recipe.data.validation:
+            self.val_batches = validation_batches(recipe.data.validation, seq_len=recipe.training.seq_len,
+                                                  micro_batch=recipe.training.micro_batch, count=recipe.data.validation_batches)
+        if recipe.logging.tensorboard and self.dist.is_main:
+            check_tensorboard()
+        if self.resume_from is not None:
+            self._check_same_run()
+
+    def _check_same_run(self) -> None:
+        """A resumed run must train the same model on the same data order; only its length may change."""
+        saved = json.loads((self.run_dir / RUN_FILE).read_text())["recipe"]
+        current = json.loads(self.recipe.model_dump_json())
+        for section, keys in (("model", None), ("data", None), ("training", ("seed", "seq_len", "micro_batch"))):
+            for key in keys or current[section]:
+                if saved[section].get(key) != current[section].get(key):
+                    raise UserError(f"{section}.{key}", f"differs from the run being resumed ({saved[section].get(key)!r} → "
+                                    f"{current[section].get(key)!r})", "resume with the recipe the run started with, or start a new run")
+
+    def _build(self) -> None:
+        import torch
+
+        from smolctl.infra.flops import training_flops_per_token
+        from smolctl.train.distributed import load_full_state_dict, wrap_model
+        from smolctl.train.model import build_model, count_parameters, parameter_groups, read_weights
+
+        recipe, dist = self.recipe, self.dist
+        self.model = build_model(self.config, device=dist.device, attention=recipe.training.attention, seed=recipe.training.seed)
+        self.parameters = count_parameters(self.model)["total"]
+        weights_from = self.resume_from or self.init_from
+        if weights_from:
+            load_full_state_dict(self.model, read_weights(Path(weights_from), self.model), dist)
+        if recipe.training.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.wrapped = wrap_model(self.model, dist, shard=recipe.training.shard)
+        self.forward = torch.compile(self.wrapped) if recipe.training.compile else self.wrapped
+        opt = recipe.optimizer
+        self.optimizer = torch.optim.AdamW(parameter_groups(self.model, opt), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps)
+        self.precision = recipe.training.precision
+        if self.precision == "auto":
+            self.precision = "bf16" if dist.device.startswith("cuda") else "fp32"
+        self.flops_per_token = training_flops_per_token(self.config, recipe.training.seq_len)
+
+    # ---- state -------------------------------------------------------------------------------------------------
+
+    def _restore(self, checkpoint: Path, *, with_weights: bool) -> None:
+        from smolctl.train.checkpoint import load_trainer_state
+        from smolctl.train.distributed import load_full_state_dict
+        from smolctl.train.loader import DataPosition
+        from smolctl.train.model import read_weights
+
+        if with_weights:
+            load_full_state_dict(self.wrapped if self.dist.sharded else self.model, read_weights(checkpoint, self.model), self.dist)
+        state = load_trainer_state(checkpoint, optimizer=self.optimizer, wrapped=self.wrapped, dist=self.dist)
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self.stream.position = DataPosition.from_state(state["data"])
+        self.guards.load_state_dict(state["guards"])
+        self.parent = state["parent"]
+
+    def _trainer_state(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.stream.position.state_dict(),
+                "guards": self.guards.state_dict(), "parent": self.parent}
+
+    def _inputs(self) -> list[dict]:
+        refs = [lineage_ref(Path(p)) for p in self.stream.paths]
+        return refs + ([lineage_ref(Path(self.parent))] if self.parent else [])
+
+    def _save(self, path: Path, *, with_state: bool) -> None:
+        from smolctl.train.checkpoint import prune_checkpoints, save_model_folder
+
+        fields = {"stage": self.stage, "step": self.step, "tokens_seen": self.tokens_seen, "parameters": self.parameters,
+                  "tokenizer": self.stream.tokenizer_info(), "recipe": json.loads(self.recipe.model_dump_json())}
+        save_model_folder(path, model=self.model, tokenizer=self.tokenizer, dist=self.dist, inputs=self._inputs(),
+                          parent=self.parent, fields=fields, optimizer=self.optimizer, wrapped=self.wrapped,
+                          trainer_state=self._trainer_state() if with_state else None)
+        if with_state and self.dist.is_main:
+            prune_checkpoints(self.run_dir, self.recipe.checkpoint.keep)
+        self.dist.barrier()
+
+    # ---- the loop ----------------------------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        from smolctl.train.checkpoint import load_trainer_state
+        from smolctl.train.guards import Guards
+
+        self.guards = Guards(self.recipe.guards)
+        self.step, self.tokens_seen, self.parent = 0, 0, self.init_from
+        if self.resume_from is not None:
+            self._restore(self.resume_from, with_weights=False)
+        elif self.init_from and self.keep_optimizer:
+            load_trainer_state(Path(self.init_from), optimizer=self.optimizer, wrapped=self.wrapped, dist=self.dist)
+        if self.dist.is_main and self.resume_from is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(self.run_dir / RUN_FILE, {"stage": self.stage, "recipe": json.loads(self.recipe.model_dump_json()),
+                                                        "plan": asdict(self.plan), "parent": self.parent})
+        self.dist.barrier()
+
+    def _train_step(self) -> tuple[float, float, int, int, float, float]:
+        """One optimizer step over the global batch. Returns (loss, grad norm, batch number, tokens, data s, compute s)."""
+        import torch
+        import torch.nn.functional as F
+
+        from smolctl.train.distributed import gradient_sync
+        from smolctl.train.loader import IGNORE_INDEX, fill_padding_positions, make_labels
+        from smolctl.train.schedule import learning_rate
+
+        started = time.perf_counter()
+        plan, device = self.plan, self.dist.device
+        batch, ids, positions = self.stream.next_batch(self.step, global_batch=plan.global_batch, rank=self.dist.rank,
+                                                       world_size=self.dist.world_size)
+        if int(ids.max()) >= self.vocab_size:
+            raise UserError(self.stream.paths[0], f"holds token id {int(ids.max())} but the vocabulary has {self.vocab_size} rows",
+                            "re-pack with the recipe's tokenizer or raise model.vocab_size")
+        labels = torch.from_numpy(make_labels(ids, positions)).to(device, non_blocking=True)
+        ids = torch.from_numpy(ids).to(device, non_blocking=True)
+        positions = torch.from_numpy(fill_padding_positions(positions)).to(device, non_blocking=True)
+        data_done = time.perf_counter()
+
+        lr = learning_rate(self.step, peak=self.recipe.optimizer.lr, schedule=self.recipe.schedule, total_steps=plan.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        # Sum of token losses / tokens in the whole global batch: every token weighs the same whatever the
+        # world size or accumulation (DDP/FSDP average gradients over ranks, hence the × world_size).
+        targets = self.dist.sum((labels != IGNORE_INDEX).sum().to(torch.float64)).clamp(min=1)
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.precision == "bf16" else nullcontext()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for micro in range(plan.grad_accum):
+            rows = slice(micro * plan.micro_batch, (micro + 1) * plan.micro_batch)
+            with gradient_sync(self.wrapped, self.dist, micro == plan.grad_accum - 1), autocast:
+                logits = self.forward(input_ids=ids[rows], position_ids=positions[rows], use_cache=False).logits  # (B, T, V)
+                part = F.cross_entropy(logits.flatten(0, 1).float(), labels[rows].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+                if batch in self.recipe.guards.inject_nan_batches:
+                    part = part * float("nan")
+                (part * self.dist.world_size / targets.float()).backward()
+            loss_sum += part.detach().double()
+        loss = (self.dist.sum(loss_sum) / targets).item()
+        clip = self.recipe.optimizer.grad_clip or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        self._last_lr = lr
+        return loss, norm, batch, int(targets.item()), data_done - started, time.perf_counter() - data_done
+
+    def _rollback(self, bad_batches: list[int]) -> None:
+        from smolctl.train.checkpoint import complete_checkpoints
+
+        checkpoints = complete_checkpoints(self.run_dir)
+        if not checkpoints:
+            raise CheckFailed(f"{len(bad_batches)} consecutive bad steps (batches {bad_batches}) and no checkpoint to roll "
+                              "back to — lower the lr, raise guards.max_bad_steps, or save checkpoints sooner")
+        if self.guards.rollbacks >= self.recipe.guards.max_rollbacks:
+            raise CheckFailed(f"still unstable after {self.guards.rollbacks} rollbacks (guards.max_rollbacks) — see {self.run_dir}/events.jsonl")
+        counts = (self.guards.skipped, self.guards.spikes, self.guards.rollbacks + 1)
+        self._restore(checkpoints[-1], with_weights=True)
+        self.guards.skipped, self.guards.spikes, self.guards.rollbacks = counts
+        self.stream.position.skip = sorted(set(self.stream.position.skip) | set(bad_batches))
+        self.monitor.event({"event": "rollback", "step": self.step, "to": str(checkpoints[-1]), "skipped_batches": bad_batches})
+
+    def _evaluate(self) -> float | None:
+        import torch
+        import torch.nn.functional as F
+
+        from smolctl.train.loader import IGNORE_INDEX, fill_padding_positions, make_labels
+
+        if not self.val_batches:
+            return None
+        self.model.eval()
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for ids, positions in self.val_batches:
+                labels = torch.from_numpy(make_labels(ids, positions)).to(self.dist.device)
+                logits = self.model(input_ids=torch.from_numpy(ids).to(self.dist.device), use_cache=False,
+                                    position_ids=torch.from_numpy(fill_padding_positions(positions)).to(self.dist.device)).logits
+                total += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum").item()
+                count += int((labels != IGNORE_INDEX).sum())
+        self.model.train()
+        loss = total / max(1, count)
+        self.monitor.validation(self.step, loss)
+        return loss
+
+    def run(self) -> TrainResult:
+        from smolctl.train.checkpoint import checkpoint_path, complete_checkpoints
+        from smolctl.train.monitor import Monitor, peak_flops
+
+        self._build()
+        self._start()
+        recipe, plan = self.recipe, self.plan
+        start_step = self.step
+        self.monitor = Monitor(self.run_dir, enabled=self.dist.is_main, total_steps=plan.steps, start_step=start_step,
+                               flops_per_token=self.flops_per_token, peak=peak_flops(self.dist.device, self.precision),
+                               world_size=self.dist.world_size, interval=recipe.logging.interval,
+                               tensorboard=recipe.logging.tensorboard, show=self.show)
+        losses: list[float] = []
+        val_loss = None
+        self.model.train()
+        with self.monitor:
+            if self.resume_from is not None:
+                self.monitor.note(f"resuming from {self.resume_from} (step {self.step}, {self.tokens_seen:,} tokens)")
+            while self.step < plan.steps:
+                loss, norm, batch, tokens, data_s, compute_s = self._train_step()
+                verdict = self.guards.observe(self.step + 1, batch, loss, norm)
+                if verdict.apply_update:
+                    self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                if verdict.event:
+                    self.monitor.event(verdict.event)
+                if verdict.rollback:
+                    self._rollback(verdict.bad_batches)
+                    continue
+                self.step += 1
+                self.tokens_seen += plan.tokens_per_step
+                if math.isfinite(loss):
+                    losses.append(loss)
+                self.monitor.step(self.step, loss=loss, lr=self._last_lr, grad_norm=norm, tokens=plan.tokens_per_step,
+                                  data_s=data_s, compute_s=compute_s)
+                if recipe.checkpoint.interval and self.step % recipe.checkpoint.interval == 0:
+                    self._save(checkpoint_path(self.run_dir, self.step), with_state=True)
+                if recipe.data.validation_interval and self.step % recipe.data.validation_interval == 0:
+                    val_loss = self._evaluate()
+            if self.val_batches and not (recipe.data.validation_interval and self.step % recipe.data.validation_interval == 0):
+                val_loss = self._evaluate()
+            self._save(self.run_dir / FINAL, with_state=False)
+        return TrainResult(
+            run_dir=str(self.run_dir), stage=self.stage, final_model=str(self.run_dir / FINAL), steps=self.step,
+            tokens_seen=self.tokens_seen, parameters=self.parameters, first_loss=losses[0] if losses else None,
+            final_loss=losses[-1] if losses else None, val_loss=val_loss,
+            resumed_from=str(self.resume_from) if self.resume_from else None, parent=self.parent,
+            skipped_steps=self.guards.skipped, spikes=self.guards.spikes, rollbacks=self.guards.rollbacks,
+            checkpoints=[str(p) for p in complete_checkpoints(self.run_dir)],
+            plan={**asdict(self.plan), "tokens_per_step": plan.tokens_per_step}, speed=self.monitor.totals(),
+            events=self.monitor.events)
+
+
+def train(recipe_path: str | Path, run_dir: str | Path, *, overrides: Sequence[str] = (), data: Sequence[str] = (),
+          stage: str = "pretrain", resume: str = "none", overwrite: bool = False, init_from: str | None = None,
+          keep_optimizer: bool = False, show: bool = True) -> TrainResult:
+    """Validate everything, then train; the process group (if any) is always closed."""
+    recipe = load_train_recipe(recipe_path, overrides, data)
+    trainer = Trainer(recipe, Path(run_dir), stage=stage, resume=resume, overwrite=overwrite, init_from=init_from,
+                      keep_optimizer=keep_optimizer, show=show)
+    try:
+        return trainer.run()
+    finally:
+        trainer.dist.close()

@@ -1,0 +1,320 @@
+"""`smolctl pretrain` / `midtrain`: recipe errors, document-boundary labels, exact resume after SIGKILL, the NaN
+guard and rollback, two torchrun processes against one, midtrain lineage, and the 3B recipe's dry run.
+
+Models here are tiny (hidden 32, 2 layers, seq 64) so the whole file stays within its CI budget on 2 cores."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, SAMPLE, run_cli
+from smolctl.errors import UserError
+from smolctl.train.loader import IGNORE_INDEX, fill_padding_positions, make_labels
+from smolctl.train.pretrain import Trainer, load_train_recipe, train
+
+TEST_RECIPE = """
+[model]
+architecture = "smollm3"
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+no_rope_layer_interval = 2
+
+[data]
+paths = ["{packed}"]
+
+[optimizer]
+lr = 1e-2
+
+[schedule]
+kind = "wsd"
+warmup_steps = 2
+decay_fraction = 0.2
+
+[training]
+steps = 12
+seq_len = 64
+micro_batch = 2
+global_batch = 8
+seed = 7
+
+[checkpoint]
+interval = 4
+keep = 2
+
+[logging]
+interval = 1
+"""
+
+
+def packed_folder(root: Path, tokenizer: Path, seq_len: int) -> Path:
+    from smolctl.data.pack import PackConfig, pack
+
+    out = root / f"packed-{seq_len}"
+    pack(str(SAMPLE / "web"), out, tokenizer_spec=str(tokenizer), config=PackConfig(seq_len=seq_len))
+    return out
+
+
+@pytest.fixture(scope="session")
+def packed(tmp_path_factory, tokenizer_dir) -> Path:
+    return packed_folder(tmp_path_factory.mktemp("packed"), tokenizer_dir, 64)
+
+
+@pytest.fixture(scope="session")
+def recipe(tmp_path_factory, packed) -> Path:
+    path = tmp_path_factory.mktemp("recipe") / "tiny.toml"
+    path.write_text(TEST_RECIPE.replace("{packed}", str(packed)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def pretrained(tmp_path_factory, recipe) -> tuple[Path, object]:
+    run = tmp_path_factory.mktemp("runs") / "pretrain"
+    result = train(recipe, run, overrides=["training.steps=30"], show=False)
+    return run, result
+
+
+def weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+# ---- recipe validation and bad input, all before any compute --------------------------------------------------
+
+
+@pytest.mark.parametrize("override, message", [
+    ("training.micro_bach=2", "training.micro_bach: unknown key — did you mean 'micro_batch'?"),
+    ('training.micro_batch="3"', "training.micro_batch: expected int, got '3'"),
+    ("schedule.kind=cosinus", "schedule.kind: Input should be 'wsd', 'cosine' or 'constant'"),
+    ("model.num_attention_heads=3", "hidden_size 32 is not divisible by num_attention_heads 3"),
+    ("training.tokens=1000", "give either steps or tokens"),
+])
+def test_recipe_errors_name_the_key(recipe, override, message):
+    with pytest.raises(UserError) as error:
+        load_train_recipe(recipe, [override])
+    assert message in error.value.line()
+
+
+@pytest.mark.parametrize("overrides, where, message", [
+    (["training.global_batch=9"], "training.global_batch", "9 sequences is not divisible by micro_batch 2 × world size 1"),
+    (["training.seq_len=128"], "packed-64", "is packed at seq_len 64 but training.seq_len is 128"),
+    (["model.vocab_size=100"], "model.vocab_size", "is smaller than the tokenizer's"),
+    (['data.paths=["/nonexistent/packed"]'], "/nonexistent/packed", "no such folder"),
+    (["model.architecture=lama"], "model.architecture", "did you mean 'llama'?"),
+])
+def test_bad_input_is_refused_before_compute(recipe, tmp_path, overrides, where, message):
+    run = tmp_path / "run"
+    with pytest.raises(UserError) as error:
+        train(recipe, run, overrides=overrides, show=False)
+    assert where in error.value.where and message in error.value.line()
+    assert not run.exists()
+
+
+def test_tokenizer_mismatch_is_refused(recipe, tmp_path):
+    from smolctl.data.tokenizer import train_tokenizer
+
+    other = tmp_path / "other-tok"
+    train_tokenizer(str(SAMPLE / "math"), str(other), vocab_size=300)
+    with pytest.raises(UserError, match="was packed with tokenizer"):
+        Trainer(load_train_recipe(recipe, [f'model.tokenizer="{other}"']), tmp_path / "run", show=False)
+
+
+def test_cli_error_is_one_line_exit_2(recipe, tmp_path):
+    done = run_cli("pretrain", recipe, tmp_path / "run", "--set", "training.global_batch=9")
+    assert done.returncode == 2
+    assert done.stderr.strip().startswith("error: training.global_batch:") and "Traceback" not in done.stderr
+
+
+# ---- document boundaries ----------------------------------------------------------------------------------------
+
+
+def test_labels_never_cross_a_document_boundary():
+    #                   doc A (3 tokens)  doc B (2)  pad pad
+    ids = np.array([[11, 12, 13, 21, 22, 1, 1]])
+    positions = np.array([[0, 1, 2, 0, 1, -1, -1]])
+    assert make_labels(ids, positions).tolist() == [[12, 13, IGNORE_INDEX, 22, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]]
+    assert fill_padding_positions(positions).tolist() == [[0, 1, 2, 0, 1, 0, 1]]
+    # a row that starts mid-document (concat packing) keeps its first label
+    assert make_labels(np.array([[5, 6, 7]]), np.array([[40, 41, 0]])).tolist() == [[6, IGNORE_INDEX, IGNORE_INDEX]]
+
+
+def test_real_packed_rows_mask_exactly_the_boundaries(packed):
+    from smolctl.shards import open_packed
+
+    shard = open_packed(packed).load_shard(0)
+    ids, positions = shard["input_ids"][:64].astype(np.int64), shard["position_ids"][:64].astype(np.int64)
+    labels = make_labels(ids, positions)
+    next_is_new = np.zeros_like(ids, dtype=bool)
+    next_is_new[:, :-1] = positions[:, 1:] <= 0
+    next_is_new[:, -1] = True
+    assert np.array_equal(labels == IGNORE_INDEX, next_is_new | (positions < 0))
+    assert (positions == 0).sum() > 64  # rows really hold several documents
+
+
+def test_attention_stays_inside_documents(tokenizer_dir, recipe):
+    import torch
+
+    from smolctl.train.model import build_config, build_model
+
+    config = build_config(load_train_recipe(recipe).model, vocab_size=2048, seq_len=64, eos_id=0, pad_id=1)
+    model = build_model(config, seed=0)
+    ids = torch.randint(2, 2048, (1, 10))
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]])
+    changed = ids.clone()
+    changed[0, :4] = 5  # rewrite the first document only
+    with torch.no_grad():
+        a = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        b = model(input_ids=changed, position_ids=positions, use_cache=False).logits
+    assert torch.equal(a[0, 4:], b[0, 4:]) and not torch.equal(a[0, :4], b[0, :4])
+
+
+# ---- training, checkpoints, exact resume ------------------------------------------------------------------------
+
+
+def test_pretrain_loss_falls_and_final_model_loads(pretrained):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run, result = pretrained
+    assert result.steps == 30 and result.final_loss < result.first_loss - 1.0
+    assert [Path(p).name for p in result.checkpoints] == ["step-0000024", "step-0000028"]  # keep = 2
+    final = run / "final"
+    manifest = json.loads((final / "manifest.json").read_text())
+    assert manifest["kind"] == "model" and manifest["parent"] is None and manifest["inputs"][0]["kind"] == "packed"
+    model = AutoModelForCausalLM.from_pretrained(final)
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    out = model.generate(**tokenizer("The module", return_tensors="pt"), max_new_tokens=5, do_sample=False)
+    assert out.shape[1] > 2
+    assert torch.equal(model.state_dict()["model.norm.weight"], weights(final)["model.norm.weight"])
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(1, 31))
+
+
+def _cli(recipe: Path, run: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "smolctl", "pretrain", str(recipe), str(run), "--set", "training.steps=60",
+            "--set", "checkpoint.interval=5", "--json", *extra]
+
+
+def test_sigkill_then_resume_is_bit_identical(recipe, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    straight = subprocess.run(_cli(recipe, tmp_path / "straight"), env=env, capture_output=True, text=True, cwd=REPO)
+    assert straight.returncode == 0, straight.stderr
+
+    killed_run = tmp_path / "killed"
+    victim = subprocess.Popen(_cli(recipe, killed_run), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    metrics = killed_run / "metrics.jsonl"
+    while victim.poll() is None:
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
+        if lines and json.loads(lines[-1])["step"] >= 13:  # past the step-10 checkpoint, mid-interval
+            victim.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    assert victim.wait() == -signal.SIGKILL, "the run finished before it could be killed"
+    assert not (killed_run / "final").exists()
+
+    resumed = subprocess.run(_cli(recipe, killed_run, "--resume", "auto"), env=env, capture_output=True, text=True, cwd=REPO)
+    assert resumed.returncode == 0, resumed.stderr
+    result = json.loads(resumed.stdout)
+    assert result["resumed_from"].endswith(("step-0000010", "step-0000015")) and result["steps"] == 60
+    a, b = weights(tmp_path / "straight" / "final"), weights(killed_run / "final")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, 61))  # the steps re-run after the kill are logged once
+
+
+# ---- guards -----------------------------------------------------------------------------------------------------
+
+
+def test_nan_guard_skips_and_rolls_back(recipe, tmp_path):
+    import torch
+
+    run = tmp_path / "run"
+    # batch 3: one NaN, skipped; batches 6 and 7: two in a row → roll back to step 4 and skip both batches
+    result = train(recipe, run, overrides=["guards.inject_nan_batches=[3, 6, 7]", "guards.max_bad_steps=2"], show=False)
+    assert (result.skipped_steps, result.rollbacks, result.steps) == (3, 1, 12)
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["nonfinite", "nonfinite", "nonfinite", "rollback"]
+    assert events[-1]["skipped_batches"] == [6, 7] and events[-1]["to"].endswith("step-0000004")
+    assert all(torch.isfinite(t).all() for t in weights(run / "final").values())
+
+
+# ---- distributed ------------------------------------------------------------------------------------------------
+
+
+def test_two_torchrun_processes_match_one(recipe, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["pretrain", str(recipe), "--set", "training.steps=6", "--set", "checkpoint.interval=3", "--json"]
+    one = subprocess.run([sys.executable, "-m", "smolctl", args[0], args[1], str(tmp_path / "one"), *args[2:]],
+                         env=env, capture_output=True, text=True, cwd=REPO)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29613",
+                          "-m", "smolctl", args[0], args[1], str(tmp_path / "two"), *args[2:]],
+                         env=env, capture_output=True, text=True, cwd=REPO)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    single, double = json.loads(one.stdout), json.loads(two.stdout)
+    assert (single["plan"]["grad_accum"], double["plan"]["grad_accum"], double["plan"]["world_size"]) == (4, 2, 2)
+    assert double["final_loss"] == pytest.approx(single["final_loss"], rel=1e-4)
+    a, b = weights(tmp_path / "one" / "final"), weights(tmp_path / "two" / "final")
+    assert all(np.allclose(a[k].numpy(), b[k].numpy(), atol=1e-4) for k in a)
+    assert (tmp_path / "two" / "checkpoints" / "step-0000006" / "optimizer").is_dir()  # sharded optimizer state (DCP)
+
+
+# ---- midtrain ---------------------------------------------------------------------------------------------------
+
+
+def test_midtrain_extends_context_and_records_its_parent(pretrained, recipe, tokenizer_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from smolctl.shards import lineage_chain
+
+    parent = pretrained[0] / "final"
+    long_packed = packed_folder(tmp_path, tokenizer_dir, 128)
+    run = tmp_path / "midtrain"
+    result = train(recipe, run, stage="midtrain", init_from=str(parent), data=[str(long_packed)], show=False,
+                   overrides=["training.seq_len=128", "model.rope_theta=500000.0", "training.steps=4",
+                              "schedule.warmup_steps=0", "schedule.decay_fraction=1.0"])
+    assert result.parent == str(parent.resolve())
+    manifest = json.loads((run / "final" / "manifest.json").read_text())
+    assert manifest["parent"] == str(parent.resolve()) and manifest["stage"] == "midtrain"
+    assert {ref["path"] for ref in manifest["inputs"]} == {str(long_packed.resolve()), str(parent.resolve())}
+    chain = [entry["path"] for entry in lineage_chain(run / "final")]
+    assert str(parent.resolve()) in chain and str((SAMPLE / "web").resolve()) in chain
+    config = AutoModelForCausalLM.from_pretrained(run / "final").config
+    assert config.rope_parameters["rope_theta"] == 500000.0 and config.max_position_embeddings == 128
+    assert result.first_loss < pretrained[1].first_loss - 1.0  # it started from the trained weights
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda p: p / "nope", "no such checkpoint folder"),
+    (lambda p: (p / "empty").mkdir() or p / "empty", "incomplete model folder"),
+])
+def test_midtrain_from_a_missing_or_incomplete_checkpoint(recipe, tmp_path, setup, message):
+    with pytest.raises(UserError, match=message):
+        train(recipe, tmp_path / "run", stage="midtrain", init_from=str(setup(tmp_path)), show=False)
+
+
+def test_keep_optimizer_needs_a_checkpoint_with_optimizer_state(pretrained, recipe, tmp_path):
+    with pytest.raises(UserError, match="holds no optimizer state"):
+        train(recipe, tmp_path / "run", stage="midtrain", init_from=str(pretrained[0] / "final"), keep_optimizer=True, show=False)
+
+
+# ---- the published recipe ---------------------------------------------------------------------------------------
+
+
+def test_smollm3_recipe_dry_run_counts_3b_parameters():
+    done = run_cli("pretrain", "recipes/smollm3.toml", "--dry-run", "--world-size", "192", "--json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["parameters"] == 3_075_098_624 and plan["global_batch"] == 576 and plan["grad_accum"] == 1
+    assert plan["recipe"]["schedule"]["decay_steps"] == 522_000 and len(plan["recipe"]["data"]["stages"]) == 3
