@@ -7,15 +7,15 @@ CPU), the per-rank time averaged over ranks (nccl-tests' default), algbw = size 
 nccl-tests bus factor, then one verification call on a known pattern whose wrong elements are counted over all
 ranks (#wrong). Multi-node runs add an intra- vs inter-node all_reduce split and a rail-aligned send/recv probe
 between nodes that names the slowest rank pair. Every rank computes the same report; only rank 0 shows it.
+This module holds the arithmetic, the sizes, the verification patterns and the report; collective_runner.py
+does the collective calls.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import socket
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -306,12 +306,18 @@ def run_benchmark(config: BenchConfig, on_size: Callable[[str, int], None] | Non
     import torch
     import torch.distributed as dist
 
+    from smolctl.infra.collective_runner import Runner
+
     rank, world, local_rank = launch_environment()
     backend = config.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
         raise UserError("--backend", "nccl needs CUDA GPUs and none is visible", "use --backend gloo on CPU")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    if backend == "nccl" and local_world > torch.cuda.device_count():
+        raise UserError("--nproc_per_node", f"{local_world} processes on this node but {torch.cuda.device_count()} "
+                        "GPU(s) visible; NCCL puts one rank on each GPU", "start one process per GPU")
     dtype_name = config.dtype or ("bf16" if backend == "nccl" else "fp32")
     max_bytes = config.max_bytes or (8 * 2**30 if backend == "nccl" else 64 * 2**20)
     if config.min_bytes > max_bytes:
@@ -340,166 +346,3 @@ def run_benchmark(config: BenchConfig, on_size: Callable[[str, int], None] | Non
         return BenchReport(topology, results, config.expect_busbw, multinode)
     finally:
         dist.destroy_process_group()
-
-
-def node_key() -> str:
-    """Ranks on one machine share a node key. torchrun's GROUP_RANK is the node's index in the job, which also
-    tells apart agents started on one host (a two-'node' run on a laptop)."""
-    return f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '0')}"
-
-
-class Runner:
-    """Buffers, calls and timing for one rank; every method is collective (all ranks call it in the same order)."""
-
-    def __init__(self, rank: int, world: int, device, dtype_name: str, iters: int, warmup: int):
-        import torch
-        import torch.distributed as dist
-
-        self.torch, self.dist = torch, dist
-        self.rank, self.world, self.device = rank, world, device
-        self.dtype_name, self.iters, self.warmup = dtype_name, iters, warmup
-        attr, self.type_name, exact_limit = DTYPES[dtype_name]
-        self.dtype = getattr(torch, attr)
-        self.elem_size = torch.empty((), dtype=self.dtype).element_size()
-        self.tiles = PatternTiles(pattern_tables(world, exact_limit), self.dtype, device)
-        self.cuda = device.type == "cuda"
-
-    def topology(self, backend: str, max_bytes: int) -> dict:
-        torch, dist = self.torch, self.dist
-        mine = {"node": node_key(), "host": socket.gethostname(),
-                "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_NCCL_"))}}
-        everyone: list = [None] * self.world
-        dist.all_gather_object(everyone, mine)
-        node_names = list(dict.fromkeys(info["node"] for info in everyone))
-        node_of_rank = [node_names.index(info["node"]) for info in everyone]
-        per_node = sorted({node_of_rank.count(k) for k in range(len(node_names))})
-        env_keys = sorted({key for info in everyone for key in info["env"]})
-        return {
-            "world_size": self.world, "nodes": len(node_names),
-            "ranks_per_node": per_node[0] if len(per_node) == 1 else per_node,
-            "hosts": list(dict.fromkeys(info["host"] for info in everyone)), "node_of_rank": node_of_rank,
-            "backend": backend, "device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
-            "dtype": self.type_name, "max_bytes": max_bytes, "torch": torch.__version__,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if self.cuda else None,
-            "nccl_env": everyone[0]["env"],
-            # a variable set differently on some ranks is a classic cause of one slow or hanging node
-            "env_mismatch": [k for k in env_keys if len({info["env"].get(k) for info in everyone}) > 1],
-        }
-
-    def _buffers(self, op: str, count: int):
-        chunk = count // self.world
-        inp = self.torch.zeros(chunk if op == "all_gather" else count, dtype=self.dtype, device=self.device)
-        if op in ("all_reduce", "broadcast"):  # in-place ops, as torch.distributed offers them
-            return inp, inp
-        out = self.torch.zeros(chunk if op == "reduce_scatter" else count, dtype=self.dtype, device=self.device)
-        return inp, out
-
-    def _call(self, op: str, inp, out, group=None, send_to: int | None = None, recv_from: int | None = None):
-        dist = self.dist
-        if op == "all_reduce":
-            return lambda: dist.all_reduce(out, group=group)
-        if op == "all_gather":
-            return lambda: dist.all_gather_single(out, inp, group=group)
-        if op == "reduce_scatter":
-            return lambda: dist.reduce_scatter_single(out, inp, group=group)
-        if op == "all_to_all":
-            return lambda: dist.all_to_all_single(out, inp, group=group)
-        if op == "broadcast":
-            return lambda: dist.broadcast(out, src=0, group=group)
-        send_to = (self.rank + 1) % self.world if send_to is None else send_to
-        recv_from = (self.rank - 1) % self.world if recv_from is None else recv_from
-
-        def exchange() -> None:
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, inp, send_to),
-                                                dist.P2POp(dist.irecv, out, recv_from)]):
-                work.wait()
-        return exchange
-
-    def _seconds(self, call: Callable[[], object], group=None) -> float:
-        """This rank's seconds per call: CUDA events around the timed calls on GPU, wall clock on CPU; both start
-        right after a barrier so that every rank begins together."""
-        torch, dist = self.torch, self.dist
-        for _ in range(self.warmup):
-            call()
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(self.device)
-            dist.barrier(group=group)
-            start.record()
-            for _ in range(self.iters):
-                call()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3 / self.iters
-        dist.barrier(group=group)
-        began = time.perf_counter()
-        for _ in range(self.iters):
-            call()
-        return (time.perf_counter() - began) / self.iters
-
-    def _sum(self, values: list[float], group=None) -> list[float]:
-        tensor = self.torch.tensor(values, dtype=self.torch.float64, device=self.device)
-        self.dist.all_reduce(tensor, group=group)
-        return tensor.tolist()
-
-    def measure(self, op: str, size: int, count: int) -> SizeResult:
-        inp, out = self._buffers(op, count)
-        call = self._call(op, inp, out)
-        seconds = self._seconds(call)
-        self.tiles.fill(inp, input_segments(op, self.rank, self.world, count))
-        call()
-        wrong = self.tiles.count_wrong(out, expected_segments(op, self.rank, self.world, count))
-        total_seconds, total_wrong = self._sum([seconds, float(wrong)])
-        mean = total_seconds / self.world  # nccl-tests' default: the time averaged over ranks
-        algbw, busbw = bandwidths(op, size, mean, self.world)
-        return SizeResult(size, count, self.type_name, "sum" if op in ("all_reduce", "reduce_scatter") else "none",
-                          0 if op == "broadcast" else -1, mean * 1e6, algbw, busbw, int(total_wrong))
-
-    def _gather(self, value: float) -> list[float]:
-        values = self.torch.zeros(self.world, dtype=self.torch.float64, device=self.device)
-        values[self.rank] = value
-        self.dist.all_reduce(values)
-        return values.tolist()
-
-    def multinode(self, topology: dict, max_bytes: int) -> dict:
-        """All_reduce inside each node vs across nodes (one rank per node and local index, as rail-optimised
-        fabrics pair them), and a send/recv probe from every rank to the same local rank on the next node."""
-        node_of_rank = topology["node_of_rank"]
-        by_node = [[r for r, k in enumerate(node_of_rank) if k == node] for node in range(topology["nodes"])]
-        local = by_node[node_of_rank[self.rank]].index(self.rank)
-        widest = max(len(ranks) for ranks in by_node)
-        inter = [[ranks[j] for ranks in by_node if j < len(ranks)] for j in range(widest)]
-        count = max_bytes // self.elem_size
-        size = count * self.elem_size
-        split = {"size": size}
-        for name, groups in (("intra_node", by_node), ("inter_node", inter)):
-            group, _ = self.dist.new_subgroups_by_enumeration(groups)
-            members = next(g for g in groups if self.rank in g)
-            seconds = float("nan")
-            if len(members) > 1:
-                inp, out = self._buffers("all_reduce", count)
-                mine = self._seconds(self._call("all_reduce", inp, out, group=group), group=group)
-                seconds = self._sum([mine], group=group)[0] / len(members)
-            per_rank = self._gather(seconds)
-            busbw = [bandwidths("all_reduce", size, per_rank[g[0]], len(g))[1] for g in groups if len(g) > 1]
-            split[name] = {"groups": len([g for g in groups if len(g) > 1]), "ranks_per_group": len(members),
-                           "busbw_min": min(busbw) if busbw else None,
-                           "busbw_median": statistics.median(busbw) if busbw else None}
-        node = node_of_rank[self.rank]
-        ahead, behind = by_node[(node + 1) % len(by_node)], by_node[(node - 1) % len(by_node)]
-        seconds = float("nan")
-        inp, out = self._buffers("send_recv", count)
-        if local < len(ahead) and local < len(behind):
-            seconds = self._seconds(self._call("send_recv", inp, out, send_to=ahead[local],
-                                               recv_from=behind[local]))
-        else:  # no peer on a smaller node: still meet the others at the barrier inside _seconds
-            self.dist.barrier()
-        per_rank = self._gather(seconds)
-        timed = [(t, r) for r, t in enumerate(per_rank) if t == t]
-        slowest_seconds, slowest = max(timed)
-        peer_node = by_node[(node_of_rank[slowest] + 1) % len(by_node)]
-        split["send_recv"] = {
-            "size": size, "pairs": len(timed), "busbw_median": statistics.median(size / t / 1e9 for t, _ in timed),
-            "slowest": {"rank": slowest, "peer": peer_node[by_node[node_of_rank[slowest]].index(slowest)],
-                        "busbw": size / slowest_seconds / 1e9}}
-        return split

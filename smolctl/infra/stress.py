@@ -246,6 +246,7 @@ class DeviceStress:
     def _pattern_bytes(self) -> int:
         if self.device.type != "cuda":
             return int(CPU_PATTERN_BYTES * self.config.memory_fraction)
+        self.torch.cuda.empty_cache()  # setup's float64 temporaries sit in the allocator's cache, not in use
         free, total = self.torch.cuda.mem_get_info(self.device)
         spare = free - (1 - self.config.memory_fraction) * total - HEADROOM_BYTES - self.config.size**2
         return max(0, int(spare))
