@@ -262,6 +262,7 @@ def benchmark_nccl_command(
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Collective bandwidth like nccl-tests (time, algbw, busbw, #wrong per size) for every op, under torchrun."""
+    from smolctl.console import human_bytes
     from smolctl.infra.collectives import build_config, launch_environment, run_benchmark
 
     rank = int(os.environ.get("RANK", "0"))
@@ -272,7 +273,7 @@ def benchmark_nccl_command(
         with progress(rank == 0 and not json_out) as bar:
             task = bar.add_task("benchmark-nccl", total=None, rate="")
             report = run_benchmark(config, on_plan=lambda total: bar.update(task, total=total),
-                                   on_size=lambda op, size: bar.update(task, advance=1, rate=f"{op} {size} B"))
+                                   on_size=lambda op, size: bar.update(task, advance=1, rate=f"{op} {human_bytes(size)}"))
     except UserError as exc:
         _quiet_on_other_ranks(rank, exc)
     if rank == 0:
