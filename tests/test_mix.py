@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import run_cli
-from smolctl.data.mix import parse_source, plan_from_flags, plan_from_recipe, prepare_mix
+from smolctl.data.mix import prepare_mix
+from smolctl.data.mix_plan import parse_source, plan_from_flags, plan_from_recipe
 from smolctl.errors import UserError
 from smolctl.shards import open_documents, read_manifest
 

@@ -1,0 +1,190 @@
+"""The plan of a `smolctl mix`: sources, stages, weights and budgets, from command-line flags or a TOML recipe.
+
+Everything here is checked before any data is read; `smolctl.data.mix` carries the plan out.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from smolctl.errors import UserError
+from smolctl.recipe import Section, load_recipe
+
+BUDGET_KINDS = ("tokens", "bytes", "documents")
+STAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+class SourceSection(Section):
+    path: str
+    """A dataset folder, folder of parquet files, parquet file or glob; relative to the current folder."""
+
+
+class StageSection(Section):
+    name: str
+    """Also the stage's folder name under OUTPUT."""
+    weights: dict[str, float]
+    """Source name → weight (normalised; sources left out get 0)."""
+    end_weights: dict[str, float] | None = None
+    """Weights at the end of the stage: they move linearly from `weights` across the stage."""
+    interpolate: bool = False
+    """Move linearly to the next stage's weights across this stage."""
+    tokens: int | None = None
+    bytes: int | None = None
+    documents: int | None = None
+    """One budget (or none: as much as max_repeat allows)."""
+
+
+class MixRecipe(Section):
+    seed: int = 0
+    max_repeat: float = 1.0
+    """How many times each source may be used across all stages together."""
+    tokenizer: str | None = None
+    """Weigh by tokens with this tokenizer (folder or hub id); without one, weights are fractions of bytes."""
+    text_column: str = "text"
+    shuffle_buffer: int = 20_000
+    """Rows per shuffled output block."""
+    sources: dict[str, SourceSection]
+    stages: list[StageSection]
+
+
+@dataclass
+class Stage:
+    name: str
+    start: dict[str, float]
+    """Normalised weights at the start of the stage."""
+    end: dict[str, float]
+    """Normalised weights at the end (equal to `start` unless the weights move across the stage)."""
+    budget: int | None = None
+    budget_kind: str | None = None
+    """tokens, bytes or documents; None takes as much as max_repeat allows."""
+
+    def share(self, name: str) -> float:
+        """The source's fraction of the whole stage: the mean of a linear schedule."""
+        return (self.start.get(name, 0.0) + self.end.get(name, 0.0)) / 2
+
+
+@dataclass
+class MixPlan:
+    sources: dict[str, str]
+    stages: list[Stage]
+    tokenizer: str | None = None
+    seed: int = 0
+    max_repeat: float = 1.0
+    text_column: str = "text"
+    shuffle_buffer: int = 20_000
+    staged: bool = True
+    """True: each stage goes to OUTPUT/<stage>/ under a top-level manifest; False: OUTPUT is the one stage."""
+
+    @property
+    def unit(self) -> str:
+        return "tokens" if self.tokenizer else "bytes"
+
+
+def parse_amount(text: str, flag: str) -> int:
+    """'2.5M' → 2_500_000; '1GB' / '1GiB' for bytes. Suffixes are decimal (K, M, B or G, T) or binary (KiB...)."""
+    units = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    match = re.fullmatch(r"\s*([0-9_]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if match and match.group(2).lower() in units:
+        value = float(match.group(1).replace("_", "")) * units[match.group(2).lower()]
+        if value >= 1:
+            return int(value)
+    raise UserError(flag, f"cannot parse {text!r} as an amount", "write e.g. 1000000, 2.5M or 8B")
+
+
+def parse_source(text: str) -> tuple[str, str, float]:
+    """'web=data/web:0.7' → ('web', 'data/web', 0.7). The weight follows the last ':' (paths may hold ':')."""
+    name, sep, rest = text.partition("=")
+    path, colon, weight = rest.rpartition(":")
+    if not sep or not colon or not name.strip() or not path:
+        raise UserError("--source", f"{text!r} is not NAME=PATH:WEIGHT", "write e.g. --source web=data/web:0.7")
+    try:
+        value = float(weight)
+    except ValueError:
+        raise UserError("--source", f"{text!r}: weight {weight!r} is not a number", "write e.g. web=data/web:0.7") from None
+    return name.strip(), path, value
+
+
+def normalise(weights: dict[str, float], where: str, sources: dict[str, str]) -> dict[str, float]:
+    for name, weight in weights.items():
+        if name not in sources:
+            raise UserError(where, f"weight for unknown source {name!r}", f"known sources: {', '.join(sources)}")
+        if not math.isfinite(weight) or weight < 0:
+            raise UserError(where, f"weight of {name!r} is {weight}", "weights are finite numbers >= 0")
+    total = sum(weights.values())
+    if total <= 0:
+        raise UserError(where, "the weights sum to zero", "give at least one source a positive weight")
+    return {name: weights.get(name, 0.0) / total for name in sources}
+
+
+def plan_from_flags(sources: list[str], *, tokens: str | None = None, bytes_: str | None = None,
+                    documents: str | None = None, tokenizer: str | None = None, seed: int = 0,
+                    max_repeat: float = 1.0, text_column: str = "text", shuffle_buffer: int = 20_000) -> MixPlan:
+    parsed = [parse_source(text) for text in sources]
+    if not parsed:
+        raise UserError("--source", "no sources given", "pass --source NAME=PATH:WEIGHT (repeat it) or --recipe")
+    names = [name for name, _, _ in parsed]
+    if len(set(names)) != len(names):
+        raise UserError("--source", f"a source name is used twice ({', '.join(names)})", "give each source its own name")
+    paths = {name: path for name, path, _ in parsed}
+    budgets = {kind: value for kind, value in zip(BUDGET_KINDS, (tokens, bytes_, documents)) if value is not None}
+    if len(budgets) > 1:
+        raise UserError("--tokens/--bytes/--documents", "more than one budget given", "pass only one")
+    kind, amount = next(iter(budgets.items()), (None, None))
+    weights = normalise({name: weight for name, _, weight in parsed}, "--source", paths)
+    stage = Stage("mix", weights, weights, parse_amount(amount, f"--{kind}") if amount else None, kind)
+    plan = MixPlan(paths, [stage], tokenizer, seed, max_repeat, text_column, shuffle_buffer, staged=False)
+    check_plan(plan)
+    return plan
+
+
+def plan_from_recipe(path: str | Path, overrides: list[str] = ()) -> MixPlan:
+    recipe = load_recipe(MixRecipe, path, overrides)
+    sources = {name: section.path for name, section in recipe.sources.items()}
+    if not sources:
+        raise UserError(path, "sources: no sources", "add [sources.NAME] tables with a path")
+    if not recipe.stages:
+        raise UserError(path, "stages: no stages", "add [[stages]] tables with a name and weights")
+    stages = []
+    for i, section in enumerate(recipe.stages):
+        where = f"{path}: stages[{i}] ({section.name})"
+        start = normalise(section.weights, f"{where}.weights", sources)
+        if section.interpolate and section.end_weights is not None:
+            raise UserError(where, "has both interpolate and end_weights", "use one: interpolate moves to the next stage's weights")
+        if section.interpolate and i + 1 == len(recipe.stages):
+            raise UserError(where, "interpolate = true on the last stage", "give it end_weights instead")
+        target = recipe.stages[i + 1].weights if section.interpolate else section.end_weights
+        end = normalise(target, f"{where}.end_weights", sources) if target is not None else start
+        budgets = [(kind, getattr(section, kind)) for kind in BUDGET_KINDS if getattr(section, kind) is not None]
+        if len(budgets) > 1:
+            raise UserError(where, f"more than one budget ({', '.join(k for k, _ in budgets)})", "give one of tokens, bytes, documents")
+        kind, amount = budgets[0] if budgets else (None, None)
+        if amount is not None and amount < 1:
+            raise UserError(where, f"{kind} = {amount}", "budgets are positive")
+        stages.append(Stage(section.name, start, end, amount, kind))
+    plan = MixPlan(sources, stages, recipe.tokenizer, recipe.seed, recipe.max_repeat, recipe.text_column,
+                   recipe.shuffle_buffer, staged=True)
+    check_plan(plan)
+    return plan
+
+
+def check_plan(plan: MixPlan) -> None:
+    if not (plan.max_repeat > 0 and math.isfinite(plan.max_repeat)):
+        raise UserError("--max-repeat", f"{plan.max_repeat} is not a positive number", "use e.g. 1 (each document at most once) or 4")
+    if plan.shuffle_buffer < 1:
+        raise UserError("shuffle_buffer", f"{plan.shuffle_buffer} rows", "use a positive row count")
+    names = [stage.name for stage in plan.stages]
+    for name in names:
+        if not STAGE_NAME.fullmatch(name):
+            raise UserError(f"stage {name!r}", "is not a usable folder name", "use letters, digits, '.', '_' and '-'")
+    if len(set(names)) != len(names):
+        raise UserError("stages", f"a stage name is used twice ({', '.join(names)})", "give each stage its own name")
+    for stage in plan.stages:
+        if stage.budget_kind == "tokens" and not plan.tokenizer:
+            raise UserError(f"stage {stage.name!r}", "a budget in tokens needs a tokenizer", "pass --tokenizer (or set tokenizer in the recipe), or give the budget in bytes")
+        if stage.budget_kind == "bytes" and plan.tokenizer:
+            raise UserError(f"stage {stage.name!r}", "with a tokenizer, weights are fractions of tokens, so a budget in bytes is ambiguous",
+                            "give the budget in tokens or documents")
