@@ -250,24 +250,63 @@ def test_nan_guard_skips_and_rolls_back(recipe, tmp_path):
     assert all(torch.isfinite(t).all() for t in weights(run / "final").values())
 
 
+def test_spike_detector_flags_outliers_and_counts_consecutive_bad_steps():
+    from smolctl.train.config import GuardsSection
+    from smolctl.train.guards import Guards
+
+    guards = Guards(GuardsSection(spike_window=20, spike_zscore=6.0, max_bad_steps=2))
+    rng = np.random.default_rng(0)
+    for step, loss in enumerate(3.0 + 0.01 * rng.standard_normal(20), start=1):
+        assert guards.observe(step, step, float(loss), 1.0).event is None
+    spike = guards.observe(21, 21, 3.5, 1.0)
+    assert spike.apply_update and spike.event["event"] == "spike" and not spike.rollback
+    assert guards.observe(22, 22, 3.0, 1.0).event is None  # a normal loss ends the bad run
+    guards.observe(23, 23, 3.6, 1.0)
+    second = guards.observe(24, 24, float("nan"), 1.0)
+    assert not second.apply_update and second.rollback and second.bad_batches == [23, 24]
+    assert (guards.spikes, guards.skipped) == (2, 1)
+
+
+def test_resume_refuses_a_different_model(pretrained, recipe):
+    with pytest.raises(UserError, match="model.hidden_size: differs from the run being resumed"):
+        Trainer(load_train_recipe(recipe, ["model.hidden_size=64"]), pretrained[0], resume="auto", show=False)
+
+
+def test_tensorboard_without_the_package_is_a_user_error(recipe, tmp_path):
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+        pytest.skip("tensorboard is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(UserError, match="tensorboard package is not installed"):
+        train(recipe, tmp_path / "run", overrides=["logging.tensorboard=true"], show=False)
+    assert not (tmp_path / "run").exists()
+
+
 # ---- distributed ------------------------------------------------------------------------------------------------
 
 
 def test_two_torchrun_processes_match_one(recipe, tmp_path):
+    """Same global batch: 1 process × 4 accumulated micro batches = 2 processes × 2, under DDP and FSDP2."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = ["pretrain", str(recipe), "--set", "training.steps=6", "--set", "checkpoint.interval=3", "--json"]
-    one = subprocess.run([sys.executable, "-m", "smolctl", args[0], args[1], str(tmp_path / "one"), *args[2:]],
-                         env=env, capture_output=True, text=True, cwd=REPO)
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29613",
-                          "-m", "smolctl", args[0], args[1], str(tmp_path / "two"), *args[2:]],
-                         env=env, capture_output=True, text=True, cwd=REPO)
-    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
-    single, double = json.loads(one.stdout), json.loads(two.stdout)
-    assert (single["plan"]["grad_accum"], double["plan"]["grad_accum"], double["plan"]["world_size"]) == (4, 2, 2)
-    assert double["final_loss"] == pytest.approx(single["final_loss"], rel=1e-4)
-    a, b = weights(tmp_path / "one" / "final"), weights(tmp_path / "two" / "final")
-    assert all(np.allclose(a[k].numpy(), b[k].numpy(), atol=1e-4) for k in a)
-    assert (tmp_path / "two" / "checkpoints" / "step-0000006" / "optimizer").is_dir()  # sharded optimizer state (DCP)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29613", "-m", "smolctl"]
+    runs = {"one": [sys.executable, "-m", "smolctl"], "ddp": torchrun, "fsdp": torchrun}
+    results = {}
+    for name, launcher in runs.items():
+        extra = ["--set", "training.shard=true"] if name == "fsdp" else []
+        done = subprocess.run([*launcher, args[0], args[1], str(tmp_path / name), *args[2:], *extra],
+                              env=env, capture_output=True, text=True, cwd=REPO)
+        assert done.returncode == 0, done.stderr[-2000:]
+        results[name] = json.loads(done.stdout)
+    assert [results[n]["plan"]["grad_accum"] for n in runs] == [4, 2, 2]
+    reference = weights(tmp_path / "one" / "final")
+    for name in ("ddp", "fsdp"):
+        assert results[name]["final_loss"] == pytest.approx(results["one"]["final_loss"], rel=1e-4)
+        other = weights(tmp_path / name / "final")
+        assert other.keys() == reference.keys()
+        assert all(np.allclose(reference[k].numpy(), other[k].numpy(), atol=1e-4) for k in reference)
+        assert (tmp_path / name / "checkpoints" / "step-0000006" / "optimizer").is_dir()  # sharded optimizer state (DCP)
 
 
 # ---- midtrain ---------------------------------------------------------------------------------------------------

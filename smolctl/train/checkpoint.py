@@ -48,6 +48,8 @@ def save_model_folder(path: Path, *, model, tokenizer, dist: Dist, inputs: list[
     hf_logging.disable_progress_bar()  # our own progress line is the only one on the console
     # Only FSDP needs a gather; otherwise save_pretrained reads the model's own tensors (no copy).
     weights = full_state_dict(wrapped, dist) if dist.sharded else None
+    if weights is not None and model.config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # the gathered dict repeats the tied embedding; HF folders store it once
     staging = path.parent / f".{path.name}.partial"
     output = None
     if dist.is_main:
