@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +27,10 @@ def sample_table(name: str = "web") -> pa.Table:
 
 
 def reference_shingles(text: str, n: int = 5) -> set[tuple[str, ...]]:
-    """Word n-grams in plain Python: the definition the vectorised hashing must reproduce."""
-    words = [w for w in minhash.words([minhash.normalize(text)]).to_pylist()[0] if w]
+    """Word n-grams in plain Python: the definition the vectorised hashing must reproduce (words are
+    whitespace-separated tokens of the NFKC case-folded text without their ASCII punctuation)."""
+    tokens = unicodedata.normalize("NFKC", text).casefold().split()
+    words = [w for w in ("".join(c for c in t if not c.isascii() or c.isalnum() or c == "_") for t in tokens) if w]
     return {tuple(words[j:j + n]) for j in range(max(1, len(words) - n + 1))} if words else set()
 
 
@@ -117,17 +120,18 @@ def test_char_shingles_work_without_spaces():
     assert len(sets[0]) == len(texts[0]) - 2
 
 
-def test_signature_estimates_track_exact_jaccard():
+def test_signature_estimates_have_the_spread_of_ideal_minhash():
     texts = sample_table().column("text").to_pylist()
     rng = random.Random(2)
-    base = [t for t in texts if len(t.split()) > 150][:60]
-    edited = [edit_words(t, rng.uniform(0.0, 0.25), rng) for t in base]
+    base = [t for t in texts if len(t.split()) > 100][:300]
+    edited = [edit_words(t, rng.uniform(0.0, 0.3), rng) for t in base]
     normalized = [minhash.normalize(t) for t in base + edited]
     sigs = minhash.signatures(*minhash.shingle_hashes(normalized, 5), PARAMS.permutations())
     sets = minhash.shingle_sets(normalized)
     truth = np.array([minhash.jaccard(sets[i], sets[i + len(base)]) for i in range(len(base))])
-    estimate = minhash.estimate_jaccard(sigs[:len(base)], sigs[len(base):])
-    assert np.abs(estimate - truth).mean() < 0.04 and np.abs(estimate - truth).max() < 0.2
+    error = minhash.estimate_jaccard(sigs[:len(base)], sigs[len(base):]) - truth
+    ideal = np.sqrt(np.mean(truth * (1 - truth) / PARAMS.num_perm))  # binomial spread of a perfect MinHash
+    assert abs(error.mean()) < 0.01 and np.sqrt(np.mean(error**2)) < 1.25 * ideal
 
 
 def test_bands_lean_to_recall_and_are_validated():

@@ -222,11 +222,12 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
             ids = pa.array([f"{shard_name}:{r}" for r in range(row, row + len(python_texts))], pa.string())
         columns_out = {"id": ids, "null": pc.is_null(texts), "chars": pc.fill_null(pc.utf8_length(texts), 0).cast(pa.int64()),
                        "bytes": pc.fill_null(pc.binary_length(texts), 0).cast(pa.int64())}
+        tokens = minhash.tokenize(normalized)
         if plan_.config.exact:
-            exact = minhash.exact_hashes(normalized)
+            exact = minhash.exact_hashes(tokens)
             columns_out["exact_hi"], columns_out["exact_lo"] = exact[:, 0], exact[:, 1]
         if params:
-            shingles, offsets = minhash.shingle_hashes(normalized, params.ngram, params.shingle)
+            shingles, offsets = minhash.shingle_hashes(normalized, params.ngram, params.shingle, tokens)
             sigs = minhash.signatures(shingles, offsets, permutations)
             keys = minhash.band_keys(sigs, params.bands, params.rows)
             columns_out["shingles"] = np.diff(offsets).astype(np.int64)
@@ -639,8 +640,9 @@ def _drain(queue, report: Report) -> None:
 
 
 def _write_table(path: Path, table: pa.Table) -> None:
+    """Work files are uncompressed: hashes do not compress, and zstd would only burn CPU on them."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp, compression="zstd")
+    pq.write_table(table, tmp, compression="none")
     os.replace(tmp, path)
 
 
