@@ -924,6 +924,7 @@ def _render_estimate(r: dict) -> None:
     from smolctl.console import human_bytes, human_duration
 
     m, lay, mem, comp = r["model"], r["layout"], r["memory"], r["compute"]
+    act = mem["activations_detail"]
     p = m["params"]
     show(key_values(f"model: {m['name']} ({m['model_type']})", [
         ("parameters", f"{human_count(p['total'])} ({p['total']:,}; closed form "
@@ -942,8 +943,9 @@ def _render_estimate(r: dict) -> None:
     ]))
     rows = [(name, human_bytes(mem[key]), f"{mem[key] / mem['capacity']:.1%}") for name, key in [
         ("weights", "weights"), ("gradients", "grads"), ("fp32 master weights", "master"),
-        ("optimizer states", "optimizer"), ("ZeRO-3 gather buffers", "gather"), ("activations (peak)", "activations"),
-        ("logits gradient (transient)", "logits_grad"), (f"allocator headroom", "allocator_headroom"),
+        ("optimizer states", "optimizer"), ("ZeRO-3 gather buffers", "gather"),
+        (f"activations: {human_bytes(act['per_layer'])}/layer, head {human_bytes(act['head'])}", "activations"),
+        ("logits gradient (transient)", "logits_grad"), ("allocator headroom", "allocator_headroom"),
         ("CUDA context + NCCL", "runtime_reserved")] if mem[key]]
     verdict = "[green]fits[/]" if mem["fits"] else "[red]does not fit[/]"
     rows.append((f"total — {verdict} {mem['gpu']}", human_bytes(mem["total"]), f"{mem['total'] / mem['capacity']:.1%}"))

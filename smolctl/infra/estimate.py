@@ -179,6 +179,14 @@ def estimate(plan: Plan, *, find: bool = False) -> dict:
     if plan.recompute == "full":
         notes.append("full recompute runs each layer's forward twice (+2N FLOPs/token of hardware work); give the "
                      "MFU measured with it (MFU does not count recomputation)")
+    held = memory(plan, shape)
+    if not held["fits"]:
+        notes.append(f"does not fit {plan.gpu}: --find lists the layouts that do (or try --recompute full, a larger "
+                     "--tp, a smaller --micro-batch)")
+    loss_bytes = held["activations_detail"]["head"] + held["logits_grad"]
+    if loss_bytes > 0.15 * held["capacity"]:
+        notes.append(f"the loss over {shape.vocab} vocabulary entries holds {loss_bytes / 2**30:.1f} GiB (fp32 "
+                     "log-softmax and its gradients): a chunked/fused cross-entropy (e.g. Liger's) avoids most of it")
     result = {
         "source": plan.source,
         "model": {"name": plan.model if isinstance(plan.model, str) else plan.model.get("architecture", "?"),
@@ -188,7 +196,7 @@ def estimate(plan: Plan, *, find: bool = False) -> dict:
                    "attention": plan.attention, "precision": plan.precision, "optimizer": plan.optimizer,
                    "seq_len": plan.seq_len, "micro_batch": plan.micro_batch, "gradient_accumulation": accumulate,
                    "global_batch_tokens": batch_tokens, "mfu": plan.mfu},
-        "memory": memory(plan, shape),
+        "memory": held,
         "compute": compute(plan, config, shape),
         "notes": notes,
     }

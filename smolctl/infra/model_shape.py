@@ -52,7 +52,7 @@ class ParamCounts:
     non_embedding: int
     per_layer: int
     matmul: int
-    """Weights used in matmuls (all nn.Linear weights, the LM head included even when tied): the N of 6·N."""
+    """Weights used in matmuls (all Linear/Conv1D weights, the LM head included even when tied): the N of 6·N."""
     closed_form: int | None
     """The Llama-family formula, for checking (None for other architectures)."""
 
@@ -182,7 +182,9 @@ def count_params(model, config) -> ParamCounts:
     head = model.get_output_embeddings()
     lm_head = 0 if head is None or head.weight is embedding else head.weight.numel()
     layer = _layer_list(model, config.num_hidden_layers)[0]
-    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    # GPT-2-style models implement their projections as transformers' Conv1D (a transposed Linear).
+    matmul = sum(m.weight.numel() for m in model.modules()
+                 if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
     return ParamCounts(total=total, embedding=embedding.numel(), lm_head=lm_head,
                        non_embedding=total - embedding.numel() - lm_head,
                        per_layer=sum(p.numel() for p in layer.parameters()), matmul=matmul,
@@ -192,13 +194,11 @@ def count_params(model, config) -> ParamCounts:
 def shape_of(model, config) -> ModelShape:
     layer = _layer_list(model, config.num_hidden_layers)[0]
     names = {name.rsplit(".", 1)[-1] for name, _ in layer.named_modules()}
-    llama_like = config.model_type in LLAMA_FAMILY or {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                       "down_proj", "input_layernorm", "post_attention_layernorm"} <= names
     return ModelShape(
         model_type=config.model_type, layers=config.num_hidden_layers, hidden=config.hidden_size,
         heads=config.num_attention_heads, kv_heads=kv_heads(config), head_dim=head_dim(config),
-        ffn=config.intermediate_size, vocab=config.vocab_size, tied=bool(config.tie_word_embeddings),
-        qk_norm="q_norm" in names, llama_like=llama_like, params=count_params(model, config))
+        ffn=getattr(config, "intermediate_size", None) or 4 * config.hidden_size, vocab=config.vocab_size, tied=bool(config.tie_word_embeddings),
+        qk_norm="q_norm" in names, llama_like=config.model_type in LLAMA_FAMILY, params=count_params(model, config))
 
 
 def measure_shape(config) -> ModelShape:
