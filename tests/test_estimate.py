@@ -13,7 +13,7 @@ import pytest
 from smolctl.cli import main
 from smolctl.errors import UserError
 from smolctl.infra.estimate import estimate, largest_micro_batch, load_model, memory, smallest_layouts
-from smolctl.infra.flops import training_flops_per_token
+from smolctl.infra.flops import matmul_params, training_flops_per_token
 from smolctl.infra.measure import build_model, measure_activations, measure_flops, scaled_down, validate
 from smolctl.infra.memory import GIB, PRECISIONS, activations, state_bytes
 from smolctl.infra.model_shape import config_from_dict, measure_shape, resolve_config
@@ -63,6 +63,22 @@ def test_parameter_counts_match_an_allocated_model(name):
     params = measure_shape(config).params
     allocated = build_model(config, precision="fp32", attention="sdpa", recompute="none")
     assert params.total == params.closed_form == sum(p.numel() for p in allocated.parameters())
+
+
+def test_flops_of_a_non_llama_model_come_from_its_own_matmuls(tmp_path):
+    config = resolve_config(str(_gpt2_folder(tmp_path)))
+    model = build_model(config, precision="fp32", attention="eager", recompute="none")
+    measured = measure_flops(config, micro_batch=2, seq_len=32)
+    assert training_flops_per_token(config, 32, matmul_params(model)) * 64 == pytest.approx(measured, rel=0.03)
+    assert measure_shape(config).params.total == sum(p.numel() for p in model.parameters())
+
+
+def _gpt2_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "gpt2-mini"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4,
+                                                    "vocab_size": 300, "n_positions": 64}))
+    return folder
 
 
 @pytest.mark.parametrize("name,seq_len", [("smollm3", 64), ("smollm3", 160), ("llama-bias-untied", 96),

@@ -22,6 +22,16 @@ def kv_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def matmul_params(model) -> int:
+    """Weights that take part in a matmul, counted on a built model (any architecture; the meta device is
+    enough): every Linear, and transformers' Conv1D (GPT-2's transposed Linear). A tied LM head counts: it is a
+    matmul even though its weight is the embedding's."""
+    import torch
+
+    return sum(module.weight.numel() for module in model.modules()
+               if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D")
+
+
 def matmul_params_closed_form(config) -> int:
     """Weights that take part in a matmul for a Llama-style decoder (q/k/v/o projections, a gated MLP of three
     matrices, the LM head), biases and norms excluded. The input embedding is a lookup, not a matmul; the LM head
@@ -30,7 +40,7 @@ def matmul_params_closed_form(config) -> int:
     q_dim = config.num_attention_heads * head_dim(config)
     kv_dim = kv_heads(config) * head_dim(config)
     attention = 2 * hidden * q_dim + 2 * hidden * kv_dim
-    mlp = 3 * hidden * config.intermediate_size
+    mlp = 3 * hidden * (getattr(config, "intermediate_size", None) or 4 * hidden)
     return config.num_hidden_layers * (attention + mlp) + hidden * config.vocab_size
 
 
@@ -43,8 +53,8 @@ def attention_flops_per_token(config, seq_len: int) -> float:
 def training_flops_per_token(config, seq_len: int, matmul_params: int | None = None) -> float:
     """Forward + backward FLOPs per trained token: 6·N_matmul + 12·L·h·seq.
 
-    `matmul_params` is the exact count of matmul weights when the caller has the model (sum of `nn.Linear`
-    weights, see `smolctl.infra.model_shape`); without it the Llama-family closed form is used."""
+    `matmul_params` is the exact count when the caller has the model (`matmul_params(model)`, right for every
+    architecture); without it the Llama-family closed form is used."""
     if matmul_params is None:
         matmul_params = matmul_params_closed_form(config)
     return MATMUL_FLOPS_PER_PARAM * float(matmul_params) + attention_flops_per_token(config, seq_len)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from smolctl.errors import UserError
-from smolctl.infra.flops import head_dim, kv_heads
+from smolctl.infra.flops import head_dim, kv_heads, matmul_params
 
 # Published configs (the models' config.json on the Hub), so `--model NAME` works without network access.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -175,19 +175,14 @@ def build_meta_model(config):
 
 
 def count_params(model, config) -> ParamCounts:
-    import torch
-
     total = sum(p.numel() for p in model.parameters())
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     lm_head = 0 if head is None or head.weight is embedding else head.weight.numel()
     layer = _layer_list(model, config.num_hidden_layers)[0]
-    # GPT-2-style models implement their projections as transformers' Conv1D (a transposed Linear).
-    matmul = sum(m.weight.numel() for m in model.modules()
-                 if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
     return ParamCounts(total=total, embedding=embedding.numel(), lm_head=lm_head,
                        non_embedding=total - embedding.numel() - lm_head,
-                       per_layer=sum(p.numel() for p in layer.parameters()), matmul=matmul,
+                       per_layer=sum(p.numel() for p in layer.parameters()), matmul=matmul_params(model),
                        closed_form=closed_form_params(config))
 
 
