@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -179,10 +180,13 @@ def test_packed_documents_do_not_see_each_other(sample, tokenizer_dir, tokenizer
 
 def test_cli_pack_and_inspect(sample, tokenizer_dir, tmp_path):
     out = tmp_path / "packed"
-    done = run_cli("pack", sample / "math", out, "--tokenizer", tokenizer_dir, "--seq-len", "128", "--json")
+    done = run_cli("pack", sample / "web", out, "--tokenizer", tokenizer_dir, "--seq-len", "256", "--json")
     assert done.returncode == 0, done.stderr
-    shown = run_cli("inspect", out, "--samples", "4")
-    assert shown.returncode == 0 and "⟂" in shown.stdout + shown.stderr
+    assert json.loads(done.stdout)["stats"]["documents"] == 1851
+    shown = run_cli("inspect", out, "--samples", "12", "--json")
+    rows = json.loads(shown.stdout)["samples"]
+    assert any("⟂" in row["text"] for row in rows)  # document boundaries marked (the text is clipped)
+    assert all(row["text"].count("⟂") <= row["documents"] - 1 for row in rows)
 
 
 @pytest.mark.parametrize("args, message", [

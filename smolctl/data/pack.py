@@ -232,27 +232,31 @@ def segment_positions(starts_mask: np.ndarray) -> np.ndarray:
 
 def split_long_documents(batch: TokenBatch, seq_len: int, mode: str, stats: PackStats) -> tuple[TokenBatch, np.ndarray]:
     """Documents longer than seq_len: `split` cuts their leading full rows off (returned as an array of full rows,
-    the remainder stays a document); `truncate` keeps their first seq_len tokens."""
+    the remainder stays a document); `truncate` keeps their first seq_len tokens. Copies spans, not tokens one
+    by one."""
     long = np.flatnonzero(batch.lengths > seq_len)
     if len(long) == 0:
         return batch, np.empty((0, seq_len), dtype=np.int32)
-    starts = batch.starts
+    starts, long_lengths = batch.starts[long], batch.lengths[long]
     if mode == "truncate":
         stats.truncated_documents += len(long)
-        stats.truncated_tokens += int((batch.lengths[long] - seq_len).sum())
-        keep = np.ones(len(batch.ids), dtype=bool)
-        for doc in long.tolist():
-            keep[starts[doc] + seq_len: starts[doc] + batch.lengths[doc]] = False
-        return TokenBatch(batch.ids[keep], np.minimum(batch.lengths, seq_len)), np.empty((0, seq_len), dtype=np.int32)
-    stats.split_documents += len(long)
-    full_rows = batch.lengths[long] // seq_len
-    in_full_row = np.zeros(len(batch.ids), dtype=bool)
-    for doc, count in zip(long.tolist(), full_rows.tolist()):
-        in_full_row[starts[doc]: starts[doc] + count * seq_len] = True
-    lengths = batch.lengths.copy()
-    lengths[long] -= full_rows * seq_len
-    rest = TokenBatch(batch.ids[~in_full_row], lengths[lengths > 0])
-    return rest, batch.ids[in_full_row].reshape(-1, seq_len)
+        stats.truncated_tokens += int((long_lengths - seq_len).sum())
+        removed_from, removed_to = starts + seq_len, starts + long_lengths
+        lengths = np.minimum(batch.lengths, seq_len)
+    else:
+        stats.split_documents += len(long)
+        whole = long_lengths // seq_len * seq_len
+        removed_from, removed_to = starts, starts + whole
+        lengths = batch.lengths.copy()
+        lengths[long] -= whole
+        lengths = lengths[lengths > 0]
+    keep_from = [0, *removed_to.tolist()]
+    keep_to = [*removed_from.tolist(), len(batch.ids)]
+    kept = np.concatenate([batch.ids[a:b] for a, b in zip(keep_from, keep_to)])
+    if mode == "truncate":
+        return TokenBatch(kept, lengths), np.empty((0, seq_len), dtype=np.int32)
+    rows = np.concatenate([batch.ids[a:b] for a, b in zip(removed_from.tolist(), removed_to.tolist())])
+    return TokenBatch(kept, lengths), rows.reshape(-1, seq_len)
 
 
 def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -292,23 +296,29 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray,
     return np.asarray(bin_of, dtype=np.int64), np.asarray(offset, dtype=np.int64), len(used)
 
 
-def assemble_rows(batch: TokenBatch, row_of: np.ndarray, offset: np.ndarray, rows: int, seq_len: int,
-                  pad_id: int) -> Rows:
-    """Scatter each document to (row, offset); the rest of every row is padding (pad id, position -1)."""
-    input_ids = np.full(rows * seq_len, pad_id, dtype=np.int32)
-    position_ids = np.full(rows * seq_len, PADDING_POSITION, dtype=np.int32)
-    starts = batch.starts
-    shift = np.repeat(row_of * seq_len + offset - starts, batch.lengths)
-    destination = np.arange(len(batch.ids), dtype=np.int64) + shift
-    input_ids[destination] = batch.ids
-    position_ids[destination] = np.arange(len(batch.ids), dtype=np.int64) - np.repeat(starts, batch.lengths)
-    row_tokens = np.bincount(row_of, weights=batch.lengths, minlength=rows).astype(np.int64)
-    return Rows(input_ids.reshape(rows, seq_len), position_ids.reshape(rows, seq_len), row_tokens)
+def document_positions(lengths: np.ndarray) -> np.ndarray:
+    """0..n-1 for each length n, concatenated: a cumulative sum of ones that drops back at each start."""
+    steps = np.ones(int(lengths.sum()), dtype=np.int32)
+    starts = np.cumsum(lengths)[:-1]
+    steps[0] = 0
+    steps[starts] = 1 - lengths[:-1]
+    return np.cumsum(steps, dtype=np.int32)
 
 
-def full_rows(rows: np.ndarray, seq_len: int) -> Rows:
-    positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), rows.shape)
-    return Rows(rows, np.ascontiguousarray(positions), np.full(len(rows), seq_len, dtype=np.int64))
+def assemble_rows(pieces: list[np.ndarray], row_of: np.ndarray, rows: int, seq_len: int, pad_id: int) -> Rows:
+    """Lay out pieces (already in row order, each row's pieces in order) as rows padded at the end.
+
+    Filling the first `fill[r]` slots of each row in row-major order is one boolean-mask assignment, so every
+    token is copied once (into `flat`) and once more into place.
+    """
+    lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+    fill = np.bincount(row_of, weights=lengths, minlength=rows).astype(np.int64)
+    real = np.arange(seq_len) < fill[:, None]  # [rows, seq_len]
+    input_ids = np.full((rows, seq_len), pad_id, dtype=np.int32)
+    position_ids = np.full((rows, seq_len), PADDING_POSITION, dtype=np.int32)
+    input_ids[real] = np.concatenate(pieces)
+    position_ids[real] = document_positions(lengths)
+    return Rows(input_ids, position_ids, fill)
 
 
 class BfdPacker:
@@ -336,18 +346,20 @@ class BfdPacker:
     def finish(self) -> Iterator[Rows]:
         if not self.pending_tokens:
             return
-        seq_len = self.config.seq_len
         batch = TokenBatch.concat(self.pending)
         whole = np.concatenate(self.pending_full)
         self.pending, self.pending_full, self.pending_tokens = [], [], 0
-        row_of, offset, rows = best_fit_decreasing(batch.lengths, seq_len)
-        packed = assemble_rows(batch, row_of, offset, rows, seq_len, self.pad_id)
-        split = full_rows(whole, seq_len)
-        order = np.random.default_rng([self.config.seed, self.buffers]).permutation(rows + len(whole))
+        bin_of, offset, bins = best_fit_decreasing(batch.lengths, self.config.seq_len)
+        # Shuffle by sending each BFD bin and each whole row to a random output row, then lay pieces out in
+        # (output row, offset) order.
+        destination = np.random.default_rng([self.config.seed, self.buffers]).permutation(bins + len(whole))
         self.buffers += 1
-        yield Rows(*(np.concatenate([a, b])[order] for a, b in (
-            (packed.input_ids, split.input_ids), (packed.position_ids, split.position_ids),
-            (packed.row_tokens, split.row_tokens))))
+        row_of = np.concatenate([destination[bin_of], destination[bins:]])
+        order = np.lexsort((np.concatenate([offset, np.zeros(len(whole), dtype=np.int64)]), row_of))
+        starts, lengths, documents = batch.starts.tolist(), batch.lengths.tolist(), len(batch.lengths)
+        pieces = [batch.ids[starts[i]:starts[i] + lengths[i]] if i < documents else whole[i - documents]
+                  for i in order.tolist()]
+        yield assemble_rows(pieces, row_of[order], bins + len(whole), self.config.seq_len, self.pad_id)
 
 
 class ConcatPacker:
