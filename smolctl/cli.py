@@ -865,18 +865,18 @@ def _render_train(r) -> None:
 
   smolctl estimate recipes/smollm3-tiny.toml --validate                       estimate vs measured, side by side
 
-  smolctl estimate path/to/model-folder --target-days 14 --tokens 1T --json
+  smolctl estimate path/to/model-folder --tokens 1T --target-days 14 --json     any HF config
 """)
 def estimate_command(
-    recipe: Optional[str] = typer.Argument(None, help="A pretrain recipe (TOML); or use --model."),
+    recipe: Optional[str] = typer.Argument(None, help="A pretrain recipe (.toml), or a model as --model takes it."),
     model: Optional[str] = typer.Option(None, "--model", help="Preset (smollm3-3b, llama3-8b, ...) or a config.json / model folder."),
     overrides: Optional[list[str]] = typer.Option(None, "--set", help="Override a recipe key, e.g. model.vocab_size=49152."),
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence [default: recipe, else 4096]."),
-    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Sequences per GPU per forward [default: recipe, else 1]."),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence (default: the recipe's, else 4096)."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Sequences per GPU per forward (default: the recipe's, else 1)."),
     global_batch_tokens: Optional[str] = typer.Option(None, "--global-batch-tokens", help="Tokens per optimizer step, e.g. 2359296 or 2.36M."),
     tokens: Optional[str] = typer.Option(None, "--tokens", help="Training tokens: 11.2T, 100B, 5e9."),
-    gpus: Optional[int] = typer.Option(None, "--gpus", help="GPUs in the run [default: global batch ÷ micro batch × tp·pp·cp]."),
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="h100, h200, a100-80, a100-40, l40s, b200, mi300x, ... [default: h100]."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="GPUs in the run (default: global batch ÷ micro batch × tp·pp·cp)."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="h100 (default), h200, a100-80, a100-40, l40s, b200, mi300x, ..."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor parallel size (with sequence parallelism)."),
     pp: Optional[int] = typer.Option(None, "--pp", help="Pipeline stages (1F1B schedule)."),
     cp: Optional[int] = typer.Option(None, "--cp", help="Context parallel size (splits the sequence)."),
@@ -885,11 +885,11 @@ def estimate_command(
     attention: Optional[str] = typer.Option(None, "--attention", help="flash | sdpa | eager."),
     precision: Optional[str] = typer.Option(None, "--precision", help="bf16 (bf16 weights + fp32 master) | amp (fp32 weights, bf16 autocast) | fp32."),
     optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw | adamw8bit | sgd."),
-    mfu: Optional[float] = typer.Option(None, "--mfu", help="Achieved model FLOPs utilisation [default: 0.30]."),
+    mfu: Optional[float] = typer.Option(None, "--mfu", help="Achieved model FLOPs utilisation (default 0.30)."),
     price: Optional[float] = typer.Option(None, "--price-per-gpu-hour", help="Cost of one GPU-hour, for the total."),
     target_days: Optional[float] = typer.Option(None, "--target-days", help="Also report the GPUs needed to finish in this many days."),
-    checkpoint_gbps: Optional[float] = typer.Option(None, "--checkpoint-gbps", help="Checkpoint storage write bandwidth, GB/s [default: 5]."),
-    checkpoint_hours: Optional[float] = typer.Option(None, "--checkpoint-hours", help="Hours between checkpoints [default: 1]."),
+    checkpoint_gbps: Optional[float] = typer.Option(None, "--checkpoint-gbps", help="Checkpoint storage write bandwidth, GB/s (default 5)."),
+    checkpoint_hours: Optional[float] = typer.Option(None, "--checkpoint-hours", help="Hours between checkpoints (default 1)."),
     overhead: Optional[float] = typer.Option(None, "--overhead", help="Use this wall-clock overhead factor instead of the computed one."),
     find: bool = typer.Option(False, "--find", help="Also search the layouts and the largest micro batch that fit."),
     validate: bool = typer.Option(False, "--validate", help="Run a (scaled-down) copy here and print estimate vs measured."),
@@ -900,6 +900,8 @@ def estimate_command(
     from smolctl.infra.estimate import estimate, load_model
     from smolctl.infra.plan import plan_from_sources
 
+    if recipe is not None and not recipe.endswith(".toml"):
+        recipe, model = None, model or recipe  # a preset, config.json or model folder in the recipe's place
     if recipe is not None and model is not None:
         raise UserError("estimate", "got both RECIPE and --model", "pass one (flags override the recipe's values)")
     flags = dict(model=model, seq_len=seq_len, micro_batch=micro_batch, global_batch_tokens=global_batch_tokens,
