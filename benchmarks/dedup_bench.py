@@ -39,15 +39,17 @@ import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parent.parent
 NGRAM = 5
-ASCII_PUNCTUATION = str.maketrans("", "", "".join(chr(c) for c in range(128) if not (chr(c).isalnum() or chr(c) == "_" or chr(c).isspace())))
+ASCII_PUNCTUATION = "".join(chr(c) for c in range(33, 127) if not (chr(c).isalnum() or chr(c) == "_"))
 
 
 def shingles(text: str) -> set[tuple[str, ...]]:
-    """Word 5-grams, words being the whitespace-separated tokens of the NFKC case-folded text without ASCII
-    punctuation: smolctl's documented definition, computed here in plain Python (and fed to datasketch)."""
+    """Word 5-grams, words being the whitespace-separated tokens of the NFKC case-folded text stripped of leading
+    and trailing ASCII punctuation: smolctl's documented definition, computed here in plain Python (and fed to
+    datasketch, so that both are scored on the same notion of similarity)."""
     import unicodedata
 
-    words = unicodedata.normalize("NFKC", text).casefold().translate(ASCII_PUNCTUATION).split()
+    tokens = unicodedata.normalize("NFKC", text).casefold().split()
+    words = [w for w in (t.strip(ASCII_PUNCTUATION) for t in tokens) if w]
     return {tuple(words[j:j + NGRAM]) for j in range(max(1, len(words) - NGRAM + 1))} if words else set()
 
 

@@ -20,6 +20,7 @@ from smolctl.errors import UserError
 from tests.conftest import SAMPLE, run_cli
 
 PARAMS = MinHashParams.for_threshold(0.8)
+ASCII_PUNCTUATION = "".join(chr(c) for c in range(33, 127) if not (chr(c).isalnum() or chr(c) == "_"))
 
 
 def sample_table(name: str = "web") -> pa.Table:
@@ -28,9 +29,9 @@ def sample_table(name: str = "web") -> pa.Table:
 
 def reference_shingles(text: str, n: int = 5) -> set[tuple[str, ...]]:
     """Word n-grams in plain Python: the definition the vectorised hashing must reproduce (words are
-    whitespace-separated tokens of the NFKC case-folded text without their ASCII punctuation)."""
+    whitespace-separated tokens of the NFKC case-folded text, stripped of leading and trailing ASCII punctuation)."""
     tokens = unicodedata.normalize("NFKC", text).casefold().split()
-    words = [w for w in ("".join(c for c in t if not c.isascii() or c.isalnum() or c == "_") for t in tokens) if w]
+    words = [w for w in (t.strip(ASCII_PUNCTUATION) for t in tokens) if w]
     return {tuple(words[j:j + n]) for j in range(max(1, len(words) - n + 1))} if words else set()
 
 

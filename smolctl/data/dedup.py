@@ -45,6 +45,7 @@ DUPLICATES_SCHEMA = pa.schema([("id", pa.string()), ("duplicate_of", pa.string()
                                ("reason", pa.string()), ("jaccard", pa.float32())])
 # report(stage, advance, total=None): progress of a stage; a total is announced once it is known.
 Report = Callable[..., None]
+NO_BUCKET = np.uint64(0)
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,7 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
     id_column = plan_.id_column if source is plan_.source else ("id" if "id" in source.columns else None)
     columns = [plan_.config.text_column] + ([id_column] if id_column else [])
     shard_name = source.files[file_index].stem
-    tables, row = [], 0
+    tables, band_keys, row = [], [], 0
     permutations = params.permutations() if params else None
     for batch in source.iter_file_batches(file_index, columns, BATCH_ROWS):
         texts = batch.column(plan_.config.text_column)
@@ -230,15 +231,18 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
             shingles, offsets = minhash.shingle_hashes(normalized, params.ngram, params.shingle, tokens)
             sigs = minhash.signatures(shingles, offsets, permutations)
             keys = minhash.band_keys(sigs, params.bands, params.rows)
-            columns_out["shingles"] = np.diff(offsets).astype(np.int64)
+            keys[np.diff(offsets) == 0] = NO_BUCKET  # documents without shingles (empty, null) match nothing
+            band_keys.append(keys)
             columns_out["signature"] = pa.FixedSizeBinaryArray.from_buffers(
                 pa.binary(sigs.shape[1] * 4), len(sigs), [None, pa.py_buffer(np.ascontiguousarray(sigs).tobytes())])
-            for band in range(params.bands):
-                columns_out[f"band_{band:03d}"] = keys[:, band]
         tables.append(pa.table(columns_out))
         row += len(python_texts)
         report("signatures", len(python_texts))
     table = pa.concat_tables(tables)
+    if params:
+        # (bands, docs): each bucket task memory-maps its band's row instead of parsing a parquet column.
+        _atomic_save(plan_.work / "signatures" / f"{unit:05d}.bands.npy",
+                     np.ascontiguousarray(np.concatenate(band_keys).T) if band_keys else np.zeros((params.bands, 0), np.uint64))
     _write_table(plan_.work / "signatures" / f"{unit:05d}.parquet", table)
     return {"rows": table.num_rows}
 
@@ -250,11 +254,11 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
 def bucket_unit(plan_: Plan, band: int, report: Report) -> dict:
     keys, docs, start = [], [], 0
     for unit in range(len(plan_.units)):
-        table = pq.read_table(plan_.work / "signatures" / f"{unit:05d}.parquet", columns=[f"band_{band:03d}", "shingles"])
-        has_shingles = np.asarray(table.column("shingles")) > 0
-        keys.append(np.asarray(table.column(0))[has_shingles])
-        docs.append(np.arange(start, start + table.num_rows, dtype=np.int64)[has_shingles])
-        start += table.num_rows
+        band_keys = np.load(plan_.work / "signatures" / f"{unit:05d}.bands.npy", mmap_mode="r")[band]
+        matchable = band_keys != NO_BUCKET
+        keys.append(np.asarray(band_keys[matchable]))
+        docs.append(np.arange(start, start + len(band_keys), dtype=np.int64)[matchable])
+        start += len(band_keys)
     pairs = minhash.bucket_pairs(np.concatenate(keys), np.concatenate(docs))
     # Pairs inside the reference are never removed, so they need no verification.
     first_input_only = plan_.source.num_rows
