@@ -447,9 +447,11 @@ def _render_dedup(result, tasks: int, task_id: int) -> None:
         mh = result.params["minhash"]
         facts.append(("candidates", f"{result.candidate_pairs} pairs, {result.verified_pairs} by exact Jaccard "
                       f"({mh['bands']} bands x {mh['rows']} rows, threshold {mh['threshold']})"))
-    facts += [("throughput", f"{human_count(rate)} docs/s, {result.bytes / max(result.seconds, 1e-9) / 1e6:.1f} MB/s"
-               + (f" ({result.units_skipped} unit(s) resumed)" if result.units_skipped else "")),
-              ("time", f"{result.seconds:.1f}s"), ("output", result.output)]
+    if result.stage == "all":
+        facts.append(("throughput", f"{human_count(rate)} docs/s, {result.bytes / max(result.seconds, 1e-9) / 1e6:.1f} MB/s"
+                      + (f" ({result.units_skipped} finished unit(s) reused)" if result.units_skipped else "")))
+    facts += [("time", f"{result.seconds:.1f}s" + ("" if result.stage == "all" else f" (this {result.stage} task)")),
+              ("output", result.output)]
     show(key_values("dedup", facts))
 
 
@@ -589,7 +591,7 @@ def mix_command(
         show(table(f"{stage.name} → {stage.path}  ({human_count(stage.units)} {stage.unit}, "
                    f"{human_count(stage.documents)} documents)",
                    ["source", "target weight", "achieved", stage.unit, "documents", "repeat", "repeat so far"],
-                   ([s.name, f"{s.start_weight:.3f} → {s.end_weight:.3f}" if s.start_weight != s.end_weight
+                   ([s.name, f"{s.start_weight:.3f}→{s.end_weight:.3f} (mean {s.target_weight:.3f})" if s.start_weight != s.end_weight
                      else f"{s.target_weight:.3f}", f"{s.achieved_weight:.3f}", human_count(s.units),
                      human_count(s.documents), f"{s.repeat:.2f}x", f"{s.cumulative_repeat:.2f}x"]
                     for s in stage.sources)))
@@ -923,7 +925,7 @@ def estimate_command(
 
 
 def _render_estimate(r: dict) -> None:
-    from smolctl.console import human_bytes, human_duration
+    from smolctl.console import human_bytes
 
     m, lay, mem, comp = r["model"], r["layout"], r["memory"], r["compute"]
     act = mem["activations_detail"]
@@ -953,12 +955,24 @@ def _render_estimate(r: dict) -> None:
     rows.append((f"total — {verdict} {mem['gpu']}", human_bytes(mem["total"]), f"{mem['total'] / mem['capacity']:.1%}"))
     stage = "" if mem["stage"] == "all" else f", {mem['stage']} pipeline stage"
     show(table(f"memory per GPU ({human_bytes(mem['capacity'])}{stage})", ["", "bytes", "of GPU"], rows))
+    _render_compute(comp, lay["mfu"])
+    for note in [comp["overhead"]["why"], *r["notes"]]:
+        console.print(f"[dim]note:[/] {note}", soft_wrap=False)
+    if "find" in r:
+        _render_find(r["find"], lay)
+    if "validate" in r:
+        _render_validation(r["validate"])
+
+
+def _render_compute(comp: dict, mfu: float) -> None:
+    from smolctl.console import human_bytes, human_duration
+
     t = comp["time"]
     facts = [
         ("FLOPs per token", f"{comp['flops_per_token']:.3e} = 6N {comp['six_n']:.3e} + attention "
                             f"{comp['attention_flops_per_token']:.3e}"),
         ("tokens / total FLOPs", f"{human_count(comp['tokens'])} / {comp['total_flops']:.3e}"),
-        ("throughput", f"{comp['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU at MFU {lay['mfu']:.0%}; "
+        ("throughput", f"{comp['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU at MFU {mfu:.0%}; "
                        f"{comp['step_seconds']:.2f} s/step, {comp['steps']:,} steps"),
         ("compute time", human_duration(comp["compute_time"]["seconds"])),
         ("overhead", f"× {comp['overhead']['factor']:.3f}"),
@@ -974,22 +988,28 @@ def _render_estimate(r: dict) -> None:
     if comp["pipeline_bubble"]:
         facts.append(("pipeline bubble", f"{comp['pipeline_bubble']:.1%} of each step (inside the MFU)"))
     show(key_values("compute and time", facts))
-    for note in [comp["overhead"]["why"], *r["notes"]]:
-        console.print(f"[dim]note:[/] {note}", soft_wrap=False)
-    if "find" in r:
-        found = r["find"]
-        console.print(f"largest micro batch that fits this layout: [bold]{found['largest_micro_batch'] or 'none'}[/]")
-        show(table(f"layouts that fit {lay['gpus']} × {lay['gpu']} at micro batch {lay['micro_batch']}, fastest first",
-                   ["tp", "pp", "cp", "dp", "zero", "recompute", "total", "free"],
-                   [(x["tp"], x["pp"], x["cp"], x["dp"], x["zero"], x["recompute"], human_bytes(x["total"]),
-                     human_bytes(x["free"])) for x in found["layouts"]] or [("none fit", "", "", "", "", "", "", "")]))
-    if "validate" in r:
-        v = r["validate"]
-        fmt = lambda row, x: human_bytes(x) if row["unit"] == "bytes" else (f"{x:,}" if row["unit"] == "count" else f"{x:.4e}")
-        show(table(f"validate on {v['device']}: {v['ran']}, micro batch {v['micro_batch']} × {v['seq_len']}",
-                   ["", "estimate", "measured", "estimate/measured"],
-                   [(row["what"], fmt(row, row["estimate"]), fmt(row, row["measured"]),
-                     f"{row['estimate'] / row['measured']:.3f}") for row in v["rows"]]))
+
+
+def _render_find(found: dict, lay: dict) -> None:
+    from smolctl.console import human_bytes
+
+    console.print(f"largest micro batch that fits this layout: [bold]{found['largest_micro_batch'] or 'none'}[/]")
+    show(table(f"layouts that fit {lay['gpus']} × {lay['gpu']} at micro batch {lay['micro_batch']}, fastest first",
+               ["tp", "pp", "cp", "dp", "zero", "recompute", "total", "free"],
+               [(x["tp"], x["pp"], x["cp"], x["dp"], x["zero"], x["recompute"], human_bytes(x["total"]),
+                 human_bytes(x["free"])) for x in found["layouts"]] or [("none fit", "", "", "", "", "", "", "")]))
+
+
+def _render_validation(v: dict) -> None:
+    from smolctl.console import human_bytes
+
+    def fmt(row: dict, value: float) -> str:
+        return {"bytes": human_bytes, "count": "{:,}".format}.get(row["unit"], "{:.4e}".format)(value)
+
+    show(table(f"validate on {v['device']}: {v['ran']}, micro batch {v['micro_batch']} × {v['seq_len']}",
+               ["", "estimate", "measured", "estimate/measured"],
+               [(row["what"], fmt(row, row["estimate"]), fmt(row, row["measured"]),
+                 f"{row['estimate'] / row['measured']:.3f}") for row in v["rows"]]))
 
 
 # ---------------------------------------------------------------------------------------------------------------
