@@ -9,6 +9,7 @@
    layer in fp16: 4h MLP, dropout masks), with full recompute 2·s·b·h per layer.
 4. The published SmolLM3 run: 384 H100, 11.2T tokens, ~30% MFU, reported ~24 days; and its memory per GPU vs
    `accelerate estimate-memory`'s 16 bytes per parameter (weights, gradients, Adam; no activations).
+5. On a CUDA machine: the per-GPU total vs torch.cuda.max_memory_allocated of a real training step.
 """
 
 from __future__ import annotations
@@ -136,8 +137,38 @@ def smollm3_run() -> None:
     ])
 
 
+def gpu_peak() -> None:
+    """Weights + gradients + AdamW states + activations + the loss's transient vs torch.cuda.max_memory_allocated
+    over a second training step, for real (not scaled-down) small models."""
+    import torch
+
+    from smolctl.infra.measure import measure_gpu_peak
+    from smolctl.infra.memory import logits_grad_bytes, state_bytes
+
+    if not torch.cuda.is_available():
+        console.print("5. GPU peak memory: skipped (no CUDA device here)")
+        return
+    rows = []
+    for name, micro_batch, seq_len, recompute in [("smollm2-135m", 4, 2048, "none"), ("smollm2-135m", 4, 2048, "full"),
+                                                  ("smollm2-360m", 2, 4096, "none"), ("qwen3-0.6b", 2, 2048, "full")]:
+        config = resolve_config(name)
+        shape = measure_shape(config)
+        measured = measure_gpu_peak(config, micro_batch=micro_batch, seq_len=seq_len, precision="amp",
+                                    attention="sdpa", recompute=recompute)
+        states = state_bytes(shape.params.total, shape.params.per_layer, precision=PRECISIONS["amp"],
+                             optimizer="adamw", zero=0, shard=1, tp=1)
+        act = activations(shape, micro_batch=micro_batch, seq_len=seq_len, precision=PRECISIONS["amp"],
+                          attention="sdpa", recompute=recompute).peak(shape.layers)
+        ours = states.total + act + logits_grad_bytes(shape, micro_batch=micro_batch, seq_len=seq_len, tp=1, cp=1)
+        rows.append([name, f"{micro_batch} × {seq_len}", recompute, f"{measured['max_memory_allocated'] / GIB:.2f}",
+                     f"{ours / GIB:.2f}", f"{ours / measured['max_memory_allocated']:.3f}"])
+    show(f"5. GPU peak allocated, amp + AdamW, second step ({measured['device']})",
+         ["model", "batch", "recompute", "measured GiB", "ours GiB", "ours/measured"], rows)
+
+
 if __name__ == "__main__":
     parameters()
     flops()
     activation_rows()
     smollm3_run()
+    gpu_peak()
