@@ -176,6 +176,13 @@ def check_plan(plan: Plan) -> Plan:
         raise UserError("--zero", f"must be 0, 1, 2 or 3, got {plan.zero}")
     if not 0 < plan.mfu <= 1:
         raise UserError("--mfu", f"must be in (0, 1], got {plan.mfu}", "typical: 0.3–0.5 on H100 for dense models")
+    for name in ("checkpoint_gbps", "checkpoint_hours", "target_days", "overhead", "price_per_gpu_hour"):
+        value = getattr(plan, name)
+        if value is not None and not value > 0:
+            raise UserError(f"--{name.replace('_', '-')}", f"must be positive, got {value}")
+    if plan.overhead is not None and plan.overhead < 1:
+        raise UserError("--overhead", f"is a factor on the compute time, at least 1, got {plan.overhead}",
+                        "e.g. --overhead 1.2 for 20% on top")
     if plan.seq_len % plan.cp:
         raise UserError("--cp", f"{plan.cp} does not divide --seq-len {plan.seq_len}")
     if plan.global_batch_tokens is not None and plan.global_batch_tokens % plan.seq_len:
