@@ -266,7 +266,7 @@ def _run_grpo(recipe: PpoRecipe, setup: Setup, on_step: StepHook | None) -> Stag
         **arguments, steps_per_generation=recipe.ppo.batch_size // micro, num_generations=recipe.grpo.num_generations,
         num_iterations=recipe.ppo.epochs, epsilon=recipe.ppo.clip, beta=recipe.ppo.kl_coef,
         max_completion_length=recipe.generation.max_new_tokens, temperature=recipe.generation.temperature,
-        top_k=0, log_completions=False, shuffle_dataset=True,
+        entropy_coef=recipe.ppo.ent_coef, top_k=0, log_completions=False, shuffle_dataset=True,
     )
     monitor = monitor_callback(setup.run, on_step)
     trainer = GRPOTrainer(model=model, reward_funcs=[smolctl_reward], args=config, train_dataset=dataset,

@@ -1,0 +1,195 @@
+"""PPO math on hand-computed values, composable rewards, and PPO/GRPO end to end on a learnable toy reward."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from smolctl.errors import UserError
+from smolctl.train.ppo import (
+    clipped_policy_loss, clipped_value_loss, completion_mask, gae, load_ppo_recipe, run_ppo, whiten,
+)
+from smolctl.train.rewards import CompositeReward, RewardSection, distinct_ngram_ratio
+from tiny_checkpoint import make_tiny_checkpoint
+
+# ---------------------------------------------------------------------------------------------------------------
+# The math
+
+
+def test_gae_matches_hand_computed_values():
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7]])
+    mask = torch.ones(1, 3)
+    advantages, returns = gae(rewards, values, mask, gamma=1.0, lam=0.5)
+    # δ2 = 1 - 0.7 = 0.3;  δ1 = 0.7 - 0.6 = 0.1 → A1 = 0.1 + 0.5·0.3 = 0.25;  δ0 = 0.1 → A0 = 0.1 + 0.5·0.25
+    assert torch.allclose(advantages, torch.tensor([[0.225, 0.25, 0.3]]))
+    assert torch.allclose(returns, torch.tensor([[0.725, 0.85, 1.0]]))
+
+
+def test_gae_does_not_bootstrap_past_the_end_of_a_completion():
+    rewards = torch.tensor([[0.0, 2.0, 9.0]])
+    values = torch.tensor([[1.0, 1.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])           # the third token is padding after the stop token
+    advantages, returns = gae(rewards, values, mask, gamma=0.9, lam=1.0)
+    # A1 = 2 - 1 = 1 (no 0.9·V2 bootstrap);  A0 = (0 + 0.9·1 - 1) + 0.9·1 = 0.8;  padding stays 0
+    assert torch.allclose(advantages, torch.tensor([[0.8, 1.0, 0.0]]))
+    assert torch.allclose(returns, torch.tensor([[1.8, 2.0, 0.0]]))
+
+
+def test_clipped_policy_loss_matches_hand_computed_values():
+    ratios = torch.tensor([[1.5, 0.5, 0.5, 1.5]])
+    old = torch.zeros(1, 4)
+    advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    loss, clipfrac = clipped_policy_loss(torch.log(ratios), old, advantages, torch.ones(1, 4), clip=0.2)
+    # per token max(-A·r, -A·clip(r)): -1.2 (clipped), -0.5, 0.8 (clipped), 1.5 → mean 0.15, half clipped
+    assert loss.item() == pytest.approx(0.15, abs=1e-6)
+    assert clipfrac.item() == pytest.approx(0.5)
+    masked, _ = clipped_policy_loss(torch.log(ratios), old, advantages, torch.tensor([[1.0, 1.0, 0.0, 0.0]]), 0.2)
+    assert masked.item() == pytest.approx((-1.2 - 0.5) / 2, abs=1e-6)
+
+
+def test_clipped_value_loss_matches_hand_computed_values():
+    values = torch.tensor([[1.0, 0.0]])
+    old_values = torch.tensor([[0.5, 0.5]])
+    returns = torch.tensor([[1.0, 1.0]])
+    loss = clipped_value_loss(values, old_values, returns, torch.ones(1, 2), clip=0.2)
+    # token 0: V=1 → (0)², clipped 0.7 → 0.09; max 0.09.  token 1: V=0 → 1, clipped 0.3 → 0.49; max 1
+    assert loss.item() == pytest.approx(0.5 * (0.09 + 1.0) / 2, abs=1e-6)
+
+
+def test_whiten_and_completion_mask():
+    values = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    white = whiten(values, mask)
+    assert white[0, :3].mean().item() == pytest.approx(0.0, abs=1e-5)
+    assert white[0, 3].item() == 0.0
+    completion = torch.tensor([[5, 7, 3, 9, 9], [5, 6, 7, 8, 4]])
+    assert completion_mask(completion, [3, 0]).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rewards
+
+
+def nan_reward(completion: str, reference: str | None) -> float:
+    return math.nan if "x" in completion else 1.0
+
+
+def spaced_words(completion: str, reference: str | None) -> float:
+    """A toy reward a random tiny model learns within a dozen steps: about the share of its 6 tokens that start a
+    word (~0.45 at random, 1.0 for e.g. " the the the ..."). Dense and without plateaus below the optimum; a
+    share-of-characters reward instead traps GRPO at a repeated common word (0.25)."""
+    return min(1.0, completion.count(" ") / 6)
+
+
+def test_task_rewards_exact_regex_and_callable():
+    exact = CompositeReward([RewardSection(kind="task")])
+    assert exact.score(["  `Numbers`. ", "math"], [3, 1], ["numbers", "numbers"]).totals == [1.0, 0.0]
+    pattern = CompositeReward([RewardSection(kind="task", match="regex", pattern=r"\b{reference}\b")])
+    assert pattern.score(["it is in os.path", "ospath"], [4, 1], ["os.path", "os.path"]).totals == [1.0, 0.0]
+    fixed = CompositeReward([RewardSection(kind="task", match="regex", pattern=r"^\d+$")])
+    assert not fixed.needs_reference and fixed.score(["42", "4x"], [1, 1]).totals == [1.0, 0.0]
+    called = CompositeReward([RewardSection(kind="task", match="callable", function="test_ppo:spaced_words")])
+    assert called.score([" a b", "ab"], [2, 1], [None, None]).totals == pytest.approx([2 / 6, 0.0])
+
+
+def test_shaped_reward_is_task_times_length_penalty_plus_diversity_bonus():
+    reward = CompositeReward([RewardSection(kind="task"), RewardSection(kind="length", scale=0.01),
+                              RewardSection(kind="diversity", n=2, weight=0.1)])
+    scored = reward.score(["numbers", "a a a a a"], [10, 50], ["numbers", "numbers"])
+    assert scored.totals[0] == pytest.approx(1.0 * math.exp(-0.1) + 0.1 * 1.0)
+    assert scored.totals[1] == pytest.approx(0.0 + 0.1 * 0.25)      # bigrams: (a a) x4, one distinct
+    assert scored.components["length"] == pytest.approx([math.exp(-0.1), math.exp(-0.5)])
+    assert distinct_ngram_ratio("", 2) == 0.0 and distinct_ngram_ratio("one", 2) == 1.0
+
+
+def test_reward_callable_that_does_not_import_is_a_user_error():
+    with pytest.raises(UserError, match="cannot import module 'no_such_rewards'"):
+        CompositeReward([RewardSection(kind="task", match="callable", function="no_such_rewards:score")])
+    with pytest.raises(UserError, match="has no function 'missing'"):
+        CompositeReward([RewardSection(kind="task", match="callable", function="test_ppo:missing")])
+    with pytest.raises(UserError, match="module:function"):
+        CompositeReward([RewardSection(kind="task", match="callable", function="just_a_name")])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# End to end on the tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tokenizer_dir, tmp_path_factory):
+    return make_tiny_checkpoint(tokenizer_dir, tmp_path_factory.mktemp("ppo") / "pre")
+
+
+def toy_recipe(tmp_path, reward: str = "test_ppo:spaced_words", match: str = "callable", kind: str = "task") -> str:
+    path = tmp_path / f"toy-{reward.replace(':', '-')}-{match}-{kind}.toml"
+    path.write_text("\n".join([
+        '[data]', 'path = "data/sample/prompts"',
+        '[training]', 'steps = 14', 'micro_batch = 16', 'lr = 3e-2', 'schedule = "constant"',
+        '[checkpoint]', 'every = 100',
+        '[generation]', 'max_new_tokens = 6',
+        '[ppo]', 'batch_size = 16', 'minibatch_size = 16', 'epochs = 2', 'kl_coef = 0.0',
+        '[grpo]', 'num_generations = 8',
+        '[[rewards]]', f'kind = "{kind}"', f'match = "{match}"', f'function = "{reward}"']) + "\n")
+    return str(path)
+
+
+def rewards_logged(run) -> list[float]:
+    return [r["reward"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward" in r]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_mean_reward_rises_on_a_learnable_toy_reward(algorithm, tiny_model, tmp_path):
+    # GRPO: one pass per generation batch (with 2, max_steps would count each batch twice).
+    recipe = load_ppo_recipe(toy_recipe(tmp_path), [f"algorithm={algorithm}"] + (
+        ["ppo.epochs=1"] if algorithm == "grpo" else []))
+    result = run_ppo(recipe, output=str(tmp_path / "run"), start=str(tiny_model))
+    rewards = rewards_logged(tmp_path / "run")
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.1, f"{algorithm} did not learn: {first:.3f} → {last:.3f} ({rewards})"
+    assert result.metrics["reward_last"] == pytest.approx(last)
+    manifest = json.loads((tmp_path / "run" / "final" / "manifest.json").read_text())
+    assert manifest["kind"] == "model" and manifest["parent"] == str(tiny_model.resolve())
+    assert [ref["kind"] for ref in manifest["inputs"]] == ["documents", "model"]
+
+
+def test_nan_rewards_are_counted_and_skipped(tiny_model, tmp_path):
+    path = toy_recipe(tmp_path, reward="test_ppo:nan_reward")
+    recipe = load_ppo_recipe(path, ["training.steps=2", "ppo.epochs=1", "generation.max_new_tokens=4"])
+    result = run_ppo(recipe, output=str(tmp_path / "run"), start=str(tiny_model))
+    assert result.metrics["nan_rewards_skipped"] > 0
+    assert all(math.isfinite(r) for r in rewards_logged(tmp_path / "run"))
+
+
+def test_ppo_resumes_from_its_newest_checkpoint(tiny_model, tmp_path):
+    path = toy_recipe(tmp_path)
+    short = ["training.steps=2", "checkpoint.every=1", "ppo.epochs=1", "generation.max_new_tokens=4"]
+    run_ppo(load_ppo_recipe(path, short), output=str(tmp_path / "run"), start=str(tiny_model))
+    with pytest.raises(UserError, match="already exists and is not empty — pass --overwrite"):
+        run_ppo(load_ppo_recipe(path, short), output=str(tmp_path / "run"), start=str(tiny_model))
+    longer = load_ppo_recipe(path, [*short, "training.steps=3"])
+    result = run_ppo(longer, output=str(tmp_path / "run"), start=str(tiny_model), resume="auto")
+    assert result.resumed_from.endswith("checkpoint-2") and result.steps == 3
+    steps = [r["step"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())]
+    assert steps == [1, 2, 3]
+
+
+def test_bad_ppo_inputs_fail_before_training(tiny_model, tmp_path):
+    path = toy_recipe(tmp_path)
+    broken = toy_recipe(tmp_path, reward="nowhere_module:score")
+    with pytest.raises(UserError, match="cannot import module 'nowhere_module'"):
+        run_ppo(load_ppo_recipe(broken, []), output=str(tmp_path / "a"), start=str(tiny_model))
+    exact = toy_recipe(tmp_path, match="exact")
+    with pytest.raises(UserError, match=r"has no column 'answer' for the task reward \(columns: id, prompt, reference\)"):
+        run_ppo(load_ppo_recipe(exact, ["data.reference_column=answer"]), output=str(tmp_path / "b"),
+                start=str(tiny_model))
+    with pytest.raises(UserError, match="not a multiple of grpo.num_generations"):
+        run_ppo(load_ppo_recipe(path, ["algorithm=grpo", "grpo.num_generations=3"]), output=str(tmp_path / "c"),
+                start=str(tiny_model))
+    with pytest.raises(UserError, match=r"rewards\[0\]\.kind: Input should be .task., .length. or .diversity."):
+        load_ppo_recipe(toy_recipe(tmp_path, kind="taks"), [])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
