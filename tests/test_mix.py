@@ -141,6 +141,30 @@ end_weights = { web = 20, code = 40, math = 40 }
     assert open_documents(tmp_path / "out").num_rows == top["rows"]
 
 
+def test_pack_reads_a_whole_mix_stage_by_stage(sample, tokenizer_dir, tmp_path):
+    from smolctl.data.pack import PackConfig, pack
+    from smolctl.shards import open_packed
+
+    recipe = write_recipe(tmp_path / "mix.toml", sample, """
+[[stages]]
+name = "first"
+documents = 300
+weights = { web = 1, code = 1 }
+
+[[stages]]
+name = "second"
+documents = 200
+weights = { math = 1 }
+""")
+    prepare_mix(plan_from_recipe(recipe), tmp_path / "mix").run()
+    result = pack(str(tmp_path / "mix"), tmp_path / "packed", tokenizer_spec=str(tokenizer_dir),
+                  config=PackConfig(seq_len=128, strategy="concat"))
+    positions = open_packed(tmp_path / "packed").load_shard(0)["position_ids"]
+    # concat pads only at the end of its input: here the end of each stage, so no row holds two stages
+    assert int((positions[:, -1] < 0).sum()) == 2
+    assert result.stats.documents == read_manifest(tmp_path / "mix")["rows"]
+
+
 def test_interpolate_moves_to_the_next_stage_and_sources_may_differ_in_columns(sample, tmp_path):
     extra = tmp_path / "extra.parquet"
     pq.write_table(pa.table({"text": ["an extra document"] * 50, "score": np.arange(50.0)}), extra)

@@ -401,7 +401,7 @@ class ConcatPacker:
                           np.concatenate([self.tail_starts, np.zeros(padding, dtype=bool)]))
         rows.position_ids[0, real:] = PADDING_POSITION
         rows.row_tokens[0] = real
-        self.tail_ids = np.empty(0, dtype=np.int32)
+        self.tail_ids, self.tail_starts = np.empty(0, dtype=np.int32), np.empty(0, dtype=bool)
         yield rows
 
 
