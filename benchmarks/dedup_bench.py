@@ -271,17 +271,53 @@ def score(removed: list[int], truth: dict) -> dict:
             "emptied": sum(all(d in removed_set for d in c) for c in truth["clusters"])}
 
 
+def scaled_run(docs: int, threshold: float) -> None:
+    """Memory at scale: `docs` synthetic ~1 KB documents (Zipf-distributed words of the real corpus, 5% planted
+    near copies), deduplicated by smolctl on one core; prints time and peak RSS (VmHWM)."""
+    rng = np.random.default_rng(0)
+    vocabulary = sorted({w for t in cut_documents(source_texts()[:3000]) for w in t.split()})
+    weights = 1.0 / np.arange(1, len(vocabulary) + 1)
+    weights /= weights.sum()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "corpus"
+        folder.mkdir()
+        shard_docs = 100_000
+        for shard in range(0, docs, shard_docs):
+            count = min(shard_docs, docs - shard)
+            words = rng.choice(len(vocabulary), size=(count, 160), p=weights)
+            texts = [" ".join(vocabulary[w] for w in row) for row in words]
+            for i in rng.choice(count - 1, size=count // 20, replace=False):
+                edited = texts[i].split(" ")
+                edited[rng.integers(len(edited))] = "zq"
+                texts[i + 1] = " ".join(edited)
+            pq.write_table(pa.table({"id": [f"d{shard + i}" for i in range(count)], "text": texts}),
+                           folder / f"part-{shard // shard_docs:05d}.parquet")
+        megabytes = sum(p.stat().st_size for p in folder.iterdir()) / 1e6
+        done = subprocess.run([sys.executable, __file__, "--child", "smolctl", "--corpus", str(folder),
+                               "--threshold", str(threshold)], capture_output=True, text=True, cwd=REPO)
+        if done.returncode != 0:
+            sys.exit(done.stderr[-3000:])
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"scaled run: {docs:,} documents ({megabytes:.0f} MB of parquet), smolctl on one core: "
+          f"{result['seconds']:.0f}s ({docs / result['seconds']:,.0f} docs/s), peak RSS {result['max_rss_mib']:.0f} MiB, "
+          f"{len(result['removed']):,} removed")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--docs", type=int, default=20000)
     parser.add_argument("--threshold", type=float, default=0.8)
     parser.add_argument("--methods", default="smolctl,datasketch,datatrove")
     parser.add_argument("--repeat", type=int, default=2, help="Runs per method; the fastest is reported.")
+    parser.add_argument("--scale", type=int, help="Only measure smolctl's time and memory on this many synthetic documents.")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--corpus", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child, args.corpus, args.threshold)
+        return
+    if args.scale:
+        scaled_run(args.scale, args.threshold)
         return
     with tempfile.TemporaryDirectory() as tmp:
         corpus_dir = Path(tmp) / "corpus"

@@ -9,6 +9,8 @@
 4. filter      (one unit per input shard): drop the removed rows; the task that completes the set assembles
                OUTPUT (kept documents + duplicates/ report + manifest) and commits it atomically
 
+This module plans, chains and assembles; the units themselves are in dedup_stages.py.
+
 Intermediates live in OUTPUT/_work/<stage>/, each unit finished by an atomic `.done` marker, so any split of
 units into Slurm array tasks (`--tasks N --task-id I`), a local process pool, or a re-run after a kill gives
 the same bytes: documents are identified by their global position (input shards in order, then reference
@@ -24,28 +26,22 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from smolctl.data import minhash
+from smolctl.data.dedup_stages import (Report, bucket_unit, check_unique_ids, components_unit, filter_unit, id_chunks,
+                                      signature_unit)
 from smolctl.data.minhash import MinHashParams
 from smolctl.errors import UserError
-from smolctl.shards import (KIND_DOCUMENTS, MANIFEST_NAME, DatasetWriter, DocumentSource, OutputFolder,
+from smolctl.shards import (KIND_DOCUMENTS, DatasetWriter, DocumentSource, OutputFolder,
                             atomic_write_json, check_output_path, open_documents, schema_to_dict)
 
 STAGES = ("signatures", "buckets", "components", "filter")
 KEEP_POLICIES = ("first", "longest")
 WORK = "_work"
-BATCH_ROWS = 4096
 DUPLICATES_SCHEMA = pa.schema([("id", pa.string()), ("duplicate_of", pa.string()), ("cluster", pa.int64()),
                                ("reason", pa.string()), ("jaccard", pa.float32())])
-# report(stage, advance, total=None): progress of a stage; a total is announced once it is known.
-Report = Callable[..., None]
-NO_BUCKET = np.uint64(0)
 
 
 @dataclass(frozen=True)
@@ -202,252 +198,7 @@ def check_ready(plan_: Plan, stage: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Stage 1: signatures
-
-
-def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
-    source, file_index = plan_.units[unit]
-    params = plan_.config.minhash
-    id_column = plan_.id_column if source is plan_.source else ("id" if "id" in source.columns else None)
-    columns = [plan_.config.text_column] + ([id_column] if id_column else [])
-    shard_name = source.files[file_index].stem
-    tables, band_keys, row = [], [], 0
-    permutations = params.permutations() if params else None
-    for batch in source.iter_file_batches(file_index, columns, BATCH_ROWS):
-        texts = batch.column(plan_.config.text_column)
-        python_texts = texts.to_pylist()
-        normalized = [minhash.normalize(t) if t is not None else "" for t in python_texts]
-        if id_column:
-            ids = pc.cast(batch.column(id_column), pa.string())
-        else:
-            ids = pa.array([f"{shard_name}:{r}" for r in range(row, row + len(python_texts))], pa.string())
-        columns_out = {"id": ids, "null": pc.is_null(texts), "chars": pc.fill_null(pc.utf8_length(texts), 0).cast(pa.int64()),
-                       "bytes": pc.fill_null(pc.binary_length(texts), 0).cast(pa.int64())}
-        tokens = minhash.tokenize(normalized)
-        if plan_.config.exact:
-            exact = minhash.exact_hashes(tokens)
-            columns_out["exact_hi"], columns_out["exact_lo"] = exact[:, 0], exact[:, 1]
-        if params:
-            shingles, offsets = minhash.shingle_hashes(normalized, params.ngram, params.shingle, tokens)
-            sigs = minhash.signatures(shingles, offsets, permutations)
-            keys = minhash.band_keys(sigs, params.bands, params.rows)
-            keys[np.diff(offsets) == 0] = NO_BUCKET  # documents without shingles (empty, null) match nothing
-            band_keys.append(keys)
-            columns_out["signature"] = pa.FixedSizeBinaryArray.from_buffers(
-                pa.binary(sigs.shape[1] * 4), len(sigs), [None, pa.py_buffer(np.ascontiguousarray(sigs).tobytes())])
-        tables.append(pa.table(columns_out))
-        row += len(python_texts)
-        report("signatures", len(python_texts))
-    table = pa.concat_tables(tables)
-    if params:
-        # (bands, docs): each bucket task memory-maps its band's row instead of parsing a parquet column.
-        _atomic_save(plan_.work / "signatures" / f"{unit:05d}.bands.npy",
-                     np.ascontiguousarray(np.concatenate(band_keys).T) if band_keys else np.zeros((params.bands, 0), np.uint64))
-    _write_table(plan_.work / "signatures" / f"{unit:05d}.parquet", table)
-    return {"rows": table.num_rows}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Stage 2: buckets
-
-
-def bucket_unit(plan_: Plan, band: int, report: Report) -> dict:
-    keys, docs, start = [], [], 0
-    for unit in range(len(plan_.units)):
-        band_keys = np.load(plan_.work / "signatures" / f"{unit:05d}.bands.npy", mmap_mode="r")[band]
-        matchable = band_keys != NO_BUCKET
-        keys.append(np.asarray(band_keys[matchable]))
-        docs.append(np.arange(start, start + len(band_keys), dtype=np.int64)[matchable])
-        start += len(band_keys)
-    pairs = minhash.bucket_pairs(np.concatenate(keys), np.concatenate(docs))
-    # Pairs inside the reference are never removed, so they need no verification.
-    first_input_only = plan_.source.num_rows
-    pairs = pairs[(pairs >> np.uint64(32)) < np.uint64(first_input_only)]
-    _atomic_save(plan_.work / "buckets" / f"{band:05d}.npy", pairs)
-    report("buckets", 1)
-    return {"pairs": int(len(pairs))}
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Stage 3: components
-
-
-def components_unit(plan_: Plan, unit: int, report: Report) -> dict:
-    config, n_input = plan_.config, plan_.source.num_rows
-    columns = ["id", "null", "chars"] + (["exact_hi", "exact_lo"] if config.exact else []) + (["signature"] if config.minhash else [])
-    table = pa.concat_tables(pq.read_table(plan_.work / "signatures" / f"{u:05d}.parquet", columns=columns)
-                             for u in range(len(plan_.units)))
-    ids = table.column("id")
-    _check_unique_ids(ids.slice(0, n_input), config.input, plan_.id_column)
-    null = np.asarray(table.column("null"))
-    edges = [np.zeros((0, 2), np.int64)]
-    exact = np.stack([np.asarray(table.column("exact_hi")), np.asarray(table.column("exact_lo"))], 1) if config.exact else None
-    if exact is not None:
-        edges.append(exact_edges(exact, null, n_input))
-    sigs, stats = None, {"candidate_pairs": 0, "verified_pairs": 0}
-    if config.minhash:
-        sigs = _signature_matrix(table.column("signature"), config.minhash.num_perm)
-        pairs = np.unique(np.concatenate([np.load(plan_.work / "buckets" / f"{b:05d}.npy") for b in range(config.minhash.bands)]))
-        accepted, stats = verify_pairs(plan_, pairs, sigs, report)
-        edges.append(accepted)
-    edges = np.concatenate(edges)
-    removed = choose_kept(edges, n_input, np.asarray(table.column("chars")), config.keep)
-    report_table = removal_report(removed, ids, exact, sigs)
-    _write_table(plan_.work / "components" / "removed.parquet", report_table)
-    reasons = report_table.column("reason").to_pylist()
-    return {"documents": n_input, "null_text": int(null[:n_input].sum()), "exact_removed": reasons.count("exact"),
-            "near_removed": reasons.count("minhash"), "clusters": len(set(report_table.column("cluster").to_pylist())),
-            "bytes": _input_bytes(plan_), **stats}
-
-
-def _input_bytes(plan_: Plan) -> int:
-    return sum(int(pc.sum(pq.read_table(plan_.work / "signatures" / f"{u:05d}.parquet", columns=["bytes"]).column(0)).as_py() or 0)
-               for u in range(len(plan_.source.files)))
-
-
-def _check_unique_ids(ids: pa.ChunkedArray, where: str, id_column: str | None) -> None:
-    if id_column is None:
-        return
-    nulls = ids.null_count
-    if nulls:
-        raise UserError(where, f"column '{id_column}' has {nulls} null id(s)", "give every document an id, or pass --id-column")
-    counts = pc.value_counts(ids)
-    repeated = pc.filter(counts, pc.greater(counts.field("counts"), 1))
-    if len(repeated):
-        first = repeated[0].as_py()
-        raise UserError(where, f"column '{id_column}' holds {len(repeated)} repeated id(s), e.g. {first['values']!r} x{first['counts']}",
-                        "make ids unique (or pass --id-column with a unique column)")
-
-
-def _id_chunks(plan_: Plan, file_index: int) -> list[pa.Array]:
-    return [pc.cast(batch.column(0), pa.string())
-            for batch in plan_.source.iter_file_batches(file_index, [plan_.id_column], 65536)]
-
-
-def _signature_matrix(column: pa.ChunkedArray, num_perm: int) -> np.ndarray:
-    array = column.combine_chunks()
-    width = num_perm * 4
-    raw = np.frombuffer(array.buffers()[1], dtype=np.uint8)[array.offset * width:(array.offset + len(array)) * width]
-    return raw.view(np.uint32).reshape(len(array), num_perm)
-
-
-def exact_edges(exact: np.ndarray, null: np.ndarray, n_input: int) -> np.ndarray:
-    """(k, 2) edges joining every document to the first one with the same normalised-text hash."""
-    docs = np.flatnonzero(~null)
-    order = docs[np.lexsort((docs, exact[docs, 1], exact[docs, 0]))]
-    if len(order) < 2:
-        return np.zeros((0, 2), np.int64)
-    same = np.all(exact[order[1:]] == exact[order[:-1]], axis=1)
-    head_position = np.maximum.accumulate(np.where(np.concatenate([[True], ~same]), np.arange(len(order)), 0))
-    member = np.flatnonzero(np.concatenate([[False], same]))
-    edges = np.stack([order[head_position[member]], order[member]], 1)
-    # Reference documents among themselves are never removed: only edges touching the input matter.
-    return edges[(edges < n_input).any(axis=1)]
-
-
-def verify_pairs(plan_: Plan, pairs: np.ndarray, sigs: np.ndarray, report: Report) -> tuple[np.ndarray, dict]:
-    """Accepted candidate pairs as (k, 2) edges: settled by the signature estimate far from the threshold,
-    by the exact Jaccard of the shingle sets in between (or by the estimate alone without verification)."""
-    params = plan_.config.minhash
-    left = (pairs >> np.uint64(32)).astype(np.int64)
-    right = (pairs & np.uint64(0xFFFFFFFF)).astype(np.int64)
-    report("verify", 0, total=len(pairs))
-    estimate = np.concatenate([minhash.estimate_jaccard(sigs[left[s:s + 65536]], sigs[right[s:s + 65536]])
-                               for s in range(0, len(pairs), 65536)]) if len(pairs) else np.zeros(0)
-    if not plan_.config.verify:
-        accept = estimate >= params.threshold
-        report("verify", len(pairs))
-        return np.stack([left[accept], right[accept]], 1), {"candidate_pairs": len(pairs), "verified_pairs": 0}
-    margin = minhash.settle_margin(params.threshold, params.num_perm)
-    accept = estimate >= params.threshold + margin
-    grey = np.flatnonzero((estimate > params.threshold - margin) & ~accept)
-    report("verify", len(pairs) - len(grey))
-    sets = shingle_sets_of(plan_, np.unique(np.concatenate([left[grey], right[grey]])))
-    for k in grey:
-        accept[k] = minhash.jaccard(sets[left[k]], sets[right[k]]) >= params.threshold
-        report("verify", 1)
-    return np.stack([left[accept], right[accept]], 1), {"candidate_pairs": len(pairs), "verified_pairs": len(grey)}
-
-
-def shingle_sets_of(plan_: Plan, docs: np.ndarray) -> dict[int, np.ndarray]:
-    """Shingle sets of the given global documents, re-read shard by shard (only the text column)."""
-    params, sets, start = plan_.config.minhash, {}, 0
-    for source, file_index in plan_.units:
-        rows = source.file_rows[file_index]
-        wanted = docs[(docs >= start) & (docs < start + rows)] - start
-        offset = 0
-        for batch in (source.iter_file_batches(file_index, [plan_.config.text_column], BATCH_ROWS) if len(wanted) else ()):
-            local = wanted[(wanted >= offset) & (wanted < offset + batch.num_rows)]
-            if len(local):
-                texts = batch.column(0).take(pa.array(local - offset)).to_pylist()
-                for row, shingles in zip(local, minhash.shingle_sets([minhash.normalize(t) for t in texts], params.ngram, params.shingle)):
-                    sets[int(start + row)] = shingles
-            offset += batch.num_rows
-        start += rows
-    return sets
-
-
-def choose_kept(edges: np.ndarray, n_input: int, chars: np.ndarray, keep: str) -> np.ndarray:
-    """(removed, kept) global index pairs, sorted by the removed document.
-
-    One document survives per connected component: a reference document if the component has one (the
-    first), else the first input document, or with keep='longest' the longest one (ties: the first).
-    """
-    if len(edges) == 0:
-        return np.zeros((0, 2), np.int64)
-    nodes, root = minhash.connected_components(edges[:, 0], edges[:, 1])
-    is_input = nodes < n_input
-    length_rank = np.where(is_input, -chars[nodes], 0) if keep == "longest" else np.zeros(len(nodes), np.int64)
-    order = np.lexsort((nodes, length_rank, is_input, root))
-    first = np.concatenate([[True], root[order][1:] != root[order][:-1]])
-    keeper = nodes[order][np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))]
-    removed = ~first & is_input[order]
-    pairs = np.stack([nodes[order][removed], keeper[removed]], 1)
-    return pairs[np.argsort(pairs[:, 0], kind="stable")]
-
-
-def removal_report(removed: np.ndarray, ids: pa.ChunkedArray, exact: np.ndarray | None, sigs: np.ndarray | None) -> pa.Table:
-    """One row per removed document: its index and id, the kept id, a cluster number, the reason, the Jaccard.
-
-    Clusters are numbered by their kept document's position, so the numbers depend on the data only.
-    """
-    doc, kept = removed[:, 0], removed[:, 1]
-    _, cluster = np.unique(kept, return_inverse=True)
-    same_text = np.all(exact[doc] == exact[kept], axis=1) if exact is not None else np.zeros(len(doc), bool)
-    if sigs is not None:
-        similarity = np.where(same_text, 1.0, minhash.estimate_jaccard(sigs[doc], sigs[kept]) if len(doc) else 0.0)
-    else:
-        similarity = np.ones(len(doc))
-    return pa.table({"index": pa.array(doc, pa.int64()), "id": ids.take(pa.array(doc, pa.int64())),
-                     "duplicate_of": ids.take(pa.array(kept, pa.int64())), "cluster": pa.array(cluster, pa.int64()),
-                     "reason": pa.array(np.where(same_text, "exact", "minhash").tolist(), pa.string()),
-                     "jaccard": pa.array(similarity, pa.float32())})
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Stage 4: filter, then assembly of OUTPUT
-
-
-def filter_unit(plan_: Plan, unit: int, report: Report) -> dict:
-    start = sum(plan_.source.file_rows[:unit])
-    removed = np.asarray(pq.read_table(plan_.work / "components" / "removed.parquet", columns=["index"]).column(0))
-    local = removed[(removed >= start) & (removed < start + plan_.source.file_rows[unit])] - start
-    path = plan_.work / "filter" / f"{unit:05d}.parquet"
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    writer, offset, kept = None, 0, 0
-    for batch in plan_.source.iter_file_batches(unit, None, BATCH_ROWS):
-        mask = np.ones(batch.num_rows, bool)
-        mask[local[(local >= offset) & (local < offset + batch.num_rows)] - offset] = False
-        offset += batch.num_rows
-        if mask.any():
-            writer = writer or pq.ParquetWriter(tmp, batch.schema, compression="zstd")
-            writer.write_batch(batch.filter(pa.array(mask)))
-            kept += int(mask.sum())
-        report("filter", batch.num_rows)
-    if writer is not None:
-        writer.close()
-        os.replace(tmp, path)
-    return {"kept": kept}
+# Assembly of OUTPUT
 
 
 def assemble(plan_: Plan, stats: dict) -> dict:
@@ -508,7 +259,7 @@ def run(config: DedupConfig, *, stage: str | None = None, tasks: int = 1, task_i
     plan_ = plan(config)
     if stage is None:
         # Locally the ids are checked before anything is written; an array checks them in the components task.
-        _check_unique_ids(pa.chunked_array([c for i in range(len(plan_.source.files)) for c in _id_chunks(plan_, i)], pa.string())
+        check_unique_ids(pa.chunked_array([c for i in range(len(plan_.source.files)) for c in id_chunks(plan_, i)], pa.string())
                           if plan_.id_column else None, config.input, plan_.id_column)
     check_work_area(plan_)
     stages = STAGES if stage is None else (stage,)
@@ -637,23 +388,6 @@ def _drain(queue, report: Report) -> None:
         except queues.Empty:
             return
         report(stage, advance, total=total)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Shared small helpers
-
-
-def _write_table(path: Path, table: pa.Table) -> None:
-    """Work files are uncompressed: hashes do not compress, and zstd would only burn CPU on them."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp, compression="none")
-    os.replace(tmp, path)
-
-
-def _atomic_save(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npy")
-    np.save(tmp, array)
-    os.replace(tmp, path)
 
 
 def mark_done(plan_: Plan, stage: str, unit: int, stats: dict) -> None:

@@ -157,7 +157,7 @@ _BYTE_CLASS[[c for c in range(128) if not (chr(c).isalnum() or chr(c) == "_")]] 
 _BYTE_CLASS[list(b"\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f ")] = SPACE
 # Tokenise at most this many characters at once: the temporaries are about 40 bytes per byte of text, and two
 # cached tables of powers take 8 bytes per byte each.
-TOKENIZE_BYTES = 1024**2
+TOKENIZE_BYTES = 256 * 1024
 _BYTE_RADIX = np.uint64(0x100000001B3)
 _BYTE_RADIX_INVERSE = np.uint64(pow(0x100000001B3, -1, 2**64))
 
@@ -332,7 +332,13 @@ def ngrams(tokens: np.ndarray, offsets: np.ndarray, ngram: int) -> tuple[np.ndar
 def shingle_sets(normalized: Sequence[str], ngram: int = 5, shingle: str = "word") -> list[np.ndarray]:
     """Each document's shingle set as sorted unique uint64: what exact Jaccard verification compares."""
     hashes, offsets = shingle_hashes(normalized, ngram, shingle)
-    return [np.unique(hashes[offsets[i]:offsets[i + 1]]) for i in range(len(offsets) - 1)]
+    docs = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+    order = np.lexsort((hashes, docs))
+    hashes, docs = hashes[order], docs[order]
+    first = np.concatenate([[True], (hashes[1:] != hashes[:-1]) | (docs[1:] != docs[:-1])])
+    hashes, docs = hashes[first], docs[first]
+    bounds = np.searchsorted(docs, np.arange(len(offsets)))
+    return [hashes[bounds[i]:bounds[i + 1]] for i in range(len(offsets) - 1)]
 
 
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:
