@@ -615,16 +615,22 @@ POSTTRAIN_RESUME = typer.Option(None, "--resume", help="'auto' continues from th
 def _post_train(stage: str, load, run, recipe: Path, from_: Optional[str], output: Optional[str],
                 overrides: Optional[list[str]], resume: Optional[str], overwrite: bool, json_out: bool) -> None:
     """Shared by sft, dpo and ppo: validate the recipe, train with a live bar, print the summary."""
+    from contextlib import ExitStack
+
     from smolctl.console import human_duration
 
     config = load(recipe, overrides or [])
-    with progress(not json_out) as bar:
-        task = bar.add_task(stage, total=None, rate="")
+    with ExitStack() as stack:
+        live: dict = {}
 
         def on_step(step: int, total: int, metrics: dict) -> None:
+            # The bar opens at the first step, so that an input error is one line with no bar above it.
+            if not live:
+                live["bar"] = stack.enter_context(progress(not json_out))
+                live["task"] = live["bar"].add_task(stage, total=total, rate="")
             shown = [f"{label} {metrics[key]:.4g}" for key, label in (
                 ("loss", "loss"), ("reward", "reward"), ("rewards/accuracies", "acc"), ("kl", "kl")) if key in metrics]
-            bar.update(task, completed=step, total=total, rate="  ".join(shown))
+            live["bar"].update(live["task"], completed=step, total=total, rate="  ".join(shown))
 
         result = run(config, output=output, start=from_, resume=resume, overwrite=overwrite, on_step=on_step)
     if json_out:

@@ -116,6 +116,14 @@ def read_table(source: DocumentSource, columns: list[str]) -> pa.Table:
         [source.schema.field(c) for c in columns]))
 
 
+def require_columns(source: DocumentSource, columns: list[str], fix: str) -> None:
+    """Every named column must exist; the error names all that are missing and what the dataset has."""
+    missing = [c for c in columns if c not in source.columns]
+    if missing:
+        raise UserError(source.spec, f"has no column{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))} "
+                        f"(columns: {', '.join(source.columns)})", fix)
+
+
 def sft_columns(source: DocumentSource) -> list[str]:
     """The columns SFT trains on: `messages`, or `prompt` + `completion`; anything else names what exists."""
     if "messages" in source.columns:
@@ -174,7 +182,6 @@ def load_preference_dataset(source: DocumentSource, data: DpoDataSection, as_cha
     has a chat template, so DPO trains the same format that SFT taught and chat uses."""
     import datasets
 
-    source.require("prompt", "chosen", "rejected")
     table = read_table(source, ["prompt", "chosen", "rejected"])
     if data.limit is not None:
         table = table.slice(0, data.limit)
@@ -210,7 +217,7 @@ def run_sft(recipe: SftRecipe, *, output: str | None = None, start: str | None =
     source = open_documents(recipe.data.path)
     columns = sft_columns(source)
     if recipe.data.balance_by:
-        source.require(recipe.data.balance_by)
+        require_columns(source, [recipe.data.balance_by], "set data.balance_by to a column of categories, or remove it")
     resume_from = prepare_run(out, resume, overwrite)
     model, tokenizer = load_start(parent, use_bf16(recipe.training.precision))
     conversational = columns == ["messages"] or is_chat_column(source.schema.field("prompt"))
@@ -249,7 +256,8 @@ def run_dpo(recipe: DpoRecipe, *, output: str | None = None, start: str | None =
     out = resolve_output(recipe.output, output)
     parent = check_start(start or recipe.model.from_)
     source = open_documents(recipe.data.path)
-    source.require("prompt", "chosen", "rejected")
+    require_columns(source, ["prompt", "chosen", "rejected"],
+                    "pass a preference dataset (e.g. data/sample/preference)")
     resume_from = prepare_run(out, resume, overwrite)
     bf16 = use_bf16(recipe.training.precision)
     model, tokenizer = load_start(parent, bf16)

@@ -165,7 +165,9 @@ def completion_mask(completion, stop_ids):
 
 def load_prompts(source: DocumentSource, data: PromptDataSection, needs_reference: bool) -> tuple[list, list]:
     """(prompts, references) from the dataset; references are None when the column is absent and not needed."""
-    source.require(data.prompt_column)
+    from smolctl.train.posttrain import require_columns
+
+    require_columns(source, [data.prompt_column], "set data.prompt_column, or pass a dataset of prompts")
     if needs_reference:
         if data.reference_column not in source.columns:
             raise UserError(source.spec, f"has no column '{data.reference_column}' for the task reward (columns: "

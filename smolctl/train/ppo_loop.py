@@ -92,14 +92,16 @@ class PpoLoop:
             if self.step % self.recipe.checkpoint.every == 0 or self.step == self.training.steps:
                 self.save_checkpoint()
         seconds = time.perf_counter() - started
+        components = tuple(f"rewards/{name}" for name in self.setup.reward.names)
         metrics = {**reward_trend([r["reward"] for r in self.history if "reward" in r]),
-                   **final_metrics(self.history, ("kl", "policy_loss", "value_loss", "entropy", "clipfrac",
-                                                  "completion_length")),
+                   **final_metrics(self.history, (*components, "kl", "policy_loss", "value_loss", "entropy",
+                                                  "clipfrac", "completion_length")),
                    "nan_rewards_skipped": self.nan_skipped}
         data = {"prompts": len(self.setup.prompts), "algorithm": "ppo"}
         write_model(self.setup.run, self.model.policy, self.tokenizer, parent=self.setup.parent,
                     data_inputs=self.setup.source.lineage(), stage="ppo",
-                    stats={**metrics, **data, "steps": self.step, "seconds": round(seconds, 2)})
+                    stats={**{k.replace("/", "_"): v for k, v in metrics.items()}, **data, "steps": self.step,
+                           "seconds": round(seconds, 2)})
         return StageResult("ppo", str(self.setup.run), str(self.setup.run / FINAL), str(self.setup.parent), self.step, seconds,
                            self.setup.resume_from, metrics, data)
 

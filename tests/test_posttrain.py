@@ -1,0 +1,139 @@
+"""sft and dpo (TRL behind smolctl recipes) end to end on a tiny model, chained into ppo through the CLI, plus
+task balancing, padding-free SFT, resume, and the bad inputs that must fail before training."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, SAMPLE, run_cli
+from smolctl.errors import UserError
+from smolctl.train.posttrain import balanced_indices, load_dpo_recipe, load_sft_recipe, run_dpo, run_sft
+from tiny_checkpoint import make_tiny_checkpoint
+
+SFT_QUICK = ["training.steps=3", "training.micro_batch=4", "sft.max_length=128", "checkpoint.every=100"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tokenizer_dir, tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tokenizer_dir, tmp_path_factory.mktemp("posttrain") / "pre")
+
+
+def chat_reply(model_dir: Path) -> str:
+    """Load a model folder as any transformers user would, and answer one chat turn with its template."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "Is `os.path.join` a function or a class?"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    output = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:])
+
+
+def test_balanced_indices_give_every_group_the_same_share():
+    groups = ["a"] * 6 + ["b"] * 3 + ["c"] * 1
+    capped = balanced_indices(groups, "cap", seed=0)
+    assert Counter(groups[i] for i in capped) == {"a": 1, "b": 1, "c": 1}
+    upsampled = balanced_indices(groups, "upsample", seed=0)
+    assert Counter(groups[i] for i in upsampled) == {"a": 6, "b": 6, "c": 6}
+    assert sorted(set(i for i in upsampled if groups[i] == "b")) == [6, 7, 8]   # every row used before repeats
+    assert balanced_indices(groups, "cap", seed=0) == capped
+
+
+@pytest.mark.slow
+def test_sft_dpo_ppo_chain_through_the_cli(tiny_model, tmp_path):
+    bad = run_cli("sft", "recipes/sft-tiny.toml", "--from", tiny_model, "-o", tmp_path / "bad",
+                  "--set", f"data.path={SAMPLE / 'preference'}")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "has no 'messages' column nor 'prompt'/'completion' columns (columns: id, prompt, chosen, rejected)" in bad.stderr
+    assert not (tmp_path / "bad").exists()
+
+    sft = run_cli("sft", "recipes/sft-tiny.toml", "--from", tiny_model, "-o", tmp_path / "sft", "--json",
+                  *(f"--set={o}" for o in SFT_QUICK))
+    assert sft.returncode == 0, sft.stderr
+    result = json.loads(sft.stdout)
+    assert result["steps"] == 3 and result["output"] == str(tmp_path / "sft" / "final")
+    assert result["data"]["groups_after"] == {"kind": 188, "where": 188, "explain": 188}
+    manifest = json.loads((tmp_path / "sft" / "final" / "manifest.json").read_text())
+    assert manifest["kind"] == "model" and manifest["parent"] == str(tiny_model.resolve())
+    assert [ref["path"] for ref in manifest["inputs"]] == [str(SAMPLE / "chat"), str(tiny_model.resolve())]
+    assert len((tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()) >= 3
+
+    dpo = run_cli("dpo", "recipes/dpo-tiny.toml", "--from", tmp_path / "sft", "-o", tmp_path / "dpo", "--json",
+                  "--set", "training.steps=3", "--set", "training.micro_batch=4", "--set", "training.decay=0.5",
+                  "--set", "dpo.max_length=64")
+    assert dpo.returncode == 0, dpo.stderr
+    result = json.loads(dpo.stdout)
+    assert {"rewards/accuracies", "rewards/margins", "loss"} <= set(result["metrics"])
+    rates = [r["learning_rate"] for r in map(json.loads, (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines())
+             if "learning_rate" in r]
+    assert rates == pytest.approx([5e-4 * 0.5 ** step for step in range(3)])     # lr0 · decay^step
+    assert json.loads((tmp_path / "dpo" / "final" / "manifest.json").read_text())["parent"] == str(tmp_path / "sft" / "final")
+
+    ppo = run_cli("ppo", "recipes/ppo-tiny.toml", "--from", tmp_path / "dpo", "-o", tmp_path / "ppo",
+                  "--set", "training.steps=2", "--set", "ppo.batch_size=8", "--set", "training.micro_batch=8",
+                  "--set", "generation.max_new_tokens=4")
+    assert ppo.returncode == 0, ppo.stderr
+    assert "reward_last" in ppo.stderr and "ppo/final" in ppo.stderr
+    for stage in ("sft", "dpo", "ppo"):
+        assert isinstance(chat_reply(tmp_path / stage / "final"), str)
+    lineage = run_cli("inspect", tmp_path / "ppo" / "final", "--lineage", "--json", "--samples", "0")
+    kinds = [entry["kind"] for entry in json.loads(lineage.stdout)["lineage"]]
+    assert kinds[:3] == ["model", "documents", "model"] and kinds.count("model") >= 4
+
+
+def test_padding_free_sft_resumes_from_the_newest_checkpoint(tiny_model, tmp_path):
+    recipe = REPO / "recipes" / "sft-tiny.toml"
+    quick = [*SFT_QUICK, "training.steps=2", "checkpoint.every=1", "sft.packing=\"padding_free\""]
+    first = run_sft(load_sft_recipe(recipe, quick), output=str(tmp_path / "run"), start=str(tiny_model))
+    assert first.steps == 2 and (tmp_path / "run" / "checkpoints" / "checkpoint-2" / "trainer_state.json").is_file()
+    longer = run_sft(load_sft_recipe(recipe, [*quick, "training.steps=3"]), output=str(tmp_path / "run"),
+                     start=str(tmp_path / "run"), resume="auto")
+    assert longer.resumed_from.endswith("checkpoint-2") and longer.steps == 3
+    steps = [r["step"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+             if "loss" in r]
+    assert steps == [1, 2, 3]
+
+
+def without_chat_template(model: Path, target: Path, template: str | None) -> Path:
+    shutil.copytree(model, target)
+    (target / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    if template is not None:
+        config["chat_template"] = template
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    return target
+
+
+def test_bad_inputs_fail_before_training(tiny_model, tmp_path):
+    sft = load_sft_recipe(REPO / "recipes" / "sft-tiny.toml", SFT_QUICK)
+    dpo = load_dpo_recipe(REPO / "recipes" / "dpo-tiny.toml", ["training.steps=1"])
+    out = str(tmp_path / "out")
+    with pytest.raises(UserError, match=r"has no columns 'prompt', 'chosen', 'rejected' \(columns: id, task, messages\) — pass a preference"):
+        run_dpo(load_dpo_recipe(REPO / "recipes" / "dpo-tiny.toml", [f"data.path={SAMPLE / 'chat'}"]), output=out,
+                start=str(tiny_model))
+    with pytest.raises(UserError, match="is a documents folder, not a model"):
+        run_sft(sft, output=out, start=str(SAMPLE / "chat"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=r"is not a model folder \(no config.json\)"):
+        run_dpo(dpo, output=out, start=str(tmp_path / "empty"))
+    with pytest.raises(UserError, match="no starting checkpoint"):
+        run_sft(sft, output=out)
+    plain = without_chat_template(tiny_model, tmp_path / "plain", None)
+    with pytest.raises(UserError, match="the tokenizer has no chat template, which chat data needs"):
+        run_sft(sft, output=out, start=str(plain))
+    unmarked = without_chat_template(tiny_model, tmp_path / "unmarked", "{% for m in messages %}{{ m['content'] }}"
+                                     "<|im_end|>{% endfor %}")
+    with pytest.raises(UserError, match=r"no \{% generation %\} markers.* set sft.assistant_only_loss = false"):
+        run_sft(sft, output=out, start=str(unmarked))
+    with pytest.raises(UserError, match=r"sft.packing: Input should be 'bfd', 'padding_free' or 'none'"):
+        load_sft_recipe(REPO / "recipes" / "sft-tiny.toml", ["sft.packing=\"wrapped\""])
+    with pytest.raises(UserError, match="did you mean 'beta'"):
+        load_dpo_recipe(REPO / "recipes" / "dpo-tiny.toml", ["dpo.betta=0.2"])
+    assert not (tmp_path / "out").exists()
