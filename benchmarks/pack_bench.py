@@ -31,7 +31,8 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from smolctl.data.pack import BfdPacker, PackConfig, PackStats, TokenBatch, pack  # noqa: E402
+from smolctl.data.pack import PackConfig, pack  # noqa: E402
+from smolctl.data.packing import BfdPacker, PackStats, TokenBatch  # noqa: E402
 from smolctl.shards import open_documents  # noqa: E402
 
 MAX_DOCUMENT_CHARS = 100_000
@@ -82,7 +83,7 @@ def padding_each_document(lengths: np.ndarray, seq_len: int) -> float:
 def smolctl_pack_arrays(batch: TokenBatch, seq_len: int, buffer_tokens: int) -> PackStats:
     """The packing step of `pack` alone: split, best-fit-decreasing, rows and position ids assembled."""
     stats = PackStats()
-    packer = BfdPacker(PackConfig(seq_len=seq_len, buffer_tokens=buffer_tokens), 0, stats)
+    packer = BfdPacker(seq_len=seq_len, long_docs="split", buffer_tokens=buffer_tokens, seed=0, pad_id=0, stats=stats)
     starts = batch.starts
     for i in range(0, len(batch.lengths), 1000):  # streamed in tokenizer-sized batches, as `pack` does
         lengths = batch.lengths[i:i + 1000]

@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import run_cli
-from smolctl.data.pack import PackConfig, best_fit_decreasing, pack
+from smolctl.data.pack import PackConfig, pack
+from smolctl.data.packing import best_fit_decreasing
 from smolctl.errors import UserError
 from smolctl.shards import open_documents, open_packed, read_manifest
 

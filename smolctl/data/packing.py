@@ -1,0 +1,252 @@
+"""Packing token batches into fixed-length rows: pure numpy, no I/O.
+
+Every document arrives with its EOS. Position ids restart at 0 at each document start (and at each row start),
+so the trainer and transformers' packed-sequence masking keep attention inside a document. Padding slots hold
+the pad id and position -1.
+
+- `bfd`: documents longer than seq_len are first split into full rows (or truncated), then the rest are placed
+  best-fit-decreasing over a bounded buffer of tokens: each document, longest first, goes into the open row with
+  the least room that still fits it. Open rows are bucketed by free room and a bitmask of non-empty buckets finds
+  the best fit in O(seq_len / 64) machine words, so the loop is per document, never per token. Rows are
+  assembled by copying each document's span once and filling the rows with one boolean-mask assignment; the
+  buffer's rows come out in a seeded random order.
+- `concat`: the documents are concatenated and cut every seq_len tokens; only the very last row is padded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+PADDING_POSITION = -1
+
+
+@dataclass
+class PackStats:
+    documents: int = 0
+    """Non-empty documents packed (a split document counts once)."""
+    tokens: int = 0
+    """Real tokens written, EOS included, padding excluded."""
+    rows: int = 0
+    padding_tokens: int = 0
+    skipped_empty: int = 0
+    split_documents: int = 0
+    truncated_documents: int = 0
+    truncated_tokens: int = 0
+
+    @property
+    def padding_fraction(self) -> float:
+        total = self.tokens + self.padding_tokens
+        return self.padding_tokens / total if total else 0.0
+
+
+@dataclass
+class TokenBatch:
+    """Documents as one flat int32 array of ids and their lengths (documents are contiguous, in order)."""
+
+    ids: np.ndarray
+    lengths: np.ndarray
+
+    @property
+    def starts(self) -> np.ndarray:
+        return np.cumsum(self.lengths) - self.lengths
+
+    @staticmethod
+    def concat(batches: list["TokenBatch"]) -> "TokenBatch":
+        if len(batches) == 1:
+            return batches[0]
+        return TokenBatch(np.concatenate([b.ids for b in batches]), np.concatenate([b.lengths for b in batches]))
+
+
+
+
+@dataclass
+class Rows:
+    input_ids: np.ndarray
+    position_ids: np.ndarray
+    row_tokens: np.ndarray
+
+
+def segment_positions(starts_mask: np.ndarray) -> np.ndarray:
+    """Positions that count up from 0 at every True in `starts_mask` (index 0 must be True)."""
+    index = np.arange(len(starts_mask), dtype=np.int64)
+    last_start = np.maximum.accumulate(np.where(starts_mask, index, 0))
+    return (index - last_start).astype(np.int32)
+
+
+def split_long_documents(batch: TokenBatch, seq_len: int, mode: str, stats: PackStats) -> tuple[TokenBatch, np.ndarray]:
+    """Documents longer than seq_len: `split` cuts their leading full rows off (returned as an array of full rows,
+    the remainder stays a document); `truncate` keeps their first seq_len tokens. Copies spans, not tokens one
+    by one."""
+    long = np.flatnonzero(batch.lengths > seq_len)
+    if len(long) == 0:
+        return batch, np.empty((0, seq_len), dtype=np.int32)
+    starts, long_lengths = batch.starts[long], batch.lengths[long]
+    if mode == "truncate":
+        stats.truncated_documents += len(long)
+        stats.truncated_tokens += int((long_lengths - seq_len).sum())
+        removed_from, removed_to = starts + seq_len, starts + long_lengths
+        lengths = np.minimum(batch.lengths, seq_len)
+    else:
+        stats.split_documents += len(long)
+        whole = long_lengths // seq_len * seq_len
+        removed_from, removed_to = starts, starts + whole
+        lengths = batch.lengths.copy()
+        lengths[long] -= whole
+        lengths = lengths[lengths > 0]
+    keep_from = [0, *removed_to.tolist()]
+    keep_to = [*removed_from.tolist(), len(batch.ids)]
+    kept = np.concatenate([batch.ids[a:b] for a, b in zip(keep_from, keep_to)])
+    if mode == "truncate":
+        return TokenBatch(kept, lengths), np.empty((0, seq_len), dtype=np.int32)
+    rows = np.concatenate([batch.ids[a:b] for a, b in zip(removed_from.tolist(), removed_to.tolist())])
+    return TokenBatch(kept, lengths), rows.reshape(-1, seq_len)
+
+
+def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Place items (each <= capacity), longest first, into the open bin with the least room that fits.
+
+    Returns (bin of each item, offset of each item in its bin, number of bins). Open bins are kept in stacks
+    by free room; bit r of `rooms` is set when some open bin has exactly r free slots, so the best fit for an item
+    of length n is the lowest set bit at or above n.
+    """
+    sizes = lengths.tolist()
+    order = np.argsort(-lengths, kind="stable").tolist()
+    by_room: list[list[int]] = [[] for _ in range(capacity + 1)]
+    rooms = 0
+    used: list[int] = []
+    bin_of = [0] * len(sizes)
+    offset = [0] * len(sizes)
+    for item in order:
+        need = sizes[item]
+        above = rooms >> need
+        if above:
+            room = need + (above & -above).bit_length() - 1
+            stack = by_room[room]
+            target = stack.pop()
+            if not stack:
+                rooms ^= 1 << room
+        else:
+            target, room = len(used), capacity
+            used.append(0)
+        bin_of[item] = target
+        offset[item] = used[target]
+        used[target] += need
+        left = room - need
+        if left:
+            if not by_room[left]:
+                rooms |= 1 << left
+            by_room[left].append(target)
+    return np.asarray(bin_of, dtype=np.int64), np.asarray(offset, dtype=np.int64), len(used)
+
+
+def document_positions(lengths: np.ndarray) -> np.ndarray:
+    """0..n-1 for each length n, concatenated: a cumulative sum of ones that drops back at each start."""
+    steps = np.ones(int(lengths.sum()), dtype=np.int32)
+    starts = np.cumsum(lengths)[:-1]
+    steps[0] = 0
+    steps[starts] = 1 - lengths[:-1]
+    return np.cumsum(steps, dtype=np.int32)
+
+
+def assemble_rows(pieces: list[np.ndarray], row_of: np.ndarray, rows: int, seq_len: int, pad_id: int) -> Rows:
+    """Lay out pieces (already in row order, each row's pieces in order) as rows padded at the end.
+
+    Filling the first `fill[r]` slots of each row in row-major order is one boolean-mask assignment, so every
+    token is copied once (into `flat`) and once more into place.
+    """
+    lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+    fill = np.bincount(row_of, weights=lengths, minlength=rows).astype(np.int64)
+    real = np.arange(seq_len) < fill[:, None]  # [rows, seq_len]
+    input_ids = np.full((rows, seq_len), pad_id, dtype=np.int32)
+    position_ids = np.full((rows, seq_len), PADDING_POSITION, dtype=np.int32)
+    input_ids[real] = np.concatenate(pieces)
+    position_ids[real] = document_positions(lengths)
+    return Rows(input_ids, position_ids, fill)
+
+
+class BfdPacker:
+    """Buffers documents up to `buffer_tokens`, packs the buffer best-fit-decreasing, and emits its rows shuffled.
+
+    The shuffle (seeded, per buffer) matters: BFD creates rows in order of decreasing document length, and the
+    full rows cut from long documents come in runs; a trainer reading rows in order would see that drift.
+    """
+
+    def __init__(self, *, seq_len: int, long_docs: str, buffer_tokens: int, seed: int, pad_id: int, stats: PackStats):
+        self.seq_len, self.long_docs, self.buffer_tokens, self.seed = seq_len, long_docs, buffer_tokens, seed
+        self.pad_id, self.stats = pad_id, stats
+        self.pending: list[TokenBatch] = []
+        self.pending_full: list[np.ndarray] = []
+        self.pending_tokens = 0
+        self.buffers = 0
+
+    def add(self, batch: TokenBatch) -> Iterator[Rows]:
+        batch, whole = split_long_documents(batch, self.seq_len, self.long_docs, self.stats)
+        self.pending.append(batch)
+        self.pending_full.append(whole)
+        self.pending_tokens += len(batch.ids) + whole.size
+        if self.pending_tokens >= self.buffer_tokens:
+            yield from self.finish()
+
+    def finish(self) -> Iterator[Rows]:
+        if not self.pending_tokens:
+            return
+        batch = TokenBatch.concat(self.pending)
+        whole = np.concatenate(self.pending_full)
+        self.pending, self.pending_full, self.pending_tokens = [], [], 0
+        bin_of, offset, bins = best_fit_decreasing(batch.lengths, self.seq_len)
+        # Shuffle by sending each BFD bin and each whole row to a random output row, then lay pieces out in
+        # (output row, offset) order.
+        destination = np.random.default_rng([self.seed, self.buffers]).permutation(bins + len(whole))
+        self.buffers += 1
+        row_of = np.concatenate([destination[bin_of], destination[bins:]])
+        order = np.lexsort((np.concatenate([offset, np.zeros(len(whole), dtype=np.int64)]), row_of))
+        starts, lengths, documents = batch.starts.tolist(), batch.lengths.tolist(), len(batch.lengths)
+        pieces = [batch.ids[starts[i]:starts[i] + lengths[i]] if i < documents else whole[i - documents]
+                  for i in order.tolist()]
+        yield assemble_rows(pieces, row_of[order], bins + len(whole), self.seq_len, self.pad_id)
+
+
+class ConcatPacker:
+    """Concatenates documents and cuts every seq_len tokens; the tail waits for the next batch."""
+
+    def __init__(self, *, seq_len: int, long_docs: str, pad_id: int, stats: PackStats):
+        self.seq_len, self.long_docs, self.pad_id, self.stats = seq_len, long_docs, pad_id, stats
+        self.tail_ids = np.empty(0, dtype=np.int32)
+        self.tail_starts = np.empty(0, dtype=bool)
+
+    def add(self, batch: TokenBatch) -> Iterator[Rows]:
+        if self.long_docs == "truncate":
+            batch, _ = split_long_documents(batch, self.seq_len, "truncate", self.stats)
+        else:
+            self.stats.split_documents += int((batch.lengths > self.seq_len).sum())
+        starts = np.zeros(len(batch.ids), dtype=bool)
+        starts[batch.starts] = True
+        ids = np.concatenate([self.tail_ids, batch.ids])
+        is_start = np.concatenate([self.tail_starts, starts])
+        cut = len(ids) // self.seq_len * self.seq_len
+        self.tail_ids, self.tail_starts = ids[cut:], is_start[cut:]
+        if cut:
+            yield self._rows(ids[:cut], is_start[:cut])
+
+    def _rows(self, ids: np.ndarray, is_start: np.ndarray) -> Rows:
+        seq_len = self.seq_len
+        is_start = is_start.copy()
+        is_start[::seq_len] = True  # a document continuing from the previous row starts afresh: it cannot see it
+        rows = len(ids) // seq_len
+        return Rows(ids.reshape(rows, seq_len), segment_positions(is_start).reshape(rows, seq_len),
+                    np.full(rows, seq_len, dtype=np.int64))
+
+    def finish(self) -> Iterator[Rows]:
+        if not len(self.tail_ids):
+            return
+        real = len(self.tail_ids)
+        padding = self.seq_len - real
+        rows = self._rows(np.concatenate([self.tail_ids, np.full(padding, self.pad_id, dtype=np.int32)]),
+                          np.concatenate([self.tail_starts, np.zeros(padding, dtype=bool)]))
+        rows.position_ids[0, real:] = PADDING_POSITION
+        rows.row_tokens[0] = real
+        self.tail_ids, self.tail_starts = np.empty(0, dtype=np.int32), np.empty(0, dtype=bool)
+        yield rows
