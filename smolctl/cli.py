@@ -605,8 +605,8 @@ def mix_command(
 
 POSTTRAIN_FROM = typer.Option(None, "--from", help="Starting checkpoint: a model folder or a run folder "
                               "(its final/); overrides the recipe's model.from.")
-POSTTRAIN_OUTPUT = typer.Option(None, "--output", "-o", help="Run folder: checkpoints/, metrics.jsonl and the "
-                                "finished model in final/; overrides the recipe's output.")
+POSTTRAIN_RUN = typer.Argument(None, help="Run folder: checkpoints/, metrics.jsonl and the finished model in "
+                               "final/ (default: the recipe's output).", show_default=False)
 POSTTRAIN_SET = typer.Option(None, "--set", help="Override a recipe key, e.g. training.steps=20 (repeat).")
 POSTTRAIN_RESUME = typer.Option(None, "--resume", help="'auto' continues from the newest complete checkpoint "
                                 "in RUN/checkpoints (a fresh start when there is none), or a checkpoint folder.")
@@ -649,18 +649,18 @@ def _post_train(stage: str, load, run, recipe: Path, from_: Optional[str], outpu
 
 @app.command("sft", epilog="""[bold]Examples[/]
 
-  smolctl sft recipes/sft-tiny.toml --from demo-out/pretrain/final --output demo-out/sft
+  smolctl sft recipes/sft-tiny.toml demo-out/sft --from demo-out/pretrain/final
 
-  smolctl sft recipes/smollm3-sft.toml --from runs/midtrain --output runs/sft --resume auto
+  smolctl sft recipes/smollm3-sft.toml runs/sft --from runs/midtrain --resume auto
 
-  smolctl sft recipes/sft-tiny.toml --from ckpt/ -o out/ --set sft.packing=padding_free --set training.steps=10
+  smolctl sft recipes/sft-tiny.toml out/ --from ckpt/ --set sft.packing=padding_free --set training.steps=10
 
-  torchrun --nproc_per_node 8 -m smolctl sft recipes/smollm3-sft.toml --from runs/midtrain -o runs/sft
+  torchrun --nproc_per_node 8 -m smolctl sft recipes/smollm3-sft.toml runs/sft --from runs/midtrain
 """)
 def sft_command(
     recipe: Path = typer.Argument(..., help="TOML recipe: tables model, data, training, checkpoint, sft."),
+    output: Optional[str] = POSTTRAIN_RUN,
     from_: Optional[str] = POSTTRAIN_FROM,
-    output: Optional[str] = POSTTRAIN_OUTPUT,
     overrides: Optional[list[str]] = POSTTRAIN_SET,
     resume: Optional[str] = POSTTRAIN_RESUME,
     overwrite: bool = OVERWRITE_OPTION,
@@ -675,16 +675,16 @@ def sft_command(
 
 @app.command("dpo", epilog="""[bold]Examples[/]
 
-  smolctl dpo recipes/dpo-tiny.toml --from demo-out/sft --output demo-out/dpo
+  smolctl dpo recipes/dpo-tiny.toml demo-out/dpo --from demo-out/sft
 
-  smolctl dpo recipes/smollm3-dpo.toml --from runs/sft -o runs/apo --set dpo.loss_type=apo_zero --set dpo.beta=0.05
+  smolctl dpo recipes/smollm3-dpo.toml runs/apo --from runs/sft --set dpo.loss_type=apo_zero --set dpo.beta=0.05
 
-  smolctl dpo recipes/dpo-tiny.toml --from demo-out/sft -o demo-out/dpo --resume auto --json
+  smolctl dpo recipes/dpo-tiny.toml demo-out/dpo --from demo-out/sft --resume auto --json
 """)
 def dpo_command(
     recipe: Path = typer.Argument(..., help="TOML recipe: tables model, data, training, checkpoint, dpo."),
+    output: Optional[str] = POSTTRAIN_RUN,
     from_: Optional[str] = POSTTRAIN_FROM,
-    output: Optional[str] = POSTTRAIN_OUTPUT,
     overrides: Optional[list[str]] = POSTTRAIN_SET,
     resume: Optional[str] = POSTTRAIN_RESUME,
     overwrite: bool = OVERWRITE_OPTION,
@@ -699,16 +699,16 @@ def dpo_command(
 
 @app.command("ppo", epilog="""[bold]Examples[/]
 
-  smolctl ppo recipes/ppo-tiny.toml --from demo-out/dpo --output demo-out/ppo
+  smolctl ppo recipes/ppo-tiny.toml demo-out/ppo --from demo-out/dpo
 
-  smolctl ppo recipes/ppo-tiny.toml --from demo-out/dpo -o demo-out/grpo --set algorithm=grpo
+  smolctl ppo recipes/ppo-tiny.toml demo-out/grpo --from demo-out/dpo --set algorithm=grpo
 
-  smolctl ppo recipes/smollm3-ppo.toml --from runs/apo -o runs/ppo --resume auto
+  smolctl ppo recipes/smollm3-ppo.toml runs/ppo --from runs/apo --resume auto
 """)
 def ppo_command(
     recipe: Path = typer.Argument(..., help="TOML recipe: tables model, data, training, generation, ppo, grpo, rewards."),
+    output: Optional[str] = POSTTRAIN_RUN,
     from_: Optional[str] = POSTTRAIN_FROM,
-    output: Optional[str] = POSTTRAIN_OUTPUT,
     overrides: Optional[list[str]] = POSTTRAIN_SET,
     resume: Optional[str] = POSTTRAIN_RESUME,
     overwrite: bool = OVERWRITE_OPTION,

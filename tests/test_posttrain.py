@@ -47,13 +47,13 @@ def test_balanced_indices_give_every_group_the_same_share():
 
 @pytest.mark.slow
 def test_sft_dpo_ppo_chain_through_the_cli(tiny_model, tmp_path):
-    bad = run_cli("sft", "recipes/sft-tiny.toml", "--from", tiny_model, "-o", tmp_path / "bad",
+    bad = run_cli("sft", "recipes/sft-tiny.toml", tmp_path / "bad", "--from", tiny_model,
                   "--set", f"data.path={SAMPLE / 'preference'}")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
     assert "has no 'messages' column nor 'prompt'/'completion' columns (columns: id, prompt, chosen, rejected)" in bad.stderr
     assert not (tmp_path / "bad").exists()
 
-    sft = run_cli("sft", "recipes/sft-tiny.toml", "--from", tiny_model, "-o", tmp_path / "sft", "--json",
+    sft = run_cli("sft", "recipes/sft-tiny.toml", tmp_path / "sft", "--from", tiny_model, "--json",
                   *(f"--set={o}" for o in SFT_QUICK))
     assert sft.returncode == 0, sft.stderr
     result = json.loads(sft.stdout)
@@ -64,7 +64,7 @@ def test_sft_dpo_ppo_chain_through_the_cli(tiny_model, tmp_path):
     assert [ref["path"] for ref in manifest["inputs"]] == [str(SAMPLE / "chat"), str(tiny_model.resolve())]
     assert len((tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()) >= 3
 
-    dpo = run_cli("dpo", "recipes/dpo-tiny.toml", "--from", tmp_path / "sft", "-o", tmp_path / "dpo", "--json",
+    dpo = run_cli("dpo", "recipes/dpo-tiny.toml", tmp_path / "dpo", "--from", tmp_path / "sft", "--json",
                   "--set", "training.steps=3", "--set", "training.micro_batch=4", "--set", "training.decay=0.5",
                   "--set", "dpo.max_length=64")
     assert dpo.returncode == 0, dpo.stderr
@@ -75,7 +75,7 @@ def test_sft_dpo_ppo_chain_through_the_cli(tiny_model, tmp_path):
     assert rates == pytest.approx([5e-4 * 0.5 ** step for step in range(3)])     # lr0 · decay^step
     assert json.loads((tmp_path / "dpo" / "final" / "manifest.json").read_text())["parent"] == str(tmp_path / "sft" / "final")
 
-    ppo = run_cli("ppo", "recipes/ppo-tiny.toml", "--from", tmp_path / "dpo", "-o", tmp_path / "ppo",
+    ppo = run_cli("ppo", "recipes/ppo-tiny.toml", tmp_path / "ppo", "--from", tmp_path / "dpo",
                   "--set", "training.steps=2", "--set", "ppo.batch_size=8", "--set", "training.micro_batch=8",
                   "--set", "generation.max_new_tokens=4")
     assert ppo.returncode == 0, ppo.stderr

@@ -9,6 +9,7 @@ of the GPU model; on CPU there is no meaningful peak, so the achieved FLOP/s is 
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -46,9 +47,9 @@ def check_tensorboard() -> None:
 
 
 class Monitor:
-    def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, start_step: int, flops_per_token: float,
+    def __init__(self, run_dir: Path, *, title: str, enabled: bool, total_steps: int, start_step: int, flops_per_token: float,
                  peak: float | None, world_size: int, interval: int, tensorboard: bool, show: bool):
-        self.enabled = enabled
+        self.enabled, self.title = enabled, title
         self.total_steps, self.start_step = total_steps, start_step
         self.flops_per_token, self.peak, self.world_size = flops_per_token, peak, world_size
         self.interval = interval
@@ -63,6 +64,7 @@ class Monitor:
         self._tensorboard = None
         if enabled:
             _drop_lines_after(self.metrics_path, start_step)
+            _drop_lines_after(self.events_path, start_step)
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -71,7 +73,7 @@ class Monitor:
     def __enter__(self) -> "Monitor":
         self._progress_cm = progress(self.show)
         self._bar = self._progress_cm.__enter__()
-        self._task = self._bar.add_task("pretrain", total=self.total_steps, completed=self.start_step, rate="")
+        self._task = self._bar.add_task(self.title, total=self.total_steps, completed=self.start_step, rate="")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -93,7 +95,7 @@ class Monitor:
         seconds = max(1e-9, self._window["data"] + self._window["compute"])
         tokens_per_s = self._window["tokens"] / seconds
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-                  "data_wait": self._window["data"] / seconds, "flops_per_s": tokens_per_s * self.flops_per_token,
+                  "data_wait": self._window["data"] / seconds, "step_s": seconds / self._window["steps"], "flops_per_s": tokens_per_s * self.flops_per_token,
                   "mfu": self._mfu(tokens_per_s), "time": time.time()}
         self.history.append(record)
         _append_jsonl(self.metrics_path, record)
@@ -127,6 +129,12 @@ class Monitor:
             if self._tensorboard is not None:
                 self._tensorboard.add_scalar("val/loss", loss, step)
 
+    def rewind(self, step: int) -> None:
+        """After a rollback the steps past `step` run again: their metrics lines go (events stay: they are the record)."""
+        if self.enabled:
+            _drop_lines_after(self.metrics_path, step)
+            self._bar.update(self._task, completed=step)
+
     def event(self, record: dict) -> None:
         self.events.append(record)
         if self.enabled:
@@ -148,12 +156,15 @@ class Monitor:
 
 
 def _append_jsonl(path: Path, record: dict) -> None:
+    # NaN / inf are not JSON (jq and most readers reject them): written as strings
+    clean = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
     with open(path, "a") as handle:
-        handle.write(json.dumps(record) + "\n")
+        handle.write(json.dumps(clean) + "\n")
 
 
 def _drop_lines_after(path: Path, step: int) -> None:
-    """On resume, forget metrics logged after the checkpoint: those steps are about to be run again."""
+    """On resume, forget what was logged after the checkpoint: those steps are about to be run again (a fresh
+    start is step 0, so a run killed before its first checkpoint leaves nothing behind)."""
     if not path.is_file():
         return
     kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]

@@ -1,7 +1,7 @@
 """Supervised fine-tuning and preference optimisation through TRL, driven by smolctl recipes.
 
-  smolctl sft recipes/sft-tiny.toml --from demo-out/pretrain/final --output demo-out/sft
-  smolctl dpo recipes/dpo-tiny.toml --from demo-out/sft --output demo-out/dpo      (the model: demo-out/dpo/final)
+  smolctl sft recipes/sft-tiny.toml demo-out/sft --from demo-out/pretrain/final
+  smolctl dpo recipes/dpo-tiny.toml demo-out/dpo --from demo-out/sft      (the model: demo-out/dpo/final)
 
 Data comes from dataset folders (parquet). TRL needs an indexable `datasets.Dataset`, so the columns a stage uses
 are read into one Arrow table (in memory, memory-mapped by nothing): fine for post-training sets, which are
@@ -59,7 +59,7 @@ class SftSection(Section):
 
 class SftRecipe(Section):
     output: str | None = None
-    """Run folder: checkpoints/, metrics.jsonl and the finished model in final/ (`--output` overrides)."""
+    """Run folder: checkpoints/, metrics.jsonl and the finished model in final/ (the RUN argument overrides)."""
     model: ModelSection = ModelSection()
     data: SftDataSection
     training: TrainingSection = TrainingSection()
@@ -103,7 +103,7 @@ def load_dpo_recipe(path: str | Path, overrides: list[str]) -> DpoRecipe:
 def resolve_output(recipe_output: str | None, output: str | None) -> Path:
     chosen = output or recipe_output
     if not chosen:
-        raise UserError("output", "no run folder to write", "set output = \"PATH\" in the recipe or pass --output PATH")
+        raise UserError("output", "no run folder to write", "pass the run folder after the recipe (RECIPE RUN), or set output = \"RUN\" in the recipe")
     return Path(chosen)
 
 

@@ -1,7 +1,7 @@
 """Reinforcement learning from rewards: smolctl's own compact PPO, and GRPO through TRL, with the same rewards.
 
-  smolctl ppo recipes/ppo-tiny.toml --from demo-out/dpo --output demo-out/ppo
-  smolctl ppo recipes/ppo-tiny.toml --from demo-out/dpo --output demo-out/grpo --set algorithm=grpo
+  smolctl ppo recipes/ppo-tiny.toml demo-out/ppo --from demo-out/dpo
+  smolctl ppo recipes/ppo-tiny.toml demo-out/grpo --from demo-out/dpo --set algorithm=grpo
 
 TRL dropped its PPO trainer (gone from trl.experimental since 1.13), so PPO lives here: the policy with a scalar
 value head, a frozen reference (the starting checkpoint) for a per-token KL penalty, rollouts by `generate`,

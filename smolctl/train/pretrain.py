@@ -67,6 +67,7 @@ class Trainer:
         from smolctl.train.distributed import init_distributed
 
         self.recipe, self.run_dir, self.stage, self.show = recipe, Path(run_dir), stage, show
+        self._replace_run = False
         self.dist = init_distributed()
         self.plan: BatchPlan = derive_batch(recipe.training, recipe.schedule, self.dist.world_size)
         self.resume_from = self._resume_point(resume, overwrite)
@@ -95,8 +96,7 @@ class Trainer:
         if self.run_dir.is_dir() and any(self.run_dir.iterdir()) and not overwrite:
             hint = "--resume auto to continue it, or --overwrite to start again" if checkpoints else "--overwrite to replace it"
             raise UserError(self.run_dir, "already holds a run", f"pass {hint}")
-        if overwrite and self.run_dir.is_dir() and self.dist.is_main:
-            shutil.rmtree(self.run_dir)
+        self._replace_run = overwrite and self.run_dir.is_dir()  # deleted only once every check has passed
         return None
 
     def _validate_inputs(self) -> None:
@@ -219,13 +219,16 @@ class Trainer:
         elif self.init_from and self.keep_optimizer:
             load_trainer_state(Path(self.init_from), optimizer=self.optimizer, wrapped=self.wrapped, dist=self.dist)
         if self.dist.is_main and self.resume_from is None:
+            if self._replace_run:
+                shutil.rmtree(self.run_dir)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_json(self.run_dir / RUN_FILE, {"stage": self.stage, "recipe": json.loads(self.recipe.model_dump_json()),
                                                         "plan": asdict(self.plan), "parent": self.parent})
         self.dist.barrier()
 
-    def _train_step(self) -> tuple[float, float, int, int, float, float]:
-        """One optimizer step over the global batch. Returns (loss, grad norm, batch number, tokens, data s, compute s)."""
+    def _forward_backward(self) -> tuple[float, float, int, float]:
+        """Forward and backward over the global batch, gradients clipped; the caller decides whether to apply them.
+        Returns (loss, grad norm, batch number, seconds spent waiting for data)."""
         import torch
         import torch.nn.functional as F
 
@@ -267,7 +270,7 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self._last_lr = lr
-        return loss, norm, batch, int(targets.item()), data_done - started, time.perf_counter() - data_done
+        return loss, norm, batch, data_done - started
 
     def _rollback(self, bad_batches: list[int]) -> None:
         from smolctl.train.checkpoint import complete_checkpoints
@@ -282,6 +285,7 @@ class Trainer:
         self._restore(checkpoints[-1], with_weights=True)
         self.guards.skipped, self.guards.spikes, self.guards.rollbacks = counts
         self.stream.position.skip = sorted(set(self.stream.position.skip) | set(bad_batches))
+        self.monitor.rewind(self.step)
         self.monitor.event({"event": "rollback", "step": self.step, "to": str(checkpoints[-1]), "skipped_batches": bad_batches})
 
     def _evaluate(self) -> float | None:
@@ -314,7 +318,7 @@ class Trainer:
         self._start()
         recipe, plan = self.recipe, self.plan
         start_step = self.step
-        self.monitor = Monitor(self.run_dir, enabled=self.dist.is_main, total_steps=plan.steps, start_step=start_step,
+        self.monitor = Monitor(self.run_dir, title=self.stage, enabled=self.dist.is_main, total_steps=plan.steps, start_step=start_step,
                                flops_per_token=self.flops_per_token, peak=peak_flops(self.dist.device, self.precision),
                                world_size=self.dist.world_size, interval=recipe.logging.interval,
                                tensorboard=recipe.logging.tensorboard, show=self.show)
@@ -325,11 +329,13 @@ class Trainer:
             if self.resume_from is not None:
                 self.monitor.note(f"resuming from {self.resume_from} (step {self.step}, {self.tokens_seen:,} tokens)")
             while self.step < plan.steps:
-                loss, norm, batch, tokens, data_s, compute_s = self._train_step()
+                started = time.perf_counter()
+                loss, norm, batch, data_s = self._forward_backward()
                 verdict = self.guards.observe(self.step + 1, batch, loss, norm)
                 if verdict.apply_update:
                     self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                compute_s = time.perf_counter() - started - data_s
                 if verdict.event:
                     self.monitor.event(verdict.event)
                 if verdict.rollback:

@@ -172,7 +172,7 @@ def prepare_run(run: Path, resume: str | None, overwrite: bool) -> str | None:
         if complete_checkpoints(checkpoints) and not overwrite:
             raise UserError(run, "holds checkpoints of an earlier run",
                             "pass --resume auto to continue it, or --overwrite to start over")
-        if overwrite:
+        if overwrite and int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one rank clears the old run
             shutil.rmtree(checkpoints, ignore_errors=True)
             (run / "metrics.jsonl").unlink(missing_ok=True)
         return None
