@@ -3,8 +3,8 @@
     smolctl mix demo-out/mix --recipe recipes/demo-mix.toml
     smolctl mix out/ --source web=data/sample/web:0.7 --source code=data/sample/code:0.3 --bytes 1MB
 
-How it works, in two streaming passes over each source (memory: two arrays of 2**16 bins per source, the shuffle
-buffer, and one batch per source; never a whole source):
+How it works, streaming each source once to measure it and once per stage that uses it (memory: two arrays of
+2**16 bins per source, the shuffle buffer, and one batch per source; never a whole source):
 1. Measure. Every document gets a bin from a hash of (seed, source name, row index) and its size (tokens with
    EOS, as `pack` will count them, when a tokenizer is given; UTF-8 bytes otherwise) is added to that bin. The
    bins order each source randomly; an "epoch" walks the bins 0..65535.
@@ -388,28 +388,25 @@ class MixJob:
                     for name, source in self.sources.items()}
         allocations = allocate(plan, profiles)
         inputs = [ref for source in self.sources.values() for ref in source.lineage()]
-        stages = []
+        stages: list[StageReport] = []
         with OutputFolder(self.output, kind=KIND_DOCUMENTS, overwrite=self.overwrite, inputs=inputs) as top:
             for index, (stage, reports) in enumerate(zip(plan.stages, allocations)):
                 on_rows = on_stage(stage.name, sum(r.documents for r in reports)) if on_stage else None
-                if plan.staged:
-                    with OutputFolder(top.staging / stage.name, kind=KIND_DOCUMENTS, inputs=inputs) as folder:
-                        report = self._write_stage(folder, index, stage, reports, profiles, on_rows)
-                    top.shards += [{**s, "name": f"{stage.name}/{s['name']}"} for s in report.pop("shards")]
-                else:
-                    report = self._write_stage(top, index, stage, reports, profiles, on_rows, commit=False)
-                    report.pop("shards")
-                stages.append(StageReport(stage.name, str(self.output / stage.name if plan.staged else self.output),
-                                          plan.unit, stage.budget, stage.budget_kind, report["units"],
-                                          report["documents"], reports, report["shard_count"]))
-            mix = {"unit": plan.unit, "seed": plan.seed, "max_repeat": plan.max_repeat, "tokenizer": plan.tokenizer,
-                   "stages": [stage_manifest(s) for s in stages]}
-            top.commit(schema=schema_to_dict(self.schema), stats=totals(stages, plan.unit), mix=mix,
-                       stages=[s.name for s in stages] if plan.staged else None)
+                if not plan.staged:
+                    stages.append(self._write_stage(top, self.output, index, stage, reports, profiles, on_rows))
+                    continue
+                with OutputFolder(top.staging / stage.name, kind=KIND_DOCUMENTS, inputs=inputs) as folder:
+                    report = self._write_stage(folder, self.output / stage.name, index, stage, reports, profiles, on_rows)
+                    folder.commit(schema=schema_to_dict(self.schema), stats=totals([report], plan.unit),
+                                  mix=self._mix_field([report]))
+                top.shards += [{**shard, "name": f"{stage.name}/{shard['name']}"} for shard in folder.shards]
+                stages.append(report)
+            top.commit(schema=schema_to_dict(self.schema), stats=totals(stages, plan.unit),
+                       mix=self._mix_field(stages), stages=[s.name for s in stages] if plan.staged else None)
         return MixResult(str(self.output), plan.unit, plan.seed, plan.max_repeat, stages, time.perf_counter() - started)
 
-    def _write_stage(self, folder: OutputFolder, index: int, stage: Stage, reports: list[SourceReport],
-                     profiles: dict[str, SourceProfile], on_rows, commit: bool = True) -> dict:
+    def _write_stage(self, folder: OutputFolder, path: Path, index: int, stage: Stage, reports: list[SourceReport],
+                     profiles: dict[str, SourceProfile], on_rows: Callable[[int], None] | None) -> StageReport:
         plan = self.plan
         streams = [stream_rows(profiles[r.name], r, stage, plan, self.schema, index) for r in reports if r.ranges]
         writer = DatasetWriter(folder, schema=self.schema)
@@ -418,14 +415,15 @@ class MixJob:
             if on_rows:
                 on_rows(block.num_rows)
         writer.close()
-        units, documents = sum(r.units for r in reports), sum(r.documents for r in reports)
-        shards = list(folder.shards)
-        if commit:
-            report = StageReport(stage.name, "", plan.unit, stage.budget, stage.budget_kind, units, documents, reports)
-            folder.commit(schema=schema_to_dict(self.schema), stats=totals([report], plan.unit),
-                          mix={"unit": plan.unit, "seed": plan.seed, "max_repeat": plan.max_repeat,
-                               "tokenizer": plan.tokenizer, "stages": [stage_manifest(report)]})
-        return {"units": units, "documents": documents, "shards": shards, "shard_count": len(shards)}
+        return StageReport(stage.name, str(path), plan.unit, stage.budget, stage.budget_kind,
+                           sum(r.units for r in reports), sum(r.documents for r in reports), reports,
+                           len(folder.shards))
+
+    def _mix_field(self, stages: list[StageReport]) -> dict:
+        """The manifest's record of the mix: unit, seed, max_repeat, tokenizer and per stage and source numbers."""
+        plan = self.plan
+        return {"unit": plan.unit, "seed": plan.seed, "max_repeat": plan.max_repeat, "tokenizer": plan.tokenizer,
+                "stages": [stage_manifest(stage) for stage in stages]}
 
 
 def stage_manifest(stage: StageReport) -> dict:
