@@ -11,6 +11,7 @@ Reads any documents input in batches, tokenises each batch with the Rust batch e
 from __future__ import annotations
 
 import multiprocessing
+from collections import deque
 import time
 from dataclasses import asdict, dataclass, field
 from itertools import chain
@@ -165,7 +166,16 @@ def tokenised_batches(source, tokenizer, config: PackConfig) -> Iterator[tuple[i
         return
     context = multiprocessing.get_context("spawn")  # fork after Rust threads have started can deadlock
     with context.Pool(config.workers, initializer=_init_worker, initargs=(tokenizer.backend_tokenizer.to_str(),)) as pool:
-        for group, batch in pool.imap(_encode_in_worker, texts, chunksize=1):
+        # Pool.imap would read the whole input ahead into its task queue; a window of 2 batches per worker keeps
+        # memory bounded and the workers busy, and results still come back in input order.
+        in_flight: deque = deque()
+        for item in texts:
+            in_flight.append(pool.apply_async(_encode_in_worker, (item,)))
+            if len(in_flight) >= 2 * config.workers:
+                group, batch = in_flight.popleft().get()
+                yield group, len(batch.lengths), batch
+        while in_flight:
+            group, batch = in_flight.popleft().get()
             yield group, len(batch.lengths), batch
 
 
