@@ -101,9 +101,23 @@ def layer_bytes_per_token(shape: ModelShape, seq_len: int, precision: Precision,
 
 
 def _selective_core_bytes(shape: ModelShape, precision: Precision) -> float:
-    """Eager attention with its core checkpointed: q and k after RoPE, v, and the output projection's input."""
+    """Eager attention with its core checkpointed: q and k (after RoPE they take the dtype of the fp32 cos/sin
+    under autocast), v, and the output projection's input."""
     p, a = precision.param_bytes, precision.compute_bytes
-    return p * (shape.q_dim + shape.kv_dim) + a * shape.kv_dim + a * shape.q_dim
+    rope = shape.rope_layers / shape.layers
+    return (rope * p + (1 - rope) * a) * (shape.q_dim + shape.kv_dim) + a * shape.kv_dim + a * shape.q_dim
+
+
+def _eager_recompute(shape: ModelShape, seq_len: int, precision: Precision) -> float:
+    """What recomputing a checkpointed eager core saves again during backward: the fp32 softmax and its cast,
+    keys and values repeated for GQA, and under autocast the bf16 casts of q and k (RoPE left them fp32). The
+    un-repeated k and v and a bf16 q are the checkpoint's own inputs, already counted."""
+    a = precision.compute_bytes
+    grouped = shape.heads != shape.kv_heads
+    scores = (4 + (a if a < 4 else 0)) * shape.heads * seq_len
+    repeated = (1 + (0 if precision.autocast else 1)) * a * shape.q_dim if grouped else 0
+    casts = 2 * a * shape.q_dim if precision.autocast else 0
+    return scores + repeated + casts
 
 
 def _layer_matmul_params(shape: ModelShape) -> int:
@@ -153,7 +167,11 @@ def activations(shape: ModelShape, *, micro_batch: int, seq_len: int, precision:
         eager_core = _eager_core(shape, seq_len, a)
         core_saved = _selective_core_bytes(shape, precision)
         per_layer = full_layer - (eager_core - core_saved) * tokens / tp
-        transient, held_copies = eager_core * tokens / tp, copies * layers
+        # The core of the last layer is recomputed once backward has freed what that layer saved after it (the
+        # output projection's input, the second norm, the MLP), so only the excess over those adds to the peak.
+        after_core = a * shape.q_dim + _norm(shape.hidden, precision, 2) + 4 * a * shape.ffn
+        transient = max(0.0, _eager_recompute(shape, seq_len, precision) - after_core) * tokens / tp
+        held_copies = copies * layers
     else:
         per_layer, transient, held_copies = full_layer, 0.0, copies * layers
     head = (_norm(shape.hidden, precision, 1) + 4 * shape.vocab + 8) * tokens / tp

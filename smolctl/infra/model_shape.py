@@ -70,6 +70,8 @@ class ModelShape:
     tied: bool
     qk_norm: bool
     """Per-head RMSNorm on queries and keys (Qwen3): saves extra activations."""
+    rope_layers: int
+    """Layers with rotary embeddings (SmolLM3 leaves every 4th out): RoPE's output dtype differs under autocast."""
     llama_like: bool
     """The activation formula is exact only for Llama-family layers; otherwise it is an approximation."""
     params: ParamCounts
@@ -193,7 +195,9 @@ def shape_of(model, config) -> ModelShape:
         model_type=config.model_type, layers=config.num_hidden_layers, hidden=config.hidden_size,
         heads=config.num_attention_heads, kv_heads=kv_heads(config), head_dim=head_dim(config),
         ffn=getattr(config, "intermediate_size", None) or 4 * config.hidden_size, vocab=config.vocab_size, tied=bool(config.tie_word_embeddings),
-        qk_norm="q_norm" in names, llama_like=config.model_type in LLAMA_FAMILY, params=count_params(model, config))
+        qk_norm="q_norm" in names,
+        rope_layers=sum(getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers),
+        llama_like=config.model_type in LLAMA_FAMILY, params=count_params(model, config))
 
 
 def measure_shape(config) -> ModelShape:
