@@ -282,6 +282,10 @@ def run(config: DedupConfig, *, stage: str | None = None, tasks: int = 1, task_i
         stats = _final_stats(plan_)
         manifest = _assemble_once(plan_, stats)
         result.finished = manifest is not None
+        if not result.finished and stage is None:
+            lock = plan_.work / "assemble.lock"
+            raise UserError(lock, f"another process ({lock.read_text() if lock.exists() else 'gone'}) is writing OUTPUT",
+                            "wait for it to finish; if that process is dead, delete the lock and re-run")
         for key, value in stats.items():
             setattr(result, key, value)
     result.seconds = time.perf_counter() - started

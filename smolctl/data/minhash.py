@@ -155,9 +155,9 @@ SPACE, WORD, PUNCT = 0, 1, 2
 _BYTE_CLASS = np.full(256, WORD, np.uint8)
 _BYTE_CLASS[[c for c in range(128) if not (chr(c).isalnum() or chr(c) == "_")]] = PUNCT
 _BYTE_CLASS[list(b"\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f ")] = SPACE
-# Tokenise at most this many characters at once: the temporaries are about 40 bytes per byte of text, and two
+# Tokenise about this many bytes at once: the temporaries are about 40 bytes per byte of text, and two
 # cached tables of powers take 8 bytes per byte each.
-TOKENIZE_BYTES = 256 * 1024
+TOKENIZE_BYTES = 1024**2
 _BYTE_RADIX = np.uint64(0x100000001B3)
 _BYTE_RADIX_INVERSE = np.uint64(pow(0x100000001B3, -1, 2**64))
 
@@ -177,14 +177,11 @@ class Tokens:
 
 def tokenize(normalized: Sequence[str]) -> Tokens:
     """Tokens and words of every document, found and hashed with numpy over the UTF-8 bytes of the batch."""
-    parts, group, size = [], [], 0
-    for text in normalized:
-        if group and size + len(text) > TOKENIZE_BYTES // 4:
-            parts.append(_tokenize_group(group))
-            group, size = [], 0
-        group.append(text)
-        size += len(text)
-    parts.append(_tokenize_group(group))
+    # Groups of about TOKENIZE_BYTES // 4 characters (a character is at most 4 bytes): bounded temporaries.
+    lengths = np.fromiter(map(len, normalized), dtype=np.int64, count=len(normalized))
+    group_of = np.cumsum(lengths) // max(1, TOKENIZE_BYTES // 4)
+    cuts = np.concatenate([[0], np.flatnonzero(np.diff(group_of)) + 1, [len(normalized)]])
+    parts = [_tokenize_group(list(normalized[a:b])) for a, b in zip(cuts[:-1], cuts[1:]) if b > a] or [_tokenize_group([])]
 
     def joined(column: int) -> tuple[np.ndarray, np.ndarray]:
         counts = np.concatenate([p[column + 1] for p in parts])
@@ -343,9 +340,12 @@ def shingle_sets(normalized: Sequence[str], ngram: int = 5, shingle: str = "word
 
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:
     """Exact Jaccard of two sorted unique hash sets (two empty sets are identical)."""
-    if len(a) == 0 and len(b) == 0:
-        return 1.0
-    common = len(np.intersect1d(a, b, assume_unique=True))
+    if len(a) == 0 or len(b) == 0:
+        return float(len(a) == len(b))
+    if len(a) > len(b):
+        a, b = b, a
+    found = np.searchsorted(b, a)  # each element of the smaller set looked up in the larger one
+    common = int(np.count_nonzero(b[np.minimum(found, len(b) - 1)] == a))
     return common / (len(a) + len(b) - common)
 
 
