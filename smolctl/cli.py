@@ -172,6 +172,8 @@ def _render_inspect(result: dict) -> None:
   smolctl pack mix/ packed/ --tokenizer HuggingFaceTB/SmolLM3-3B --seq-len 4096 --workers 8
 
   smolctl pack 'corpus/*.parquet' packed/ --tokenizer tok/ --seq-len 2048 --strategy concat --json
+
+  smolctl pack mix/stage-1 tokens/ --tokenizer tok/ --format datatrove      for nanotron's DatatroveFolderDataset
 """)
 def pack_command(
     input: str = typer.Argument(..., help="Dataset folder (a mix stage, or a whole mix output: all stages in order), "
@@ -189,6 +191,8 @@ def pack_command(
                                       "means less padding and more memory (about 20 bytes per token)."),
     shard_size: str = typer.Option("256MB", "--shard-size", help="Shard size in bytes (256MB) or rows (8192rows)."),
     seed: int = typer.Option(0, "--seed", help="Seeds the shuffle of each bfd buffer's rows."),
+    format: str = typer.Option("safetensors", "--format", help="safetensors: packed rows for pretrain; datatrove: "
+                               "nanotron/datatrove .ds token files (documents + EOS back to back, no packing)."),
     overwrite: bool = OVERWRITE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
@@ -198,7 +202,7 @@ def pack_command(
     from smolctl.data.pack import PackConfig, prepare_pack
 
     config = PackConfig(seq_len=seq_len, strategy=strategy, long_docs=long_docs, text_column=text_column,
-                        workers=workers, buffer_tokens=buffer_tokens, shard_size=shard_size, seed=seed)
+                        workers=workers, buffer_tokens=buffer_tokens, shard_size=shard_size, seed=seed, format=format)
     job = prepare_pack(input, output, tokenizer_spec=tokenizer, config=config, overwrite=overwrite)
     with progress(not json_out) as bar:
         task = bar.add_task("packing", total=job.total_documents, rate="")
@@ -214,14 +218,16 @@ def pack_command(
         emit_json(result.to_dict())
         return
     stats = result.stats
+    packed = result.format == "safetensors"
     show(key_values("pack", [
         ("output", result.output), ("tokenizer", f"{result.tokenizer['name']} ({result.tokenizer['fingerprint']})"),
-        ("strategy", f"{result.strategy}, long documents {result.long_docs}"), ("seq_len", result.seq_len),
-        ("documents", human_count(stats.documents)), ("rows", human_count(stats.rows)),
-        ("tokens", human_count(stats.tokens)),
-        ("padding", f"{human_count(stats.padding_tokens)} tokens ({stats.padding_fraction:.3%})"),
-        ("split / truncated", f"{stats.split_documents} / {stats.truncated_documents} documents "
-                              f"({human_count(stats.truncated_tokens)} tokens cut)"),
+        ("layout", f"{result.strategy}, long documents {result.long_docs}, seq_len {result.seq_len}"
+                   if packed else "datatrove token files (.ds + .ds.index), unpacked"),
+        ("documents", human_count(stats.documents)), ("tokens", human_count(stats.tokens)),
+        *([("rows", human_count(stats.rows)),
+           ("padding", f"{human_count(stats.padding_tokens)} tokens ({stats.padding_fraction:.3%})"),
+           ("split / truncated", f"{stats.split_documents} / {stats.truncated_documents} documents "
+                                 f"({human_count(stats.truncated_tokens)} tokens cut)")] if packed else []),
         ("skipped empty", stats.skipped_empty), ("shards", result.shards),
         ("time", f"{result.seconds:.1f}s ({human_count(result.tokens_per_second)} tokens/s)"),
     ]))

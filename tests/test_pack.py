@@ -136,6 +136,25 @@ def test_workers_give_the_same_rows(sample, tokenizer_dir, tmp_path):
         assert np.array_equal(a, b)
 
 
+def test_datatrove_token_files(sample, tokenizer_dir, tokenizer, tmp_path):
+    texts = sample_texts(sample / "math")
+    result = pack(str(sample / "math"), tmp_path / "tokens", tokenizer_spec=str(tokenizer_dir),
+                  config=PackConfig(seq_len=64, format="datatrove", shard_size="40KB", batch_documents=50))
+    manifest = read_manifest(tmp_path / "tokens")
+    assert manifest["kind"] == "tokens" and manifest["token_size"] == 2 and len(manifest["shards"]) > 1
+    stream = [np.fromfile(tmp_path / "tokens" / s["name"], dtype="<u2") for s in manifest["shards"]]
+    ends = [np.fromfile(tmp_path / "tokens" / s["index"], dtype="<u8") for s in manifest["shards"]]
+    documents = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts if t]
+    assert np.array_equal(np.concatenate(stream), np.concatenate(documents))
+    for ids, file_ends in zip(stream, ends):  # each file's index: the cumulative end of each of its documents
+        assert file_ends[-1] == len(ids) and (ids[file_ends - 1] == tokenizer.eos_token_id).all()
+    assert sum(map(len, ends)) == len(documents) == result.stats.documents
+    first_line = (tmp_path / "tokens" / manifest["shards"][0]["metadata"]).read_text().splitlines()[0]
+    assert first_line == f"{tokenizer_dir.resolve()}|2"
+    with pytest.raises(UserError, match="is a tokens folder, not a packed folder"):
+        open_packed(tmp_path / "tokens")
+
+
 def test_empty_documents_are_skipped_and_counted(tokenizer_dir, tmp_path):
     table = pa.table({"text": ["first document", "", None, "second one"]})
     pq.write_table(table, tmp_path / "docs.parquet")

@@ -34,6 +34,9 @@ from smolctl.shards import (
 
 STRATEGIES = ("bfd", "concat")
 LONG_DOCS = ("split", "truncate")
+FORMATS = ("safetensors", "datatrove")
+KIND_TOKENS = "tokens"
+DEFAULT_TOKEN_FILE_BYTES = 2**30
 
 
 @dataclass(kw_only=True)
@@ -54,6 +57,8 @@ class PackConfig:
     shard_size: str = "256MB"
     seed: int = 0
     """Seeds the shuffle of each BFD buffer's rows (same seed, same output)."""
+    format: str = "safetensors"
+    """`safetensors`: packed rows for `pretrain`; `datatrove`: nanotron/datatrove token files (no packing)."""
 
     def validate(self) -> None:
         if self.seq_len < 2:
@@ -62,6 +67,8 @@ class PackConfig:
             raise UserError("--strategy", f"unknown strategy {self.strategy!r}", f"use one of {', '.join(STRATEGIES)}")
         if self.long_docs not in LONG_DOCS:
             raise UserError("--long-docs", f"unknown choice {self.long_docs!r}", f"use one of {', '.join(LONG_DOCS)}")
+        if self.format not in FORMATS:
+            raise UserError("--format", f"unknown format {self.format!r}", f"use one of {', '.join(FORMATS)}")
         if self.workers < 1:
             raise UserError("--workers", f"{self.workers} is not a worker count", "use 1 or more")
         if self.buffer_tokens < self.seq_len:
@@ -85,6 +92,7 @@ class PackResult:
     stats: PackStats
     seconds: float
     shards: int = 0
+    format: str = "safetensors"
     tokens_per_second: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -199,6 +207,88 @@ def tokenizer_record(spec: str, tokenizer) -> dict:
     }
 
 
+class RowSink:
+    """Packs token batches into rows and writes them as safetensors shards (the packed folder)."""
+
+    def __init__(self, folder: OutputFolder, config: PackConfig, record: dict, stats: PackStats):
+        self.config, self.record, self.stats = config, record, stats
+        self.writer = PackedWriter(folder, rows_per_shard=config.rows_per_shard())
+        pad_id, self.group = record["pad_token_id"], 0
+        self.packer = (BfdPacker(seq_len=config.seq_len, long_docs=config.long_docs, buffer_tokens=config.buffer_tokens,
+                                 seed=config.seed, pad_id=pad_id, stats=stats) if config.strategy == "bfd"
+                       else ConcatPacker(seq_len=config.seq_len, long_docs=config.long_docs, pad_id=pad_id, stats=stats))
+
+    def add(self, batch: TokenBatch, group: int) -> None:
+        if group != self.group:  # a new mix stage: nothing of the previous one may share its rows
+            self._write(self.packer.finish())
+            self.group = group
+        self._write(self.packer.add(batch))
+
+    def _write(self, all_rows: Iterator[Rows]) -> None:
+        for rows in all_rows:
+            self.writer.write({"input_ids": rows.input_ids, "position_ids": rows.position_ids}, rows.row_tokens)
+            real = int(rows.row_tokens.sum())
+            self.stats.rows += len(rows.row_tokens)
+            self.stats.tokens += real
+            self.stats.padding_tokens += len(rows.row_tokens) * self.config.seq_len - real
+
+    def close(self) -> dict:
+        """Flush; returns the manifest fields of a packed folder."""
+        self._write(self.packer.finish())
+        self.writer.close()
+        config, stats = self.config, self.stats
+        return dict(schema={"input_ids": f"int32[{config.seq_len}]", "position_ids": f"int32[{config.seq_len}]"},
+                    seq_len=config.seq_len, strategy=config.strategy, long_docs=config.long_docs,
+                    padding_tokens=stats.padding_tokens, padding_fraction=stats.padding_fraction)
+
+
+class DatatroveSink:
+    """Token files as datatrove's DocumentTokenizer writes them and nanotron's DatatroveFolderDataset reads them:
+    NAME.ds (little-endian uint16 ids, uint32 past 65,536 tokens, documents back to back, each ending in EOS),
+    NAME.ds.index (little-endian uint64 end of each document, in tokens) and NAME.ds.metadata
+    (`tokenizer|token_size`, token count, human count). A file rolls at the shard size and at each mix stage."""
+
+    def __init__(self, folder: OutputFolder, config: PackConfig, record: dict, stats: PackStats):
+        self.folder, self.record, self.stats = folder, record, stats
+        self.token_size = 2 if record["vocab_size"] <= 2**16 else 4
+        self.shard_bytes = parse_shard_size(config.shard_size)[0] or DEFAULT_TOKEN_FILE_BYTES
+        self.handle = None
+        self.group = 0
+
+    def add(self, batch: TokenBatch, group: int) -> None:
+        if group != self.group:
+            self._close_file()
+            self.group = group
+        if self.handle is None:
+            self.name = f"part-{len(self.folder.shards):05d}.ds"
+            self.handle = open(self.folder.file(self.name), "wb")
+            self.ends, self.tokens = [], 0
+        self.handle.write(batch.ids.astype("<u2" if self.token_size == 2 else "<u4").tobytes())
+        self.ends.append(self.tokens + np.cumsum(batch.lengths))
+        self.tokens += len(batch.ids)
+        self.stats.tokens += len(batch.ids)
+        if self.tokens * self.token_size >= self.shard_bytes:
+            self._close_file()
+
+    def _close_file(self) -> None:
+        if self.handle is None:
+            return
+        self.handle.close()
+        self.handle = None
+        ends = np.concatenate(self.ends).astype("<u8")
+        ends.tofile(self.folder.file(f"{self.name}.index"))
+        self.folder.file(f"{self.name}.metadata").write_text(
+            f"{self.record['path']}|{self.token_size}\n{self.tokens}\n{self.tokens / 1e9:.2f}B tokens")
+        self.folder.add_shard(self.name, len(ends), tokens=self.tokens, index=f"{self.name}.index",
+                              metadata=f"{self.name}.metadata")
+
+    def close(self) -> dict:
+        self._close_file()
+        dtype = "uint16" if self.token_size == 2 else "uint32"
+        return dict(schema={"ds": f"{dtype} token ids", "ds.index": "uint64 document ends"},
+                    format="datatrove", token_size=self.token_size)
+
+
 @dataclass
 class PackJob:
     """A validated pack: the input, tokenizer and output were checked before any work (see `prepare_pack`)."""
@@ -220,47 +310,25 @@ class PackJob:
         """Tokenise and pack; `on_progress(documents read, tokens packed)` is called after every batch."""
         config, stats = self.config, PackStats()
         started = time.perf_counter()
-        with OutputFolder(self.output, kind=KIND_PACKED, overwrite=self.overwrite, inputs=self.inputs) as folder:
-            writer = PackedWriter(folder, rows_per_shard=config.rows_per_shard())
-            pad_id = self.record["pad_token_id"]
-            packer = (BfdPacker(seq_len=config.seq_len, long_docs=config.long_docs, buffer_tokens=config.buffer_tokens,
-                                seed=config.seed, pad_id=pad_id, stats=stats) if config.strategy == "bfd"
-                      else ConcatPacker(seq_len=config.seq_len, long_docs=config.long_docs, pad_id=pad_id, stats=stats))
-
-            def write(all_rows: Iterator[Rows]) -> None:
-                for rows in all_rows:
-                    writer.write({"input_ids": rows.input_ids, "position_ids": rows.position_ids}, rows.row_tokens)
-                    real = int(rows.row_tokens.sum())
-                    stats.rows += len(rows.row_tokens)
-                    stats.tokens += real
-                    stats.padding_tokens += len(rows.row_tokens) * config.seq_len - real
-
-            current_group = 0
+        kind, sink_type = (KIND_PACKED, RowSink) if config.format == "safetensors" else (KIND_TOKENS, DatatroveSink)
+        with OutputFolder(self.output, kind=kind, overwrite=self.overwrite, inputs=self.inputs) as folder:
+            sink = sink_type(folder, config, self.record, stats)
             for group, read, batch in tokenised_batches(self.source, self.tokenizer, config):
-                if group != current_group:
-                    write(packer.finish())
-                    current_group = group
                 batch, empty = append_document_end(batch, self.record["eos_token_id"])
                 stats.skipped_empty += empty
                 stats.documents += len(batch.lengths)
-                write(packer.add(batch))
+                sink.add(batch, group)
                 if on_progress:
                     on_progress(read, int(batch.lengths.sum()))
-            write(packer.finish())
+            fields = sink.close()
             if stats.documents == 0:
                 raise UserError(self.input_spec, f"column '{config.text_column}' holds no non-empty documents "
                                 f"({stats.skipped_empty} empty)", "pass a dataset with text")
-            writer.close()
-            folder.commit(
-                schema={"input_ids": f"int32[{config.seq_len}]", "position_ids": f"int32[{config.seq_len}]"},
-                stats=asdict(stats) | {"padding_fraction": stats.padding_fraction},
-                seq_len=config.seq_len, strategy=config.strategy, long_docs=config.long_docs, tokenizer=self.record,
-                documents=stats.documents, padding_tokens=stats.padding_tokens,
-                padding_fraction=stats.padding_fraction, skipped_empty=stats.skipped_empty,
-            )
+            folder.commit(stats=asdict(stats) | {"padding_fraction": stats.padding_fraction}, tokenizer=self.record,
+                          documents=stats.documents, skipped_empty=stats.skipped_empty, **fields)
             shards = len(folder.shards)
         return PackResult(str(self.output), config.seq_len, config.strategy, config.long_docs, self.record, stats,
-                          time.perf_counter() - started, shards)
+                          time.perf_counter() - started, shards, config.format)
 
 
 def prepare_pack(input_spec: str, output: str | Path, *, tokenizer_spec: str, config: PackConfig,
