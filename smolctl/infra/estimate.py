@@ -58,7 +58,7 @@ def memory(plan: Plan, shape: ModelShape) -> dict:
     capacity = GPUS[plan.gpu].memory_gib * GIB
     return {
         "gpu": plan.gpu, "capacity": capacity, "stage": stage if plan.pp > 1 else "all",
-        **{k: v for k, v in asdict(states).items()}, "activations": saved,
+        **asdict(states), "activations": saved,
         "activations_detail": act.to_dict(stage_layers), "micro_batches_in_flight": in_flight,
         "logits_grad": logits, "allocated": allocated, "allocator_headroom": headroom,
         "runtime_reserved": RUNTIME_RESERVED_GIB * GIB, "total": total, "fits": total <= capacity,

@@ -139,11 +139,10 @@ class Activations:
     weight_copies: float
     """amp only: bf16 copies of the weights saved by the matmuls."""
 
-    def peak(self, layers: int, last_stage: bool = True) -> float:
+    def peak(self, layers: int) -> float:
         """Live saved bytes at their peak: all layers resident plus the larger of the head (end of forward) and a
         recomputed layer (during backward, once the head's tensors are freed)."""
-        return self.inputs + layers * self.per_layer + self.weight_copies + max(self.head if last_stage else 0.0,
-                                                                                 self.recompute)
+        return self.inputs + layers * self.per_layer + self.weight_copies + max(self.head, self.recompute)
 
     def to_dict(self, layers: int) -> dict:
         return {"per_layer": self.per_layer, "recompute": self.recompute, "head": self.head, "inputs": self.inputs,
