@@ -5,14 +5,15 @@
 Reads any documents input in batches, tokenises each batch with the Rust batch encoder (in this process, or in
 `--workers` processes), appends EOS to every document, hands the token batches to a packer
 (`smolctl.data.packing`) and writes its rows as safetensors shards with the packed-folder manifest that
-`pretrain` and `inspect` read.
+`pretrain` and `inspect` read; or, with `--format datatrove`, writes the token stream as datatrove/nanotron
+`.ds` files.
 """
 
 from __future__ import annotations
 
 import multiprocessing
-from collections import deque
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -36,7 +37,7 @@ STRATEGIES = ("bfd", "concat")
 LONG_DOCS = ("split", "truncate")
 FORMATS = ("safetensors", "datatrove")
 KIND_TOKENS = "tokens"
-DEFAULT_TOKEN_FILE_BYTES = 2**30
+DEFAULT_TOKEN_FILE_BYTES = 2**30  # token files roll by size; a --shard-size given in rows falls back to this
 
 
 @dataclass(kw_only=True)
