@@ -10,7 +10,8 @@
   training would: "full" checkpoints every decoder layer (transformers' activation checkpointing, reentrant, so
   the layer inputs it keeps and the tensors it re-saves while recomputing during backward pass through the
   hooks); "selective" checkpoints the eager attention core (scores, softmax, probabilities·V).
-- GPU memory: `torch.cuda.max_memory_allocated` over a second AdamW step (the first one creates the states).
+- GPU memory: `torch.cuda.max_memory_allocated` over a second AdamW step (the first one creates the states) of
+  two accumulated micro batches, so gradients are held while activations peak, as in training.
 """
 
 from __future__ import annotations
@@ -196,9 +197,11 @@ def measure_gpu_peak(config, *, micro_batch: int, seq_len: int, precision: str, 
         if step == 1:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        with _autocast(precision, "cuda"):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        # Two accumulated micro batches, as in training: the second runs with the first one's gradients held.
+        for _ in range(2):
+            with _autocast(precision, "cuda"):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
