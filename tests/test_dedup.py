@@ -117,6 +117,13 @@ def test_shingle_hashes_reproduce_python_shingles_and_jaccard():
         assert minhash.jaccard(hashed[0], hashed[2]) == pytest.approx(reference_jaccard(texts[i], texts[j]))
 
 
+def test_bulk_normalisation_matches_the_per_text_one():
+    texts = ["Plain ASCII, Text!", None, "Straße ＡＢＣ ﬁne", "ÉCOLE\u2028next", "", "MiXeD ünïcödé"]
+    expected = [minhash.normalize(t) if t is not None else "" for t in texts]
+    assert minhash.normalize_array(pa.array(texts)).to_pylist() == expected
+    assert expected[2] == "strasse abc fine" and expected[3] == "école next"
+
+
 def test_char_shingles_work_without_spaces():
     texts = ["机器学习是人工智能的一个分支领域研究", "机器学习是人工智能的一个分支领域研究。", "今天天气很好我们去公园散步吧"]
     sets = minhash.shingle_sets([minhash.normalize(t) for t in texts], 3, "char")

@@ -145,6 +145,10 @@ def plan(config: DedupConfig) -> Plan:
         reference.require(text=[config.text_column])
         if Path(config.against).resolve() == Path(config.input).resolve():
             raise UserError("--against", "is the input itself", "pass a different reference dataset")
+    total = source.num_rows + (reference.num_rows if reference else 0)
+    if total >= 2**32:
+        raise UserError(config.input, f"{total:,} documents: candidate pairs index documents with 32 bits",
+                        "split the corpus and chain runs with --against")
     output = Path(config.output)
     work = output / WORK
     only_work = output.is_dir() and {p.name for p in output.iterdir()} <= {WORK}

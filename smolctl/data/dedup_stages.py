@@ -42,12 +42,11 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
     permutations = params.permutations() if params else None
     for batch in source.iter_file_batches(file_index, columns, BATCH_ROWS):
         texts = batch.column(plan_.config.text_column)
-        python_texts = texts.to_pylist()
-        normalized = [minhash.normalize(t) if t is not None else "" for t in python_texts]
+        normalized = minhash.normalize_array(texts)
         if id_column:
             ids = pc.cast(batch.column(id_column), pa.string())
         else:
-            ids = pa.array([f"{shard_name}:{r}" for r in range(row, row + len(python_texts))], pa.string())
+            ids = pa.array([f"{shard_name}:{r}" for r in range(row, row + len(texts))], pa.string())
         columns_out = {"id": ids, "null": pc.is_null(texts), "chars": pc.fill_null(pc.utf8_length(texts), 0).cast(pa.int64()),
                        "bytes": pc.fill_null(pc.binary_length(texts), 0).cast(pa.int64())}
         tokens = minhash.tokenize(normalized)
@@ -63,8 +62,8 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
             columns_out["signature"] = pa.FixedSizeBinaryArray.from_buffers(
                 pa.binary(sigs.shape[1] * 4), len(sigs), [None, pa.py_buffer(np.ascontiguousarray(sigs).tobytes())])
         tables.append(pa.table(columns_out))
-        row += len(python_texts)
-        report("signatures", len(python_texts))
+        row += len(texts)
+        report("signatures", len(texts))
     table = pa.concat_tables(tables)
     if params:
         # (bands, docs): each bucket task memory-maps its band's row instead of parsing a parquet column.
@@ -87,9 +86,8 @@ def bucket_unit(plan_: Plan, band: int, report: Report) -> dict:
         docs.append(np.arange(start, start + len(band_keys), dtype=np.int64)[matchable])
         start += len(band_keys)
     pairs = minhash.bucket_pairs(np.concatenate(keys), np.concatenate(docs))
-    # Pairs inside the reference are never removed, so they need no verification.
-    first_input_only = plan_.source.num_rows
-    pairs = pairs[(pairs >> np.uint64(32)) < np.uint64(first_input_only)]
+    # Pairs inside the reference are never removed, so they need no verification (pairs are i < j).
+    pairs = pairs[(pairs >> np.uint64(32)) < np.uint64(plan_.source.num_rows)]
     _atomic_save(plan_.work / "buckets" / f"{band:05d}.npy", pairs)
     report("buckets", 1)
     return {"pairs": int(len(pairs))}
@@ -207,8 +205,8 @@ def shingle_sets_of(plan_: Plan, docs: np.ndarray) -> dict[int, np.ndarray]:
         for batch in (source.iter_file_batches(file_index, [plan_.config.text_column], BATCH_ROWS) if len(wanted) else ()):
             local = wanted[(wanted >= offset) & (wanted < offset + batch.num_rows)]
             if len(local):
-                texts = batch.column(0).take(pa.array(local - offset)).to_pylist()
-                for row, shingles in zip(local, minhash.shingle_sets([minhash.normalize(t) for t in texts], params.ngram, params.shingle)):
+                texts = minhash.normalize_array(batch.column(0).take(pa.array(local - offset)))
+                for row, shingles in zip(local, minhash.shingle_sets(texts, params.ngram, params.shingle)):
                     sets[int(start + row)] = shingles
             offset += batch.num_rows
         start += rows

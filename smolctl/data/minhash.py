@@ -149,6 +149,21 @@ def normalize(text: str) -> str:
     return folded.translate(_OTHER_SPACES)
 
 
+def normalize_array(texts: pa.Array | pa.ChunkedArray) -> pa.LargeStringArray:
+    """normalize() over an arrow array of texts (nulls become ''): NFKC and case folding are plain ASCII
+    lower-casing on ASCII text, which arrow does in bulk; only the other texts go through Python."""
+    if isinstance(texts, pa.ChunkedArray):
+        texts = texts.combine_chunks()
+    texts = pc.fill_null(texts.cast(pa.large_string()), "")
+    is_ascii = np.asarray(pc.string_is_ascii(texts), dtype=bool)
+    lowered = pc.ascii_lower(texts)
+    if is_ascii.all():
+        return lowered
+    others = np.flatnonzero(~is_ascii)
+    folded = pa.array([normalize(t) for t in texts.take(pa.array(others)).to_pylist()], pa.large_string())
+    return pc.replace_with_mask(lowered, pa.array(~is_ascii), folded)
+
+
 _OTHER_SPACES = {0x85: " ", 0x1680: " ", 0x2028: " ", 0x2029: " "}
 _OTHER_SPACES_TEXT = [chr(c) for c in _OTHER_SPACES]
 SPACE, WORD, PUNCT = 0, 1, 2
@@ -175,13 +190,15 @@ class Tokens:
     word_offsets: np.ndarray
 
 
-def tokenize(normalized: Sequence[str]) -> Tokens:
+def tokenize(normalized: Sequence[str] | pa.Array) -> Tokens:
     """Tokens and words of every document, found and hashed with numpy over the UTF-8 bytes of the batch."""
-    # Groups of about TOKENIZE_BYTES // 4 characters (a character is at most 4 bytes): bounded temporaries.
-    lengths = np.fromiter(map(len, normalized), dtype=np.int64, count=len(normalized))
-    group_of = np.cumsum(lengths) // max(1, TOKENIZE_BYTES // 4)
-    cuts = np.concatenate([[0], np.flatnonzero(np.diff(group_of)) + 1, [len(normalized)]])
-    parts = [_tokenize_group(list(normalized[a:b])) for a, b in zip(cuts[:-1], cuts[1:]) if b > a] or [_tokenize_group([])]
+    texts = normalized if isinstance(normalized, pa.Array) else pa.array(list(normalized), pa.large_string())
+    texts = texts.cast(pa.large_string())
+    offsets = _byte_offsets(texts)
+    # Groups of about TOKENIZE_BYTES bytes (zero-copy slices): bounded temporaries, warm caches.
+    group_of = (offsets[1:] - offsets[0]) // TOKENIZE_BYTES
+    cuts = np.concatenate([[0], np.flatnonzero(np.diff(group_of)) + 1, [len(texts)]])
+    parts = [_tokenize_group(texts.slice(a, b - a)) for a, b in zip(cuts[:-1], cuts[1:]) if b > a] or [_tokenize_group(texts)]
 
     def joined(column: int) -> tuple[np.ndarray, np.ndarray]:
         counts = np.concatenate([p[column + 1] for p in parts])
@@ -190,16 +207,20 @@ def tokenize(normalized: Sequence[str]) -> Tokens:
     return Tokens(*joined(0), *joined(2))
 
 
-def _tokenize_group(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _byte_offsets(texts: pa.LargeStringArray) -> np.ndarray:
+    return np.frombuffer(texts.buffers()[1], dtype=np.int64)[texts.offset:texts.offset + len(texts) + 1]
+
+
+def _tokenize_group(texts: pa.LargeStringArray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(token hashes, tokens per document, word hashes, words per document) for one group of documents.
 
     Classify every byte (whitespace, word character or any non-ASCII byte, ASCII punctuation), find the token
     spans as runs of non-whitespace that do not cross a document boundary, and hash each span in O(1) from a
-    prefix sum. Words are the same spans over the bytes with the punctuation left out.
+    prefix sum: one pass of uint64 work over the bytes serves tokens and words alike.
     """
-    array = pa.array(texts, pa.large_string())
-    offsets = np.frombuffer(array.buffers()[1], dtype=np.int64)[:len(texts) + 1]
-    data = np.frombuffer(array.buffers()[2], dtype=np.uint8)[:offsets[-1]] if offsets[-1] else np.zeros(0, np.uint8)
+    offsets = _byte_offsets(texts)
+    data = np.frombuffer(texts.buffers()[2], dtype=np.uint8)[offsets[0]:offsets[-1]] if offsets[-1] > offsets[0] else np.zeros(0, np.uint8)
+    offsets = offsets - offsets[0]
     kind = np.take(_BYTE_CLASS, data)
     inside = kind != SPACE
     # Token edges: where a non-whitespace run starts or ends, plus document boundaries that fall inside a run.
@@ -280,16 +301,17 @@ def _powers(radix: np.uint64, count: int) -> np.ndarray:
 # Shingles
 
 
-def char_tokens(normalized: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+def char_tokens(normalized: Sequence[str] | pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """Word-class characters as tokens (code points), for languages without spaces (Chinese, Japanese, Thai)."""
-    kept = pc.replace_substring_regex(pa.array(normalized, pa.large_string()), NON_WORD, "").to_pylist()
+    texts = normalized if isinstance(normalized, pa.Array) else pa.array(list(normalized), pa.large_string())
+    kept = pc.replace_substring_regex(texts, NON_WORD, "").to_pylist()
     points = [np.frombuffer(t.encode("utf-32-le", "surrogatepass"), dtype="<u4") for t in kept]
     counts = np.array([len(p) for p in points], dtype=np.int64)
     joined = np.concatenate(points).astype(np.uint64) if points else np.zeros(0, np.uint64)
     return mix64(joined), np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
 
-def shingle_hashes(normalized: Sequence[str], ngram: int = 5, shingle: str = "word",
+def shingle_hashes(normalized: Sequence[str] | pa.Array, ngram: int = 5, shingle: str = "word",
                    tokens: Tokens | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(hashes, offsets) of each document's n-gram shingles (duplicates included; a min does not mind).
 
@@ -326,7 +348,7 @@ def ngrams(tokens: np.ndarray, offsets: np.ndarray, ngram: int) -> tuple[np.ndar
     return mix64(combined[keep]), np.concatenate([[0], np.cumsum(per_doc)]).astype(np.int64)
 
 
-def shingle_sets(normalized: Sequence[str], ngram: int = 5, shingle: str = "word") -> list[np.ndarray]:
+def shingle_sets(normalized: Sequence[str] | pa.Array, ngram: int = 5, shingle: str = "word") -> list[np.ndarray]:
     """Each document's shingle set as sorted unique uint64: what exact Jaccard verification compares."""
     hashes, offsets = shingle_hashes(normalized, ngram, shingle)
     docs = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
