@@ -138,6 +138,17 @@ def test_zero_stages_shard_what_they_should():
     assert eight_bit.optimizer == pytest.approx(2e9, rel=0.01)
 
 
+def test_tensor_and_context_parallel_split_what_they_should():
+    shape = measure_shape(resolve_config("smollm3-3b"))
+    common = dict(micro_batch=2, seq_len=4096, precision=PRECISIONS["bf16"], attention="flash", recompute="none")
+    base, tp2, cp2 = (activations(shape, **common, tp=tp, cp=cp) for tp, cp in ((1, 1), (2, 1), (1, 2)))
+    for split in (tp2, cp2):  # sequence parallelism / context parallelism: every per-token tensor halves
+        assert split.per_layer == pytest.approx(base.per_layer / 2) and split.head == pytest.approx(base.head / 2)
+    full = activations(shape, **{**common, "recompute": "full"})
+    assert full.per_layer == pytest.approx(2 * 2 * 4096 * 2048)  # bf16 layer input per token
+    assert full.recompute == pytest.approx(base.per_layer)
+
+
 def test_smollm3_published_run_lands_near_24_days():
     plan = plan_from_sources(recipe=str(REPO / "recipes/smollm3.toml"),
                              flags={"gpus": 384, "gpu": "h100", "tp": 2, "tokens": "11.2T", "mfu": 0.30})
