@@ -914,10 +914,10 @@ def estimate_command(
     from smolctl.infra.estimate import estimate, load_model
     from smolctl.infra.plan import plan_from_sources
 
-    if recipe is not None and not recipe.endswith(".toml"):
-        recipe, model = None, model or recipe  # a preset, config.json or model folder in the recipe's place
     if recipe is not None and model is not None:
         raise UserError("estimate", "got both RECIPE and --model", "pass one (flags override the recipe's values)")
+    if recipe is not None and not recipe.endswith(".toml"):
+        recipe, model = None, recipe  # a preset, config.json or model folder in the recipe's place
     flags = dict(model=model, seq_len=seq_len, micro_batch=micro_batch, global_batch_tokens=global_batch_tokens,
                  tokens=tokens, gpus=gpus, gpu=gpu, tp=tp, pp=pp, cp=cp, zero=zero, recompute=recompute,
                  attention=attention, precision=precision, optimizer=optimizer, mfu=mfu, price_per_gpu_hour=price,
