@@ -639,6 +639,8 @@ def _post_train(stage: str, load, run, recipe: Path, from_: Optional[str], outpu
             live["bar"].update(live["task"], completed=step, total=total, rate="  ".join(shown))
 
         result = run(config, output=output, start=from_, resume=resume, overwrite=overwrite, on_step=on_step)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun / accelerate launch, rank 0 reports
+        return
     if json_out:
         emit_json(result.__dict__)
         return

@@ -137,3 +137,18 @@ def test_bad_inputs_fail_before_training(tiny_model, tmp_path):
     with pytest.raises(UserError, match="did you mean 'beta'"):
         load_dpo_recipe(REPO / "recipes" / "dpo-tiny.toml", ["dpo.betta=0.2"])
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_sft_runs_under_torchrun_with_two_processes(tiny_model, tmp_path):
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "smolctl", "sft",
+               "recipes/sft-tiny.toml", str(tmp_path / "run"), "--from", str(tiny_model), "--json",
+               *(f"--set={o}" for o in [*SFT_QUICK, "training.steps=2", "training.micro_batch=2"])]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 1 and reports[0]["steps"] == 2            # rank 0 reports, once
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()

@@ -212,6 +212,7 @@ def trainer_arguments(run: Path, training: TrainingSection, checkpoint: Checkpoi
         gradient_checkpointing=training.gradient_checkpointing, logging_steps=1, save_strategy="steps",
         save_steps=checkpoint.every, save_total_limit=checkpoint.keep, report_to="none", disable_tqdm=True,
         dataloader_num_workers=0, log_level="error", push_to_hub=False,
+        ddp_find_unused_parameters=False,  # every parameter gets a gradient; the search costs a graph traversal
     )
 
 
