@@ -8,6 +8,7 @@ Every rank computes the same global batch and reads only its own slice of it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -16,6 +17,32 @@ from smolctl.shards import PackedSource, open_packed
 from smolctl.train.config import DataStage
 
 IGNORE_INDEX = -100  # cross-entropy skips these labels (PyTorch's default ignore_index)
+
+
+_MIX_1, _MIX_2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
+
+
+def permuted_index(index: np.ndarray, n: int, key: Sequence[int]) -> np.ndarray:
+    """Element `index` of a seeded random permutation of [0, n), computed pointwise in O(1) memory: a 4-round
+    Feistel network over the next power of 4 with cycle walking (values >= n are encrypted again). A folder of
+    billions of rows needs no permutation array, and any position of any epoch is one call away."""
+    half = max(1, (max(1, n - 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    shift = np.uint64(half)
+    round_keys = np.random.default_rng(list(key)).integers(0, 2**63, size=4, dtype=np.uint64)
+    x = np.asarray(index, dtype=np.uint64).copy()
+    todo = np.ones(x.shape, dtype=bool)
+    while todo.any():
+        left, right = x[todo] >> shift, x[todo] & mask
+        for round_key in round_keys:
+            mixed = (right ^ round_key) * _MIX_1
+            mixed ^= mixed >> np.uint64(33)
+            mixed *= _MIX_2
+            mixed ^= mixed >> np.uint64(29)
+            left, right = right, left ^ (mixed & mask)
+        x[todo] = (left << shift) | right
+        todo = x >= np.uint64(n)
+    return x.astype(np.int64)
 
 
 def fill_padding_positions(position_ids: np.ndarray) -> np.ndarray:
@@ -95,7 +122,6 @@ class PackedStream:
         self.stages = [(s.start_step, [self.paths.index(p) for p in s.paths], self._weights(s)) for s in stages]
         self.readers = [_RowReader(s) for s in self.sources]
         self.position = DataPosition(consumed=[0] * len(self.sources))
-        self._permutations: dict[tuple[int, int], np.ndarray] = {}
 
     def _weights(self, stage: DataStage) -> np.ndarray:
         if stage.weights is not None:
@@ -114,15 +140,6 @@ class PackedStream:
                                 "re-pack every folder with the same tokenizer")
         return first
 
-    def _permutation(self, source: int, epoch: int) -> np.ndarray:
-        """Each pass over a folder visits its rows in a fresh seeded order (an epoch ends, the next reshuffles)."""
-        key = (source, epoch)
-        if key not in self._permutations:
-            self._permutations = {k: v for k, v in self._permutations.items() if k[0] != source}
-            rng = np.random.default_rng([self.seed, source, epoch])
-            self._permutations[key] = rng.permutation(self.sources[source].num_rows)
-        return self._permutations[key]
-
     def _stage_at(self, step: int) -> tuple[list[int], np.ndarray]:
         current = self.stages[0]
         for stage in self.stages:
@@ -137,14 +154,18 @@ class PackedStream:
         self.position.batches_drawn += 1
         rng = np.random.default_rng([self.seed, 1_000_003, batch_number])
         choices = rng.choice(len(members), size=global_batch, p=weights)
-        picked = []
-        for choice in choices.tolist():
-            source = members[choice]
-            count = self.position.consumed[source]
-            self.position.consumed[source] += 1
-            rows = self.sources[source].num_rows
-            picked.append((source, int(self._permutation(source, count // rows)[count % rows])))
-        return picked
+        rows = np.empty(global_batch, dtype=np.int64)
+        for k, source in enumerate(members):
+            slots = np.flatnonzero(choices == k)
+            start = self.position.consumed[source]
+            self.position.consumed[source] += len(slots)
+            # the n-th row read from a folder: epoch n // rows, position n % rows of that epoch's permutation
+            counts = start + np.arange(len(slots))
+            size = self.sources[source].num_rows
+            for epoch in np.unique(counts // size).tolist():
+                in_epoch = counts // size == epoch
+                rows[slots[in_epoch]] = permuted_index(counts[in_epoch] % size, size, (self.seed, source, epoch))
+        return [(members[k], int(row)) for k, row in zip(choices.tolist(), rows.tolist())]
 
     def next_batch(self, step: int, *, global_batch: int, rank: int, world_size: int) -> tuple[int, np.ndarray, np.ndarray]:
         """This rank's slice of the next global batch, skipping batches a rollback marked as poisoned.
