@@ -104,10 +104,14 @@ def read_output(output: Path) -> tuple[pa.Table, pa.Table]:
 
 def test_shingle_hashes_reproduce_python_shingles_and_jaccard():
     texts = sample_table().column("text").to_pylist()[:150] + [
-        "", "   ", "one two", "Ünïcode café — naïve résumé, ok?", "a b c d e", "x " * 40]
+        "", "   ", "one two", "Ünïcode café — naïve résumé, ok?", "a b c d e", "x " * 40,
+        "==== Heading ==== (((nested))) words!!! -------- end... \"quoted\" don't e.g., ---x--- ~~~~~~~~~~~~"]
     sets = minhash.shingle_sets([minhash.normalize(t) for t in texts], 5, "word")
     for text, hashed in zip(texts, sets):
         assert len(hashed) == len(reference_shingles(text))
+    values, bounds = np.concatenate(sets), np.concatenate([[0], np.cumsum([len(x) for x in sets])])
+    left, right = np.arange(len(sets)), np.roll(np.arange(len(sets)), 1)
+    assert np.allclose(minhash.jaccard_many(values, bounds, left, right), [minhash.jaccard(sets[i], sets[j]) for i, j in zip(left, right)])
     rng = random.Random(1)
     for _ in range(40):
         i, j = rng.randrange(150), rng.randrange(150)

@@ -187,11 +187,13 @@ def verify_pairs(plan_: Plan, pairs: np.ndarray, sigs: np.ndarray, report: Repor
     accept = estimate >= params.threshold + margin
     grey = np.flatnonzero((estimate > params.threshold - margin) & ~accept)
     report("verify", len(pairs) - len(grey))
-    sets = shingle_sets_of(plan_, np.unique(np.concatenate([left[grey], right[grey]])))
-    for done, k in enumerate(grey, 1):
-        accept[k] = minhash.jaccard(sets[left[k]], sets[right[k]]) >= params.threshold
-        if done % 1024 == 0 or done == len(grey):
-            report("verify", 1024 if done % 1024 == 0 else done % 1024)
+    docs = np.unique(np.concatenate([left[grey], right[grey]]))
+    sets = shingle_sets_of(plan_, docs)
+    values = np.concatenate([sets[d] for d in docs.tolist()]) if len(docs) else np.zeros(0, np.uint64)
+    bounds = np.concatenate([[0], np.cumsum([len(sets[d]) for d in docs.tolist()])]).astype(np.int64)
+    similarity = minhash.jaccard_many(values, bounds, np.searchsorted(docs, left[grey]), np.searchsorted(docs, right[grey]))
+    accept[grey] = similarity >= params.threshold
+    report("verify", len(grey))
     return np.stack([left[accept], right[accept]], 1), {"candidate_pairs": len(pairs), "verified_pairs": len(grey)}
 
 

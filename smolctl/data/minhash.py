@@ -233,23 +233,47 @@ def _tokenize_group(texts: pa.LargeStringArray) -> tuple[np.ndarray, np.ndarray,
     per_doc = np.diff(np.searchsorted(starts, offsets))
     prefix = _prefix_sums(data)
     token_hashes = _span_hashes(prefix, starts, ends)
-    # A word is its token from the first to the last word byte, hashed from the same prefix sums; with the word
-    # bytes counted, the k-th word byte of the batch is word_bytes[k] (tokens of punctuation only have no word).
-    is_word = kind == WORD
-    word_bytes = np.flatnonzero(is_word)
-    counted = np.concatenate([[0], np.cumsum(is_word, dtype=np.int64)])
-    present = counted[ends] > counted[starts]
-    first = word_bytes[counted[starts[present]]]
-    last = word_bytes[counted[ends[present]] - 1] + 1
-    word_hashes = _span_hashes(prefix, first, last)
+    # A word is its token from the first to the last word byte, hashed from the same prefix sums. Only tokens
+    # that start or end with punctuation move their edges, one byte per round (tokens of punctuation only have
+    # no word).
+    first, last = _trim(kind, starts, ends, starts, 1), _trim(kind, starts, ends, ends - 1, -1) + 1
+    present = first < last
+    word_hashes = _span_hashes(prefix, first[present], last[present])
     words_per_doc = np.bincount(np.repeat(np.arange(len(texts)), per_doc)[present], minlength=len(texts))
     return token_hashes, per_doc, word_hashes, words_per_doc
+
+
+def _trim(kind: np.ndarray, starts: np.ndarray, ends: np.ndarray, edge: np.ndarray, step: int) -> np.ndarray:
+    """Move each token's edge inwards (step +1 from the start, -1 from the end) past ASCII punctuation."""
+    edge = edge.copy()
+    moving = np.flatnonzero(kind[edge] == PUNCT)
+    for _ in range(3):  # most edges hold one or two punctuation marks: move them all a byte per round
+        if not len(moving):
+            return edge
+        edge[moving] += step
+        moving = moving[(edge[moving] >= starts[moving]) & (edge[moving] < ends[moving])]
+        moving = moving[kind[edge[moving]] == PUNCT]
+    if len(moving):  # the rare long runs ("-----", "===="): search the rest of those tokens in one go
+        low = edge[moving] if step > 0 else starts[moving]
+        high = ends[moving] if step > 0 else edge[moving] + 1
+        lengths = high - low
+        segments = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        index = np.arange(lengths.sum()) - np.repeat(segments - low, lengths)
+        is_word = kind[index] != PUNCT
+        if step > 0:
+            found = np.minimum.reduceat(np.where(is_word, index, np.iinfo(np.int64).max), segments)
+            edge[moving] = np.where(found == np.iinfo(np.int64).max, ends[moving], found)
+        else:
+            found = np.maximum.reduceat(np.where(is_word, index, -1), segments)
+            edge[moving] = np.where(found < 0, starts[moving] - 1, found)
+    return edge
 
 
 def _prefix_sums(data: np.ndarray) -> np.ndarray:
     """P[k] = sum of b_i * R^i over the first k bytes, modulo 2^64 (numpy's uint64 arithmetic wraps)."""
     prefix = np.zeros(len(data) + 1, np.uint64)
-    np.cumsum(data.astype(np.uint64) * _powers(_BYTE_RADIX, len(data))[:len(data)], out=prefix[1:])
+    weighted = np.multiply(data, _powers(_BYTE_RADIX, len(data))[:len(data)], dtype=np.uint64)
+    np.cumsum(weighted, out=prefix[1:])
     return prefix
 
 
@@ -260,7 +284,9 @@ def _span_hashes(prefix: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np
     modulo 2^64.
     """
     sums = (prefix[ends] - prefix[starts]) * _powers(_BYTE_RADIX_INVERSE, len(prefix))[starts]
-    return mix64(sums ^ ((ends - starts).astype(np.uint64) << np.uint64(48))) | np.uint64(1)
+    # A light multiply-xorshift finish: shingles and exact hashes mix these again.
+    mixed = (sums + (ends - starts).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) * np.uint64(0xBF58476D1CE4E5B9)
+    return (mixed ^ (mixed >> np.uint64(31))) | np.uint64(1)
 
 
 def exact_hashes(tokens: Tokens) -> np.ndarray:
@@ -369,6 +395,32 @@ def jaccard(a: np.ndarray, b: np.ndarray) -> float:
     found = np.searchsorted(b, a)  # each element of the smaller set looked up in the larger one
     common = int(np.count_nonzero(b[np.minimum(found, len(b) - 1)] == a))
     return common / (len(a) + len(b) - common)
+
+
+def jaccard_many(values: np.ndarray, bounds: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    """Exact Jaccard of many pairs of sets stored end to end (set i = values[bounds[i]:bounds[i+1]], sorted
+    unique), without a Python loop: both sets of every pair go into one array keyed by (pair, hash), sorted once,
+    and an element of an intersection is an equal neighbour. Keys keep the top 44 bits of each hash, so two
+    distinct shingles of a pair of 1,000-shingle documents look alike with probability 6e-8."""
+    sizes = np.diff(bounds)
+    out = np.ones(len(left))
+    block = 1 << 20  # pairs per sort: the pair number takes the 20 bits above the 44 of hash
+    for start in range(0, len(left), block):
+        a, b = left[start:start + block], right[start:start + block]
+        pair = np.arange(len(a), dtype=np.uint64)
+        keys = np.concatenate([_keyed_members(values, bounds, sizes, a, pair), _keyed_members(values, bounds, sizes, b, pair)])
+        keys.sort()
+        equal = keys[1:] == keys[:-1]
+        common = np.bincount((keys[1:][equal] >> np.uint64(44)).astype(np.int64), minlength=len(a))
+        union = sizes[a] + sizes[b] - common
+        out[start:start + block] = np.where(union > 0, common / np.maximum(union, 1), 1.0)
+    return out
+
+
+def _keyed_members(values: np.ndarray, bounds: np.ndarray, sizes: np.ndarray, sets: np.ndarray, pair: np.ndarray) -> np.ndarray:
+    lengths = sizes[sets]
+    index = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths - bounds[sets], lengths)
+    return (np.repeat(pair, lengths) << np.uint64(44)) | (values[index] >> np.uint64(20))
 
 
 # ---------------------------------------------------------------------------------------------------------------
