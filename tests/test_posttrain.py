@@ -4,6 +4,7 @@ task balancing, padding-free SFT, resume, and the bad inputs that must fail befo
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -152,3 +153,28 @@ def test_sft_runs_under_torchrun_with_two_processes(tiny_model, tmp_path):
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(reports) == 1 and reports[0]["steps"] == 2            # rank 0 reports, once
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+def test_prompt_completion_sft_and_chat_turn_dpo_with_precomputed_reference(tiny_model, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    chats = pq.read_table(sorted((SAMPLE / "chat").glob("*.parquet"))[0]).to_pylist()[:24]
+    pq.write_table(pa.Table.from_pylist([{"prompt": c["messages"][-2]["content"], "completion": c["messages"][-1]["content"]}
+                                         for c in chats]), tmp_path / "pairs.parquet")
+    sft = load_sft_recipe(REPO / "recipes" / "sft-tiny.toml", [*SFT_QUICK, "training.steps=1",
+                                                                f"data.path=\"{tmp_path / 'pairs.parquet'}\""])
+    sft = sft.model_copy(update={"data": sft.data.model_copy(update={"balance_by": None})})
+    result = run_sft(sft, output=str(tmp_path / "sft"), start=str(tiny_model))
+    assert result.data["format"] == "prompt+completion as chat turns" and result.steps == 1
+
+    pairs = pq.read_table(sorted((SAMPLE / "preference").glob("*.parquet"))[0]).to_pylist()[:8]
+    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": p["prompt"]}],
+                                          "chosen": [{"role": "assistant", "content": p["chosen"]}],
+                                          "rejected": [{"role": "assistant", "content": p["rejected"]}]}
+                                         for p in pairs]), tmp_path / "turns.parquet")
+    dpo = load_dpo_recipe(REPO / "recipes" / "dpo-tiny.toml", [
+        "training.steps=1", "dpo.loss_type=apo_zero", "dpo.beta=0.05", "dpo.precompute_ref_log_probs=true",
+        "dpo.max_length=64", f"data.path=\"{tmp_path / 'turns.parquet'}\""])
+    result = run_dpo(dpo, output=str(tmp_path / "dpo"), start=str(tmp_path / "sft"))
+    assert result.steps == 1 and math.isfinite(result.metrics["loss"])

@@ -153,7 +153,9 @@ def balanced_indices(groups: list, mode: str, seed: int) -> list[int]:
     return chosen
 
 
-def load_sft_dataset(source: DocumentSource, data: SftDataSection, seed: int):
+def load_sft_dataset(source: DocumentSource, data: SftDataSection, seed: int, as_chat: bool):
+    """The SFT rows, balanced and limited; plain-string prompt/completion pairs become a user and an assistant
+    turn when the tokenizer has a chat template, so the model learns the format it will chat in."""
     import datasets
 
     columns = sft_columns(source)
@@ -170,7 +172,11 @@ def load_sft_dataset(source: DocumentSource, data: SftDataSection, seed: int):
     stats["rows_used"] = table.num_rows
     if table.num_rows == 0:
         raise UserError(source.spec, "holds no rows to train on", "pass a non-empty dataset")
-    return datasets.Dataset(datasets.table.InMemoryTable(table)), stats
+    dataset = datasets.Dataset(datasets.table.InMemoryTable(table))
+    if as_chat and columns == ["prompt", "completion"] and not is_chat_column(table.schema.field("prompt")):
+        dataset = dataset.map(_as_turns)
+        stats["format"] = "prompt+completion as chat turns"
+    return dataset, stats
 
 
 def is_chat_column(field: pa.Field) -> bool:
@@ -197,8 +203,8 @@ def _as_turns(row: dict) -> dict:
     def turn(role: str, value):
         return value if isinstance(value, list) else [{"role": role, "content": value}]
 
-    return {"prompt": turn("user", row["prompt"]), "chosen": turn("assistant", row["chosen"]),
-            "rejected": turn("assistant", row["rejected"])}
+    answers = {key: turn("assistant", row[key]) for key in ("completion", "chosen", "rejected") if key in row}
+    return {"prompt": turn("user", row["prompt"]), **answers}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -228,7 +234,8 @@ def run_sft(recipe: SftRecipe, *, output: str | None = None, start: str | None =
         raise UserError(parent, "the chat template has no {% generation %} markers, so the assistant turns cannot "
                         "be found for assistant-only loss",
                         "add the markers around the assistant content, or set sft.assistant_only_loss = false")
-    dataset, data_stats = load_sft_dataset(source, recipe.data, recipe.training.seed)
+    dataset, data_stats = load_sft_dataset(source, recipe.data, recipe.training.seed,
+                                           as_chat=bool(getattr(tokenizer, "chat_template", None)))
 
     packing = recipe.sft.packing
     config = SFTConfig(
