@@ -365,23 +365,23 @@ def dedup_command(
                                "whitespace collapsed)."),
     use_minhash: bool = typer.Option(False, "--minhash", help="Also remove near duplicates (MinHash LSH, verified)."),
     threshold: Optional[float] = typer.Option(None, "--threshold", help="Jaccard of the shingle sets at or above "
-                                              "which documents are duplicates [default: 0.8]."),
-    num_perm: Optional[int] = typer.Option(None, "--num-perm", help="Signature length [default: 100]."),
+                                              "which documents are duplicates (default: 0.8)."),
+    num_perm: Optional[int] = typer.Option(None, "--num-perm", help="Signature length (default: 100)."),
     bands: Optional[int] = typer.Option(None, "--bands", help="LSH bands (bands x rows = num-perm) "
-                                        "[default: derived from the threshold, leaning to recall]."),
+                                        "(default: derived from the threshold, leaning to recall)."),
     rows: Optional[int] = typer.Option(None, "--rows", help="Signature values per band."),
-    ngram: Optional[int] = typer.Option(None, "--ngram", help="Shingle length in words or characters [default: 5]."),
+    ngram: Optional[int] = typer.Option(None, "--ngram", help="Shingle length in words or characters (default: 5)."),
     shingle: Optional[str] = typer.Option(None, "--shingle", help="word, or char for languages written without "
-                                          "spaces [default: word]."),
+                                          "spaces (default: word)."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Check candidates by exact Jaccard (grey zone "
                                 "only); --no-verify trusts the signature estimate."),
     text_column: str = typer.Option("text", "--text-column", help="Column holding the documents."),
-    id_column: Optional[str] = typer.Option(None, "--id-column", help="Column of unique ids [default: id if "
-                                            "present, else shard:row]."),
+    id_column: Optional[str] = typer.Option(None, "--id-column", help="Column of unique ids (default: id if "
+                                            "present, else shard:row)."),
     against: Optional[str] = typer.Option(None, "--against", help="Reference dataset: drop INPUT documents that "
                                           "duplicate it; the reference is never changed."),
     keep: str = typer.Option("first", "--keep", help="Survivor of each cluster: first (input order) or longest."),
-    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Processes [default: the CPUs available]."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Processes (default: the CPUs available)."),
     stage: Optional[str] = typer.Option(None, "--stage", help="Run one stage only: signatures, buckets, "
                                         "components or filter (Slurm arrays); default: all stages."),
     tasks: int = typer.Option(1, "--tasks", help="Array size for --stage (units are split round-robin)."),
