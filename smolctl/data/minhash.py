@@ -238,7 +238,10 @@ def _tokenize_group(texts: pa.LargeStringArray) -> tuple[np.ndarray, np.ndarray,
     # no word).
     first, last = _trim(kind, starts, ends, starts, 1), _trim(kind, starts, ends, ends - 1, -1) + 1
     present = first < last
-    word_hashes = _span_hashes(prefix, first[present], last[present])
+    trimmed = np.flatnonzero(present & ((first != starts) | (last != ends)))
+    word_hashes = token_hashes.copy()  # most words are their whole token: only trimmed ones are re-hashed
+    word_hashes[trimmed] = _span_hashes(prefix, first[trimmed], last[trimmed])
+    word_hashes = word_hashes[present]
     words_per_doc = np.bincount(np.repeat(np.arange(len(texts)), per_doc)[present], minlength=len(texts))
     return token_hashes, per_doc, word_hashes, words_per_doc
 
