@@ -36,10 +36,6 @@ SIGNATURE_BLOCK = 16384
 MAX_BUCKET_PAIRS_SPAN = 64
 
 
-def _u64(values: Sequence[int]) -> np.ndarray:
-    return np.array(values, dtype=np.uint64)
-
-
 # Random odd constants drawn once (splitmix64 of the position): fixed forever, so hashes never change across
 # releases, machines or processes (Python's hash() is salted per process, which would break determinism).
 def _constants(count: int, salt: int) -> np.ndarray:
@@ -112,7 +108,7 @@ class MinHashParams:
         if num_perm < 1 or num_perm > 4096:
             raise UserError("--num-perm", f"{num_perm} is out of range", "use between 1 and 4096 permutations (100 is a good default)")
         if ngram < 1:
-            raise UserError("--ngram", f"{ngram} must be at least 1", "use e.g. 5 for words or 5 for characters")
+            raise UserError("--ngram", f"{ngram} must be at least 1", "use e.g. 5 (word shingles) or 5 to 9 (character shingles)")
         if shingle not in SHINGLE_KINDS:
             raise UserError("--shingle", f"unknown shingle kind {shingle!r}", "use word or char")
         if (bands is None) != (rows is None):
