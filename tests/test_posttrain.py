@@ -93,8 +93,11 @@ def test_padding_free_sft_resumes_from_the_newest_checkpoint(tiny_model, tmp_pat
     quick = [*SFT_QUICK, "training.steps=2", "checkpoint.every=1", "sft.packing=\"padding_free\""]
     first = run_sft(load_sft_recipe(recipe, quick), output=str(tmp_path / "run"), start=str(tiny_model))
     assert first.steps == 2 and (tmp_path / "run" / "checkpoints" / "checkpoint-2" / "trainer_state.json").is_file()
+    with pytest.raises(UserError, match=r"differs from the one the run started with in training.lr"):
+        run_sft(load_sft_recipe(recipe, [*quick, "training.lr=0.5"]), output=str(tmp_path / "run"),
+                start=str(tiny_model), resume="auto")
     longer = run_sft(load_sft_recipe(recipe, [*quick, "training.steps=3"]), output=str(tmp_path / "run"),
-                     start=str(tmp_path / "run"), resume="auto")
+                     start=str(tiny_model), resume="auto")
     assert longer.resumed_from.endswith("checkpoint-2") and longer.steps == 3
     steps = [r["step"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
              if "loss" in r]

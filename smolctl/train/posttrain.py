@@ -23,9 +23,9 @@ from smolctl.errors import UserError
 from smolctl.recipe import Section, load_recipe
 from smolctl.shards import DocumentSource, open_documents
 from smolctl.train.stage import (
-    FINAL, CheckpointSection, ModelSection, StageResult, StepHook, TrainingSection, check_start, final_metrics, load_start,
-    monitor_callback, prepare_run, quiet_offline, require_chat_template, train_quietly, trainer_arguments, use_bf16,
-    with_schedule, write_model,
+    FINAL, CheckpointSection, ModelSection, StageResult, StepHook, TrainingSection, check_start, final_metrics,
+    load_start, monitor_callback, prepare_run, quiet_offline, record_recipe, require_chat_template, train_quietly,
+    trainer_arguments, use_bf16, with_schedule, write_model,
 )
 
 DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -103,7 +103,8 @@ def load_dpo_recipe(path: str | Path, overrides: list[str]) -> DpoRecipe:
 def resolve_output(recipe_output: str | None, output: str | None) -> Path:
     chosen = output or recipe_output
     if not chosen:
-        raise UserError("output", "no run folder to write", "pass the run folder after the recipe (RECIPE RUN), or set output = \"RUN\" in the recipe")
+        raise UserError("output", "no run folder to write",
+                        "pass the run folder after the recipe (RECIPE RUN), or set output = \"RUN\" in the recipe")
     return Path(chosen)
 
 
@@ -236,6 +237,7 @@ def run_sft(recipe: SftRecipe, *, output: str | None = None, start: str | None =
                         "add the markers around the assistant content, or set sft.assistant_only_loss = false")
     dataset, data_stats = load_sft_dataset(source, recipe.data, recipe.training.seed,
                                            as_chat=bool(getattr(tokenizer, "chat_template", None)))
+    record_recipe(out, recipe.model_dump(by_alias=True), parent, resume_from)
 
     packing = recipe.sft.packing
     config = SFTConfig(
@@ -275,6 +277,7 @@ def run_dpo(recipe: DpoRecipe, *, output: str | None = None, start: str | None =
         require_chat_template(tokenizer, parent, "preference pairs given as chat turns need")
     dataset, data_stats = load_preference_dataset(source, recipe.data, as_chat=has_template)
     data_stats["format"] = "chat" if has_template else "text"
+    record_recipe(out, recipe.model_dump(by_alias=True), parent, resume_from)
 
     config = DPOConfig(
         **trainer_arguments(out, recipe.training, recipe.checkpoint),

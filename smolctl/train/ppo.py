@@ -27,8 +27,9 @@ from smolctl.recipe import Section, load_recipe
 from smolctl.shards import DocumentSource, open_documents
 from smolctl.train.rewards import CompositeReward, RewardSection
 from smolctl.train.stage import (
-    FINAL, CheckpointSection, ModelSection, StageResult, StepHook, TrainingSection, check_start, chat_stop_ids, final_metrics,
-    load_start, monitor_callback, prepare_run, quiet_offline, train_quietly, trainer_arguments, use_bf16, write_model,
+    FINAL, CheckpointSection, ModelSection, StageResult, StepHook, TrainingSection, check_start, chat_stop_ids,
+    final_metrics, load_start, monitor_callback, prepare_run, quiet_offline, record_recipe, train_quietly,
+    trainer_arguments, use_bf16, write_model,
 )
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -218,6 +219,7 @@ def prepare(recipe: PpoRecipe, output: str | None, start: str | None, resume: st
     if recipe.algorithm == "grpo":
         check_grpo_batch(recipe)
     resume_from = prepare_run(out, resume, overwrite)
+    record_recipe(out, recipe.model_dump(by_alias=True), parent, resume_from)
     return Setup(out, parent, source, prompts, references, reward, resume_from)
 
 
@@ -284,8 +286,8 @@ def _run_grpo(recipe: PpoRecipe, setup: Setup, on_step: StepHook | None) -> Stag
         write_model(setup.run, trainer.model, tokenizer, parent=setup.parent, data_inputs=setup.source.lineage(),
                     stage="grpo", stats={**{k.replace("/", "_"): v for k, v in metrics.items()}, **data,
                                          "steps": trainer.state.global_step, "seconds": round(seconds, 2)})
-    return StageResult("grpo", str(setup.run), str(setup.run / FINAL), str(setup.parent), trainer.state.global_step, seconds,
-                       setup.resume_from, metrics, data)
+    return StageResult("grpo", str(setup.run), str(setup.run / FINAL), str(setup.parent), trainer.state.global_step,
+                       seconds, setup.resume_from, metrics, data)
 
 
 def reward_trend(rewards: list[float], window: int = 5) -> dict:

@@ -1,4 +1,4 @@
-"""smolctl's PPO loop (the math lives in smolctl.train.ppo): rollout → score → advantages → update → log → checkpoint.
+"""smolctl's PPO loop (the math lives in smolctl.train.ppo): rollout, score, advantages, update, log, checkpoint.
 
 Checkpoints go to RUN/checkpoints/checkpoint-N/ (policy as a Hugging Face folder, value head, optimizer, scheduler,
 RNG states, counters), written under a temporary name and renamed, so `--resume auto` finds only complete ones.
@@ -102,8 +102,8 @@ class PpoLoop:
                     data_inputs=self.setup.source.lineage(), stage="ppo",
                     stats={**{k.replace("/", "_"): v for k, v in metrics.items()}, **data, "steps": self.step,
                            "seconds": round(seconds, 2)})
-        return StageResult("ppo", str(self.setup.run), str(self.setup.run / FINAL), str(self.setup.parent), self.step, seconds,
-                           self.setup.resume_from, metrics, data)
+        return StageResult("ppo", str(self.setup.run), str(self.setup.run / FINAL), str(self.setup.parent), self.step,
+                           seconds, self.setup.resume_from, metrics, data)
 
     def next_prompts(self) -> list[int]:
         """Indices of this step's prompts: a seeded permutation per pass over the data, cycled."""

@@ -111,7 +111,8 @@ class CompositeReward:
         if section.match == "callable":
             return load_callable(section.function, f"{where}.function")
         if section.match == "exact":
-            return lambda completion, reference: float(reference is not None and normalise(completion) == normalise(reference))
+            return lambda completion, reference: float(
+                reference is not None and normalise(completion) == normalise(reference))
         if section.pattern and "{reference}" not in section.pattern:
             try:
                 fixed = re.compile(section.pattern)

@@ -3,6 +3,7 @@ metrics.jsonl, resume) and the finished model folder. The layout is pretrain's:
 
   RUN/checkpoints/checkpoint-N/   resumable checkpoints (model, optimizer, scheduler, RNG, data position)
   RUN/metrics.jsonl               one JSON object per logged step, appended across resumes
+  RUN/recipe.json                 the resolved recipe and starting checkpoint, checked on resume
   RUN/final/                      the finished Hugging Face model folder + tokenizer + manifest.json (kind "model")
 
 RUN/final is written in a staging folder and swapped into place complete; a later stage takes `--from RUN` or
@@ -26,7 +27,9 @@ from pydantic import ConfigDict, Field
 from smolctl.data.tokenizer import IM_END, load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import UserError
 from smolctl.recipe import Section
-from smolctl.shards import KIND_MODEL, OutputFolder, check_output_path, lineage_ref, read_manifest
+from smolctl.shards import (
+    KIND_MODEL, OutputFolder, atomic_write_json, check_output_path, lineage_ref, read_manifest,
+)
 
 FINAL = "final"
 StepHook = Callable[[int, int, dict], None]
@@ -116,11 +119,13 @@ def check_start(spec: str | None, where: str = "model.from") -> Path:
         path = path / FINAL
     manifest = read_manifest(path)
     if manifest is not None and manifest["kind"] != KIND_MODEL:
-        raise UserError(path, f"is a {manifest['kind']} folder, not a model", "pass a checkpoint written by pretrain, sft or dpo")
+        raise UserError(path, f"is a {manifest['kind']} folder, not a model",
+                        "pass a checkpoint written by pretrain, sft or dpo")
     if not (path / "config.json").is_file():
         raise UserError(path, "is not a model folder (no config.json)", "pass a Hugging Face model folder or a run folder")
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        raise UserError(path, "holds a model but no tokenizer", "save the tokenizer beside the model (tokenizer.save_pretrained)")
+        raise UserError(path, "holds a model but no tokenizer",
+                        "save the tokenizer beside the model (tokenizer.save_pretrained)")
     return path
 
 
@@ -140,7 +145,8 @@ def load_start(path: Path, bf16: bool = False):
         tokenizer.pad_token = tokenizer.eos_token
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         raise UserError(path, f"the tokenizer has {len(tokenizer)} tokens but the model's embedding only "
-                        f"{model.get_input_embeddings().num_embeddings}", "pair the model with the tokenizer it was trained with")
+                        f"{model.get_input_embeddings().num_embeddings}",
+                        "pair the model with the tokenizer it was trained with")
     return model, tokenizer
 
 
@@ -185,6 +191,34 @@ def prepare_run(run: Path, resume: str | None, overwrite: bool) -> str | None:
         raise UserError("--resume", f"{resume} is not a complete checkpoint (no trainer_state.json)",
                         f"pass --resume auto or a folder under {checkpoints}")
     return str(path)
+
+
+def record_recipe(run: Path, recipe: dict, start: Path, resume_from: str | None) -> None:
+    """Keep the resolved recipe in RUN/recipe.json. A resume must use the same recipe and starting checkpoint:
+    only `training.steps` and the [checkpoint] table may change (to train longer, or save more often)."""
+    resolved = {**_flatten(recipe), "model.from": str(start.resolve())}
+    path = run / "recipe.json"
+    if resume_from and path.is_file():
+        before = json.loads(path.read_text())
+        changed = sorted(key for key in set(before) | set(resolved) if before.get(key) != resolved.get(key)
+                         and key != "output" and key != "training.steps" and not key.startswith("checkpoint."))
+        if changed:
+            raise UserError("--resume", f"the recipe differs from the one the run started with in {', '.join(changed)}",
+                            "resume with the same recipe and --from (only training.steps and [checkpoint] may "
+                            "change), or start a new run folder")
+    if int(os.environ.get("RANK", "0")) == 0:
+        run.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, resolved)
+
+
+def _flatten(table: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def complete_checkpoints(checkpoints: Path) -> list[Path]:
