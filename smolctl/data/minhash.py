@@ -221,11 +221,12 @@ def _tokenize_group(texts: pa.LargeStringArray) -> tuple[np.ndarray, np.ndarray,
     inside = kind != SPACE
     # Token edges: where a non-whitespace run starts or ends, plus document boundaries that fall inside a run.
     step = np.diff(inside.view(np.int8), prepend=np.int8(0), append=np.int8(0))
-    starts, ends = np.flatnonzero(step == 1), np.flatnonzero(step == -1)
+    changes = np.flatnonzero(step)  # runs alternate: a start (+1), then its end (-1)
+    starts, ends = changes[0::2], changes[1::2]
     inner = offsets[1:-1][(offsets[1:-1] > 0) & (offsets[1:-1] < len(data))]
     split = inner[inside[inner] & inside[inner - 1]]
     if len(split):
-        starts, ends = np.sort(np.concatenate([starts, split])), np.sort(np.concatenate([ends, split]))
+        starts, ends = np.insert(starts, np.searchsorted(starts, split), split), np.insert(ends, np.searchsorted(ends, split), split)
     per_doc = np.diff(np.searchsorted(starts, offsets))
     prefix = _prefix_sums(data)
     token_hashes = _span_hashes(prefix, starts, ends)
