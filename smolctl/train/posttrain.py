@@ -226,7 +226,7 @@ def run_sft(recipe: SftRecipe, *, output: str | None = None, start: str | None =
     if recipe.data.balance_by:
         require_columns(source, [recipe.data.balance_by], "set data.balance_by to a column of categories, or remove it")
     resume_from = prepare_run(out, resume, overwrite)
-    model, tokenizer = load_start(parent, use_bf16(recipe.training.precision))
+    model, tokenizer = load_start(parent)
     conversational = columns == ["messages"] or is_chat_column(source.schema.field("prompt"))
     if conversational:
         require_chat_template(tokenizer, parent, "chat data needs")
@@ -268,9 +268,8 @@ def run_dpo(recipe: DpoRecipe, *, output: str | None = None, start: str | None =
     require_columns(source, ["prompt", "chosen", "rejected"],
                     "pass a preference dataset (e.g. data/sample/preference)")
     resume_from = prepare_run(out, resume, overwrite)
-    bf16 = use_bf16(recipe.training.precision)
-    model, tokenizer = load_start(parent, bf16)
-    reference, _ = load_start(parent, bf16)
+    model, tokenizer = load_start(parent)
+    reference, _ = load_start(parent, use_bf16(recipe.training.precision))
     reference.eval().requires_grad_(False)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if any(is_chat_column(source.schema.field(c)) for c in ("prompt", "chosen", "rejected")):

@@ -29,7 +29,7 @@ from smolctl.train.rewards import CompositeReward, RewardSection
 from smolctl.train.stage import (
     FINAL, CheckpointSection, ModelSection, StageResult, StepHook, TrainingSection, check_start, chat_stop_ids,
     final_metrics, load_start, monitor_callback, prepare_run, quiet_offline, record_recipe, train_quietly,
-    trainer_arguments, use_bf16, write_model,
+    trainer_arguments, write_model,
 )
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -249,7 +249,7 @@ def _run_grpo(recipe: PpoRecipe, setup: Setup, on_step: StepHook | None) -> Stag
     import datasets
     from trl import GRPOConfig, GRPOTrainer
 
-    model, tokenizer = load_start(setup.parent, use_bf16(recipe.training.precision))
+    model, tokenizer = load_start(setup.parent)
     model.generation_config.eos_token_id = chat_stop_ids(tokenizer)
     chat = bool(getattr(tokenizer, "chat_template", None))
     dataset = datasets.Dataset.from_dict({

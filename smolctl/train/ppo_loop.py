@@ -64,8 +64,10 @@ class PpoLoop:
         bf16 = use_bf16(self.training.precision)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         torch.manual_seed(self.training.seed)
-        policy, self.tokenizer = load_start(setup.parent, bf16)
+        policy, self.tokenizer = load_start(setup.parent)
         self.reference, _ = load_start(setup.parent, bf16)
+        # fp32 weights, bf16 compute: the same mixed precision the Trainer-based stages get from bf16=True.
+        self.autocast = partial(torch.autocast, self.device.type, dtype=torch.bfloat16, enabled=bf16)
         self.reference.to(self.device).eval().requires_grad_(False)
         self.model = PolicyWithValue(policy).to(self.device)
         self.stop_ids = chat_stop_ids(self.tokenizer)
@@ -124,9 +126,10 @@ class PpoLoop:
         enc = self.tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
                              add_special_tokens=False).to(self.device)
         self.model.eval()
-        sequences = self.model.policy.generate(
-            **enc, max_new_tokens=self.gen.max_new_tokens, do_sample=True, temperature=self.gen.temperature,
-            top_k=0, top_p=1.0, eos_token_id=self.stop_ids, pad_token_id=self.tokenizer.pad_token_id)
+        with self.autocast():
+            sequences = self.model.policy.generate(
+                **enc, max_new_tokens=self.gen.max_new_tokens, do_sample=True, temperature=self.gen.temperature,
+                top_k=0, top_p=1.0, eos_token_id=self.stop_ids, pad_token_id=self.tokenizer.pad_token_id)
         prompt_len = enc["input_ids"].shape[1]
         completion = sequences[:, prompt_len:]
         mask = completion_mask(completion, self.stop_ids)
@@ -160,13 +163,15 @@ class PpoLoop:
     def evaluate(self, model: nn.Module, batch: dict, rows=slice(None)):
         """Log-probs, entropies and values (None for the reference) of the completion tokens: each [B, T]."""
         sequences, attention, start = batch["sequences"][rows], batch["attention"][rows], batch["prompt_len"]
-        if isinstance(model, PolicyWithValue):
-            logits, values = model(sequences, attention)
-            values = values[:, start - 1:-1]
-        else:
-            positions = (attention.cumsum(-1) - 1).clamp(min=0)
-            logits = model(input_ids=sequences, attention_mask=attention, position_ids=positions, use_cache=False).logits
-            values = None
+        with self.autocast():
+            if isinstance(model, PolicyWithValue):
+                logits, values = model(sequences, attention)
+                values = values[:, start - 1:-1].float()
+            else:
+                positions = (attention.cumsum(-1) - 1).clamp(min=0)
+                logits = model(input_ids=sequences, attention_mask=attention, position_ids=positions,
+                               use_cache=False).logits
+                values = None
         logits = logits[:, start - 1:-1] / self.gen.temperature
         logprobs, entropy = token_logprobs_and_entropy(logits, sequences[:, start:])
         return logprobs, entropy, values

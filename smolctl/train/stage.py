@@ -62,7 +62,8 @@ class TrainingSection(Section):
     max_grad_norm: float = Field(1.0, gt=0)
     seed: int = 0
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """auto = bf16 on a GPU that supports it, fp32 on CPU."""
+    """auto = bf16 autocast on a GPU that supports it, fp32 on CPU. Trained weights stay fp32 (AdamW updates at
+    post-training learning rates, ~1e-6 of a weight, vanish in bf16); frozen reference models are held in bf16."""
     gradient_checkpointing: bool = False
 
 
@@ -130,7 +131,8 @@ def check_start(spec: str | None, where: str = "model.from") -> Path:
 
 
 def load_start(path: Path, bf16: bool = False):
-    """(model, tokenizer) from a checked model folder, float32 unless bf16; the tokenizer gets a pad token."""
+    """(model, tokenizer) from a checked model folder, float32 unless bf16 (for frozen models); the tokenizer gets
+    a pad token."""
     import torch
     from transformers import AutoModelForCausalLM
 
