@@ -137,10 +137,11 @@ class Trainer:
             self._check_same_run()
 
     def _check_same_run(self) -> None:
-        """A resumed run must train the same model on the same data order; only its length may change."""
+        """A resumed run must train the same model on the same data order (seed, data, global batch); its length,
+        micro batch (memory) and schedule may change."""
         saved = json.loads((self.run_dir / RUN_FILE).read_text())["recipe"]
         current = json.loads(self.recipe.model_dump_json())
-        for section, keys in (("model", None), ("data", None), ("training", ("seed", "seq_len", "micro_batch"))):
+        for section, keys in (("model", None), ("data", None), ("training", ("seed", "seq_len", "global_batch", "global_batch_tokens"))):
             for key in keys or current[section]:
                 if saved[section].get(key) != current[section].get(key):
                     raise UserError(f"{section}.{key}", f"differs from the run being resumed ({saved[section].get(key)!r} → "
