@@ -273,13 +273,14 @@ def run(config: DedupConfig, *, stage: str | None = None, tasks: int = 1, task_i
         check_ready(plan_, stage)
     prepare_work_area(plan_)
     done = skipped = 0
-    for name in stages:
-        mine = [u for u in range(plan_.unit_count(name)) if u % tasks == task_id]
-        todo = [u for u in mine if not plan_.marker(name, u).is_file()]
-        report(name, 0, total=_stage_total(plan_, name, todo))
-        skipped += len(mine) - len(todo)
-        _run_units(plan_, name, todo, workers, report)
-        done += len(todo)
+    with _Workers(workers) as pool:
+        for name in stages:
+            mine = [u for u in range(plan_.unit_count(name)) if u % tasks == task_id]
+            todo = [u for u in mine if not plan_.marker(name, u).is_file()]
+            report(name, 0, total=_stage_total(plan_, name, todo))
+            skipped += len(mine) - len(todo)
+            pool.run(plan_, name, todo, report)
+            done += len(todo)
     result = DedupResult(output=str(config.output), stage=stage or "all", finished=False, units_done=done,
                          units_skipped=skipped, params=_settings(plan_))
     if plan_.done("filter"):
@@ -346,27 +347,47 @@ def _alive(pid: int) -> bool:
     return pid > 0
 
 
-def _run_units(plan_: Plan, stage: str, units: list[int], workers: int, report: Report) -> None:
-    documents = plan_.source.num_rows + (plan_.reference.num_rows if plan_.reference else 0)
-    if workers <= 1 or len(units) <= 1 or documents < POOL_MIN_DOCUMENTS:
-        for unit in units:
-            mark_done(plan_, stage, unit, UNIT_RUNNERS[stage](plan_, unit, report))
-        return
-    import multiprocessing
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+class _Workers:
+    """A process pool started on first use and shared by the stages of one run (spawn, not fork: forking a
+    process whose arrow thread pools are running can hang the children)."""
 
-    context = multiprocessing.get_context("fork")
-    queue = context.Queue()
-    with ProcessPoolExecutor(min(workers, len(units)), mp_context=context, initializer=_init_worker, initargs=(queue,)) as pool:
-        pending = {pool.submit(_unit_in_worker, plan_, stage, unit) for unit in units}
+    def __init__(self, size: int):
+        self.size, self.pool, self.queue = size, None, None
+
+    def run(self, plan_: Plan, stage: str, units: list[int], report: Report) -> None:
+        documents = plan_.source.num_rows + (plan_.reference.num_rows if plan_.reference else 0)
+        if self.size <= 1 or len(units) <= 1 or documents < POOL_MIN_DOCUMENTS:
+            for unit in units:
+                mark_done(plan_, stage, unit, UNIT_RUNNERS[stage](plan_, unit, report))
+            return
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        pending = {self._pool().submit(_unit_in_worker, plan_, stage, unit) for unit in units}
         while pending:
             finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-            _drain(queue, report)
+            _drain(self.queue, report)
             for future in finished:
                 error = future.result()
                 if error is not None:
                     raise UserError(*error)
-    _drain(queue, report)
+        _drain(self.queue, report)
+
+    def _pool(self):
+        if self.pool is None:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            context = multiprocessing.get_context("spawn")
+            self.queue = context.Queue()
+            self.pool = ProcessPoolExecutor(self.size, mp_context=context, initializer=_init_worker, initargs=(self.queue,))
+        return self.pool
+
+    def __enter__(self) -> "_Workers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
 
 
 _WORKER_QUEUE = None
