@@ -73,7 +73,7 @@ def test_sft_dpo_ppo_chain_through_the_cli(tiny_model, tmp_path):
     assert {"rewards/accuracies", "rewards/margins", "loss"} <= set(result["metrics"])
     rates = [r["learning_rate"] for r in map(json.loads, (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines())
              if "learning_rate" in r]
-    assert rates == pytest.approx([5e-4 * 0.5 ** step for step in range(3)])     # lr0 · decay^step
+    assert rates == pytest.approx([1e-3 * 0.5 ** step for step in range(3)])     # lr0 · decay^step
     assert json.loads((tmp_path / "dpo" / "final" / "manifest.json").read_text())["parent"] == str(tmp_path / "sft" / "final")
 
     ppo = run_cli("ppo", "recipes/ppo-tiny.toml", tmp_path / "ppo", "--from", tmp_path / "dpo",
