@@ -348,8 +348,9 @@ def _alive(pid: int) -> bool:
 
 
 class _Workers:
-    """A process pool started on first use and shared by the stages of one run (spawn, not fork: forking a
-    process whose arrow thread pools are running can hang the children)."""
+    """A process pool started on first use and shared by the stages of one run. Forked, not spawned: a spawned
+    worker re-imports the caller's main module (`python -m smolctl` would start the CLI again) and pays the
+    imports again; arrow's thread pools restart themselves in a forked child."""
 
     def __init__(self, size: int):
         self.size, self.pool, self.queue = size, None, None
@@ -377,7 +378,7 @@ class _Workers:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
-            context = multiprocessing.get_context("spawn")
+            context = multiprocessing.get_context("fork")
             self.queue = context.Queue()
             self.pool = ProcessPoolExecutor(self.size, mp_context=context, initializer=_init_worker, initargs=(self.queue,))
         return self.pool
