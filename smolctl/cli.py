@@ -448,10 +448,10 @@ def _render_dedup(result, tasks: int, task_id: int) -> None:
     facts += [("exact removed", f"{result.exact_removed:,}"),
               ("near removed", f"{result.near_removed:,}" if result.params["minhash"] else "- (no --minhash)"),
               ("kept", f"{result.kept:,} ({result.kept / max(result.documents, 1):.1%})"),
-              ("clusters", f"{result.clusters} ({removed} removed, see duplicates/)")]
+              ("clusters", f"{result.clusters:,} ({removed:,} removed, see duplicates/)")]
     if result.params["minhash"]:
         mh = result.params["minhash"]
-        facts.append(("candidates", f"{result.candidate_pairs} pairs, {result.verified_pairs} by exact Jaccard "
+        facts.append(("candidates", f"{result.candidate_pairs:,} pairs, {result.verified_pairs:,} by exact Jaccard "
                       f"({mh['bands']} bands x {mh['rows']} rows, threshold {mh['threshold']})"))
     if result.stage == "all":
         facts.append(("throughput", f"{human_count(rate)} docs/s, {result.bytes / max(result.seconds, 1e-9) / 1e6:.1f} MB/s"
