@@ -78,6 +78,7 @@ class PpoLoop:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(
             lr_factor, schedule=t.schedule, total=t.steps, warmup=t.warmup_steps, decay=t.decay))
         self.step, self.nan_skipped, self.history = 0, 0, []
+        self._cached_order: tuple = (None, None)
         if setup.resume_from:
             self._load(Path(setup.resume_from))
 
@@ -110,11 +111,14 @@ class PpoLoop:
     def next_prompts(self) -> list[int]:
         """Indices of this step's prompts: a seeded permutation per pass over the data, cycled."""
         n, size = len(self.setup.prompts), self.cfg.batch_size
-        out = []
-        for position in range(self.step * size, (self.step + 1) * size):
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.training.seed + position // n))
-            out.append(int(order[position % n]))
-        return out
+        return [int(self._order(position // n)[position % n])
+                for position in range(self.step * size, (self.step + 1) * size)]
+
+    def _order(self, epoch: int):
+        if self._cached_order[0] != epoch:
+            generator = torch.Generator().manual_seed(self.training.seed + epoch)
+            self._cached_order = (epoch, torch.randperm(len(self.setup.prompts), generator=generator))
+        return self._cached_order[1]
 
     # -- rollout: generate, score, evaluate old/reference log-probs and values --------------------------------
 
