@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
@@ -60,15 +62,18 @@ def distinct_ngram_ratio(text: str, n: int) -> float:
 
 
 def load_callable(spec: str, where: str) -> Callable:
-    """Import "module:function"; a spec that does not import is the user's error, raised before training."""
+    """Import "module:function" (from the working directory or PYTHONPATH); a spec that does not import is the
+    user's error, raised before training."""
     module_name, _, name = spec.partition(":")
     if not module_name or not name:
         raise UserError(where, f"{spec!r} is not module:function", 'write e.g. function = "my_rewards:exact_module"')
+    if os.getcwd() not in sys.path:  # the console script's sys.path lacks the working directory, python -m has it
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import-time failure of user code
         raise UserError(where, f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}",
-                        "check the module name and that it is on PYTHONPATH") from exc
+                        "check the module name, and run from its folder or add that to PYTHONPATH") from exc
     function = getattr(module, name, None)
     if not callable(function):
         raise UserError(where, f"module {module_name!r} has no function {name!r}", "check the function name")
