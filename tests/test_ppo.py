@@ -113,6 +113,10 @@ def test_reward_callable_that_does_not_import_is_a_user_error():
         CompositeReward([RewardSection(kind="task", match="callable", function="test_ppo:missing")])
     with pytest.raises(UserError, match="module:function"):
         CompositeReward([RewardSection(kind="task", match="callable", function="just_a_name")])
+    with pytest.raises(UserError, match=r"rewards\[0\].pattern: is not a valid regular expression"):
+        CompositeReward([RewardSection(kind="task", match="regex", pattern="([unclosed")])
+    with pytest.raises(UserError, match="no rewards"):
+        CompositeReward([])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -192,4 +196,6 @@ def test_bad_ppo_inputs_fail_before_training(tiny_model, tmp_path):
                 start=str(tiny_model))
     with pytest.raises(UserError, match=r"rewards\[0\]\.kind: Input should be .task., .length. or .diversity."):
         load_ppo_recipe(toy_recipe(tmp_path, kind="taks"), [])
+    with pytest.raises(UserError, match=r"--resume: .* is not a complete checkpoint \(no trainer_state.json\)"):
+        run_ppo(load_ppo_recipe(path, []), output=str(tmp_path / "d"), start=str(tiny_model), resume=str(tmp_path))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
