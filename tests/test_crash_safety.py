@@ -1,0 +1,194 @@
+"""Crash safety of every file-writing stage (dedup, mix, pack, pretrain, sft), through the real CLI.
+
+Each test runs the stage once without interruption, then starts it again in its own process group, waits until it
+has made visible progress (its work area, staging folder or metrics file appears), SIGKILLs the whole group after a
+seeded random extra delay (retrying with a shorter delay when the run won the race), and checks that:
+  - nothing looks complete that is not: every visible folder holding a manifest.json verifies against it;
+  - running the same command again (with `--resume auto` for the training stages) finishes, and its output equals
+    the uninterrupted run's: the same shard sha256s in every manifest (for models: the same model.safetensors)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from conftest import REPO, SAMPLE
+from smolctl.shards import read_manifest, verify_checksums
+from test_dedup import sample_table, write_shards
+from test_posttrain import SFT_QUICK, tiny_model  # noqa: F401  (fixture)
+from test_pretrain import packed, recipe  # noqa: F401  (fixtures)
+
+SEED = int(os.environ.get("SMOLCTL_CRASH_SEED", "20261202"))
+ENV = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
+
+
+def cli(*args: object) -> list[str]:
+    return [sys.executable, "-m", "smolctl", *map(str, args)]
+
+
+def run(command: list[str], log: Path) -> subprocess.CompletedProcess:
+    done = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    log.write_text(done.stderr)
+    return done
+
+
+def kill_mid_run(command: list[str], progressed: Callable[[], bool], finished: Callable[[], bool],
+                 clean: Callable[[], None], rng: random.Random, max_delay: float, log: Path) -> float:
+    """SIGKILL the command's process group (workers included, as a node failure would) once `progressed()` holds
+    plus a random delay. A run that got to `finished()` (its output committed) first is cleaned away and retried with
+    half the delay. Returns the delay that landed."""
+    for attempt in range(8):
+        clean()
+        with log.open("w") as stderr:
+            victim = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=stderr,
+                                      start_new_session=True)
+        while victim.poll() is None and not progressed():
+            time.sleep(0.002)
+        delay = rng.uniform(0, max_delay)
+        deadline = time.monotonic() + delay
+        while victim.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        if victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+            assert victim.wait() == -signal.SIGKILL
+            print(f"attempt {attempt}: killed after {delay:.3f}s (max {max_delay:.3f}), finished={finished()}", file=sys.stderr)
+            if not finished():
+                return delay
+        else:
+            assert victim.returncode == 0, log.read_text()[-2000:]
+        max_delay /= 2
+    pytest.fail(f"{command[3]} always finished before the kill")
+
+
+def visible_manifests(root: Path) -> list[Path]:
+    """Folders under root that present themselves as finished outputs (staging `.X.partial` and work areas
+    `_work` are hidden by name and not outputs)."""
+    return sorted(p.parent for p in root.rglob("manifest.json")
+                  if not any(part.startswith((".", "_")) for part in p.relative_to(root).parts))
+
+
+def assert_nothing_half_done(root: Path) -> None:
+    for folder in visible_manifests(root):
+        assert verify_checksums(folder) == [], f"{folder} has a manifest but its shards do not match it"
+
+
+def shard_checksums(output: Path) -> dict[str, list[tuple[str, str]]]:
+    """Every manifest's shards under `output` by relative folder: what must be equal between two runs."""
+    return {str(folder.relative_to(output)): [(s["name"], s["sha256"]) for s in read_manifest(folder)["shards"]]
+            for folder in visible_manifests(output)}
+
+
+def remover(*paths: Path) -> Callable[[], None]:
+    def clean() -> None:
+        for path in paths:
+            shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(path.parent / f".{path.name}.partial", ignore_errors=True)
+    return clean
+
+
+def check_data_stage(tmp_path: Path, command: Callable[[Path], list[str]], progressed: Callable[[Path], bool],
+                     max_delay: float, rng: random.Random) -> dict:
+    """Straight run, killed run, same command again; returns the killed-then-rerun output's checksums."""
+    straight, crashed = tmp_path / "straight" / "out", tmp_path / "crashed" / "out"
+    done = run(command(straight), tmp_path / "straight.log")
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = shard_checksums(straight)
+    assert expected and all(expected.values())
+
+    kill_mid_run(command(crashed), lambda: progressed(crashed), lambda: (crashed / "manifest.json").is_file(),
+                 remover(crashed), rng, max_delay, tmp_path / "killed.log")
+    assert_nothing_half_done(crashed.parent)
+    again = run(command(crashed), tmp_path / "rerun.log")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert verify_checksums(crashed) == []
+    assert shard_checksums(crashed) == expected
+    assert not (crashed.parent / ".out.partial").exists()
+    return expected
+
+
+@pytest.fixture
+def rng(request) -> random.Random:
+    return random.Random(f"{SEED}-{request.node.name}")
+
+
+def staging(output: Path) -> Path:
+    return output.parent / f".{output.name}.partial"
+
+
+def test_dedup_killed_then_rerun(tmp_path, rng):
+    source = write_shards(tmp_path / "input", sample_table("web").slice(0, 900), 6)
+    expected = check_data_stage(
+        tmp_path, lambda out: cli("dedup", source, out, "--minhash", "--workers", "2"),
+        lambda out: (out / "_work").is_dir(), max_delay=0.6, rng=rng)
+    assert set(expected) == {".", "duplicates"} and len(expected["."]) == 6
+
+
+def test_mix_killed_then_rerun(tmp_path, rng):
+    sources = [f"--source={name}={SAMPLE / name}:{weight}" for name, weight in (("web", 6), ("code", 3), ("math", 1))]
+    expected = check_data_stage(
+        tmp_path, lambda out: cli("mix", out, *sources, "--documents", "900", "--shuffle-buffer", "100", "--seed", "3"),
+        lambda out: staging(out).is_dir(), max_delay=0.5, rng=rng)
+    assert expected["."] and all(len(shards) > 0 for shards in expected.values())
+
+
+def test_pack_killed_then_rerun(tmp_path, tokenizer_dir, rng):
+    expected = check_data_stage(
+        tmp_path, lambda out: cli("pack", SAMPLE / "web", out, "--tokenizer", tokenizer_dir, "--seq-len", "64",
+                                  "--shard-size", "400rows", "--buffer-tokens", "20000"),
+        lambda out: staging(out).is_dir(), max_delay=1.0, rng=rng)
+    assert len(expected["."]) > 5
+
+
+def model_checksum(folder: Path) -> str:
+    (shard,) = [s for s in read_manifest(folder)["shards"] if s["name"] == "model.safetensors"]
+    assert verify_checksums(folder) == []
+    return shard["sha256"]
+
+
+def check_training_stage(tmp_path: Path, command: Callable[[Path], list[str]], max_delay: float,
+                         rng: random.Random) -> tuple[dict, dict]:
+    """Straight run; killed run; the same command again (refused: the run folder holds a run); `--resume auto`.
+    Returns the two final models' JSON results."""
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    done = run(command(straight), tmp_path / "straight.log")
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    kill_mid_run(command(crashed), lambda: (crashed / "metrics.jsonl").is_file(),
+                 lambda: (crashed / "final" / "manifest.json").is_file(), remover(crashed), rng, max_delay,
+                 tmp_path / "killed.log")
+    assert_nothing_half_done(crashed)
+
+    plain = run(command(crashed), tmp_path / "rerun.log")
+    assert plain.returncode == 2 and plain.stderr.startswith("error: ") and "Traceback" not in plain.stderr
+    assert "--resume auto" in plain.stderr
+    resumed = run([*command(crashed), "--resume", "auto"], tmp_path / "resumed.log")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert model_checksum(crashed / "final") == model_checksum(straight / "final")
+    return json.loads(done.stdout), json.loads(resumed.stdout)
+
+
+def test_pretrain_killed_then_resumed(tmp_path, recipe, rng):  # noqa: F811
+    straight, resumed = check_training_stage(
+        tmp_path, lambda run_dir: cli("pretrain", recipe, run_dir, "--json", "--set", "training.steps=16",
+                                      "--set", "checkpoint.interval=3", "--set", "checkpoint.keep=2"),
+        max_delay=2.0, rng=rng)
+    assert straight["steps"] == resumed["steps"] == 16
+
+
+def test_sft_killed_then_resumed(tmp_path, tiny_model, rng):  # noqa: F811
+    quick = [*SFT_QUICK, "training.steps=6", "checkpoint.every=2"]
+    straight, resumed = check_training_stage(
+        tmp_path, lambda run_dir: cli("sft", "recipes/sft-tiny.toml", run_dir, "--from", tiny_model, "--json",
+                                      *(f"--set={o}" for o in quick)),
+        max_delay=4.0, rng=rng)
+    assert straight["steps"] == resumed["steps"] == 6
