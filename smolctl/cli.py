@@ -1027,6 +1027,21 @@ def _render_validation(v: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# `smolctl --help` lists the commands in pipeline order, grouped by what they work on.
+
+PIPELINE_ORDER = {
+    "Data": ["train-tokenizer", "dedup", "mix", "pack"],
+    "Training": ["pretrain", "midtrain", "sft", "dpo", "ppo"],
+    "Cluster": ["estimate", "benchmark-nccl", "stress-gpu"],
+    "Any folder": ["inspect"],
+}
+_position = {name: i for i, name in enumerate(n for names in PIPELINE_ORDER.values() for n in names)}
+for _command in app.registered_commands:
+    _command.rich_help_panel = next(panel for panel, names in PIPELINE_ORDER.items() if _command.name in names)
+app.registered_commands.sort(key=lambda command: _position[command.name])
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Entry point
 
 

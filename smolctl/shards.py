@@ -411,10 +411,7 @@ def resolve_parquet_files(spec: str | Path) -> tuple[list[Path], dict | None, Pa
         if manifest["kind"] != KIND_DOCUMENTS:
             raise UserError(path, f"is a {manifest['kind']} folder, not a dataset (documents) folder",
                             "pass a folder of parquet documents" + ("; packed folders feed pretrain" if manifest["kind"] == KIND_PACKED else ""))
-        files = [path / shard["name"] for shard in manifest["shards"]]
-        for file in files:
-            if not file.is_file():
-                raise UserError(file, "is listed in the manifest but missing", "re-run the stage that wrote this folder")
+        files = check_listed_shards(path, manifest)
         if not files:
             raise UserError(path, "holds no shards (its manifest lists none)", "re-run the stage with a non-empty input")
         return files, manifest, path
@@ -424,6 +421,22 @@ def resolve_parquet_files(spec: str | Path) -> tuple[list[Path], dict | None, Pa
         hint = f" (it holds {', '.join(others)})" if others else " (it is empty)"
         raise UserError(path, f"holds no parquet files{hint}", "pass a folder of .parquet shards, a .parquet file or a glob")
     return files, None, path
+
+
+def check_listed_shards(folder: Path, manifest: dict) -> list[Path]:
+    """The manifest's shards, each present and of the recorded size: a cheap check that catches truncated or
+    swapped shards before any work starts (`smolctl inspect --verify` re-hashes them in full)."""
+    files = []
+    for shard in manifest.get("shards", []):
+        file = Path(folder) / shard["name"]
+        if not file.is_file():
+            raise UserError(file, "is listed in the manifest but missing", "re-run the stage that wrote this folder")
+        size = file.stat().st_size
+        if "bytes" in shard and size != shard["bytes"]:
+            raise UserError(file, f"is {size} bytes but the manifest records {shard['bytes']} (changed or truncated)",
+                            "re-run the stage that wrote this folder; `smolctl inspect --verify` checks every shard")
+        files.append(file)
+    return files
 
 
 @dataclass
@@ -546,11 +559,7 @@ def open_packed(spec: str | Path) -> PackedSource:
         raise UserError(path, "has no manifest.json, so it is not a packed folder", "create it with `smolctl pack`")
     if manifest["kind"] != KIND_PACKED:
         raise UserError(path, f"is a {manifest['kind']} folder, not a packed folder", "run `smolctl pack` on it first")
-    files = [path / shard["name"] for shard in manifest["shards"]]
-    for file in files:
-        if not file.is_file():
-            raise UserError(file, "is listed in the manifest but missing", "re-run `smolctl pack`")
-    return PackedSource(path, manifest, files)
+    return PackedSource(path, manifest, check_listed_shards(path, manifest))
 
 
 # ---------------------------------------------------------------------------------------------------------------

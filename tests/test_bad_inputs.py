@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import SAMPLE, run_cli
+from conftest import SAMPLE, run_cli
 
 
 @dataclass
@@ -45,16 +45,59 @@ def parquet_with(tmp: Path, name: str, columns: dict) -> Path:
     return path
 
 
-def _tok(tmp: Path) -> Path:
-    return _SHARED["tokenizer"]
-
-
 _SHARED: dict[str, Path] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def shared_tokenizer(tokenizer_dir):
+def shared_inputs(tokenizer_dir, tmp_path_factory):
+    """A tokenizer, a packed folder and a tiny model checkpoint that the training cases start from."""
+    from smolctl.data.pack import PackConfig, pack
+    from test_pretrain import TEST_RECIPE
+    from tiny_checkpoint import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("bad-inputs")
     _SHARED["tokenizer"] = tokenizer_dir
+    _SHARED["packed"] = root / "packed"
+    pack(str(SAMPLE / "math"), _SHARED["packed"], tokenizer_spec=str(tokenizer_dir), config=PackConfig(seq_len=64))
+    _SHARED["recipe"] = root / "tiny.toml"
+    _SHARED["recipe"].write_text(TEST_RECIPE.replace("{packed}", str(_SHARED["packed"])))
+    _SHARED["model"] = make_tiny_checkpoint(tokenizer_dir, root / "model")
+
+
+def tok() -> Path:
+    return _SHARED["tokenizer"]
+
+
+def packed() -> Path:
+    return _SHARED["packed"]
+
+
+def recipe() -> Path:
+    return _SHARED["recipe"]
+
+
+def model() -> Path:
+    return _SHARED["model"]
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def truncated_packed(tmp: Path) -> Path:
+    copy = tmp / "packed"
+    shutil.copytree(packed(), copy)
+    shard = copy / "part-00000.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    return copy
+
+
+def model_missing_weights(tmp: Path) -> Path:
+    copy = tmp / "model"
+    shutil.copytree(model(), copy)
+    (copy / "model.safetensors").unlink()
+    return copy
 
 
 def _existing_output(tmp: Path) -> Path:
@@ -78,6 +121,53 @@ CASES = [
     Case("train-tokenizer: output exists", lambda t: (["train-tokenizer", SAMPLE / "math", _existing_output(t)], "already exists and is not empty", t / "existing")),
     Case("train-tokenizer: output is a file", lambda t: ((t / "f").write_text("x"), ["train-tokenizer", SAMPLE / "math", t / "f"], "exists and is a file", t / "f")[1:]),
     Case("train-tokenizer: glob matches nothing", lambda t: (["train-tokenizer", str(t / "*.parquet"), t / "out"], "the pattern matches no files", t / "out")),
+    # dedup
+    Case("dedup: threshold outside (0,1)", lambda t: (["dedup", SAMPLE / "math", t / "out", "--minhash", "--threshold", "1.5"], "--threshold", t / "out")),
+    Case("dedup: bands x rows != num-perm", lambda t: (["dedup", SAMPLE / "math", t / "out", "--minhash", "--num-perm", "100", "--bands", "9", "--rows", "12"], "--num-perm", t / "out")),
+    Case("dedup: duplicate ids", lambda t: (["dedup", parquet_with(t, "d.parquet", {"id": ["a", "b", "a"], "text": ["x y z"] * 3}), t / "out"], "'a'", t / "out")),
+    Case("dedup: task id out of range", lambda t: (["dedup", SAMPLE / "math", t / "out", "--minhash", "--stage", "signatures", "--tasks", "2", "--task-id", "5"], "--task-id", t / "out")),
+    Case("dedup: filter stage before its inputs", lambda t: (["dedup", SAMPLE / "math", t / "out", "--minhash", "--stage", "filter", "--tasks", "1", "--task-id", "0"], "has not finished", t / "out")),
+    Case("dedup: missing id column", lambda t: (["dedup", SAMPLE / "math", t / "out", "--id-column", "uuid"], "no column 'uuid'", t / "out")),
+    # mix
+    Case("mix: weight does not parse", lambda t: (["mix", t / "out", "--source", f"web={SAMPLE / 'web'}:lots"], "lots", t / "out")),
+    Case("mix: weights sum to zero", lambda t: (["mix", t / "out", "--source", f"web={SAMPLE / 'web'}:0", "--source", f"code={SAMPLE / 'code'}:0"], "zero", t / "out")),
+    Case("mix: source path missing", lambda t: (["mix", t / "out", "--source", f"web={t / 'nowhere'}:1"], "nowhere", t / "out")),
+    Case("mix: recipe TOML syntax error", lambda t: (["mix", t / "out", "--recipe", write(t / "m.toml", "[[stages]\nname = 1\n")], "m.toml: is not valid TOML", t / "out")),
+    Case("mix: recipe unknown key", lambda t: (["mix", t / "out", "--recipe", write(t / "m.toml", "seeed = 3\n" + Path("recipes/demo-mix.toml").read_text())], "did you mean 'seed'", t / "out")),
+    Case("mix: negative budget", lambda t: (["mix", t / "out", "--source", f"web={SAMPLE / 'web'}:1", "--documents", "-5"], "-5", t / "out")),
+    # pack
+    Case("pack: seq-len below 2", lambda t: (["pack", SAMPLE / "math", t / "out", "--tokenizer", tok(), "--seq-len", "1"], "--seq-len", t / "out")),
+    Case("pack: tokenizer folder missing", lambda t: (["pack", SAMPLE / "math", t / "out", "--tokenizer", t / "no-tok", "--seq-len", "64"], "no-tok", t / "out")),
+    Case("pack: folder that is not a tokenizer", lambda t: (["pack", SAMPLE / "math", t / "out", "--tokenizer", SAMPLE / "math", "--seq-len", "64"], "not a tokenizer folder", t / "out")),
+    Case("pack: packed folder given as documents", lambda t: (["pack", packed(), t / "out", "--tokenizer", tok(), "--seq-len", "64"], "packed folder, not a dataset", t / "out")),
+    Case("pack: input without a text column", lambda t: (["pack", SAMPLE / "prompts", t / "out", "--tokenizer", tok(), "--seq-len", "64"], "no column 'text'", t / "out")),
+    # pretrain / midtrain
+    Case("pretrain: recipe typo", lambda t: (["pretrain", recipe(), t / "run", "--set", "training.micro_bach=2"], "did you mean 'micro_batch'", t / "run")),
+    Case("pretrain: wrong type", lambda t: (["pretrain", recipe(), t / "run", "--set", 'training.micro_batch="3"'], "training.micro_batch: expected int", t / "run")),
+    Case("pretrain: missing packed folder", lambda t: (["pretrain", recipe(), t / "run", "--data", t / "gone"], "gone", t / "run")),
+    Case("pretrain: documents folder where packed is needed", lambda t: (["pretrain", recipe(), t / "run", "--data", SAMPLE / "math"], "not a packed folder", t / "run")),
+    Case("pretrain: truncated packed shard", lambda t: (["pretrain", recipe(), t / "run", "--data", truncated_packed(t)], "part-00000.safetensors: is", t / "run")),
+    Case("pretrain: packed seq_len differs from the recipe", lambda t: (["pretrain", recipe(), t / "run", "--set", "training.seq_len=128"], "seq_len", t / "run")),
+    Case("pretrain: global batch not divisible", lambda t: (["pretrain", recipe(), t / "run", "--set", "training.global_batch=7"], "global_batch", t / "run")),
+    Case("pretrain: zero steps", lambda t: (["pretrain", recipe(), t / "run", "--set", "training.steps=0"], "training.steps", t / "run")),
+    Case("pretrain: negative learning rate", lambda t: (["pretrain", recipe(), t / "run", "--set", "optimizer.lr=-1.0"], "optimizer.lr", t / "run")),
+    Case("midtrain: --from missing", lambda t: (["midtrain", recipe(), t / "run", "--from", t / "nope"], "nope", t / "run")),
+    Case("midtrain: checkpoint with a missing weights file", lambda t: (["midtrain", recipe(), t / "run", "--from", model_missing_weights(t)], "model", t / "run")),
+    # sft / dpo / ppo
+    Case("sft: data without messages", lambda t: (["sft", "recipes/sft-tiny.toml", t / "run", "--from", model(), "--set", f'data.path="{SAMPLE / "math"}"'], "messages", t / "run")),
+    Case("sft: --from is not a model", lambda t: (["sft", "recipes/sft-tiny.toml", t / "run", "--from", SAMPLE / "math"], "math", t / "run")),
+    Case("dpo: data without chosen/rejected", lambda t: (["dpo", "recipes/dpo-tiny.toml", t / "run", "--from", model(), "--set", f'data.path="{SAMPLE / "chat"}"'], "chosen", t / "run")),
+    Case("ppo: reward callable that does not import", lambda t: (["ppo", "recipes/ppo-tiny.toml", t / "run", "--from", model(), "--set", 'rewards.0.match="callable"', "--set", 'rewards.0.function="nowhere_module:score"'], "nowhere_module", t / "run")),
+    Case("ppo: reward key its kind ignores", lambda t: (["ppo", "recipes/ppo-tiny.toml", t / "run", "--from", model(), "--set", 'rewards.1.function="m:f"'], "rewards[1]: function is only used", t / "run")),
+    # estimate / cluster checks
+    Case("estimate: unknown model", lambda t: (["estimate", "--model", "gpt-17"], "smollm3-3b", None)),
+    Case("estimate: unknown gpu", lambda t: (["estimate", "--model", "smollm3-3b", "--gpu", "h900"], "h100", None)),
+    Case("estimate: layout does not match --gpus", lambda t: (["estimate", "--model", "smollm3-3b", "--gpus", "10", "--tp", "4"], "--gpus", None)),
+    Case("estimate: TP does not divide the heads", lambda t: (["estimate", "--model", "smollm3-3b", "--gpus", "12", "--tp", "3"], "heads", None)),
+    Case("estimate: unparsable token count", lambda t: (["estimate", "--model", "smollm3-3b", "--tokens", "eleven"], "eleven", None)),
+    Case("stress-gpu: memory fraction outside (0,1)", lambda t: (["stress-gpu", "--memory-fraction", "1.5"], "--memory-fraction", None)),
+    Case("stress-gpu: unknown dtype", lambda t: (["stress-gpu", "--dtype", "fp12"], "fp12", None)),
+    Case("benchmark-nccl: one process", lambda t: (["benchmark-nccl"], "torchrun", None)),
 ]
 
 

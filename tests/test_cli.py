@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from smolctl.completions import completion_scripts
-from tests.conftest import REPO, run_cli
+from conftest import REPO, run_cli
 
 
 def test_version_and_bare_command_show_the_pipeline():

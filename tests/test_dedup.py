@@ -20,7 +20,7 @@ from smolctl.data import minhash
 from smolctl.data.dedup import DedupConfig, run
 from smolctl.data.minhash import MinHashParams
 from smolctl.errors import UserError
-from tests.conftest import REPO, SAMPLE, run_cli
+from conftest import REPO, SAMPLE, run_cli
 
 PARAMS = MinHashParams.for_threshold(0.8)
 ASCII_PUNCTUATION = "".join(chr(c) for c in range(33, 127) if not (chr(c).isalnum() or chr(c) == "_"))

@@ -29,7 +29,7 @@ from smolctl.shards import (
     schema_to_dict,
     verify_checksums,
 )
-from tests.conftest import REPO
+from conftest import REPO
 
 
 def _table(n: int, start: int = 0) -> pa.Table:
@@ -94,8 +94,8 @@ def test_sigkill_mid_write_never_leaves_a_complete_looking_folder(tmp_path):
     out = tmp_path / "ds"
     script = textwrap.dedent(f"""
         import sys, time
-        sys.path.insert(0, {str(REPO)!r})
-        from tests.test_shards import _table
+        sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
+        from test_shards import _table
         from smolctl.shards import OutputFolder, DatasetWriter, KIND_DOCUMENTS
         folder = OutputFolder({str(out)!r}, kind=KIND_DOCUMENTS)
         writer = DatasetWriter(folder, shard_rows=50)

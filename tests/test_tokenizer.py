@@ -8,7 +8,7 @@ import pytest
 
 from smolctl.data.tokenizer import DOCUMENT_END, IM_END, PAD, load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import UserError
-from tests.conftest import run_cli
+from conftest import run_cli
 
 
 def test_trained_tokenizer_loads_with_transformers_and_round_trips(tokenizer_dir, sample):

@@ -44,6 +44,11 @@ class RewardSection(Section):
     def _complete(self) -> "RewardSection":
         if self.kind == "task" and self.match == "callable" and not self.function:
             raise ValueError('match = "callable" needs function = "module:function"')
+        # A key that the chosen kind/match ignores is a typo waiting to cost a run: say so instead.
+        if self.function and (self.kind, self.match) != ("task", "callable"):
+            raise ValueError('function is only used with kind = "task" and match = "callable"')
+        if self.pattern and (self.kind, self.match) != ("task", "regex"):
+            raise ValueError('pattern is only used with kind = "task" and match = "regex"')
         return self
 
 
