@@ -38,7 +38,7 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
     id_column = plan_.id_column if source is plan_.source else ("id" if "id" in source.columns else None)
     columns = [plan_.config.text_column] + ([id_column] if id_column else [])
     shard_name = source.files[file_index].stem
-    tables, band_keys, row = [], [], 0
+    tables, band_keys, shingle_parts, shingle_counts, row = [], [], [], [], 0
     permutations = params.permutations() if params else None
     for batch in source.iter_file_batches(file_index, columns, BATCH_ROWS):
         texts = batch.column(plan_.config.text_column)
@@ -58,6 +58,9 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
             sigs = minhash.signatures(shingles, offsets, permutations)
             keys = minhash.band_keys(sigs, params.bands, params.rows)
             keys[np.diff(offsets) == 0] = NO_BUCKET  # documents without shingles (empty, null) match nothing
+            if plan_.config.verify:
+                shingle_parts.append(shingles)
+                shingle_counts.append(np.diff(offsets))
             band_keys.append(keys)
             columns_out["signature"] = pa.FixedSizeBinaryArray.from_buffers(
                 pa.binary(sigs.shape[1] * 4), len(sigs), [None, pa.py_buffer(np.ascontiguousarray(sigs).tobytes())])
@@ -69,6 +72,13 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
         # (bands, docs): each bucket task memory-maps its band's row instead of parsing a parquet column.
         _atomic_save(plan_.work / "signatures" / f"{unit:05d}.bands.npy",
                      np.ascontiguousarray(np.concatenate(band_keys).T) if band_keys else np.zeros((params.bands, 0), np.uint64))
+    if params and plan_.config.verify:
+        # Kept for the grey-zone pairs' exact Jaccard: reading them back is far cheaper than re-reading and
+        # re-hashing the texts (about 8 bytes a word on disk; only the pairs' documents are ever loaded).
+        counts = np.concatenate(shingle_counts) if shingle_counts else np.zeros(0, np.int64)
+        _atomic_save(plan_.work / "signatures" / f"{unit:05d}.shingles.npy",
+                     np.concatenate(shingle_parts) if shingle_parts else np.zeros(0, np.uint64))
+        _atomic_save(plan_.work / "signatures" / f"{unit:05d}.shingle_offsets.npy", np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
     _write_table(plan_.work / "signatures" / f"{unit:05d}.parquet", table)
     return {"rows": table.num_rows}
 
@@ -188,31 +198,30 @@ def verify_pairs(plan_: Plan, pairs: np.ndarray, sigs: np.ndarray, report: Repor
     grey = np.flatnonzero((estimate > params.threshold - margin) & ~accept)
     report("verify", len(pairs) - len(grey))
     docs = np.unique(np.concatenate([left[grey], right[grey]]))
-    sets = shingle_sets_of(plan_, docs)
-    values = np.concatenate([sets[d] for d in docs.tolist()]) if len(docs) else np.zeros(0, np.uint64)
-    bounds = np.concatenate([[0], np.cumsum([len(sets[d]) for d in docs.tolist()])]).astype(np.int64)
+    values, bounds = shingle_sets_of(plan_, docs)
     similarity = minhash.jaccard_many(values, bounds, np.searchsorted(docs, left[grey]), np.searchsorted(docs, right[grey]))
     accept[grey] = similarity >= params.threshold
     report("verify", len(grey))
     return np.stack([left[accept], right[accept]], 1), {"candidate_pairs": len(pairs), "verified_pairs": len(grey)}
 
 
-def shingle_sets_of(plan_: Plan, docs: np.ndarray) -> dict[int, np.ndarray]:
-    """Shingle sets of the given global documents, re-read shard by shard (only the text column)."""
-    params, sets, start = plan_.config.minhash, {}, 0
-    for source, file_index in plan_.units:
+def shingle_sets_of(plan_: Plan, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Shingle sets (values, bounds) of the given sorted global documents, in their order, from the shingle
+    hashes the signatures stage kept (memory-mapped: only these documents' hashes are read)."""
+    hashes, offsets, start = [], [np.zeros(1, np.int64)], 0
+    for unit, (source, file_index) in enumerate(plan_.units):
         rows = source.file_rows[file_index]
         wanted = docs[(docs >= start) & (docs < start + rows)] - start
-        offset = 0
-        for batch in (source.iter_file_batches(file_index, [plan_.config.text_column], BATCH_ROWS) if len(wanted) else ()):
-            local = wanted[(wanted >= offset) & (wanted < offset + batch.num_rows)]
-            if len(local):
-                texts = minhash.normalize_array(batch.column(0).take(pa.array(local - offset)))
-                for row, shingles in zip(local, minhash.shingle_sets(texts, params.ngram, params.shingle)):
-                    sets[int(start + row)] = shingles
-            offset += batch.num_rows
         start += rows
-    return sets
+        if not len(wanted):
+            continue
+        unit_hashes = np.load(plan_.work / "signatures" / f"{unit:05d}.shingles.npy", mmap_mode="r")
+        unit_offsets = np.load(plan_.work / "signatures" / f"{unit:05d}.shingle_offsets.npy", mmap_mode="r")
+        begin, counts = unit_offsets[wanted], unit_offsets[wanted + 1] - unit_offsets[wanted]
+        index = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts - begin, counts)
+        hashes.append(np.asarray(unit_hashes[index]))
+        offsets.append(np.cumsum(counts) + offsets[-1][-1])
+    return minhash.sets_from_hashes(np.concatenate(hashes) if hashes else np.zeros(0, np.uint64), np.concatenate(offsets))
 
 
 def choose_kept(edges: np.ndarray, n_input: int, chars: np.ndarray, keep: str) -> np.ndarray:

@@ -34,6 +34,9 @@ SIGNATURE_BLOCK = 16384
 # A band bucket larger than this yields pairs only between near neighbours in document order plus a star from
 # its first member: a bucket of k documents would otherwise cost k²/2 verifications.
 MAX_BUCKET_PAIRS_SPAN = 64
+# Shingle sets are sorted as (document << 52 | top 52 bits of the hash) keys, this many documents at a time.
+SET_DOC_BITS = 12
+SET_SORT_DOCS = 1 << SET_DOC_BITS
 
 
 # Random odd constants drawn once (splitmix64 of the position): fixed forever, so hashes never change across
@@ -376,14 +379,34 @@ def ngrams(tokens: np.ndarray, offsets: np.ndarray, ngram: int) -> tuple[np.ndar
 
 def shingle_sets(normalized: Sequence[str] | pa.Array, ngram: int = 5, shingle: str = "word") -> list[np.ndarray]:
     """Each document's shingle set as sorted unique uint64: what exact Jaccard verification compares."""
-    hashes, offsets = shingle_hashes(normalized, ngram, shingle)
-    docs = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
-    order = np.lexsort((hashes, docs))
-    hashes, docs = hashes[order], docs[order]
-    first = np.concatenate([[True], (hashes[1:] != hashes[:-1]) | (docs[1:] != docs[:-1])])
-    hashes, docs = hashes[first], docs[first]
-    bounds = np.searchsorted(docs, np.arange(len(offsets)))
-    return [hashes[bounds[i]:bounds[i + 1]] for i in range(len(offsets) - 1)]
+    values, bounds = shingle_set_arrays(normalized, ngram, shingle)
+    return [values[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
+
+
+def shingle_set_arrays(normalized: Sequence[str] | pa.Array, ngram: int = 5, shingle: str = "word") -> tuple[np.ndarray, np.ndarray]:
+    """The shingle sets of all documents end to end: set i = values[bounds[i]:bounds[i+1]], sorted unique."""
+    return sets_from_hashes(*shingle_hashes(normalized, ngram, shingle))
+
+
+def sets_from_hashes(hashes: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(values, bounds) of each document's sorted unique shingle hashes, from shingle_hashes' (hashes, offsets).
+
+    Hashes keep their top 52 bits (the low 12 are cleared) so that a key of the document number (top 12 bits)
+    and the hash fits in 64: one plain sort per SET_SORT_DOCS documents instead of a lexsort.
+    """
+    counts = np.diff(offsets)
+    values, bounds, total = [], [np.zeros(1, np.int64)], 0
+    for first in range(0, len(counts), SET_SORT_DOCS):
+        last = min(first + SET_SORT_DOCS, len(counts))
+        local = np.repeat(np.arange(last - first, dtype=np.uint64), counts[first:last])
+        keys = (local << np.uint64(64 - SET_DOC_BITS)) | (hashes[offsets[first]:offsets[last]] >> np.uint64(SET_DOC_BITS))
+        keys.sort()
+        keys = keys[np.concatenate([[True], keys[1:] != keys[:-1]])] if len(keys) else keys
+        values.append(keys << np.uint64(SET_DOC_BITS))
+        starts = np.searchsorted(keys >> np.uint64(64 - SET_DOC_BITS), np.arange(1, last - first + 1, dtype=np.uint64))
+        bounds.append(starts.astype(np.int64) + total)
+        total += len(keys)
+    return (np.concatenate(values) if values else np.zeros(0, np.uint64)), np.concatenate(bounds)
 
 
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:
