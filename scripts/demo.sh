@@ -35,11 +35,12 @@ stage estimate - smolctl estimate recipes/smollm3-tiny.toml --validate --set "da
 stage pretrain "$OUT/pretrain/final" smolctl pretrain recipes/smollm3-tiny.toml "$OUT/pretrain" --data "$OUT/packed"
 stage midtrain "$OUT/midtrain/final" smolctl midtrain recipes/smollm3-tiny-midtrain.toml "$OUT/midtrain" \
   --from "$OUT/pretrain/final" --data "$OUT/packed-long"
-stage sft "$OUT/sft" smolctl sft recipes/sft-tiny.toml "$OUT/sft" --from "$OUT/midtrain/final"
-stage dpo "$OUT/dpo" smolctl dpo recipes/dpo-tiny.toml "$OUT/dpo" --from "$OUT/sft"
-stage ppo "$OUT/ppo" smolctl ppo recipes/ppo-tiny.toml "$OUT/ppo" --from "$OUT/dpo"
+stage sft "$OUT/sft/final" smolctl sft recipes/sft-tiny.toml "$OUT/sft" --from "$OUT/midtrain/final"
+stage dpo "$OUT/dpo/final" smolctl dpo recipes/dpo-tiny.toml "$OUT/dpo" --from "$OUT/sft"
+stage ppo "$OUT/ppo/final" smolctl ppo recipes/ppo-tiny.toml "$OUT/ppo" --from "$OUT/dpo"
 stage stress-gpu - smolctl stress-gpu --duration 3s
-stage benchmark-nccl - torchrun --nproc_per_node 2 -m smolctl benchmark-nccl --max-bytes 1M --iters 5 --warmup 1
+stage benchmark-nccl - torchrun --nproc_per_node 2 -m smolctl benchmark-nccl --ops all_reduce,all_gather,all_to_all \
+  --min-bytes 64K --max-bytes 1M --iters 5 --warmup 1
 
-smolctl inspect "$OUT/ppo" --samples 0 --lineage
-python scripts/demo_summary.py "$OUT" "$OUT/ppo"
+smolctl inspect "$OUT/ppo/final" --samples 0 --lineage
+python scripts/demo_summary.py "$OUT" "$OUT/ppo/final"

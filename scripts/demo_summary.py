@@ -5,33 +5,51 @@ Reads OUT/stages.tsv (stage, output folder, seconds) written by scripts/demo.sh 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 from smolctl.console import console, human_count, show, table
 from smolctl.shards import read_manifest
 
+# What is worth a glance for each kind of folder, from its manifest's stats.
+HIGHLIGHTS = {
+    "documents": ("exact_removed", "near_removed"),
+    "model": ("steps", "loss", "rewards_accuracies", "rewards_margins", "reward_last"),
+    "tokenizer": ("vocab_size", "chars_per_token"),
+}
 
-def describe(output: Path) -> tuple[str, str, str]:
+
+def short(path: str, out: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(out.resolve().parent))
+    except ValueError:
+        return Path(path).name
+
+
+def describe(output: Path, out: Path) -> tuple[str, str, str]:
     manifest = read_manifest(output) if output.is_dir() else None
     if manifest is None:
         return "-", "-", "-"
-    inputs = ", ".join(Path(ref["path"]).name for ref in manifest.get("inputs", [])) or "-"
+    inputs = ", ".join(short(ref["path"], out) for ref in manifest.get("inputs", [])) or "-"
     counts = []
     if manifest.get("rows"):
         counts.append(f"{human_count(manifest['rows'])} rows")
     if manifest.get("tokens"):
         counts.append(f"{human_count(manifest['tokens'])} tokens")
-    for key in ("kept", "documents", "steps", "final_loss", "vocab_size", "mean_reward"):
-        value = (manifest.get("stats") or {}).get(key)
-        if value is not None:
-            counts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
-    return manifest["kind"], inputs, "; ".join(counts) or "-"
+    stats = manifest.get("stats") or {}
+    for key in HIGHLIGHTS.get(manifest["kind"], ()):
+        if stats.get(key) is not None:
+            value = stats[key]
+            counts.append(f"{key.replace('_', ' ')} {value:.3g}" if isinstance(value, float) else f"{key.replace('_', ' ')} {value}")
+    return manifest["kind"], inputs, ", ".join(counts) or "-"
 
 
 def sample_generation(model_dir: Path, prompt: str) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir))
     messages = [{"role": "user", "content": prompt}]
@@ -41,18 +59,20 @@ def sample_generation(model_dir: Path, prompt: str) -> str:
 
 
 def main(out: Path, final_model: str | None) -> None:
+    console.width = max(console.width, int(os.environ.get("COLUMNS", 0)) or 132)
     rows = []
     total = 0.0
     for line in (out / "stages.tsv").read_text().splitlines():
         stage, output, seconds = line.split("\t")
         total += float(seconds)
-        kind, inputs, counts = describe(Path(output))
-        rows.append((stage, inputs, output, kind, counts, f"{float(seconds):.1f}s"))
+        kind, inputs, counts = describe(Path(output), out)
+        rows.append((stage, inputs, short(output, out) if output != "-" else "-", kind, counts, f"{float(seconds):.1f}s"))
     rows.append(("total", "", "", "", "", f"{total:.1f}s"))
     show(table("smolctl demo: every stage", ["stage", "inputs", "output", "kind", "counts", "time"], rows, justify="left"))
     if final_model:
         prompt = "What does `json.dumps` do?"
-        console.print(f"[bold]sample from {final_model}[/]\n  user: {prompt}\n  assistant: {sample_generation(Path(final_model), prompt)}")
+        console.print(f"[bold]sample from {short(final_model, out)}[/] (a 1.5M-parameter model trained for minutes: "
+                      f"expect babble)\n  user: {prompt}\n  assistant: {sample_generation(Path(final_model), prompt)}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from smolctl.errors import UserError
 from smolctl.shards import (
     KIND_DOCUMENTS,
     KIND_PACKED,
+    MANIFEST_NAME,
     lineage_chain,
     open_documents,
     open_packed,
@@ -66,6 +67,9 @@ def inspect_path(path: str, *, samples: int = 3, verify: bool = False, lineage: 
                  tokenizer: str | None = None) -> dict:
     """Describe a dataset, packed, model or tokenizer folder, or a foreign parquet file/folder/glob."""
     target = Path(path)
+    if target.is_dir() and not (target / MANIFEST_NAME).exists() and (target / "final" / MANIFEST_NAME).is_file():
+        target = target / "final"  # a training run folder: what it produced is its final model
+        path = str(target)
     manifest = read_manifest(target) if target.is_dir() else None
     result: dict = {"path": str(path), "kind": manifest["kind"] if manifest else None}
     if manifest is None:

@@ -199,7 +199,8 @@ class Trainer:
         from smolctl.train.checkpoint import prune_checkpoints, save_model_folder
 
         fields = {"stage": self.stage, "step": self.step, "tokens_seen": self.tokens_seen, "parameters": self.parameters,
-                  "tokenizer": self.stream.tokenizer_info(), "recipe": json.loads(self.recipe.model_dump_json())}
+                  "tokenizer": self.stream.tokenizer_info(), "recipe": json.loads(self.recipe.model_dump_json()),
+                  "stats": {"steps": self.step, "loss": self.last_loss}}
         save_model_folder(path, model=self.model, tokenizer=self.tokenizer, dist=self.dist, inputs=self._inputs(),
                           parent=self.parent, fields=fields, optimizer=self.optimizer, wrapped=self.wrapped,
                           trainer_state=self._trainer_state() if with_state else None)
@@ -215,6 +216,7 @@ class Trainer:
 
         self.guards = Guards(self.recipe.guards)
         self.step, self.tokens_seen, self.parent = 0, 0, self.init_from
+        self.last_loss: float | None = None
         if self.resume_from is not None:
             self._restore(self.resume_from, with_weights=False)
         elif self.init_from and self.keep_optimizer:
@@ -346,6 +348,7 @@ class Trainer:
                 self.tokens_seen += plan.tokens_per_step
                 if math.isfinite(loss):
                     losses.append(loss)
+                    self.last_loss = loss
                 self.monitor.step(self.step, loss=loss, lr=self._last_lr, grad_norm=norm, tokens=plan.tokens_per_step,
                                   data_s=data_s, compute_s=compute_s)
                 if recipe.checkpoint.interval and self.step % recipe.checkpoint.interval == 0:
