@@ -19,10 +19,18 @@ def test_version_and_bare_command_show_the_pipeline():
     assert "train-tokenizer → dedup → mix → pack" in bare.stderr and "inspect" in bare.stderr
 
 
-@pytest.mark.parametrize("command", ["train-tokenizer", "inspect"])
-def test_every_help_has_examples(command):
-    result = run_cli(command, "--help")
-    assert result.returncode == 0 and "Examples" in result.stdout
+def test_every_command_is_listed_and_its_help_has_examples():
+    from typer.testing import CliRunner
+
+    from smolctl.cli import PIPELINE_ORDER, app
+
+    names = [command.name for command in app.registered_commands]
+    assert sorted(names) == sorted(n for group in PIPELINE_ORDER.values() for n in group)
+    runner = CliRunner()
+    for name in names:
+        result = runner.invoke(app, [name, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0 and "Examples" in result.output, name
+        assert "smolctl " + name in result.output, f"{name}: an example runs the command"
 
 
 def test_inspect_json_describes_a_dataset_folder(sample):
