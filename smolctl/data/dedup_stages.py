@@ -117,13 +117,15 @@ def components_unit(plan_: Plan, unit: int, report: Report) -> dict:
     null = np.asarray(table.column("null"))
     edges = [np.zeros((0, 2), np.int64)]
     exact = np.stack([np.asarray(table.column("exact_hi")), np.asarray(table.column("exact_lo"))], 1) if config.exact else None
+    representative = np.arange(len(null))
     if exact is not None:
         edges.append(exact_edges(exact, null, n_input))
+        representative[edges[-1][:, 1]] = edges[-1][:, 0]
     sigs, stats = None, {"candidate_pairs": 0, "verified_pairs": 0}
     if config.minhash:
         sigs = _signature_matrix(table.column("signature"), config.minhash.num_perm)
         pairs = np.unique(np.concatenate([np.load(plan_.work / "buckets" / f"{b:05d}.npy") for b in range(config.minhash.bands)]))
-        accepted, stats = verify_pairs(plan_, pairs, sigs, report)
+        accepted, stats = verify_pairs(plan_, pairs, sigs, report, representative)
         edges.append(accepted)
     edges = np.concatenate(edges)
     removed = choose_kept(edges, n_input, np.asarray(table.column("chars")), config.keep)
@@ -180,19 +182,31 @@ def exact_edges(exact: np.ndarray, null: np.ndarray, n_input: int) -> np.ndarray
     return edges[(edges < n_input).any(axis=1)]
 
 
-def verify_pairs(plan_: Plan, pairs: np.ndarray, sigs: np.ndarray, report: Report) -> tuple[np.ndarray, dict]:
+def verify_pairs(plan_: Plan, pairs: np.ndarray, sigs: np.ndarray, report: Report,
+                 representative: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
     """Accepted candidate pairs as (k, 2) edges: settled by the signature estimate far from the threshold,
-    by the exact Jaccard of the shingle sets in between (or by the estimate alone without verification)."""
-    params = plan_.config.minhash
+    by the exact Jaccard of the shingle sets in between (or by the estimate alone without verification).
+
+    `representative` maps each document to the first of its exact-duplicate group (already joined by exact
+    edges): exact duplicates have the same shingle set, so a pair is decided once per pair of groups, and pairs
+    inside one group not at all; the components are the same.
+    """
+    params, candidates = plan_.config.minhash, len(pairs)
+    report("verify", 0, total=candidates)
+    if representative is not None and len(pairs):
+        low = representative[(pairs >> np.uint64(32)).astype(np.int64)].astype(np.uint64)
+        high = representative[(pairs & np.uint64(0xFFFFFFFF)).astype(np.int64)].astype(np.uint64)
+        pairs = np.unique((np.minimum(low, high) << np.uint64(32)) | np.maximum(low, high))
+        pairs = pairs[(pairs >> np.uint64(32)) != (pairs & np.uint64(0xFFFFFFFF))]
+        report("verify", candidates - len(pairs))
     left = (pairs >> np.uint64(32)).astype(np.int64)
     right = (pairs & np.uint64(0xFFFFFFFF)).astype(np.int64)
-    report("verify", 0, total=len(pairs))
     estimate = np.concatenate([minhash.estimate_jaccard(sigs[left[s:s + 65536]], sigs[right[s:s + 65536]])
                                for s in range(0, len(pairs), 65536)]) if len(pairs) else np.zeros(0)
     if not plan_.config.verify:
         accept = estimate >= params.threshold
         report("verify", len(pairs))
-        return np.stack([left[accept], right[accept]], 1), {"candidate_pairs": len(pairs), "verified_pairs": 0}
+        return np.stack([left[accept], right[accept]], 1), {"candidate_pairs": candidates, "verified_pairs": 0}
     margin = minhash.settle_margin(params.threshold, params.num_perm)
     accept = estimate >= params.threshold + margin
     grey = np.flatnonzero((estimate > params.threshold - margin) & ~accept)
@@ -202,7 +216,7 @@ def verify_pairs(plan_: Plan, pairs: np.ndarray, sigs: np.ndarray, report: Repor
     similarity = minhash.jaccard_many(values, bounds, np.searchsorted(docs, left[grey]), np.searchsorted(docs, right[grey]))
     accept[grey] = similarity >= params.threshold
     report("verify", len(grey))
-    return np.stack([left[accept], right[accept]], 1), {"candidate_pairs": len(pairs), "verified_pairs": len(grey)}
+    return np.stack([left[accept], right[accept]], 1), {"candidate_pairs": candidates, "verified_pairs": len(grey)}
 
 
 def shingle_sets_of(plan_: Plan, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -215,7 +215,9 @@ def _tokenize_group(texts: pa.LargeStringArray) -> tuple[np.ndarray, np.ndarray,
 
     Classify every byte (whitespace, word character or any non-ASCII byte, ASCII punctuation), find the token
     spans as runs of non-whitespace that do not cross a document boundary, and hash each span in O(1) from a
-    prefix sum: one pass of uint64 work over the bytes serves tokens and words alike.
+    prefix sum: one pass of uint64 work over the bytes serves tokens and words alike. Every step is a fixed
+    number of whole-array passes (no per-token rounds), and positions are found from boolean masks, whose
+    nonzero() is several times faster than an integer array's.
     """
     offsets = _byte_offsets(texts)
     data = np.frombuffer(texts.buffers()[2], dtype=np.uint8)[offsets[0]:offsets[-1]] if offsets[-1] > offsets[0] else np.zeros(0, np.uint8)
@@ -224,7 +226,7 @@ def _tokenize_group(texts: pa.LargeStringArray) -> tuple[np.ndarray, np.ndarray,
     inside = kind != SPACE
     # Token edges: where a non-whitespace run starts or ends, plus document boundaries that fall inside a run.
     step = np.diff(inside.view(np.int8), prepend=np.int8(0), append=np.int8(0))
-    changes = np.flatnonzero(step)  # runs alternate: a start (+1), then its end (-1)
+    changes = np.flatnonzero(step != 0)  # runs alternate: a start (+1), then its end (-1); bool: 7x faster nonzero
     starts, ends = changes[0::2], changes[1::2]
     inner = offsets[1:-1][(offsets[1:-1] > 0) & (offsets[1:-1] < len(data))]
     split = inner[inside[inner] & inside[inner - 1]]
@@ -233,43 +235,26 @@ def _tokenize_group(texts: pa.LargeStringArray) -> tuple[np.ndarray, np.ndarray,
     per_doc = np.diff(np.searchsorted(starts, offsets))
     prefix = _prefix_sums(data)
     token_hashes = _span_hashes(prefix, starts, ends)
-    # A word is its token from the first to the last word byte, hashed from the same prefix sums. Only tokens
-    # that start or end with punctuation move their edges, one byte per round (tokens of punctuation only have
-    # no word).
-    first, last = _trim(kind, starts, ends, starts, 1), _trim(kind, starts, ends, ends - 1, -1) + 1
-    present = first < last
+    # A word is its token from the first to the last word byte (tokens of punctuation only have none): with
+    # word_count[k] = word bytes before byte k and word_at = the word bytes' positions, a token [s, e) holds
+    # word_count[e] - word_count[s] of them, the first at word_at[word_count[s]], the last at
+    # word_at[word_count[e] - 1]. Words are hashed from the same prefix sums.
+    is_word = kind == WORD
+    word_at = np.flatnonzero(is_word)
+    word_count = np.zeros(len(data) + 1, np.int32 if len(data) < 2**31 else np.int64)
+    np.cumsum(is_word, out=word_count[1:])
+    before, through = word_count[starts], word_count[ends]
+    present = through > before
+    first = word_at[np.minimum(before, len(word_at) - 1)] if len(word_at) else starts
+    last = word_at[np.maximum(through - 1, 0)] + 1 if len(word_at) else ends
     trimmed = np.flatnonzero(present & ((first != starts) | (last != ends)))
     word_hashes = token_hashes.copy()  # most words are their whole token: only trimmed ones are re-hashed
     word_hashes[trimmed] = _span_hashes(prefix, first[trimmed], last[trimmed])
     word_hashes = word_hashes[present]
-    words_per_doc = np.bincount(np.repeat(np.arange(len(texts)), per_doc)[present], minlength=len(texts))
+    tokens_before = np.concatenate([[0], np.cumsum(per_doc)])
+    present_before = np.concatenate([[0], np.cumsum(present)])
+    words_per_doc = np.diff(present_before[tokens_before])
     return token_hashes, per_doc, word_hashes, words_per_doc
-
-
-def _trim(kind: np.ndarray, starts: np.ndarray, ends: np.ndarray, edge: np.ndarray, step: int) -> np.ndarray:
-    """Move each token's edge inwards (step +1 from the start, -1 from the end) past ASCII punctuation."""
-    edge = edge.copy()
-    moving = np.flatnonzero(kind[edge] == PUNCT)
-    for _ in range(3):  # most edges hold one or two punctuation marks: move them all a byte per round
-        if not len(moving):
-            return edge
-        edge[moving] += step
-        moving = moving[(edge[moving] >= starts[moving]) & (edge[moving] < ends[moving])]
-        moving = moving[kind[edge[moving]] == PUNCT]
-    if len(moving):  # the rare long runs ("-----", "===="): search the rest of those tokens in one go
-        low = edge[moving] if step > 0 else starts[moving]
-        high = ends[moving] if step > 0 else edge[moving] + 1
-        lengths = high - low
-        segments = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        index = np.arange(lengths.sum()) - np.repeat(segments - low, lengths)
-        is_word = kind[index] != PUNCT
-        if step > 0:
-            found = np.minimum.reduceat(np.where(is_word, index, np.iinfo(np.int64).max), segments)
-            edge[moving] = np.where(found == np.iinfo(np.int64).max, ends[moving], found)
-        else:
-            found = np.maximum.reduceat(np.where(is_word, index, -1), segments)
-            edge[moving] = np.where(found < 0, starts[moving] - 1, found)
-    return edge
 
 
 def _prefix_sums(data: np.ndarray) -> np.ndarray:
