@@ -473,26 +473,27 @@ def bucket_pairs(keys: np.ndarray, docs: np.ndarray) -> np.ndarray:
     each member's pairs with its next MAX_BUCKET_PAIRS_SPAN neighbours in document order plus a pair with the
     bucket's first document, enough to connect a true cluster while staying linear in its size.
     """
-    order = np.lexsort((docs, keys))
+    ascending = len(docs) < 2 or bool(np.all(docs[1:] > docs[:-1]))
+    order = np.argsort(keys, kind="stable") if ascending else np.lexsort((docs, keys))
     keys, docs = keys[order], docs[order].astype(np.uint64)
-    same = keys[1:] == keys[:-1]
-    group = np.concatenate([[0], np.cumsum(~same)])
-    pieces = []
-    for span in range(1, MAX_BUCKET_PAIRS_SPAN + 1):
-        if span >= len(docs):
-            break
-        hit = group[span:] == group[:-span]
-        if not hit.any():
-            break
-        pieces.append((docs[:-span][hit] << np.uint64(32)) | docs[span:][hit])
-    first_of_group = np.flatnonzero(np.concatenate([[True], ~same]))
+    if len(docs) < 2:
+        return np.zeros(0, np.uint64)
+    first_of_group = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
     sizes = np.diff(np.concatenate([first_of_group, [len(docs)]]))
+    # Member at position p of a bucket of n pairs with the next min(n - 1 - p, span) members, all in one go.
+    position = np.arange(len(docs)) - np.repeat(first_of_group, sizes)
+    ahead = np.minimum(np.repeat(sizes, sizes) - 1 - position, MAX_BUCKET_PAIRS_SPAN)
+    member = np.flatnonzero(ahead > 0)
+    counts = ahead[member]
+    near = np.repeat(member, counts)
+    step = np.arange(len(near)) - np.repeat(np.cumsum(counts) - counts, counts) + 1
+    pieces = [(docs[near] << np.uint64(32)) | docs[near + step]]
     large = sizes > MAX_BUCKET_PAIRS_SPAN + 1
     if large.any():
         heads = np.repeat(docs[first_of_group[large]], sizes[large] - 1)
         members = np.concatenate([docs[s + 1:s + n] for s, n in zip(first_of_group[large], sizes[large])])
         pieces.append((heads << np.uint64(32)) | members)
-    return np.unique(np.concatenate(pieces)) if pieces else np.zeros(0, np.uint64)
+    return np.unique(np.concatenate(pieces))
 
 
 def estimate_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> np.ndarray:
