@@ -10,7 +10,7 @@
    document x shingle matrix), pairs at or above the threshold joined into clusters; all but the first document
    of each cluster should go.
 3. Each method runs in its own process pinned to one CPU, end to end from the parquet shards (reading, hashing,
-   indexing, deciding, and for smolctl and datatrove writing the kept documents): docs/s, MB/s, peak RSS,
+   indexing, deciding, writing the kept documents): docs/s, MB/s, peak RSS,
    precision / recall / F1 of the removed set, documents removed without any true duplicate, and clusters of
    distinct documents emptied entirely.
 
@@ -183,8 +183,10 @@ def run_datasketch(corpus: Path, work: Path, threshold: float) -> list[int]:
     from datasketch import MinHash, MinHashLSH
 
     lsh, removed, doc = MinHashLSH(threshold=threshold, num_perm=128), [], 0
+    (work / "kept").mkdir()
     for path in sorted(corpus.glob("part-*.parquet")):
-        texts = pq.read_table(path, columns=["text"]).column(0).to_pylist()
+        table = pq.read_table(path)
+        texts, first = table.column("text").to_pylist(), doc
         for start in range(0, len(texts), 1000):
             batch = [[" ".join(s).encode() for s in shingles(t)] for t in texts[start:start + 1000]]
             for signature in MinHash.bulk(batch, num_perm=128):
@@ -193,6 +195,10 @@ def run_datasketch(corpus: Path, work: Path, threshold: float) -> list[int]:
                 else:
                     lsh.insert(doc, signature)
                 doc += 1
+        # End to end like the others: the kept documents are written out (zstd, as smolctl writes them).
+        keep = np.ones(len(texts), bool)
+        keep[[d - first for d in removed if d >= first]] = False
+        pq.write_table(table.filter(pa.array(keep)), work / "kept" / path.name, compression="zstd")
     return removed
 
 

@@ -291,7 +291,9 @@ def filter_unit(plan_: Plan, unit: int, report: Report) -> dict:
         mask[local[(local >= offset) & (local < offset + batch.num_rows)] - offset] = False
         offset += batch.num_rows
         if mask.any():
-            writer = writer or pq.ParquetWriter(tmp, batch.schema, compression="zstd")
+            # Dictionary encoding is only ever a wasted attempt on a column of documents.
+            writer = writer or pq.ParquetWriter(tmp, batch.schema, compression="zstd",
+                                                use_dictionary=[n for n in batch.schema.names if n != plan_.config.text_column])
             writer.write_batch(batch.filter(pa.array(mask)))
             kept += int(mask.sum())
         report("filter", batch.num_rows)

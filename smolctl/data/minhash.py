@@ -170,8 +170,9 @@ _BYTE_CLASS = np.full(256, WORD, np.uint8)
 _BYTE_CLASS[[c for c in range(128) if not (chr(c).isalnum() or chr(c) == "_")]] = PUNCT
 _BYTE_CLASS[list(b"\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f ")] = SPACE
 # Tokenise about this many bytes at once: the temporaries are about 40 bytes per byte of text, and two
-# cached tables of powers take 8 bytes per byte each.
-TOKENIZE_BYTES = 1024**2
+# cached tables of powers take 8 bytes per byte each. 256 KiB keeps them near the caches (20% faster than
+# 1 MiB groups on the benchmark corpus, which touch five times the fresh memory).
+TOKENIZE_BYTES = 256 * 1024
 _BYTE_RADIX = np.uint64(0x100000001B3)
 _BYTE_RADIX_INVERSE = np.uint64(pow(0x100000001B3, -1, 2**64))
 
