@@ -54,7 +54,7 @@ def sample_generation(model_dir: Path, prompt: str) -> str:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir))
     messages = [{"role": "user", "content": prompt}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    out = model.generate(**ids, max_new_tokens=40, do_sample=False)
+    out = model.generate(**ids, max_new_tokens=40, do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=3)
     return tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
