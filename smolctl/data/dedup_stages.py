@@ -38,7 +38,7 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
     id_column = plan_.id_column if source is plan_.source else ("id" if "id" in source.columns else None)
     columns = [plan_.config.text_column] + ([id_column] if id_column else [])
     shard_name = source.files[file_index].stem
-    tables, band_keys, shingle_parts, shingle_counts, row = [], [], [], [], 0
+    tables, band_keys, shingle_parts, shingle_counts, exact_parts, row = [], [], [], [], [], 0
     permutations = params.permutations() if params else None
     for batch in source.iter_file_batches(file_index, columns, BATCH_ROWS):
         texts = batch.column(plan_.config.text_column)
@@ -53,6 +53,7 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
         if plan_.config.exact:
             exact = minhash.exact_hashes(tokens)
             columns_out["exact_hi"], columns_out["exact_lo"] = exact[:, 0], exact[:, 1]
+            exact_parts.append(exact)
         if params:
             shingles, offsets = minhash.shingle_hashes(normalized, params.ngram, params.shingle, tokens)
             sigs = minhash.signatures(shingles, offsets, permutations)
@@ -68,16 +69,27 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
         row += len(texts)
         report("signatures", len(texts))
     table = pa.concat_tables(tables)
+    repeats = np.zeros(table.num_rows, bool)
+    if params and exact_parts:
+        # A later exact copy of a document of this shard joins it through its exact edge and has its shingles:
+        # it stays out of the buckets (no pairs, no verification) and its shingles are not kept.
+        _, first = np.unique(np.concatenate(exact_parts), axis=0, return_index=True)
+        repeats[:] = True
+        repeats[first] = False
     if params:
+        keys = np.concatenate(band_keys) if band_keys else np.zeros((0, params.bands), np.uint64)
+        keys[repeats] = NO_BUCKET
         # (bands, docs): each bucket task memory-maps its band's row instead of parsing a parquet column.
-        _atomic_save(plan_.work / "signatures" / f"{unit:05d}.bands.npy",
-                     np.ascontiguousarray(np.concatenate(band_keys).T) if band_keys else np.zeros((params.bands, 0), np.uint64))
+        _atomic_save(plan_.work / "signatures" / f"{unit:05d}.bands.npy", np.ascontiguousarray(keys.T))
     if params and plan_.config.verify:
         # Kept for the grey-zone pairs' exact Jaccard: reading them back is far cheaper than re-reading and
         # re-hashing the texts (about 8 bytes a word on disk; only the pairs' documents are ever loaded).
         counts = np.concatenate(shingle_counts) if shingle_counts else np.zeros(0, np.int64)
-        _atomic_save(plan_.work / "signatures" / f"{unit:05d}.shingles.npy",
-                     np.concatenate(shingle_parts) if shingle_parts else np.zeros(0, np.uint64))
+        shingles = np.concatenate(shingle_parts) if shingle_parts else np.zeros(0, np.uint64)
+        if repeats.any():
+            shingles = shingles[~np.repeat(repeats, counts)]
+            counts = np.where(repeats, 0, counts)
+        _atomic_save(plan_.work / "signatures" / f"{unit:05d}.shingles.npy", shingles)
         _atomic_save(plan_.work / "signatures" / f"{unit:05d}.shingle_offsets.npy", np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
     _write_table(plan_.work / "signatures" / f"{unit:05d}.parquet", table)
     return {"rows": table.num_rows}
