@@ -42,31 +42,48 @@ def run(command: list[str], log: Path) -> subprocess.CompletedProcess:
     return done
 
 
+def run_watching(command: list[str], progressed: Callable[[], bool], finished: Callable[[], bool],
+                 log: Path) -> tuple[dict | None, float]:
+    """The uninterrupted run: its JSON result (if any) and the time from its first visible progress to its
+    committed output, which is the window the kill must land in."""
+    with log.open("w") as stderr, (log.parent / f"{log.stem}.out").open("w+") as stdout:
+        process = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=stdout, stderr=stderr)
+        while process.poll() is None and not progressed():
+            time.sleep(0.002)
+        start = time.monotonic()
+        while process.poll() is None and not finished():
+            time.sleep(0.002)
+        window = time.monotonic() - start
+        assert process.wait(timeout=300) == 0, log.read_text()[-2000:]
+        stdout.seek(0)
+        lines = stdout.read().strip().splitlines()
+    return (json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None), window
+
+
 def kill_mid_run(command: list[str], progressed: Callable[[], bool], finished: Callable[[], bool],
-                 clean: Callable[[], None], rng: random.Random, max_delay: float, log: Path) -> float:
+                 clean: Callable[[], None], rng: random.Random, window: float, log: Path) -> float:
     """SIGKILL the command's process group (workers included, as a node failure would) once `progressed()` holds
-    plus a random delay. A run that got to `finished()` (its output committed) first is cleaned away and retried with
-    half the delay. Returns the delay that landed."""
-    for attempt in range(8):
+    plus a random delay within the measured working window. A run that got to `finished()` (its output
+    committed) first is cleaned away and retried with half the window. Returns the delay that landed."""
+    for _ in range(8):
         clean()
         with log.open("w") as stderr:
             victim = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=stderr,
                                       start_new_session=True)
         while victim.poll() is None and not progressed():
             time.sleep(0.002)
-        delay = rng.uniform(0, max_delay)
+        delay = rng.uniform(0, window)
         deadline = time.monotonic() + delay
         while victim.poll() is None and time.monotonic() < deadline:
             time.sleep(0.002)
         if victim.poll() is None:
             os.killpg(victim.pid, signal.SIGKILL)
             assert victim.wait() == -signal.SIGKILL
-            print(f"attempt {attempt}: killed after {delay:.3f}s (max {max_delay:.3f}), finished={finished()}", file=sys.stderr)
             if not finished():
                 return delay
         else:
             assert victim.returncode == 0, log.read_text()[-2000:]
-        max_delay /= 2
+        window /= 2
     pytest.fail(f"{command[3]} always finished before the kill")
 
 
@@ -97,16 +114,16 @@ def remover(*paths: Path) -> Callable[[], None]:
 
 
 def check_data_stage(tmp_path: Path, command: Callable[[Path], list[str]], progressed: Callable[[Path], bool],
-                     max_delay: float, rng: random.Random) -> dict:
+                     rng: random.Random) -> dict:
     """Straight run, killed run, same command again; returns the killed-then-rerun output's checksums."""
     straight, crashed = tmp_path / "straight" / "out", tmp_path / "crashed" / "out"
-    done = run(command(straight), tmp_path / "straight.log")
-    assert done.returncode == 0, done.stderr[-2000:]
+    _, window = run_watching(command(straight), lambda: progressed(straight),
+                             lambda: (straight / "manifest.json").is_file(), tmp_path / "straight.log")
     expected = shard_checksums(straight)
     assert expected and all(expected.values())
 
     kill_mid_run(command(crashed), lambda: progressed(crashed), lambda: (crashed / "manifest.json").is_file(),
-                 remover(crashed), rng, max_delay, tmp_path / "killed.log")
+                 remover(crashed), rng, window, tmp_path / "killed.log")
     assert_nothing_half_done(crashed.parent)
     again = run(command(crashed), tmp_path / "rerun.log")
     assert again.returncode == 0, again.stderr[-2000:]
@@ -129,7 +146,7 @@ def test_dedup_killed_then_rerun(tmp_path, rng):
     source = write_shards(tmp_path / "input", sample_table("web").slice(0, 900), 6)
     expected = check_data_stage(
         tmp_path, lambda out: cli("dedup", source, out, "--minhash", "--workers", "2"),
-        lambda out: (out / "_work").is_dir(), max_delay=0.6, rng=rng)
+        lambda out: (out / "_work").is_dir(), rng=rng)
     assert set(expected) == {".", "duplicates"} and len(expected["."]) == 6
 
 
@@ -137,7 +154,7 @@ def test_mix_killed_then_rerun(tmp_path, rng):
     sources = [f"--source={name}={SAMPLE / name}:{weight}" for name, weight in (("web", 6), ("code", 3), ("math", 1))]
     expected = check_data_stage(
         tmp_path, lambda out: cli("mix", out, *sources, "--documents", "900", "--shuffle-buffer", "100", "--seed", "3"),
-        lambda out: staging(out).is_dir(), max_delay=0.5, rng=rng)
+        lambda out: staging(out).is_dir(), rng=rng)
     assert expected["."] and all(len(shards) > 0 for shards in expected.values())
 
 
@@ -145,7 +162,7 @@ def test_pack_killed_then_rerun(tmp_path, tokenizer_dir, rng):
     expected = check_data_stage(
         tmp_path, lambda out: cli("pack", SAMPLE / "web", out, "--tokenizer", tokenizer_dir, "--seq-len", "64",
                                   "--shard-size", "400rows", "--buffer-tokens", "20000"),
-        lambda out: staging(out).is_dir(), max_delay=1.0, rng=rng)
+        lambda out: staging(out).is_dir(), rng=rng)
     assert len(expected["."]) > 5
 
 
@@ -155,33 +172,34 @@ def model_checksum(folder: Path) -> str:
     return shard["sha256"]
 
 
-def check_training_stage(tmp_path: Path, command: Callable[[Path], list[str]], max_delay: float,
-                         rng: random.Random) -> tuple[dict, dict]:
-    """Straight run; killed run; the same command again (refused: the run folder holds a run); `--resume auto`.
-    Returns the two final models' JSON results."""
+def check_training_stage(tmp_path: Path, command: Callable[[Path], list[str]], rng: random.Random,
+                         check_refusal: bool) -> tuple[dict, dict]:
+    """Straight run; killed run; (with check_refusal) the same command again, refused because the run folder holds
+    a run; then `--resume auto`. Returns the two runs' JSON results."""
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    done = run(command(straight), tmp_path / "straight.log")
-    assert done.returncode == 0, done.stderr[-2000:]
+    done, window = run_watching(command(straight), lambda: (straight / "metrics.jsonl").is_file(),
+                                lambda: (straight / "final" / "manifest.json").is_file(), tmp_path / "straight.log")
 
     kill_mid_run(command(crashed), lambda: (crashed / "metrics.jsonl").is_file(),
-                 lambda: (crashed / "final" / "manifest.json").is_file(), remover(crashed), rng, max_delay,
+                 lambda: (crashed / "final" / "manifest.json").is_file(), remover(crashed), rng, window,
                  tmp_path / "killed.log")
     assert_nothing_half_done(crashed)
 
-    plain = run(command(crashed), tmp_path / "rerun.log")
-    assert plain.returncode == 2 and plain.stderr.startswith("error: ") and "Traceback" not in plain.stderr
-    assert "--resume auto" in plain.stderr
+    if check_refusal:
+        plain = run(command(crashed), tmp_path / "rerun.log")
+        assert plain.returncode == 2 and plain.stderr.startswith("error: ") and "Traceback" not in plain.stderr
+        assert "--resume auto" in plain.stderr
     resumed = run([*command(crashed), "--resume", "auto"], tmp_path / "resumed.log")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert model_checksum(crashed / "final") == model_checksum(straight / "final")
-    return json.loads(done.stdout), json.loads(resumed.stdout)
+    return done, json.loads(resumed.stdout)
 
 
 def test_pretrain_killed_then_resumed(tmp_path, recipe, rng):  # noqa: F811
     straight, resumed = check_training_stage(
         tmp_path, lambda run_dir: cli("pretrain", recipe, run_dir, "--json", "--set", "training.steps=16",
                                       "--set", "checkpoint.interval=3", "--set", "checkpoint.keep=2"),
-        max_delay=2.0, rng=rng)
+        rng=rng, check_refusal=True)
     assert straight["steps"] == resumed["steps"] == 16
 
 
@@ -189,6 +207,5 @@ def test_sft_killed_then_resumed(tmp_path, tiny_model, rng):  # noqa: F811
     quick = [*SFT_QUICK, "training.steps=6", "checkpoint.every=2"]
     straight, resumed = check_training_stage(
         tmp_path, lambda run_dir: cli("sft", "recipes/sft-tiny.toml", run_dir, "--from", tiny_model, "--json",
-                                      *(f"--set={o}" for o in quick)),
-        max_delay=4.0, rng=rng)
+                                      *(f"--set={o}" for o in quick)), rng=rng, check_refusal=False)
     assert straight["steps"] == resumed["steps"] == 6
