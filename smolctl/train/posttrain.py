@@ -215,10 +215,6 @@ def _as_turns(row: dict) -> dict:
 def run_sft(recipe: SftRecipe, *, output: str | None = None, start: str | None = None, resume: str | None = None,
             overwrite: bool = False, on_step: StepHook | None = None) -> StageResult:
     """Fine-tune the starting checkpoint on chat data with TRL's SFTTrainer and write the output model folder."""
-    quiet_offline()
-    from trl import SFTConfig, SFTTrainer
-    from trl.chat_template_utils import has_generation_markers
-
     out = resolve_output(recipe.output, output)
     parent = check_start(start or recipe.model.from_)
     source = open_documents(recipe.data.path)
@@ -226,6 +222,11 @@ def run_sft(recipe: SftRecipe, *, output: str | None = None, start: str | None =
     if recipe.data.balance_by:
         require_columns(source, [recipe.data.balance_by], "set data.balance_by to a column of categories, or remove it")
     resume_from = prepare_run(out, resume, overwrite)
+    # Heavy imports only once the cheap checks have passed, so a mistake is reported in a second, not ten.
+    quiet_offline()
+    from trl import SFTConfig, SFTTrainer
+    from trl.chat_template_utils import has_generation_markers
+
     model, tokenizer = load_start(parent)
     conversational = columns == ["messages"] or is_chat_column(source.schema.field("prompt"))
     if conversational:
@@ -259,15 +260,15 @@ def run_dpo(recipe: DpoRecipe, *, output: str | None = None, start: str | None =
             overwrite: bool = False, on_step: StepHook | None = None) -> StageResult:
     """Preference-optimise the starting checkpoint with TRL's DPOTrainer; the reference is the same checkpoint,
     loaded a second time and passed explicitly (TRL would otherwise re-load it by hub id, which fails offline)."""
-    quiet_offline()
-    from trl import DPOConfig, DPOTrainer
-
     out = resolve_output(recipe.output, output)
     parent = check_start(start or recipe.model.from_)
     source = open_documents(recipe.data.path)
     require_columns(source, ["prompt", "chosen", "rejected"],
                     "pass a preference dataset (e.g. data/sample/preference)")
     resume_from = prepare_run(out, resume, overwrite)
+    quiet_offline()
+    from trl import DPOConfig, DPOTrainer
+
     model, tokenizer = load_start(parent)
     reference, _ = load_start(parent, use_bf16(recipe.training.precision))
     reference.eval().requires_grad_(False)

@@ -94,8 +94,11 @@ class Trainer:
                                 "pass auto, none, or one of RUN/checkpoints/step-NNNNNNN")
             return path
         if self.run_dir.is_dir() and any(self.run_dir.iterdir()) and not overwrite:
-            hint = "--resume auto to continue it, or --overwrite to start again" if checkpoints else "--overwrite to replace it"
-            raise UserError(self.run_dir, "already holds a run", f"pass {hint}")
+            if checkpoints:
+                raise UserError(self.run_dir, "already holds a run",
+                                "pass --resume auto to continue it, or --overwrite to start again")
+            raise UserError(self.run_dir, "already holds a run with no complete checkpoint yet",
+                            "pass --resume auto to start it again from step 0 (same data order), or --overwrite")
         self._replace_run = overwrite and self.run_dir.is_dir()  # deleted only once every check has passed
         return None
 
