@@ -137,7 +137,8 @@ def toy_recipe(tmp_path, reward: str = "test_ppo:spaced_words", match: str = "ca
         '[generation]', 'max_new_tokens = 6',
         '[ppo]', 'batch_size = 16', 'minibatch_size = 16', 'epochs = 2', 'kl_coef = 0.0',
         '[grpo]', 'num_generations = 8',
-        '[[rewards]]', f'kind = "{kind}"', f'match = "{match}"', f'function = "{reward}"']) + "\n")
+        '[[rewards]]', f'kind = "{kind}"', f'match = "{match}"',
+        *([f'function = "{reward}"'] if match == "callable" else [])]) + "\n")
     return str(path)
 
 
