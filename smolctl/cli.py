@@ -913,7 +913,7 @@ def estimate_command(
 ) -> None:
     """Parameters, memory per GPU, FLOPs, time and cost of a training run; --find what fits; --validate against
     a measured forward + backward."""
-    from smolctl.infra.estimate import estimate, load_model
+    from smolctl.infra.estimate import estimate, transformers_config
     from smolctl.infra.plan import plan_from_sources
 
     if recipe is not None and model is not None:
@@ -931,7 +931,7 @@ def estimate_command(
         from smolctl.infra.measure import validate as run_validation
 
         with console.status("validating: forward + backward on this machine", spinner="dots"):
-            result["validate"] = run_validation(plan, load_model(plan)[0])
+            result["validate"] = run_validation(plan, transformers_config(plan))
     if json_out:
         emit_json(result)
     else:

@@ -32,3 +32,10 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tok") / "tokenizer"
     train_tokenizer(str(SAMPLE / "web"), str(out), vocab_size=2048)
     return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_cache(tmp_path_factory):
+    """Keep smolctl's cache (e.g. estimate's measured model shapes) out of the user's home during tests."""
+    os.environ["SMOLCTL_CACHE"] = str(tmp_path_factory.mktemp("smolctl-cache"))
+    yield

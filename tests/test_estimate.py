@@ -12,7 +12,7 @@ import pytest
 
 from smolctl.cli import main
 from smolctl.errors import UserError
-from smolctl.infra.estimate import estimate, largest_micro_batch, load_model, memory, smallest_layouts
+from smolctl.infra.estimate import estimate, largest_micro_batch, load_model, memory, smallest_layouts, transformers_config
 from smolctl.infra.flops import matmul_params, training_flops_per_token
 from smolctl.infra.measure import build_model, measure_activations, measure_flops, scaled_down, validate
 from smolctl.infra.memory import GIB, PRECISIONS, activations, state_bytes
@@ -194,7 +194,7 @@ def test_validate_on_the_tiny_recipe_agrees_with_measurement(tmp_path):
     recipe.write_text((REPO / "recipes/smollm3-tiny.toml").read_text().replace('"demo-out/packed"', f'"{packed}"'))
     plan = plan_from_sources(recipe=str(recipe), overrides=["training.micro_batch=2", "training.global_batch=4"])
     assert plan.model["vocab_size"] == 1024 and plan.precision == "amp" and plan.gpus == 2
-    report = validate(plan, load_model(plan)[0])
+    report = validate(plan, transformers_config(plan))
     assert len(report["rows"]) >= 6
     for row in report["rows"]:
         assert abs(row["estimate"] / row["measured"] - 1) < 0.10, row
@@ -240,3 +240,22 @@ def test_recipe_without_vocabulary_says_how_to_give_it(capsys, tmp_path):
     recipe.write_text(text)
     code, _, err = run_cli(capsys, "estimate", str(recipe))
     assert code == 2 and "--set model.vocab_size=N" in err
+
+
+def test_repeat_estimates_read_the_measured_shape_from_the_cache(tmp_path, monkeypatch):
+    import json
+
+    from conftest import run_cli
+
+    cache = tmp_path / "cache"
+    env = {"SMOLCTL_CACHE": str(cache)}
+    first = run_cli("estimate", "--model", "smollm2-135m", "--json", env=env)
+    assert first.returncode == 0, first.stderr
+    entries = list((cache / "model-shapes").glob("*.json"))
+    assert len(entries) == 1
+    second = run_cli("estimate", "--model", "smollm2-135m", "--json", env=env)
+    assert json.loads(second.stdout) == json.loads(first.stdout)
+    entries[0].write_text("{not json")
+    third = run_cli("estimate", "--model", "smollm2-135m", "--json", env=env)
+    assert json.loads(third.stdout) == json.loads(first.stdout)
+    assert json.loads(entries[0].read_text())["shape"]["params"]["total"] == json.loads(first.stdout)["model"]["params"]["total"]

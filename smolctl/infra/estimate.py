@@ -6,15 +6,24 @@ flags, without allocating the model (it is built on the meta device).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 from dataclasses import asdict, replace
+from importlib import metadata
 from itertools import product
+from pathlib import Path
+from types import SimpleNamespace
+
+from smolctl import __version__
 
 from smolctl.errors import UserError
+from smolctl.shards import atomic_write_json
 from smolctl.infra.flops import attention_flops_per_token, training_flops_per_token
 from smolctl.infra.memory import (ALLOCATOR_HEADROOM, FP32_SPEED, GIB, GPUS, OPTIMIZER_BYTES, PRECISIONS,
                                   RUNTIME_RESERVED_GIB, activations, logits_grad_bytes, stage_params, state_bytes)
-from smolctl.infra.model_shape import ModelShape, config_from_dict, measure_shape, resolve_config
+from smolctl.infra.model_shape import ModelShape, ParamCounts, config_from_dict, measure_shape, resolve_config
 from smolctl.infra.plan import Plan, accumulation, check_model_layout, data_parallel
 
 # Llama 3 (Meta, 2024): 419 unexpected interruptions in 54 days on 16,384 H100s.
@@ -23,13 +32,59 @@ RESTART_HOURS = 0.25
 """Time to notice a failure, reschedule and reload the last checkpoint."""
 
 
-def load_model(plan: Plan):
-    """(transformers config, shape measured on the meta device)."""
-    if isinstance(plan.model, dict):
-        config = config_from_dict(plan.model, f"{plan.source}: [model]")
+# What compute() reads from the transformers config; cached beside the measured shape.
+CONFIG_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                 "num_hidden_layers", "vocab_size")
+
+
+def _shape_cache_path(model: dict | str) -> Path | None:
+    """Where the meta-device measurement of this exact model is kept. Importing torch and transformers' modeling
+    code costs seconds on a login node, while the measurement itself takes milliseconds: a repeat estimate of the
+    same model reads the cache instead. The key covers the model table (or preset / config.json content) and the
+    transformers and smolctl versions."""
+    from smolctl.infra.model_shape import PRESETS
+
+    if isinstance(model, dict):
+        described = json.dumps(model, sort_keys=True, default=str)
+    elif model in PRESETS:
+        described = json.dumps(PRESETS[model], sort_keys=True, default=str)
     else:
-        config = resolve_config(plan.model)
-    return config, measure_shape(config)
+        path = Path(model) / "config.json" if Path(model).is_dir() else Path(model)
+        if not path.is_file():
+            return None
+        described = path.read_text(errors="replace")
+    key = hashlib.sha256(f"{described}|{metadata.version('transformers')}|{__version__}".encode()).hexdigest()[:24]
+    root = Path(os.environ.get("SMOLCTL_CACHE") or Path.home() / ".cache" / "smolctl")
+    return root / "model-shapes" / f"{key}.json"
+
+
+def transformers_config(plan: Plan):
+    """The model's transformers config (imports transformers; --validate builds a real model from it)."""
+    if isinstance(plan.model, dict):
+        return config_from_dict(plan.model, f"{plan.source}: [model]")
+    return resolve_config(plan.model)
+
+
+def load_model(plan: Plan):
+    """(config fields, shape measured on the meta device), from the cache when this model was measured before."""
+    cache = _shape_cache_path(plan.model)
+    if cache is not None and cache.is_file():
+        try:
+            cached = json.loads(cache.read_text())
+            shape = ModelShape(**{**cached["shape"], "params": ParamCounts(**cached["shape"]["params"])})
+            return SimpleNamespace(**cached["config"]), shape
+        except (ValueError, TypeError, KeyError):
+            pass  # an unreadable or older cache entry is measured again
+    config = transformers_config(plan)
+    shape = measure_shape(config)
+    fields = {name: getattr(config, name, None) for name in CONFIG_FIELDS}
+    if cache is not None:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(cache, {"config": fields, "shape": shape.to_dict()})
+        except (OSError, UserError):
+            pass  # the cache is an optimisation; a read-only home only costs the next run its imports
+    return SimpleNamespace(**fields), shape
 
 
 def memory(plan: Plan, shape: ModelShape) -> dict:
