@@ -23,10 +23,6 @@ from rich.table import Table
 console = Console(stderr=True, highlight=False)
 
 
-def log(message: str) -> None:
-    console.print(message)
-
-
 def warn(message: str) -> None:
     console.print(f"[yellow]warning:[/] {message}")
 

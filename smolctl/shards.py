@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -582,8 +582,3 @@ def verify_checksums(folder: Path, manifest: dict | None = None) -> list[str]:
         elif sha256_file(path) != shard["sha256"]:
             problems.append(f"{path}: sha256 differs from the manifest")
     return problems
-
-
-def iter_rows(batches: Iterable[pa.RecordBatch]) -> Iterator[dict]:
-    for batch in batches:
-        yield from batch.to_pylist()
