@@ -114,6 +114,9 @@ def load_tokenizer(spec: str | Path):
     from transformers import AutoTokenizer
 
     path = Path(spec)
+    looks_like_path = path.is_absolute() or str(spec).startswith((".", "~")) or str(spec).count("/") > 1
+    if looks_like_path and not path.exists():
+        raise UserError(spec, "no such tokenizer folder", "check the path (a hub id looks like org/name)")
     if path.exists():
         if not path.is_dir():
             raise UserError(path, "is a file, not a tokenizer folder", "pass the folder holding tokenizer.json")
