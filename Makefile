@@ -8,7 +8,8 @@ DEMO_DIR ?= demo-out
 
 .PHONY: install demo test completions clean
 
-$(BIN)/smolctl: pyproject.toml
+# setup.py builds the C kernels of dedup (smolctl/data/_minhash.c): editing them re-runs the install.
+$(BIN)/smolctl: pyproject.toml setup.py smolctl/data/_minhash.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIN)

@@ -475,12 +475,14 @@ class DocumentSource:
         return [{"path": str(Path(f).resolve()), "kind": None, "manifest_sha256": None} for f in self.files[:1000]]
 
     def iter_file_batches(self, index: int, columns: Sequence[str] | None = None,
-                          batch_size: int = 8192) -> Iterator[pa.RecordBatch]:
+                          batch_size: int = 8192, threads: bool = True) -> Iterator[pa.RecordBatch]:
+        """Batches of one file; threads=False decodes in this thread only (for callers that run one process
+        per core, where arrow's thread pool, sized to the whole machine, would only contend with them)."""
         path = self.files[index]
         try:
             handle = pq.ParquetFile(path)
             columns = list(columns) if columns is not None else None
-            for batch in handle.iter_batches(batch_size=batch_size, columns=columns):
+            for batch in handle.iter_batches(batch_size=batch_size, columns=columns, use_threads=threads):
                 if columns is not None and batch.schema.names != columns:
                     batch = batch.select(columns)
                 yield batch

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from smolctl.data.dedup import Plan
 
 BATCH_ROWS = 4096
+# Shards are read with threads=False: the stages run one process per core (--workers, array tasks), and
+# arrow's machine-wide thread pool would only contend with them.
 # report(stage, advance, total=None): progress of a stage; a total is announced once it is known.
 Report = Callable[..., None]
 NO_BUCKET = np.uint64(0)
@@ -40,22 +42,22 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
     shard_name = source.files[file_index].stem
     tables, band_keys, shingle_parts, shingle_counts, exact_parts, row = [], [], [], [], [], 0
     permutations = params.permutations() if params else None
-    for batch in source.iter_file_batches(file_index, columns, BATCH_ROWS):
+    for batch in source.iter_file_batches(file_index, columns, BATCH_ROWS, threads=False):
         texts = batch.column(plan_.config.text_column)
-        normalized = minhash.normalize_array(texts)
+        folded = minhash.fold_non_ascii(texts)
         if id_column:
             ids = pc.cast(batch.column(id_column), pa.string())
         else:
             ids = pa.array([f"{shard_name}:{r}" for r in range(row, row + len(texts))], pa.string())
         columns_out = {"id": ids, "null": pc.is_null(texts), "chars": pc.fill_null(pc.utf8_length(texts), 0).cast(pa.int64()),
                        "bytes": pc.fill_null(pc.binary_length(texts), 0).cast(pa.int64())}
-        tokens = minhash.tokenize(normalized)
+        tokens = minhash.tokenize(folded)
         if plan_.config.exact:
             exact = minhash.exact_hashes(tokens)
             columns_out["exact_hi"], columns_out["exact_lo"] = exact[:, 0], exact[:, 1]
             exact_parts.append(exact)
         if params:
-            shingles, offsets = minhash.shingle_hashes(normalized, params.ngram, params.shingle, tokens)
+            shingles, offsets = minhash.shingle_hashes(folded, params.ngram, params.shingle, tokens)
             sigs = minhash.signatures(shingles, offsets, permutations)
             keys = minhash.band_keys(sigs, params.bands, params.rows)
             keys[np.diff(offsets) == 0] = NO_BUCKET  # documents without shingles (empty, null) match nothing
@@ -79,8 +81,9 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
     if params:
         keys = np.concatenate(band_keys) if band_keys else np.zeros((0, params.bands), np.uint64)
         keys[repeats] = NO_BUCKET
-        # (bands, docs): each bucket task memory-maps its band's row instead of parsing a parquet column.
-        _atomic_save(plan_.work / "signatures" / f"{unit:05d}.bands.npy", np.ascontiguousarray(keys.T))
+        # (bands, docs) raw little-endian uint64: each bucket task reads its band's row at a known offset, with
+        # no header to parse (20 bands x every shard would parse thousands of .npy headers).
+        _atomic_write(plan_.work / "signatures" / f"{unit:05d}.bands", np.ascontiguousarray(keys.T, dtype="<u8").tobytes())
     if params and plan_.config.verify:
         # Kept for the grey-zone pairs' exact Jaccard: reading them back is far cheaper than re-reading and
         # re-hashing the texts (about 8 bytes a word on disk; only the pairs' documents are ever loaded).
@@ -101,8 +104,8 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
 
 def bucket_unit(plan_: Plan, band: int, report: Report) -> dict:
     keys, docs, start = [], [], 0
-    for unit in range(len(plan_.units)):
-        band_keys = np.load(plan_.work / "signatures" / f"{unit:05d}.bands.npy", mmap_mode="r")[band]
+    for unit, (source, file_index) in enumerate(plan_.units):
+        band_keys = _band_row(plan_.work / "signatures" / f"{unit:05d}.bands", band, plan_.config.minhash.bands, source.file_rows[file_index])
         matchable = band_keys != NO_BUCKET
         keys.append(np.asarray(band_keys[matchable]))
         docs.append(np.arange(start, start + len(band_keys), dtype=np.int64)[matchable])
@@ -170,7 +173,7 @@ def check_unique_ids(ids: pa.ChunkedArray, where: str, id_column: str | None) ->
 
 def id_chunks(plan_: Plan, file_index: int) -> list[pa.Array]:
     return [pc.cast(batch.column(0), pa.string())
-            for batch in plan_.source.iter_file_batches(file_index, [plan_.id_column], 65536)]
+            for batch in plan_.source.iter_file_batches(file_index, [plan_.id_column], 65536, threads=False)]
 
 
 def _signature_matrix(column: pa.ChunkedArray, num_perm: int) -> np.ndarray:
@@ -298,7 +301,7 @@ def filter_unit(plan_: Plan, unit: int, report: Report) -> dict:
     path = plan_.work / "filter" / f"{unit:05d}.parquet"
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     writer, offset, kept = None, 0, 0
-    for batch in plan_.source.iter_file_batches(unit, None, BATCH_ROWS):
+    for batch in plan_.source.iter_file_batches(unit, None, BATCH_ROWS, threads=False):
         mask = np.ones(batch.num_rows, bool)
         mask[local[(local >= offset) & (local < offset + batch.num_rows)] - offset] = False
         offset += batch.num_rows
@@ -320,9 +323,23 @@ def filter_unit(plan_: Plan, unit: int, report: Report) -> dict:
 
 
 def _write_table(path: Path, table: pa.Table) -> None:
-    """Work files are uncompressed: hashes do not compress, and zstd would only burn CPU on them."""
+    """Work files are uncompressed and plain: hashes neither compress nor repeat, so zstd and dictionary
+    encoding would only burn CPU on them."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp, compression="none")
+    pq.write_table(table, tmp, compression="none", use_dictionary=False)
+    os.replace(tmp, path)
+
+
+def _band_row(path: Path, band: int, bands: int, rows: int) -> np.ndarray:
+    if path.stat().st_size != bands * rows * 8:
+        raise UserError(path, f"holds {path.stat().st_size} bytes, not {bands} bands x {rows} documents",
+                        "the work area was changed by hand; re-run with --overwrite")
+    return np.fromfile(path, dtype="<u8", count=rows, offset=band * rows * 8)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
     os.replace(tmp, path)
 
 

@@ -6,9 +6,9 @@
     signatures = minhash.signatures(shingles, offsets, params.permutations())   # (docs, num_perm) uint32
 
 The per-document Python loop of the usual implementations (datasketch hashes every shingle with sha1 in Python)
-is replaced by numpy passes over the UTF-8 bytes of a whole batch: tokens are found from a byte classification
-and hashed in O(1) each from prefix sums, shingles are combinations of consecutive word hashes, and every
-permutation of every shingle is one uint32 multiply, reduced with a segmented minimum per document.
+is replaced by passes over a whole batch: tokens and words are found and hashed in one pass over the UTF-8 bytes
+(_minhash.c), shingles are combinations of consecutive word hashes (numpy), and every permutation of every
+shingle is one uint32 multiply and minimum (_minhash.c, vectorised by the compiler).
 """
 
 from __future__ import annotations
@@ -22,15 +22,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from smolctl.data import _minhash
 from smolctl.errors import UserError
 
 MAX_HASH = np.uint32(0xFFFFFFFF)
 # Characters kept for char shingles: letters, combining marks (Indic and Arabic letters stay whole), digits, '_'.
 NON_WORD = r"[^\p{L}\p{M}\p{N}_]+"
 SHINGLE_KINDS = ("word", "char")
-# Signature work is done in blocks of this many shingles: a (num_perm, block) uint32 scratch of about 6 MiB at
-# 100 permutations.
-SIGNATURE_BLOCK = 16384
 # A band bucket larger than this yields pairs only between near neighbours in document order plus a star from
 # its first member: a bucket of k documents would otherwise cost k²/2 verifications.
 MAX_BUCKET_PAIRS_SPAN = 64
@@ -149,34 +147,30 @@ def normalize(text: str) -> str:
 
 
 def normalize_array(texts: pa.Array | pa.ChunkedArray) -> pa.LargeStringArray:
-    """normalize() over an arrow array of texts (nulls become ''): NFKC and case folding are plain ASCII
-    lower-casing on ASCII text, which arrow does in bulk; only the other texts go through Python."""
+    """normalize() over an arrow array of texts (nulls become '')."""
+    return pc.ascii_lower(fold_non_ascii(texts).cast(pa.large_string()))
+
+
+def fold_non_ascii(texts: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """normalize() applied to the documents that are not ASCII (nulls become ''), the others left as they are:
+    for ASCII text NFKC and case folding are plain lower-casing, which tokenize() does as it reads the bytes, so
+    only the other documents take the trip through Python."""
     if isinstance(texts, pa.ChunkedArray):
         texts = texts.combine_chunks()
-    texts = pc.fill_null(texts.cast(pa.large_string()), "")
+    if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
+        texts = texts.cast(pa.large_string())
+    if texts.null_count:
+        texts = pc.fill_null(texts, "")
     is_ascii = np.asarray(pc.string_is_ascii(texts), dtype=bool)
-    lowered = pc.ascii_lower(texts)
     if is_ascii.all():
-        return lowered
+        return texts
     others = np.flatnonzero(~is_ascii)
-    folded = pa.array([normalize(t) for t in texts.take(pa.array(others)).to_pylist()], pa.large_string())
-    return pc.replace_with_mask(lowered, pa.array(~is_ascii), folded)
+    folded = pa.array([normalize(t) for t in texts.take(pa.array(others)).to_pylist()], texts.type)
+    return pc.replace_with_mask(texts, pa.array(~is_ascii), folded)
 
 
 _OTHER_SPACES = {0x85: " ", 0x1680: " ", 0x2028: " ", 0x2029: " "}
 _OTHER_SPACES_TEXT = [chr(c) for c in _OTHER_SPACES]
-SPACE, WORD, PUNCT = 0, 1, 2
-_BYTE_CLASS = np.full(256, WORD, np.uint8)
-_BYTE_CLASS[[c for c in range(128) if not (chr(c).isalnum() or chr(c) == "_")]] = PUNCT
-_BYTE_CLASS[list(b"\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f ")] = SPACE
-# Tokenise about this many bytes at once: the temporaries are about 40 bytes per byte of text, and two
-# cached tables of powers take 8 bytes per byte each. 256 KiB keeps them near the caches (20% faster than
-# 1 MiB groups on the benchmark corpus, which touch five times the fresh memory).
-TOKENIZE_BYTES = 256 * 1024
-_BYTE_RADIX = np.uint64(0x100000001B3)
-_BYTE_RADIX_INVERSE = np.uint64(pow(0x100000001B3, -1, 2**64))
-
-
 @dataclass
 class Tokens:
     """A batch of documents as hashes: all documents concatenated, document i owning [offsets[i], offsets[i+1])."""
@@ -190,126 +184,45 @@ class Tokens:
     word_offsets: np.ndarray
 
 
-def tokenize(normalized: Sequence[str] | pa.Array) -> Tokens:
-    """Tokens and words of every document, found and hashed with numpy over the UTF-8 bytes of the batch."""
-    texts = normalized if isinstance(normalized, pa.Array) else pa.array(list(normalized), pa.large_string())
-    texts = texts.cast(pa.large_string())
-    offsets = _byte_offsets(texts)
-    # Groups of about TOKENIZE_BYTES bytes (zero-copy slices): bounded temporaries, warm caches.
-    group_of = (offsets[1:] - offsets[0]) // TOKENIZE_BYTES
-    cuts = np.concatenate([[0], np.flatnonzero(np.diff(group_of)) + 1, [len(texts)]])
-    parts = [_tokenize_group(texts.slice(a, b - a)) for a, b in zip(cuts[:-1], cuts[1:]) if b > a] or [_tokenize_group(texts)]
+def tokenize(texts: Sequence[str] | pa.Array) -> Tokens:
+    """Tokens and words of every document, hashed in one pass over the UTF-8 bytes of the batch (_minhash.c).
 
-    def joined(column: int) -> tuple[np.ndarray, np.ndarray]:
-        counts = np.concatenate([p[column + 1] for p in parts])
-        return np.concatenate([p[column] for p in parts]), np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-
-    return Tokens(*joined(0), *joined(2))
-
-
-def _byte_offsets(texts: pa.LargeStringArray) -> np.ndarray:
-    return np.frombuffer(texts.buffers()[1], dtype=np.int64)[texts.offset:texts.offset + len(texts) + 1]
-
-
-def _tokenize_group(texts: pa.LargeStringArray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(token hashes, tokens per document, word hashes, words per document) for one group of documents.
-
-    Classify every byte (whitespace, word character or any non-ASCII byte, ASCII punctuation), find the token
-    spans as runs of non-whitespace that do not cross a document boundary, and hash each span in O(1) from a
-    prefix sum: one pass of uint64 work over the bytes serves tokens and words alike. Every step is a fixed
-    number of whole-array passes (no per-token rounds), and positions are found from boolean masks, whose
-    nonzero() is several times faster than an integer array's.
+    Documents must be normalised, except that ASCII letters may be in either case (fold_non_ascii's output):
+    the bytes are lower-cased as they are read. A token is a run of bytes other than ASCII whitespace; its hash
+    is sum_k b_k * R^k mod 2^64 over its bytes, finished with its length and a multiply-xorshift, so the same
+    token hashes alike wherever it lies.
     """
-    offsets = _byte_offsets(texts)
-    data = np.frombuffer(texts.buffers()[2], dtype=np.uint8)[offsets[0]:offsets[-1]] if offsets[-1] > offsets[0] else np.zeros(0, np.uint8)
-    offsets = offsets - offsets[0]
-    kind = np.take(_BYTE_CLASS, data)
-    inside = kind != SPACE
-    # Token edges: where a non-whitespace run starts or ends, plus document boundaries that fall inside a run.
-    step = np.diff(inside.view(np.int8), prepend=np.int8(0), append=np.int8(0))
-    changes = np.flatnonzero(step != 0)  # runs alternate: a start (+1), then its end (-1); bool: 7x faster nonzero
-    starts, ends = changes[0::2], changes[1::2]
-    inner = offsets[1:-1][(offsets[1:-1] > 0) & (offsets[1:-1] < len(data))]
-    split = inner[inside[inner] & inside[inner - 1]]
-    if len(split):
-        starts, ends = np.insert(starts, np.searchsorted(starts, split), split), np.insert(ends, np.searchsorted(ends, split), split)
-    per_doc = np.diff(np.searchsorted(starts, offsets))
-    prefix = _prefix_sums(data)
-    token_hashes = _span_hashes(prefix, starts, ends)
-    # A word is its token from the first to the last word byte (tokens of punctuation only have none): with
-    # word_count[k] = word bytes before byte k and word_at = the word bytes' positions, a token [s, e) holds
-    # word_count[e] - word_count[s] of them, the first at word_at[word_count[s]], the last at
-    # word_at[word_count[e] - 1]. Words are hashed from the same prefix sums.
-    is_word = kind == WORD
-    word_at = np.flatnonzero(is_word)
-    word_count = np.zeros(len(data) + 1, np.int32 if len(data) < 2**31 else np.int64)
-    np.cumsum(is_word, out=word_count[1:])
-    before, through = word_count[starts], word_count[ends]
-    present = through > before
-    first = word_at[np.minimum(before, len(word_at) - 1)] if len(word_at) else starts
-    last = word_at[np.maximum(through - 1, 0)] + 1 if len(word_at) else ends
-    trimmed = np.flatnonzero(present & ((first != starts) | (last != ends)))
-    word_hashes = token_hashes.copy()  # most words are their whole token: only trimmed ones are re-hashed
-    word_hashes[trimmed] = _span_hashes(prefix, first[trimmed], last[trimmed])
-    word_hashes = word_hashes[present]
-    tokens_before = np.concatenate([[0], np.cumsum(per_doc)])
-    present_before = np.concatenate([[0], np.cumsum(present)])
-    words_per_doc = np.diff(present_before[tokens_before])
-    return token_hashes, per_doc, word_hashes, words_per_doc
+    texts = texts if isinstance(texts, pa.Array) else pa.array(list(texts), pa.large_string())
+    if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
+        texts = texts.cast(pa.large_string())
+    if texts.null_count:
+        texts = pc.fill_null(texts, "")
+    width = np.int64 if pa.types.is_large_string(texts.type) else np.int32
+    offsets = np.frombuffer(texts.buffers()[1], dtype=width)[texts.offset:texts.offset + len(texts) + 1].astype(np.int64)
+    data = texts.buffers()[2] if texts.buffers()[2] is not None else b""
+    # A token takes at least one byte and a separator: a document of n bytes has at most (n + 1) // 2 of them.
+    room = (int(offsets[-1] - offsets[0]) + len(texts)) // 2 + 1
+    token_hashes, word_hashes = np.empty(room, np.uint64), np.empty(room, np.uint64)
+    token_counts, word_counts = np.empty(len(texts), np.int64), np.empty(len(texts), np.int64)
+    tokens, words = _minhash.tokenize(data, offsets, token_hashes, token_counts, word_hashes, word_counts)
+    return Tokens(token_hashes[:tokens], _offsets(token_counts), word_hashes[:words], _offsets(word_counts))
 
 
-def _prefix_sums(data: np.ndarray) -> np.ndarray:
-    """P[k] = sum of b_i * R^i over the first k bytes, modulo 2^64 (numpy's uint64 arithmetic wraps)."""
-    prefix = np.zeros(len(data) + 1, np.uint64)
-    weighted = np.multiply(data, _powers(_BYTE_RADIX, len(data))[:len(data)], dtype=np.uint64)
-    np.cumsum(weighted, out=prefix[1:])
-    return prefix
-
-
-def _span_hashes(prefix: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """A 64-bit hash of each (non-empty) byte span, the same wherever the span lies.
-
-    The sum over the span of b_i * R^(i - start) = (P[end] - P[start]) * R^-start, R being odd and so invertible
-    modulo 2^64.
-    """
-    sums = (prefix[ends] - prefix[starts]) * _powers(_BYTE_RADIX_INVERSE, len(prefix))[starts]
-    # A light multiply-xorshift finish: shingles and exact hashes mix these again.
-    mixed = (sums + (ends - starts).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) * np.uint64(0xBF58476D1CE4E5B9)
-    return (mixed ^ (mixed >> np.uint64(31))) | np.uint64(1)
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
 
 
 def exact_hashes(tokens: Tokens) -> np.ndarray:
     """(docs, 2) uint64: a 128-bit hash of each document's token sequence (= of its whitespace-collapsed text).
 
-    Two polynomial hashes sum_i h_i * R^i mod 2^64 of the (well-mixed) token hashes with different odd R: distinct
-    sequences collide with probability about 2^-128.
+    Two polynomial hashes sum_i h_i * R^i mod 2^64 of the (well-mixed) token hashes with different odd R, each
+    finished with the token count and mix64: distinct sequences collide with probability about 2^-128.
     """
-    counts = np.diff(tokens.token_offsets)
-    position = np.arange(len(tokens.tokens), dtype=np.int64) - np.repeat(tokens.token_offsets[:-1], counts)
-    out = np.zeros((len(counts), 2), np.uint64)
-    filled = counts > 0
-    for column, radix in enumerate((0x9E3779B97F4A7C15, 0xD6E8FEB86659FD93)):
-        terms = tokens.tokens * _powers(np.uint64(radix), int(counts.max(initial=0)))[position]
-        if filled.any():
-            out[filled, column] = np.add.reduceat(terms, tokens.token_offsets[:-1][filled])
-        out[:, column] = mix64(out[:, column] ^ counts.astype(np.uint64) * np.uint64(radix))
+    out = np.empty((len(tokens.token_offsets) - 1, 2), np.uint64)
+    _minhash.exact_hashes(tokens.tokens, tokens.token_offsets, out)
     return out
-
-
-_POWERS: dict[int, np.ndarray] = {}
-
-
-def _powers(radix: np.uint64, count: int) -> np.ndarray:
-    """radix^i mod 2^64 for i < count (at least), grown by doubling and cached up to a group's worth."""
-    cached = _POWERS.get(int(radix))
-    if cached is not None and len(cached) >= count:
-        return cached
-    table = np.full(1 << max(10, int(count - 1).bit_length()), radix, np.uint64)
-    table[0] = 1
-    table = np.cumprod(table, dtype=np.uint64)
-    if len(table) <= 4 * TOKENIZE_BYTES:
-        _POWERS[int(radix)] = table
-    return table
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -319,7 +232,7 @@ def _powers(radix: np.uint64, count: int) -> np.ndarray:
 def char_tokens(normalized: Sequence[str] | pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """Word-class characters as tokens (code points), for languages without spaces (Chinese, Japanese, Thai)."""
     texts = normalized if isinstance(normalized, pa.Array) else pa.array(list(normalized), pa.large_string())
-    kept = pc.replace_substring_regex(texts, NON_WORD, "").to_pylist()
+    kept = pc.replace_substring_regex(pc.ascii_lower(texts), NON_WORD, "").to_pylist()
     points = [np.frombuffer(t.encode("utf-32-le", "surrogatepass"), dtype="<u4") for t in kept]
     counts = np.array([len(p) for p in points], dtype=np.int64)
     joined = np.concatenate(points).astype(np.uint64) if points else np.zeros(0, np.uint64)
@@ -340,27 +253,14 @@ def shingle_hashes(normalized: Sequence[str] | pa.Array, ngram: int = 5, shingle
 
 
 def ngrams(tokens: np.ndarray, offsets: np.ndarray, ngram: int) -> tuple[np.ndarray, np.ndarray]:
-    counts = np.diff(offsets)
-    weights = _NGRAM_WEIGHTS[np.arange(ngram) % len(_NGRAM_WEIGHTS)]
-    padded = np.concatenate([tokens, np.zeros(ngram, np.uint64)])
-    combined = np.zeros(len(tokens), np.uint64)
-    for k in range(ngram):
-        combined += padded[k:k + len(tokens)] * weights[k]
-    # Shingles that start at a document's token j and end inside it: j < count - ngram + 1.
-    full = np.maximum(counts - ngram + 1, 0)
-    short = np.flatnonzero((counts > 0) & (counts < ngram))
-    keep = np.arange(len(tokens)) - np.repeat(offsets[:-1], counts) < np.repeat(full, counts)
-    if len(short):
-        # A short document's single shingle: its tokens only, none of the next document's.
-        starts = offsets[short]
-        fixed = np.zeros(len(short), np.uint64)
-        for k in range(ngram):
-            inside = k < counts[short]
-            fixed += np.where(inside, padded[np.minimum(starts + k, len(tokens))] * weights[k], np.uint64(0))
-        combined[starts] = fixed
-        keep[starts] = True
-    per_doc = np.where((counts > 0) & (counts < ngram), 1, full)
-    return mix64(combined[keep]), np.concatenate([[0], np.cumsum(per_doc)]).astype(np.int64)
+    """(hashes, offsets) of the n-grams of consecutive tokens of each document: mix64(sum_k t[j + k] * W[k]),
+    W being fixed odd constants (so order matters); a document with 1 to ngram - 1 tokens has one, of all its
+    tokens."""
+    out = np.empty(len(tokens), np.uint64)
+    counts = np.empty(len(offsets) - 1, np.int64)
+    total = _minhash.shingles(np.ascontiguousarray(tokens, np.uint64), np.ascontiguousarray(offsets, np.int64),
+                              _NGRAM_WEIGHTS[np.arange(ngram) % len(_NGRAM_WEIGHTS)], out, counts)
+    return out[:total], _offsets(counts)
 
 
 def shingle_sets(normalized: Sequence[str] | pa.Array, ngram: int = 5, shingle: str = "word") -> list[np.ndarray]:
@@ -408,28 +308,13 @@ def jaccard(a: np.ndarray, b: np.ndarray) -> float:
 
 def jaccard_many(values: np.ndarray, bounds: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
     """Exact Jaccard of many pairs of sets stored end to end (set i = values[bounds[i]:bounds[i+1]], sorted
-    unique), without a Python loop: both sets of every pair go into one array keyed by (pair, hash), sorted once,
-    and an element of an intersection is an equal neighbour. Keys keep the top 44 bits of each hash, so two
-    distinct shingles of a pair of 1,000-shingle documents look alike with probability 6e-8."""
+    unique): one merge of the two sorted sets per pair (_minhash.c); two empty sets are identical."""
+    left, right = np.ascontiguousarray(left, np.int64), np.ascontiguousarray(right, np.int64)
+    common = np.empty(len(left), np.int64)
+    _minhash.intersections(np.ascontiguousarray(values, np.uint64), np.ascontiguousarray(bounds, np.int64), left, right, common)
     sizes = np.diff(bounds)
-    out = np.ones(len(left))
-    block = 1 << 20  # pairs per sort: the pair number takes the 20 bits above the 44 of hash
-    for start in range(0, len(left), block):
-        a, b = left[start:start + block], right[start:start + block]
-        pair = np.arange(len(a), dtype=np.uint64)
-        keys = np.concatenate([_keyed_members(values, bounds, sizes, a, pair), _keyed_members(values, bounds, sizes, b, pair)])
-        keys.sort()
-        equal = keys[1:] == keys[:-1]
-        common = np.bincount((keys[1:][equal] >> np.uint64(44)).astype(np.int64), minlength=len(a))
-        union = sizes[a] + sizes[b] - common
-        out[start:start + block] = np.where(union > 0, common / np.maximum(union, 1), 1.0)
-    return out
-
-
-def _keyed_members(values: np.ndarray, bounds: np.ndarray, sizes: np.ndarray, sets: np.ndarray, pair: np.ndarray) -> np.ndarray:
-    lengths = sizes[sets]
-    index = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths - bounds[sets], lengths)
-    return (np.repeat(pair, lengths) << np.uint64(44)) | (values[index] >> np.uint64(20))
+    union = sizes[left] + sizes[right] - common
+    return np.where(union > 0, common / np.maximum(union, 1), 1.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -437,26 +322,12 @@ def _keyed_members(values: np.ndarray, bounds: np.ndarray, sizes: np.ndarray, se
 
 
 def signatures(shingles: np.ndarray, offsets: np.ndarray, multipliers: np.ndarray) -> np.ndarray:
-    """(docs, num_perm) uint32 MinHash signatures; a document without shingles gets all 0xFFFFFFFF.
-
-    Shingles are processed in blocks: a*x mod 2^32 over (num_perm, block) in uint32 (twice the SIMD width of
-    uint64 and half the memory traffic), then a segmented minimum per document along the contiguous axis
-    (np.minimum.reduceat), four times faster than reducing across rows.
-    """
-    num_docs = len(offsets) - 1
-    out = np.full((len(multipliers), num_docs), MAX_HASH, dtype=np.uint32)
-    keys = (shingles >> np.uint64(32)).astype(np.uint32)
-    doc_of = np.repeat(np.arange(num_docs), np.diff(offsets))
-    scratch = np.empty((len(multipliers), SIGNATURE_BLOCK), dtype=np.uint32)
-    for start in range(0, len(keys), SIGNATURE_BLOCK):
-        stop = min(start + SIGNATURE_BLOCK, len(keys))
-        block = scratch[:, :stop - start]
-        np.multiply(multipliers[:, None], keys[None, start:stop], out=block)
-        docs = doc_of[start:stop]
-        seg_starts = np.flatnonzero(np.concatenate([[True], docs[1:] != docs[:-1]]))
-        seg_docs = docs[seg_starts]
-        out[:, seg_docs] = np.minimum(out[:, seg_docs], np.minimum.reduceat(block, seg_starts, axis=1))
-    return np.ascontiguousarray(out.T)
+    """(docs, num_perm) uint32 MinHash signatures: value p of document i is the minimum over its shingles s of
+    multipliers[p] * (s >> 32) mod 2^32; a document without shingles gets all 0xFFFFFFFF (_minhash.c)."""
+    out = np.empty((len(offsets) - 1, len(multipliers)), dtype=np.uint32)
+    _minhash.signatures(np.ascontiguousarray(shingles, np.uint64), np.ascontiguousarray(offsets, np.int64),
+                        np.ascontiguousarray(multipliers, np.uint32), out)
+    return out
 
 
 def band_keys(sigs: np.ndarray, bands: int, rows: int) -> np.ndarray:
@@ -474,11 +345,15 @@ def bucket_pairs(keys: np.ndarray, docs: np.ndarray) -> np.ndarray:
     each member's pairs with its next MAX_BUCKET_PAIRS_SPAN neighbours in document order plus a pair with the
     bucket's first document, enough to connect a true cluster while staying linear in its size.
     """
-    ascending = len(docs) < 2 or bool(np.all(docs[1:] > docs[:-1]))
-    order = np.argsort(keys, kind="stable") if ascending else np.lexsort((docs, keys))
-    keys, docs = keys[order], docs[order].astype(np.uint64)
     if len(docs) < 2:
         return np.zeros(0, np.uint64)
+    order = np.argsort(keys)  # unstable: the vectorised sort, several times faster than a stable one
+    keys, docs = keys[order], docs[order].astype(np.uint64)
+    # Members of a bucket in document order: only buckets of two or more (few) need sorting again.
+    repeated = np.flatnonzero(keys[1:] == keys[:-1])
+    if len(repeated):
+        members = np.union1d(repeated, repeated + 1)
+        docs[members] = docs[members][np.lexsort((docs[members], keys[members]))]
     first_of_group = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
     sizes = np.diff(np.concatenate([first_of_group, [len(docs)]]))
     # Member at position p of a bucket of n pairs with the next min(n - 1 - p, span) members, all in one go.

@@ -1,0 +1,345 @@
+/* The loops of MinHash dedup that touch every byte, token, shingle x permutation or set member, in C.
+
+   smolctl/data/minhash.py defines what is computed and does everything else in numpy; these functions only
+   fill arrays the caller allocates (no numpy C API: plain buffers), so that a batch of documents is hashed
+   in one pass over its bytes instead of a dozen whole-array numpy passes and their temporaries.
+
+   tokenize(data, offsets, token_hashes, token_counts, word_hashes, word_counts) -> (tokens, words)
+       data: the UTF-8 bytes of the batch; offsets: int64[n + 1] into data (document i is
+       data[offsets[i]:offsets[i + 1]]). A token is a maximal run of non-whitespace bytes inside a document, a
+       word the token without its leading and trailing ASCII punctuation (none if nothing is left). Both are
+       hashed with hash_span() below. Outputs: uint64 hashes end to end, int64 counts per document.
+   shingles(tokens, offsets, weights, out, out_counts) -> total
+       The n-grams of consecutive tokens of each document, as mix64(sum_k tokens[j + k] * weights[k]); a
+       document with 1 to n - 1 tokens has one, of all its tokens. out: uint64 end to end, out_counts per document.
+   exact_hashes(tokens, offsets, out)
+       out[i] = two polynomial hashes of document i's token hashes (see minhash.exact_hashes).
+   intersections(values, bounds, left, right, out)
+       out[k] = |set left[k] & set right[k]|, set i being the sorted unique values[bounds[i]:bounds[i + 1]].
+   signatures(shingles, offsets, multipliers, out)
+       out[i, p] = min over the shingles s of document i of (uint32)(multipliers[p] * (uint32)(s >> 32)),
+       0xFFFFFFFF for a document without shingles. out: uint32[n, len(multipliers)], C order.
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { SPACE = 0, WORD = 1, PUNCT = 2 };
+#define RADIX 0x100000001B3ULL
+
+static uint8_t byte_class[256], lower_case[256];
+/* splitmix64's finaliser (minhash.mix64). */
+static inline uint64_t mix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+/* RADIX^k from a table: a running power would make every byte wait for the previous byte's multiply. */
+#define POWERS 4096
+static uint64_t powers[POWERS];
+
+static void init_tables(void) {
+    for (int c = 0; c < 256; c++) {
+        int word = c >= 128 || (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
+        byte_class[c] = word ? WORD : PUNCT;
+        lower_case[c] = (c >= 'A' && c <= 'Z') ? c + 32 : c;
+    }
+    /* The ASCII characters str.split() splits on. */
+    const char *spaces = "\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f ";
+    for (const char *s = spaces; *s; s++) byte_class[(uint8_t)*s] = SPACE;
+    powers[0] = 1;
+    for (int k = 1; k < POWERS; k++) powers[k] = powers[k - 1] * RADIX;
+}
+
+/* A span's hash: sum_k b_k * RADIX^k (mod 2^64), finished with its length and a multiply-xorshift. */
+static inline uint64_t finish_hash(uint64_t sum, Py_ssize_t length) {
+    uint64_t mixed = (sum + (uint64_t)length * 0x9E3779B97F4A7C15ULL) * 0xBF58476D1CE4E5B9ULL;
+    return (mixed ^ (mixed >> 31)) | 1ULL;
+}
+
+
+static uint64_t power_of(Py_ssize_t k) {
+    uint64_t result = powers[POWERS - 1];
+    for (k -= POWERS - 1; k > 0; k--) result *= RADIX;
+    return result;
+}
+
+static inline uint64_t hash_span(const uint8_t *bytes, Py_ssize_t length) {
+    uint64_t sum = 0;
+    for (Py_ssize_t k = 0; k < length; k++) sum += lower_case[bytes[k]] * (k < POWERS ? powers[k] : power_of(k));
+    return finish_hash(sum, length);
+}
+
+typedef struct {
+    Py_buffer view;
+    int held;
+} Buffer;
+
+static int get_buffer(PyObject *object, Buffer *buffer, Py_ssize_t itemsize, int writable, const char *name) {
+    if (PyObject_GetBuffer(object, &buffer->view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
+    buffer->held = 1;
+    if (buffer->view.len % itemsize != 0) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes is not a whole number of %zd-byte items", name, buffer->view.len, itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+static void release(Buffer *buffers, int count) {
+    for (int i = 0; i < count; i++)
+        if (buffers[i].held) PyBuffer_Release(&buffers[i].view);
+}
+
+static PyObject *tokenize(PyObject *self, PyObject *args) {
+    PyObject *objects[6];
+    if (!PyArg_ParseTuple(args, "OOOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4], &objects[5]))
+        return NULL;
+    Buffer b[6];
+    memset(b, 0, sizeof b);
+    static const char *names[6] = {"data", "offsets", "token_hashes", "token_counts", "word_hashes", "word_counts"};
+    static const Py_ssize_t sizes[6] = {1, 8, 8, 8, 8, 8};
+    for (int i = 0; i < 6; i++)
+        if (get_buffer(objects[i], &b[i], sizes[i], i >= 2, names[i]) < 0) { release(b, 6); return NULL; }
+    const uint8_t *data = b[0].view.buf;
+    const int64_t *offsets = b[1].view.buf;
+    Py_ssize_t docs = b[1].view.len / 8 - 1;
+    uint64_t *token_hashes = b[2].view.buf, *word_hashes = b[4].view.buf;
+    int64_t *token_counts = b[3].view.buf, *word_counts = b[5].view.buf;
+    Py_ssize_t token_room = b[2].view.len / 8, word_room = b[4].view.len / 8;
+    if (docs < 0 || b[3].view.len / 8 < docs || b[5].view.len / 8 < docs) {
+        release(b, 6);
+        PyErr_SetString(PyExc_ValueError, "offsets and counts disagree on the number of documents");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i <= docs; i++) {
+        if (offsets[i] < 0 || offsets[i] > b[0].view.len || (i > 0 && offsets[i] < offsets[i - 1])) {
+            release(b, 6);
+            PyErr_SetString(PyExc_ValueError, "offsets must be ascending and inside data");
+            return NULL;
+        }
+    }
+    Py_ssize_t tokens = 0, words = 0;
+    int overflow = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < docs && !overflow; i++) {
+        Py_ssize_t position = offsets[i], end = offsets[i + 1], tokens_before = tokens, words_before = words;
+        while (position < end) {
+            while (position < end && byte_class[data[position]] == SPACE) position++;
+            if (position == end) break;
+            if (tokens >= token_room || words >= word_room) { overflow = 1; break; }
+            /* One pass over the token: its hash, and where its first and last word bytes are. */
+            Py_ssize_t start = position, first_word = -1, last_word = -1;
+            uint64_t sum = 0;
+            for (; position < end; position++) {
+                uint8_t byte = data[position], kind = byte_class[byte];
+                if (kind == SPACE) break;
+                Py_ssize_t k = position - start;
+                sum += lower_case[byte] * (k < POWERS ? powers[k] : power_of(k));
+                if (kind == WORD) {
+                    first_word = first_word < 0 ? position : first_word;
+                    last_word = position;
+                }
+            }
+            uint64_t hash = finish_hash(sum, position - start);
+            token_hashes[tokens++] = hash;
+            if (first_word >= 0)
+                word_hashes[words++] = (first_word == start && last_word == position - 1)
+                                           ? hash : hash_span(data + first_word, last_word + 1 - first_word);
+        }
+        token_counts[i] = tokens - tokens_before;
+        word_counts[i] = words - words_before;
+    }
+    Py_END_ALLOW_THREADS
+    release(b, 6);
+    if (overflow) {
+        PyErr_SetString(PyExc_ValueError, "token_hashes or word_hashes is too small for the batch");
+        return NULL;
+    }
+    return Py_BuildValue("nn", tokens, words);
+}
+
+/* The inner loop over permutations is what the compiler vectorises; on x86-64 a second copy is built for
+   AVX2 (eight 32-bit multiplies and minima at once; SSE2, the baseline, has neither instruction) and picked
+   at load time. */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+static void signature_rows(const uint64_t *shingles, const int64_t *offsets, Py_ssize_t docs,
+                           const uint32_t *restrict multipliers, Py_ssize_t perms, uint32_t *restrict out) {
+    for (Py_ssize_t i = 0; i < docs; i++) {
+        uint32_t *restrict row = out + i * perms;
+        for (Py_ssize_t p = 0; p < perms; p++) row[p] = 0xFFFFFFFFu;
+        for (int64_t j = offsets[i]; j < offsets[i + 1]; j++) {
+            uint32_t key = (uint32_t)(shingles[j] >> 32);
+            for (Py_ssize_t p = 0; p < perms; p++) {
+                uint32_t value = multipliers[p] * key;
+                row[p] = value < row[p] ? value : row[p];
+            }
+        }
+    }
+}
+
+static PyObject *signatures(PyObject *self, PyObject *args) {
+    PyObject *objects[4];
+    if (!PyArg_ParseTuple(args, "OOOO", &objects[0], &objects[1], &objects[2], &objects[3])) return NULL;
+    Buffer b[4];
+    memset(b, 0, sizeof b);
+    static const char *names[4] = {"shingles", "offsets", "multipliers", "out"};
+    static const Py_ssize_t sizes[4] = {8, 8, 4, 4};
+    for (int i = 0; i < 4; i++)
+        if (get_buffer(objects[i], &b[i], sizes[i], i == 3, names[i]) < 0) { release(b, 4); return NULL; }
+    const int64_t *offsets = b[1].view.buf;
+    Py_ssize_t docs = b[1].view.len / 8 - 1, perms = b[2].view.len / 4, shingles = b[0].view.len / 8;
+    int valid = docs >= 0 && perms > 0 && b[3].view.len / 4 == docs * perms;
+    for (Py_ssize_t i = 0; valid && i < docs; i++)
+        valid = offsets[i] >= 0 && offsets[i] <= offsets[i + 1] && offsets[i + 1] <= shingles;
+    if (!valid) {
+        release(b, 4);
+        PyErr_SetString(PyExc_ValueError, "signatures: offsets, multipliers and out do not fit together");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    signature_rows(b[0].view.buf, offsets, docs, b[2].view.buf, perms, b[3].view.buf);
+    Py_END_ALLOW_THREADS
+    release(b, 4);
+    Py_RETURN_NONE;
+}
+
+static int check_offsets(const int64_t *offsets, Py_ssize_t docs, Py_ssize_t items) {
+    for (Py_ssize_t i = 0; i < docs; i++)
+        if (offsets[i] < 0 || offsets[i] > offsets[i + 1] || offsets[i + 1] > items) return 0;
+    return docs >= 0;
+}
+
+static PyObject *shingles(PyObject *self, PyObject *args) {
+    PyObject *objects[5];
+    if (!PyArg_ParseTuple(args, "OOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4])) return NULL;
+    Buffer b[5];
+    memset(b, 0, sizeof b);
+    static const char *names[5] = {"tokens", "offsets", "weights", "out", "out_counts"};
+    for (int i = 0; i < 5; i++)
+        if (get_buffer(objects[i], &b[i], 8, i >= 3, names[i]) < 0) { release(b, 5); return NULL; }
+    const uint64_t *tokens = b[0].view.buf, *weights = b[2].view.buf;
+    const int64_t *offsets = b[1].view.buf;
+    uint64_t *out = b[3].view.buf;
+    int64_t *counts = b[4].view.buf;
+    Py_ssize_t docs = b[1].view.len / 8 - 1, ngram = b[2].view.len / 8, items = b[0].view.len / 8;
+    /* Every document yields at most as many shingles as it has tokens. */
+    if (ngram < 1 || !check_offsets(offsets, docs, items) || b[3].view.len / 8 < items || b[4].view.len / 8 < docs) {
+        release(b, 5);
+        PyErr_SetString(PyExc_ValueError, "shingles: tokens, offsets, weights and outputs do not fit together");
+        return NULL;
+    }
+    Py_ssize_t total = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < docs; i++) {
+        const uint64_t *t = tokens + offsets[i];
+        Py_ssize_t count = offsets[i + 1] - offsets[i], before = total;
+        if (count > 0 && count < ngram) {
+            uint64_t sum = 0;
+            for (Py_ssize_t k = 0; k < count; k++) sum += t[k] * weights[k];
+            out[total++] = mix64(sum);
+        }
+        for (Py_ssize_t j = 0; j + ngram <= count; j++) {
+            uint64_t sum = 0;
+            for (Py_ssize_t k = 0; k < ngram; k++) sum += t[j + k] * weights[k];
+            out[total++] = mix64(sum);
+        }
+        counts[i] = total - before;
+    }
+    Py_END_ALLOW_THREADS
+    release(b, 5);
+    return PyLong_FromSsize_t(total);
+}
+
+static PyObject *exact_hashes(PyObject *self, PyObject *args) {
+    PyObject *objects[3];
+    if (!PyArg_ParseTuple(args, "OOO", &objects[0], &objects[1], &objects[2])) return NULL;
+    Buffer b[3];
+    memset(b, 0, sizeof b);
+    static const char *names[3] = {"tokens", "offsets", "out"};
+    for (int i = 0; i < 3; i++)
+        if (get_buffer(objects[i], &b[i], 8, i == 2, names[i]) < 0) { release(b, 3); return NULL; }
+    const uint64_t *tokens = b[0].view.buf;
+    const int64_t *offsets = b[1].view.buf;
+    uint64_t *out = b[2].view.buf;
+    Py_ssize_t docs = b[1].view.len / 8 - 1;
+    if (!check_offsets(offsets, docs, b[0].view.len / 8) || b[2].view.len / 16 != docs) {
+        release(b, 3);
+        PyErr_SetString(PyExc_ValueError, "exact_hashes: tokens, offsets and out do not fit together");
+        return NULL;
+    }
+    static const uint64_t radix[2] = {0x9E3779B97F4A7C15ULL, 0xD6E8FEB86659FD93ULL};
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < docs; i++) {
+        uint64_t count = (uint64_t)(offsets[i + 1] - offsets[i]);
+        for (int column = 0; column < 2; column++) {
+            uint64_t sum = 0, power = 1;
+            for (int64_t j = offsets[i]; j < offsets[i + 1]; j++) {
+                sum += tokens[j] * power;
+                power *= radix[column];
+            }
+            out[2 * i + column] = mix64(sum ^ count * radix[column]);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    release(b, 3);
+    Py_RETURN_NONE;
+}
+
+static PyObject *intersections(PyObject *self, PyObject *args) {
+    PyObject *objects[5];
+    if (!PyArg_ParseTuple(args, "OOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4])) return NULL;
+    Buffer b[5];
+    memset(b, 0, sizeof b);
+    static const char *names[5] = {"values", "bounds", "left", "right", "out"};
+    for (int i = 0; i < 5; i++)
+        if (get_buffer(objects[i], &b[i], 8, i == 4, names[i]) < 0) { release(b, 5); return NULL; }
+    const uint64_t *values = b[0].view.buf;
+    const int64_t *bounds = b[1].view.buf, *left = b[2].view.buf, *right = b[3].view.buf;
+    int64_t *out = b[4].view.buf;
+    Py_ssize_t sets = b[1].view.len / 8 - 1, pairs = b[2].view.len / 8;
+    int valid = check_offsets(bounds, sets, b[0].view.len / 8) && b[3].view.len / 8 == pairs && b[4].view.len / 8 == pairs;
+    for (Py_ssize_t k = 0; valid && k < pairs; k++)
+        valid = left[k] >= 0 && left[k] < sets && right[k] >= 0 && right[k] < sets;
+    if (!valid) {
+        release(b, 5);
+        PyErr_SetString(PyExc_ValueError, "intersections: values, bounds, pairs and out do not fit together");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < pairs; k++) {
+        const uint64_t *a = values + bounds[left[k]], *a_end = values + bounds[left[k] + 1];
+        const uint64_t *c = values + bounds[right[k]], *c_end = values + bounds[right[k] + 1];
+        int64_t common = 0;
+        while (a < a_end && c < c_end) {
+            uint64_t x = *a, y = *c;
+            common += x == y;
+            a += x <= y;
+            c += y <= x;
+        }
+        out[k] = common;
+    }
+    Py_END_ALLOW_THREADS
+    release(b, 5);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"tokenize", tokenize, METH_VARARGS, "Hash every token and word of a batch of documents (see the file's header)."},
+    {"shingles", shingles, METH_VARARGS, "Word (or character) n-gram shingle hashes (see the file's header)."},
+    {"exact_hashes", exact_hashes, METH_VARARGS, "A 128-bit hash of each document's token sequence (see the file's header)."},
+    {"intersections", intersections, METH_VARARGS, "Sizes of the intersections of pairs of sorted sets (see the file's header)."},
+    {"signatures", signatures, METH_VARARGS, "MinHash signatures of a batch of documents (see the file's header)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_minhash", "MinHash kernels; see smolctl/data/minhash.py.", -1, methods};
+
+PyMODINIT_FUNC PyInit__minhash(void) {
+    init_tables();
+    return PyModule_Create(&module);
+}

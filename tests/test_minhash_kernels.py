@@ -1,0 +1,135 @@
+"""The C kernels of smolctl/data/_minhash.c against plain-Python statements of what they compute, bit for bit,
+on the awkward cases: empty and whitespace-only documents, punctuation-only tokens, upper-case ASCII, non-ASCII
+bytes, every separator the tokeniser knows, tokens longer than its table of powers, arrays sliced at an offset,
+documents shorter than the n-gram, and malformed buffers."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from smolctl.data import _minhash, minhash
+from conftest import SAMPLE
+
+MASK = (1 << 64) - 1
+RADIX = 0x100000001B3
+SPACES = b"\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f "
+
+
+def is_word_byte(b: int) -> bool:
+    return b >= 128 or chr(b).isalnum() or b == ord("_")
+
+
+def span_hash(data: bytes) -> int:
+    total = sum(b * pow(RADIX, k, 1 << 64) for k, b in enumerate(data.lower())) & MASK
+    mixed = ((total + len(data) * 0x9E3779B97F4A7C15) & MASK) * 0xBF58476D1CE4E5B9 & MASK
+    return (mixed ^ (mixed >> 31)) | 1
+
+
+def mix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def reference_tokens(text: str) -> tuple[list[int], list[int]]:
+    """Token and word hashes of one document: tokens split on ASCII whitespace, words trimmed of the bytes that
+    are neither ASCII whitespace nor word bytes (ASCII punctuation and control characters)."""
+    raw = text.encode()
+    for space in SPACES:
+        raw = raw.replace(bytes([space]), b" ")
+    tokens, words = [], []
+    for token in (t for t in raw.split(b" ") if t):
+        tokens.append(span_hash(token))
+        inside = [i for i, b in enumerate(token) if is_word_byte(b)]
+        if inside:
+            words.append(span_hash(token[inside[0]:inside[-1] + 1]))
+    return tokens, words
+
+
+AWKWARD = ["", "   ", "\t\n", "a", "...", "Hello, World!", "(x) [y] {z}", "UPPER lower MiXeD", "-- --- ---- x--y --z",
+           "tab\tnew\nline\x0bvt\x0cff\rcr\x1cfs\x1dgs\x1ers\x1fus end", "ünïcode wörds — dash «quoted»",
+           "机器学习 是 人工智能", "emoji 🙂🙂 ok", "ctrl\x01char\x7fdel", "_under_score_", "'quote' \"double\"",
+           "a" * 5000, "," + "b" * 4100 + ",", " lead", "trail ", "x y z w v u t"]
+
+
+def test_tokenize_matches_the_python_definition():
+    sample = pq.read_table(sorted((SAMPLE / "web").glob("part-*.parquet"))[0], columns=["text"]).column(0).to_pylist()
+    texts = AWKWARD + sample[:40]
+    for array in (pa.array(texts, pa.string()), pa.array(texts, pa.large_string()), pa.array(["pad"] + texts).slice(1)):
+        tokens = minhash.tokenize(array)
+        for i, text in enumerate(texts):
+            want_tokens, want_words = reference_tokens(text)
+            assert tokens.tokens[tokens.token_offsets[i]:tokens.token_offsets[i + 1]].tolist() == want_tokens, text[:40]
+            assert tokens.words[tokens.word_offsets[i]:tokens.word_offsets[i + 1]].tolist() == want_words, text[:40]
+
+
+def test_tokenize_treats_null_documents_as_empty():
+    tokens = minhash.tokenize(pa.array(["a b", None, "c"]))
+    assert np.diff(tokens.token_offsets).tolist() == [2, 0, 1]
+
+
+def test_shingles_and_exact_hashes_match_the_python_definition():
+    rng = random.Random(3)
+    counts = [0, 1, 2, 4, 5, 6, 30, 0, 3]
+    tokens = np.array([rng.getrandbits(64) for _ in range(sum(counts))], np.uint64)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    for n in (1, 3, 5):
+        weights = [int(w) for w in minhash._NGRAM_WEIGHTS[:n]]
+        hashes, shingle_offsets = minhash.ngrams(tokens, offsets, n)
+        for i in range(len(counts)):
+            doc = [int(t) for t in tokens[offsets[i]:offsets[i + 1]]]
+            starts = range(len(doc) - n + 1) if len(doc) >= n else ([0] if doc else [])
+            want = [mix64(sum(doc[j + k] * weights[k] for k in range(min(n, len(doc)))) & MASK) for j in starts]
+            assert hashes[shingle_offsets[i]:shingle_offsets[i + 1]].tolist() == want
+    exact = minhash.exact_hashes(minhash.Tokens(tokens, offsets, tokens, offsets))
+    for i in range(len(counts)):
+        doc = [int(t) for t in tokens[offsets[i]:offsets[i + 1]]]
+        for column, radix in enumerate((0x9E3779B97F4A7C15, 0xD6E8FEB86659FD93)):
+            total = sum(h * pow(radix, k, 1 << 64) for k, h in enumerate(doc)) & MASK
+            assert int(exact[i, column]) == mix64(total ^ (len(doc) * radix & MASK))
+
+
+def test_signatures_are_the_minimum_over_shingles_of_each_permutation():
+    rng = np.random.default_rng(4)
+    counts = [3, 0, 1, 50, 7]
+    shingles = rng.integers(0, 2**63, sum(counts), dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    multipliers = minhash.MinHashParams().permutations()
+    sigs = minhash.signatures(shingles, offsets, multipliers)
+    keys = (shingles >> np.uint64(32)).astype(np.uint32)
+    for i, count in enumerate(counts):
+        want = (np.full(len(multipliers), 0xFFFFFFFF, np.uint32) if count == 0 else
+                (multipliers[:, None] * keys[None, offsets[i]:offsets[i + 1]]).min(axis=1))
+        assert np.array_equal(sigs[i], want)
+
+
+def test_intersections_count_common_members():
+    sets = [np.array(s, np.uint64) for s in ([1, 3, 5, 7], [], [3, 4, 5], [2**63 + 1, 2**64 - 1], [2**64 - 1], [7])]
+    values, bounds = np.concatenate(sets), np.concatenate([[0], np.cumsum([len(s) for s in sets])]).astype(np.int64)
+    left, right = np.array([0, 0, 1, 3, 5, 1]), np.array([2, 1, 1, 4, 0, 3])
+    want = [len(set(sets[a].tolist()) & set(sets[b].tolist())) for a, b in zip(left, right)]
+    sizes = np.diff(bounds)
+    union = sizes[left] + sizes[right] - np.array(want)
+    assert minhash.jaccard_many(values, bounds, left, right).tolist() == [w / u if u else 1.0 for w, u in zip(want, union)]
+    common = np.empty(len(left), np.int64)
+    _minhash.intersections(values, bounds, left, right, common)
+    assert common.tolist() == want
+
+
+def test_kernels_refuse_buffers_that_do_not_fit():
+    offsets = np.array([0, 5, 3], np.int64)  # descending
+    with pytest.raises(ValueError, match="ascending"):
+        _minhash.tokenize(b"hello", offsets, np.empty(8, np.uint64), np.empty(2, np.int64), np.empty(8, np.uint64), np.empty(2, np.int64))
+    with pytest.raises(ValueError, match="too small"):
+        _minhash.tokenize(b"a b c d", np.array([0, 7], np.int64), np.empty(2, np.uint64), np.empty(1, np.int64),
+                          np.empty(2, np.uint64), np.empty(1, np.int64))
+    with pytest.raises(ValueError, match="do not fit"):
+        _minhash.signatures(np.zeros(3, np.uint64), np.array([0, 4], np.int64), np.ones(4, np.uint32), np.empty(4, np.uint32))
+    with pytest.raises(ValueError, match="do not fit"):
+        _minhash.intersections(np.zeros(2, np.uint64), np.array([0, 2], np.int64), np.array([0]), np.array([1]), np.empty(1, np.int64))
