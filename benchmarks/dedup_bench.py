@@ -314,7 +314,7 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=20000)
     parser.add_argument("--threshold", type=float, default=0.8)
     parser.add_argument("--methods", default="smolctl,datasketch,datatrove")
-    parser.add_argument("--repeat", type=int, default=2, help="Runs per method; the fastest is reported.")
+    parser.add_argument("--repeat", type=int, default=3, help="Rounds (each runs every method once); the fastest run of each method is reported.")
     parser.add_argument("--scale", type=int, help="Only measure smolctl's time and memory on this many synthetic documents.")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--corpus", type=Path, help=argparse.SUPPRESS)
@@ -333,7 +333,7 @@ def main() -> None:
         print(f"corpus: {len(corpus)} documents, {megabytes:.1f} MB, {megabytes * 1e6 / len(corpus):.0f} B/doc; "
               f"ground truth: {truth['pairs']} pairs >= {args.threshold}, {len(truth['remove'])} documents to remove",
               flush=True)
-        rows = []
+        methods = []
         for method in args.methods.split(","):
             if method == "datatrove":
                 try:
@@ -341,19 +341,25 @@ def main() -> None:
                 except ImportError:
                     print("datatrove: not installed (pip install datatrove), skipped")
                     continue
-            runs = []
-            for _ in range(args.repeat):
+            methods.append(method)
+        # Rounds interleave the methods (A B A B, not A A B B), so that a change in the machine's speed during
+        # the run (shared machines drift by 10-30% within minutes) reaches every method alike.
+        runs: dict[str, list[dict]] = {m: [] for m in methods}
+        for _ in range(args.repeat):
+            for method in methods:
                 done = subprocess.run([sys.executable, __file__, "--child", method, "--corpus", str(corpus_dir),
                                        "--threshold", str(args.threshold)], capture_output=True, text=True, cwd=REPO)
                 if done.returncode != 0:
                     sys.exit(f"{method} failed:\n{done.stderr[-3000:]}")
-                runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-            best = min(runs, key=lambda r: r["seconds"])
-            rows.append({"method": method, "seconds": best["seconds"], "cpu_seconds": min(r["cpu_seconds"] for r in runs),
+                runs[method].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                print(f"  {method}: {runs[method][-1]['seconds']:.2f}s", flush=True)
+        rows = []
+        for method in methods:
+            best = min(runs[method], key=lambda r: r["seconds"])
+            rows.append({"method": method, "seconds": best["seconds"], "cpu_seconds": min(r["cpu_seconds"] for r in runs[method]),
                          "docs_per_s": len(corpus) / best["seconds"],
-                         "mb_per_s": megabytes / best["seconds"], "max_rss_mib": max(r["max_rss_mib"] for r in runs),
+                         "mb_per_s": megabytes / best["seconds"], "max_rss_mib": max(r["max_rss_mib"] for r in runs[method]),
                          **score(best["removed"], truth)})
-            print(f"  {method}: {best['seconds']:.1f}s", flush=True)
     baseline = next((r for r in rows if r["method"] == "datasketch"), rows[0])
     print(f"\nload average during the runs: {os.getloadavg()[0]:.1f} (on {os.cpu_count()} CPUs)")
     header = ("| method | wall s | CPU s | docs/s | MB/s | vs datasketch (wall) | vs datasketch (CPU) | peak RSS | removed "

@@ -69,6 +69,20 @@ def test_tokenize_matches_the_python_definition():
             assert tokens.words[tokens.word_offsets[i]:tokens.word_offsets[i + 1]].tolist() == want_words, text[:40]
 
 
+def test_tokenize_matches_the_python_definition_on_random_byte_soup():
+    """Random documents over an alphabet of every byte class, with runs long enough to cross the kernel's
+    8-byte chunks at every alignment (tokens of 7, 8, 9, 16 bytes, space runs of 8 and more)."""
+    rng = random.Random(5)
+    alphabet = ["a", "B", "z", "_", "9", " ", " ", "\t", "\n", "\x1c", ",", "-", "(", "é", "机", "\x01"]
+    texts = ["".join(rng.choice(alphabet) * rng.choice([1, 1, 1, 2, 7, 8, 9, 16]) for _ in range(rng.randrange(0, 30)))
+             for _ in range(400)]
+    tokens = minhash.tokenize(pa.array(texts))
+    for i, text in enumerate(texts):
+        want_tokens, want_words = reference_tokens(text)
+        assert tokens.tokens[tokens.token_offsets[i]:tokens.token_offsets[i + 1]].tolist() == want_tokens, repr(text)
+        assert tokens.words[tokens.word_offsets[i]:tokens.word_offsets[i + 1]].tolist() == want_words, repr(text)
+
+
 def test_tokenize_treats_null_documents_as_empty():
     tokens = minhash.tokenize(pa.array(["a b", None, "c"]))
     assert np.diff(tokens.token_offsets).tolist() == [2, 0, 1]

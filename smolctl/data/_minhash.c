@@ -39,7 +39,7 @@ static inline uint64_t mix64(uint64_t z) {
 
 /* RADIX^k from a table: a running power would make every byte wait for the previous byte's multiply. */
 #define POWERS 4096
-static uint64_t powers[POWERS];
+static uint64_t powers[POWERS + 8];
 
 static void init_tables(void) {
     for (int c = 0; c < 256; c++) {
@@ -51,7 +51,7 @@ static void init_tables(void) {
     const char *spaces = "\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f ";
     for (const char *s = spaces; *s; s++) byte_class[(uint8_t)*s] = SPACE;
     powers[0] = 1;
-    for (int k = 1; k < POWERS; k++) powers[k] = powers[k - 1] * RADIX;
+    for (int k = 1; k < POWERS + 8; k++) powers[k] = powers[k - 1] * RADIX;
 }
 
 /* A span's hash: sum_k b_k * RADIX^k (mod 2^64), finished with its length and a multiply-xorshift. */
@@ -93,6 +93,100 @@ static void release(Buffer *buffers, int count) {
         if (buffers[i].held) PyBuffer_Release(&buffers[i].view);
 }
 
+/* Eight bytes at a time ("SWAR"): the byte classes of a 64-bit load as masks with the high bit of each
+   byte set, so that a token's end is a count of trailing zeros instead of a mispredicted branch per token. */
+#define ONES 0x0101010101010101ULL
+#define HIGHS 0x8080808080808080ULL
+#define LOW7 0x7F7F7F7F7F7F7F7FULL
+
+/* High bit of each byte b of x with low < b < high (the "hasbetween" bit hack; exact for every byte). */
+static inline uint64_t bytes_between(uint64_t x, unsigned low, unsigned high) {
+    uint64_t low7 = x & LOW7;
+    return (ONES * (127 + high) - low7) & ~x & (low7 + ONES * (127 - low)) & HIGHS;
+}
+
+static inline uint64_t space_bytes(uint64_t x) {
+    return bytes_between(x, 8, 14) | bytes_between(x, 27, 33);  /* \t \n \v \f \r, \x1c-\x1f and ' ' */
+}
+
+static inline uint64_t word_bytes(uint64_t x) {
+    return (x & HIGHS) | bytes_between(x, 47, 58) | bytes_between(x, 64, 91) | bytes_between(x, 96, 123)
+           | bytes_between(x, 94, 96);  /* non-ASCII, 0-9, A-Z, a-z, _ */
+}
+
+/* The 8 bytes at p, the ones at or past `end` reading as spaces (and never read past the buffer). */
+static inline uint64_t load_chunk(const uint8_t *p, const uint8_t *end) {
+    uint64_t x;
+    if (end - p >= 8) {
+        memcpy(&x, p, 8);
+        return x;
+    }
+    x = ONES * ' ';
+    memcpy(&x, p, (size_t)(end - p));
+    return x;
+}
+
+/* sum_j b_j * RADIX^(k + j) over the 8 bytes of x (bytes that are not part of the span must be zero). */
+static inline uint64_t chunk_sum(uint64_t x, Py_ssize_t k) {
+    const uint64_t *power = powers + k;
+    return (x & 0xFF) * power[0] + ((x >> 8) & 0xFF) * power[1] + ((x >> 16) & 0xFF) * power[2]
+           + ((x >> 24) & 0xFF) * power[3] + ((x >> 32) & 0xFF) * power[4] + ((x >> 40) & 0xFF) * power[5]
+           + ((x >> 48) & 0xFF) * power[6] + (x >> 56) * power[7];
+}
+
+/* Tokens and words of one document (bytes [start, end)); returns 0 if the output room ran out. */
+static int tokenize_document(const uint8_t *start, const uint8_t *end, uint64_t *token_hashes, Py_ssize_t *tokens,
+                             Py_ssize_t token_room, uint64_t *word_hashes, Py_ssize_t *words, Py_ssize_t word_room) {
+    const uint8_t *p = start;
+    while (p < end) {
+        uint64_t x = load_chunk(p, end), spaces = space_bytes(x);
+        if (spaces == HIGHS) { p += 8; continue; }
+        p += __builtin_ctzll(~spaces & HIGHS) / 8;  /* the token's first byte */
+        if (*tokens >= token_room || *words >= word_room) return 0;
+        const uint8_t *token = p;
+        uint64_t sum = 0, punctuation = 0;
+        Py_ssize_t length = 0;
+        for (;;) {
+            x = load_chunk(p, end);
+            spaces = space_bytes(x);
+            unsigned inside = spaces ? __builtin_ctzll(spaces) / 8 : 8;  /* token bytes in this chunk */
+            uint64_t keep = inside == 8 ? ~0ULL : (1ULL << (8 * inside)) - 1;
+            if (length + 8 > POWERS) {  /* a token of thousands of bytes: byte by byte from here */
+                const uint8_t *stop = p;
+                while (stop < end && byte_class[*stop] != SPACE) stop++;
+                length = stop - token;
+                sum = 0;
+                for (Py_ssize_t k = 0; k < length; k++) {
+                    sum += lower_case[token[k]] * (k < POWERS ? powers[k] : power_of(k));
+                    punctuation |= byte_class[token[k]] == PUNCT;
+                }
+                p = stop;
+                break;
+            }
+            x &= keep;
+            punctuation |= ~word_bytes(x) & keep & HIGHS;
+            x |= bytes_between(x, 64, 91) >> 2;  /* A-Z to a-z */
+            sum += chunk_sum(x, length);
+            length += inside;
+            p += inside;
+            if (inside < 8) break;
+        }
+        uint64_t hash = finish_hash(sum, length);
+        token_hashes[(*tokens)++] = hash;
+        if (!punctuation) {
+            word_hashes[(*words)++] = hash;
+            continue;
+        }
+        /* Rarer: a token with punctuation, trimmed to its first and last word bytes (if any). */
+        Py_ssize_t first = 0, last = length - 1;
+        while (first < length && byte_class[token[first]] != WORD) first++;
+        while (last > first && byte_class[token[last]] != WORD) last--;
+        if (first < length)
+            word_hashes[(*words)++] = (first == 0 && last == length - 1) ? hash : hash_span(token + first, last + 1 - first);
+    }
+    return 1;
+}
+
 static PyObject *tokenize(PyObject *self, PyObject *args) {
     PyObject *objects[6];
     if (!PyArg_ParseTuple(args, "OOOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4], &objects[5]))
@@ -125,30 +219,9 @@ static PyObject *tokenize(PyObject *self, PyObject *args) {
     int overflow = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < docs && !overflow; i++) {
-        Py_ssize_t position = offsets[i], end = offsets[i + 1], tokens_before = tokens, words_before = words;
-        while (position < end) {
-            while (position < end && byte_class[data[position]] == SPACE) position++;
-            if (position == end) break;
-            if (tokens >= token_room || words >= word_room) { overflow = 1; break; }
-            /* One pass over the token: its hash, and where its first and last word bytes are. */
-            Py_ssize_t start = position, first_word = -1, last_word = -1;
-            uint64_t sum = 0;
-            for (; position < end; position++) {
-                uint8_t byte = data[position], kind = byte_class[byte];
-                if (kind == SPACE) break;
-                Py_ssize_t k = position - start;
-                sum += lower_case[byte] * (k < POWERS ? powers[k] : power_of(k));
-                if (kind == WORD) {
-                    first_word = first_word < 0 ? position : first_word;
-                    last_word = position;
-                }
-            }
-            uint64_t hash = finish_hash(sum, position - start);
-            token_hashes[tokens++] = hash;
-            if (first_word >= 0)
-                word_hashes[words++] = (first_word == start && last_word == position - 1)
-                                           ? hash : hash_span(data + first_word, last_word + 1 - first_word);
-        }
+        Py_ssize_t tokens_before = tokens, words_before = words;
+        overflow = !tokenize_document(data + offsets[i], data + offsets[i + 1], token_hashes, &tokens, token_room,
+                                      word_hashes, &words, word_room);
         token_counts[i] = tokens - tokens_before;
         word_counts[i] = words - words_before;
     }
