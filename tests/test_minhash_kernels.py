@@ -38,9 +38,9 @@ def mix64(z: int) -> int:
 
 
 def reference_tokens(text: str) -> tuple[list[int], list[int]]:
-    """Token and word hashes of one document: tokens split on ASCII whitespace, words trimmed of the bytes that
-    are neither ASCII whitespace nor word bytes (ASCII punctuation and control characters)."""
-    raw = text.encode()
+    """Token and word hashes of one document's normalised text: tokens split on ASCII whitespace, words trimmed
+    of the bytes that are neither ASCII whitespace nor word bytes (ASCII punctuation and control characters)."""
+    raw = minhash.normalize(text).encode()
     for space in SPACES:
         raw = raw.replace(bytes([space]), b" ")
     tokens, words = [], []
@@ -54,7 +54,7 @@ def reference_tokens(text: str) -> tuple[list[int], list[int]]:
 
 AWKWARD = ["", "   ", "\t\n", "a", "...", "Hello, World!", "(x) [y] {z}", "UPPER lower MiXeD", "-- --- ---- x--y --z",
            "tab\tnew\nline\x0bvt\x0cff\rcr\x1cfs\x1dgs\x1ers\x1fus end", "ünïcode wörds — dash «quoted»",
-           "机器学习 是 人工智能", "emoji 🙂🙂 ok", "ctrl\x01char\x7fdel", "_under_score_", "'quote' \"double\"",
+           "机器学习 是 人工智能", "emoji 🙂🙂 ok", "STRASSE Straße ＡＢＣ ﬁne ÉCOLE\u2028next", "ctrl\x01char\x7fdel", "_under_score_", "'quote' \"double\"",
            "a" * 5000, "," + "b" * 4100 + ",", " lead", "trail ", "x y z w v u t"]
 
 
@@ -137,12 +137,13 @@ def test_intersections_count_common_members():
 
 
 def test_kernels_refuse_buffers_that_do_not_fit():
-    offsets = np.array([0, 5, 3], np.int64)  # descending
-    with pytest.raises(ValueError, match="ascending"):
-        _minhash.tokenize(b"hello", offsets, np.empty(8, np.uint64), np.empty(2, np.int64), np.empty(8, np.uint64), np.empty(2, np.int64))
+    room, counts = np.empty(8, np.uint64), np.empty(2, np.int64)
+    for starts, ends in (([0, 5], [5, 3]), ([0, 3], [4, 9]), ([-1, 0], [2, 2])):  # backwards, across both buffers, negative
+        with pytest.raises(ValueError, match="inside data, or inside extra"):
+            _minhash.tokenize(b"hello", b"abcd", np.array(starts, np.int64), np.array(ends, np.int64), room, counts, room, counts)
     with pytest.raises(ValueError, match="too small"):
-        _minhash.tokenize(b"a b c d", np.array([0, 7], np.int64), np.empty(2, np.uint64), np.empty(1, np.int64),
-                          np.empty(2, np.uint64), np.empty(1, np.int64))
+        _minhash.tokenize(b"a b c d", b"", np.array([0], np.int64), np.array([7], np.int64), np.empty(2, np.uint64),
+                          np.empty(1, np.int64), np.empty(2, np.uint64), np.empty(1, np.int64))
     with pytest.raises(ValueError, match="do not fit"):
         _minhash.signatures(np.zeros(3, np.uint64), np.array([0, 4], np.int64), np.ones(4, np.uint32), np.empty(4, np.uint32))
     with pytest.raises(ValueError, match="do not fit"):

@@ -4,11 +4,12 @@
    fill arrays the caller allocates (no numpy C API: plain buffers), so that a batch of documents is hashed
    in one pass over its bytes instead of a dozen whole-array numpy passes and their temporaries.
 
-   tokenize(data, offsets, token_hashes, token_counts, word_hashes, word_counts) -> (tokens, words)
-       data: the UTF-8 bytes of the batch; offsets: int64[n + 1] into data (document i is
-       data[offsets[i]:offsets[i + 1]]). A token is a maximal run of non-whitespace bytes inside a document, a
-       word the token without its leading and trailing ASCII punctuation (none if nothing is left). Both are
-       hashed with hash_span() below. Outputs: uint64 hashes end to end, int64 counts per document.
+   tokenize(data, extra, starts, ends, token_hashes, token_counts, word_hashes, word_counts) -> (tokens, words)
+       Document i is the UTF-8 bytes [starts[i], ends[i]) of data, or of extra when starts[i] >= len(data)
+       (counted from len(data)): a batch's arrow buffer with the documents that needed normalising in Python
+       placed in a second buffer. A token is a maximal run of non-whitespace bytes, a word the token without
+       its leading and trailing ASCII punctuation (none if nothing is left); both are hashed with ASCII letters
+       lower-cased (see hash_span). Outputs: uint64 hashes end to end, int64 counts per document.
    shingles(tokens, offsets, weights, out, out_counts) -> total
        The n-grams of consecutive tokens of each document, as mix64(sum_k tokens[j + k] * weights[k]); a
        document with 1 to n - 1 tokens has one, of all its tokens. out: uint64 end to end, out_counts per document.
@@ -188,30 +189,33 @@ static int tokenize_document(const uint8_t *start, const uint8_t *end, uint64_t 
 }
 
 static PyObject *tokenize(PyObject *self, PyObject *args) {
-    PyObject *objects[6];
-    if (!PyArg_ParseTuple(args, "OOOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4], &objects[5]))
+    PyObject *objects[8];
+    if (!PyArg_ParseTuple(args, "OOOOOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4], &objects[5],
+                          &objects[6], &objects[7]))
         return NULL;
-    Buffer b[6];
+    Buffer b[8];
     memset(b, 0, sizeof b);
-    static const char *names[6] = {"data", "offsets", "token_hashes", "token_counts", "word_hashes", "word_counts"};
-    static const Py_ssize_t sizes[6] = {1, 8, 8, 8, 8, 8};
-    for (int i = 0; i < 6; i++)
-        if (get_buffer(objects[i], &b[i], sizes[i], i >= 2, names[i]) < 0) { release(b, 6); return NULL; }
-    const uint8_t *data = b[0].view.buf;
-    const int64_t *offsets = b[1].view.buf;
-    Py_ssize_t docs = b[1].view.len / 8 - 1;
-    uint64_t *token_hashes = b[2].view.buf, *word_hashes = b[4].view.buf;
-    int64_t *token_counts = b[3].view.buf, *word_counts = b[5].view.buf;
-    Py_ssize_t token_room = b[2].view.len / 8, word_room = b[4].view.len / 8;
-    if (docs < 0 || b[3].view.len / 8 < docs || b[5].view.len / 8 < docs) {
-        release(b, 6);
-        PyErr_SetString(PyExc_ValueError, "offsets and counts disagree on the number of documents");
+    static const char *names[8] = {"data", "extra", "starts", "ends", "token_hashes", "token_counts", "word_hashes", "word_counts"};
+    static const Py_ssize_t sizes[8] = {1, 1, 8, 8, 8, 8, 8, 8};
+    for (int i = 0; i < 8; i++)
+        if (get_buffer(objects[i], &b[i], sizes[i], i >= 4, names[i]) < 0) { release(b, 8); return NULL; }
+    const uint8_t *data = b[0].view.buf, *extra = b[1].view.buf;
+    Py_ssize_t data_size = b[0].view.len, extra_size = b[1].view.len;
+    const int64_t *starts = b[2].view.buf, *ends = b[3].view.buf;
+    Py_ssize_t docs = b[2].view.len / 8;
+    uint64_t *token_hashes = b[4].view.buf, *word_hashes = b[6].view.buf;
+    int64_t *token_counts = b[5].view.buf, *word_counts = b[7].view.buf;
+    Py_ssize_t token_room = b[4].view.len / 8, word_room = b[6].view.len / 8;
+    if (b[3].view.len / 8 != docs || b[5].view.len / 8 < docs || b[7].view.len / 8 < docs) {
+        release(b, 8);
+        PyErr_SetString(PyExc_ValueError, "starts, ends and counts disagree on the number of documents");
         return NULL;
     }
-    for (Py_ssize_t i = 0; i <= docs; i++) {
-        if (offsets[i] < 0 || offsets[i] > b[0].view.len || (i > 0 && offsets[i] < offsets[i - 1])) {
-            release(b, 6);
-            PyErr_SetString(PyExc_ValueError, "offsets must be ascending and inside data");
+    for (Py_ssize_t i = 0; i < docs; i++) {
+        int in_data = ends[i] <= data_size, in_extra = starts[i] >= data_size && ends[i] <= data_size + extra_size;
+        if (starts[i] < 0 || starts[i] > ends[i] || !(in_data || in_extra)) {
+            release(b, 8);
+            PyErr_SetString(PyExc_ValueError, "each document must lie inside data, or inside extra (positions from len(data) on)");
             return NULL;
         }
     }
@@ -220,13 +224,14 @@ static PyObject *tokenize(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < docs && !overflow; i++) {
         Py_ssize_t tokens_before = tokens, words_before = words;
-        overflow = !tokenize_document(data + offsets[i], data + offsets[i + 1], token_hashes, &tokens, token_room,
+        const uint8_t *start = starts[i] < data_size || ends[i] == starts[i] ? data + starts[i] : extra + (starts[i] - data_size);
+        overflow = !tokenize_document(start, start + (ends[i] - starts[i]), token_hashes, &tokens, token_room,
                                       word_hashes, &words, word_room);
         token_counts[i] = tokens - tokens_before;
         word_counts[i] = words - words_before;
     }
     Py_END_ALLOW_THREADS
-    release(b, 6);
+    release(b, 8);
     if (overflow) {
         PyErr_SetString(PyExc_ValueError, "token_hashes or word_hashes is too small for the batch");
         return NULL;

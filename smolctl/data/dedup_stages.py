@@ -44,25 +44,26 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
     permutations = params.permutations() if params else None
     for batch in source.iter_file_batches(file_index, columns, BATCH_ROWS, threads=False):
         texts = batch.column(plan_.config.text_column)
-        folded = minhash.fold_non_ascii(texts)
         if id_column:
             ids = pc.cast(batch.column(id_column), pa.string())
         else:
             ids = pa.array([f"{shard_name}:{r}" for r in range(row, row + len(texts))], pa.string())
-        columns_out = {"id": ids, "null": pc.is_null(texts), "chars": pc.fill_null(pc.utf8_length(texts), 0).cast(pa.int64()),
-                       "bytes": pc.fill_null(pc.binary_length(texts), 0).cast(pa.int64())}
-        tokens = minhash.tokenize(folded)
+        columns_out = {"id": ids, "null": pc.is_null(texts), "bytes": pc.fill_null(pc.binary_length(texts), 0).cast(pa.int64())}
+        if plan_.config.keep == "longest":  # counting characters is a pass over every byte: only when asked
+            columns_out["chars"] = pc.fill_null(pc.utf8_length(texts), 0).cast(pa.int64())
+        tokens = minhash.tokenize(texts)
         if plan_.config.exact:
             exact = minhash.exact_hashes(tokens)
             columns_out["exact_hi"], columns_out["exact_lo"] = exact[:, 0], exact[:, 1]
             exact_parts.append(exact)
         if params:
-            shingles, offsets = minhash.shingle_hashes(folded, params.ngram, params.shingle, tokens)
+            shingles, offsets = minhash.shingle_hashes(texts, params.ngram, params.shingle, tokens)
             sigs = minhash.signatures(shingles, offsets, permutations)
             keys = minhash.band_keys(sigs, params.bands, params.rows)
             keys[np.diff(offsets) == 0] = NO_BUCKET  # documents without shingles (empty, null) match nothing
             if plan_.config.verify:
-                shingle_parts.append(shingles)
+                # The 32 bits MinHash permutes are what verification compares: half the disk of the full hashes.
+                shingle_parts.append((shingles >> np.uint64(32)).astype(np.uint32))
                 shingle_counts.append(np.diff(offsets))
             band_keys.append(keys)
             columns_out["signature"] = pa.FixedSizeBinaryArray.from_buffers(
@@ -75,9 +76,10 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
     if params and exact_parts:
         # A later exact copy of a document of this shard joins it through its exact edge and has its shingles:
         # it stays out of the buckets (no pairs, no verification) and its shingles are not kept.
-        _, first = np.unique(np.concatenate(exact_parts), axis=0, return_index=True)
-        repeats[:] = True
-        repeats[first] = False
+        exact = np.concatenate(exact_parts)
+        order = np.lexsort((exact[:, 1], exact[:, 0]))  # stable: an exact group's first document comes first
+        ordered = exact[order]
+        repeats[order[1:]] = (ordered[1:] == ordered[:-1]).all(axis=1)
     if params:
         keys = np.concatenate(band_keys) if band_keys else np.zeros((0, params.bands), np.uint64)
         keys[repeats] = NO_BUCKET
@@ -86,9 +88,9 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
         _atomic_write(plan_.work / "signatures" / f"{unit:05d}.bands", np.ascontiguousarray(keys.T, dtype="<u8").tobytes())
     if params and plan_.config.verify:
         # Kept for the grey-zone pairs' exact Jaccard: reading them back is far cheaper than re-reading and
-        # re-hashing the texts (about 8 bytes a word on disk; only the pairs' documents are ever loaded).
+        # re-hashing the texts (4 bytes a word on disk; only the pairs' documents are ever loaded).
         counts = np.concatenate(shingle_counts) if shingle_counts else np.zeros(0, np.int64)
-        shingles = np.concatenate(shingle_parts) if shingle_parts else np.zeros(0, np.uint64)
+        shingles = np.concatenate(shingle_parts) if shingle_parts else np.zeros(0, np.uint32)
         if repeats.any():
             shingles = shingles[~np.repeat(repeats, counts)]
             counts = np.where(repeats, 0, counts)
@@ -124,7 +126,7 @@ def bucket_unit(plan_: Plan, band: int, report: Report) -> dict:
 
 def components_unit(plan_: Plan, unit: int, report: Report) -> dict:
     config, n_input = plan_.config, plan_.source.num_rows
-    columns = ["id", "null", "chars"] + (["exact_hi", "exact_lo"] if config.exact else []) + (["signature"] if config.minhash else [])
+    columns = ["id", "null"] + (["chars"] if config.keep == "longest" else []) + (["exact_hi", "exact_lo"] if config.exact else []) + (["signature"] if config.minhash else [])
     table = pa.concat_tables(pq.read_table(plan_.work / "signatures" / f"{u:05d}.parquet", columns=columns)
                              for u in range(len(plan_.units)))
     ids = table.column("id")
@@ -143,7 +145,8 @@ def components_unit(plan_: Plan, unit: int, report: Report) -> dict:
         accepted, stats = verify_pairs(plan_, pairs, sigs, report, representative)
         edges.append(accepted)
     edges = np.concatenate(edges)
-    removed = choose_kept(edges, n_input, np.asarray(table.column("chars")), config.keep)
+    chars = np.asarray(table.column("chars")) if config.keep == "longest" else None
+    removed = choose_kept(edges, n_input, chars, config.keep)
     report_table = removal_report(removed, ids, exact, sigs)
     _write_table(plan_.work / "components" / "removed.parquet", report_table)
     reasons = report_table.column("reason").to_pylist()
@@ -248,12 +251,12 @@ def shingle_sets_of(plan_: Plan, docs: np.ndarray) -> tuple[np.ndarray, np.ndarr
         unit_offsets = np.load(plan_.work / "signatures" / f"{unit:05d}.shingle_offsets.npy", mmap_mode="r")
         begin, counts = unit_offsets[wanted], unit_offsets[wanted + 1] - unit_offsets[wanted]
         index = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts - begin, counts)
-        hashes.append(np.asarray(unit_hashes[index]))
+        hashes.append(np.asarray(unit_hashes[index]).astype(np.uint64) << np.uint64(32))
         offsets.append(np.cumsum(counts) + offsets[-1][-1])
     return minhash.sets_from_hashes(np.concatenate(hashes) if hashes else np.zeros(0, np.uint64), np.concatenate(offsets))
 
 
-def choose_kept(edges: np.ndarray, n_input: int, chars: np.ndarray, keep: str) -> np.ndarray:
+def choose_kept(edges: np.ndarray, n_input: int, chars: np.ndarray | None, keep: str) -> np.ndarray:
     """(removed, kept) global index pairs, sorted by the removed document.
 
     One document survives per connected component: a reference document if the component has one (the

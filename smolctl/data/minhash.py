@@ -2,7 +2,7 @@
 
     from smolctl.data import minhash
     params = minhash.MinHashParams.for_threshold(0.8)
-    shingles, offsets = minhash.shingle_hashes([minhash.normalize(t) for t in texts], params.ngram)
+    shingles, offsets = minhash.shingle_hashes(texts, params.ngram)          # of the normalised texts
     signatures = minhash.signatures(shingles, offsets, params.permutations())   # (docs, num_perm) uint32
 
 The per-document Python loop of the usual implementations (datasketch hashes every shingle with sha1 in Python)
@@ -147,26 +147,26 @@ def normalize(text: str) -> str:
 
 
 def normalize_array(texts: pa.Array | pa.ChunkedArray) -> pa.LargeStringArray:
-    """normalize() over an arrow array of texts (nulls become '')."""
-    return pc.ascii_lower(fold_non_ascii(texts).cast(pa.large_string()))
-
-
-def fold_non_ascii(texts: pa.Array | pa.ChunkedArray) -> pa.Array:
-    """normalize() applied to the documents that are not ASCII (nulls become ''), the others left as they are:
-    for ASCII text NFKC and case folding are plain lower-casing, which tokenize() does as it reads the bytes, so
-    only the other documents take the trip through Python."""
-    if isinstance(texts, pa.ChunkedArray):
-        texts = texts.combine_chunks()
-    if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
-        texts = texts.cast(pa.large_string())
-    if texts.null_count:
-        texts = pc.fill_null(texts, "")
+    """normalize() over an arrow array of texts (nulls become ''): NFKC and case folding are plain ASCII
+    lower-casing on ASCII text, which arrow does in bulk; only the other texts go through Python."""
+    texts = pc.ascii_lower(pc.fill_null(_plain_strings(texts).cast(pa.large_string()), ""))
     is_ascii = np.asarray(pc.string_is_ascii(texts), dtype=bool)
     if is_ascii.all():
         return texts
     others = np.flatnonzero(~is_ascii)
-    folded = pa.array([normalize(t) for t in texts.take(pa.array(others)).to_pylist()], texts.type)
+    folded = pa.array([normalize(t) for t in texts.take(pa.array(others)).to_pylist()], pa.large_string())
     return pc.replace_with_mask(texts, pa.array(~is_ascii), folded)
+
+
+def _plain_strings(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> pa.Array:
+    """A string or large_string arrow array (offsets and one data buffer) of any texts."""
+    if isinstance(texts, pa.ChunkedArray):
+        texts = texts.combine_chunks()
+    elif not isinstance(texts, pa.Array):
+        texts = pa.array(list(texts), pa.large_string())
+    if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
+        texts = texts.cast(pa.large_string())
+    return texts
 
 
 _OTHER_SPACES = {0x85: " ", 0x1680: " ", 0x2028: " ", 0x2029: " "}
@@ -184,27 +184,38 @@ class Tokens:
     word_offsets: np.ndarray
 
 
-def tokenize(texts: Sequence[str] | pa.Array) -> Tokens:
-    """Tokens and words of every document, hashed in one pass over the UTF-8 bytes of the batch (_minhash.c).
+def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
+    """Tokens and words of every document's normalised text (normalize(); nulls are empty), hashed in one pass
+    over the UTF-8 bytes of the batch (_minhash.c).
 
-    Documents must be normalised, except that ASCII letters may be in either case (fold_non_ascii's output):
-    the bytes are lower-cased as they are read. A token is a run of bytes other than ASCII whitespace; its hash
-    is sum_k b_k * R^k mod 2^64 over its bytes, finished with its length and a multiply-xorshift, so the same
-    token hashes alike wherever it lies.
+    ASCII documents are hashed straight from the arrow buffer: NFKC and case folding only lower-case ASCII
+    letters, which the kernel does as it reads. The others are normalised in Python into a second buffer that
+    the kernel reads instead. A token is a run of bytes other than ASCII whitespace; its hash is
+    sum_k b_k * R^k mod 2^64 over its bytes, finished with its length and a multiply-xorshift, so the same token
+    hashes alike wherever it lies.
     """
-    texts = texts if isinstance(texts, pa.Array) else pa.array(list(texts), pa.large_string())
-    if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
-        texts = texts.cast(pa.large_string())
-    if texts.null_count:
-        texts = pc.fill_null(texts, "")
+    texts = _plain_strings(texts)
     width = np.int64 if pa.types.is_large_string(texts.type) else np.int32
     offsets = np.frombuffer(texts.buffers()[1], dtype=width)[texts.offset:texts.offset + len(texts) + 1].astype(np.int64)
-    data = texts.buffers()[2] if texts.buffers()[2] is not None else b""
+    data = texts.buffers()[2] if texts.buffers()[2] is not None else pa.py_buffer(b"")
+    starts, ends = offsets[:-1].copy(), offsets[1:].copy()
+    if texts.null_count:
+        empty = np.asarray(texts.is_null(), dtype=bool)
+        ends[empty] = starts[empty]
+    extra = b""
+    is_ascii = np.asarray(pc.fill_null(pc.string_is_ascii(texts), True), dtype=bool)
+    if not is_ascii.all():
+        others = np.flatnonzero(~is_ascii)
+        folded = [normalize(t).encode() for t in texts.take(pa.array(others)).to_pylist()]
+        extra = b"".join(folded)
+        # Positions from len(data) on address the second buffer.
+        ends[others] = data.size + np.cumsum([len(f) for f in folded], dtype=np.int64)
+        starts[others] = ends[others] - np.array([len(f) for f in folded], np.int64)
     # A token takes at least one byte and a separator: a document of n bytes has at most (n + 1) // 2 of them.
-    room = (int(offsets[-1] - offsets[0]) + len(texts)) // 2 + 1
+    room = (int((ends - starts).sum()) + len(texts)) // 2 + 1
     token_hashes, word_hashes = np.empty(room, np.uint64), np.empty(room, np.uint64)
     token_counts, word_counts = np.empty(len(texts), np.int64), np.empty(len(texts), np.int64)
-    tokens, words = _minhash.tokenize(data, offsets, token_hashes, token_counts, word_hashes, word_counts)
+    tokens, words = _minhash.tokenize(data, extra, starts, ends, token_hashes, token_counts, word_hashes, word_counts)
     return Tokens(token_hashes[:tokens], _offsets(token_counts), word_hashes[:words], _offsets(word_counts))
 
 
@@ -229,26 +240,27 @@ def exact_hashes(tokens: Tokens) -> np.ndarray:
 # Shingles
 
 
-def char_tokens(normalized: Sequence[str] | pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """Word-class characters as tokens (code points), for languages without spaces (Chinese, Japanese, Thai)."""
-    texts = normalized if isinstance(normalized, pa.Array) else pa.array(list(normalized), pa.large_string())
-    kept = pc.replace_substring_regex(pc.ascii_lower(texts), NON_WORD, "").to_pylist()
+def char_tokens(texts: Sequence[str] | pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Word-class characters of the normalised texts as tokens (code points), for languages without spaces
+    (Chinese, Japanese, Thai)."""
+    kept = pc.replace_substring_regex(normalize_array(_plain_strings(texts)), NON_WORD, "").to_pylist()
     points = [np.frombuffer(t.encode("utf-32-le", "surrogatepass"), dtype="<u4") for t in kept]
     counts = np.array([len(p) for p in points], dtype=np.int64)
     joined = np.concatenate(points).astype(np.uint64) if points else np.zeros(0, np.uint64)
     return mix64(joined), np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
 
-def shingle_hashes(normalized: Sequence[str] | pa.Array, ngram: int = 5, shingle: str = "word",
+def shingle_hashes(texts: Sequence[str] | pa.Array, ngram: int = 5, shingle: str = "word",
                    tokens: Tokens | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(hashes, offsets) of each document's n-gram shingles (duplicates included; a min does not mind).
+    """(hashes, offsets) of the n-gram shingles of each document's normalised text (duplicates included; a min
+    does not mind); `tokens` = tokenize(texts) when the caller has it already.
 
     A document with fewer than `ngram` tokens (but at least one) has one shingle of all its tokens; a document
     without tokens has none.
     """
     if shingle == "char":
-        return ngrams(*char_tokens(normalized), ngram)
-    tokens = tokens or tokenize(normalized)
+        return ngrams(*char_tokens(texts), ngram)
+    tokens = tokens or tokenize(texts)
     return ngrams(tokens.words, tokens.word_offsets, ngram)
 
 
@@ -263,15 +275,15 @@ def ngrams(tokens: np.ndarray, offsets: np.ndarray, ngram: int) -> tuple[np.ndar
     return out[:total], _offsets(counts)
 
 
-def shingle_sets(normalized: Sequence[str] | pa.Array, ngram: int = 5, shingle: str = "word") -> list[np.ndarray]:
+def shingle_sets(texts: Sequence[str] | pa.Array, ngram: int = 5, shingle: str = "word") -> list[np.ndarray]:
     """Each document's shingle set as sorted unique uint64: what exact Jaccard verification compares."""
-    values, bounds = shingle_set_arrays(normalized, ngram, shingle)
+    values, bounds = shingle_set_arrays(texts, ngram, shingle)
     return [values[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
 
 
-def shingle_set_arrays(normalized: Sequence[str] | pa.Array, ngram: int = 5, shingle: str = "word") -> tuple[np.ndarray, np.ndarray]:
+def shingle_set_arrays(texts: Sequence[str] | pa.Array, ngram: int = 5, shingle: str = "word") -> tuple[np.ndarray, np.ndarray]:
     """The shingle sets of all documents end to end: set i = values[bounds[i]:bounds[i+1]], sorted unique."""
-    return sets_from_hashes(*shingle_hashes(normalized, ngram, shingle))
+    return sets_from_hashes(*shingle_hashes(texts, ngram, shingle))
 
 
 def sets_from_hashes(hashes: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
