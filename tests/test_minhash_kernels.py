@@ -9,6 +9,7 @@ import random
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
@@ -148,3 +149,21 @@ def test_kernels_refuse_buffers_that_do_not_fit():
         _minhash.signatures(np.zeros(3, np.uint64), np.array([0, 4], np.int64), np.ones(4, np.uint32), np.empty(4, np.uint32))
     with pytest.raises(ValueError, match="do not fit"):
         _minhash.intersections(np.zeros(2, np.uint64), np.array([0, 2], np.int64), np.array([0]), np.array([1]), np.empty(1, np.int64))
+
+
+def test_characters_outside_the_changing_class_are_left_alone_by_normalisation():
+    """The tokeniser hashes a non-ASCII document in place unless it holds a character of changing_characters():
+    every other character of planes 0-1 must come out of normalize() unchanged, alone, doubled, and after an
+    ASCII letter it could compose with, and the class must catch what does change."""
+    points = [chr(c) for c in range(0x80, 0x20000) if not 0xD800 <= c < 0xE000]
+    caught = np.asarray(pc.match_substring_regex(pa.array(points), minhash.changing_characters()), dtype=bool)
+    kept = [c for c, hit in zip(points, caught) if not hit]
+    assert len(kept) > 100_000
+    for c in kept:
+        assert minhash.normalize(f"Ae{c}{c}x") == f"ae{c}{c}x", hex(ord(c))
+    # ... and what does change: case, compatibility forms, composing and reordering marks, spaces, jamo.
+    assert minhash.normalize("a\u0360\u0316") != "a\u0360\u0316"  # marks of different classes are reordered
+    for c in ("É", "ß", "\u00a0", "…", "ﬁ", "\u0301", "\u0360\u0316", "\u2028", "Ａ", "\u1161", "\U00020000"):
+        assert pc.match_substring_regex(pa.array([f"a{c}b"]), minhash.changing_characters())[0].as_py(), hex(ord(c))
+    for c in ("’", "“", "—", "é", "ñ", "机", "я"):
+        assert not pc.match_substring_regex(pa.array([c]), minhash.changing_characters())[0].as_py(), c

@@ -13,6 +13,7 @@ shingle is one uint32 multiply and minimum (_minhash.c, vectorised by the compil
 
 from __future__ import annotations
 
+import functools
 import math
 import unicodedata
 from dataclasses import dataclass
@@ -171,6 +172,37 @@ def _plain_strings(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> pa.Arra
 
 _OTHER_SPACES = {0x85: " ", 0x1680: " ", 0x2028: " ", 0x2029: " "}
 _OTHER_SPACES_TEXT = [chr(c) for c in _OTHER_SPACES]
+
+
+@functools.cache
+def changing_characters() -> str:
+    """An RE2 character class of the characters a document must hold for normalize() to do more than
+    lower-case its ASCII letters: those that NFKC or case folding change, those that compose with or reorder
+    around their neighbours (combining marks, the second characters of canonical compositions, Hangul vowel
+    and final jamo), the extra spaces, and every character beyond plane 1 (not examined: rare, and always
+    safe to normalise). Derived from this Python's Unicode tables once per process (0.03 s)."""
+    points = [c for c in range(0x80, 0x20000) if not 0xD800 <= c < 0xE000]
+    changing = {c for c in points if chr(c).casefold() != chr(c) or unicodedata.combining(chr(c))}
+    changing |= set(_OTHER_SPACES) | set(range(0x1161, 0x1176)) | set(range(0x11A8, 0x11C3))
+    for c in points:
+        decomposition = unicodedata.decomposition(chr(c))
+        if not decomposition:
+            continue
+        if unicodedata.normalize("NFKC", chr(c)) != chr(c):
+            changing.add(c)
+        parts = decomposition.split()
+        if not decomposition.startswith("<") and len(parts) == 2:
+            changing.add(int(parts[1], 16))  # may compose with the character before it
+    ranges: list[list[int]] = []
+    for c in sorted(changing):
+        if ranges and ranges[-1][1] == c - 1:
+            ranges[-1][1] = c
+        else:
+            ranges.append([c, c])
+    spans = "".join(f"\\x{{{a:x}}}" if a == b else f"\\x{{{a:x}}}-\\x{{{b:x}}}" for a, b in ranges)
+    return f"[{spans}\\x{{20000}}-\\x{{10ffff}}]"
+
+
 @dataclass
 class Tokens:
     """A batch of documents as hashes: all documents concatenated, document i owning [offsets[i], offsets[i+1])."""
@@ -188,9 +220,10 @@ def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
     """Tokens and words of every document's normalised text (normalize(); nulls are empty), hashed in one pass
     over the UTF-8 bytes of the batch (_minhash.c).
 
-    ASCII documents are hashed straight from the arrow buffer: NFKC and case folding only lower-case ASCII
-    letters, which the kernel does as it reads. The others are normalised in Python into a second buffer that
-    the kernel reads instead. A token is a run of bytes other than ASCII whitespace; its hash is
+    Documents are hashed straight from the arrow buffer when normalize() would only lower-case their ASCII
+    letters, which the kernel does as it reads: ASCII documents, and those whose other characters are all
+    left alone by NFKC and case folding (curly quotes, dashes, accented lower-case letters, most scripts).
+    The rest are normalised in Python into a second buffer that the kernel reads instead. A token is a run of bytes other than ASCII whitespace; its hash is
     sum_k b_k * R^k mod 2^64 over its bytes, finished with its length and a multiply-xorshift, so the same token
     hashes alike wherever it lies.
     """
@@ -206,6 +239,9 @@ def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
     is_ascii = np.asarray(pc.fill_null(pc.string_is_ascii(texts), True), dtype=bool)
     if not is_ascii.all():
         others = np.flatnonzero(~is_ascii)
+        changing = pc.match_substring_regex(texts.take(pa.array(others)), changing_characters())
+        others = others[np.asarray(changing, dtype=bool)]
+    if not is_ascii.all() and len(others):
         folded = [normalize(t).encode() for t in texts.take(pa.array(others)).to_pylist()]
         extra = b"".join(folded)
         # Positions from len(data) on address the second buffer.
