@@ -167,3 +167,12 @@ def test_characters_outside_the_changing_class_are_left_alone_by_normalisation()
         assert pc.match_substring_regex(pa.array([f"a{c}b"]), minhash.changing_characters())[0].as_py(), hex(ord(c))
     for c in ("’", "“", "—", "é", "ñ", "机", "я"):
         assert not pc.match_substring_regex(pa.array([c]), minhash.changing_characters())[0].as_py(), c
+
+
+def test_sorted_unique_is_np_unique():
+    rng = np.random.default_rng(6)
+    for values in (rng.integers(0, 50, 1000).astype(np.uint64), rng.integers(-5, 5, 37), np.zeros(0, np.int64), np.array([7])):
+        want, want_inverse = np.unique(values, return_inverse=True)
+        assert np.array_equal(minhash.sorted_unique(values), want)
+        got, inverse = minhash.sorted_unique(values, return_inverse=True)
+        assert np.array_equal(got, want) and np.array_equal(inverse, want_inverse)

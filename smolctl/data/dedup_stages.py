@@ -141,7 +141,7 @@ def components_unit(plan_: Plan, unit: int, report: Report) -> dict:
     sigs, stats = None, {"candidate_pairs": 0, "verified_pairs": 0}
     if config.minhash:
         sigs = _signature_matrix(table.column("signature"), config.minhash.num_perm)
-        pairs = np.unique(np.concatenate([np.load(plan_.work / "buckets" / f"{b:05d}.npy") for b in range(config.minhash.bands)]))
+        pairs = minhash.sorted_unique(np.concatenate([np.load(plan_.work / "buckets" / f"{b:05d}.npy") for b in range(config.minhash.bands)]))
         accepted, stats = verify_pairs(plan_, pairs, sigs, report, representative)
         edges.append(accepted)
     edges = np.concatenate(edges)
@@ -214,7 +214,7 @@ def verify_pairs(plan_: Plan, pairs: np.ndarray, sigs: np.ndarray, report: Repor
     if representative is not None and len(pairs):
         low = representative[(pairs >> np.uint64(32)).astype(np.int64)].astype(np.uint64)
         high = representative[(pairs & np.uint64(0xFFFFFFFF)).astype(np.int64)].astype(np.uint64)
-        pairs = np.unique((np.minimum(low, high) << np.uint64(32)) | np.maximum(low, high))
+        pairs = minhash.sorted_unique((np.minimum(low, high) << np.uint64(32)) | np.maximum(low, high))
         pairs = pairs[(pairs >> np.uint64(32)) != (pairs & np.uint64(0xFFFFFFFF))]
         report("verify", candidates - len(pairs))
     left = (pairs >> np.uint64(32)).astype(np.int64)
@@ -229,7 +229,7 @@ def verify_pairs(plan_: Plan, pairs: np.ndarray, sigs: np.ndarray, report: Repor
     accept = estimate >= params.threshold + margin
     grey = np.flatnonzero((estimate > params.threshold - margin) & ~accept)
     report("verify", len(pairs) - len(grey))
-    docs = np.unique(np.concatenate([left[grey], right[grey]]))
+    docs = minhash.sorted_unique(np.concatenate([left[grey], right[grey]]))
     values, bounds = shingle_sets_of(plan_, docs)
     similarity = minhash.jaccard_many(values, bounds, np.searchsorted(docs, left[grey]), np.searchsorted(docs, right[grey]))
     accept[grey] = similarity >= params.threshold
@@ -281,7 +281,7 @@ def removal_report(removed: np.ndarray, ids: pa.ChunkedArray, exact: np.ndarray 
     Clusters are numbered by their kept document's position, so the numbers depend on the data only.
     """
     doc, kept = removed[:, 0], removed[:, 1]
-    _, cluster = np.unique(kept, return_inverse=True)
+    _, cluster = minhash.sorted_unique(kept, return_inverse=True)
     same_text = np.all(exact[doc] == exact[kept], axis=1) if exact is not None else np.zeros(len(doc), bool)
     if sigs is not None:
         similarity = np.where(same_text, 1.0, minhash.estimate_jaccard(sigs[doc], sigs[kept]) if len(doc) else 0.0)

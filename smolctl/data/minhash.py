@@ -386,6 +386,20 @@ def band_keys(sigs: np.ndarray, bands: int, rows: int) -> np.ndarray:
     return mix64(keys)
 
 
+def sorted_unique(values: np.ndarray, return_inverse: bool = False):
+    """np.unique by sorting: numpy 2.4 answers np.unique of integers from a hash table that is up to 80 times
+    slower than a sort (3.4 s against 0.04 s for 4 million uint64 here)."""
+    order = np.argsort(values) if return_inverse else None
+    ordered = values[order] if return_inverse else np.sort(values)
+    first = np.ones(len(ordered), bool)
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    if not return_inverse:
+        return ordered[first]
+    inverse = np.empty(len(values), np.int64)
+    inverse[order] = np.cumsum(first) - 1
+    return ordered[first], inverse
+
+
 def bucket_pairs(keys: np.ndarray, docs: np.ndarray) -> np.ndarray:
     """Candidate pairs (i < j, as i << 32 | j) among documents sharing a key of one band, sorted and unique.
 
@@ -400,7 +414,9 @@ def bucket_pairs(keys: np.ndarray, docs: np.ndarray) -> np.ndarray:
     # Members of a bucket in document order: only buckets of two or more (few) need sorting again.
     repeated = np.flatnonzero(keys[1:] == keys[:-1])
     if len(repeated):
-        members = np.union1d(repeated, repeated + 1)
+        in_bucket = np.zeros(len(keys), bool)
+        in_bucket[repeated] = in_bucket[repeated + 1] = True
+        members = np.flatnonzero(in_bucket)
         docs[members] = docs[members][np.lexsort((docs[members], keys[members]))]
     first_of_group = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
     sizes = np.diff(np.concatenate([first_of_group, [len(docs)]]))
@@ -417,7 +433,7 @@ def bucket_pairs(keys: np.ndarray, docs: np.ndarray) -> np.ndarray:
         heads = np.repeat(docs[first_of_group[large]], sizes[large] - 1)
         members = np.concatenate([docs[s + 1:s + n] for s, n in zip(first_of_group[large], sizes[large])])
         pieces.append((heads << np.uint64(32)) | members)
-    return np.unique(np.concatenate(pieces))
+    return sorted_unique(np.concatenate(pieces))
 
 
 def estimate_jaccard(sig_a: np.ndarray, sig_b: np.ndarray) -> np.ndarray:
@@ -438,7 +454,7 @@ def connected_components(u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.n
     Each round hooks every edge's larger root under its smaller one (parents only ever point to smaller nodes,
     so no cycle can form), then jumps pointers until every node points at its root.
     """
-    nodes, inverse = np.unique(np.concatenate([u, v]), return_inverse=True)
+    nodes, inverse = sorted_unique(np.concatenate([u, v]), return_inverse=True)
     a, b = inverse[:len(u)], inverse[len(u):]
     parent = np.arange(len(nodes))
     while True:
