@@ -4,17 +4,16 @@
    fill arrays the caller allocates (no numpy C API: plain buffers), so that a batch of documents is hashed
    in one pass over its bytes instead of a dozen whole-array numpy passes and their temporaries.
 
-   tokenize(data, extra, starts, ends, token_hashes, token_counts, word_hashes, word_counts) -> (tokens, words)
+   tokenize(data, extra, starts, ends, exact, word_hashes, word_counts) -> words
        Document i is the UTF-8 bytes [starts[i], ends[i]) of data, or of extra when starts[i] >= len(data)
        (counted from len(data)): a batch's arrow buffer with the documents that needed normalising in Python
        placed in a second buffer. A token is a maximal run of non-whitespace bytes, a word the token without
        its leading and trailing ASCII punctuation (none if nothing is left); both are hashed with ASCII letters
-       lower-cased (see hash_span). Outputs: uint64 hashes end to end, int64 counts per document.
+       lower-cased (see hash_span). Outputs: exact, uint64[n, 2], a 128-bit hash of each document's token
+       sequence (see tokenize_document); the word hashes end to end, and the words of each document.
    shingles(tokens, offsets, weights, out, out_counts) -> total
        The n-grams of consecutive tokens of each document, as mix64(sum_k tokens[j + k] * weights[k]); a
        document with 1 to n - 1 tokens has one, of all its tokens. out: uint64 end to end, out_counts per document.
-   exact_hashes(tokens, offsets, out)
-       out[i] = two polynomial hashes of document i's token hashes (see minhash.exact_hashes).
    intersections(values, bounds, left, right, out)
        out[k] = |set left[k] & set right[k]|, set i being the sorted unique values[bounds[i]:bounds[i + 1]].
    signatures(shingles, offsets, multipliers, out)
@@ -135,15 +134,20 @@ static inline uint64_t chunk_sum(uint64_t x, Py_ssize_t k) {
            + ((x >> 48) & 0xFF) * power[6] + (x >> 56) * power[7];
 }
 
-/* Tokens and words of one document (bytes [start, end)); returns 0 if the output room ran out. */
-static int tokenize_document(const uint8_t *start, const uint8_t *end, uint64_t *token_hashes, Py_ssize_t *tokens,
-                             Py_ssize_t token_room, uint64_t *word_hashes, Py_ssize_t *words, Py_ssize_t word_room) {
+static const uint64_t EXACT_RADIX[2] = {0x9E3779B97F4A7C15ULL, 0xD6E8FEB86659FD93ULL};
+
+/* Words and the exact hash of one document (bytes [start, end)); returns 0 if the word room ran out.
+   The exact hash is two polynomials sum_i t_i * R^i of the token hashes t_i, finished with the token count:
+   token hashes are folded in as they are found and never stored. */
+static int tokenize_document(const uint8_t *start, const uint8_t *end, uint64_t *exact, uint64_t *word_hashes,
+                             Py_ssize_t *words, Py_ssize_t word_room) {
     const uint8_t *p = start;
+    uint64_t exact_sum[2] = {0, 0}, exact_power[2] = {1, 1}, tokens = 0;
     while (p < end) {
         uint64_t x = load_chunk(p, end), spaces = space_bytes(x);
         if (spaces == HIGHS) { p += 8; continue; }
         p += __builtin_ctzll(~spaces & HIGHS) / 8;  /* the token's first byte */
-        if (*tokens >= token_room || *words >= word_room) return 0;
+        if (*words >= word_room) return 0;
         const uint8_t *token = p;
         uint64_t sum = 0, punctuation = 0;
         Py_ssize_t length = 0;
@@ -173,7 +177,11 @@ static int tokenize_document(const uint8_t *start, const uint8_t *end, uint64_t 
             if (inside < 8) break;
         }
         uint64_t hash = finish_hash(sum, length);
-        token_hashes[(*tokens)++] = hash;
+        for (int column = 0; column < 2; column++) {
+            exact_sum[column] += hash * exact_power[column];
+            exact_power[column] *= EXACT_RADIX[column];
+        }
+        tokens++;
         if (!punctuation) {
             word_hashes[(*words)++] = hash;
             continue;
@@ -185,58 +193,57 @@ static int tokenize_document(const uint8_t *start, const uint8_t *end, uint64_t 
         if (first < length)
             word_hashes[(*words)++] = (first == 0 && last == length - 1) ? hash : hash_span(token + first, last + 1 - first);
     }
+    for (int column = 0; column < 2; column++) exact[column] = mix64(exact_sum[column] ^ tokens * EXACT_RADIX[column]);
     return 1;
 }
 
 static PyObject *tokenize(PyObject *self, PyObject *args) {
-    PyObject *objects[8];
-    if (!PyArg_ParseTuple(args, "OOOOOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4], &objects[5],
-                          &objects[6], &objects[7]))
+    PyObject *objects[7];
+    if (!PyArg_ParseTuple(args, "OOOOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4], &objects[5],
+                          &objects[6]))
         return NULL;
-    Buffer b[8];
+    Buffer b[7];
     memset(b, 0, sizeof b);
-    static const char *names[8] = {"data", "extra", "starts", "ends", "token_hashes", "token_counts", "word_hashes", "word_counts"};
-    static const Py_ssize_t sizes[8] = {1, 1, 8, 8, 8, 8, 8, 8};
-    for (int i = 0; i < 8; i++)
-        if (get_buffer(objects[i], &b[i], sizes[i], i >= 4, names[i]) < 0) { release(b, 8); return NULL; }
+    static const char *names[7] = {"data", "extra", "starts", "ends", "exact", "word_hashes", "word_counts"};
+    static const Py_ssize_t sizes[7] = {1, 1, 8, 8, 16, 8, 8};
+    for (int i = 0; i < 7; i++)
+        if (get_buffer(objects[i], &b[i], sizes[i], i >= 4, names[i]) < 0) { release(b, 7); return NULL; }
     const uint8_t *data = b[0].view.buf, *extra = b[1].view.buf;
     Py_ssize_t data_size = b[0].view.len, extra_size = b[1].view.len;
     const int64_t *starts = b[2].view.buf, *ends = b[3].view.buf;
     Py_ssize_t docs = b[2].view.len / 8;
-    uint64_t *token_hashes = b[4].view.buf, *word_hashes = b[6].view.buf;
-    int64_t *token_counts = b[5].view.buf, *word_counts = b[7].view.buf;
-    Py_ssize_t token_room = b[4].view.len / 8, word_room = b[6].view.len / 8;
-    if (b[3].view.len / 8 != docs || b[5].view.len / 8 < docs || b[7].view.len / 8 < docs) {
-        release(b, 8);
-        PyErr_SetString(PyExc_ValueError, "starts, ends and counts disagree on the number of documents");
+    uint64_t *exact = b[4].view.buf, *word_hashes = b[5].view.buf;
+    int64_t *word_counts = b[6].view.buf;
+    Py_ssize_t word_room = b[5].view.len / 8;
+    if (b[3].view.len / 8 != docs || b[4].view.len / 16 != docs || b[6].view.len / 8 != docs) {
+        release(b, 7);
+        PyErr_SetString(PyExc_ValueError, "starts, ends, exact and word_counts disagree on the number of documents");
         return NULL;
     }
     for (Py_ssize_t i = 0; i < docs; i++) {
         int in_data = ends[i] <= data_size, in_extra = starts[i] >= data_size && ends[i] <= data_size + extra_size;
         if (starts[i] < 0 || starts[i] > ends[i] || !(in_data || in_extra)) {
-            release(b, 8);
+            release(b, 7);
             PyErr_SetString(PyExc_ValueError, "each document must lie inside data, or inside extra (positions from len(data) on)");
             return NULL;
         }
     }
-    Py_ssize_t tokens = 0, words = 0;
+    Py_ssize_t words = 0;
     int overflow = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < docs && !overflow; i++) {
-        Py_ssize_t tokens_before = tokens, words_before = words;
+        Py_ssize_t words_before = words;
         const uint8_t *start = starts[i] < data_size || ends[i] == starts[i] ? data + starts[i] : extra + (starts[i] - data_size);
-        overflow = !tokenize_document(start, start + (ends[i] - starts[i]), token_hashes, &tokens, token_room,
-                                      word_hashes, &words, word_room);
-        token_counts[i] = tokens - tokens_before;
+        overflow = !tokenize_document(start, start + (ends[i] - starts[i]), exact + 2 * i, word_hashes, &words, word_room);
         word_counts[i] = words - words_before;
     }
     Py_END_ALLOW_THREADS
-    release(b, 8);
+    release(b, 7);
     if (overflow) {
-        PyErr_SetString(PyExc_ValueError, "token_hashes or word_hashes is too small for the batch");
+        PyErr_SetString(PyExc_ValueError, "word_hashes is too small for the batch");
         return NULL;
     }
-    return Py_BuildValue("nn", tokens, words);
+    return PyLong_FromSsize_t(words);
 }
 
 /* The inner loop over permutations is what the compiler vectorises; on x86-64 a second copy is built for
@@ -333,41 +340,6 @@ static PyObject *shingles(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(total);
 }
 
-static PyObject *exact_hashes(PyObject *self, PyObject *args) {
-    PyObject *objects[3];
-    if (!PyArg_ParseTuple(args, "OOO", &objects[0], &objects[1], &objects[2])) return NULL;
-    Buffer b[3];
-    memset(b, 0, sizeof b);
-    static const char *names[3] = {"tokens", "offsets", "out"};
-    for (int i = 0; i < 3; i++)
-        if (get_buffer(objects[i], &b[i], 8, i == 2, names[i]) < 0) { release(b, 3); return NULL; }
-    const uint64_t *tokens = b[0].view.buf;
-    const int64_t *offsets = b[1].view.buf;
-    uint64_t *out = b[2].view.buf;
-    Py_ssize_t docs = b[1].view.len / 8 - 1;
-    if (!check_offsets(offsets, docs, b[0].view.len / 8) || b[2].view.len / 16 != docs) {
-        release(b, 3);
-        PyErr_SetString(PyExc_ValueError, "exact_hashes: tokens, offsets and out do not fit together");
-        return NULL;
-    }
-    static const uint64_t radix[2] = {0x9E3779B97F4A7C15ULL, 0xD6E8FEB86659FD93ULL};
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < docs; i++) {
-        uint64_t count = (uint64_t)(offsets[i + 1] - offsets[i]);
-        for (int column = 0; column < 2; column++) {
-            uint64_t sum = 0, power = 1;
-            for (int64_t j = offsets[i]; j < offsets[i + 1]; j++) {
-                sum += tokens[j] * power;
-                power *= radix[column];
-            }
-            out[2 * i + column] = mix64(sum ^ count * radix[column]);
-        }
-    }
-    Py_END_ALLOW_THREADS
-    release(b, 3);
-    Py_RETURN_NONE;
-}
-
 static PyObject *intersections(PyObject *self, PyObject *args) {
     PyObject *objects[5];
     if (!PyArg_ParseTuple(args, "OOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4])) return NULL;
@@ -409,7 +381,6 @@ static PyObject *intersections(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"tokenize", tokenize, METH_VARARGS, "Hash every token and word of a batch of documents (see the file's header)."},
     {"shingles", shingles, METH_VARARGS, "Word (or character) n-gram shingle hashes (see the file's header)."},
-    {"exact_hashes", exact_hashes, METH_VARARGS, "A 128-bit hash of each document's token sequence (see the file's header)."},
     {"intersections", intersections, METH_VARARGS, "Sizes of the intersections of pairs of sorted sets (see the file's header)."},
     {"signatures", signatures, METH_VARARGS, "MinHash signatures of a batch of documents (see the file's header)."},
     {NULL, NULL, 0, NULL},

@@ -53,7 +53,7 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
             columns_out["chars"] = pc.fill_null(pc.utf8_length(texts), 0).cast(pa.int64())
         tokens = minhash.tokenize(texts)
         if plan_.config.exact:
-            exact = minhash.exact_hashes(tokens)
+            exact = tokens.exact
             columns_out["exact_hi"], columns_out["exact_lo"] = exact[:, 0], exact[:, 1]
             exact_parts.append(exact)
         if params:

@@ -205,27 +205,31 @@ def changing_characters() -> str:
 
 @dataclass
 class Tokens:
-    """A batch of documents as hashes: all documents concatenated, document i owning [offsets[i], offsets[i+1])."""
+    """A batch of documents as hashes."""
 
-    tokens: np.ndarray
-    """uint64 hash of every whitespace-separated token (what exact dedup compares)."""
-    token_offsets: np.ndarray
+    exact: np.ndarray
+    """(docs, 2) uint64: a 128-bit hash of each document's sequence of whitespace-separated tokens (= of its
+    normalised, whitespace-collapsed text): two polynomials sum_i t_i * R^i mod 2^64 of the token hashes t_i
+    with different odd R, each finished with the token count and mix64. What exact dedup compares."""
     words: np.ndarray
-    """uint64 hash of every word: a token without its leading and trailing ASCII punctuation (dropped if nothing
-    is left), so that "word," and "(word" are "word" and punctuation edits barely move the shingles."""
+    """uint64 hash of every word, documents end to end (document i owns [word_offsets[i], word_offsets[i+1])): a
+    token without its leading and trailing ASCII punctuation (dropped if nothing is left), so that "word," and
+    "(word" are "word" and punctuation edits barely move the shingles."""
     word_offsets: np.ndarray
 
 
 def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
-    """Tokens and words of every document's normalised text (normalize(); nulls are empty), hashed in one pass
+    """Exact hashes and words of every document's normalised text (normalize(); nulls are empty), in one pass
     over the UTF-8 bytes of the batch (_minhash.c).
 
     Documents are hashed straight from the arrow buffer when normalize() would only lower-case their ASCII
     letters, which the kernel does as it reads: ASCII documents, and those whose other characters are all
     left alone by NFKC and case folding (curly quotes, dashes, accented lower-case letters, most scripts).
-    The rest are normalised in Python into a second buffer that the kernel reads instead. A token is a run of bytes other than ASCII whitespace; its hash is
-    sum_k b_k * R^k mod 2^64 over its bytes, finished with its length and a multiply-xorshift, so the same token
-    hashes alike wherever it lies.
+    The rest are normalised in Python into a second buffer that the kernel reads instead.
+
+    A token is a run of bytes other than ASCII whitespace; its hash (and a word's) is sum_k b_k * R^k mod 2^64
+    over its bytes, finished with its length and a multiply-xorshift, so the same token hashes alike wherever
+    it lies.
     """
     texts = _plain_strings(texts)
     width = np.int64 if pa.types.is_large_string(texts.type) else np.int32
@@ -247,28 +251,16 @@ def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
         # Positions from len(data) on address the second buffer.
         ends[others] = data.size + np.cumsum([len(f) for f in folded], dtype=np.int64)
         starts[others] = ends[others] - np.array([len(f) for f in folded], np.int64)
-    # A token takes at least one byte and a separator: a document of n bytes has at most (n + 1) // 2 of them.
+    # A word takes at least one byte and a separator: a document of n bytes has at most (n + 1) // 2 of them.
     room = (int((ends - starts).sum()) + len(texts)) // 2 + 1
-    token_hashes, word_hashes = np.empty(room, np.uint64), np.empty(room, np.uint64)
-    token_counts, word_counts = np.empty(len(texts), np.int64), np.empty(len(texts), np.int64)
-    tokens, words = _minhash.tokenize(data, extra, starts, ends, token_hashes, token_counts, word_hashes, word_counts)
-    return Tokens(token_hashes[:tokens], _offsets(token_counts), word_hashes[:words], _offsets(word_counts))
+    exact, word_hashes, word_counts = np.empty((len(texts), 2), np.uint64), np.empty(room, np.uint64), np.empty(len(texts), np.int64)
+    words = _minhash.tokenize(data, extra, starts, ends, exact, word_hashes, word_counts)
+    return Tokens(exact, word_hashes[:words], _offsets(word_counts))
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
     out = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(counts, out=out[1:])
-    return out
-
-
-def exact_hashes(tokens: Tokens) -> np.ndarray:
-    """(docs, 2) uint64: a 128-bit hash of each document's token sequence (= of its whitespace-collapsed text).
-
-    Two polynomial hashes sum_i h_i * R^i mod 2^64 of the (well-mixed) token hashes with different odd R, each
-    finished with the token count and mix64: distinct sequences collide with probability about 2^-128.
-    """
-    out = np.empty((len(tokens.token_offsets) - 1, 2), np.uint64)
-    _minhash.exact_hashes(tokens.tokens, tokens.token_offsets, out)
     return out
 
 
