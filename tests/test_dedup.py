@@ -240,6 +240,15 @@ def test_staged_markers_skip_finished_tasks_and_a_rerun_resumes(planted, tmp_pat
         dedup(planted["input"], out, stage="signatures")
 
 
+def test_a_work_area_hashed_by_another_version_is_not_resumed(planted, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    dedup(planted["input"], out, stage="signatures", tasks=2, task_id=0)
+    import smolctl.data.dedup as dedup_module
+    monkeypatch.setattr(dedup_module, "HASHING_VERSION", dedup_module.HASHING_VERSION + 1)
+    with pytest.raises(UserError, match="other inputs or settings"):
+        dedup(planted["input"], out, stage="signatures", tasks=2, task_id=1)
+
+
 def test_against_reference_removes_what_it_holds_and_keeps_it(planted, tmp_path):
     table, truth = planted["table"], planted["truth"]
     near = [c for c, (_, kind, s) in truth.items() if kind == "near" and s >= 0.8][:5]

@@ -28,7 +28,7 @@
 enum { SPACE = 0, WORD = 1, PUNCT = 2 };
 #define RADIX 0x100000001B3ULL
 
-static uint8_t byte_class[256], lower_case[256];
+static uint8_t byte_class[256];
 /* splitmix64's finaliser (minhash.mix64). */
 static inline uint64_t mix64(uint64_t z) {
     z += 0x9E3779B97F4A7C15ULL;
@@ -37,40 +37,36 @@ static inline uint64_t mix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 
-/* RADIX^k from a table: a running power would make every byte wait for the previous byte's multiply. */
-#define POWERS 4096
-static uint64_t powers[POWERS + 8];
+/* RADIX^8: the step between the multipliers of consecutive 8-byte chunks of a span. */
+static uint64_t radix_8;
 
 static void init_tables(void) {
     for (int c = 0; c < 256; c++) {
         int word = c >= 128 || (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
         byte_class[c] = word ? WORD : PUNCT;
-        lower_case[c] = (c >= 'A' && c <= 'Z') ? c + 32 : c;
     }
     /* The ASCII characters str.split() splits on. */
     const char *spaces = "\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f ";
     for (const char *s = spaces; *s; s++) byte_class[(uint8_t)*s] = SPACE;
-    powers[0] = 1;
-    for (int k = 1; k < POWERS + 8; k++) powers[k] = powers[k - 1] * RADIX;
+    radix_8 = 1;
+    for (int k = 0; k < 8; k++) radix_8 *= RADIX;
 }
 
-/* A span's hash: sum_k b_k * RADIX^k (mod 2^64), finished with its length and a multiply-xorshift. */
+/* A span's hash: its bytes (ASCII letters lower-cased) as 8-byte little-endian chunks c_m, the last one
+   zero-padded, summed as sum_m c_m * RADIX^(8m + 1) (mod 2^64; odd multipliers, so a single differing chunk
+   always changes the sum), then finished with the span's length and a multiply-xorshift. One multiply per
+   8 bytes. */
 static inline uint64_t finish_hash(uint64_t sum, Py_ssize_t length) {
     uint64_t mixed = (sum + (uint64_t)length * 0x9E3779B97F4A7C15ULL) * 0xBF58476D1CE4E5B9ULL;
     return (mixed ^ (mixed >> 31)) | 1ULL;
 }
 
-
-static uint64_t power_of(Py_ssize_t k) {
-    uint64_t result = powers[POWERS - 1];
-    for (k -= POWERS - 1; k > 0; k--) result *= RADIX;
-    return result;
-}
-
-static inline uint64_t hash_span(const uint8_t *bytes, Py_ssize_t length) {
-    uint64_t sum = 0;
-    for (Py_ssize_t k = 0; k < length; k++) sum += lower_case[bytes[k]] * (k < POWERS ? powers[k] : power_of(k));
-    return finish_hash(sum, length);
+static inline uint64_t little_endian(uint64_t x) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    return __builtin_bswap64(x);
+#else
+    return x;
+#endif
 }
 
 typedef struct {
@@ -119,19 +115,27 @@ static inline uint64_t load_chunk(const uint8_t *p, const uint8_t *end) {
     uint64_t x;
     if (end - p >= 8) {
         memcpy(&x, p, 8);
-        return x;
+        return little_endian(x);
     }
     x = ONES * ' ';
     memcpy(&x, p, (size_t)(end - p));
-    return x;
+    return little_endian(x);
 }
 
-/* sum_j b_j * RADIX^(k + j) over the 8 bytes of x (bytes that are not part of the span must be zero). */
-static inline uint64_t chunk_sum(uint64_t x, Py_ssize_t k) {
-    const uint64_t *power = powers + k;
-    return (x & 0xFF) * power[0] + ((x >> 8) & 0xFF) * power[1] + ((x >> 16) & 0xFF) * power[2]
-           + ((x >> 24) & 0xFF) * power[3] + ((x >> 32) & 0xFF) * power[4] + ((x >> 40) & 0xFF) * power[5]
-           + ((x >> 48) & 0xFF) * power[6] + (x >> 56) * power[7];
+static inline uint64_t lower_ascii(uint64_t x) {
+    return x | (bytes_between(x, 64, 91) >> 2);  /* A-Z to a-z: 0x20 added to those bytes */
+}
+
+/* finish_hash of any span (the tokeniser's slow path: words trimmed of punctuation). */
+static uint64_t hash_span(const uint8_t *bytes, Py_ssize_t length) {
+    uint64_t sum = 0, multiplier = RADIX;
+    for (Py_ssize_t k = 0; k < length; k += 8) {
+        uint64_t x = 0;
+        memcpy(&x, bytes + k, length - k < 8 ? (size_t)(length - k) : 8);
+        sum += lower_ascii(little_endian(x)) * multiplier;
+        multiplier *= radix_8;
+    }
+    return finish_hash(sum, length);
 }
 
 static const uint64_t EXACT_RADIX[2] = {0x9E3779B97F4A7C15ULL, 0xD6E8FEB86659FD93ULL};
@@ -149,29 +153,17 @@ static int tokenize_document(const uint8_t *start, const uint8_t *end, uint64_t 
         p += __builtin_ctzll(~spaces & HIGHS) / 8;  /* the token's first byte */
         if (*words >= word_room) return 0;
         const uint8_t *token = p;
-        uint64_t sum = 0, punctuation = 0;
+        uint64_t sum = 0, multiplier = RADIX, punctuation = 0;
         Py_ssize_t length = 0;
         for (;;) {
             x = load_chunk(p, end);
             spaces = space_bytes(x);
             unsigned inside = spaces ? __builtin_ctzll(spaces) / 8 : 8;  /* token bytes in this chunk */
             uint64_t keep = inside == 8 ? ~0ULL : (1ULL << (8 * inside)) - 1;
-            if (length + 8 > POWERS) {  /* a token of thousands of bytes: byte by byte from here */
-                const uint8_t *stop = p;
-                while (stop < end && byte_class[*stop] != SPACE) stop++;
-                length = stop - token;
-                sum = 0;
-                for (Py_ssize_t k = 0; k < length; k++) {
-                    sum += lower_case[token[k]] * (k < POWERS ? powers[k] : power_of(k));
-                    punctuation |= byte_class[token[k]] == PUNCT;
-                }
-                p = stop;
-                break;
-            }
             x &= keep;
             punctuation |= ~word_bytes(x) & keep & HIGHS;
-            x |= bytes_between(x, 64, 91) >> 2;  /* A-Z to a-z */
-            sum += chunk_sum(x, length);
+            sum += lower_ascii(x) * multiplier;
+            multiplier *= radix_8;
             length += inside;
             p += inside;
             if (inside < 8) break;

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from smolctl.data.dedup_stages import (Report, bucket_unit, check_unique_ids, components_unit, filter_unit, id_chunks,
                                       signature_unit)
-from smolctl.data.minhash import MinHashParams
+from smolctl.data.minhash import HASHING_VERSION, MinHashParams
 from smolctl.errors import UserError
 from smolctl.shards import (KIND_DOCUMENTS, DatasetWriter, DocumentSource, OutputFolder,
                             atomic_write_json, check_output_path, open_documents, schema_to_dict)
@@ -126,7 +126,8 @@ class Plan:
             return [] if src is None else [[str(f.resolve()), f.stat().st_size, int(f.stat().st_mtime)] for f in src.files]
 
         return {"config": {k: v for k, v in asdict(self.config).items() if k not in ("overwrite", "output")},
-                "input_files": files(self.source), "reference_files": files(self.reference)}
+                "input_files": files(self.source), "reference_files": files(self.reference),
+                "hashing": HASHING_VERSION}
 
 
 def plan(config: DedupConfig) -> Plan:

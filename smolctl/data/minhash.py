@@ -26,6 +26,8 @@ import pyarrow.compute as pc
 from smolctl.data import _minhash
 from smolctl.errors import UserError
 
+# Bumped whenever a hash definition changes: a dedup work area made under another version is not resumed.
+HASHING_VERSION = 2
 MAX_HASH = np.uint32(0xFFFFFFFF)
 # Characters kept for char shingles: letters, combining marks (Indic and Arabic letters stay whole), digits, '_'.
 NON_WORD = r"[^\p{L}\p{M}\p{N}_]+"
@@ -227,9 +229,9 @@ def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
     left alone by NFKC and case folding (curly quotes, dashes, accented lower-case letters, most scripts).
     The rest are normalised in Python into a second buffer that the kernel reads instead.
 
-    A token is a run of bytes other than ASCII whitespace; its hash (and a word's) is sum_k b_k * R^k mod 2^64
-    over its bytes, finished with its length and a multiply-xorshift, so the same token hashes alike wherever
-    it lies.
+    A token is a run of bytes other than ASCII whitespace; its hash (and a word's) is sum_m c_m * R^(8m + 1)
+    mod 2^64 over its 8-byte little-endian chunks c_m, finished with its length and a multiply-xorshift, so
+    the same token hashes alike wherever it lies.
     """
     texts = _plain_strings(texts)
     width = np.int64 if pa.types.is_large_string(texts.type) else np.int32
