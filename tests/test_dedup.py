@@ -173,7 +173,7 @@ def test_union_find_is_order_free_and_labels_by_smallest_node():
 
 
 def test_planted_duplicates_removed_distinct_kept_and_accounted(planted, tmp_path):
-    result = dedup(planted["input"], tmp_path / "out", workers=1)
+    dedup(planted["input"], tmp_path / "out", workers=1)
     kept, report = read_output(tmp_path / "out")
     removed = dict(zip(report.column("id").to_pylist(), report.to_pylist()))
     for copy_id, (original, kind, similarity) in planted["truth"].items():

@@ -29,6 +29,7 @@ enum { SPACE = 0, WORD = 1, PUNCT = 2 };
 #define RADIX 0x100000001B3ULL
 
 static uint8_t byte_class[256];
+
 /* splitmix64's finaliser (minhash.mix64). */
 static inline uint64_t mix64(uint64_t z) {
     z += 0x9E3779B97F4A7C15ULL;
