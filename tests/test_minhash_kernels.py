@@ -129,6 +129,15 @@ def test_signatures_are_the_minimum_over_shingles_of_each_permutation():
         assert np.array_equal(sigs[i], want)
 
 
+def test_estimates_count_equal_signature_values():
+    sigs = np.random.default_rng(7).integers(0, 4, (6, 100)).astype(np.uint32)
+    left, right = np.array([0, 1, 5, 3]), np.array([2, 1, 0, 4])
+    want = [(sigs[a] == sigs[b]).mean() for a, b in zip(left, right)]
+    assert minhash.estimate_jaccard(sigs, left, right).tolist() == want
+    with pytest.raises(ValueError, match="do not fit"):
+        minhash.estimate_jaccard(sigs, np.array([6]), np.array([0]))
+
+
 def test_intersections_count_common_members():
     sets = [np.array(s, np.uint64) for s in ([1, 3, 5, 7], [], [3, 4, 5], [2**63 + 1, 2**64 - 1], [2**64 - 1], [7])]
     values, bounds = np.concatenate(sets), np.concatenate([[0], np.cumsum([len(s) for s in sets])]).astype(np.int64)

@@ -16,6 +16,8 @@
        document with 1 to n - 1 tokens has one, of all its tokens. out: uint64 end to end, out_counts per document.
    intersections(values, bounds, left, right, out)
        out[k] = |set left[k] & set right[k]|, set i being the sorted unique values[bounds[i]:bounds[i + 1]].
+   agreements(signatures, perms, left, right, out)
+       out[k] = how many of the perms values of rows left[k] and right[k] of signatures (uint32[n, perms]) agree.
    signatures(shingles, offsets, multipliers, out)
        out[i, p] = min over the shingles s of document i of (uint32)(multipliers[p] * (uint32)(s >> 32)),
        0xFFFFFFFF for a document without shingles. out: uint32[n, len(multipliers)], C order.
@@ -371,10 +373,45 @@ static PyObject *intersections(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *agreements(PyObject *self, PyObject *args) {
+    PyObject *objects[4];
+    Py_ssize_t perms;
+    if (!PyArg_ParseTuple(args, "OnOOO", &objects[0], &perms, &objects[1], &objects[2], &objects[3])) return NULL;
+    Buffer b[4];
+    memset(b, 0, sizeof b);
+    static const char *names[4] = {"signatures", "left", "right", "out"};
+    static const Py_ssize_t sizes[4] = {4, 8, 8, 8};
+    for (int i = 0; i < 4; i++)
+        if (get_buffer(objects[i], &b[i], sizes[i], i == 3, names[i]) < 0) { release(b, 4); return NULL; }
+    const uint32_t *sigs = b[0].view.buf;
+    const int64_t *left = b[1].view.buf, *right = b[2].view.buf;
+    int64_t *out = b[3].view.buf;
+    Py_ssize_t pairs = b[1].view.len / 8, docs = perms > 0 ? b[0].view.len / 4 / perms : 0;
+    int valid = perms > 0 && b[0].view.len / 4 == docs * perms && b[2].view.len / 8 == pairs && b[3].view.len / 8 == pairs;
+    for (Py_ssize_t k = 0; valid && k < pairs; k++)
+        valid = left[k] >= 0 && left[k] < docs && right[k] >= 0 && right[k] < docs;
+    if (!valid) {
+        release(b, 4);
+        PyErr_SetString(PyExc_ValueError, "agreements: signatures, pairs and out do not fit together");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < pairs; k++) {
+        const uint32_t *a = sigs + left[k] * perms, *c = sigs + right[k] * perms;
+        int64_t equal = 0;
+        for (Py_ssize_t p = 0; p < perms; p++) equal += a[p] == c[p];
+        out[k] = equal;
+    }
+    Py_END_ALLOW_THREADS
+    release(b, 4);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"tokenize", tokenize, METH_VARARGS, "Hash every token and word of a batch of documents (see the file's header)."},
     {"shingles", shingles, METH_VARARGS, "Word (or character) n-gram shingle hashes (see the file's header)."},
     {"intersections", intersections, METH_VARARGS, "Sizes of the intersections of pairs of sorted sets (see the file's header)."},
+    {"agreements", agreements, METH_VARARGS, "Equal signature values of pairs of documents (see the file's header)."},
     {"signatures", signatures, METH_VARARGS, "MinHash signatures of a batch of documents (see the file's header)."},
     {NULL, NULL, 0, NULL},
 };

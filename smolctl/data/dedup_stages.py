@@ -67,7 +67,7 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
                 shingle_counts.append(np.diff(offsets))
             band_keys.append(keys)
             columns_out["signature"] = pa.FixedSizeBinaryArray.from_buffers(
-                pa.binary(sigs.shape[1] * 4), len(sigs), [None, pa.py_buffer(np.ascontiguousarray(sigs).tobytes())])
+                pa.binary(sigs.shape[1] * 4), len(sigs), [None, pa.py_buffer(np.ascontiguousarray(sigs))])
         tables.append(pa.table(columns_out))
         row += len(texts)
         report("signatures", len(texts))
@@ -219,8 +219,7 @@ def verify_pairs(plan_: Plan, pairs: np.ndarray, sigs: np.ndarray, report: Repor
         report("verify", candidates - len(pairs))
     left = (pairs >> np.uint64(32)).astype(np.int64)
     right = (pairs & np.uint64(0xFFFFFFFF)).astype(np.int64)
-    estimate = np.concatenate([minhash.estimate_jaccard(sigs[left[s:s + 65536]], sigs[right[s:s + 65536]])
-                               for s in range(0, len(pairs), 65536)]) if len(pairs) else np.zeros(0)
+    estimate = minhash.estimate_jaccard(sigs, left, right)
     if not plan_.config.verify:
         accept = estimate >= params.threshold
         report("verify", len(pairs))
@@ -284,7 +283,7 @@ def removal_report(removed: np.ndarray, ids: pa.ChunkedArray, exact: np.ndarray 
     _, cluster = minhash.sorted_unique(kept, return_inverse=True)
     same_text = np.all(exact[doc] == exact[kept], axis=1) if exact is not None else np.zeros(len(doc), bool)
     if sigs is not None:
-        similarity = np.where(same_text, 1.0, minhash.estimate_jaccard(sigs[doc], sigs[kept]) if len(doc) else 0.0)
+        similarity = np.where(same_text, 1.0, minhash.estimate_jaccard(sigs, doc, kept))
     else:
         similarity = np.ones(len(doc))
     return pa.table({"index": pa.array(doc, pa.int64()), "id": ids.take(pa.array(doc, pa.int64())),
