@@ -52,15 +52,17 @@ def sha256_file(path: Path, chunk: int = 4 * 1024**2) -> str:
     return digest.hexdigest()
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write under a temporary name in the same folder, fsync, then rename: readers see all or nothing."""
+def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
+    """Write under a temporary name in the same folder, fsync, then rename: readers see all or nothing.
+    durable=False skips the fsync, for files a crash only costs recomputing (work areas)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as handle:
             handle.write(data)
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)

@@ -77,19 +77,51 @@ typedef struct {
     int held;
 } Buffer;
 
-static int get_buffer(PyObject *object, Buffer *buffer, Py_ssize_t itemsize, int writable, const char *name) {
-    if (PyObject_GetBuffer(object, &buffer->view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
-    buffer->held = 1;
-    if (buffer->view.len % itemsize != 0) {
-        PyErr_Format(PyExc_ValueError, "%s: %zd bytes is not a whole number of %zd-byte items", name, buffer->view.len, itemsize);
-        return -1;
+static void release(Buffer *buffers, int count) {
+    for (int i = 0; i < count; i++)
+        if (buffers[i].held) PyBuffer_Release(&buffers[i].view);
+}
+
+/* The buffers of objects[0..count): C-contiguous, of items of sizes[i] bytes, writable from first_output on.
+   On failure the ones taken are released and the Python error is set. */
+static int get_buffers(PyObject **objects, Buffer *b, int count, const char **names, const Py_ssize_t *sizes,
+                       int first_output) {
+    memset(b, 0, sizeof(Buffer) * count);
+    for (int i = 0; i < count; i++) {
+        int flags = PyBUF_C_CONTIGUOUS | (i >= first_output ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(objects[i], &b[i].view, flags) < 0) {
+            release(b, count);
+            return -1;
+        }
+        b[i].held = 1;
+        if (b[i].view.len % sizes[i] != 0) {
+            PyErr_Format(PyExc_ValueError, "%s: %zd bytes is not a whole number of %zd-byte items", names[i], b[i].view.len, sizes[i]);
+            release(b, count);
+            return -1;
+        }
     }
     return 0;
 }
 
-static void release(Buffer *buffers, int count) {
-    for (int i = 0; i < count; i++)
-        if (buffers[i].held) PyBuffer_Release(&buffers[i].view);
+/* Release the buffers and raise ValueError(message): for arguments that do not fit together. */
+static PyObject *refuse(Buffer *b, int count, const char *message) {
+    release(b, count);
+    PyErr_SetString(PyExc_ValueError, message);
+    return NULL;
+}
+
+/* docs + 1 offsets into `items` values: ascending, and inside. */
+static int check_offsets(const int64_t *offsets, Py_ssize_t docs, Py_ssize_t items) {
+    for (Py_ssize_t i = 0; i < docs; i++)
+        if (offsets[i] < 0 || offsets[i] > offsets[i + 1] || offsets[i + 1] > items) return 0;
+    return docs >= 0;
+}
+
+/* Every pair (left[k], right[k]) names one of `count` rows. */
+static int pairs_inside(const int64_t *left, const int64_t *right, Py_ssize_t pairs, Py_ssize_t count) {
+    for (Py_ssize_t k = 0; k < pairs; k++)
+        if (left[k] < 0 || left[k] >= count || right[k] < 0 || right[k] >= count) return 0;
+    return 1;
 }
 
 /* Eight bytes at a time ("SWAR"): the byte classes of a 64-bit load as masks with the high bit of each
@@ -198,11 +230,9 @@ static PyObject *tokenize(PyObject *self, PyObject *args) {
                           &objects[6]))
         return NULL;
     Buffer b[7];
-    memset(b, 0, sizeof b);
     static const char *names[7] = {"data", "extra", "starts", "ends", "exact", "word_hashes", "word_counts"};
     static const Py_ssize_t sizes[7] = {1, 1, 8, 8, 16, 8, 8};
-    for (int i = 0; i < 7; i++)
-        if (get_buffer(objects[i], &b[i], sizes[i], i >= 4, names[i]) < 0) { release(b, 7); return NULL; }
+    if (get_buffers(objects, b, 7, names, sizes, 4) < 0) return NULL;
     const uint8_t *data = b[0].view.buf, *extra = b[1].view.buf;
     Py_ssize_t data_size = b[0].view.len, extra_size = b[1].view.len;
     const int64_t *starts = b[2].view.buf, *ends = b[3].view.buf;
@@ -210,18 +240,12 @@ static PyObject *tokenize(PyObject *self, PyObject *args) {
     uint64_t *exact = b[4].view.buf, *word_hashes = b[5].view.buf;
     int64_t *word_counts = b[6].view.buf;
     Py_ssize_t word_room = b[5].view.len / 8;
-    if (b[3].view.len / 8 != docs || b[4].view.len / 16 != docs || b[6].view.len / 8 != docs) {
-        release(b, 7);
-        PyErr_SetString(PyExc_ValueError, "starts, ends, exact and word_counts disagree on the number of documents");
-        return NULL;
-    }
+    if (b[3].view.len / 8 != docs || b[4].view.len / 16 != docs || b[6].view.len / 8 != docs)
+        return refuse(b, 7, "starts, ends, exact and word_counts disagree on the number of documents");
     for (Py_ssize_t i = 0; i < docs; i++) {
         int in_data = ends[i] <= data_size, in_extra = starts[i] >= data_size && ends[i] <= data_size + extra_size;
-        if (starts[i] < 0 || starts[i] > ends[i] || !(in_data || in_extra)) {
-            release(b, 7);
-            PyErr_SetString(PyExc_ValueError, "each document must lie inside data, or inside extra (positions from len(data) on)");
-            return NULL;
-        }
+        if (starts[i] < 0 || starts[i] > ends[i] || !(in_data || in_extra))
+            return refuse(b, 7, "each document must lie inside data, or inside extra (positions from len(data) on)");
     }
     Py_ssize_t words = 0;
     int overflow = 0;
@@ -233,11 +257,8 @@ static PyObject *tokenize(PyObject *self, PyObject *args) {
         word_counts[i] = words - words_before;
     }
     Py_END_ALLOW_THREADS
+    if (overflow) return refuse(b, 7, "word_hashes is too small for the batch");
     release(b, 7);
-    if (overflow) {
-        PyErr_SetString(PyExc_ValueError, "word_hashes is too small for the batch");
-        return NULL;
-    }
     return PyLong_FromSsize_t(words);
 }
 
@@ -266,21 +287,12 @@ static PyObject *signatures(PyObject *self, PyObject *args) {
     PyObject *objects[4];
     if (!PyArg_ParseTuple(args, "OOOO", &objects[0], &objects[1], &objects[2], &objects[3])) return NULL;
     Buffer b[4];
-    memset(b, 0, sizeof b);
     static const char *names[4] = {"shingles", "offsets", "multipliers", "out"};
     static const Py_ssize_t sizes[4] = {8, 8, 4, 4};
-    for (int i = 0; i < 4; i++)
-        if (get_buffer(objects[i], &b[i], sizes[i], i == 3, names[i]) < 0) { release(b, 4); return NULL; }
+    if (get_buffers(objects, b, 4, names, sizes, 3) < 0) return NULL;
     const int64_t *offsets = b[1].view.buf;
     Py_ssize_t docs = b[1].view.len / 8 - 1, perms = b[2].view.len / 4, shingles = b[0].view.len / 8;
-    int valid = docs >= 0 && perms > 0 && b[3].view.len / 4 == docs * perms;
-    for (Py_ssize_t i = 0; valid && i < docs; i++)
-        valid = offsets[i] >= 0 && offsets[i] <= offsets[i + 1] && offsets[i + 1] <= shingles;
-    if (!valid) {
-        release(b, 4);
-        PyErr_SetString(PyExc_ValueError, "signatures: offsets, multipliers and out do not fit together");
-        return NULL;
-    }
+    if (perms <= 0 || !check_offsets(offsets, docs, shingles) || b[3].view.len / 4 != docs * perms) return refuse(b, 4, "signatures: offsets, multipliers and out do not fit together");
     Py_BEGIN_ALLOW_THREADS
     signature_rows(b[0].view.buf, offsets, docs, b[2].view.buf, perms, b[3].view.buf);
     Py_END_ALLOW_THREADS
@@ -288,31 +300,21 @@ static PyObject *signatures(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static int check_offsets(const int64_t *offsets, Py_ssize_t docs, Py_ssize_t items) {
-    for (Py_ssize_t i = 0; i < docs; i++)
-        if (offsets[i] < 0 || offsets[i] > offsets[i + 1] || offsets[i + 1] > items) return 0;
-    return docs >= 0;
-}
-
 static PyObject *shingles(PyObject *self, PyObject *args) {
     PyObject *objects[5];
     if (!PyArg_ParseTuple(args, "OOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4])) return NULL;
     Buffer b[5];
-    memset(b, 0, sizeof b);
     static const char *names[5] = {"tokens", "offsets", "weights", "out", "out_counts"};
-    for (int i = 0; i < 5; i++)
-        if (get_buffer(objects[i], &b[i], 8, i >= 3, names[i]) < 0) { release(b, 5); return NULL; }
+    static const Py_ssize_t sizes[5] = {8, 8, 8, 8, 8};
+    if (get_buffers(objects, b, 5, names, sizes, 3) < 0) return NULL;
     const uint64_t *tokens = b[0].view.buf, *weights = b[2].view.buf;
     const int64_t *offsets = b[1].view.buf;
     uint64_t *out = b[3].view.buf;
     int64_t *counts = b[4].view.buf;
     Py_ssize_t docs = b[1].view.len / 8 - 1, ngram = b[2].view.len / 8, items = b[0].view.len / 8;
     /* Every document yields at most as many shingles as it has tokens. */
-    if (ngram < 1 || !check_offsets(offsets, docs, items) || b[3].view.len / 8 < items || b[4].view.len / 8 < docs) {
-        release(b, 5);
-        PyErr_SetString(PyExc_ValueError, "shingles: tokens, offsets, weights and outputs do not fit together");
-        return NULL;
-    }
+    if (ngram < 1 || !check_offsets(offsets, docs, items) || b[3].view.len / 8 < items || b[4].view.len / 8 < docs)
+        return refuse(b, 5, "shingles: tokens, offsets, weights and outputs do not fit together");
     Py_ssize_t total = 0;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < docs; i++) {
@@ -339,22 +341,16 @@ static PyObject *intersections(PyObject *self, PyObject *args) {
     PyObject *objects[5];
     if (!PyArg_ParseTuple(args, "OOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4])) return NULL;
     Buffer b[5];
-    memset(b, 0, sizeof b);
     static const char *names[5] = {"values", "bounds", "left", "right", "out"};
-    for (int i = 0; i < 5; i++)
-        if (get_buffer(objects[i], &b[i], 8, i == 4, names[i]) < 0) { release(b, 5); return NULL; }
+    static const Py_ssize_t sizes[5] = {8, 8, 8, 8, 8};
+    if (get_buffers(objects, b, 5, names, sizes, 4) < 0) return NULL;
     const uint64_t *values = b[0].view.buf;
     const int64_t *bounds = b[1].view.buf, *left = b[2].view.buf, *right = b[3].view.buf;
     int64_t *out = b[4].view.buf;
     Py_ssize_t sets = b[1].view.len / 8 - 1, pairs = b[2].view.len / 8;
-    int valid = check_offsets(bounds, sets, b[0].view.len / 8) && b[3].view.len / 8 == pairs && b[4].view.len / 8 == pairs;
-    for (Py_ssize_t k = 0; valid && k < pairs; k++)
-        valid = left[k] >= 0 && left[k] < sets && right[k] >= 0 && right[k] < sets;
-    if (!valid) {
-        release(b, 5);
-        PyErr_SetString(PyExc_ValueError, "intersections: values, bounds, pairs and out do not fit together");
-        return NULL;
-    }
+    if (!check_offsets(bounds, sets, b[0].view.len / 8) || b[3].view.len / 8 != pairs || b[4].view.len / 8 != pairs
+        || !pairs_inside(left, right, pairs, sets))
+        return refuse(b, 5, "intersections: values, bounds, pairs and out do not fit together");
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t k = 0; k < pairs; k++) {
         const uint64_t *a = values + bounds[left[k]], *a_end = values + bounds[left[k] + 1];
@@ -378,23 +374,16 @@ static PyObject *agreements(PyObject *self, PyObject *args) {
     Py_ssize_t perms;
     if (!PyArg_ParseTuple(args, "OnOOO", &objects[0], &perms, &objects[1], &objects[2], &objects[3])) return NULL;
     Buffer b[4];
-    memset(b, 0, sizeof b);
     static const char *names[4] = {"signatures", "left", "right", "out"};
     static const Py_ssize_t sizes[4] = {4, 8, 8, 8};
-    for (int i = 0; i < 4; i++)
-        if (get_buffer(objects[i], &b[i], sizes[i], i == 3, names[i]) < 0) { release(b, 4); return NULL; }
+    if (get_buffers(objects, b, 4, names, sizes, 3) < 0) return NULL;
     const uint32_t *sigs = b[0].view.buf;
     const int64_t *left = b[1].view.buf, *right = b[2].view.buf;
     int64_t *out = b[3].view.buf;
     Py_ssize_t pairs = b[1].view.len / 8, docs = perms > 0 ? b[0].view.len / 4 / perms : 0;
-    int valid = perms > 0 && b[0].view.len / 4 == docs * perms && b[2].view.len / 8 == pairs && b[3].view.len / 8 == pairs;
-    for (Py_ssize_t k = 0; valid && k < pairs; k++)
-        valid = left[k] >= 0 && left[k] < docs && right[k] >= 0 && right[k] < docs;
-    if (!valid) {
-        release(b, 4);
-        PyErr_SetString(PyExc_ValueError, "agreements: signatures, pairs and out do not fit together");
-        return NULL;
-    }
+    if (perms <= 0 || b[0].view.len / 4 != docs * perms || b[2].view.len / 8 != pairs || b[3].view.len / 8 != pairs
+        || !pairs_inside(left, right, pairs, docs))
+        return refuse(b, 4, "agreements: signatures, pairs and out do not fit together");
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t k = 0; k < pairs; k++) {
         const uint32_t *a = sigs + left[k] * perms, *c = sigs + right[k] * perms;

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 
 from smolctl.data import minhash
 from smolctl.errors import UserError
+from smolctl.shards import atomic_write_bytes
 
 if TYPE_CHECKING:
     from smolctl.data.dedup import Plan
@@ -51,7 +52,8 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
         columns_out = {"id": ids, "null": pc.is_null(texts), "bytes": pc.fill_null(pc.binary_length(texts), 0).cast(pa.int64())}
         if plan_.config.keep == "longest":  # counting characters is a pass over every byte: only when asked
             columns_out["chars"] = pc.fill_null(pc.utf8_length(texts), 0).cast(pa.int64())
-        tokens = minhash.tokenize(texts)
+        # Tokens give the exact hashes and the word shingles; character shingles make their own.
+        tokens = minhash.tokenize(texts) if plan_.config.exact or (params and params.shingle == "word") else None
         if plan_.config.exact:
             exact = tokens.exact
             columns_out["exact_hi"], columns_out["exact_lo"] = exact[:, 0], exact[:, 1]
@@ -85,7 +87,8 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
         keys[repeats] = NO_BUCKET
         # (bands, docs) raw little-endian uint64: each bucket task reads its band's row at a known offset, with
         # no header to parse (20 bands x every shard would parse thousands of .npy headers).
-        _atomic_write(plan_.work / "signatures" / f"{unit:05d}.bands", np.ascontiguousarray(keys.T, dtype="<u8").tobytes())
+        atomic_write_bytes(plan_.work / "signatures" / f"{unit:05d}.bands", np.ascontiguousarray(keys.T, dtype="<u8").tobytes(),
+                           durable=False)
     if params and plan_.config.verify:
         # Kept for the grey-zone pairs' exact Jaccard: reading them back is far cheaper than re-reading and
         # re-hashing the texts (4 bytes a word on disk; only the pairs' documents are ever loaded).
@@ -337,12 +340,6 @@ def _band_row(path: Path, band: int, bands: int, rows: int) -> np.ndarray:
         raise UserError(path, f"holds {path.stat().st_size} bytes, not {bands} bands x {rows} documents",
                         "the work area was changed by hand; re-run with --overwrite")
     return np.fromfile(path, dtype="<u8", count=rows, offset=band * rows * 8)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _atomic_save(path: Path, array: np.ndarray) -> None:

@@ -250,17 +250,16 @@ def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
         empty = np.asarray(texts.is_null(), dtype=bool)
         ends[empty] = starts[empty]
     extra = b""
-    is_ascii = np.asarray(pc.fill_null(pc.string_is_ascii(texts), True), dtype=bool)
-    if not is_ascii.all():
-        others = np.flatnonzero(~is_ascii)
+    others = np.flatnonzero(~np.asarray(pc.fill_null(pc.string_is_ascii(texts), True), dtype=bool))
+    if len(others):
         changing = pc.match_substring_regex(texts.take(pa.array(others)), changing_characters())
         others = others[np.asarray(changing, dtype=bool)]
-    if not is_ascii.all() and len(others):
+    if len(others):
         folded = [normalize(t).encode() for t in texts.take(pa.array(others)).to_pylist()]
         extra = b"".join(folded)
         # Positions from len(data) on address the second buffer.
         ends[others] = data.size + np.cumsum([len(f) for f in folded], dtype=np.int64)
-        starts[others] = ends[others] - np.array([len(f) for f in folded], np.int64)
+        starts[others] = np.concatenate([[data.size], ends[others][:-1]])
     # A word takes at least one byte and a separator: a document of n bytes has at most (n + 1) // 2 of them.
     room = (int((ends - starts).sum()) + len(texts)) // 2 + 1
     exact, word_hashes, word_counts = np.empty((len(texts), 2), np.uint64), np.empty(room, np.uint64), np.empty(len(texts), np.int64)
