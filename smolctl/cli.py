@@ -9,7 +9,7 @@ import re
 import sys
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 from typer._click import exceptions as click_exceptions
@@ -22,7 +22,7 @@ PIPELINE = """\
 [bold]smolctl[/] — train small language models the SmolLM3 way, one composable stage at a time.
 
   [bold]data[/]      train-tokenizer → dedup → mix → pack        (parquet folders → packed safetensors)
-  [bold]train[/]     pretrain → midtrain → sft → dpo → ppo       (HF model folders, resumable)
+  [bold]train[/]     pretrain → midtrain → sft → dpo → ppo|grpo  (HF model folders, resumable)
   [bold]cluster[/]   estimate · benchmark-nccl · stress-gpu     (size the run, validate the machines)
   [bold]any[/]       inspect PATH                               (what a folder holds, its lineage, checksums)
 
@@ -607,45 +607,72 @@ def mix_command(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Post-training: sft, dpo, ppo (RUN/checkpoints, RUN/metrics.jsonl, RUN/final)
+# Training: pretrain, midtrain, sft, dpo, ppo, grpo share these options, the recipe schema and the run layout
 
-POSTTRAIN_FROM = typer.Option(None, "--from", help="Starting checkpoint: a model folder or a run folder "
-                              "(its final/); overrides the recipe's model.from.")
-POSTTRAIN_RUN = typer.Argument(None, help="Run folder: checkpoints/, metrics.jsonl and the finished model in "
-                               "final/ (default: the recipe's output).", show_default=False)
-POSTTRAIN_SET = typer.Option(None, "--set", help="Override a recipe key, e.g. training.steps=20 (repeat).")
-POSTTRAIN_RESUME = typer.Option(None, "--resume", help="'auto' continues from the newest complete checkpoint "
-                                "in RUN/checkpoints (a fresh start when there is none), or a checkpoint folder.")
+RecipeArg = Annotated[Path, typer.Argument(help="TOML recipe (one schema for every training command: README, "
+                                           "\"One recipe schema\").", show_default=False)]
+RunArg = Annotated[Optional[Path], typer.Argument(help="Run folder: run.json, metrics.jsonl, events.jsonl, "
+                                                  "checkpoints/step-N/, final/ (the HF model).", show_default=False)]
+FromOpt = Annotated[Optional[str], typer.Option("--from", help="Starting checkpoint: a model folder or a run folder "
+                                                "(its final/); overrides the recipe's model.from.")]
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a recipe key, e.g. --set "
+                                                     "training.steps=200 (repeatable; values are TOML).")]
+ResumeOpt = Annotated[str, typer.Option("--resume", help="auto: continue from the newest checkpoint in "
+                                        "RUN/checkpoints (a no-op when the run finished, a fresh start when there is "
+                                        "none); none: start fresh; or a RUN/checkpoints/step-N folder.")]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Delete RUN first if it already holds a run.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object with the result on stdout.")]
 
 
-def _post_train(stage: str, load, run, recipe: Path, from_: Optional[str], output: Optional[str],
-                overrides: Optional[list[str]], resume: Optional[str], overwrite: bool, json_out: bool) -> None:
-    """Shared by sft, dpo and ppo: validate the recipe, train with a live bar, print the summary."""
+def _require_run(run: Optional[Path], stage: str, recipe: Path) -> Path:
+    if run is None:
+        raise UserError("RUN", "is required to train", f"e.g. smolctl {stage} {recipe} runs/my-run")
+    return run
+
+
+def _post_train(stage: str, run_stage, recipe: Path, run: Optional[Path], from_: Optional[str],
+                overrides: Optional[list[str]], resume: str, overwrite: bool, json_out: bool) -> None:
+    """Shared by sft, dpo, ppo and grpo: validate the recipe, train with a live bar, print the summary."""
     from contextlib import ExitStack
 
     from smolctl.console import human_duration
+    from smolctl.train.config import load_command_recipe
 
-    config = load(recipe, overrides or [])
-    with ExitStack() as stack:
-        live: dict = {}
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        config = load_command_recipe(stage, recipe, overrides or [])
+        with ExitStack() as stack:
+            live: dict = {}
 
-        def on_step(step: int, total: int, metrics: dict) -> None:
-            # The bar opens at the first step, so that an input error is one line with no bar above it.
-            if not live:
-                live["bar"] = stack.enter_context(progress(not json_out))
-                live["task"] = live["bar"].add_task(stage, total=total, rate="")
-            shown = [f"{label} {metrics[key]:.4g}" for key, label in (
-                ("loss", "loss"), ("reward", "reward"), ("rewards/accuracies", "acc"), ("kl", "kl")) if key in metrics]
-            live["bar"].update(live["task"], completed=step, total=total, rate="  ".join(shown))
+            def on_step(step: int, total: int, metrics: dict) -> None:
+                # The bar opens at the first step, so that an input error is one line with no bar above it.
+                if not live:
+                    live["bar"] = stack.enter_context(progress(not json_out))
+                    live["task"] = live["bar"].add_task(stage, total=total, rate="")
+                shown = [f"{label} {metrics[key]:.4g}" for key, label in (
+                    ("loss", "loss"), ("reward", "reward"), ("rewards/accuracies", "acc"), ("kl", "kl")) if key in metrics]
+                live["bar"].update(live["task"], completed=step, total=total, rate="  ".join(shown))
 
-        result = run(config, output=output, start=from_, resume=resume, overwrite=overwrite, on_step=on_step)
-    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun / accelerate launch, rank 0 reports
+            result = run_stage(config, _require_run(run, stage, recipe), start=from_, resume=resume,
+                               overwrite=overwrite, on_step=on_step)
+    except (UserError, CheckFailed) as exc:
+        _quiet_on_other_ranks(rank, exc)  # under torchrun every rank refuses; rank 0 says it once
+    if rank != 0:
         return
     if json_out:
         emit_json(result.__dict__)
         return
-    facts = [("model", result.output), ("from", result.parent), ("steps", result.steps),
+    if result.nothing_to_do:
+        console.print(f"nothing to do: {result.run} finished at step {result.steps}; {result.final} is unchanged "
+                      "(raise training.steps to train longer)")
+    facts = [("model", result.final), ("from", result.parent), ("steps", result.steps),
              ("time", human_duration(result.seconds))]
+    if result.parameters:
+        share = result.parameters["trainable"] / max(1, result.parameters["total"])
+        facts.append(("parameters", f"{human_count(result.parameters['trainable'])} trainable of "
+                                    f"{human_count(result.parameters['total'])} ({share:.2%})"))
+    if result.adapter:
+        facts.append(("adapter", f"{result.adapter} (final/ holds it merged)"))
     if result.resumed_from:
         facts.append(("resumed from", result.resumed_from))
     facts += [(key, f"{value:.4g}" if isinstance(value, float) else value) for key, value in result.metrics.items()]
@@ -663,22 +690,17 @@ def _post_train(stage: str, load, run, recipe: Path, from_: Optional[str], outpu
 
   smolctl sft recipes/sft-tiny.toml out/ --from ckpt/ --set sft.packing=padding_free --set training.steps=10
 
+  smolctl sft recipes/sft-lora-tiny.toml demo-out/sft-lora --from demo-out/midtrain     (LoRA: [peft] table)
+
   torchrun --nproc_per_node 8 -m smolctl sft recipes/smollm3-sft.toml runs/sft --from runs/midtrain
 """)
-def sft_command(
-    recipe: Path = typer.Argument(..., help="TOML recipe: tables model, data, training, checkpoint, sft."),
-    output: Optional[str] = POSTTRAIN_RUN,
-    from_: Optional[str] = POSTTRAIN_FROM,
-    overrides: Optional[list[str]] = POSTTRAIN_SET,
-    resume: Optional[str] = POSTTRAIN_RESUME,
-    overwrite: bool = OVERWRITE_OPTION,
-    json_out: bool = JSON_OPTION,
-) -> None:
+def sft_command(recipe: RecipeArg, run: RunArg = None, from_: FromOpt = None, set_: SetOpt = None,
+                resume: ResumeOpt = "none", overwrite: OverwriteOpt = False, json_out: JsonOpt = False) -> None:
     """Supervised fine-tuning on chat data with TRL's SFTTrainer: assistant-only loss, BFD packing or padding-free,
-    task-balanced sampling."""
-    from smolctl.train.posttrain import load_sft_recipe, run_sft
+    task-balanced sampling, LoRA with a [peft] table."""
+    from smolctl.train.posttrain import run_sft
 
-    _post_train("sft", load_sft_recipe, run_sft, recipe, from_, output, overrides, resume, overwrite, json_out)
+    _post_train("sft", run_sft, recipe, run, from_, set_, resume, overwrite, json_out)
 
 
 @app.command("dpo", epilog="""[bold]Examples[/]
@@ -689,57 +711,54 @@ def sft_command(
 
   smolctl dpo recipes/dpo-tiny.toml demo-out/dpo --from demo-out/sft --resume auto --json
 """)
-def dpo_command(
-    recipe: Path = typer.Argument(..., help="TOML recipe: tables model, data, training, checkpoint, dpo."),
-    output: Optional[str] = POSTTRAIN_RUN,
-    from_: Optional[str] = POSTTRAIN_FROM,
-    overrides: Optional[list[str]] = POSTTRAIN_SET,
-    resume: Optional[str] = POSTTRAIN_RESUME,
-    overwrite: bool = OVERWRITE_OPTION,
-    json_out: bool = JSON_OPTION,
-) -> None:
+def dpo_command(recipe: RecipeArg, run: RunArg = None, from_: FromOpt = None, set_: SetOpt = None,
+                resume: ResumeOpt = "none", overwrite: OverwriteOpt = False, json_out: JsonOpt = False) -> None:
     """Preference optimisation (DPO, APO-zero, IPO, ...) with TRL's DPOTrainer against the starting checkpoint as
     reference; reports reward accuracy and margins."""
-    from smolctl.train.posttrain import load_dpo_recipe, run_dpo
+    from smolctl.train.posttrain import run_dpo
 
-    _post_train("dpo", load_dpo_recipe, run_dpo, recipe, from_, output, overrides, resume, overwrite, json_out)
+    _post_train("dpo", run_dpo, recipe, run, from_, set_, resume, overwrite, json_out)
 
 
 @app.command("ppo", epilog="""[bold]Examples[/]
 
   smolctl ppo recipes/ppo-tiny.toml demo-out/ppo --from demo-out/dpo
 
-  smolctl ppo recipes/ppo-tiny.toml demo-out/grpo --from demo-out/dpo --set algorithm=grpo
-
   smolctl ppo recipes/smollm3-ppo.toml runs/ppo --from runs/apo --resume auto
 """)
-def ppo_command(
-    recipe: Path = typer.Argument(..., help="TOML recipe: tables model, data, training, generation, ppo, grpo, rewards."),
-    output: Optional[str] = POSTTRAIN_RUN,
-    from_: Optional[str] = POSTTRAIN_FROM,
-    overrides: Optional[list[str]] = POSTTRAIN_SET,
-    resume: Optional[str] = POSTTRAIN_RESUME,
-    overwrite: bool = OVERWRITE_OPTION,
-    json_out: bool = JSON_OPTION,
-) -> None:
-    """Reinforcement learning on composable rewards (task match, length penalty, n-gram diversity): smolctl's PPO
-    (value head, KL to the reference, GAE, clipped loss) or, with algorithm = "grpo", TRL's GRPOTrainer."""
-    from smolctl.train.ppo import load_ppo_recipe, run_ppo
+def ppo_command(recipe: RecipeArg, run: RunArg = None, from_: FromOpt = None, set_: SetOpt = None,
+                resume: ResumeOpt = "none", overwrite: OverwriteOpt = False, json_out: JsonOpt = False) -> None:
+    """PPO on composable rewards (task match, length penalty, n-gram diversity): value head, KL to the reference,
+    GAE, clipped losses; one process."""
+    from smolctl.train.ppo import run_ppo
 
-    _post_train("ppo", load_ppo_recipe, run_ppo, recipe, from_, output, overrides, resume, overwrite, json_out)
+    _post_train("ppo", run_ppo, recipe, run, from_, set_, resume, overwrite, json_out)
+
+
+@app.command("grpo", epilog="""[bold]Examples[/]
+
+  smolctl grpo recipes/grpo-tiny.toml demo-out/grpo --from demo-out/dpo
+
+  torchrun --nproc_per_node 8 -m smolctl grpo recipes/smollm3-grpo.toml runs/grpo --from runs/apo
+""")
+def grpo_command(recipe: RecipeArg, run: RunArg = None, from_: FromOpt = None, set_: SetOpt = None,
+                 resume: ResumeOpt = "none", overwrite: OverwriteOpt = False, json_out: JsonOpt = False) -> None:
+    """GRPO with TRL's GRPOTrainer on the same rewards as ppo: groups of completions per prompt, rewards
+    normalised within each group, no value model."""
+    from smolctl.train.grpo import run_grpo
+
+    _post_train("grpo", run_grpo, recipe, run, from_, set_, resume, overwrite, json_out)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # pretrain, midtrain
 
-SET_OPTION = typer.Option([], "--set", help="Override a recipe key, e.g. --set training.steps=200 (repeatable; values are TOML).")
-DATA_OPTION = typer.Option([], "--data", help="Packed folder(s) to train on, replacing the recipe's [data] paths/stages (repeatable).")
-RESUME_OPTION = typer.Option("none", "--resume", help="auto: continue from the newest complete checkpoint in RUN "
-                             "(start fresh if none); none: start fresh; or a RUN/checkpoints/step-N path.")
-DRY_RUN_OPTION = typer.Option(False, "--dry-run", help="Validate, print the resolved recipe, parameter count and a "
-                              "memory/time estimate; build the model on the meta device; train nothing.")
-WORLD_SIZE_OPTION = typer.Option(None, "--world-size", help="--dry-run only: plan for this many processes "
-                                 "(default: WORLD_SIZE or 1).")
+DataOpt = Annotated[list[str], typer.Option("--data", help="Packed folder(s) to train on, replacing the recipe's "
+                                            "[data] paths/stages (repeatable).")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Validate, print the resolved recipe, parameter count and "
+                                         "a memory/time estimate; build the model on the meta device; train nothing.")]
+WorldSizeOpt = Annotated[Optional[int], typer.Option("--world-size", help="--dry-run only: plan for this many "
+                                                     "processes (default: WORLD_SIZE or 1).")]
 
 
 @app.command("pretrain", epilog="""[bold]Examples[/]
@@ -752,19 +771,11 @@ WORLD_SIZE_OPTION = typer.Option(None, "--world-size", help="--dry-run only: pla
 
   smolctl pretrain recipes/smollm3-tiny.toml runs/t --data packed/ --set training.steps=50 --set optimizer.lr=1e-3 --json
 """)
-def pretrain_command(
-    recipe: Path = typer.Argument(..., help="TOML recipe ([model] [data] [optimizer] [schedule] [training] ...)."),
-    run: Optional[Path] = typer.Argument(None, help="Run folder: checkpoints/, final/ (the HF model), metrics.jsonl, events.jsonl."),
-    data: list[str] = DATA_OPTION,
-    set_: list[str] = SET_OPTION,
-    resume: str = RESUME_OPTION,
-    dry_run: bool = DRY_RUN_OPTION,
-    world_size: Optional[int] = WORLD_SIZE_OPTION,
-    overwrite: bool = typer.Option(False, "--overwrite", help="Delete RUN first if it already holds a run."),
-    json_out: bool = JSON_OPTION,
-) -> None:
+def pretrain_command(recipe: RecipeArg, run: RunArg = None, data: DataOpt = [], set_: SetOpt = None,
+                     resume: ResumeOpt = "none", dry_run: DryRunOpt = False, world_size: WorldSizeOpt = None,
+                     overwrite: OverwriteOpt = False, json_out: JsonOpt = False) -> None:
     """Pretrain a causal LM from a recipe on packed folders: resumable bit for bit, guarded, single process or torchrun."""
-    _train_command("pretrain", recipe, run, data=data, overrides=set_, resume=resume, dry_run=dry_run,
+    _train_command("pretrain", recipe, run, data=data, overrides=set_ or [], resume=resume, dry_run=dry_run,
                    world_size=world_size, overwrite=overwrite, json_out=json_out)
 
 
@@ -774,24 +785,15 @@ def pretrain_command(
 
   smolctl midtrain recipes/smollm3-tiny-midtrain.toml runs/m --from runs/t/checkpoints/step-0000200 --keep-optimizer
 """)
-def midtrain_command(
-    recipe: Path = typer.Argument(..., help="TOML recipe for the new stage (new data, fresh schedule, maybe longer seq_len + rope_theta)."),
-    run: Optional[Path] = typer.Argument(None, help="Run folder for this stage."),
-    from_: Optional[Path] = typer.Option(None, "--from", help="Model folder to start from: RUN/final or RUN/checkpoints/step-N."),
-    keep_optimizer: bool = typer.Option(False, "--keep-optimizer", help="Carry the AdamW state over (needs a checkpoints/step-N folder)."),
-    data: list[str] = DATA_OPTION,
-    set_: list[str] = SET_OPTION,
-    resume: str = RESUME_OPTION,
-    dry_run: bool = DRY_RUN_OPTION,
-    world_size: Optional[int] = WORLD_SIZE_OPTION,
-    overwrite: bool = typer.Option(False, "--overwrite", help="Delete RUN first if it already holds a run."),
-    json_out: bool = JSON_OPTION,
-) -> None:
+def midtrain_command(recipe: RecipeArg, run: RunArg = None, from_: FromOpt = None,
+                     keep_optimizer: bool = typer.Option(False, "--keep-optimizer", help="Carry the AdamW state over "
+                                                         "(needs a checkpoints/step-N folder)."),
+                     data: DataOpt = [], set_: SetOpt = None, resume: ResumeOpt = "none", dry_run: DryRunOpt = False,
+                     world_size: WorldSizeOpt = None, overwrite: OverwriteOpt = False, json_out: JsonOpt = False) -> None:
     """Continue pretraining from a checkpoint: annealing or long-context extension, recorded as the parent in the manifest."""
-    if from_ is None and not dry_run:
-        raise UserError("--from", "is required", "pass the model folder to continue from, e.g. RUN/final")
-    _train_command("midtrain", recipe, run, data=data, overrides=set_, resume=resume, dry_run=dry_run, world_size=world_size,
-                   overwrite=overwrite, json_out=json_out, init_from=str(from_) if from_ else None, keep_optimizer=keep_optimizer)
+    _train_command("midtrain", recipe, run, data=data, overrides=set_ or [], resume=resume, dry_run=dry_run,
+                   world_size=world_size, overwrite=overwrite, json_out=json_out, init_from=from_,
+                   keep_optimizer=keep_optimizer)
 
 
 def _train_command(stage: str, recipe: Path, run: Path | None, *, data, overrides, resume: str, dry_run: bool,
@@ -805,12 +807,10 @@ def _train_command(stage: str, recipe: Path, run: Path | None, *, data, override
         if dry_run:
             from smolctl.train.dryrun import dry_run as plan_run
 
-            result = plan_run(load_train_recipe(recipe, overrides, data), world_size=world_size or world_size_from_env())
+            result = plan_run(load_train_recipe(recipe, overrides, data, stage), world_size=world_size or world_size_from_env())
             emit_json(result) if json_out else _render_dry_run(recipe, result)
             return
-        if run is None:
-            raise UserError("RUN", "is required to train", f"e.g. smolctl {stage} {recipe} runs/my-run")
-        outcome = train(recipe, run, overrides=overrides, data=data, stage=stage, resume=resume, overwrite=overwrite,
+        outcome = train(recipe, _require_run(run, stage, recipe), overrides=overrides, data=data, stage=stage, resume=resume, overwrite=overwrite,
                         init_from=init_from, keep_optimizer=keep_optimizer, show=not json_out and rank == 0)
     except (UserError, CheckFailed) as exc:
         _quiet_on_other_ranks(rank, exc)
@@ -852,8 +852,8 @@ def _render_train(r) -> None:
     rate = f"{human_count(speed['tokens_per_s'])} tokens/s, " + (
         f"MFU {speed['mfu']:.1%}" if speed["mfu"] is not None else f"{flops_text(speed['flops_per_s'])} (no MFU: no known peak)")
     loss = f"{r.first_loss:.4f} → {r.final_loss:.4f}" if r.first_loss is not None else "-"
-    show(key_values(f"{r.stage} {r.run_dir}", [
-        ("final model", f"{r.final_model}  (AutoModelForCausalLM.from_pretrained loads it; next stage: --from)"),
+    show(key_values(f"{r.stage} {r.run}", [
+        ("final model", f"{r.final}  (AutoModelForCausalLM.from_pretrained loads it; next stage: --from)"),
         ("steps", f"{r.steps:,} ({speed['steps_run']:,} run now{', resumed from ' + r.resumed_from if r.resumed_from else ''})"),
         ("tokens seen", human_count(r.tokens_seen)), ("parameters", human_count(r.parameters)),
         ("loss", loss + (f"  (validation {r.val_loss:.4f})" if r.val_loss is not None else "")),
@@ -861,7 +861,7 @@ def _render_train(r) -> None:
                   f"(micro {r.plan['micro_batch']} × world {r.plan['world_size']} × accumulation {r.plan['grad_accum']})"),
         ("speed", f"{rate}; data wait {speed['data_wait']:.2%} of step time"),
         ("guards", f"{r.skipped_steps} skipped (non-finite), {r.spikes} spikes, {r.rollbacks} rollbacks"
-                   + (f" — see {r.run_dir}/events.jsonl" if r.events else "")),
+                   + (f" — see {r.run}/events.jsonl" if r.events else "")),
         ("parent", r.parent or "-"), ("checkpoints", "\n".join(r.checkpoints) or "-"),
     ]))
 
@@ -1031,7 +1031,7 @@ def _render_validation(v: dict) -> None:
 
 PIPELINE_ORDER = {
     "Data": ["train-tokenizer", "dedup", "mix", "pack"],
-    "Training": ["pretrain", "midtrain", "sft", "dpo", "ppo"],
+    "Training": ["pretrain", "midtrain", "sft", "dpo", "ppo", "grpo"],
     "Cluster": ["estimate", "benchmark-nccl", "stress-gpu"],
     "Any folder": ["inspect"],
 }

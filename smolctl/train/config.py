@@ -1,35 +1,46 @@
-"""The pretrain / midtrain recipe: one pydantic section per TOML table, each field with its unit or reason.
+"""The one recipe schema of every training command: one pydantic section per TOML table, each field with its unit
+or reason.
 
     smolctl pretrain recipes/smollm3-tiny.toml --dry-run
 
-Validation happens here, when the recipe is built, so every mistake is reported with its key path before any
-model is built or any data is read. `derive_batch` turns the batch keys into the numbers the loop uses.
+The shared tables [model] [data] [optimizer] [schedule] [training] [checkpoint] [logging] [guards] [peft] mean
+the same in pretrain, midtrain, sft, dpo, ppo and grpo; each command adds its own table ([sft] [dpo] [ppo] [grpo]).
+[data] names what the command reads (packed folders, a chat set, preference pairs, prompts), so its keys follow
+the data. Validation happens here, when the recipe is built, so every mistake is reported with its key path
+before any model is built or any data is read: a key that moved names its new place, a key another command reads
+names that command. `derive_batch` turns the batch keys into the numbers the loop uses.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Literal, Sequence
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from smolctl.errors import UserError
-from smolctl.recipe import Section
+from smolctl.recipe import Section, apply_overrides, load_toml, validate
+from smolctl.train.rewards import RewardSection
 
 
 class ModelSection(Section):
-    """Any causal LM transformers knows; SmolLM3 by default (GQA, NoPE every 4th layer, tied embeddings)."""
+    """pretrain: the architecture to build (any causal LM transformers knows; SmolLM3 by default: GQA, NoPE every
+    4th layer, tied embeddings). Every later stage: the checkpoint to start from, whose architecture it keeps."""
 
+    model_config = ConfigDict(populate_by_name=True)
+    from_: str | None = Field(None, alias="from")
+    """Starting checkpoint of midtrain, sft, dpo, ppo, grpo: a model folder or a run folder (its final/); --from wins."""
     architecture: str = "smollm3"
     """A transformers `model_type` with a causal-LM head: smollm3, llama, qwen3, mistral, ..."""
     tokenizer: str | None = None
     """Tokenizer folder or hub id; default: the one recorded in the packed data's manifest."""
     vocab_size: int | None = Field(None, gt=0)
     """Embedding rows; default: the tokenizer's length. Set it to pad the vocabulary (e.g. to a multiple of 128)."""
-    hidden_size: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0)
-    num_hidden_layers: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
+    hidden_size: int | None = Field(None, gt=0)
+    intermediate_size: int | None = Field(None, gt=0)
+    num_hidden_layers: int | None = Field(None, gt=0)
+    num_attention_heads: int | None = Field(None, gt=0)
     num_key_value_heads: int | None = Field(None, gt=0)
     """GQA groups; default: as many as attention heads (plain multi-head attention)."""
     rope_theta: float = Field(50_000.0, gt=0)
@@ -42,8 +53,14 @@ class ModelSection(Section):
     config: dict[str, Any] = {}
     """Any further keys of the architecture's transformers config (e.g. sliding_window)."""
 
+    def architecture_keys(self) -> list[str]:
+        """The keys that describe an architecture, as the recipe gave them (post-training keeps the checkpoint's)."""
+        return sorted(self.model_fields_set - {"from_", "tokenizer"})
+
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelSection":
+        if self.hidden_size is None or self.num_attention_heads is None:
+            return self
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}")
         if self.num_key_value_heads and self.num_attention_heads % self.num_key_value_heads:
@@ -113,7 +130,10 @@ class OptimizerSection(Section):
 
 
 class ScheduleSection(Section):
-    kind: Literal["wsd", "cosine", "constant"] = "wsd"
+    """The learning rate over the run, the same function in every command (smolctl.train.schedule)."""
+
+    kind: Literal["wsd", "cosine", "constant", "exponential"] = "wsd"
+    """wsd: warmup, stable, decay at the end; cosine; constant; exponential: lr · decay_rate^step after warmup."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warmup from lr/warmup_steps to the peak."""
     decay_steps: int | None = Field(None, ge=0)
@@ -121,8 +141,10 @@ class ScheduleSection(Section):
     decay_fraction: float | None = Field(None, ge=0, le=1)
     """wsd: length of the final decay as a fraction of all steps (1.0: decay from the end of warmup)."""
     decay_shape: Literal["linear", "cosine", "1-sqrt"] = "linear"
+    decay_rate: float = Field(0.9995, gt=0, le=1)
+    """exponential: the lr multiplier per step (the smol training playbook's DPO schedule uses 0.9995)."""
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
-    """The lr at the end of the decay, as a fraction of the peak (cosine and wsd)."""
+    """The lowest lr, as a fraction of the peak (cosine, wsd and exponential)."""
 
     @model_validator(mode="after")
     def _one_decay_length(self) -> "ScheduleSection":
@@ -133,17 +155,19 @@ class ScheduleSection(Section):
 
 class TrainingSection(Section):
     steps: int | None = Field(None, gt=0)
-    """Optimizer steps; or give `tokens` and the steps are derived from the global batch."""
+    """Optimizer steps (ppo and grpo: rollout batches); pretrain may give `tokens` instead."""
     tokens: int | None = Field(None, gt=0)
-    seq_len: int = Field(gt=0)
-    """Must equal the packed folders' seq_len."""
+    """pretrain / midtrain: the token budget, from which the steps are derived."""
+    seq_len: int | None = Field(None, gt=0)
+    """pretrain / midtrain: must equal the packed folders' seq_len (post-training: the command's max_length)."""
     micro_batch: int = Field(gt=0)
-    """Sequences per forward/backward on one device."""
+    """Sequences (rows, pairs, completions) per forward/backward on one device."""
     global_batch: int | None = Field(None, gt=0)
-    """Sequences per optimizer step over all devices (exclusive with global_batch_tokens)."""
+    """Sequences per optimizer step over all devices (default: micro_batch × world size, no accumulation)."""
     global_batch_tokens: int | None = Field(None, gt=0)
+    """pretrain / midtrain: the global batch in tokens (exclusive with global_batch)."""
     seed: int = 42
-    """Seeds the weights and the data order: the order is a pure function of (seed, batch number)."""
+    """Seeds the weights (pretrain) and the data order."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 autocast on GPU (fp32 master weights), fp32 on CPU."""
     gradient_checkpointing: bool = False
@@ -157,8 +181,8 @@ class TrainingSection(Section):
     def _budget_and_batch(self) -> "TrainingSection":
         if (self.steps is None) == (self.tokens is None):
             raise ValueError("give either steps or tokens")
-        if (self.global_batch is None) == (self.global_batch_tokens is None):
-            raise ValueError("give either global_batch (sequences) or global_batch_tokens")
+        if self.global_batch is not None and self.global_batch_tokens is not None:
+            raise ValueError("give either global_batch (sequences) or global_batch_tokens, not both")
         return self
 
 
@@ -189,15 +213,227 @@ class GuardsSection(Section):
     """Fault drill: the loss of these batches (1-based) is made NaN, to rehearse the guards."""
 
 
-class TrainRecipe(Section):
-    model: ModelSection
-    data: DataSection
+class PeftSection(Section):
+    """LoRA through peft: the table's presence trains low-rank adapters instead of all weights (sft, dpo, grpo, the
+    PPO policy). RUN/final holds the merged model; RUN/adapter keeps the adapter alone."""
+
+    r: int = Field(16, gt=0)
+    """Rank of the update matrices."""
+    alpha: float = Field(32, gt=0)
+    """Scale of the update: alpha / r multiplies it."""
+    dropout: float = Field(0.05, ge=0, lt=1)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names to adapt (e.g. ["q_proj", "v_proj"]), or every linear layer but the output head."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What post-training reads: [data] per kind of data, and each command's own table
+
+
+class ChatDataSection(Section):
+    path: str
+    """Dataset folder with a `messages` column (chat turns) or `prompt` and `completion` columns."""
+    balance_by: str | None = None
+    """Column naming each row's category (e.g. "task"): every category gets the same share of the rows."""
+    balance: Literal["cap", "upsample"] = "cap"
+    """cap: trim every category to the smallest one's size; upsample: repeat rows of the smaller ones up to the largest."""
+    limit: int | None = Field(None, gt=0)
+    """Use at most this many rows (after balancing)."""
+
+
+class PreferenceDataSection(Section):
+    path: str
+    """Dataset folder with `prompt`, `chosen`, `rejected` columns (strings or chat turns)."""
+    limit: int | None = Field(None, gt=0)
+
+
+class PromptDataSection(Section):
+    path: str
+    """Dataset folder of prompts."""
+    prompt_column: str = "prompt"
+    reference_column: str = "reference"
+    """What task rewards compare against (exact / regex with {reference}); optional for other rewards."""
+    limit: int | None = Field(None, gt=0)
+
+
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+
+
+class SftSection(Section):
+    max_length: int = Field(1024, gt=0)
+    """Tokens per packed row (bfd) or per example (none)."""
+    packing: Literal["bfd", "padding_free", "none"] = "bfd"
+    """bfd: best-fit-decreasing packing, attention kept inside each example through position ids (SmolLM3's
+    choice); padding_free: examples concatenated per batch, no truncation; none: one padded example per row."""
+    assistant_only_loss: bool = True
+    """Train on the assistant turns only. A template without {% generation %} markers is patched by TRL when it
+    knows it (ChatML, Llama 3, Qwen, Gemma, ...)."""
+    loss_type: Literal["nll", "dft"] = "nll"
+
+
+class DpoSection(Section):
+    beta: float = Field(0.1, gt=0)
+    """Strength of the pull towards the reference model (SmolLM3 used APO-zero with beta 0.05)."""
+    loss_type: Literal[DPO_LOSSES] = "sigmoid"  # type: ignore[valid-type]
+    max_length: int = Field(1024, gt=0)
+    """Tokens of prompt + answer; longer pairs are truncated."""
+    precompute_ref_log_probs: bool = False
+    """Score the whole dataset with the reference model once up front, then free it (saves memory per step)."""
+
+
+class PpoSection(Section):
+    batch_size: int = Field(64, gt=0)
+    """Completions (rollouts) per step."""
+    epochs: int = Field(3, gt=0)
+    """Passes over each batch."""
+    minibatch_size: int = Field(16, gt=0)
+    """Completions per optimizer update."""
+    clip: float = Field(0.2, gt=0)
+    """Clip range of the probability ratio."""
+    vf_coef: float = Field(0.1, ge=0)
+    vf_clip: float = Field(0.2, gt=0)
+    ent_coef: float = Field(0.01, ge=0)
+    kl_coef: float = Field(0.05, ge=0)
+    """Per-token KL penalty against the reference."""
+    gamma: float = Field(1.0, gt=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE lambda."""
+    max_new_tokens: int = Field(32, gt=0)
+    temperature: float = Field(1.0, gt=0)
+
+
+class GrpoSection(Section):
+    """TRL's GRPOTrainer: training.global_batch completions per step, in groups of num_generations per prompt."""
+
+    num_generations: int = Field(8, ge=2)
+    """Completions per prompt; rewards are normalised within each group."""
+    epochs: int = Field(1, gt=0)
+    """Passes over each generation batch (TRL's num_iterations)."""
+    clip: float = Field(0.2, gt=0)
+    """Clip range of the probability ratio (TRL's epsilon)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """KL penalty against the reference (TRL's beta; 0 loads no reference model)."""
+    ent_coef: float = Field(0.0, ge=0)
+    max_new_tokens: int = Field(32, gt=0)
+    temperature: float = Field(1.0, gt=0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The recipes
+
+
+class _Recipe(Section):
+    """The tables every training command shares."""
+
+    model: ModelSection = ModelSection()
     optimizer: OptimizerSection
     schedule: ScheduleSection = ScheduleSection()
     training: TrainingSection
     checkpoint: CheckpointSection = CheckpointSection()
     logging: LoggingSection = LoggingSection()
+
+
+class TrainRecipe(_Recipe):
+    """pretrain and midtrain."""
+
+    data: DataSection
     guards: GuardsSection = GuardsSection()
+
+    @model_validator(mode="after")
+    def _architecture_and_length(self) -> "TrainRecipe":
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+                   if getattr(self.model, k) is None]
+        if missing:
+            raise ValueError(f"[model] needs {', '.join(missing)} (pretrain builds the model from them)")
+        if self.training.seq_len is None:
+            raise ValueError("training.seq_len is required (the packed folders' sequence length)")
+        return self
+
+
+class PostTrainRecipe(_Recipe):
+    """sft, dpo, ppo, grpo: the architecture and tokenizer come from the starting checkpoint."""
+
+    peft: PeftSection | None = None
+
+    @model_validator(mode="after")
+    def _from_checkpoint(self) -> "PostTrainRecipe":
+        given = self.model.architecture_keys()
+        if given:
+            raise ValueError(f"[model] {', '.join(given)}: post-training keeps the starting checkpoint's architecture "
+                             "and tokenizer — keep only model.from")
+        if self.training.tokens is not None or self.training.seq_len is not None or self.training.global_batch_tokens:
+            raise ValueError("post-training counts training.steps and sequences: tokens, seq_len and "
+                             "global_batch_tokens are pretrain keys")
+        return self
+
+
+class SftRecipe(PostTrainRecipe):
+    data: ChatDataSection
+    sft: SftSection = SftSection()
+
+
+class DpoRecipe(PostTrainRecipe):
+    data: PreferenceDataSection
+    dpo: DpoSection = DpoSection()
+
+
+class PpoRecipe(PostTrainRecipe):
+    data: PromptDataSection
+    ppo: PpoSection = PpoSection()
+    rewards: list[RewardSection] = Field(default_factory=list)
+
+
+class GrpoRecipe(PostTrainRecipe):
+    data: PromptDataSection
+    grpo: GrpoSection = GrpoSection()
+    rewards: list[RewardSection] = Field(default_factory=list)
+
+
+RECIPES: dict[str, type[_Recipe]] = {"pretrain": TrainRecipe, "midtrain": TrainRecipe, "sft": SftRecipe,
+                                      "dpo": DpoRecipe, "ppo": PpoRecipe, "grpo": GrpoRecipe}
+
+# Keys of the two stacks before they became one: each names where it lives now.
+MOVED_KEYS = {
+    "checkpoint.every": "checkpoint.interval",
+    "training.lr": "optimizer.lr",
+    "training.weight_decay": "optimizer.weight_decay",
+    "training.max_grad_norm": "optimizer.grad_clip",
+    "training.schedule": "schedule.kind",
+    "training.warmup_steps": "schedule.warmup_steps",
+    "training.decay": "schedule.decay_rate",
+    "training.grad_accum": "training.global_batch (sequences per step; accumulation is derived)",
+    "generation.max_new_tokens": "ppo.max_new_tokens or grpo.max_new_tokens",
+    "generation.temperature": "ppo.temperature or grpo.temperature",
+    "algorithm": "its own command: smolctl grpo RECIPE RUN with a [grpo] table",
+    "output": "the RUN argument: smolctl COMMAND RECIPE RUN",
+}
+# Tables only some commands read: a recipe of another command that has them would be silently half-obeyed.
+READ_BY = {"guards": ("pretrain", "midtrain"), "peft": ("sft", "dpo", "ppo", "grpo"), "sft": ("sft",),
+           "dpo": ("dpo",), "ppo": ("ppo",), "grpo": ("grpo",), "rewards": ("ppo", "grpo")}
+
+
+def check_keys(raw: dict, command: str, source: str | Path) -> None:
+    """Refuse a key that moved (naming its new place) or a table this command does not read (naming who does)."""
+    for old, new in MOVED_KEYS.items():
+        table, _, key = old.rpartition(".")
+        node = raw.get(table) if table else raw
+        if isinstance(node, dict) and key in node:
+            raise UserError(source, f"{old} moved to {new}", "rename it in the recipe (README: one recipe schema)")
+    if command == "grpo" and "ppo" in raw:
+        raise UserError(source, "[ppo] is read by smolctl ppo; grpo reads [grpo] (num_generations, epochs, clip, "
+                        "kl_coef, max_new_tokens, temperature) and training.global_batch", "move the keys to [grpo]")
+    for table, readers in READ_BY.items():
+        if table in raw and command not in readers:
+            raise UserError(source, f"[{table}] is read by {' and '.join(readers)}, not by {command}",
+                            f"remove the table, or run smolctl {readers[0]}")
+
+
+def load_command_recipe(command: str, path: str | Path, overrides: Sequence[str] = ()) -> _Recipe:
+    """The recipe of a training command, with --set overrides applied, its keys checked and validated."""
+    raw = apply_overrides(load_toml(path), overrides)
+    check_keys(raw, command, path)
+    return validate(RECIPES[command], raw, path)
 
 
 @dataclass(frozen=True)
@@ -220,23 +456,30 @@ class BatchPlan:
         return self.global_batch // self.world_size
 
 
-def derive_batch(training: TrainingSection, schedule: ScheduleSection, world_size: int) -> BatchPlan:
-    """Global batch → gradient accumulation for this world size; token budget → steps. UserError when they do
-    not divide, naming the keys to change."""
-    if training.global_batch_tokens is not None:
-        if training.global_batch_tokens % training.seq_len:
-            raise UserError("training.global_batch_tokens", f"{training.global_batch_tokens} is not a multiple of seq_len {training.seq_len}",
+def global_batch_and_accumulation(training: TrainingSection, world_size: int, seq_len: int | None = None) -> tuple[int, int]:
+    """(sequences per optimizer step, micro batches per device per step) for this world size; UserError when they
+    do not divide, naming the keys to change."""
+    if training.global_batch_tokens is not None and seq_len:
+        if training.global_batch_tokens % seq_len:
+            raise UserError("training.global_batch_tokens", f"{training.global_batch_tokens} is not a multiple of seq_len {seq_len}",
                             "use a multiple of training.seq_len, or give training.global_batch in sequences")
-        global_batch = training.global_batch_tokens // training.seq_len
+        global_batch = training.global_batch_tokens // seq_len
     else:
-        global_batch = int(training.global_batch)
+        global_batch = training.global_batch or training.micro_batch * world_size
     per_pass = training.micro_batch * world_size
     if global_batch % per_pass:
         raise UserError("training.global_batch", f"{global_batch} sequences is not divisible by micro_batch {training.micro_batch} × "
                         f"world size {world_size} = {per_pass}", f"use a multiple of {per_pass}, or change training.micro_batch")
+    return global_batch, global_batch // per_pass
+
+
+def derive_batch(training: TrainingSection, schedule: ScheduleSection, world_size: int) -> BatchPlan:
+    """Global batch → gradient accumulation for this world size; token budget → steps. UserError when they do
+    not divide, naming the keys to change."""
+    global_batch, grad_accum = global_batch_and_accumulation(training, world_size, training.seq_len)
     steps = training.steps if training.steps is not None else -(-int(training.tokens) // (global_batch * training.seq_len))
     decay = schedule.decay_steps or 0
     if schedule.warmup_steps + decay > steps:
         raise UserError("schedule", f"warmup_steps {schedule.warmup_steps} + decay_steps {decay} exceed the {steps} training steps",
                         "shorten the warmup/decay or train longer")
-    return BatchPlan(world_size, training.micro_batch, global_batch, global_batch // per_pass, training.seq_len, steps)
+    return BatchPlan(world_size, training.micro_batch, global_batch, grad_accum, int(training.seq_len), steps)

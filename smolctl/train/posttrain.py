@@ -1,4 +1,4 @@
-"""Supervised fine-tuning and preference optimisation through TRL, driven by smolctl recipes.
+"""Supervised fine-tuning and preference optimisation through TRL, under the one recipe schema and run layout.
 
   smolctl sft recipes/sft-tiny.toml demo-out/sft --from demo-out/pretrain/final
   smolctl dpo recipes/dpo-tiny.toml demo-out/dpo --from demo-out/sft      (the model: demo-out/dpo/final)
@@ -11,102 +11,18 @@ millions of rows at most, unlike pretraining corpora.
 from __future__ import annotations
 
 import random
-import time
 from collections import Counter
 from pathlib import Path
-from typing import Literal
 
 import pyarrow as pa
-from pydantic import Field
 
 from smolctl.errors import UserError
-from smolctl.recipe import Section, load_recipe
 from smolctl.shards import DocumentSource, open_documents
+from smolctl.train.config import ChatDataSection, DpoRecipe, PreferenceDataSection, SftRecipe
 from smolctl.train.stage import (
-    FINAL, CheckpointSection, ModelSection, StageResult, StepHook, TrainingSection, check_start, final_metrics,
-    load_start, monitor_callback, prepare_run, quiet_offline, record_recipe, require_chat_template, train_quietly,
-    trainer_arguments, use_bf16, with_schedule, write_model,
+    StageResult, StepHook, apply_peft, check_start, final_metrics, finish_trl, finished_result, load_start, open_run,
+    parameter_counts, quiet_offline, require_chat_template, run_callback, scheduled, trainer_arguments, use_bf16,
 )
-
-DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
-
-# ---------------------------------------------------------------------------------------------------------------
-# Recipes
-
-
-class SftDataSection(Section):
-    path: str
-    """Dataset folder with a `messages` column (chat turns) or `prompt` and `completion` columns."""
-    balance_by: str | None = None
-    """Column naming each row's category (e.g. "task"): every category gets the same share of the rows."""
-    balance: Literal["cap", "upsample"] = "cap"
-    """cap: trim every category to the smallest one's size; upsample: repeat rows of the smaller ones up to the largest."""
-    limit: int | None = Field(None, gt=0)
-    """Use at most this many rows (after balancing)."""
-
-
-class SftSection(Section):
-    max_length: int = Field(1024, gt=0)
-    """Tokens per packed row (bfd) or per example (none)."""
-    packing: Literal["bfd", "padding_free", "none"] = "bfd"
-    """bfd: best-fit-decreasing packing, attention kept inside each example through position ids (SmolLM3's
-    choice); padding_free: examples concatenated per batch, no truncation; none: one padded example per row."""
-    assistant_only_loss: bool = True
-    """Train on the assistant turns only; needs {% generation %} markers in the chat template."""
-    loss_type: Literal["nll", "dft"] = "nll"
-
-
-class SftRecipe(Section):
-    output: str | None = None
-    """Run folder: checkpoints/, metrics.jsonl and the finished model in final/ (the RUN argument overrides)."""
-    model: ModelSection = ModelSection()
-    data: SftDataSection
-    training: TrainingSection = TrainingSection()
-    checkpoint: CheckpointSection = CheckpointSection()
-    sft: SftSection = SftSection()
-
-
-class DpoDataSection(Section):
-    path: str
-    """Dataset folder with `prompt`, `chosen`, `rejected` columns (strings or chat turns)."""
-    limit: int | None = Field(None, gt=0)
-
-
-class DpoSection(Section):
-    beta: float = Field(0.1, gt=0)
-    """Strength of the pull towards the reference model (SmolLM3 used APO-zero with beta 0.05)."""
-    loss_type: Literal[DPO_LOSSES] = "sigmoid"  # type: ignore[valid-type]
-    max_length: int = Field(1024, gt=0)
-    """Tokens of prompt + answer; longer pairs are truncated."""
-    precompute_ref_log_probs: bool = False
-    """Score the whole dataset with the reference model once up front, then free it (saves memory per step)."""
-
-
-class DpoRecipe(Section):
-    output: str | None = None
-    model: ModelSection = ModelSection()
-    data: DpoDataSection
-    training: TrainingSection = TrainingSection()
-    checkpoint: CheckpointSection = CheckpointSection()
-    dpo: DpoSection = DpoSection()
-
-
-def load_sft_recipe(path: str | Path, overrides: list[str]) -> SftRecipe:
-    return load_recipe(SftRecipe, path, overrides)
-
-
-def load_dpo_recipe(path: str | Path, overrides: list[str]) -> DpoRecipe:
-    return load_recipe(DpoRecipe, path, overrides)
-
-
-def resolve_output(recipe_output: str | None, output: str | None) -> Path:
-    chosen = output or recipe_output
-    if not chosen:
-        raise UserError("output", "no run folder to write",
-                        "pass the run folder after the recipe (RECIPE RUN), or set output = \"RUN\" in the recipe")
-    return Path(chosen)
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Data
@@ -154,7 +70,7 @@ def balanced_indices(groups: list, mode: str, seed: int) -> list[int]:
     return chosen
 
 
-def load_sft_dataset(source: DocumentSource, data: SftDataSection, seed: int, as_chat: bool):
+def load_sft_dataset(source: DocumentSource, data: ChatDataSection, seed: int, as_chat: bool):
     """The SFT rows, balanced and limited; plain-string prompt/completion pairs become a user and an assistant
     turn when the tokenizer has a chat template, so the model learns the format it will chat in."""
     import datasets
@@ -184,7 +100,7 @@ def is_chat_column(field: pa.Field) -> bool:
     return pa.types.is_list(field.type) or pa.types.is_large_list(field.type)
 
 
-def load_preference_dataset(source: DocumentSource, data: DpoDataSection, as_chat: bool):
+def load_preference_dataset(source: DocumentSource, data: PreferenceDataSection, as_chat: bool):
     """prompt/chosen/rejected rows; plain strings become one user turn and one assistant turn when the tokenizer
     has a chat template, so DPO trains the same format that SFT taught and chat uses."""
     import datasets
@@ -212,96 +128,104 @@ def _as_turns(row: dict) -> dict:
 # Runs
 
 
-def run_sft(recipe: SftRecipe, *, output: str | None = None, start: str | None = None, resume: str | None = None,
+def run_sft(recipe: SftRecipe, run: str | Path, *, start: str | None = None, resume: str = "none",
             overwrite: bool = False, on_step: StepHook | None = None) -> StageResult:
-    """Fine-tune the starting checkpoint on chat data with TRL's SFTTrainer and write the output model folder."""
-    out = resolve_output(recipe.output, output)
-    parent = check_start(start or recipe.model.from_)
+    """Fine-tune the starting checkpoint on chat data with TRL's SFTTrainer and write RUN/final."""
+    run = Path(run)
+    parent = check_start(start or recipe.model.from_, "--from" if start else "model.from")
     source = open_documents(recipe.data.path)
-    columns = sft_columns(source)
     if recipe.data.balance_by:
         require_columns(source, [recipe.data.balance_by], "set data.balance_by to a column of categories, or remove it")
-    resume_from = prepare_run(out, resume, overwrite)
+    columns = sft_columns(source)
+    begun = open_run("sft", recipe, run, parent, resume, overwrite)
+    if begun.finished:
+        return finished_result("sft", run, begun)
     # Heavy imports only once the cheap checks have passed, so a mistake is reported in a second, not ten.
     quiet_offline()
-    from trl import SFTConfig, SFTTrainer
-    from trl.chat_template_utils import has_generation_markers
+    trainer, callback, data_stats, parameters = sft_trainer(recipe, run, parent, source, columns, on_step)
+    return finish_trl("sft", trainer, callback, run, parent, source.lineage(), data_stats, begun, parameters,
+                      lambda history: final_metrics(history, ("loss", "mean_token_accuracy", "entropy", "grad_norm", "lr")))
 
-    model, tokenizer = load_start(parent)
+
+def sft_trainer(recipe: SftRecipe, run: Path, parent: Path, source: DocumentSource, columns: list[str],
+                on_step: StepHook | None = None):
+    """The SFTTrainer of a recipe, its RunCallback, the data facts and the parameter counts (nothing trained yet)."""
+    from trl import SFTConfig, SFTTrainer
+
+    model, tokenizer = load_start(parent, attention=recipe.training.attention)
     conversational = columns == ["messages"] or is_chat_column(source.schema.field("prompt"))
     if conversational:
         require_chat_template(tokenizer, parent, "chat data needs")
     assistant_only = recipe.sft.assistant_only_loss and columns == ["messages"]
-    if assistant_only and not has_generation_markers(tokenizer.chat_template):
-        raise UserError(parent, "the chat template has no {% generation %} markers, so the assistant turns cannot "
-                        "be found for assistant-only loss",
-                        "add the markers around the assistant content, or set sft.assistant_only_loss = false")
+    if assistant_only:
+        check_training_template(tokenizer, parent)
     dataset, data_stats = load_sft_dataset(source, recipe.data, recipe.training.seed,
                                            as_chat=bool(getattr(tokenizer, "chat_template", None)))
-    record_recipe(out, recipe.model_dump(by_alias=True), parent, resume_from)
-
+    model = apply_peft(model, recipe.peft)
     packing = recipe.sft.packing
     config = SFTConfig(
-        **trainer_arguments(out, recipe.training, recipe.checkpoint),
+        **trainer_arguments(run, recipe),
         # TRL does not truncate padding-free batches; SFTTrainer refuses a max_length there.
         max_length=None if packing == "padding_free" else recipe.sft.max_length,
         packing=packing == "bfd", packing_strategy="bfd", padding_free=packing == "padding_free",
         assistant_only_loss=assistant_only, loss_type=recipe.sft.loss_type, shuffle_dataset=True,
     )
-    monitor = monitor_callback(out, on_step)
-    trainer = with_schedule(SFTTrainer, recipe.training)(
-        model=model, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[monitor])
+    callback = run_callback(run, on_step, recipe.checkpoint.keep)
+    trainer = scheduled(SFTTrainer, recipe)(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                                            callbacks=[callback])
     data_stats["train_rows"] = len(trainer.train_dataset)
-    return _train_and_save("sft", trainer, monitor, out, parent, source, data_stats, resume_from,
-                           keys=("loss", "mean_token_accuracy", "entropy", "grad_norm", "learning_rate"))
+    return trainer, callback, data_stats, parameter_counts(model)
 
 
-def run_dpo(recipe: DpoRecipe, *, output: str | None = None, start: str | None = None, resume: str | None = None,
+def check_training_template(tokenizer, path: Path) -> None:
+    """Assistant-only loss needs {% generation %} markers: TRL patches the templates it knows (ChatML, Llama 3,
+    Qwen, Gemma, ...); refuse only the ones it cannot."""
+    from trl.chat_template_utils import get_training_chat_template
+
+    try:
+        get_training_chat_template(tokenizer)
+    except ValueError as exc:
+        raise UserError(path, f"the chat template of tokenizer {tokenizer.name_or_path} has no {{% generation %}} markers "
+                        "and TRL cannot patch it, so the assistant turns cannot be found for assistant-only loss",
+                        "add the markers around the assistant content, or set sft.assistant_only_loss = false") from exc
+
+
+def run_dpo(recipe: DpoRecipe, run: str | Path, *, start: str | None = None, resume: str = "none",
             overwrite: bool = False, on_step: StepHook | None = None) -> StageResult:
-    """Preference-optimise the starting checkpoint with TRL's DPOTrainer; the reference is the same checkpoint,
-    loaded a second time and passed explicitly (TRL would otherwise re-load it by hub id, which fails offline)."""
-    out = resolve_output(recipe.output, output)
-    parent = check_start(start or recipe.model.from_)
+    """Preference-optimise the starting checkpoint with TRL's DPOTrainer. The reference is the starting checkpoint:
+    loaded a second time and passed explicitly (TRL would otherwise re-load it by hub id, which fails offline),
+    or, with LoRA, the model with its adapter switched off (no second copy)."""
+    run = Path(run)
+    parent = check_start(start or recipe.model.from_, "--from" if start else "model.from")
     source = open_documents(recipe.data.path)
     require_columns(source, ["prompt", "chosen", "rejected"],
                     "pass a preference dataset (e.g. data/sample/preference)")
-    resume_from = prepare_run(out, resume, overwrite)
+    begun = open_run("dpo", recipe, run, parent, resume, overwrite)
+    if begun.finished:
+        return finished_result("dpo", run, begun)
     quiet_offline()
     from trl import DPOConfig, DPOTrainer
 
-    model, tokenizer = load_start(parent)
-    reference, _ = load_start(parent, use_bf16(recipe.training.precision))
-    reference.eval().requires_grad_(False)
+    model, tokenizer = load_start(parent, attention=recipe.training.attention)
+    reference = None
+    if recipe.peft is None:
+        reference, _ = load_start(parent, use_bf16(recipe.training.precision), attention=recipe.training.attention)
+        reference.eval().requires_grad_(False)
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if any(is_chat_column(source.schema.field(c)) for c in ("prompt", "chosen", "rejected")):
         require_chat_template(tokenizer, parent, "preference pairs given as chat turns need")
     dataset, data_stats = load_preference_dataset(source, recipe.data, as_chat=has_template)
     data_stats["format"] = "chat" if has_template else "text"
-    record_recipe(out, recipe.model_dump(by_alias=True), parent, resume_from)
-
+    model = apply_peft(model, recipe.peft)
     config = DPOConfig(
-        **trainer_arguments(out, recipe.training, recipe.checkpoint),
+        **trainer_arguments(run, recipe),
         beta=recipe.dpo.beta, loss_type=[recipe.dpo.loss_type], max_length=recipe.dpo.max_length,
         precompute_ref_log_probs=recipe.dpo.precompute_ref_log_probs,
     )
-    monitor = monitor_callback(out, on_step)
-    trainer = with_schedule(DPOTrainer, recipe.training)(
-        model=model, ref_model=reference, args=config, train_dataset=dataset, processing_class=tokenizer,
-        callbacks=[monitor])
-    return _train_and_save("dpo", trainer, monitor, out, parent, source, data_stats, resume_from,
-                           keys=("loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected",
-                                 "grad_norm", "learning_rate"))
-
-
-def _train_and_save(stage: str, trainer, monitor, run: Path, parent: Path, source: DocumentSource, data_stats: dict,
-                    resume_from: str | None, keys: tuple[str, ...]) -> StageResult:
-    started = time.perf_counter()
-    train_quietly(trainer, resume_from)
-    seconds = time.perf_counter() - started
-    metrics = final_metrics(monitor.history, keys)
-    if trainer.is_world_process_zero():
-        write_model(run, trainer.model, trainer.processing_class, parent=parent, data_inputs=source.lineage(),
-                    stage=stage, stats={**{k.replace("/", "_"): v for k, v in metrics.items()}, **data_stats,
-                                        "steps": trainer.state.global_step, "seconds": round(seconds, 2)})
-    return StageResult(stage, str(run), str(run / FINAL), str(parent), trainer.state.global_step, seconds, resume_from,
-                       metrics, data_stats)
+    callback = run_callback(run, on_step, recipe.checkpoint.keep)
+    trainer = scheduled(DPOTrainer, recipe)(model=model, ref_model=reference, args=config, train_dataset=dataset,
+                                            processing_class=tokenizer, callbacks=[callback])
+    return finish_trl("dpo", trainer, callback, run, parent, source.lineage(), data_stats, begun,
+                      parameter_counts(model), lambda history: final_metrics(history, (
+                          "loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected",
+                          "grad_norm", "lr")))

@@ -1,7 +1,8 @@
 """smolctl's PPO loop (the math lives in smolctl.train.ppo): rollout, score, advantages, update, log, checkpoint.
 
-Checkpoints go to RUN/checkpoints/checkpoint-N/ (policy as a Hugging Face folder, value head, optimizer, scheduler,
-RNG states, counters), written under a temporary name and renamed, so `--resume auto` finds only complete ones.
+Checkpoints go to RUN/checkpoints/step-N/ (the trainable weights: the whole policy, or its LoRA adapters, and the
+value head; optimizer, scheduler, RNG states, counters), written under a temporary name and renamed, so `--resume
+auto` finds only complete ones.
 The prompt order is a function of the seed and the step, so a resumed run sees the prompts it would have seen.
 """
 
@@ -18,14 +19,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from smolctl.console import warn
+from smolctl.errors import UserError
+from smolctl.train.config import PpoRecipe
 from smolctl.train.ppo import (
-    PpoRecipe, Setup, as_chat, clipped_policy_loss, clipped_value_loss, completion_mask, gae, masked_mean,
-    reward_trend, token_logprobs_and_entropy, whiten,
+    Setup, as_chat, clipped_policy_loss, clipped_value_loss, completion_mask, gae, masked_mean, reward_trend,
+    token_logprobs_and_entropy, whiten,
 )
+from smolctl.train.run import EVENTS, FINAL, METRICS, append_jsonl, checkpoint_dir, prune_checkpoints
+from smolctl.train.schedule import lambda_scheduler
 from smolctl.train.stage import (
-    FINAL, StageResult, StepHook, chat_stop_ids, complete_checkpoints, exponential_factor, final_metrics, load_start,
-    use_bf16, write_model,
+    StageResult, StepHook, apply_peft, chat_stop_ids, final_metrics, load_start, parameter_counts, save_final, use_bf16,
 )
 
 
@@ -47,52 +50,50 @@ class PolicyWithValue(nn.Module):
         return out.logits, self.value_head(out.hidden_states[-1].float()).squeeze(-1)
 
 
-def lr_factor(step: int, *, schedule: str, total: int, warmup: int, decay: float) -> float:
-    """The lr multiplier of the recipe's schedule at an optimizer step (PPO steps once per rollout batch)."""
-    if schedule == "exponential":
-        return exponential_factor(step, warmup, decay)
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress))}[schedule]
-
-
 class PpoLoop:
     def __init__(self, recipe: PpoRecipe, setup: Setup, on_step: StepHook | None):
         self.recipe, self.setup, self.on_step = recipe, setup, on_step
-        self.cfg, self.gen, self.training = recipe.ppo, recipe.generation, recipe.training
+        self.cfg, self.training = recipe.ppo, recipe.training
         bf16 = use_bf16(self.training.precision)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         torch.manual_seed(self.training.seed)
-        policy, self.tokenizer = load_start(setup.parent)
-        self.reference, _ = load_start(setup.parent, bf16)
+        policy, self.tokenizer = load_start(setup.parent, attention=self.training.attention)
+        self.reference, _ = load_start(setup.parent, bf16, attention=self.training.attention)
+        policy = apply_peft(policy, recipe.peft)
+        if self.training.gradient_checkpointing:
+            policy.gradient_checkpointing_enable()
         # fp32 weights, bf16 compute: the same mixed precision the Trainer-based stages get from bf16=True.
         self.autocast = partial(torch.autocast, self.device.type, dtype=torch.bfloat16, enabled=bf16)
         self.reference.to(self.device).eval().requires_grad_(False)
         self.model = PolicyWithValue(policy).to(self.device)
+        self.parameters = parameter_counts(self.model)
         self.stop_ids = chat_stop_ids(self.tokenizer)
         self.chat = bool(getattr(self.tokenizer, "chat_template", None))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.training.lr,
-                                           weight_decay=self.training.weight_decay)
-        t = self.training
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(
-            lr_factor, schedule=t.schedule, total=t.steps, warmup=t.warmup_steps, decay=t.decay))
+        opt = recipe.optimizer
+        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=opt.lr,
+                                           betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+        self.scheduler = lambda_scheduler(self.optimizer, recipe.schedule, int(self.training.steps))
         self.step, self.nan_skipped, self.history = 0, 0, []
         self._cached_order: tuple = (None, None)
-        if setup.resume_from:
-            self._load(Path(setup.resume_from))
+        if setup.start.resume_from:
+            self._load(Path(setup.start.resume_from))
 
     # -- the loop -------------------------------------------------------------------------------------------
 
     def train(self) -> StageResult:
         started = time.perf_counter()
+        interval = self.recipe.checkpoint.interval
         while self.step < self.training.steps:
+            step_started = time.perf_counter()
+            lr = self.scheduler.get_last_lr()[0]
             batch = self.rollout(self.next_prompts())
             stats = self.update(batch) if batch is not None else {"skipped_batch": 1.0}
             self.step += 1
             self.scheduler.step()
-            self.log({**stats, "lr": self.scheduler.get_last_lr()[0], "nan_rewards_skipped": self.nan_skipped})
-            if self.step % self.recipe.checkpoint.every == 0 or self.step == self.training.steps:
+            tokens = int(batch["attention"].sum()) if batch is not None else 0
+            self.log({**stats, "lr": lr, "tokens_per_s": tokens / (time.perf_counter() - step_started),
+                      "nan_rewards_skipped": self.nan_skipped})
+            if interval and (self.step % interval == 0 or self.step == self.training.steps):
                 self.save_checkpoint()
         seconds = time.perf_counter() - started
         components = tuple(f"rewards/{name}" for name in self.setup.reward.names)
@@ -100,13 +101,15 @@ class PpoLoop:
                    **final_metrics(self.history, (*components, "kl", "policy_loss", "value_loss", "entropy",
                                                   "clipfrac", "completion_length")),
                    "nan_rewards_skipped": self.nan_skipped}
-        data = {"prompts": len(self.setup.prompts), "algorithm": "ppo"}
-        write_model(self.setup.run, self.model.policy, self.tokenizer, parent=self.setup.parent,
-                    data_inputs=self.setup.source.lineage(), stage="ppo",
-                    stats={**{k.replace("/", "_"): v for k, v in metrics.items()}, **data, "steps": self.step,
-                           "seconds": round(seconds, 2)})
+        data = {"prompts": len(self.setup.prompts)}
+        adapter = save_final(self.setup.run, self.model.policy, self.tokenizer, parent=self.setup.parent,
+                             data_inputs=self.setup.source.lineage(), stage="ppo", parameters=self.parameters,
+                             stats={**{k.replace("/", "_"): v for k, v in metrics.items()}, **data, "steps": self.step,
+                                    "seconds": round(seconds, 2)})
+        resumed = self.setup.start.resume_from
         return StageResult("ppo", str(self.setup.run), str(self.setup.run / FINAL), str(self.setup.parent), self.step,
-                           seconds, self.setup.resume_from, metrics, data)
+                           seconds, str(resumed) if resumed else None, self.parameters, metrics, data,
+                           str(adapter) if adapter else None)
 
     def next_prompts(self) -> list[int]:
         """Indices of this step's prompts: a seeded permutation per pass over the data, cycled."""
@@ -132,7 +135,7 @@ class PpoLoop:
         self.model.eval()
         with self.autocast():
             sequences = self.model.policy.generate(
-                **enc, max_new_tokens=self.gen.max_new_tokens, do_sample=True, temperature=self.gen.temperature,
+                **enc, max_new_tokens=self.cfg.max_new_tokens, do_sample=True, temperature=self.cfg.temperature,
                 top_k=0, top_p=1.0, eos_token_id=self.stop_ids, pad_token_id=self.tokenizer.pad_token_id)
         prompt_len = enc["input_ids"].shape[1]
         completion = sequences[:, prompt_len:]
@@ -176,7 +179,7 @@ class PpoLoop:
                 logits = model(input_ids=sequences, attention_mask=attention, position_ids=positions,
                                use_cache=False).logits
                 values = None
-        logits = logits[:, start - 1:-1] / self.gen.temperature
+        logits = logits[:, start - 1:-1] / self.cfg.temperature
         logprobs, entropy = token_logprobs_and_entropy(logits, sequences[:, start:])
         return logprobs, entropy, values
 
@@ -186,7 +189,7 @@ class PpoLoop:
         self.model.train()
         size = len(batch["scores"])
         minibatch, micro = min(self.cfg.minibatch_size, size), self.training.micro_batch
-        totals: dict[str, list[float]] = {}
+        totals: dict[str, list[float]] = {"grad_norm": []}
         for _ in range(self.cfg.epochs):
             order = torch.randperm(size)
             for start in range(0, size, minibatch):
@@ -197,7 +200,8 @@ class PpoLoop:
                     (losses["loss"] * len(chunk) / len(rows)).backward()
                     for key, value in losses.items():
                         totals.setdefault(key, []).append(float(value.detach()))
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.training.max_grad_norm)
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.optimizer.grad_clip or math.inf)
+                totals["grad_norm"].append(float(norm))
                 self.optimizer.step()
         return {**batch["rollout_stats"], **{k: sum(v) / len(v) for k, v in totals.items()}}
 
@@ -216,42 +220,38 @@ class PpoLoop:
 
     def log(self, stats: dict) -> None:
         record = {"step": self.step, **{k: v for k, v in stats.items() if math.isfinite(v)}}
-        self.history.append(record)
-        self.setup.run.mkdir(parents=True, exist_ok=True)
-        with open(self.setup.run / "metrics.jsonl", "a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        if self.step % self.recipe.logging.interval == 0 or self.step == self.training.steps:
+            self.history.append(record)
+            append_jsonl(self.setup.run / METRICS, record)
         if self.on_step is not None:
             self.on_step(self.step, self.training.steps, record)
 
+    def trainable_state(self) -> dict:
+        """The weights that train: the whole policy, or only its LoRA adapters, and the value head."""
+        names = {name for name, param in self.model.named_parameters() if param.requires_grad}
+        return {name: tensor for name, tensor in self.model.state_dict().items() if name in names}
+
     def save_checkpoint(self) -> None:
-        folder = self.setup.run / "checkpoints"
-        final = folder / f"checkpoint-{self.step}"
-        tmp = folder / f".checkpoint-{self.step}.tmp"
+        final = checkpoint_dir(self.setup.run, self.step)
+        tmp = final.parent / f".{final.name}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        self.model.policy.save_pretrained(str(tmp / "policy"))
-        torch.save({"value_head": self.model.value_head.state_dict(), "optimizer": self.optimizer.state_dict(),
+        torch.save({"trainable": self.trainable_state(), "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(), "nan_skipped": self.nan_skipped,
                     "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}, tmp / "ppo_state.pt")
-        # trainer_state.json last: its presence marks a complete checkpoint (the same rule as the Trainer's).
         (tmp / "trainer_state.json").write_text(json.dumps({"global_step": self.step, "history": self.history}))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        for old in complete_checkpoints(folder)[:-self.recipe.checkpoint.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        prune_checkpoints(self.setup.run, self.recipe.checkpoint.keep)
+        append_jsonl(self.setup.run / EVENTS, {"event": "checkpoint", "step": self.step, "path": str(final),
+                                               "time": time.time()})
 
     def _load(self, folder: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
-        policy_dir = folder / "policy"
-        if not (folder / "ppo_state.pt").is_file() or not policy_dir.is_dir():
-            warn(f"{folder} is not a PPO checkpoint; starting from the checkpoint weights only")
-            return
-        policy = AutoModelForCausalLM.from_pretrained(str(policy_dir), local_files_only=True,
-                                                      dtype=self.model.policy.dtype)
-        self.model.policy.load_state_dict(policy.state_dict())
+        if not (folder / "ppo_state.pt").is_file():
+            raise UserError("--resume", f"{folder} is not a smolctl ppo checkpoint (no ppo_state.pt)",
+                            "pass --resume auto or a folder under RUN/checkpoints of a ppo run")
         state = torch.load(folder / "ppo_state.pt", weights_only=False)
-        self.model.value_head.load_state_dict(state["value_head"])
+        self.model.load_state_dict(state["trainable"], strict=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.nan_skipped = state["nan_skipped"]

@@ -22,26 +22,27 @@ from typing import Sequence
 from smolctl.errors import CheckFailed, UserError
 from smolctl.recipe import apply_overrides, load_toml, validate
 from smolctl.shards import atomic_write_json, lineage_ref
-from smolctl.train.config import BatchPlan, TrainRecipe, derive_batch
-
-RUN_FILE = "run.json"
-FINAL = "final"
+from smolctl.train.config import BatchPlan, TrainRecipe, check_keys, derive_batch
+from smolctl.train.run import FINAL, RUN_FILE, model_folder
 
 
-def load_train_recipe(path: str | Path, overrides: Sequence[str] = (), data: Sequence[str] = ()) -> TrainRecipe:
+def load_train_recipe(path: str | Path, overrides: Sequence[str] = (), data: Sequence[str] = (),
+                      stage: str = "pretrain") -> TrainRecipe:
     """The recipe with `--data` folders (replacing [data] paths/stages) and `--set` overrides applied."""
     raw = load_toml(path)
     if data:
         kept = {k: v for k, v in raw.get("data", {}).items() if k not in ("paths", "weights", "stages")}
         raw["data"] = {**kept, "paths": [str(p) for p in data]}
-    return validate(TrainRecipe, apply_overrides(raw, overrides), path)
+    raw = apply_overrides(raw, overrides)
+    check_keys(raw, stage, path)
+    return validate(TrainRecipe, raw, path)
 
 
 @dataclass
 class TrainResult:
-    run_dir: str
+    run: str
     stage: str
-    final_model: str
+    final: str
     steps: int
     tokens_seen: int
     parameters: int
@@ -362,7 +363,7 @@ class Trainer:
                 val_loss = self._evaluate()
             self._save(self.run_dir / FINAL, with_state=False)
         return TrainResult(
-            run_dir=str(self.run_dir), stage=self.stage, final_model=str(self.run_dir / FINAL), steps=self.step,
+            run=str(self.run_dir), stage=self.stage, final=str(self.run_dir / FINAL), steps=self.step,
             tokens_seen=self.tokens_seen, parameters=self.parameters, first_loss=losses[0] if losses else None,
             final_loss=losses[-1] if losses else None, val_loss=val_loss,
             resumed_from=str(self.resume_from) if self.resume_from else None, parent=self.parent,
@@ -376,7 +377,13 @@ def train(recipe_path: str | Path, run_dir: str | Path, *, overrides: Sequence[s
           stage: str = "pretrain", resume: str = "none", overwrite: bool = False, init_from: str | None = None,
           keep_optimizer: bool = False, show: bool = True) -> TrainResult:
     """Validate everything, then train; the process group (if any) is always closed."""
-    recipe = load_train_recipe(recipe_path, overrides, data)
+    recipe = load_train_recipe(recipe_path, overrides, data, stage)
+    init_from = init_from or recipe.model.from_
+    if stage == "midtrain" and not init_from:
+        raise UserError("--from", "is required", "pass the model or run folder to continue from, e.g. RUN/final")
+    if stage == "pretrain" and init_from:
+        raise UserError("model.from", "pretrain starts from fresh weights", "continue a checkpoint with smolctl midtrain")
+    init_from = str(model_folder(Path(init_from))) if init_from else None
     trainer = Trainer(recipe, Path(run_dir), stage=stage, resume=resume, overwrite=overwrite, init_from=init_from,
                       keep_optimizer=keep_optimizer, show=show)
     try:

@@ -2,11 +2,15 @@
 
     learning_rate(step, peak=2e-4, schedule=ScheduleSection(kind="wsd", warmup_steps=2000, decay_steps=522_000),
                   total_steps=4_720_000)
+
+The one schedule of every training command: pretrain sets each step's lr from `learning_rate`, the TRL trainers
+(sft, dpo, grpo) and the PPO loop get `lambda_scheduler`, a LambdaLR over the same function.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 from smolctl.train.config import ScheduleSection
 
@@ -37,6 +41,8 @@ def learning_rate(step: int, *, peak: float, schedule: ScheduleSection, total_st
         return peak * (step + 1) / warmup
     if schedule.kind == "constant":
         return peak
+    if schedule.kind == "exponential":
+        return max(floor, peak * schedule.decay_rate ** (step - warmup))
     if schedule.kind == "cosine":
         progress = min(1.0, (step - warmup + 1) / max(1, total_steps - warmup))
         return floor + (peak - floor) * _shape("cosine", progress)
@@ -46,3 +52,11 @@ def learning_rate(step: int, *, peak: float, schedule: ScheduleSection, total_st
         return peak
     progress = min(1.0, (step - decay_start + 1) / decay)
     return floor + (peak - floor) * _shape(schedule.decay_shape, progress)
+
+
+def lambda_scheduler(optimizer, schedule: ScheduleSection, total_steps: int):
+    """A LambdaLR that gives the optimizer's param groups `learning_rate` of the step (their lr is the peak);
+    the TRL trainers and the PPO loop step it once per optimizer step, as pretrain's loop counts steps."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    return LambdaLR(optimizer, partial(learning_rate, peak=1.0, schedule=schedule, total_steps=total_steps))

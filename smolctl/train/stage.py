@@ -1,77 +1,31 @@
-"""What sft, dpo, ppo and grpo share: recipe sections, the starting checkpoint, the run folder (checkpoints,
-metrics.jsonl, resume) and the finished model folder. The layout is pretrain's:
+"""What sft, dpo, ppo and grpo share: the starting checkpoint, LoRA, the TRL trainer arguments built from the one
+recipe schema, the one schedule, the run layout (smolctl.train.run) and the finished model folder.
 
-  RUN/checkpoints/checkpoint-N/   resumable checkpoints (model, optimizer, scheduler, RNG, data position)
-  RUN/metrics.jsonl               one JSON object per logged step, appended across resumes
-  RUN/recipe.json                 the resolved recipe and starting checkpoint, checked on resume
-  RUN/final/                      the finished Hugging Face model folder + tokenizer + manifest.json (kind "model")
-
-RUN/final is written in a staging folder and swapped into place complete; a later stage takes `--from RUN` or
-`--from RUN/final`.
+RUN/final is written in a staging folder and swapped into place complete; every rank takes part in the save, so
+a sharded (FSDP) model is gathered before rank 0 writes it.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import shutil
-import warnings
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
-
-from pydantic import ConfigDict, Field
+from typing import Any, Callable
 
 from smolctl.data.tokenizer import IM_END, load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import UserError
-from smolctl.recipe import Section
-from smolctl.shards import (
-    KIND_MODEL, OutputFolder, atomic_write_json, check_output_path, lineage_ref, read_manifest,
+from smolctl.shards import KIND_MODEL, OutputFolder, lineage_ref, read_manifest
+from smolctl.train.config import PeftSection, PostTrainRecipe, global_batch_and_accumulation
+from smolctl.train.run import (
+    ADAPTER, CHECKPOINTS, EVENTS, FINAL, METRICS, RunStart, append_jsonl, begin_run, checkpoint_dir, model_folder,
+    plan_start, prune_checkpoints,
 )
 
-FINAL = "final"
 StepHook = Callable[[int, int, dict], None]
 """Called after every optimizer step with (step, total steps, latest logged metrics)."""
-
-# ---------------------------------------------------------------------------------------------------------------
-# Recipe sections shared by the post-training stages
-
-
-class ModelSection(Section):
-    model_config = ConfigDict(populate_by_name=True)
-    from_: str | None = Field(None, alias="from")
-    """Starting checkpoint: a smolctl model folder or any local Hugging Face model folder (`--from` overrides)."""
-
-
-class TrainingSection(Section):
-    steps: int = Field(60, gt=0)
-    """Optimizer steps."""
-    micro_batch: int = Field(8, gt=0)
-    """Rows per device per forward pass."""
-    grad_accum: int = Field(1, gt=0)
-    """Micro batches per optimizer step (global batch = micro_batch * grad_accum * world size)."""
-    lr: float = Field(1e-5, gt=0)
-    schedule: Literal["constant", "linear", "cosine", "exponential"] = "cosine"
-    """`exponential` is lr = lr0 * decay**step after warmup (the smol training playbook's DPO schedule)."""
-    decay: float = Field(0.9995, gt=0, le=1)
-    """Per-step factor of the exponential schedule."""
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
-    seed: int = 0
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
-    """auto = bf16 autocast on a GPU that supports it, fp32 on CPU. Trained weights stay fp32 (AdamW updates at
-    post-training learning rates, ~1e-6 of a weight, vanish in bf16); frozen reference models are held in bf16."""
-    gradient_checkpointing: bool = False
-
-
-class CheckpointSection(Section):
-    every: int = Field(50, gt=0)
-    """Save a resumable checkpoint every N optimizer steps."""
-    keep: int = Field(2, gt=0)
-    """Keep only the newest K checkpoints."""
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -103,6 +57,10 @@ def use_bf16(precision: str) -> bool:
     return precision == "bf16"
 
 
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The starting checkpoint
 
@@ -116,8 +74,7 @@ def check_start(spec: str | None, where: str = "model.from") -> Path:
     if not path.is_dir():
         raise UserError(path, "no such folder" if not path.exists() else "is a file, not a model folder",
                         "pass a model folder (the output of pretrain, midtrain, sft or dpo)")
-    if not (path / "config.json").is_file() and (path / FINAL / "config.json").is_file():
-        path = path / FINAL
+    path = model_folder(path)
     manifest = read_manifest(path)
     if manifest is not None and manifest["kind"] != KIND_MODEL:
         raise UserError(path, f"is a {manifest['kind']} folder, not a model",
@@ -130,7 +87,7 @@ def check_start(spec: str | None, where: str = "model.from") -> Path:
     return path
 
 
-def load_start(path: Path, bf16: bool = False):
+def load_start(path: Path, bf16: bool = False, attention: str = "sdpa"):
     """(model, tokenizer) from a checked model folder, float32 unless bf16 (for frozen models); the tokenizer gets
     a pad token."""
     import torch
@@ -138,7 +95,7 @@ def load_start(path: Path, bf16: bool = False):
 
     tokenizer = load_tokenizer(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
+        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, attn_implementation=attention,
                                                      dtype=torch.bfloat16 if bf16 else torch.float32)
     except (OSError, ValueError, KeyError) as exc:
         raise UserError(path, f"cannot load the model: {str(exc).splitlines()[0][:200]}",
@@ -167,158 +124,143 @@ def require_chat_template(tokenizer, path: Path, why: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The run folder: checkpoints, metrics, resume
+# LoRA
 
 
-def prepare_run(run: Path, resume: str | None, overwrite: bool) -> str | None:
-    """Check the run folder before any compute; return the checkpoint to resume from (None: a fresh start)."""
-    if run.exists() and not run.is_dir():
-        raise UserError(run, "exists and is a file, not a folder", "choose a run folder path")
-    checkpoints = run / "checkpoints"
-    if resume is None:
-        check_output_path(run / FINAL, overwrite)
-        if complete_checkpoints(checkpoints) and not overwrite:
-            raise UserError(run, "holds checkpoints of an earlier run",
-                            "pass --resume auto to continue it, or --overwrite to start over")
-        if overwrite and int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one rank clears the old run
-            shutil.rmtree(checkpoints, ignore_errors=True)
-            (run / "metrics.jsonl").unlink(missing_ok=True)
-        return None
-    check_output_path(run / FINAL, True)
-    if resume == "auto":
-        found = complete_checkpoints(checkpoints)
-        return str(found[-1]) if found else None
-    path = Path(resume)
-    if not (path / "trainer_state.json").is_file():
-        raise UserError("--resume", f"{resume} is not a complete checkpoint (no trainer_state.json)",
-                        f"pass --resume auto or a folder under {checkpoints}")
-    return str(path)
+def check_peft(recipe: PostTrainRecipe) -> None:
+    if recipe.peft is not None and recipe.training.shard:
+        raise UserError("peft", "LoRA adapters are not sharded by smolctl (training.shard = true)",
+                        "LoRA fits a 3B model on one GPU: set training.shard = false, or remove [peft]")
 
 
-def record_recipe(run: Path, recipe: dict, start: Path, resume_from: str | None) -> None:
-    """Keep the resolved recipe in RUN/recipe.json. A resume must use the same recipe and starting checkpoint:
-    only `training.steps` and the [checkpoint] table may change (to train longer, or save more often)."""
-    resolved = {**_flatten(recipe), "model.from": str(start.resolve())}
-    path = run / "recipe.json"
-    if resume_from and path.is_file():
-        before = json.loads(path.read_text())
-        changed = sorted(key for key in set(before) | set(resolved) if before.get(key) != resolved.get(key)
-                         and key != "output" and key != "training.steps" and not key.startswith("checkpoint."))
-        if changed:
-            raise UserError("--resume", f"the recipe differs from the one the run started with in {', '.join(changed)}",
-                            "resume with the same recipe and --from (only training.steps and [checkpoint] may "
-                            "change), or start a new run folder")
-    if int(os.environ.get("RANK", "0")) == 0:
-        run.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, resolved)
+def apply_peft(model, peft: PeftSection | None):
+    """The model with LoRA adapters on `peft.target_modules` (only they train), or the model as it is."""
+    if peft is None:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=peft.r, lora_alpha=peft.alpha, lora_dropout=peft.dropout, task_type="CAUSAL_LM",
+                        target_modules=peft.target_modules)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:
+        raise UserError("peft.target_modules", str(exc).splitlines()[0][:200],
+                        'name modules of the model (e.g. ["q_proj", "v_proj"]) or use "all-linear"') from exc
 
 
-def _flatten(table: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in table.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+def parameter_counts(model) -> dict[str, int]:
+    """Trainable and total parameters (tied weights counted once)."""
+    unique = {id(p): p for p in model.parameters()}.values()
+    return {"trainable": sum(p.numel() for p in unique if p.requires_grad), "total": sum(p.numel() for p in unique)}
 
 
-def complete_checkpoints(checkpoints: Path) -> list[Path]:
-    """Checkpoint folders, oldest first; a checkpoint is complete once the Trainer wrote its trainer_state.json."""
-    if not checkpoints.is_dir():
-        return []
-    found = [p for p in checkpoints.glob("checkpoint-*") if (p / "trainer_state.json").is_file()
-             and p.name.split("-")[-1].isdigit()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
+# ---------------------------------------------------------------------------------------------------------------
+# TRL trainers under the one schema
 
 
-def trainer_arguments(run: Path, training: TrainingSection, checkpoint: CheckpointSection) -> dict[str, Any]:
-    """The TrainingArguments every stage shares: our schedule, checkpoints in RUN/checkpoints, no hub, no tqdm."""
+def trainer_arguments(run: Path, recipe: PostTrainRecipe) -> dict[str, Any]:
+    """The TrainingArguments every TRL stage shares, from the shared tables; the schedule is ours (`scheduled`)."""
     import torch
 
-    bf16 = use_bf16(training.precision)
-    schedules = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine",
-                 "exponential": "constant"}  # exponential: replaced by ExponentialDecay.create_scheduler
+    training, optimizer = recipe.training, recipe.optimizer
+    _, grad_accum = global_batch_and_accumulation(training, world_size())
+    interval = recipe.checkpoint.interval
+    sharding = dict(fsdp="full_shard auto_wrap", fsdp_config={"version": 2}) if training.shard else {}
     return dict(
-        output_dir=str(run / "checkpoints"), max_steps=training.steps,
-        per_device_train_batch_size=training.micro_batch, gradient_accumulation_steps=training.grad_accum,
-        learning_rate=training.lr, lr_scheduler_type=schedules[training.schedule], warmup_steps=training.warmup_steps,
-        weight_decay=training.weight_decay, max_grad_norm=training.max_grad_norm, seed=training.seed,
-        data_seed=training.seed, bf16=bf16, fp16=False, use_cpu=not torch.cuda.is_available(),
-        gradient_checkpointing=training.gradient_checkpointing, logging_steps=1, save_strategy="steps",
-        save_steps=checkpoint.every, save_total_limit=checkpoint.keep, report_to="none", disable_tqdm=True,
-        dataloader_num_workers=0, log_level="error", push_to_hub=False,
+        output_dir=str(run / CHECKPOINTS), max_steps=training.steps, per_device_train_batch_size=training.micro_batch,
+        gradient_accumulation_steps=grad_accum, learning_rate=optimizer.lr, adam_beta1=optimizer.betas[0],
+        adam_beta2=optimizer.betas[1], adam_epsilon=optimizer.eps, weight_decay=optimizer.weight_decay,
+        max_grad_norm=optimizer.grad_clip, seed=training.seed, data_seed=training.seed,
+        bf16=use_bf16(training.precision), fp16=False, use_cpu=not torch.cuda.is_available(),
+        gradient_checkpointing=training.gradient_checkpointing, torch_compile=training.compile,
+        logging_steps=recipe.logging.interval, save_strategy="steps" if interval else "no", save_steps=interval or 1,
+        save_total_limit=None,  # RunCallback renames checkpoint-N to step-N and prunes, as pretrain does
+        include_num_input_tokens_seen="all", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+        log_level="error", push_to_hub=False,
         ddp_find_unused_parameters=False,  # every parameter gets a gradient; the search costs a graph traversal
+        **sharding,
     )
 
 
-def exponential_factor(step: int, warmup_steps: int, decay: float) -> float:
-    """lr multiplier: linear warmup, then decay**(steps after warmup)."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    return decay ** (step - warmup_steps)
+def scheduled(trainer_class: type, recipe: PostTrainRecipe) -> type:
+    """The trainer class with smolctl's schedule (smolctl.train.schedule) as its lr scheduler."""
+    from smolctl.train.schedule import lambda_scheduler
 
-
-def with_schedule(trainer_class: type, training: TrainingSection) -> type:
-    """The trainer class, with our exponential decay when the recipe asks for it (transformers has none)."""
-    if training.schedule != "exponential":
-        return trainer_class
-    from functools import partial
-
-    from torch.optim.lr_scheduler import LambdaLR
-
-    factor = partial(exponential_factor, warmup_steps=training.warmup_steps, decay=training.decay)
-
-    class ExponentialDecay(trainer_class):
+    class Scheduled(trainer_class):
         def create_scheduler(self, num_training_steps, optimizer=None):
             if self.lr_scheduler is None:
-                self.lr_scheduler = LambdaLR(optimizer or self.optimizer, factor)
+                self.lr_scheduler = lambda_scheduler(optimizer or self.optimizer, recipe.schedule, recipe.training.steps)
             return self.lr_scheduler
 
-    ExponentialDecay.__name__ = f"{trainer_class.__name__}WithExponentialDecay"
-    return ExponentialDecay
+    Scheduled.__name__ = trainer_class.__name__
+    return Scheduled
 
 
-def monitor_callback(run: Path, on_step: StepHook | None):
-    """A Trainer callback that appends every log to RUN/metrics.jsonl and reports each step (rank 0 only)."""
+# TRL's names for the columns every command's metrics.jsonl shares.
+SHARED_NAMES = {"learning_rate": "lr"}
+
+
+def run_callback(run: Path, on_step: StepHook | None, keep: int, extra: Callable[[], dict] | None = None):
+    """A Trainer callback that keeps the run layout: metrics.jsonl in the shared schema, checkpoints renamed
+    RUN/checkpoints/step-N (pruned to `keep`), an event per checkpoint, and the step hook (rank 0 only)."""
     from transformers import TrainerCallback
 
-    class RunMonitor(TrainerCallback):
+    class RunCallback(TrainerCallback):
         def __init__(self) -> None:
-            self.latest: dict = {}
             self.history: list[dict] = []
-            self.started = time.time()
+            self.latest: dict = {}
+            self.last = (time.perf_counter(), None)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step >= state.max_steps:
+                control.should_log = True  # the last step is always in metrics.jsonl, as in pretrain
+            if state.is_world_process_zero and on_step is not None:
+                on_step(state.global_step, state.max_steps, self.latest)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            # The Trainer logs after on_step_end, so the step hook is driven from here to report fresh numbers.
-            if not state.is_world_process_zero or not logs:
+            if not state.is_world_process_zero or not logs or "train_runtime" in logs:
                 return
-            record = {"step": state.global_step, "time": round(time.time() - self.started, 3),
-                      **{k: v for k, v in logs.items() if isinstance(v, (int, float)) and math.isfinite(v)}}
+            now, tokens = time.perf_counter(), logs.get("num_input_tokens_seen")
+            record = {"step": state.global_step}
+            for key, value in logs.items():
+                if isinstance(value, (int, float)) and key not in ("epoch", "num_input_tokens_seen"):
+                    record[SHARED_NAMES.get(key, key)] = value
+            if tokens is not None and self.last[1] is not None:
+                record["tokens_per_s"] = (tokens - self.last[1]) / max(1e-9, now - self.last[0])
+            record.update(extra() if extra else {})
+            self.last = (now, tokens)
             self.history.append(record)
-            run.mkdir(parents=True, exist_ok=True)
-            with open(run / "metrics.jsonl", "a") as handle:
-                handle.write(json.dumps(record) + "\n")
-            if "train_runtime" not in logs:
-                self.latest = record
-                if on_step is not None:
-                    on_step(state.global_step, state.max_steps, record)
+            self.latest = record
+            append_jsonl(run / METRICS, record)
 
-    return RunMonitor()
+        def on_save(self, args, state, control, **kwargs):
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.barrier()  # every rank has written its part of checkpoint-N
+            if state.is_world_process_zero:
+                written, target = run / CHECKPOINTS / f"checkpoint-{state.global_step}", checkpoint_dir(run, state.global_step)
+                shutil.rmtree(target, ignore_errors=True)
+                written.rename(target)
+                prune_checkpoints(run, keep)
+                append_jsonl(run / EVENTS, {"event": "checkpoint", "step": state.global_step, "path": str(target),
+                                            "time": time.time()})
+
+    return RunCallback()
 
 
-def train_quietly(trainer, resume_from: str | None) -> None:
-    """Train, with our monitor as the only reporter: the Trainer's printer would put log dicts on stdout,
+def train_quietly(trainer, resume_from: Path | None) -> None:
+    """Train, with our callback as the only reporter: the Trainer's printer would put log dicts on stdout,
     which belongs to --json."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
-    trainer.train(resume_from_checkpoint=resume_from)
+    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The output model folder
+# The result and the output model folder
 
 
 @dataclass
@@ -327,41 +269,74 @@ class StageResult:
 
     stage: str
     run: str
-    output: str
+    final: str
     """The finished model folder, RUN/final."""
     parent: str
     steps: int
     seconds: float
     resumed_from: str | None
+    parameters: dict = field(default_factory=dict)
+    """Trainable and total parameters (LoRA trains a small share)."""
     metrics: dict = field(default_factory=dict)
     """Final values of the logged metrics (loss, rewards/accuracies, ...)."""
     data: dict = field(default_factory=dict)
     """Rows read, per-group counts and other facts about the data."""
+    adapter: str | None = None
+    """LoRA runs: RUN/adapter, the adapter alone."""
+    nothing_to_do: bool = False
+    """--resume auto found the run finished: final/ is as it was."""
 
 
-def write_model(run: Path, model, tokenizer, *, parent: Path, data_inputs: list[dict], stage: str,
-                stats: dict) -> dict:
-    """Save the trained model as RUN/final, an HF folder with its tokenizer and a kind "model" manifest (inputs:
-    the data's lineage and the parent checkpoint); returns the manifest.
+def finished_result(stage: str, run: Path, start: RunStart) -> StageResult:
+    """The result of a finished run, read back from its final/ manifest (nothing is trained or written)."""
+    manifest = start.finished or {}
+    stats = dict(manifest.get("stats", {}))
+    steps, seconds = int(stats.pop("steps", 0)), float(stats.pop("seconds", 0.0))
+    return StageResult(stage, str(run), str(run / FINAL), manifest.get("parent", ""), steps, seconds, None,
+                       manifest.get("parameters", {}), stats, {}, str(run / ADAPTER) if (run / ADAPTER).is_dir() else None,
+                       nothing_to_do=True)
+
+
+def save_final(run: Path, model, tokenizer, *, parent: Path, data_inputs: list[dict], stage: str, stats: dict,
+               parameters: dict, accelerator=None) -> Path | None:
+    """Save the trained model as RUN/final: an HF folder with its tokenizer and a kind "model" manifest (inputs:
+    the data's lineage and the parent checkpoint). Every rank calls this: a sharded model is gathered first, then
+    rank 0 writes. A LoRA model is saved merged, its adapter alone in RUN/adapter. Returns RUN/adapter or None.
 
     The generation config stops at the chat template's end-of-turn token as well as EOS, so the model chats
     with `generate` out of the box."""
+    state_dict = None
+    if accelerator is not None:
+        if accelerator.num_processes > 1:
+            state_dict = accelerator.get_state_dict(model)  # collective: the full weights on rank 0
+        model = accelerator.unwrap_model(model)
+    if accelerator is not None and not accelerator.is_main_process:
+        accelerator.wait_for_everyone()
+        return None
+    adapter = None
+    if hasattr(model, "merge_and_unload"):  # a peft model
+        adapter = run / ADAPTER
+        shutil.rmtree(adapter, ignore_errors=True)
+        model.save_pretrained(str(adapter))
+        model = model.merge_and_unload()
+        state_dict = None
     model.generation_config.eos_token_id = chat_stop_ids(tokenizer)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    inputs = [*data_inputs, lineage_ref(parent)]
-    output = run / FINAL
-    # prepare_run already refused an existing final/ unless --overwrite or --resume said to replace it.
-    with OutputFolder(output, kind=KIND_MODEL, overwrite=True, inputs=inputs) as folder:
-        model.save_pretrained(str(folder.staging))
+    # plan_start already refused an existing final/ unless --overwrite or --resume said to replace it.
+    with OutputFolder(run / FINAL, kind=KIND_MODEL, overwrite=True, inputs=[*data_inputs, lineage_ref(parent)]) as folder:
+        model.save_pretrained(str(folder.staging), state_dict=state_dict)
         tokenizer.save_pretrained(str(folder.staging))
-        if (run / "metrics.jsonl").is_file():
-            shutil.copy2(run / "metrics.jsonl", folder.file("metrics.jsonl"))
+        if (run / METRICS).is_file():
+            shutil.copy2(run / METRICS, folder.file(METRICS))
         for weights in sorted(folder.staging.glob("*.safetensors")):
             folder.add_shard(weights.name, rows=0)
-        return folder.commit(stats=stats, parent=str(parent.resolve()), stage=stage,
-                             tokenizer={"path": str(output.resolve()), "name": tokenizer.name_or_path,
-                                        "fingerprint": tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer),
-                                        "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id})
+        folder.commit(stats=stats, parent=str(parent.resolve()), stage=stage, parameters=parameters,
+                      tokenizer={"path": str((run / FINAL).resolve()), "name": tokenizer.name_or_path,
+                                 "fingerprint": tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer),
+                                 "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id})
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+    return adapter
 
 
 def final_metrics(history: list[dict], keys: tuple[str, ...], window: int = 5) -> dict:
@@ -372,3 +347,28 @@ def final_metrics(history: list[dict], keys: tuple[str, ...], window: int = 5) -
         if values:
             out[key] = sum(values) / len(values)
     return out
+
+
+def finish_trl(stage: str, trainer, callback, run: Path, parent: Path, data_inputs: list[dict], data: dict,
+               start: RunStart, parameters: dict, metrics: Callable[[list[dict]], dict]) -> StageResult:
+    """Train a prepared TRL trainer, save RUN/final collectively and return the result."""
+    started = time.perf_counter()
+    train_quietly(trainer, start.resume_from)
+    seconds = time.perf_counter() - started
+    summary = metrics(callback.history)
+    adapter = save_final(run, trainer.model, trainer.processing_class, parent=parent, data_inputs=data_inputs,
+                         stage=stage, parameters=parameters, accelerator=trainer.accelerator,
+                         stats={**{k.replace("/", "_"): v for k, v in summary.items()}, **data,
+                                "steps": trainer.state.global_step, "seconds": round(seconds, 2)})
+    return StageResult(stage, str(run), str(run / FINAL), str(parent), trainer.state.global_step, seconds,
+                       str(start.resume_from) if start.resume_from else None, parameters, summary, data,
+                       str(adapter) if adapter else None)
+
+
+
+def open_run(stage: str, recipe: PostTrainRecipe, run: Path, parent: Path, resume: str, overwrite: bool) -> RunStart:
+    """Decide fresh start, resume or nothing to do, and record the run; call it once the cheap checks passed."""
+    check_peft(recipe)
+    start = plan_start(run, resume, overwrite, int(recipe.training.steps))
+    begin_run(run, stage, recipe.model_dump(mode="json", by_alias=True), parent, start)
+    return start

@@ -1,0 +1,84 @@
+"""GRPO through TRL's GRPOTrainer, on the same prompts and `[[rewards]]` as smolctl's PPO.
+
+  smolctl grpo recipes/grpo-tiny.toml demo-out/grpo --from demo-out/dpo
+
+Each step samples training.global_batch completions, grpo.num_generations per prompt, and normalises the rewards
+within each prompt's group (no value model). The composite reward is one TRL reward function; its components
+(task, length, diversity) are logged beside it as rewards/NAME.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from smolctl.errors import UserError
+from smolctl.train.config import GrpoRecipe, global_batch_and_accumulation
+from smolctl.train.ppo import as_chat, prepare, reward_trend
+from smolctl.train.stage import (
+    StageResult, StepHook, apply_peft, chat_stop_ids, final_metrics, finish_trl, finished_result, load_start,
+    parameter_counts, quiet_offline, run_callback, scheduled, trainer_arguments, world_size,
+)
+
+
+def check_grpo_batch(recipe: GrpoRecipe) -> tuple[int, int]:
+    """(completions per step, micro batches per device per step); each step must hold whole groups."""
+    batch, accumulation = global_batch_and_accumulation(recipe.training, world_size())
+    if batch % recipe.grpo.num_generations:
+        raise UserError("training.global_batch", f"{batch} completions is not a multiple of grpo.num_generations "
+                        f"({recipe.grpo.num_generations})", "each step must hold whole groups of completions")
+    return batch, accumulation
+
+
+def run_grpo(recipe: GrpoRecipe, run: str | Path, *, start: str | None = None, resume: str = "none",
+             overwrite: bool = False, on_step: StepHook | None = None) -> StageResult:
+    """Train the starting checkpoint on the recipe's rewards with TRL's GRPOTrainer and write RUN/final."""
+    batch, accumulation = check_grpo_batch(recipe)
+    setup = prepare("grpo", recipe, run, start, resume, overwrite)
+    if setup.start.finished:
+        return finished_result("grpo", setup.run, setup.start)
+    quiet_offline()
+    import datasets
+    from trl import GRPOConfig, GRPOTrainer
+
+    model, tokenizer = load_start(setup.parent, attention=recipe.training.attention)
+    model.generation_config.eos_token_id = chat_stop_ids(tokenizer)
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    dataset = datasets.Dataset.from_dict({
+        "prompt": [as_chat(p) if chat else p for p in setup.prompts], "reference": setup.references})
+    logged = {"nan": 0, "components": {}}
+
+    def smolctl_reward(prompts, completions, completion_ids, reference=None, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        scored = setup.reward.score(texts, [len(ids) for ids in completion_ids], reference)
+        logged["nan"] += sum(1 for v in scored.totals if not math.isfinite(v))
+        logged["components"] = {f"rewards/{name}": _finite_mean(values) for name, values in scored.components.items()}
+        return [v if math.isfinite(v) else None for v in scored.totals]
+
+    grpo = recipe.grpo
+    model = apply_peft(model, recipe.peft)
+    config = GRPOConfig(
+        **trainer_arguments(setup.run, recipe), steps_per_generation=accumulation,
+        num_generations=grpo.num_generations, num_iterations=grpo.epochs, epsilon=grpo.clip, beta=grpo.kl_coef,
+        max_completion_length=grpo.max_new_tokens, temperature=grpo.temperature, entropy_coef=grpo.ent_coef,
+        top_k=0, log_completions=False, shuffle_dataset=True,
+    )
+    callback = run_callback(setup.run, on_step, recipe.checkpoint.keep,
+                            extra=lambda: {**logged["components"], "nan_rewards_skipped": logged["nan"]})
+    trainer = scheduled(GRPOTrainer, recipe)(model=model, reward_funcs=[smolctl_reward], args=config,
+                                             train_dataset=dataset, processing_class=tokenizer, callbacks=[callback])
+    components = tuple(f"rewards/{name}" for name in setup.reward.names)
+
+    def summary(history: list[dict]) -> dict:
+        return {**reward_trend([r["reward"] for r in history if "reward" in r]),
+                **final_metrics(history, (*components, "kl", "completions/mean_length", "entropy")),
+                "nan_rewards_skipped": logged["nan"]}
+
+    return finish_trl("grpo", trainer, callback, setup.run, setup.parent, setup.source.lineage(),
+                      {"prompts": len(setup.prompts), "completions_per_step": batch}, setup.start,
+                      parameter_counts(model), summary)
+
+
+def _finite_mean(values: list[float]) -> float:
+    kept = [v for v in values if math.isfinite(v)]
+    return sum(kept) / len(kept) if kept else math.nan

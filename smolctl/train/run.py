@@ -1,0 +1,165 @@
+"""One run layout for every training command (pretrain, midtrain, sft, dpo, ppo, grpo):
+
+  RUN/run.json                    the command, the resolved recipe and the starting checkpoint; a resume must match
+  RUN/metrics.jsonl               one JSON object per logged step: step, loss, lr, grad_norm, tokens_per_s, and the
+                                  stage's own metrics (rewards/accuracies, kl, ...); appended across resumes
+  RUN/events.jsonl                what happened besides steps: resumes, checkpoints, guard events (always present)
+  RUN/checkpoints/step-NNNNNNN/   resumable checkpoints, written under another name and renamed when complete
+  RUN/final/                      the finished Hugging Face model folder + tokenizer + manifest.json (kind "model")
+  RUN/adapter/                    LoRA runs only: the adapter alone (final/ holds it merged)
+
+A later stage takes `--from RUN` or `--from RUN/final`. `--resume auto` on a finished run is a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from smolctl.errors import UserError
+from smolctl.shards import MANIFEST_NAME, atomic_write_json, check_output_path, read_manifest
+
+RUN_FILE = "run.json"
+METRICS = "metrics.jsonl"
+EVENTS = "events.jsonl"
+CHECKPOINTS = "checkpoints"
+FINAL = "final"
+ADAPTER = "adapter"
+
+
+def checkpoint_dir(run: Path, step: int) -> Path:
+    return Path(run) / CHECKPOINTS / f"step-{step:07d}"
+
+
+def step_of(checkpoint: Path) -> int:
+    return int(Path(checkpoint).name.split("-")[1])
+
+
+def step_checkpoints(run: Path) -> list[Path]:
+    """RUN/checkpoints/step-N folders, oldest first. Every writer stages a checkpoint under another name and
+    renames it into place, so a folder with this name is complete."""
+    folder = Path(run) / CHECKPOINTS
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.glob("step-*") if p.is_dir() and p.name.split("-")[1].isdigit()]
+    return sorted(found, key=step_of)
+
+
+def prune_checkpoints(run: Path, keep: int) -> None:
+    for old in step_checkpoints(run)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def model_folder(path: Path) -> Path:
+    """A model folder given as itself or as the run folder holding it in final/."""
+    path = Path(path)
+    if not (path / "config.json").is_file() and (path / FINAL / "config.json").is_file():
+        return path / FINAL
+    return path
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    # NaN / inf are not JSON (jq and most readers reject them): written as strings
+    clean = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    with open(path, "a") as handle:
+        handle.write(json.dumps(clean) + "\n")
+
+
+def drop_lines_after(path: Path, step: int) -> None:
+    """On resume, forget what was logged after the checkpoint: those steps are about to be run again."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Starting, resuming or skipping a post-training run
+
+
+@dataclass
+class RunStart:
+    """Where a run starts: a fresh start, a checkpoint to resume, or nothing to do (the finished model's manifest)."""
+
+    resume_from: Path | None = None
+    finished: dict | None = None
+    overwrite: bool = False
+
+
+def plan_start(run: Path, resume: str, overwrite: bool, steps: int) -> RunStart:
+    """Check the run folder before any compute. `resume` is none, auto or a checkpoint folder."""
+    run = Path(run)
+    if run.exists() and not run.is_dir():
+        raise UserError(run, "exists and is a file, not a folder", "choose a run folder path")
+    holds_files = run.is_dir() and any(run.iterdir())
+    if resume == "none":
+        if holds_files and not overwrite:
+            raise UserError(run, "already holds a run", "pass --resume auto to continue it, or --overwrite to start over")
+        check_output_path(run, True)
+        return RunStart(overwrite=holds_files)
+    if holds_files and not (run / RUN_FILE).is_file():
+        raise UserError(run, "holds files that are not a smolctl run", "choose another run folder, or --overwrite")
+    if resume == "auto":
+        manifest = read_manifest(run / FINAL) if (run / FINAL / MANIFEST_NAME).is_file() else None
+        if manifest is not None and int(manifest.get("stats", {}).get("steps", 0)) >= steps:
+            return RunStart(finished=manifest)
+        found = step_checkpoints(run)
+        return RunStart(resume_from=found[-1] if found else None)
+    path = Path(resume)
+    if not (path / "trainer_state.json").is_file():
+        raise UserError("--resume", f"{resume} is not a complete checkpoint (no trainer_state.json)",
+                        f"pass --resume auto or a folder under {run / CHECKPOINTS}")
+    return RunStart(resume_from=path)
+
+
+def flatten(table: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+# A resume may train longer, save and log differently; anything else would make a different run.
+RESUMABLE_CHANGES = ("training.steps", "checkpoint.", "logging.")
+
+
+def begin_run(run: Path, stage: str, recipe: dict, parent: Path, start: RunStart) -> None:
+    """Record the run in RUN/run.json (a resume or a no-op must use the same recipe and starting checkpoint), and
+    set metrics.jsonl and events.jsonl to the resume point. Rank 0 writes; every rank checks."""
+    run = Path(run)
+    current = {"stage": stage, "recipe": recipe, "parent": str(parent.resolve())}
+    if (start.resume_from or start.finished) and (run / RUN_FILE).is_file():
+        before = json.loads((run / RUN_FILE).read_text())
+        old, new = flatten({"recipe": before.get("recipe", {}), "parent": before.get("parent")}), flatten(
+            {"recipe": current["recipe"], "parent": current["parent"]})
+        changed = sorted(key.removeprefix("recipe.") for key in set(old) | set(new) if old.get(key) != new.get(key)
+                         and not key.removeprefix("recipe.").startswith(RESUMABLE_CHANGES))
+        if changed:
+            raise UserError("--resume", f"the recipe differs from the one the run started with in {', '.join(changed)}",
+                            "resume with the same recipe and --from (only training.steps, [checkpoint] and [logging] "
+                            "may change), or start a new run folder")
+    if start.finished or not is_main_process():
+        return
+    if start.overwrite:
+        shutil.rmtree(run)
+    run.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(run / RUN_FILE, current)
+    resumed_at = json.loads((start.resume_from / "trainer_state.json").read_text())["global_step"] if start.resume_from else 0
+    for name in (METRICS, EVENTS):
+        drop_lines_after(run / name, resumed_at)
+        (run / name).touch()
+    if start.resume_from:
+        append_jsonl(run / EVENTS, {"event": "resume", "step": resumed_at, "from": str(start.resume_from),
+                                    "time": time.time()})
