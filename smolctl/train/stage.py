@@ -187,6 +187,9 @@ def scheduled(trainer_class: type, recipe: PostTrainRecipe) -> type:
     from smolctl.train.schedule import lambda_scheduler
 
     class Scheduled(trainer_class):
+        def create_model_card(self, *args, **kwargs):
+            """No README.md model card in RUN/checkpoints: RUN/final/manifest.json is the model's record."""
+
         def create_scheduler(self, num_training_steps, optimizer=None):
             if self.lr_scheduler is None:
                 self.lr_scheduler = lambda_scheduler(optimizer or self.optimizer, recipe.schedule, recipe.training.steps)
@@ -211,6 +214,9 @@ def run_callback(run: Path, on_step: StepHook | None, keep: int, extra: Callable
             self.latest: dict = {}
             self.last = (time.perf_counter(), None)
 
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.last = (time.perf_counter(), state.num_input_tokens_seen)
+
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step >= state.max_steps:
                 control.should_log = True  # the last step is always in metrics.jsonl, as in pretrain
@@ -218,12 +224,12 @@ def run_callback(run: Path, on_step: StepHook | None, keep: int, extra: Callable
                 on_step(state.global_step, state.max_steps, self.latest)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if not state.is_world_process_zero or not logs or "train_runtime" in logs:
+            if not state.is_world_process_zero or not logs or "train_loss" in logs:  # train_loss: the closing summary
                 return
             now, tokens = time.perf_counter(), logs.get("num_input_tokens_seen")
             record = {"step": state.global_step}
             for key, value in logs.items():
-                if isinstance(value, (int, float)) and key not in ("epoch", "num_input_tokens_seen"):
+                if isinstance(value, (int, float)) and key not in ("epoch", "num_input_tokens_seen") and not key.startswith("train_"):
                     record[SHARED_NAMES.get(key, key)] = value
             if tokens is not None and self.last[1] is not None:
                 record["tokens_per_s"] = (tokens - self.last[1]) / max(1e-9, now - self.last[0])
