@@ -158,6 +158,12 @@ CASES = [
     Case("sft: --from is not a model", lambda t: (["sft", "recipes/sft-tiny.toml", t / "run", "--from", SAMPLE / "math"], "math", t / "run")),
     Case("dpo: data without chosen/rejected", lambda t: (["dpo", "recipes/dpo-tiny.toml", t / "run", "--from", model(), "--set", f'data.path="{SAMPLE / "chat"}"'], "chosen", t / "run")),
     Case("ppo: reward callable that does not import", lambda t: (["ppo", "recipes/ppo-tiny.toml", t / "run", "--from", model(), "--set", 'rewards.0.match="callable"', "--set", 'rewards.0.function="nowhere_module:score"'], "nowhere_module", t / "run")),
+    Case("sft: a key that moved names its new place", lambda t: (["sft", "recipes/sft-tiny.toml", t / "run", "--from", model(), "--set", "checkpoint.every=5"], "checkpoint.every moved to checkpoint.interval", t / "run")),
+    Case("dpo: the old lr key names optimizer.lr", lambda t: (["dpo", "recipes/dpo-tiny.toml", t / "run", "--from", model(), "--set", "training.lr=1e-5"], "training.lr moved to optimizer.lr", t / "run")),
+    Case("pretrain: a table only post-training reads", lambda t: (["pretrain", recipe(), t / "run", "--set", "peft.r=8"], "[peft] is read by sft and dpo and ppo and grpo, not by pretrain", t / "run")),
+    Case("ppo: the old algorithm switch names smolctl grpo", lambda t: (["ppo", "recipes/ppo-tiny.toml", t / "run", "--from", model(), "--set", 'algorithm="grpo"'], "algorithm moved to its own command: smolctl grpo", t / "run")),
+    Case("grpo: completions per step not whole groups", lambda t: (["grpo", "recipes/grpo-tiny.toml", t / "run", "--from", model(), "--set", "grpo.num_generations=3"], "grpo.num_generations", t / "run")),
+    Case("sft: architecture keys in post-training", lambda t: (["sft", "recipes/sft-tiny.toml", t / "run", "--from", model(), "--set", "model.hidden_size=64"], "keeps the starting checkpoint's architecture", t / "run")),
     Case("ppo: reward key its kind ignores", lambda t: (["ppo", "recipes/ppo-tiny.toml", t / "run", "--from", model(), "--set", 'rewards.1.function="m:f"'], "rewards[1]: function is only used", t / "run")),
     # estimate / cluster checks
     Case("estimate: unknown model", lambda t: (["estimate", "--model", "gpt-17"], "smollm3-3b", None)),

@@ -204,7 +204,7 @@ def test_pretrain_killed_then_resumed(tmp_path, recipe, rng):  # noqa: F811
 
 
 def test_sft_killed_then_resumed(tmp_path, tiny_model, rng):  # noqa: F811
-    quick = [*SFT_QUICK, "training.steps=6", "checkpoint.every=2"]
+    quick = [*SFT_QUICK, "training.steps=6", "checkpoint.interval=2"]
     straight, resumed = check_training_stage(
         tmp_path, lambda run_dir: cli("sft", "recipes/sft-tiny.toml", run_dir, "--from", tiny_model, "--json",
                                       *(f"--set={o}" for o in quick)), rng=rng, check_refusal=False)

@@ -13,10 +13,19 @@ import pytest
 
 from conftest import REPO, SAMPLE, run_cli
 from smolctl.errors import UserError
-from smolctl.train.posttrain import balanced_indices, load_dpo_recipe, load_sft_recipe, run_dpo, run_sft
+from smolctl.train.config import load_command_recipe
+from smolctl.train.posttrain import balanced_indices, run_dpo, run_sft
 from tiny_checkpoint import make_tiny_checkpoint
 
-SFT_QUICK = ["training.steps=3", "training.micro_batch=4", "sft.max_length=128", "checkpoint.every=100"]
+SFT_QUICK = ["training.steps=3", "training.micro_batch=4", "sft.max_length=128", "checkpoint.interval=100"]
+
+
+def load_sft_recipe(path, overrides):
+    return load_command_recipe("sft", path, overrides)
+
+
+def load_dpo_recipe(path, overrides):
+    return load_command_recipe("dpo", path, overrides)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +67,7 @@ def test_sft_dpo_ppo_chain_through_the_cli(tiny_model, tmp_path):
                   *(f"--set={o}" for o in SFT_QUICK))
     assert sft.returncode == 0, sft.stderr
     result = json.loads(sft.stdout)
-    assert result["steps"] == 3 and result["output"] == str(tmp_path / "sft" / "final")
+    assert result["steps"] == 3 and result["final"] == str(tmp_path / "sft" / "final")
     assert result["data"]["groups_after"] == {"kind": 188, "where": 188, "explain": 188}
     manifest = json.loads((tmp_path / "sft" / "final" / "manifest.json").read_text())
     assert manifest["kind"] == "model" and manifest["parent"] == str(tiny_model.resolve())
@@ -66,19 +75,18 @@ def test_sft_dpo_ppo_chain_through_the_cli(tiny_model, tmp_path):
     assert len((tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()) >= 3
 
     dpo = run_cli("dpo", "recipes/dpo-tiny.toml", tmp_path / "dpo", "--from", tmp_path / "sft", "--json",
-                  "--set", "training.steps=3", "--set", "training.micro_batch=4", "--set", "training.decay=0.5",
+                  "--set", "training.steps=3", "--set", "training.micro_batch=4", "--set", "schedule.decay_rate=0.5",
                   "--set", "dpo.max_length=64")
     assert dpo.returncode == 0, dpo.stderr
     result = json.loads(dpo.stdout)
     assert {"rewards/accuracies", "rewards/margins", "loss"} <= set(result["metrics"])
-    rates = [r["learning_rate"] for r in map(json.loads, (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines())
-             if "learning_rate" in r]
+    rates = [r["lr"] for r in map(json.loads, (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()) if "lr" in r]
     assert rates == pytest.approx([1e-3 * 0.5 ** step for step in range(3)])     # lr0 · decay^step
     assert json.loads((tmp_path / "dpo" / "final" / "manifest.json").read_text())["parent"] == str(tmp_path / "sft" / "final")
 
     ppo = run_cli("ppo", "recipes/ppo-tiny.toml", tmp_path / "ppo", "--from", tmp_path / "dpo",
                   "--set", "training.steps=2", "--set", "ppo.batch_size=8", "--set", "training.micro_batch=8",
-                  "--set", "generation.max_new_tokens=4")
+                  "--set", "ppo.max_new_tokens=4")
     assert ppo.returncode == 0, ppo.stderr
     assert "reward_last" in ppo.stderr and "ppo/final" in ppo.stderr
     for stage in ("sft", "dpo", "ppo"):
@@ -90,15 +98,15 @@ def test_sft_dpo_ppo_chain_through_the_cli(tiny_model, tmp_path):
 
 def test_padding_free_sft_resumes_from_the_newest_checkpoint(tiny_model, tmp_path):
     recipe = REPO / "recipes" / "sft-tiny.toml"
-    quick = [*SFT_QUICK, "training.steps=2", "checkpoint.every=1", "sft.packing=\"padding_free\""]
-    first = run_sft(load_sft_recipe(recipe, quick), output=str(tmp_path / "run"), start=str(tiny_model))
-    assert first.steps == 2 and (tmp_path / "run" / "checkpoints" / "checkpoint-2" / "trainer_state.json").is_file()
-    with pytest.raises(UserError, match=r"differs from the one the run started with in training.lr"):
-        run_sft(load_sft_recipe(recipe, [*quick, "training.lr=0.5"]), output=str(tmp_path / "run"),
-                start=str(tiny_model), resume="auto")
-    longer = run_sft(load_sft_recipe(recipe, [*quick, "training.steps=3"]), output=str(tmp_path / "run"),
-                     start=str(tiny_model), resume="auto")
-    assert longer.resumed_from.endswith("checkpoint-2") and longer.steps == 3
+    quick = [*SFT_QUICK, "training.steps=2", "checkpoint.interval=1", "sft.packing=\"padding_free\""]
+    first = run_sft(load_sft_recipe(recipe, quick), tmp_path / "run", start=str(tiny_model))
+    assert first.steps == 2 and (tmp_path / "run" / "checkpoints" / "step-0000002" / "trainer_state.json").is_file()
+    with pytest.raises(UserError, match=r"differs from the one the run started with in optimizer.lr"):
+        run_sft(load_sft_recipe(recipe, [*quick, "optimizer.lr=0.5"]), tmp_path / "run", start=str(tiny_model),
+                resume="auto")
+    longer = run_sft(load_sft_recipe(recipe, [*quick, "training.steps=3"]), tmp_path / "run", start=str(tiny_model),
+                     resume="auto")
+    assert longer.resumed_from.endswith("step-0000002") and longer.steps == 3
     steps = [r["step"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
              if "loss" in r]
     assert steps == [1, 2, 3]
@@ -118,24 +126,24 @@ def without_chat_template(model: Path, target: Path, template: str | None) -> Pa
 def test_bad_inputs_fail_before_training(tiny_model, tmp_path):
     sft = load_sft_recipe(REPO / "recipes" / "sft-tiny.toml", SFT_QUICK)
     dpo = load_dpo_recipe(REPO / "recipes" / "dpo-tiny.toml", ["training.steps=1"])
-    out = str(tmp_path / "out")
+    out = tmp_path / "out"
     with pytest.raises(UserError, match=r"has no columns 'prompt', 'chosen', 'rejected' \(columns: id, task, messages\) — pass a preference"):
-        run_dpo(load_dpo_recipe(REPO / "recipes" / "dpo-tiny.toml", [f"data.path={SAMPLE / 'chat'}"]), output=out,
+        run_dpo(load_dpo_recipe(REPO / "recipes" / "dpo-tiny.toml", [f"data.path={SAMPLE / 'chat'}"]), out,
                 start=str(tiny_model))
     with pytest.raises(UserError, match="is a documents folder, not a model"):
-        run_sft(sft, output=out, start=str(SAMPLE / "chat"))
+        run_sft(sft, out, start=str(SAMPLE / "chat"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match=r"is not a model folder \(no config.json\)"):
-        run_dpo(dpo, output=out, start=str(tmp_path / "empty"))
+        run_dpo(dpo, out, start=str(tmp_path / "empty"))
     with pytest.raises(UserError, match="no starting checkpoint"):
-        run_sft(sft, output=out)
+        run_sft(sft, out)
     plain = without_chat_template(tiny_model, tmp_path / "plain", None)
     with pytest.raises(UserError, match="the tokenizer has no chat template, which chat data needs"):
-        run_sft(sft, output=out, start=str(plain))
+        run_sft(sft, out, start=str(plain))
     unmarked = without_chat_template(tiny_model, tmp_path / "unmarked", "{% for m in messages %}{{ m['content'] }}"
                                      "<|im_end|>{% endfor %}")
     with pytest.raises(UserError, match=r"no \{% generation %\} markers.* set sft.assistant_only_loss = false"):
-        run_sft(sft, output=out, start=str(unmarked))
+        run_sft(sft, out, start=str(unmarked))
     with pytest.raises(UserError, match=r"sft.packing: Input should be 'bfd', 'padding_free' or 'none'"):
         load_sft_recipe(REPO / "recipes" / "sft-tiny.toml", ["sft.packing=\"wrapped\""])
     with pytest.raises(UserError, match="did you mean 'beta'"):
@@ -168,7 +176,7 @@ def test_prompt_completion_sft_and_chat_turn_dpo_with_precomputed_reference(tiny
     sft = load_sft_recipe(REPO / "recipes" / "sft-tiny.toml", [*SFT_QUICK, "training.steps=1",
                                                                 f"data.path=\"{tmp_path / 'pairs.parquet'}\""])
     sft = sft.model_copy(update={"data": sft.data.model_copy(update={"balance_by": None})})
-    result = run_sft(sft, output=str(tmp_path / "sft"), start=str(tiny_model))
+    result = run_sft(sft, tmp_path / "sft", start=str(tiny_model))
     assert result.data["format"] == "prompt+completion as chat turns" and result.steps == 1
 
     pairs = pq.read_table(sorted((SAMPLE / "preference").glob("*.parquet"))[0]).to_pylist()[:8]
@@ -179,5 +187,5 @@ def test_prompt_completion_sft_and_chat_turn_dpo_with_precomputed_reference(tiny
     dpo = load_dpo_recipe(REPO / "recipes" / "dpo-tiny.toml", [
         "training.steps=1", "dpo.loss_type=apo_zero", "dpo.beta=0.05", "dpo.precompute_ref_log_probs=true",
         "dpo.max_length=64", f"data.path=\"{tmp_path / 'turns.parquet'}\""])
-    result = run_dpo(dpo, output=str(tmp_path / "dpo"), start=str(tmp_path / "sft"))
+    result = run_dpo(dpo, tmp_path / "dpo", start=str(tmp_path / "sft"))
     assert result.steps == 1 and math.isfinite(result.metrics["loss"])

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from smolctl.errors import UserError
-from smolctl.train.ppo import (
-    clipped_policy_loss, clipped_value_loss, completion_mask, gae, load_ppo_recipe, run_ppo, whiten,
-)
+from smolctl.train.config import load_command_recipe
+from smolctl.train.grpo import run_grpo
+from smolctl.train.ppo import clipped_policy_loss, clipped_value_loss, completion_mask, gae, run_ppo, whiten
 from smolctl.train.rewards import CompositeReward, RewardSection, distinct_ngram_ratio
 from tiny_checkpoint import make_tiny_checkpoint
 
@@ -128,15 +128,16 @@ def tiny_model(tokenizer_dir, tmp_path_factory):
     return make_tiny_checkpoint(tokenizer_dir, tmp_path_factory.mktemp("ppo") / "pre")
 
 
-def toy_recipe(tmp_path, reward: str = "test_ppo:spaced_words", match: str = "callable", kind: str = "task") -> str:
-    path = tmp_path / f"toy-{reward.replace(':', '-')}-{match}-{kind}.toml"
+def toy_recipe(tmp_path, reward: str = "test_ppo:spaced_words", match: str = "callable", kind: str = "task",
+               algorithm: str = "ppo") -> str:
+    path = tmp_path / f"toy-{algorithm}-{reward.replace(':', '-')}-{match}-{kind}.toml"
     path.write_text("\n".join([
         '[data]', 'path = "data/sample/prompts"',
-        '[training]', 'steps = 14', 'micro_batch = 16', 'lr = 3e-2', 'schedule = "constant"',
-        '[checkpoint]', 'every = 100',
-        '[generation]', 'max_new_tokens = 6',
-        '[ppo]', 'batch_size = 16', 'minibatch_size = 16', 'epochs = 2', 'kl_coef = 0.0',
-        '[grpo]', 'num_generations = 8',
+        '[optimizer]', 'lr = 3e-2', 'weight_decay = 0.0', '[schedule]', 'kind = "constant"',
+        '[training]', 'steps = 14', 'micro_batch = 16',
+        '[checkpoint]', 'interval = 100', '[logging]', 'interval = 1',
+        *(['[grpo]', 'num_generations = 8', 'max_new_tokens = 6'] if algorithm == "grpo" else
+          ['[ppo]', 'batch_size = 16', 'minibatch_size = 16', 'epochs = 2', 'kl_coef = 0.0', 'max_new_tokens = 6']),
         '[[rewards]]', f'kind = "{kind}"', f'match = "{match}"',
         *([f'function = "{reward}"'] if match == "callable" else [])]) + "\n")
     return str(path)
@@ -146,17 +147,19 @@ def rewards_logged(run) -> list[float]:
     return [r["reward"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward" in r]
 
 
+RUNNERS = {"ppo": run_ppo, "grpo": run_grpo}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_mean_reward_rises_on_a_learnable_toy_reward(algorithm, tiny_model, tmp_path):
-    # GRPO: one pass per generation batch (with 2, max_steps would count each batch twice).
-    recipe = load_ppo_recipe(toy_recipe(tmp_path), [f"algorithm={algorithm}"] + (
-        ["ppo.epochs=1"] if algorithm == "grpo" else []))
-    result = run_ppo(recipe, output=str(tmp_path / "run"), start=str(tiny_model))
+    recipe = load_command_recipe(algorithm, toy_recipe(tmp_path, algorithm=algorithm))
+    result = RUNNERS[algorithm](recipe, tmp_path / "run", start=str(tiny_model))
     rewards = rewards_logged(tmp_path / "run")
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.1, f"{algorithm} did not learn: {first:.3f} → {last:.3f} ({rewards})"
     assert result.metrics["reward_last"] == pytest.approx(last)
+    assert "rewards/task" in result.metrics          # the summary shows each reward component
     manifest = json.loads((tmp_path / "run" / "final" / "manifest.json").read_text())
     assert manifest["kind"] == "model" and manifest["parent"] == str(tiny_model.resolve())
     assert [ref["kind"] for ref in manifest["inputs"]] == ["documents", "model"]
@@ -164,21 +167,21 @@ def test_mean_reward_rises_on_a_learnable_toy_reward(algorithm, tiny_model, tmp_
 
 def test_nan_rewards_are_counted_and_skipped(tiny_model, tmp_path):
     path = toy_recipe(tmp_path, reward="test_ppo:nan_reward")
-    recipe = load_ppo_recipe(path, ["training.steps=2", "ppo.epochs=1", "generation.max_new_tokens=4"])
-    result = run_ppo(recipe, output=str(tmp_path / "run"), start=str(tiny_model))
+    recipe = load_command_recipe("ppo", path, ["training.steps=2", "ppo.epochs=1", "ppo.max_new_tokens=4"])
+    result = run_ppo(recipe, tmp_path / "run", start=str(tiny_model))
     assert result.metrics["nan_rewards_skipped"] > 0
     assert all(math.isfinite(r) for r in rewards_logged(tmp_path / "run"))
 
 
 def test_ppo_resumes_from_its_newest_checkpoint(tiny_model, tmp_path):
     path = toy_recipe(tmp_path)
-    short = ["training.steps=2", "checkpoint.every=1", "ppo.epochs=1", "generation.max_new_tokens=4"]
-    run_ppo(load_ppo_recipe(path, short), output=str(tmp_path / "run"), start=str(tiny_model))
-    with pytest.raises(UserError, match="already exists and is not empty — pass --overwrite"):
-        run_ppo(load_ppo_recipe(path, short), output=str(tmp_path / "run"), start=str(tiny_model))
-    longer = load_ppo_recipe(path, [*short, "training.steps=3"])
-    result = run_ppo(longer, output=str(tmp_path / "run"), start=str(tiny_model), resume="auto")
-    assert result.resumed_from.endswith("checkpoint-2") and result.steps == 3
+    short = ["training.steps=2", "checkpoint.interval=1", "ppo.epochs=1", "ppo.max_new_tokens=4"]
+    run_ppo(load_command_recipe("ppo", path, short), tmp_path / "run", start=str(tiny_model))
+    with pytest.raises(UserError, match="already holds a run — pass --resume auto to continue it"):
+        run_ppo(load_command_recipe("ppo", path, short), tmp_path / "run", start=str(tiny_model))
+    longer = load_command_recipe("ppo", path, [*short, "training.steps=3"])
+    result = run_ppo(longer, tmp_path / "run", start=str(tiny_model), resume="auto")
+    assert result.resumed_from.endswith("step-0000002") and result.steps == 3
     steps = [r["step"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())]
     assert steps == [1, 2, 3]
 
@@ -187,16 +190,16 @@ def test_bad_ppo_inputs_fail_before_training(tiny_model, tmp_path):
     path = toy_recipe(tmp_path)
     broken = toy_recipe(tmp_path, reward="nowhere_module:score")
     with pytest.raises(UserError, match="cannot import module 'nowhere_module'"):
-        run_ppo(load_ppo_recipe(broken, []), output=str(tmp_path / "a"), start=str(tiny_model))
+        run_ppo(load_command_recipe("ppo", broken), tmp_path / "a", start=str(tiny_model))
     exact = toy_recipe(tmp_path, match="exact")
     with pytest.raises(UserError, match=r"has no column 'answer' for the task reward \(columns: id, prompt, reference\)"):
-        run_ppo(load_ppo_recipe(exact, ["data.reference_column=answer"]), output=str(tmp_path / "b"),
+        run_ppo(load_command_recipe("ppo", exact, ["data.reference_column=answer"]), tmp_path / "b",
                 start=str(tiny_model))
     with pytest.raises(UserError, match="not a multiple of grpo.num_generations"):
-        run_ppo(load_ppo_recipe(path, ["algorithm=grpo", "grpo.num_generations=3"]), output=str(tmp_path / "c"),
-                start=str(tiny_model))
+        run_grpo(load_command_recipe("grpo", toy_recipe(tmp_path, algorithm="grpo"), ["grpo.num_generations=3"]),
+                 tmp_path / "c", start=str(tiny_model))
     with pytest.raises(UserError, match=r"rewards\[0\]\.kind: Input should be .task., .length. or .diversity."):
-        load_ppo_recipe(toy_recipe(tmp_path, kind="taks"), [])
+        load_command_recipe("ppo", toy_recipe(tmp_path, kind="taks"))
     with pytest.raises(UserError, match=r"--resume: .* is not a complete checkpoint \(no trainer_state.json\)"):
-        run_ppo(load_ppo_recipe(path, []), output=str(tmp_path / "d"), start=str(tiny_model), resume=str(tmp_path))
+        run_ppo(load_command_recipe("ppo", path), tmp_path / "d", start=str(tiny_model), resume=str(tmp_path))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

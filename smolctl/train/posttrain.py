@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import UserError
 from smolctl.shards import DocumentSource, open_documents
 from smolctl.train.config import ChatDataSection, DpoRecipe, PreferenceDataSection, SftRecipe
@@ -137,11 +138,12 @@ def run_sft(recipe: SftRecipe, run: str | Path, *, start: str | None = None, res
     if recipe.data.balance_by:
         require_columns(source, [recipe.data.balance_by], "set data.balance_by to a column of categories, or remove it")
     columns = sft_columns(source)
+    # Heavy imports only once the cheap checks have passed, so a mistake is reported in a second, not ten.
+    quiet_offline()
+    check_sft_template(recipe, parent, source, columns)
     begun = open_run("sft", recipe, run, parent, resume, overwrite)
     if begun.finished:
         return finished_result("sft", run, begun)
-    # Heavy imports only once the cheap checks have passed, so a mistake is reported in a second, not ten.
-    quiet_offline()
     trainer, callback, data_stats, parameters = sft_trainer(recipe, run, parent, source, columns, on_step)
     return finish_trl("sft", trainer, callback, run, parent, source.lineage(), data_stats, begun, parameters,
                       lambda history: final_metrics(history, ("loss", "mean_token_accuracy", "entropy", "grad_norm", "lr")))
@@ -153,12 +155,7 @@ def sft_trainer(recipe: SftRecipe, run: Path, parent: Path, source: DocumentSour
     from trl import SFTConfig, SFTTrainer
 
     model, tokenizer = load_start(parent, attention=recipe.training.attention)
-    conversational = columns == ["messages"] or is_chat_column(source.schema.field("prompt"))
-    if conversational:
-        require_chat_template(tokenizer, parent, "chat data needs")
     assistant_only = recipe.sft.assistant_only_loss and columns == ["messages"]
-    if assistant_only:
-        check_training_template(tokenizer, parent)
     dataset, data_stats = load_sft_dataset(source, recipe.data, recipe.training.seed,
                                            as_chat=bool(getattr(tokenizer, "chat_template", None)))
     model = apply_peft(model, recipe.peft)
@@ -177,15 +174,20 @@ def sft_trainer(recipe: SftRecipe, run: Path, parent: Path, source: DocumentSour
     return trainer, callback, data_stats, parameter_counts(model)
 
 
-def check_training_template(tokenizer, path: Path) -> None:
-    """Assistant-only loss needs {% generation %} markers: TRL patches the templates it knows (ChatML, Llama 3,
-    Qwen, Gemma, ...); refuse only the ones it cannot."""
+def check_sft_template(recipe: SftRecipe, parent: Path, source: DocumentSource, columns: list[str]) -> None:
+    """Chat data needs a chat template; assistant-only loss needs {% generation %} markers in it, which TRL patches
+    into the templates it knows (ChatML, Llama 3, Qwen, Gemma, ...): refuse only the ones it cannot."""
     from trl.chat_template_utils import get_training_chat_template
 
+    tokenizer = load_tokenizer(parent)
+    if columns == ["messages"] or is_chat_column(source.schema.field("prompt")):
+        require_chat_template(tokenizer, parent, "chat data needs")
+    if not (recipe.sft.assistant_only_loss and columns == ["messages"]):
+        return
     try:
         get_training_chat_template(tokenizer)
     except ValueError as exc:
-        raise UserError(path, f"the chat template of tokenizer {tokenizer.name_or_path} has no {{% generation %}} markers "
+        raise UserError(parent, f"the chat template of tokenizer {tokenizer.name_or_path} has no {{% generation %}} markers "
                         "and TRL cannot patch it, so the assistant turns cannot be found for assistant-only loss",
                         "add the markers around the assistant content, or set sft.assistant_only_loss = false") from exc
 
@@ -200,10 +202,12 @@ def run_dpo(recipe: DpoRecipe, run: str | Path, *, start: str | None = None, res
     source = open_documents(recipe.data.path)
     require_columns(source, ["prompt", "chosen", "rejected"],
                     "pass a preference dataset (e.g. data/sample/preference)")
+    quiet_offline()
+    if any(is_chat_column(source.schema.field(c)) for c in ("prompt", "chosen", "rejected")):
+        require_chat_template(load_tokenizer(parent), parent, "preference pairs given as chat turns need")
     begun = open_run("dpo", recipe, run, parent, resume, overwrite)
     if begun.finished:
         return finished_result("dpo", run, begun)
-    quiet_offline()
     from trl import DPOConfig, DPOTrainer
 
     model, tokenizer = load_start(parent, attention=recipe.training.attention)
@@ -212,8 +216,6 @@ def run_dpo(recipe: DpoRecipe, run: str | Path, *, start: str | None = None, res
         reference, _ = load_start(parent, use_bf16(recipe.training.precision), attention=recipe.training.attention)
         reference.eval().requires_grad_(False)
     has_template = bool(getattr(tokenizer, "chat_template", None))
-    if any(is_chat_column(source.schema.field(c)) for c in ("prompt", "chosen", "rejected")):
-        require_chat_template(tokenizer, parent, "preference pairs given as chat turns need")
     dataset, data_stats = load_preference_dataset(source, recipe.data, as_chat=has_template)
     data_stats["format"] = "chat" if has_template else "text"
     model = apply_peft(model, recipe.peft)
