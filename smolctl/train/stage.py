@@ -127,7 +127,13 @@ def require_chat_template(tokenizer, path: Path, why: str) -> None:
 # LoRA
 
 
-def check_peft(recipe: PostTrainRecipe) -> None:
+def check_sharding(recipe: PostTrainRecipe) -> None:
+    """training.shard means FSDP through accelerate, which shards on GPUs only (on CPU it would quietly be DDP)."""
+    import torch
+
+    if recipe.training.shard and world_size() > 1 and not torch.cuda.is_available():
+        raise UserError("training.shard", "FSDP through accelerate needs GPUs; on CPU the processes would each hold "
+                        "the whole model", "set training.shard = false on CPU (the processes then run as DDP)")
     if recipe.peft is not None and recipe.training.shard:
         raise UserError("peft", "LoRA adapters are not sharded by smolctl (training.shard = true)",
                         "LoRA fits a 3B model on one GPU: set training.shard = false, or remove [peft]")
@@ -374,7 +380,7 @@ def finish_trl(stage: str, trainer, callback, run: Path, parent: Path, data_inpu
 
 def open_run(stage: str, recipe: PostTrainRecipe, run: Path, parent: Path, resume: str, overwrite: bool) -> RunStart:
     """Decide fresh start, resume or nothing to do, and record the run; call it once the cheap checks passed."""
-    check_peft(recipe)
+    check_sharding(recipe)
     start = plan_start(run, resume, overwrite, int(recipe.training.steps))
     begin_run(run, stage, recipe.model_dump(mode="json", by_alias=True), parent, start)
     return start

@@ -1,0 +1,148 @@
+"""One training stack: the six training commands share the recipe schema, the run layout, the options and the
+resume rules; LoRA for post-training; SFT's assistant mask through TRL's template patching; DPO learns visibly.
+
+Every command runs in-process through the real CLI (typer's runner), a few steps of a tiny model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import REPO, SAMPLE
+from smolctl.cli import app
+from test_posttrain import tiny_model  # noqa: F401  (fixture)
+from test_pretrain import packed, recipe  # noqa: F401  (fixtures)
+
+QUICK = {
+    "pretrain": ["training.global_batch=2"],
+    "midtrain": ["training.global_batch=2"],
+    "sft": ["training.micro_batch=2", "sft.max_length=64"],
+    "dpo": ["training.micro_batch=2", "dpo.max_length=64", "data.limit=16"],
+    "ppo": ["training.micro_batch=4", "ppo.batch_size=4", "ppo.minibatch_size=4", "ppo.epochs=1", "ppo.max_new_tokens=4"],
+    "grpo": ["training.micro_batch=4", "training.global_batch=4", "grpo.num_generations=2", "grpo.max_new_tokens=4"],
+}
+TINY_RECIPES = {"sft": "recipes/sft-tiny.toml", "dpo": "recipes/dpo-tiny.toml", "ppo": "recipes/ppo-tiny.toml",
+                "grpo": "recipes/grpo-tiny.toml"}
+
+
+def smolctl(*args) -> tuple[int, str, str]:
+    result = CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.fixture(scope="module")
+def pretrain_run(recipe, tmp_path_factory) -> Path:  # noqa: F811
+    run = tmp_path_factory.mktemp("stack") / "pretrain"
+    code, _, err = smolctl("pretrain", recipe, run, "--set", "training.steps=2", "--set", "training.global_batch=2")
+    assert code == 0, err
+    return run
+
+
+def command_line(command: str, recipe: Path, start: Path, run: Path, *extra: str) -> list:  # noqa: F811
+    recipe_path = recipe if command in ("pretrain", "midtrain") else REPO / TINY_RECIPES[command]
+    sets = [*QUICK[command], "checkpoint.interval=1", "checkpoint.keep=2", "logging.interval=1", *extra]
+    start_from = [] if command == "pretrain" else ["--from", start]
+    return [command, recipe_path, run, *start_from, "--json", *(f"--set={s}" for s in sets)]
+
+
+@pytest.mark.parametrize("command", ["pretrain", "midtrain", "sft", "dpo", "ppo", "grpo"])
+def test_every_training_command_has_the_same_run_layout_and_resume(command, recipe, tiny_model, pretrain_run,  # noqa: F811
+                                                                   tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    start = pretrain_run if command == "midtrain" else tiny_model   # midtrain: --from a run folder
+    run = tmp_path / "run"
+    code, out, err = smolctl(*command_line(command, recipe, start, run, "training.steps=2"))
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["run"] == str(run) and result["final"] == str(run / "final") and result["steps"] == 2
+    assert {p.name for p in run.iterdir()} >= {"run.json", "metrics.jsonl", "events.jsonl", "checkpoints", "final"}
+    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step-0000001", "step-0000002"]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in metrics if "lr" in r] == [1, 2]
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(metrics[-1]), metrics[-1]
+    assert AutoModelForCausalLM.from_pretrained(run / "final").num_parameters() > 0
+
+    code, out, err = smolctl(*command_line(command, recipe, start, run, "training.steps=3"), "--resume", "auto")
+    assert code == 0, err
+    resumed = json.loads(out)
+    assert resumed["steps"] == 3 and resumed["resumed_from"].endswith("step-0000002")
+    if command in ("pretrain", "midtrain"):
+        return  # their finished-run resume is the pretrain loop's (issue 14)
+    before = {p.name: p.read_bytes() for p in (run / "final").iterdir()}
+    code, out, err = smolctl(*command_line(command, recipe, start, run, "training.steps=3"), "--resume", "auto")
+    assert code == 0 and json.loads(out)["nothing_to_do"], err
+    assert {p.name: p.read_bytes() for p in (run / "final").iterdir()} == before
+
+
+@pytest.mark.parametrize("command", ["sft", "grpo"])
+def test_lora_trains_adapters_and_final_holds_them_merged(command, tiny_model, tmp_path):  # noqa: F811
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    args = command_line(command, Path(), tiny_model, run, "training.steps=2", "checkpoint.interval=0", "peft.r=4",
+                        "optimizer.lr=0.05")
+    code, out, err = smolctl(*[a for a in args if a != "--json"])
+    assert code == 0, err
+    assert "trainable of" in out and "(100.00%)" not in out          # the summary shows the LoRA share
+    assert (run / "adapter" / "adapter_config.json").is_file()
+    trained = AutoModelForCausalLM.from_pretrained(run / "final").state_dict()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
+    assert trained.keys() == base.keys()                              # merged: a plain model, no lora_ weights
+    assert any(not torch.equal(trained[k], base[k]) for k in base)
+
+
+def test_sft_assistant_mask_covers_exactly_the_assistant_turns_of_a_patched_template(tiny_model, tmp_path):  # noqa: F811
+    """A Qwen 2.5 template has no {% generation %} markers; TRL patches it, and the loss mask must cover each
+    assistant reply and its end-of-turn token, nothing of the system or user turns."""
+    from trl.chat_template_utils import has_generation_markers, qwen2_5_chat_template
+
+    from smolctl.shards import open_documents
+    from smolctl.train.config import load_command_recipe
+    from smolctl.train.posttrain import sft_columns, sft_trainer
+
+    model = tmp_path / "qwen-template"
+    shutil.copytree(tiny_model, model)
+    (model / "chat_template.jinja").write_text(qwen2_5_chat_template)
+    assert not has_generation_markers(qwen2_5_chat_template)
+    recipe = load_command_recipe("sft", REPO / "recipes/sft-tiny.toml", [
+        "sft.packing=\"none\"", "sft.max_length=512", "data.limit=4", "training.steps=1"])
+    source = open_documents(SAMPLE / "chat")
+    trainer, _, _, _ = sft_trainer(recipe, tmp_path / "run", model, source, sft_columns(source))
+    tokenizer = trainer.processing_class
+    row = trainer.train_dataset[0]
+    text = tokenizer.decode(row["input_ids"])
+    expected, position = [], 0
+    for token in row["input_ids"]:
+        piece = tokenizer.decode([token])
+        expected.append((position, position + len(piece)))
+        position += len(piece)
+    replies = []
+    start = text.find("<|im_start|>assistant\n")
+    while start >= 0:
+        begin = start + len("<|im_start|>assistant\n")
+        end = text.index("<|im_end|>", begin) + len("<|im_end|>")
+        replies.append((begin, end))
+        start = text.find("<|im_start|>assistant\n", end)
+    assert replies, text
+    inside = [int(any(b <= lo and hi <= e for b, e in replies)) for lo, hi in expected]
+    assert row["assistant_masks"] == inside
+
+
+def test_dpo_preference_accuracy_and_margins_rise(tiny_model, tmp_path):  # noqa: F811
+    code, out, err = smolctl("dpo", REPO / "recipes/dpo-tiny.toml", tmp_path / "run", "--from", tiny_model, "--json",
+                             "--set", "training.steps=24", "--set", "data.limit=32", "--set", "dpo.max_length=64",
+                             "--set", "checkpoint.interval=0")
+    assert code == 0, err
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [r["rewards/accuracies"] for r in logged]
+    margins = [r["rewards/margins"] for r in logged]
+    first, last = slice(0, 6), slice(-6, None)
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    assert mean(accuracy[last]) > mean(accuracy[first]) + 0.25, accuracy
+    assert mean(margins[last]) > mean(margins[first]) + 0.1 and mean(margins[last]) > 0, margins
