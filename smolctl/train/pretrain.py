@@ -23,7 +23,7 @@ from smolctl.errors import CheckFailed, UserError
 from smolctl.recipe import apply_overrides, load_toml, validate
 from smolctl.shards import atomic_write_json, lineage_ref
 from smolctl.train.config import BatchPlan, TrainRecipe, check_keys, derive_batch
-from smolctl.train.run import FINAL, RUN_FILE, model_folder
+from smolctl.train.run import EVENTS, FINAL, RUN_FILE, model_folder
 
 
 def load_train_recipe(path: str | Path, overrides: Sequence[str] = (), data: Sequence[str] = (),
@@ -231,6 +231,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_json(self.run_dir / RUN_FILE, {"stage": self.stage, "recipe": json.loads(self.recipe.model_dump_json()),
                                                         "plan": asdict(self.plan), "parent": self.parent})
+            (self.run_dir / EVENTS).touch()  # the run layout has it even when nothing happened
         self.dist.barrier()
 
     def _forward_backward(self) -> tuple[float, float, int, float]:
