@@ -141,13 +141,40 @@ def test_sft_assistant_mask_covers_exactly_the_assistant_turns_of_a_patched_temp
 
 def test_dpo_preference_accuracy_and_margins_rise(tiny_model, tmp_path):  # noqa: F811
     code, out, err = smolctl("dpo", REPO / "recipes/dpo-tiny.toml", tmp_path / "run", "--from", tiny_model, "--json",
-                             "--set", "training.steps=24", "--set", "data.limit=32", "--set", "dpo.max_length=64",
+                             "--set", "training.steps=12", "--set", "data.limit=16", "--set", "dpo.max_length=64",
                              "--set", "checkpoint.interval=0")
     assert code == 0, err
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     accuracy = [r["rewards/accuracies"] for r in logged]
     margins = [r["rewards/margins"] for r in logged]
-    first, last = slice(0, 6), slice(-6, None)
+    first, last = slice(0, 4), slice(-4, None)
     mean = lambda values: sum(values) / len(values)  # noqa: E731
     assert mean(accuracy[last]) > mean(accuracy[first]) + 0.25, accuracy
     assert mean(margins[last]) > mean(margins[first]) + 0.1 and mean(margins[last]) > 0, margins
+
+
+@pytest.mark.slow
+def test_two_process_post_training_saves_final_collectively_and_refuses_once(tiny_model, tmp_path):  # noqa: F811
+    """Under torchrun every rank takes part in the final save (a sharded model is gathered before rank 0 writes):
+    final/ holds the trained weights, equal to the Trainer's own last checkpoint. PPO, single-process by design,
+    refuses once, not once per rank."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    def torchrun(*args) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "smolctl",
+                               *map(str, args)], capture_output=True, text=True, cwd=REPO, timeout=300)
+
+    done = torchrun(*command_line("sft", Path(), tiny_model, tmp_path / "run", "training.steps=2"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    final = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
+    last = load_file(str(tmp_path / "run" / "checkpoints" / "step-0000002" / "model.safetensors"))
+    base = load_file(str(tiny_model / "model.safetensors"))
+    assert final.keys() == last.keys() == base.keys()
+    assert all(final[k].equal(last[k]) for k in final) and not all(final[k].equal(base[k]) for k in final)
+
+    refused = torchrun(*command_line("ppo", Path(), tiny_model, tmp_path / "ppo", "training.steps=1"))
+    assert refused.returncode != 0                                    # torchrun reports the failed rank
+    assert refused.stderr.count("error: ppo: smolctl's own PPO runs in one process") == 1, refused.stderr[-2000:]

@@ -100,7 +100,8 @@ def plan_start(run: Path, resume: str, overwrite: bool, steps: int) -> RunStart:
     run = Path(run)
     if run.exists() and not run.is_dir():
         raise UserError(run, "exists and is a file, not a folder", "choose a run folder path")
-    holds_files = run.is_dir() and any(run.iterdir())
+    # Under torchrun rank 0 judges what the folder held before it started writing the run into it.
+    holds_files = is_main_process() and run.is_dir() and any(run.iterdir())
     if resume == "none":
         if holds_files and not overwrite:
             raise UserError(run, "already holds a run", "pass --resume auto to continue it, or --overwrite to start over")
