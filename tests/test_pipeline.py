@@ -20,10 +20,10 @@ PRETRAIN = ["training.steps=3", "training.micro_batch=4", "training.global_batch
             "checkpoint.interval=100", "logging.interval=1"]
 MIDTRAIN = ["training.steps=2", "training.micro_batch=2", "training.global_batch=2", "schedule.warmup_steps=0",
             "checkpoint.interval=100", "logging.interval=1"]
-SFT = ["training.steps=2", "training.warmup_steps=0", "checkpoint.every=100", "sft.max_length=128"]
-DPO = ["training.steps=2", "checkpoint.every=100", "dpo.max_length=64", "data.limit=8"]
+SFT = ["training.steps=2", "schedule.warmup_steps=0", "checkpoint.interval=100", "sft.max_length=128"]
+DPO = ["training.steps=2", "checkpoint.interval=100", "dpo.max_length=64", "data.limit=8"]
 PPO = ["training.steps=1", "ppo.batch_size=8", "ppo.minibatch_size=8", "training.micro_batch=8", "ppo.epochs=1",
-       "checkpoint.every=100", "generation.max_new_tokens=4"]
+       "checkpoint.interval=100", "ppo.max_new_tokens=4"]
 
 
 def sets(overrides: list[str]) -> list[str]:

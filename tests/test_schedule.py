@@ -38,3 +38,24 @@ def test_cosine_reaches_min_lr_and_constant_stays():
     values = lrs(11, kind="cosine", warmup_steps=1, min_lr_ratio=0.1)
     assert values[0] == 1.0 and values[-1] == pytest.approx(0.1) and values == sorted(values, reverse=True)
     assert lrs(5, kind="constant", warmup_steps=2) == [0.5, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_exponential_decays_by_its_rate_after_warmup_down_to_the_floor():
+    assert lrs(5, kind="exponential", decay_rate=0.5) == [1.0, 0.5, 0.25, 0.125, 0.0625]
+    assert lrs(5, kind="exponential", warmup_steps=2, decay_rate=0.5, min_lr_ratio=0.3) == [0.5, 1.0, 1.0, 0.5, 0.3]
+
+
+def test_the_trainers_lambda_scheduler_is_the_same_function():
+    import torch
+
+    from smolctl.train.schedule import lambda_scheduler
+
+    schedule = ScheduleSection(kind="wsd", warmup_steps=2, decay_fraction=0.5, min_lr_ratio=0.1)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=3e-4)
+    scheduler = lambda_scheduler(optimizer, schedule, 8)
+    seen = []
+    for _ in range(8):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([learning_rate(s, peak=3e-4, schedule=schedule, total_steps=8) for s in range(8)])
