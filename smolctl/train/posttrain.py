@@ -135,9 +135,9 @@ def run_sft(recipe: SftRecipe, run: str | Path, *, start: str | None = None, res
     run = Path(run)
     parent = check_start(start or recipe.model.from_, "--from" if start else "model.from")
     source = open_documents(recipe.data.path)
+    columns = sft_columns(source)
     if recipe.data.balance_by:
         require_columns(source, [recipe.data.balance_by], "set data.balance_by to a column of categories, or remove it")
-    columns = sft_columns(source)
     # Heavy imports only once the cheap checks have passed, so a mistake is reported in a second, not ten.
     quiet_offline()
     check_sft_template(recipe, parent, source, columns)
