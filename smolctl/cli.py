@@ -609,15 +609,15 @@ def mix_command(
 # ---------------------------------------------------------------------------------------------------------------
 # Training: pretrain, midtrain, sft, dpo, ppo, grpo share these options, the recipe schema and the run layout
 
-RecipeArg = Annotated[Path, typer.Argument(help="TOML recipe (one schema for every training command: README, "
+RecipeArg = Annotated[Path, typer.Argument(metavar="RECIPE", help="TOML recipe (one schema for every training command: README, "
                                            "\"One recipe schema\").", show_default=False)]
-RunArg = Annotated[Optional[Path], typer.Argument(help="Run folder: run.json, metrics.jsonl, events.jsonl, "
+RunArg = Annotated[Optional[Path], typer.Argument(metavar="RUN", help="Run folder: run.json, metrics.jsonl, events.jsonl, "
                                                   "checkpoints/step-N/, final/ (the HF model).", show_default=False)]
-FromOpt = Annotated[Optional[str], typer.Option("--from", help="Starting checkpoint: a model folder or a run folder "
+FromOpt = Annotated[Optional[str], typer.Option("--from", metavar="PATH", help="Starting checkpoint: a model folder or a run folder "
                                                 "(its final/); overrides the recipe's model.from.")]
-SetOpt = Annotated[Optional[list[str]], typer.Option("--set", help="Override a recipe key, e.g. --set "
+SetOpt = Annotated[Optional[list[str]], typer.Option("--set", metavar="KEY=VALUE", help="Override a recipe key, e.g. --set "
                                                      "training.steps=200 (repeatable; values are TOML).")]
-ResumeOpt = Annotated[str, typer.Option("--resume", help="auto: continue from the newest checkpoint in "
+ResumeOpt = Annotated[str, typer.Option("--resume", metavar="auto|none|PATH", help="auto: continue from the newest checkpoint in "
                                         "RUN/checkpoints (a no-op when the run finished, a fresh start when there is "
                                         "none); none: start fresh; or a RUN/checkpoints/step-N folder.")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Delete RUN first if it already holds a run.")]
@@ -697,7 +697,7 @@ def _post_train(stage: str, run_stage, recipe: Path, run: Optional[Path], from_:
 def sft_command(recipe: RecipeArg, run: RunArg = None, from_: FromOpt = None, set_: SetOpt = None,
                 resume: ResumeOpt = "none", overwrite: OverwriteOpt = False, json_out: JsonOpt = False) -> None:
     """Supervised fine-tuning on chat data with TRL's SFTTrainer: assistant-only loss, BFD packing or padding-free,
-    task-balanced sampling, LoRA with a [peft] table."""
+    task-balanced sampling, LoRA adapters through peft."""
     from smolctl.train.posttrain import run_sft
 
     _post_train("sft", run_sft, recipe, run, from_, set_, resume, overwrite, json_out)
@@ -753,11 +753,11 @@ def grpo_command(recipe: RecipeArg, run: RunArg = None, from_: FromOpt = None, s
 # ---------------------------------------------------------------------------------------------------------------
 # pretrain, midtrain
 
-DataOpt = Annotated[list[str], typer.Option("--data", help="Packed folder(s) to train on, replacing the recipe's "
+DataOpt = Annotated[list[str], typer.Option("--data", metavar="PACKED", help="Packed folder(s) to train on, replacing the recipe's "
                                             "[data] paths/stages (repeatable).")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Validate, print the resolved recipe, parameter count and "
                                          "a memory/time estimate; build the model on the meta device; train nothing.")]
-WorldSizeOpt = Annotated[Optional[int], typer.Option("--world-size", help="--dry-run only: plan for this many "
+WorldSizeOpt = Annotated[Optional[int], typer.Option("--world-size", metavar="N", help="--dry-run only: plan for this many "
                                                      "processes (default: WORLD_SIZE or 1).")]
 
 
