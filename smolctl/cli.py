@@ -465,9 +465,9 @@ def _render_dedup(result, tasks: int, task_id: int) -> None:
 
   smolctl stress-gpu                                   60 s on every GPU: bf16 8192² matmuls, all results checked
 
-  smolctl stress-gpu --duration 10m --devices 0,1 --json
+  smolctl stress-gpu --duration 10m --expect-tflops 600 --json     H100: also fail a GPU below 600 TFLOPS
 
-  smolctl stress-gpu --duration 3s                     on a machine without GPUs: the CPU, fp32 512²
+  smolctl stress-gpu --duration 3s --devices cpu       the tool itself on the CPU (fp32 512²), no GPU needed
 """)
 def stress_gpu_command(
     duration: str = typer.Option("60", "--duration", help="Seconds, or 30s, 5m, 1h."),
@@ -475,14 +475,18 @@ def stress_gpu_command(
     size: Optional[int] = typer.Option(None, "--size", help="n of the n×n matmuls (default: 8192 on GPUs, 512 on CPU)."),
     memory_fraction: float = typer.Option(0.9, "--memory-fraction", help="Share of each GPU's memory to fill and pattern-test, in (0, 1)."),
     tolerance: float = typer.Option(0.10, "--tolerance", help="A device more than this fraction slower than the best fails."),
-    devices: str = typer.Option("all", "--devices", help="all, cpu, or GPU indices like 0,1."),
+    expect_tflops: Optional[float] = typer.Option(None, "--expect-tflops", help="Fail a device whose median TFLOPS is below this."),
+    expect_gpus: Optional[int] = typer.Option(None, "--expect-gpus", help="Fail when torch sees fewer GPUs (default with --devices all: what nvidia-smi lists)."),
+    devices: str = typer.Option("all", "--devices", help="all (fails when torch sees no GPU), GPU indices like 0,1, or cpu."),
+    launch: str = typer.Option("auto", "--launch", help="process per device, thread, or auto (processes for GPUs)."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Burn every GPU with checked matmuls and a memory pattern test; OK/FAULTY per device like gpu-burn."""
     from smolctl.infra.stress import build_config, run_stress
 
     config = build_config(duration=duration, dtype=dtype, size=size, memory_fraction=memory_fraction,
-                          tolerance=tolerance, devices=devices)
+                          tolerance=tolerance, devices=devices, expect_tflops=expect_tflops,
+                          expect_gpus=expect_gpus, launch=launch)
 
     def tick(elapsed: float, reports) -> None:
         latest = " · ".join(f"{r.device} {r.tflops[-1]:.3g}" for r in reports if r.tflops)
@@ -506,20 +510,27 @@ def _render_stress(config, reports) -> None:
     def number(value, fmt: str = ".3g") -> str:
         return "-" if value is None else format(value, fmt)
 
-    rows = [(r.device, f"{number(r.tflops_min)} / {number(r.tflops_median)}", r.mismatches, r.memory_errors,
+    rows = [(r.device, f"{number(r.tflops_min)} / {number(r.tflops_median)}", r.mismatches,
+             (r.result_hash or "-")[:12], r.memory_errors,
              number(r.telemetry.get("max_temp_c"), "d"), ", ".join(r.telemetry.get("throttle") or []) or "-",
              "[green]OK[/]" if r.verdict == "OK" else "[red]FAULTY[/]") for r in reports]
     names = ", ".join(dict.fromkeys(r.name for r in reports if r.name)) or "?"
     show(table(f"stress-gpu: {names}, {config.dtype} {config.size}² matmuls, {config.duration_s:g}s",
-               ["device", "TFLOPS min / median", "mismatches", "memory errors", "max °C", "throttling", "result"],
-               rows))
+               ["device", "TFLOPS min / median", "mismatches", "product sha256", "memory errors", "max °C",
+                "throttling", "result"], rows))
     for r in reports:
         console.print(f"{r.device}: {r.matmuls} matmuls checked, {human_bytes(r.memory_tested_bytes)} pattern-tested "
-                      f"in {r.pattern_passes} passes" + (f" — [red]{'; '.join(r.reasons)}[/]" if r.reasons else ""),
-                      soft_wrap=True)
+                      f"in {r.pattern_passes} passes" + (f" — [red]{'; '.join(r.reasons)}[/]" if r.reasons else "")
+                      + (f" [yellow]warning: {'; '.join(r.warnings)}[/]" if r.warnings else ""), soft_wrap=True)
     ok = sum(r.verdict == "OK" for r in reports)
-    console.print(f"{ok}/{len(reports)} device(s) OK (FAULTY: any mismatch or memory error, or median TFLOPS more "
-                  f"than {config.tolerance:.0%} below the best device)", soft_wrap=True)
+    floor = f", below --expect-tflops {config.expect_tflops:g}" if config.expect_tflops else ""
+    console.print(f"{ok}/{len(reports)} device(s) OK (FAULTY: any mismatch, a product differing from the other "
+                  f"devices', a memory error, hardware throttling, row remapping, ECC or Xid errors, a degraded "
+                  f"PCIe link, or median TFLOPS more than {config.tolerance:.0%} below the best device{floor})",
+                  soft_wrap=True)
+    if unchecked := [r.device for r in reports if "missing" in r.telemetry]:
+        console.print(f"[yellow]telemetry missing on {', '.join(unchecked)}:[/] {reports[0].telemetry.get('missing', '')}"
+                      " — throttling, ECC, row remapping, Xid and PCIe were not checked", soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
