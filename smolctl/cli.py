@@ -246,13 +246,13 @@ def _quiet_on_other_ranks(rank: int, exc: Exception) -> None:
 
 @app.command("benchmark-nccl", epilog="""[bold]Examples[/]
 
-  torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --expect-busbw 300
+  torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --expect-busbw all_reduce=350,all_to_all=40
 
   torchrun --nproc_per_node 2 -m smolctl benchmark-nccl --max-bytes 1M --iters 5 --warmup 1    (CPU, gloo)
 
   torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --ops all_reduce,all_to_all --min-bytes 1M --max-bytes 8G
 
-  sbatch --nodes 4 recipes/slurm/benchmark-nccl.sbatch    (multi-node: adds intra vs inter-node and the slowest pair)
+  sbatch --nodes 4 recipes/slurm/benchmark-nccl.sbatch    (multi-node: intra vs inter-node, slowest host and link)
 """)
 def benchmark_nccl_command(
     ops: str = typer.Option("all_reduce,all_gather,reduce_scatter,all_to_all,broadcast,send_recv", "--ops",
@@ -264,7 +264,7 @@ def benchmark_nccl_command(
     iters: int = typer.Option(20, "--iters", help="Timed calls per size."),
     warmup: int = typer.Option(5, "--warmup", help="Untimed calls per size before timing."),
     backend: str = typer.Option("auto", "--backend", help="auto (nccl when GPUs are visible, else gloo), nccl or gloo."),
-    expect_busbw: Optional[float] = typer.Option(None, "--expect-busbw", help="GB/s each op's busbw at the largest size must reach; exit 1 below it."),
+    expect_busbw: Optional[str] = typer.Option(None, "--expect-busbw", help="GB/s the busbw at the largest size must reach, per op (all_reduce=350,all_to_all=40) or one number for all; exit 1 below it."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Collective bandwidth like nccl-tests (time, algbw, busbw, #wrong per size) for every op, under torchrun."""
@@ -290,7 +290,7 @@ def benchmark_nccl_command(
 
 def _nccl_failure(report) -> str:
     problems = [f"{report.wrong} wrong element(s)"] if report.wrong else []
-    problems += [f"{r.op} busbw {r.peak.busbw:.2f} GB/s < {report.expect_busbw:g}" if r.peak else f"{r.op}: no size ran"
+    problems += [f"{r.op} busbw {r.peak.busbw:.2f} GB/s < {report.expect_busbw[r.op]:g}" if r.peak else f"{r.op}: no size ran"
                  for r in report.below_expectation()]
     return "benchmark-nccl: " + "; ".join(problems)
 
@@ -320,26 +320,57 @@ def _render_nccl(report) -> None:
         lines.append(f"# {result.op} avg bus bandwidth: {result.avg_busbw:.3f} GB/s\n")
         console.print("\n".join(lines), markup=False, soft_wrap=True)
     if report.multinode:
-        split = report.multinode
-        rows = [(name.replace("_", "-"), split[name]["groups"], split[name]["ranks_per_group"],
-                 f"{split[name]['busbw_min']:.2f}" if split[name]["busbw_min"] is not None else "-",
-                 f"{split[name]['busbw_median']:.2f}" if split[name]["busbw_median"] is not None else "-")
-                for name in ("intra_node", "inter_node")]
-        show(table(f"all_reduce at {human_bytes(split['size'])}: inside vs across nodes",
-                   ["scope", "groups", "ranks/group", "busbw min (GB/s)", "busbw median (GB/s)"], rows))
-        pairs = split["send_recv"]
-        slow = pairs["slowest"]
-        console.print(f"send/recv to the same local rank on the next node ({pairs['pairs']} pairs, "
-                      f"{human_bytes(pairs['size'])}): median {pairs['busbw_median']:.2f} GB/s; slowest pair rank "
-                      f"{slow['rank']} → rank {slow['peer']} at {slow['busbw']:.2f} GB/s", soft_wrap=True)
+        _render_multinode(report.multinode, topo)
     console.print(f"# Out of bounds values : {report.wrong} {'OK' if not report.wrong else 'FAILED'}")
     console.print(f"# Avg bus bandwidth    : {report.avg_busbw:.3f} GB/s (all ops, all sizes)")
-    if report.expect_busbw is not None:
-        below = {r.op for r in report.below_expectation()}
-        for result in report.results:
+    below = {r.op for r in report.below_expectation()}
+    for result in report.results:
+        if result.op in report.expect_busbw:
             verdict = "[red]FAIL[/]" if result.op in below else "[green]PASS[/]"
             peak = f"{result.peak.busbw:.2f} GB/s at {human_bytes(result.peak.size)}" if result.peak else "no size ran"
-            console.print(f"{verdict} {result.op}: busbw {peak} (expected ≥ {report.expect_busbw:g})")
+            console.print(f"{verdict} {result.op}: busbw {peak} (expected ≥ {report.expect_busbw[result.op]:g})")
+
+
+def _render_multinode(split: dict, topo: dict) -> None:
+    from smolctl.console import human_bytes
+
+    def gbps(value) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    rows = [(name.replace("_", "-"), split[name]["groups"], split[name]["ranks_per_group"],
+             gbps(split[name]["busbw_min"]), gbps(split[name]["busbw_median"]),
+             f"{split[name]['slowest']['name']}" if split[name]["slowest"] else "-")
+            for name in ("intra_node", "inter_node")]
+    show(table(f"all_reduce at {human_bytes(split['size'])}: inside vs across nodes",
+               ["scope", "groups", "ranks/group", "busbw min (GB/s)", "busbw median (GB/s)", "slowest"], rows))
+    links = split["links"]
+    if links:
+        slow = links["slowest"]
+        console.print(f"one-way transfers to the same local rank {', '.join(map(str, links['shifts']))} node(s) on "
+                      f"({links['count']} links, {human_bytes(split['size'])}): median send "
+                      f"{links['send_busbw_median']:.2f} GB/s, receive {links['recv_busbw_median']:.2f} GB/s; slowest "
+                      f"link rank {slow['from_rank']} ({slow['from_host']}) → rank {slow['to_rank']} "
+                      f"({slow['to_host']}) at {slow['busbw']:.2f} GB/s (send {slow['send_busbw']:.2f}, receive "
+                      f"{slow['recv_busbw']:.2f})", soft_wrap=True, markup=False)
+        console.print("hosts by their links' median busbw, slowest first: " + ", ".join(
+            f"{h['host']} {h['busbw_median']:.2f} GB/s ({h['links']} links)" for h in links["slowest_hosts"]),
+            soft_wrap=True, markup=False)
+    ranks: dict[str, list[int]] = {}
+    for rank, host in enumerate(topo["rank_hosts"]):
+        ranks.setdefault(host, []).append(rank)
+    console.print("rank → host: " + "; ".join(f"{host} {_rank_ranges(found)}" for host, found in ranks.items()),
+                  soft_wrap=True, markup=False)
+
+
+def _rank_ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 3, 8] → '0-3,8'."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
 
 
 # ---------------------------------------------------------------------------------------------------------------
