@@ -919,7 +919,12 @@ def _render_train(r) -> None:
   smolctl estimate --model smollm3-3b --seq-len 4096 --micro-batch 3 --gpus 384 --gpu h100 --tp 2 --zero 1
   --tokens 11.2T --mfu 0.30 --price-per-gpu-hour 2.5
 
-  smolctl estimate --model llama3-8b --gpus 64 --gpu a100-80 --find           what fits: layouts, micro batch
+  smolctl estimate --model llama3-8b --gpus 64 --gpu a100-80 --tokens 1T --find     what fits: layouts, micro batch
+
+  smolctl estimate --model llama3-405b --gpus 16384 --tp 8 --pp 16 --zero 1 --seq-len 8192 --recompute full
+  --global-batch-tokens 16777216 --tokens 15.6T --mfu 0.38          Llama 3 405B: ~33M GPU-hours (Meta: 30.84M)
+
+  smolctl estimate --model smollm3-3b --inference --context 8192 --batch 8 --compare-attention     serving memory
 
   smolctl estimate recipes/smollm3-tiny.toml --validate                       estimate vs measured, side by side
 
@@ -946,16 +951,25 @@ def estimate_command(
     mfu: Optional[float] = typer.Option(None, "--mfu", help="Achieved model FLOPs utilisation (default 0.30)."),
     price: Optional[float] = typer.Option(None, "--price-per-gpu-hour", help="Cost of one GPU-hour, for the total."),
     target_days: Optional[float] = typer.Option(None, "--target-days", help="Also report the GPUs needed to finish in this many days."),
-    checkpoint_gbps: Optional[float] = typer.Option(None, "--checkpoint-gbps", help="Checkpoint storage write bandwidth, GB/s (default 5)."),
-    checkpoint_hours: Optional[float] = typer.Option(None, "--checkpoint-hours", help="Hours between checkpoints (default 1)."),
+    tf32: Optional[bool] = typer.Option(None, "--tf32", help="fp32 matmuls run as TF32 on tensor cores (off in PyTorch unless enabled)."),
+    checkpoint_gbps: Optional[float] = typer.Option(None, "--checkpoint-gbps", help="Checkpoint write bandwidth per node, GB/s (default 1)."),
+    checkpoint_hours: Optional[float] = typer.Option(None, "--checkpoint-hours", help="Hours between checkpoints (default: Young/Daly's optimum)."),
+    sync_checkpoint: bool = typer.Option(False, "--sync-checkpoint", help="Training waits for each checkpoint write (default: async, waits only for the copy to host memory)."),
     overhead: Optional[float] = typer.Option(None, "--overhead", help="Use this wall-clock overhead factor instead of the computed one."),
     find: bool = typer.Option(False, "--find", help="Also search the layouts and the largest micro batch that fit."),
+    framework: Optional[str] = typer.Option(None, "--framework", help="What --find proposes: smolctl (tp × FSDP2/HSDP, the trainer's layouts; default) or megatron (tp, pp, cp, ZeRO)."),
+    require_fit: bool = typer.Option(False, "--require-fit", help="Exit 1 when the run does not fit the GPU."),
+    inference_mode: bool = typer.Option(False, "--inference", help="Size serving instead: weights, KV cache, activations, decode tokens/s."),
+    context: int = typer.Option(8192, "--context", help="--inference: tokens per sequence in the KV cache."),
+    batch: int = typer.Option(1, "--batch", help="--inference: sequences decoded together."),
+    kv_dtype: str = typer.Option("bf16", "--kv-dtype", help="--inference: bf16 or fp8 KV cache."),
+    compare_attention: bool = typer.Option(False, "--compare-attention", help="--inference: the same model with multi-head attention beside it."),
     validate: bool = typer.Option(False, "--validate", help="Run a (scaled-down) copy here and print estimate vs measured."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Parameters, memory per GPU, FLOPs, time and cost of a training run; --find what fits; --validate against
     a measured forward + backward."""
-    from smolctl.infra.estimate import estimate, transformers_config
+    from smolctl.infra.estimate import InferencePlan, estimate, estimate_inference, transformers_config
     from smolctl.infra.plan import plan_from_sources
 
     if recipe is not None and model is not None:
@@ -966,8 +980,15 @@ def estimate_command(
                  tokens=tokens, gpus=gpus, gpu=gpu, tp=tp, pp=pp, cp=cp, zero=zero, recompute=recompute,
                  attention=attention, precision=precision, optimizer=optimizer, mfu=mfu, price_per_gpu_hour=price,
                  target_days=target_days, checkpoint_gbps=checkpoint_gbps, checkpoint_hours=checkpoint_hours,
-                 overhead=overhead)
+                 overhead=overhead, tf32=tf32, framework=framework, async_checkpoint=False if sync_checkpoint else None)
     plan = plan_from_sources(recipe=recipe, overrides=overrides, flags=flags)
+    if inference_mode:
+        served = estimate_inference(plan, InferencePlan(context, batch, kv_dtype.lower(), compare_attention))
+        emit_json(served) if json_out else _render_inference(served)
+        if require_fit and not served["inference"]["model"]["fits"]:
+            raise CheckFailed(f"estimate: {served['model']['name']} does not fit {plan.gpu} for inference at "
+                              f"batch {batch} × {context} tokens")
+        return
     result = estimate(plan, find=find)
     if validate:
         from smolctl.infra.measure import validate as run_validation
@@ -978,6 +999,14 @@ def estimate_command(
         emit_json(result)
     else:
         _render_estimate(result)
+    if require_fit and not result["memory"]["fits"]:
+        raise CheckFailed(f"estimate: does not fit {plan.gpu} ({result['memory']['total'] / 2**30:.1f} GiB per GPU)")
+
+
+def _render_headlines(r: dict) -> None:
+    for line in r["headlines"]:
+        colour = "red" if line["level"] == "error" else "yellow"
+        console.print(f"[bold {colour}]{line['level']}:[/] {line['text']}", soft_wrap=True)
 
 
 def _render_estimate(r: dict) -> None:
@@ -994,6 +1023,7 @@ def _render_estimate(r: dict) -> None:
         ("shape", f"{m['layers']} layers, hidden {m['hidden']}, FFN {m['ffn']}, {m['heads']} heads "
                   f"({m['kv_heads']} KV) × {m['head_dim']}, vocab {m['vocab']}"),
     ]))
+    _render_headlines(r)
     show(key_values("layout", [
         ("GPUs", f"{lay['gpus']} × {lay['gpu']} = tp {lay['tp']} × pp {lay['pp']} × cp {lay['cp']} × dp {lay['dp']}"),
         ("batch", f"micro {lay['micro_batch']} × {lay['seq_len']} tokens, accumulation {lay['gradient_accumulation']}, "
@@ -1031,12 +1061,16 @@ def _render_compute(comp: dict, mfu: float) -> None:
         ("throughput", f"{comp['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU at MFU {mfu:.0%}; "
                        f"{comp['step_seconds']:.2f} s/step, {comp['steps']:,} steps"),
         ("compute time", human_duration(comp["compute_time"]["seconds"])),
-        ("overhead", f"× {comp['overhead']['factor']:.3f}"),
+        ("overhead", f"× {comp['overhead']['factor']:.3f} ({comp['overhead']['effective_training_time']:.1%} of "
+                     "the wall-clock time trains)"),
         ("time", f"{human_duration(t['seconds'])} = {t['hours']:,.1f} h = {t['days']:.2f} days"),
         ("GPU-hours", f"{comp['gpu_hours']:,.0f}" + (f"  cost {comp['cost']:,.0f}" if comp["cost"] else "")),
         ("checkpoint", f"{human_bytes(comp['checkpoint']['bytes'])} (model only "
-                       f"{human_bytes(comp['checkpoint']['model_bytes'])}), "
-                       f"{comp['checkpoint']['write_seconds']:.1f} s to write at {comp['checkpoint']['gbps']:g} GB/s"),
+                       f"{human_bytes(comp['checkpoint']['model_bytes'])}) every "
+                       f"{human_duration(comp['checkpoint']['interval_seconds'])}: "
+                       + (f"{comp['checkpoint']['stall_seconds']:.2g} s stall, then " if comp['checkpoint']['async'] else "")
+                       + f"{comp['checkpoint']['write_seconds']:.1f} s to write at "
+                       f"{comp['checkpoint']['gbps_per_node']:g} GB/s per node"),
     ]
     if comp.get("gpus_for_target"):
         target = comp["gpus_for_target"]
@@ -1050,10 +1084,46 @@ def _render_find(found: dict, lay: dict) -> None:
     from smolctl.console import human_bytes
 
     console.print(f"largest micro batch that fits this layout: [bold]{found['largest_micro_batch'] or 'none'}[/]")
-    show(table(f"layouts that fit {lay['gpus']} × {lay['gpu']} at micro batch {lay['micro_batch']}, fastest first",
-               ["tp", "pp", "cp", "dp", "zero", "recompute", "total", "free"],
-               [(x["tp"], x["pp"], x["cp"], x["dp"], x["zero"], x["recompute"], human_bytes(x["total"]),
-                 human_bytes(x["free"])) for x in found["layouts"]] or [("none fit", "", "", "", "", "", "", "")]))
+    if found["framework"] == "smolctl":
+        columns = ["tp", "dp shard (FSDP2)", "dp replicate", "recompute", "accumulation", "total", "free"]
+        rows = [(x["tp"], x["dp_shard"], x["dp_replicate"], x["recompute"], x["gradient_accumulation"],
+                 human_bytes(x["total"]), human_bytes(x["free"])) for x in found["layouts"]]
+    else:
+        columns = ["tp", "pp", "cp", "dp", "zero", "recompute", "accumulation", "total", "free"]
+        rows = [(x["tp"], x["pp"], x["cp"], x["dp"], x["zero"], x["recompute"], x["gradient_accumulation"],
+                 human_bytes(x["total"]), human_bytes(x["free"])) for x in found["layouts"]]
+    show(table(f"{found['framework']} layouts that fit {lay['gpus']} × {lay['gpu']} at micro batch "
+               f"{lay['micro_batch']} and global batch {found['global_batch_tokens']:,} tokens, fastest first",
+               columns, rows or [("none fit",) + ("",) * (len(columns) - 1)]))
+    skipped = found["skipped"]
+    console.print(f"[dim]left out: {skipped['batch']} layout(s) whose data parallel × micro batch does not divide "
+                  f"the global batch, {skipped['pipeline']} pipeline(s) with fewer micro batches than stages[/]",
+                  soft_wrap=True)
+
+
+def _render_inference(r: dict) -> None:
+    from smolctl.console import human_bytes
+
+    inf = r["inference"]
+    sides = [("this model", inf["model"])] + ([("multi-head attention", inf["multi_head"])] if "multi_head" in inf else [])
+    rows = [("KV heads", *(str(x["kv_heads"]) for _, x in sides)),
+            ("weights (bf16)", *(human_bytes(x["weights"]) for _, x in sides)),
+            (f"KV cache per token ({inf['kv_dtype']})", *(human_bytes(x["kv_per_token"]) for _, x in sides)),
+            (f"KV cache per sequence ({inf['context']:,} tokens)", *(human_bytes(x["kv_per_sequence"]) for _, x in sides)),
+            (f"KV cache for the batch ({inf['batch']})", *(human_bytes(x["kv_cache"]) for _, x in sides)),
+            ("prefill activations", *(human_bytes(x["activations"]) for _, x in sides)),
+            ("CUDA context + workspaces", *(human_bytes(x["runtime_reserved"]) for _, x in sides)),
+            ("total", *(f"{human_bytes(x['total'])} — " + ("[green]fits[/]" if x["fits"] else "[red]does not fit[/]")
+                        for _, x in sides)),
+            (f"largest batch at {inf['context']:,} tokens", *(str(x["max_batch"]) for _, x in sides)),
+            (f"longest context at batch {inf['batch']}", *(f"{x['max_context']:,}" for _, x in sides)),
+            (f"decode bound ({inf['model']['memory_tbps']:g} TB/s)",
+             *(f"{x['decode_tokens_per_second']:,.0f} tokens/s ({x['decode_tokens_per_second_per_sequence']:,.0f} per "
+               "sequence)" for _, x in sides))]
+    gpus = f"{inf['tp']} × {inf['gpu']}" if inf["tp"] > 1 else inf["gpu"]
+    show(table(f"inference: {r['model']['name']} on {gpus} (per GPU)", ["", *(name for name, _ in sides)], rows))
+    console.print("[dim]note: decoding reads every weight and the batch's KV cache once per token, so memory "
+                  "bandwidth bounds tokens/s; real servers reach 60–80% of it[/]", soft_wrap=True)
 
 
 def _render_validation(v: dict) -> None:
