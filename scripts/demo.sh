@@ -38,7 +38,7 @@ stage midtrain "$OUT/midtrain/final" smolctl midtrain recipes/smollm3-tiny-midtr
 stage sft "$OUT/sft/final" smolctl sft recipes/sft-tiny.toml "$OUT/sft" --from "$OUT/midtrain/final"
 stage dpo "$OUT/dpo/final" smolctl dpo recipes/dpo-tiny.toml "$OUT/dpo" --from "$OUT/sft"
 stage ppo "$OUT/ppo/final" smolctl ppo recipes/ppo-tiny.toml "$OUT/ppo" --from "$OUT/dpo"
-stage stress-gpu - smolctl stress-gpu --duration 3s
+stage stress-gpu - smolctl stress-gpu --duration 3s --devices cpu
 stage benchmark-nccl - torchrun --nproc_per_node 2 -m smolctl benchmark-nccl --ops all_reduce,all_gather,all_to_all \
   --min-bytes 64K --max-bytes 1M --iters 5 --warmup 1
 

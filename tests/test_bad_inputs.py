@@ -168,6 +168,9 @@ CASES = [
     Case("stress-gpu: memory fraction outside (0,1)", lambda t: (["stress-gpu", "--memory-fraction", "1.5"], "--memory-fraction", None)),
     Case("stress-gpu: unknown dtype", lambda t: (["stress-gpu", "--dtype", "fp12"], "fp12", None)),
     Case("benchmark-nccl: one process", lambda t: (["benchmark-nccl"], "torchrun", None)),
+    Case("benchmark-nccl: threshold for an op not run", lambda t: (["benchmark-nccl", "--ops", "all_reduce", "--expect-busbw", "all_to_all=40"], "all_to_all", None)),
+    Case("estimate: unknown --find framework", lambda t: (["estimate", "--model", "smollm3-3b", "--framework", "deepspeed"], "--framework", None)),
+    Case("stress-gpu: --expect-tflops not a rate", lambda t: (["stress-gpu", "--expect-tflops", "0"], "--expect-tflops", None)),
 ]
 
 

@@ -88,17 +88,17 @@ def build_config(*, duration: str, dtype: str | None, size: int | None, memory_f
         raise UserError("--expect-gpus", f"{expect_gpus} GPUs checks nothing", "give 1 or more, e.g. 8")
     if launch not in LAUNCHES:
         raise UserError("--launch", f"unknown launch {launch!r}", f"choose from {', '.join(LAUNCHES)}")
+    if dtype is not None and DTYPE_ALIASES.get(dtype.lower(), dtype.lower()) not in DTYPES:
+        raise UserError("--dtype", f"unknown dtype {dtype!r}", f"choose from {', '.join(DTYPES)}")
+    if size is not None and not 16 <= size <= 65536:
+        raise UserError("--size", f"{size} is not a sensible matrix size", "use 16..65536, e.g. 8192 on GPUs")
+    # the flags are sound; now whether the node is (a GPU that torch cannot see fails it, exit 1)
     resolved = resolve_devices(devices, torch.cuda.device_count())
     on_gpu = resolved[0] != "cpu"
     if on_gpu:
         check_gpu_count(torch.cuda.device_count(), expect_gpus, everything=devices.strip().lower() == "all")
-    name = dtype.lower() if dtype else ("bf16" if on_gpu else "fp32")
-    name = DTYPE_ALIASES.get(name, name)
-    if name not in DTYPES:
-        raise UserError("--dtype", f"unknown dtype {dtype!r}", f"choose from {', '.join(DTYPES)}")
+    name = DTYPE_ALIASES.get(dtype.lower(), dtype.lower()) if dtype else ("bf16" if on_gpu else "fp32")
     n = size or (8192 if on_gpu else 512)
-    if not 16 <= n <= 65536:
-        raise UserError("--size", f"{n} is not a sensible matrix size", "use 16..65536, e.g. 8192 on GPUs")
     return StressConfig(seconds, resolved, name, n, memory_fraction, tolerance,
                         sample_s=min(2.0, max(0.25, seconds / 30)), expect_tflops=expect_tflops, launch=launch)
 
