@@ -262,9 +262,9 @@ def smallest_layouts(plan: Plan, shape: ModelShape, top: int = 5) -> dict:
     """Layouts that fit at the plan's micro batch and global batch (held fixed: data parallel × micro batch must
     divide it, and a pipeline needs at least as many micro batches as stages), fastest first: no recompute before
     selective before full (full recompute costs a third more FLOPs, more than intra-node TP costs), then the fewest
-    model-parallel GPUs, then ZeRO 0–2 before 3 (ZeRO-1/2 move the same bytes as an all-reduce, ZeRO-3 half as
-    much again) and FSDP sharded over fewer ranks, then TP before PP (bubbles) before CP, then the most free
-    memory."""
+    model-parallel GPUs, then weights gathered inside a node before across nodes (HSDP), then ZeRO 0–2 before 3
+    (ZeRO-1/2 move the same bytes as an all-reduce, ZeRO-3 half as much again), then TP before PP (bubbles)
+    before CP, then the most free memory."""
     batch_tokens = plan.global_batch_tokens or accumulation(plan)[0]  # the batch asked for, not a rounded one
     sequences = batch_tokens // plan.seq_len
     found, skipped = [], {"batch": 0, "pipeline": 0}
@@ -280,8 +280,9 @@ def smallest_layouts(plan: Plan, shape: ModelShape, top: int = 5) -> dict:
         result = _fits(candidate, shape)
         if result:
             shard = candidate.dp_shard or dp
-            found.append(((_RECOMPUTE_COST[candidate.recompute], candidate.model_parallel, candidate.zero == 3,
-                           shard if candidate.zero == 3 else 0, candidate.pp, candidate.cp, -result["free"]),
+            across_nodes = candidate.zero == 3 and shard * candidate.model_parallel > GPUS_PER_NODE
+            found.append(((_RECOMPUTE_COST[candidate.recompute], candidate.model_parallel, across_nodes,
+                           candidate.zero == 3, candidate.pp, candidate.cp, -result["free"]),
                           {"tp": candidate.tp, "pp": candidate.pp, "cp": candidate.cp, "dp": dp,
                            "dp_shard": shard if candidate.zero == 3 else 1,
                            "dp_replicate": dp // shard if candidate.zero == 3 else dp, "zero": candidate.zero,

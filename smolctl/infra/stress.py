@@ -224,7 +224,10 @@ def _device_main(index: int, config: StressConfig, updates, stop) -> None:
     """One device's worker, in a thread or a spawned process: runs the burn and posts its report after every
     window, the last time with done=True."""
     report = DeviceReport(config.devices[index])
-    DeviceStress(index, config, report, stop, publish=lambda: updates.put((index, asdict(report), False))).run()
+    try:
+        DeviceStress(index, config, report, stop, publish=lambda: updates.put((index, asdict(report), False))).run()
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the group; the parent reports it once
+        return
     updates.put((index, asdict(report), True))
 
 
