@@ -66,7 +66,7 @@ class Runner:
         out = self.torch.zeros(chunk if op == "reduce_scatter" else count, dtype=self.dtype, device=self.device)
         return inp, out
 
-    def _call(self, op: str, inp, out, group=None, send_to: int | None = None, recv_from: int | None = None):
+    def _call(self, op: str, inp, out, group=None):
         dist = self.dist
         if op == "all_reduce":
             return lambda: dist.all_reduce(out, group=group)
@@ -78,8 +78,7 @@ class Runner:
             return lambda: dist.all_to_all_single(out, inp, group=group)
         if op == "broadcast":
             return lambda: dist.broadcast(out, src=0, group=group)
-        send_to = (self.rank + 1) % self.world if send_to is None else send_to
-        recv_from = (self.rank - 1) % self.world if recv_from is None else recv_from
+        send_to, recv_from = (self.rank + 1) % self.world, (self.rank - 1) % self.world  # a ring
 
         def exchange() -> None:
             for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, inp, send_to),
@@ -147,8 +146,6 @@ class Runner:
         several shifts, each timed at both ends (infra/multinode.py plans them and writes the report)."""
         node_of_rank = topology["node_of_rank"]
         by_node = [[r for r, k in enumerate(node_of_rank) if k == node] for node in range(topology["nodes"])]
-        node = node_of_rank[self.rank]
-        local = by_node[node].index(self.rank)
         widest = max(len(ranks) for ranks in by_node)
         rails = [[ranks[j] for ranks in by_node if j < len(ranks)] for j in range(widest)]
         count = max_bytes // self.elem_size

@@ -125,7 +125,7 @@ def resolve_devices(spec: str, gpu_count: int) -> tuple[str, ...]:
 
 def check_gpu_count(visible: int, expected: int | None, *, everything: bool) -> None:
     """Fail a node where torch sees fewer GPUs than --expect-gpus, or (with --devices all and no --expect-gpus)
-    than the driver lists: a GPU fallen off the bus is missing from torch before it is missing from anything."""
+    than nvidia-smi lists: a GPU that CUDA cannot initialise is otherwise simply left out of 'all'."""
     source = "--expect-gpus"
     if expected is None and everything:
         expected, source = nvidia_smi_gpus(), "nvidia-smi / CUDA_VISIBLE_DEVICES"
