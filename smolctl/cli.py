@@ -944,6 +944,7 @@ def estimate_command(
     pp: Optional[int] = typer.Option(None, "--pp", help="Pipeline stages (1F1B schedule)."),
     cp: Optional[int] = typer.Option(None, "--cp", help="Context parallel size (splits the sequence)."),
     zero: Optional[int] = typer.Option(None, "--zero", help="ZeRO stage 0-3 over data parallel (recipe shard=true: 3)."),
+    dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="With --zero 3: shard over this many data-parallel ranks, replicate over the rest (HSDP)."),
     recompute: Optional[str] = typer.Option(None, "--recompute", help="none | selective | full activation recomputation."),
     attention: Optional[str] = typer.Option(None, "--attention", help="flash | sdpa | eager."),
     precision: Optional[str] = typer.Option(None, "--precision", help="bf16 (bf16 weights + fp32 master) | amp (fp32 weights, bf16 autocast) | fp32."),
@@ -977,7 +978,7 @@ def estimate_command(
     if recipe is not None and not recipe.endswith(".toml"):
         recipe, model = None, recipe  # a preset, config.json or model folder in the recipe's place
     flags = dict(model=model, seq_len=seq_len, micro_batch=micro_batch, global_batch_tokens=global_batch_tokens,
-                 tokens=tokens, gpus=gpus, gpu=gpu, tp=tp, pp=pp, cp=cp, zero=zero, recompute=recompute,
+                 tokens=tokens, gpus=gpus, gpu=gpu, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=dp_shard, recompute=recompute,
                  attention=attention, precision=precision, optimizer=optimizer, mfu=mfu, price_per_gpu_hour=price,
                  target_days=target_days, checkpoint_gbps=checkpoint_gbps, checkpoint_hours=checkpoint_hours,
                  overhead=overhead, tf32=tf32, framework=framework, async_checkpoint=False if sync_checkpoint else None)
@@ -1025,7 +1026,8 @@ def _render_estimate(r: dict) -> None:
     ]))
     _render_headlines(r)
     show(key_values("layout", [
-        ("GPUs", f"{lay['gpus']} × {lay['gpu']} = tp {lay['tp']} × pp {lay['pp']} × cp {lay['cp']} × dp {lay['dp']}"),
+        ("GPUs", f"{lay['gpus']} × {lay['gpu']} = tp {lay['tp']} × pp {lay['pp']} × cp {lay['cp']} × dp {lay['dp']}"
+                 + (f" (FSDP2 shard {lay['dp_shard']} × replicate {lay['dp'] // lay['dp_shard']})" if lay["dp_shard"] else "")),
         ("batch", f"micro {lay['micro_batch']} × {lay['seq_len']} tokens, accumulation {lay['gradient_accumulation']}, "
                   f"global {human_count(lay['global_batch_tokens'])} tokens/step"),
         ("training", f"{lay['precision']}, {lay['optimizer']}, ZeRO-{lay['zero']}, recompute {lay['recompute']}, "

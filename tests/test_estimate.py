@@ -222,6 +222,14 @@ def test_fp32_runs_at_the_plain_fp32_rate_unless_tf32_is_on():
     assert plain["compute_time"]["seconds"] / tf32["compute_time"]["seconds"] == pytest.approx(989.4 / 2 / 66.9)
 
 
+def test_hsdp_shards_the_states_over_dp_shard_ranks_only():
+    flags = {"model": "smollm3-3b", "gpus": 64, "zero": 3}
+    shape = load_model(plan_from_sources(flags=flags))[1]
+    fsdp, hsdp = (memory(plan_from_sources(flags={**flags, "dp_shard": shard}), shape) for shard in (None, 8))
+    assert hsdp["optimizer"] == pytest.approx(fsdp["optimizer"] * 8) and hsdp["weights"] == pytest.approx(fsdp["weights"] * 8)
+    assert hsdp["gather"] == fsdp["gather"]
+
+
 def test_zero3_gathers_the_largest_unit_even_when_it_is_the_embedding():
     plan = plan_from_sources(flags={"model": "smollm2-135m", "gpus": 8, "zero": 3})
     shape = load_model(plan)[1]
@@ -318,6 +326,8 @@ def test_cli_json_for_a_preset(capsys):
     (["--model", "smollm3-3b", "--checkpoint-gbps", "0"], "--checkpoint-gbps: must be positive"),
     (["--model", "smollm3-3b", "--pp", "40"], "40 pipeline stages for 36 layers"),
     (["--model", "smollm3-3b", "--framework", "deepspeed"], "known: smolctl, megatron"),
+    (["--model", "smollm3-3b", "--gpus", "16", "--dp-shard", "8"], "--dp-shard: 8 shards weights"),
+    (["--model", "smollm3-3b", "--gpus", "16", "--zero", "3", "--dp-shard", "3"], "3 does not divide the 16"),
     (["--model", "smollm3-3b", "--inference", "--kv-dtype", "int4"], "--kv-dtype: 'int4' is not known"),
     (["--model", "smollm3-3b", "--inference", "--context", "0"], "--context: must be at least 1"),
 ])

@@ -250,8 +250,8 @@ def _candidates(plan: Plan):
                 continue
             dp = plan.gpus // tp
             for shard in sorted({d for d in (2**k for k in range(dp.bit_length())) if dp % d == 0} | {dp}):
-                yield replace(plan, tp=tp, pp=1, cp=1, zero=3 if shard > 1 else 0, dp_shard=shard,
-                              recompute=recompute)
+                yield replace(plan, tp=tp, pp=1, cp=1, zero=3 if shard > 1 else 0,
+                              dp_shard=shard if shard > 1 else None, recompute=recompute)
         return
     for tp, pp, cp, zero, recompute in product((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8), (0, 1, 2, 3), recomputes):
         if not plan.gpus % (tp * pp * cp) and not plan.seq_len % cp:
@@ -346,7 +346,7 @@ def estimate(plan: Plan, *, find: bool = False) -> dict:
                   **shape.to_dict()},
         "headlines": _headlines(plan, held, batch_tokens),
         "layout": {"gpus": plan.gpus, "gpu": plan.gpu, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp,
-                   "dp": data_parallel(plan), "zero": plan.zero, "recompute": plan.recompute,
+                   "dp": data_parallel(plan), "dp_shard": plan.dp_shard, "zero": plan.zero, "recompute": plan.recompute,
                    "attention": plan.attention, "precision": plan.precision, "optimizer": plan.optimizer,
                    "seq_len": plan.seq_len, "micro_batch": plan.micro_batch, "gradient_accumulation": accumulate,
                    "global_batch_tokens": batch_tokens, "mfu": plan.mfu, "tf32": plan.tf32},

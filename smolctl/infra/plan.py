@@ -210,7 +210,10 @@ def check_plan(plan: Plan) -> Plan:
         raise UserError("--gpus", f"{gpus} GPUs cannot hold tp {plan.tp} × pp {plan.pp} × cp {plan.cp} = "
                         f"{plan.model_parallel} (the layout must multiply to --gpus with a whole data-parallel size)",
                         f"use a multiple of {plan.model_parallel} GPUs")
-    if plan.dp_shard is not None and (gpus // plan.model_parallel) % plan.dp_shard:
+    if plan.dp_shard is not None and plan.zero != 3:
+        raise UserError("--dp-shard", f"{plan.dp_shard} shards weights, gradients and optimizer states (FSDP2, "
+                        f"ZeRO-3), not ZeRO-{plan.zero}", "add --zero 3")
+    if plan.dp_shard is not None and (plan.dp_shard < 1 or (gpus // plan.model_parallel) % plan.dp_shard):
         raise UserError("--dp-shard", f"{plan.dp_shard} does not divide the {gpus // plan.model_parallel} "
                         "data-parallel ranks", "use a divisor of the data-parallel size")
     return replace(plan, gpus=gpus)
