@@ -729,6 +729,53 @@ def ppo_command(
     _post_train("ppo", load_ppo_recipe, run_ppo, recipe, from_, output, overrides, resume, overwrite, json_out)
 
 
+@app.command("merge", epilog="""[bold]Examples[/]
+
+  smolctl merge recipes/smollm3-merge.toml runs/merged
+
+  smolctl merge --method linear --model demo-out/dpo:0.9 --model demo-out/midtrain:0.1 demo-out/merged
+
+  smolctl merge --method linear --model runs/apo-a --model runs/apo-b --model runs/apo-c runs/soup
+
+  smolctl merge --method slerp --model runs/a --model runs/b --set options.t=0.3 runs/slerp
+""")
+def merge_command(
+    arguments: list[str] = typer.Argument(..., help="[RECIPE] OUTPUT: a TOML recipe (method, models, options) "
+                                          "and the model folder to write; OUTPUT alone with --method/--model.",
+                                          metavar="[RECIPE] OUTPUT"),
+    method: Optional[str] = typer.Option(None, "--method", help="linear, slerp, ties or dare_ties (without a "
+                                         "recipe)."),
+    model: Optional[list[str]] = typer.Option(None, "--model", help="PATH[:WEIGHT] (repeat): a model folder or "
+                                              "a run folder (its final/). Linear without weights: a model soup."),
+    base: Optional[str] = typer.Option(None, "--base", help="ties, dare_ties: the model task vectors are taken "
+                                       "against."),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", help="Set a recipe key, e.g. options.t=0.3 "
+                                                  "or dtype=bfloat16 (repeat)."),
+    overwrite: bool = OVERWRITE_OPTION,
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Merge checkpoints in weight space with MergeKit (linear, model soups, SLERP, TIES, DARE-TIES) into a model
+    folder whose lineage lists every parent."""
+    from smolctl.train.merge import load_merge_recipe, run_merge
+
+    if len(arguments) > 2:
+        raise UserError("merge", f"takes [RECIPE] OUTPUT, got {len(arguments)} arguments",
+                        "pass the models with --model, or list them in the recipe")
+    recipe_path, output = (arguments[0], arguments[1]) if len(arguments) == 2 else (None, arguments[0])
+    recipe, where = load_merge_recipe(recipe_path, overrides or [], method, model or [], base)
+    with console.status(f"merging {len(recipe.models)} model entries ({recipe.method})", spinner="dots"):
+        result = run_merge(recipe, output, where=where, overwrite=overwrite)
+    if json_out:
+        emit_json(result.__dict__)
+        return
+    show(table(f"merge ({result.method}) → {result.output}  ({human_count(result.parameters)} parameters, "
+               f"{result.seconds:.1f}s)", ["parent", "weight", "density"],
+               ([p["path"], "" if p["weight"] is None else f"{p['weight']:.4g}",
+                 "" if p["density"] is None else f"{p['density']:.3g}"] for p in result.parents)))
+    if result.base:
+        console.print(f"base: {result.base}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # pretrain, midtrain
 
@@ -1031,7 +1078,7 @@ def _render_validation(v: dict) -> None:
 
 PIPELINE_ORDER = {
     "Data": ["train-tokenizer", "dedup", "mix", "pack"],
-    "Training": ["pretrain", "midtrain", "sft", "dpo", "ppo"],
+    "Training": ["pretrain", "midtrain", "sft", "dpo", "ppo", "merge"],
     "Cluster": ["estimate", "benchmark-nccl", "stress-gpu"],
     "Any folder": ["inspect"],
 }
