@@ -315,7 +315,7 @@ def run_merge(recipe: MergeRecipe, output: str | Path, *, where: str, overwrite:
 
     quiet_offline()
     config = mergekit.config.MergeConfiguration.model_validate(mergekit_config(recipe, parents, base))
-    options = MergeOptions(copy_tokenizer=False, write_model_card=False, quiet=True, lazy_unpickle=True,
+    options = MergeOptions(copy_tokenizer=False, write_model_card=False, quiet=True, lazy_unpickle=False,
                            cuda=torch.cuda.is_available(), random_seed=recipe.options.seed or 0)
     inputs = [lineage_ref(folder) for folder in folders]
     with OutputFolder(output, kind=KIND_MODEL, overwrite=overwrite, inputs=inputs) as folder:
