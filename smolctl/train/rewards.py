@@ -170,7 +170,8 @@ def load_reward_tables(path: str | Path) -> tuple[CompositeReward, str]:
     data = load_toml(path)
     tables = data.get("rewards")
     if not isinstance(tables, list) or not tables:
-        raise UserError(path, "has no [[rewards]] tables", 'add e.g. [[rewards]] kind = "task", as in recipes/ppo-tiny.toml')
+        raise UserError(path, "has no rewards tables (an array of tables named rewards)",
+                        "copy the rewards tables of recipes/ppo-tiny.toml and adapt them")
     sections = [validate(RewardSection, table, f"{path}: rewards[{i}]") for i, table in enumerate(tables)]
     reference = data.get("data", {}).get("reference_column", "reference") if isinstance(data.get("data"), dict) else "reference"
     return CompositeReward(sections, f"{path}: rewards"), str(reference)
