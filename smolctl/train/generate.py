@@ -353,7 +353,8 @@ def run_generate(job: GenerateJob, on_progress: Callable[[int, int, float], None
     on_shard(index) after every shard is in place."""
     started = time.perf_counter()
     check_job(job)
-    job.models = [check_start(str(m), "--model") for m in job.models]
+    flags = ["--chosen", "--rejected"] if job.mode == "pairs" else ["--model"]
+    job.models = [check_start(str(m), flag) for m, flag in zip(job.models, flags)]
     prompts, references, source = read_prompts(job)
     check_output_path(job.output, job.overwrite)
     backend = choose_backend(job.backend)
