@@ -270,18 +270,23 @@ def shard_rows(job: GenerateJob, samplers: list[Sampler], prompts: list[str], re
             elif job.mode == "pairs":
                 rows.append({"prompt": prompt, "chosen": answers[0][i][0].text, "rejected": answers[1][i][0].text,
                              "chosen_model": names[0], "rejected_model": names[1], **settings})
-            else:
-                group = answers[0][i]
-                scores = job.reward.score([c.text for c in group], [c.tokens for c in group],
-                                          [references[start + i]] * len(group)).totals
-                finite = [(score, k) for k, score in enumerate(scores) if math.isfinite(score)]
-                best, worst = max(finite, default=None), min(finite, default=None)
-                if best is None or best[0] == worst[0]:
-                    continue
-                rows.append({"prompt": prompt, "chosen": group[best[1]].text, "rejected": group[worst[1]].text,
-                             "chosen_reward": best[0], "rejected_reward": worst[0], "model": names[0], **settings})
+            elif ranked := best_and_worst(answers[0][i], references[start + i], job.reward):
+                (best, chosen), (worst, rejected) = ranked
+                rows.append({"prompt": prompt, "chosen": chosen.text, "rejected": rejected.text,
+                             "chosen_reward": best, "rejected_reward": worst, "model": names[0], **settings})
         on_batch(len(batch), batch_tokens)
     return rows
+
+
+def best_and_worst(group: list[Completion], reference: str | None, reward: CompositeReward):
+    """((reward, completion) of the best, (reward, completion) of the worst), or None when no two scores differ
+    (NaN rewards left out): such a group says nothing about which answer is preferred."""
+    scores = reward.score([c.text for c in group], [c.tokens for c in group], [reference] * len(group)).totals
+    finite = [(score, k) for k, score in enumerate(scores) if math.isfinite(score)]
+    if not finite or max(finite)[0] == min(finite)[0]:
+        return None
+    (best, b), (worst, w) = max(finite), min(finite)
+    return (best, group[b]), (worst, group[w])
 
 
 # ---------------------------------------------------------------------------------------------------------------
