@@ -4,13 +4,16 @@ without losing or repeating a prompt, and K completions ranked by the reward tab
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import SAMPLE, run_cli
+from conftest import REPO, SAMPLE, run_cli
 from smolctl.shards import open_documents
 from smolctl.train.generate import GenerateJob, Sampling, run_generate
 from smolctl.train.rewards import load_reward_tables
@@ -56,31 +59,30 @@ def test_pairs_from_a_strong_and_a_weak_model_train_dpo_as_they_are(models, tmp_
 
 
 def test_a_killed_generate_resumes_without_losing_or_repeating_a_prompt(models, tmp_path):
-    def job(output: Path) -> GenerateJob:
-        return GenerateJob(prompts=str(SAMPLE / "prompts"), output=output, models=[models[0]], limit=10,
-                           shard_prompts=3, batch_size=2, sampling=Sampling(num_completions=2, max_new_tokens=5))
-
-    class Killed(Exception):
-        pass
-
-    def die_after_two(index: int) -> None:
-        if index == 1:
-            raise Killed
-
-    with pytest.raises(Killed):
-        run_generate(job(tmp_path / "out"), on_shard=die_after_two)
+    args = dict(limit=24, shard_prompts=2, batch_size=2, sampling=Sampling(num_completions=2, max_new_tokens=5))
     staging = tmp_path / ".out.partial"
-    assert not (tmp_path / "out").exists()
-    assert sorted(p.name for p in staging.glob("part-*")) == ["part-00000.parquet", "part-00001.parquet"]
-    (staging / ".part-00002.parquet.tmp").write_bytes(b"half a shard")   # a kill in the middle of a write
+    command = [sys.executable, "-m", "smolctl", "generate", str(SAMPLE / "prompts"), str(tmp_path / "out"),
+               "--model", str(models[0]), "--limit", "24", "--shard-prompts", "2", "--batch-size", "2", "-k", "2",
+               "--max-new-tokens", "5"]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not (staging / "part-00000.parquet").exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        process.send_signal(signal.SIGKILL)   # no handler runs: whatever was on disk stays as it was
+    finally:
+        process.wait(timeout=60)
+    done = sorted(p.name for p in staging.glob("part-*"))
+    assert not (tmp_path / "out").exists() and 1 <= len(done) < 12, done
+    (staging / f".part-{len(done):05d}.parquet.tmp").write_bytes(b"half a shard")   # as a kill mid-write leaves
 
-    resumed = run_generate(job(tmp_path / "out"))
-    assert resumed.resumed_shards == 2 and resumed.shards == 4 and not staging.exists()
+    resumed = run_generate(GenerateJob(prompts=str(SAMPLE / "prompts"), output=tmp_path / "out", models=[models[0]], **args))
+    assert resumed.resumed_shards == len(done) and resumed.shards == 12 and not staging.exists()
     written = rows(tmp_path / "out")
-    assert [r["prompt"] for r in written] == [p for p in sample_prompts(10) for _ in range(2)]
-    assert [r["completion_index"] for r in written] == [0, 1] * 10
+    assert [r["prompt"] for r in written] == [p for p in sample_prompts(24) for _ in range(2)]
+    assert [r["completion_index"] for r in written] == [0, 1] * 24
 
-    fresh = run_generate(job(tmp_path / "fresh"))
+    fresh = run_generate(GenerateJob(prompts=str(SAMPLE / "prompts"), output=tmp_path / "fresh", models=[models[0]], **args))
     assert fresh.resumed_shards == 0
     assert written == rows(tmp_path / "fresh"), "a resumed run writes what an uninterrupted one does"
 
