@@ -16,7 +16,8 @@ How it works, streaming each source once to measure it and once per stage that u
 3. Write. Each source streams the rows of its slice (files in a seeded order). Each row is due at the point of
    the stage where the (possibly interpolated) schedule wants it; rows are merged by due point and written in
    blocks of `shuffle_buffer` rows, each block shuffled with a seeded generator: every block holds the sources in
-   proportion, and the same seed gives the same bytes.
+   proportion, and the same seed gives the same bytes. A curriculum stage (`order = "ascending:SCORE"`) sorts
+   each source's slice and each block by score instead (see mix_plan.py).
 """
 
 from __future__ import annotations
@@ -439,8 +440,8 @@ class MixJob:
 
 
 def stage_manifest(stage: StageReport) -> dict:
-    return {"name": stage.name, "order": stage.order, "budget": stage.budget, "budget_kind": stage.budget_kind, "units": stage.units,
-            "documents": stage.documents,
+    return {"name": stage.name, "order": stage.order, "budget": stage.budget, "budget_kind": stage.budget_kind,
+            "units": stage.units, "documents": stage.documents,
             "sources": [{k: v for k, v in asdict(s).items() if k != "ranges"} for s in stage.sources]}
 
 
