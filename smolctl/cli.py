@@ -771,6 +771,135 @@ def ppo_command(
     _post_train("ppo", load_ppo_recipe, run_ppo, recipe, from_, output, overrides, resume, overwrite, json_out)
 
 
+@app.command("generate", epilog="""[bold]Examples[/]
+
+  smolctl generate data/sample/prompts demo-out/completions --model demo-out/sft --num-completions 2
+
+  smolctl generate data/sample/prompts demo-out/pairs --pairs --chosen demo-out/dpo --rejected demo-out/sft
+
+  smolctl generate data/sample/prompts demo-out/ranked --model demo-out/sft -k 4 --rank-by recipes/ppo-tiny.toml
+
+  smolctl generate prompts/ runs/synthetic --model runs/sft --max-new-tokens 1024 --backend vllm --json
+""")
+def generate_command(
+    prompts: str = typer.Argument(..., help="Dataset folder (or parquet file/glob) with a column of prompt strings."),
+    output: Path = typer.Argument(..., help="Dataset folder to write (a rerun of a killed run continues it)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model or run folder to sample (not with --pairs)."),
+    pairs: bool = typer.Option(False, "--pairs", help="Preference pairs: --chosen's answer vs --rejected's."),
+    chosen: Optional[str] = typer.Option(None, "--chosen", help="--pairs: the strong model (its answers are chosen)."),
+    rejected: Optional[str] = typer.Option(None, "--rejected", help="--pairs: the weak model (answers rejected)."),
+    rank_by: Optional[Path] = typer.Option(None, "--rank-by", help="Recipe whose [[rewards]] tables (as ppo/grpo "
+                                           "use) rank K completions: best chosen, worst rejected."),
+    num_completions: int = typer.Option(1, "--num-completions", "-k", help="Completions per prompt."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens sampled per completion."),
+    temperature: float = typer.Option(0.6, "--temperature", help="0 is greedy (SmolLM3 suggests 0.6)."),
+    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling mass (SmolLM3 suggests 0.95)."),
+    seed: int = typer.Option(0, "--seed", help="Seeds the sampling of every batch."),
+    prompt_column: str = typer.Option("prompt", "--prompt-column", help="Column holding the prompts."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N prompts."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Prompts per generate call."),
+    shard_prompts: int = typer.Option(256, "--shard-prompts", help="Prompts per output shard (a killed run "
+                                      "resumes from the last whole shard)."),
+    backend: str = typer.Option("auto", "--backend", help="auto (vLLM when installed and on a GPU), transformers "
+                                "or vllm."),
+    overwrite: bool = OVERWRITE_OPTION,
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Sample a model on prompts (chat template applied): completions for SFT data, or preference pairs for dpo
+    from a strong and a weak model or from K completions ranked by rewards."""
+    from smolctl.train.generate import GenerateJob, Sampling, run_generate
+
+    if pairs:
+        if model or not (chosen and rejected):
+            raise UserError("--pairs", "takes --chosen STRONG and --rejected WEAK (and no --model)",
+                            "e.g. --pairs --chosen runs/dpo --rejected runs/sft")
+        if rank_by:
+            raise UserError("--rank-by", "ranks K completions of one --model, not --pairs", "use one of the two")
+        models, mode = [chosen, rejected], "pairs"
+    else:
+        if chosen or rejected:
+            raise UserError("--chosen/--rejected", "are the two models of --pairs", "add --pairs, or use --model")
+        if not model:
+            raise UserError("--model", "no model to sample", "pass --model PATH (a model folder or a run folder)")
+        models, mode = [model], "ranked" if rank_by else "completions"
+    reward, reference_column = None, "reference"
+    if rank_by:
+        from smolctl.train.rewards import load_reward_tables
+
+        reward, reference_column = load_reward_tables(rank_by)
+    job = GenerateJob(prompts=prompts, output=output, models=[Path(m) for m in models], mode=mode,
+                      sampling=Sampling(num_completions=num_completions, max_new_tokens=max_new_tokens,
+                                        temperature=temperature, top_p=top_p, seed=seed),
+                      prompt_column=prompt_column, limit=limit, batch_size=batch_size, shard_prompts=shard_prompts,
+                      backend=backend, reward=reward, reward_recipe=str(rank_by) if rank_by else None,
+                      reference_column=reference_column, overwrite=overwrite)
+    with progress(not json_out) as bar:
+        task = bar.add_task(f"generating ({mode})", total=None, rate="", visible=False)
+
+        def on_progress(done: int, total: int, rate: float) -> None:
+            bar.update(task, completed=done, total=total, visible=True, rate=f"{human_count(rate)} tok/s")
+
+        result = run_generate(job, on_progress=on_progress)
+    if json_out:
+        emit_json(result.to_dict())
+        return
+    facts = [("mode", result.mode), ("models", ", ".join(result.models)), ("backend", result.backend),
+             ("prompts", result.prompts), ("rows", result.rows), ("shards", result.shards),
+             ("tokens sampled", f"{human_count(result.completion_tokens)} ({result.tokens_per_second:.0f} tok/s)")]
+    if result.resumed_shards:
+        facts.append(("resumed", f"{result.resumed_shards} shards were already done"))
+    if result.mode == "ranked":
+        facts.append(("dropped (all K tied)", result.dropped_tied))
+    show(key_values(f"generate → {result.output}", facts))
+
+
+@app.command("merge", epilog="""[bold]Examples[/]
+
+  smolctl merge recipes/smollm3-merge.toml runs/merged
+
+  smolctl merge --method linear --model demo-out/dpo:0.9 --model demo-out/midtrain:0.1 demo-out/merged
+
+  smolctl merge --method linear --model runs/apo-a --model runs/apo-b --model runs/apo-c runs/soup
+
+  smolctl merge --method slerp --model runs/a --model runs/b --set options.t=0.3 runs/slerp
+""")
+def merge_command(
+    arguments: list[str] = typer.Argument(..., help="[RECIPE] OUTPUT: a TOML recipe (method, models, options) "
+                                          "and the model folder to write; OUTPUT alone with --method/--model.",
+                                          metavar="[RECIPE] OUTPUT"),
+    method: Optional[str] = typer.Option(None, "--method", help="linear, slerp, ties or dare_ties (without a "
+                                         "recipe)."),
+    model: Optional[list[str]] = typer.Option(None, "--model", help="PATH[:WEIGHT] (repeat): a model folder or "
+                                              "a run folder (its final/). Linear without weights: a model soup."),
+    base: Optional[str] = typer.Option(None, "--base", help="ties, dare_ties: the model task vectors are taken "
+                                       "against."),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", help="Set a recipe key, e.g. options.t=0.3 "
+                                                  "or dtype=bfloat16 (repeat)."),
+    overwrite: bool = OVERWRITE_OPTION,
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Merge checkpoints in weight space with MergeKit (linear, model soups, SLERP, TIES, DARE-TIES) into a model
+    folder whose lineage lists every parent."""
+    from smolctl.train.merge import load_merge_recipe, run_merge
+
+    if len(arguments) > 2:
+        raise UserError("merge", f"takes [RECIPE] OUTPUT, got {len(arguments)} arguments",
+                        "pass the models with --model, or list them in the recipe")
+    recipe_path, output = (arguments[0], arguments[1]) if len(arguments) == 2 else (None, arguments[0])
+    recipe, where = load_merge_recipe(recipe_path, overrides or [], method, model or [], base)
+    with console.status(f"merging {len(recipe.models)} model entries ({recipe.method})", spinner="dots"):
+        result = run_merge(recipe, output, where=where, overwrite=overwrite)
+    if json_out:
+        emit_json(result.__dict__)
+        return
+    show(table(f"merge ({result.method}) → {result.output}  ({human_count(result.parameters)} parameters, "
+               f"{result.seconds:.1f}s)", ["parent", "weight", "density"],
+               ([p["path"], "" if p["weight"] is None else f"{p['weight']:.4g}",
+                 "" if p["density"] is None else f"{p['density']:.3g}"] for p in result.parents)))
+    if result.base:
+        console.print(f"base: {result.base}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # pretrain, midtrain
 
@@ -1145,7 +1274,7 @@ def _render_validation(v: dict) -> None:
 
 PIPELINE_ORDER = {
     "Data": ["train-tokenizer", "dedup", "mix", "pack"],
-    "Training": ["pretrain", "midtrain", "sft", "dpo", "ppo"],
+    "Training": ["pretrain", "midtrain", "sft", "dpo", "ppo", "generate", "merge"],
     "Cluster": ["estimate", "benchmark-nccl", "stress-gpu"],
     "Any folder": ["inspect"],
 }
