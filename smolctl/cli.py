@@ -23,6 +23,7 @@ PIPELINE = """\
 
   [bold]data[/]      train-tokenizer → dedup → mix → pack        (parquet folders → packed safetensors)
   [bold]train[/]     pretrain → midtrain → sft → dpo → ppo       (HF model folders, resumable)
+            generate (completions, preference pairs) · merge (MergeKit: linear, soups, SLERP, TIES)
   [bold]cluster[/]   estimate · benchmark-nccl · stress-gpu     (size the run, validate the machines)
   [bold]any[/]       inspect PATH                               (what a folder holds, its lineage, checksums)
 
