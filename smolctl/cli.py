@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from typer._click import exceptions as click_exceptions
 
 from smolctl import __version__
@@ -1141,7 +1142,7 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as exc:
         if debug:
             traceback.print_exc()
-        console.print(f"[red]error:[/] {exc.line()}", soft_wrap=True)
+        console.print("[red]error:[/]", escape(exc.line()), soft_wrap=True)  # messages may hold [brackets]
         code = exc.exit_code
     except CheckFailed as exc:
         if debug:
