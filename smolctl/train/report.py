@@ -33,6 +33,7 @@ SPIKE_MIN_RISE = 0.05  # and at least 5% above the recent median, so a tiny nois
 DRIFT_MIN_RISE = 0.02  # smoothed loss 2% above its low point ...
 PLATEAU_MAX_GAIN = 0.005  # ... or gaining under 0.5% over ...
 LONG_STRETCH = 0.2  # ... at least this share of the logged points
+LONG_STEPS = 50  # ... and this many steps: early on, warmup and noise make short flat or rising stretches normal
 SLOW_FRACTION = 0.6  # tokens/s under 60% of the run's median ...
 SLOW_MIN_POINTS = 3  # ... for at least this many lines in a row
 MAX_POINTS = 400  # series are averaged down to this many points before the trend checks and the plots
@@ -274,7 +275,7 @@ def _spike(step: int, detail: str, rows: list) -> Finding:
 
 
 def trends(loss: list[tuple[int, float]]) -> list[Finding]:
-    """Drifts and plateaus of the smoothed loss, each over at least LONG_STRETCH of the run."""
+    """Drifts and plateaus of the smoothed loss, each over at least LONG_STRETCH of the run and LONG_STEPS steps."""
     if len(loss) < 20:
         return []
     smooth = _rolling_median([v for _, v in loss], max(3, len(loss) // 20))
@@ -286,7 +287,7 @@ def trends(loss: list[tuple[int, float]]) -> list[Finding]:
         if smooth[i] < smooth[low]:
             low = i
         rise = (smooth[i] - smooth[low]) / abs(smooth[low])
-        if rise > DRIFT_MIN_RISE and i - low >= span:
+        if rise > DRIFT_MIN_RISE and i - low >= span and steps[i] - steps[low] >= LONG_STEPS:
             end = max(range(i, len(smooth)), key=lambda j: smooth[j])
             out.append(Finding("drift", steps[low], steps[end], f"smoothed loss rose {smooth[low]:.4f} → {smooth[end]:.4f} "
                                f"over {steps[end] - steps[low]} steps", "the learning rate is too high",
@@ -298,7 +299,7 @@ def trends(loss: list[tuple[int, float]]) -> list[Finding]:
         while end + 1 < len(smooth) and (smooth[start] - min(smooth[start:end + 2])) / abs(smooth[start]) < PLATEAU_MAX_GAIN \
                 and (smooth[end + 1] - smooth[start]) / abs(smooth[start]) < DRIFT_MIN_RISE:
             end += 1
-        if end - start >= span:
+        if end - start >= span and steps[end] - steps[start] >= LONG_STEPS:
             out.append(Finding("plateau", steps[start], steps[end], f"smoothed loss stayed near {smooth[start]:.4f} for "
                                f"{steps[end] - steps[start]} steps", "the schedule or the data mixture",
                                "change the schedule (start the decay, or raise the lr if it is tiny) or the mixture"))
