@@ -903,7 +903,8 @@ def _render_report(reports, html_path: Path | None) -> None:
         s = report.summary
         loss = f"{s['first_loss']:.4f} → {s['last_loss']:.4f} (min {s['min_loss']:.4f})" if s["first_loss"] is not None else "-"
         show(key_values(f"{report.stage} {report.run}", [
-            ("steps", f"{s['steps']:,} on {s['world_size']} process{'es' if s['world_size'] > 1 else ''}"),
+            ("steps", f"{s['steps']:,}" + (f" on {s['world_size']} process{'es' if s['world_size'] > 1 else ''}"
+                                            if s["world_size"] else "")),
             ("loss", loss + (f"  (validation {s['val_loss']:.4f})" if s["val_loss"] is not None else "")),
             ("tokens/s", human_count(s["tokens_per_s"]) + " (median)" if s["tokens_per_s"] is not None else "-"),
             ("guards", f"{s['skipped']} skipped, {s['spikes']} spikes, {s['rollbacks']} rollbacks"),

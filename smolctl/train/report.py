@@ -118,9 +118,8 @@ def _run_info(run: Path) -> dict:
         if path.is_file():
             data = json.loads(path.read_text())
             plan = data.get("plan") or {}
-            return {"stage": data.get("stage") or "train", "world_size": plan.get("world_size", 1),
-                    "tokens_per_step": plan.get("global_batch", 0) * plan.get("seq_len", 0)}
-    return {"stage": "train", "world_size": 1, "tokens_per_step": 0}
+            return {"stage": data.get("stage") or "train", "world_size": plan.get("world_size")}
+    return {"stage": "train", "world_size": None}
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -206,7 +205,8 @@ def kpis(rows: list[dict], info: dict) -> list[Kpi]:
                     "above: close to OOM — activation checkpointing, a smaller micro batch or optimizer offload; "
                     "below: raise the micro batch (fewer accumulation steps)"))
     comm = _values(rows, "comm_share")
-    na_comm = ("one process: no collectives" if info["world_size"] <= 1
+    na_comm = ("this run does not record communication" if info["world_size"] is None
+               else "one process: no collectives" if info["world_size"] <= 1
                else "not profiled yet (logging.profile_interval)")
     out.append(_kpi("communication", f"< {COMM_LIMIT:.0%} of step time", statistics.median(comm) if comm else None, "{:.1%}",
                     lambda v: v < COMM_LIMIT, na_comm,
