@@ -244,3 +244,20 @@ def test_html_report_renders_its_plots_in_a_real_browser(tmp_path, tiny_run):
     # both runs' lines are drawn (blue: the real run, red: the planted one), not a blank or black page
     assert near((31, 119, 180)) > 500 and near((214, 39, 40)) > 500
     assert len(set(pixels)) > 50 and near((0, 0, 0)) < len(pixels) * 0.05
+
+
+def test_collective_time_counts_overlapping_events_once():
+    """The comm share's numerator: the union of collective intervals (µs); on GPU only NCCL kernels count."""
+    from types import SimpleNamespace as Ns
+
+    from smolctl.train.monitor import collective_seconds
+
+    def event(name, start, end, device="CPU"):
+        return Ns(name=name, time_range=Ns(start=start, end=end), device_type=Ns(name=device))
+
+    cpu = [event("gloo:all_reduce", 0, 100), event("c10d::allreduce_", 50, 150), event("aten::mm", 0, 1000),
+           event("gloo:broadcast", 300, 400)]
+    assert collective_seconds(cpu, on_gpu=False) == pytest.approx(250e-6)
+    gpu = [event("ncclDevKernel_AllReduce_Sum_f32", 0, 100, "CUDA"), event("nccl:all_reduce", 0, 500),
+           event("ncclDevKernel_AllGather", 50, 200, "CUDA")]
+    assert collective_seconds(gpu, on_gpu=True) == pytest.approx(200e-6)
