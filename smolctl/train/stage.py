@@ -199,13 +199,15 @@ def prepare_run(run: Path, resume: str | None, overwrite: bool) -> str | None:
 
 def record_recipe(run: Path, recipe: dict, start: Path, resume_from: str | None) -> None:
     """Keep the resolved recipe in RUN/recipe.json. A resume must use the same recipe and starting checkpoint:
-    only `training.steps` and the [checkpoint] table may change (to train longer, or save more often)."""
+    only `training.steps` and the [checkpoint] and [logging] tables may change (to train longer, save more often,
+    or report elsewhere)."""
     resolved = {**_flatten(recipe), "model.from": str(start.resolve())}
     path = run / "recipe.json"
     if resume_from and path.is_file():
         before = json.loads(path.read_text())
         changed = sorted(key for key in set(before) | set(resolved) if before.get(key) != resolved.get(key)
-                         and key != "output" and key != "training.steps" and not key.startswith("checkpoint."))
+                         and key != "output" and key != "training.steps"
+                         and not key.startswith(("checkpoint.", "logging.")))  # where it saves and reports may change
         if changed:
             raise UserError("--resume", f"the recipe differs from the one the run started with in {', '.join(changed)}",
                             "resume with the same recipe and --from (only training.steps and [checkpoint] may "
