@@ -1,5 +1,5 @@
 """The smolctl command line: the only module that knows Typer. Each command parses its arguments, calls one
-module, and renders the result (rich on stderr, or one JSON object on stdout with --json)."""
+module, and renders the result (on stdout: rich tables, or one JSON object with --json; progress on stderr)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,18 @@ import os
 import re
 import sys
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import typer
-from typer._click import exceptions as click_exceptions
+from typer.core import TyperCommand, TyperGroup
 
 from smolctl import __version__
-from smolctl.console import console, emit_json, human_count, key_values, progress, show, table
-from smolctl.errors import CheckFailed, UserError
+from rich.markup import escape
+
+from smolctl.console import console, emit_json, error_line, human_count, key_values, progress, show, styled, table
+from smolctl.errors import CheckFailed, Interrupted, UserError
 
 PIPELINE = """\
 [bold]smolctl[/] — train small language models the SmolLM3 way, one composable stage at a time.
@@ -30,8 +33,47 @@ Every stage reads the previous stage's output folder and writes one with a manif
 Run `smolctl COMMAND --help` for examples; `make demo` runs the whole pipeline on the sample corpus.
 """
 
+class _ReadableHelp:
+    """Help that reads as written. Docstrings and argument/option help are plain text, so `[model]` or
+    `[rows, seq_len]` are shown, not taken for Rich markup (epilogs keep their markup: `[bold]Examples[/]`).
+    Usage lines and option columns read as values: `smolctl pretrain [OPTIONS] RECIPE [RUN]` (Typer writes
+    required arguments as `{recipe}`), no `<bool>` after a flag, `--set <str>` for a repeatable option."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.help = escape(self.help) if self.help else self.help
+        for param in self.params:
+            if getattr(param, "help", None):
+                param.help = escape(param.help)
+
+    def collect_usage_pieces(self, ctx):
+        pieces = super().collect_usage_pieces(ctx)
+        return [piece[1:-1].upper() if piece.startswith("{") and piece.endswith("}") else
+                piece.upper() if piece.startswith("[") and piece != "[OPTIONS]" else piece for piece in pieces]
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for param in params:
+            if param.param_type_name != "option" or param.metavar is not None:
+                continue
+            if param.is_flag:
+                param.metavar = ""
+            elif param.multiple and (label := param.display_type_rich(ctx) or "").startswith("<list["):
+                param.metavar = "<" + label[len("<list["):-len("]>")] + ">"
+        return params
+
+
+class _Command(_ReadableHelp, TyperCommand):
+    pass
+
+
+class _Group(_ReadableHelp, TyperGroup):
+    pass
+
+
 app = typer.Typer(
     name="smolctl",
+    cls=_Group,
     help="Train small language models the SmolLM3 way, one composable stage at a time. Run with no arguments "
     "for the pipeline at a glance.",
     rich_markup_mode="rich",
@@ -129,10 +171,15 @@ def inspect_command(
 
 
 def _render_inspect(result: dict) -> None:
-    facts = [("kind", result["kind"]), ("rows", human_count(result["rows"]) if result.get("rows") is not None else "?")]
-    if result.get("tokens"):
-        facts.append(("tokens", human_count(result["tokens"])))
-    facts.append(("shards", result.get("shards")))
+    counts = [(key, human_count(result[key]) if key != "shards" else result[key])
+              for key in ("rows", "tokens", "shards") if result.get(key) is not None]
+    if result["kind"] == "folders":
+        show(table(f"{result['path']}: smolctl folders", ["folder", "kind", "rows", "tokens", "shards"],
+                   [(f["path"], f["kind"], *(human_count(f[k]) if k in f and k != "shards" else f.get(k, "-")
+                                              for k in ("rows", "tokens", "shards"))) for f in result["folders"]]))
+        _render_verification(result)
+        return
+    facts = [("kind", result["kind"]), *counts]
     for key in ("seq_len", "strategy", "command", "smolctl_version", "created_at"):
         if result.get(key):
             facts.append((key, result[key]))
@@ -143,6 +190,10 @@ def _render_inspect(result: dict) -> None:
             facts.append((key, value))
     if result.get("inputs"):
         facts.append(("inputs", "\n".join(result["inputs"])))
+    if result.get("folders"):
+        facts.append(("holds", "\n".join(f"{f['path']}/ ({f['kind']}"
+                                         + "".join(f", {f[k]:,} {k}" for k in ("rows", "tokens") if k in f) + ")"
+                                         for f in result["folders"])))
     show(key_values(result["path"], facts))
     if result.get("schema"):
         show(table("schema", ["column", "type"], result["schema"].items()))
@@ -153,12 +204,18 @@ def _render_inspect(result: dict) -> None:
         show(table("lineage", ["", "folder", "kind", "rows", "status"],
                    (("  " * e["depth"] + "└" if e["depth"] else "•", e["path"], e["kind"] or "-",
                      e["rows"] if e["rows"] is not None else "-", e["status"]) for e in result["lineage"])))
-    if "problems" in result:
-        if result["problems"]:
-            for problem in result["problems"]:
-                console.print(f"[red]mismatch[/] {problem}")
-        else:
-            console.print(f"[green]verified[/]: {result['shards']} shard(s) match the manifest")
+    _render_verification(result)
+
+
+def _render_verification(result: dict) -> None:
+    if "problems" not in result:
+        return
+    for problem in result["problems"]:
+        show(styled(f"[red]mismatch[/] {escape(problem)}"), soft_wrap=True)
+    if not result["problems"]:
+        folders = len(result["verified_folders"])
+        show(styled(f"[green]verified[/]: every shard of {folders} folder{'s' if folders > 1 else ''} "
+                    "matches its manifest"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -237,6 +294,16 @@ def pack_command(
 # Cluster validation: benchmark-nccl, stress-gpu
 
 
+@contextmanager
+def _resume_hint_on_interrupt(stage: str, recipe, run) -> Iterator[None]:
+    """Ctrl-C in a training command: one line on what is kept and the command that continues (exit 130)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise Interrupted(f"{run} keeps its newest complete checkpoint — continue with "
+                          f"`smolctl {stage} {recipe} {run} --resume auto` (and the same options)") from None
+
+
 def _quiet_on_other_ranks(rank: int, exc: Exception) -> None:
     """Every rank raises the same error; only rank 0 says it, the others leave with the same exit code."""
     if rank != 0:
@@ -306,7 +373,7 @@ def _render_nccl(report) -> None:
              ("NCCL", topo["nccl"] or "-"),
              ("NCCL_* env", "\n".join(f"{k}={v}" for k, v in topo["nccl_env"].items()) or "(none set)")]
     if topo["env_mismatch"]:
-        facts.append(("[red]differs across ranks[/]", ", ".join(topo["env_mismatch"])))
+        facts.append((styled("[red]differs across ranks[/]"), ", ".join(topo["env_mismatch"])))
     show(key_values("benchmark-nccl", facts))
     # nccl-tests' own layout, so that its users read it at once (and plain text never gets truncated)
     head = f"{'size':>12} {'count':>12} {'type':>9} {'redop':>6} {'root':>5} {'time':>10} {'algbw':>8} {'busbw':>8} {'#wrong':>7}"
@@ -318,7 +385,7 @@ def _render_nccl(report) -> None:
         lines += [f"{r.size:>12} {r.count:>12} {r.type:>9} {r.redop:>6} {r.root:>5} {r.time_us:>10.2f} "
                   f"{r.algbw:>8.2f} {r.busbw:>8.2f} {r.wrong:>7}" for r in result.rows]
         lines.append(f"# {result.op} avg bus bandwidth: {result.avg_busbw:.3f} GB/s\n")
-        console.print("\n".join(lines), markup=False, soft_wrap=True)
+        show("\n".join(lines), soft_wrap=True)
     if report.multinode:
         split = report.multinode
         rows = [(name.replace("_", "-"), split[name]["groups"], split[name]["ranks_per_group"],
@@ -329,17 +396,17 @@ def _render_nccl(report) -> None:
                    ["scope", "groups", "ranks/group", "busbw min (GB/s)", "busbw median (GB/s)"], rows))
         pairs = split["send_recv"]
         slow = pairs["slowest"]
-        console.print(f"send/recv to the same local rank on the next node ({pairs['pairs']} pairs, "
+        show(f"send/recv to the same local rank on the next node ({pairs['pairs']} pairs, "
                       f"{human_bytes(pairs['size'])}): median {pairs['busbw_median']:.2f} GB/s; slowest pair rank "
                       f"{slow['rank']} → rank {slow['peer']} at {slow['busbw']:.2f} GB/s", soft_wrap=True)
-    console.print(f"# Out of bounds values : {report.wrong} {'OK' if not report.wrong else 'FAILED'}")
-    console.print(f"# Avg bus bandwidth    : {report.avg_busbw:.3f} GB/s (all ops, all sizes)")
+    show(f"# Out of bounds values : {report.wrong} {'OK' if not report.wrong else 'FAILED'}")
+    show(f"# Avg bus bandwidth    : {report.avg_busbw:.3f} GB/s (all ops, all sizes)")
     if report.expect_busbw is not None:
         below = {r.op for r in report.below_expectation()}
         for result in report.results:
             verdict = "[red]FAIL[/]" if result.op in below else "[green]PASS[/]"
             peak = f"{result.peak.busbw:.2f} GB/s at {human_bytes(result.peak.size)}" if result.peak else "no size ran"
-            console.print(f"{verdict} {result.op}: busbw {peak} (expected ≥ {report.expect_busbw:g})")
+            show(styled(f"{verdict} {result.op}: busbw {peak} (expected ≥ {report.expect_busbw:g})"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -508,18 +575,18 @@ def _render_stress(config, reports) -> None:
 
     rows = [(r.device, f"{number(r.tflops_min)} / {number(r.tflops_median)}", r.mismatches, r.memory_errors,
              number(r.telemetry.get("max_temp_c"), "d"), ", ".join(r.telemetry.get("throttle") or []) or "-",
-             "[green]OK[/]" if r.verdict == "OK" else "[red]FAULTY[/]") for r in reports]
+             styled("[green]OK[/]" if r.verdict == "OK" else "[red]FAULTY[/]")) for r in reports]
     names = ", ".join(dict.fromkeys(r.name for r in reports if r.name)) or "?"
     show(table(f"stress-gpu: {names}, {config.dtype} {config.size}² matmuls, {config.duration_s:g}s",
                ["device", "TFLOPS min / median", "mismatches", "memory errors", "max °C", "throttling", "result"],
                rows))
     for r in reports:
-        console.print(f"{r.device}: {r.matmuls} matmuls checked, {human_bytes(r.memory_tested_bytes)} pattern-tested "
-                      f"in {r.pattern_passes} passes" + (f" — [red]{'; '.join(r.reasons)}[/]" if r.reasons else ""),
-                      soft_wrap=True)
+        show(styled(f"{r.device}: {r.matmuls} matmuls checked, {human_bytes(r.memory_tested_bytes)} pattern-tested "
+                    f"in {r.pattern_passes} passes" + (f" — [red]{escape('; '.join(r.reasons))}[/]" if r.reasons else "")),
+             soft_wrap=True)
     ok = sum(r.verdict == "OK" for r in reports)
-    console.print(f"{ok}/{len(reports)} device(s) OK (FAULTY: any mismatch or memory error, or median TFLOPS more "
-                  f"than {config.tolerance:.0%} below the best device)", soft_wrap=True)
+    show(f"{ok}/{len(reports)} device(s) OK (FAULTY: any mismatch or memory error, or median TFLOPS more "
+         f"than {config.tolerance:.0%} below the best device)", soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -601,9 +668,9 @@ def mix_command(
                      else f"{s.target_weight:.3f}", f"{s.achieved_weight:.3f}", human_count(s.units),
                      human_count(s.documents), f"{s.repeat:.2f}x", f"{s.cumulative_repeat:.2f}x"]
                     for s in stage.sources)))
-    console.print(f"weights are fractions of [bold]{result.unit}[/]"
-                  + ("" if result.unit == "tokens" else " (pass --tokenizer to weigh by tokens)")
-                  + f"; seed {result.seed}, max repeat {result.max_repeat:g}; {result.seconds:.1f}s")
+    show(styled(f"weights are fractions of [bold]{result.unit}[/]"
+                + ("" if result.unit == "tokens" else " (pass --tokenizer to weigh by tokens)")
+                + f"; seed {result.seed}, max repeat {result.max_repeat:g}; {result.seconds:.1f}s"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -638,7 +705,8 @@ def _post_train(stage: str, load, run, recipe: Path, from_: Optional[str], outpu
                 ("loss", "loss"), ("reward", "reward"), ("rewards/accuracies", "acc"), ("kl", "kl")) if key in metrics]
             live["bar"].update(live["task"], completed=step, total=total, rate="  ".join(shown))
 
-        result = run(config, output=output, start=from_, resume=resume, overwrite=overwrite, on_step=on_step)
+        with _resume_hint_on_interrupt(stage, recipe, output or "RUN"):
+            result = run(config, output=output, start=from_, resume=resume, overwrite=overwrite, on_step=on_step)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun / accelerate launch, rank 0 reports
         return
     if json_out:
@@ -810,9 +878,11 @@ def _train_command(stage: str, recipe: Path, run: Path | None, *, data, override
             return
         if run is None:
             raise UserError("RUN", "is required to train", f"e.g. smolctl {stage} {recipe} runs/my-run")
-        outcome = train(recipe, run, overrides=overrides, data=data, stage=stage, resume=resume, overwrite=overwrite,
-                        init_from=init_from, keep_optimizer=keep_optimizer, show=not json_out and rank == 0)
-    except (UserError, CheckFailed) as exc:
+        with _resume_hint_on_interrupt(stage, recipe, run):
+            outcome = train(recipe, run, overrides=overrides, data=data, stage=stage, resume=resume,
+                            overwrite=overwrite, init_from=init_from, keep_optimizer=keep_optimizer,
+                            show=not json_out and rank == 0)
+    except (UserError, CheckFailed, Interrupted) as exc:
         _quiet_on_other_ranks(rank, exc)
     if rank != 0:
         return
@@ -842,7 +912,7 @@ def _render_dry_run(recipe: Path, r: dict) -> None:
                  f" = {r['estimate']['wall_hours_on_world'] / 24:,.1f} days on {r['world_size']}"),
     ]))
     show(table("data", ["folder", "status"], r["data"].items(), justify="left"))
-    console.print("resolved recipe: [bold]--json[/] prints it in full")
+    show(styled("resolved recipe: [bold]--json[/] prints it in full"))
 
 
 def _render_train(r) -> None:
@@ -966,12 +1036,12 @@ def _render_estimate(r: dict) -> None:
         ("logits gradient (transient)", "logits_grad"), ("allocator headroom", "allocator_headroom"),
         ("CUDA context + NCCL", "runtime_reserved")] if mem[key]]
     verdict = "[green]fits[/]" if mem["fits"] else "[red]does not fit[/]"
-    rows.append((f"total — {verdict} {mem['gpu']}", human_bytes(mem["total"]), f"{mem['total'] / mem['capacity']:.1%}"))
+    rows.append((styled(f"total — {verdict} {escape(mem['gpu'])}"), human_bytes(mem["total"]), f"{mem['total'] / mem['capacity']:.1%}"))
     stage = "" if mem["stage"] == "all" else f", {mem['stage']} pipeline stage"
     show(table(f"memory per GPU ({human_bytes(mem['capacity'])}{stage})", ["", "bytes", "of GPU"], rows))
     _render_compute(comp, lay["mfu"])
     for note in [comp["overhead"]["why"], *r["notes"]]:
-        console.print(f"[dim]note:[/] {note}", soft_wrap=False)
+        show(styled(f"[dim]note:[/] {escape(note)}"), soft_wrap=False)
     if "find" in r:
         _render_find(r["find"], lay)
     if "validate" in r:
@@ -1007,7 +1077,7 @@ def _render_compute(comp: dict, mfu: float) -> None:
 def _render_find(found: dict, lay: dict) -> None:
     from smolctl.console import human_bytes
 
-    console.print(f"largest micro batch that fits this layout: [bold]{found['largest_micro_batch'] or 'none'}[/]")
+    show(styled(f"largest micro batch that fits this layout: [bold]{found['largest_micro_batch'] or 'none'}[/]"))
     show(table(f"layouts that fit {lay['gpus']} × {lay['gpu']} at micro batch {lay['micro_batch']}, fastest first",
                ["tp", "pp", "cp", "dp", "zero", "recompute", "total", "free"],
                [(x["tp"], x["pp"], x["cp"], x["dp"], x["zero"], x["recompute"], human_bytes(x["total"]),
@@ -1037,6 +1107,7 @@ PIPELINE_ORDER = {
 }
 _position = {name: i for i, name in enumerate(n for names in PIPELINE_ORDER.values() for n in names)}
 for _command in app.registered_commands:
+    _command.cls = _Command
     _command.rich_help_panel = next(panel for panel, names in PIPELINE_ORDER.items() if _command.name in names)
 app.registered_commands.sort(key=lambda command: _position[command.name])
 
@@ -1061,10 +1132,9 @@ def _report_unexpected(exc: Exception) -> int:
         number = int(match.group(1))
     if number in ENVIRONMENT_ERRNOS:
         where = getattr(exc, "filename", None) or "output"
-        console.print(f"[red]error:[/] {where}: {os.strerror(number)} — {ENVIRONMENT_ERRNOS[number]}", soft_wrap=True)
+        error_line("error", f"{where}: {os.strerror(number)} — {ENVIRONMENT_ERRNOS[number]}")
         return 2
-    console.print(f"[red]internal error:[/] {type(exc).__name__}: {exc} — please report it; "
-                  "SMOLCTL_DEBUG=1 shows the traceback", soft_wrap=True)
+    error_line("internal error", f"{type(exc).__name__}: {exc} — please report it; SMOLCTL_DEBUG=1 shows the traceback")
     return 1
 
 
@@ -1073,24 +1143,24 @@ def main(argv: list[str] | None = None) -> None:
     debug = os.environ.get("SMOLCTL_DEBUG") == "1"
     try:
         code = app(args=argv, prog_name="smolctl", standalone_mode=False)
-    except typer.Abort:
-        console.print("aborted")
-        code = 130
-    except click_exceptions.ClickException as exc:
+    except Interrupted as exc:
+        error_line("interrupted", str(exc))
+        code = exc.exit_code
+    except typer.TyperException as exc:  # a usage error found while parsing: Typer prints it with the usage line
         exc.show()
         code = exc.exit_code
     except UserError as exc:
         if debug:
             traceback.print_exc()
-        console.print(f"[red]error:[/] {exc.line()}", soft_wrap=True)
+        error_line("error", exc.line())
         code = exc.exit_code
     except CheckFailed as exc:
         if debug:
             traceback.print_exc()
-        console.print(f"[red]failed:[/] {exc}", soft_wrap=True)
+        error_line("failed", str(exc))
         code = exc.exit_code
-    except KeyboardInterrupt:
-        console.print("interrupted")
+    except (KeyboardInterrupt, typer.Abort):  # Ctrl-C elsewhere: outputs are written atomically, nothing half-made
+        error_line("interrupted", "nothing half-written was left behind — run the command again")
         code = 130
     except Exception as exc:  # the file system refusing a write, or a bug in smolctl
         if debug:

@@ -13,6 +13,8 @@ import math
 import time
 from pathlib import Path
 
+from rich.markup import escape
+
 from smolctl.console import human_count, human_duration, progress
 from smolctl.errors import UserError
 
@@ -65,6 +67,7 @@ class Monitor:
         if enabled:
             _drop_lines_after(self.metrics_path, start_step)
             _drop_lines_after(self.events_path, start_step)
+            self.events_path.touch()  # present even when no guard fired: "no events" is a result too
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -139,12 +142,12 @@ class Monitor:
         self.events.append(record)
         if self.enabled:
             _append_jsonl(self.events_path, {**record, "time": time.time()})
-            self._bar.console.print(f"[yellow]{record['event']}[/] at step {record.get('step')}: "
-                                    + ", ".join(f"{k}={v}" for k, v in record.items() if k not in ("event", "step")))
+            self._bar.console.print(f"[yellow]{escape(str(record['event']))}[/] at step {record.get('step')}: "
+                                    + escape(", ".join(f"{k}={v}" for k, v in record.items() if k not in ("event", "step"))))
 
     def note(self, message: str) -> None:
         if self.enabled:
-            self._bar.console.print(message)
+            self._bar.console.print(message, markup=False)
 
     def totals(self) -> dict:
         seconds = max(1e-9, self._totals["data"] + self._totals["compute"])
