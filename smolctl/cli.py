@@ -818,7 +818,7 @@ WORLD_SIZE_OPTION = typer.Option(None, "--world-size", help="--dry-run only: pla
 
   torchrun --nproc_per_node 8 -m smolctl pretrain recipes/smollm3.toml runs/3b --resume auto
 
-  smolctl pretrain recipes/smollm3-tiny.toml runs/t --data packed/ --set training.steps=50 --set optimizer.lr=1e-3 --json
+  smolctl pretrain recipes/smollm3-tiny.toml runs/t --data demo-out/packed --set training.steps=50 --set optimizer.lr=1e-3 --json
 """)
 def pretrain_command(
     recipe: Path = typer.Argument(..., help="TOML recipe ([model] [data] [optimizer] [schedule] [training] ...)."),

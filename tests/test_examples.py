@@ -1,5 +1,6 @@
 """Every shell example a user is shown runs as written: the ```bash blocks of README.md, the commented examples at
-the top of recipes/*.toml and recipes/slurm/*.sbatch. A broken example fails here, naming the file and line.
+the top of recipes/*.toml and recipes/slurm/*.sbatch, and the examples in each command's --help. A broken example
+fails here, naming the file and line (or the command whose help shows it).
 
 How each example is checked (all in a scratch workspace that links recipes/, data/, completions/ and holds a
 `demo-out/` built by the demo's data stages, so `demo-out/...` paths mean what they mean after `make demo`):
@@ -8,7 +9,7 @@ How each example is checked (all in a scratch workspace that links recipes/, dat
 - then it runs, with PLACEHOLDERS (`RECIPE`, `crawl/`, `/data/crawl`) and SUBSTITUTIONS (sizes: 64 array tasks
   become 2) applied. `pretrain`/`midtrain` examples run as `--dry-run` at the example's world size (torchrun's
   processes × nodes); those on a TINY_RECIPE also train for real (a few steps, `slow`), as do sft/dpo/ppo on tiny
-  recipes. `sbatch` runs the script under stand-ins for sbatch/srun/scontrol, so its own lines (the dry-run, the
+  recipes (examples only in --help are parsed and, for training, dry-run). `sbatch` runs the script under stand-ins for sbatch/srun/scontrol, so its own lines (the dry-run, the
   array chaining) execute and the srun line is recorded; `srun CMD` runs CMD once here. Cheap examples run
   together in one process (smolctl's `main` per example), so the fast part of this file takes well under a minute.
 
@@ -38,6 +39,7 @@ from conftest import REPO
 # The tables to extend
 
 # Examples that cannot run here, by their exact text (after `#` comments are dropped), with the reason.
+PUBLISHED_MIX = "the published mixture asks for trillions of tokens; recipes/demo-mix.toml runs the same schema here"
 FULL_SIZE_POSTTRAIN = "a full-size post-training recipe: needs GPUs (its tiny twin recipes/*-tiny.toml runs here)"
 SKIP = {
     "make demo": "the whole demo: tests/test_pipeline.py runs the same stages with fewer steps",
@@ -48,8 +50,17 @@ SKIP = {
         "elided form of recipes/slurm/pretrain.sbatch, whose own example runs",
     "... --set dpo.loss_type=sigmoid --set dpo.beta=0.1": "continues the line above it",
     "smolctl mix /data/smollm3-mix --recipe recipes/smollm3-mix.toml --set sources.web.path=/data/web "
-    "--set sources.code.path=/data/code --set sources.math.path=/data/math":
-        "the published mixture asks for trillions of tokens; recipes/demo-mix.toml runs the same schema here",
+    "--set sources.code.path=/data/code --set sources.math.path=/data/math": PUBLISHED_MIX,
+    "smolctl mix out/ --recipe recipes/smollm3-mix.toml --set stages.0.tokens=1_000_000_000 --json": PUBLISHED_MIX,
+    "smolctl pack mix/ packed/ --tokenizer HuggingFaceTB/SmolLM3-3B --seq-len 4096 --workers 8":
+        "downloads the SmolLM3 tokenizer from the Hugging Face Hub",
+    "smolctl stress-gpu": "a 60 s burn-in; `smolctl stress-gpu --duration 3s` runs the same code here",
+    "smolctl stress-gpu --duration 10m --devices 0,1 --json": "needs GPUs 0 and 1",
+    "torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --expect-busbw 300": "needs 8 GPUs on NVLink",
+    "torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --ops all_reduce,all_to_all --min-bytes 1M --max-bytes 8G":
+        "needs 8 GPUs (8 GiB buffers)",
+    "smolctl inspect demo-out/ppo --lineage":
+        "needs the demo's post-training output; tests/test_pipeline.py checks this lineage from the final model",
 }
 # Post-training examples on these recipes are parsed only (see FULL_SIZE_POSTTRAIN).
 FULL_SIZE_RECIPES = {"recipes/smollm3-sft.toml", "recipes/smollm3-dpo.toml", "recipes/smollm3-ppo.toml"}
@@ -84,10 +95,26 @@ PLACEHOLDERS = {
 SUBSTITUTIONS = {
     "TASKS=64": "TASKS=2",  # 64 array tasks, one process each, over a 2-shard sample
     "--duration 10m": "--duration 2s",
+    "--tokens 2B": "--tokens 100K",  # the sample corpus holds about a million tokens
 }
 # Paths examples read that the workspace provides: a repository path to link, or a function making the folder.
+def _corpus(folder: Path) -> None:
+    """Parquet files as another tool writes them, the documents under `content` (and `text`)."""
+    import pyarrow.parquet as pq
+
+    folder.mkdir()
+    for shard in sorted((REPO / "data" / "sample" / "web").glob("part-*.parquet")):
+        table = pq.read_table(shard)
+        pq.write_table(table.append_column("content", table["text"]), folder / shard.name)
+
+
 WORKSPACE = {
     "crawl": "data/sample/web",
+    "new-crawl": "data/sample/web",
+    "last-release": "data/sample/math",
+    **{name: f"data/sample/{name}" for name in ("web", "code", "math")},
+    "corpus": _corpus,
+    "mix": lambda path: path.symlink_to("demo-out/mix"),
     "path/to/model-folder/config.json": lambda path: path.write_text(json.dumps({
         "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048})),
@@ -116,6 +143,10 @@ class Example:
 
     def __str__(self) -> str:
         return f"{', '.join(self.origins)}: {self.text}"
+
+    @property
+    def only_in_help(self) -> bool:
+        return all(origin.endswith("--help") for origin in self.origins)
 
 
 def _starts_a_command(line: str) -> bool:
@@ -167,10 +198,27 @@ def header_examples(path: Path) -> list[tuple[str, str]]:
     return found
 
 
+def help_examples() -> list[tuple[str, str]]:
+    """The example lines of each command's --help epilog; a line starting with -- continues the one above, and text
+    after three spaces describes the example."""
+    from smolctl.cli import app
+
+    found: list[tuple[str, str]] = []
+    for command in app.registered_commands:
+        for line in (command.epilog or "").splitlines():
+            text = re.split(r"\s{3,}", line.strip())[0]
+            if text.startswith("--") and found:
+                found[-1] = (found[-1][0], found[-1][1] + " " + text)
+            elif _starts_a_command(text):
+                found.append((f"smolctl {command.name} --help", text))
+    return found
+
+
 def all_examples() -> list[Example]:
     sources = readme_examples()
     for path in sorted([*(REPO / "recipes").glob("*.toml"), *(REPO / "recipes" / "slurm").glob("*.sbatch")]):
         sources += header_examples(path)
+    sources += help_examples()
     examples: dict[str, Example] = {}
     for origin, text in sources:
         examples.setdefault(_clean(text), Example(_clean(text))).origins.append(origin)
@@ -403,7 +451,7 @@ def fast_invocation(p: Plan) -> list[str] | None:
 
 def tiny_run(p: Plan) -> list[str] | None:
     """The command line of an example that trains for real on a tiny recipe (slow), or None."""
-    if p.command not in (*TRAINING, *POSTTRAINING) or "--dry-run" in p.smolctl_args:
+    if p.command not in (*TRAINING, *POSTTRAINING) or "--dry-run" in p.smolctl_args or p.example.only_in_help:
         return None
     if not set(p.smolctl_args) & TINY_RECIPES:
         return None
@@ -494,6 +542,8 @@ def test_example(example: Example, workspace, fast_results):
         assert result["code"] == 0, _fail_message(example, fast_invocation(p), result)
     elif p.launcher == "source":
         run_script(p, workspace)
+    elif p.command in POSTTRAINING and example.only_in_help:
+        return  # parsed above; the README's examples of the same command train for real
     else:  # run for real by the slow tests below
         assert _is_script(p) or _is_real_run(p), \
             f"{example}\nis neither run nor skipped: teach tests/test_examples.py its launcher {p.launcher!r}"
