@@ -22,6 +22,7 @@ class Case:
     name: str
     # Given a scratch folder, prepare inputs and return (argv, text the message must contain, output folder).
     setup: Callable[[Path], tuple[list, str, Path | None]]
+    env: dict | None = None  # environment variables the case runs with
 
 
 def snapshot(folder: Path | None) -> dict[str, str] | None:
@@ -110,6 +111,7 @@ CASES = [
     Case("inspect: missing path", lambda t: (["inspect", t / "nope"], "no such file or folder", None)),
     Case("inspect: empty folder", lambda t: ((t / "empty").mkdir(), ["inspect", t / "empty"], "holds no parquet files", None)[1:]),
     Case("inspect: text file named .parquet", lambda t: ((t / "x.parquet").write_text("hi"), ["inspect", t / "x.parquet"], "x.parquet", None)[1:]),
+    Case("inspect: --lineage on a folder of smolctl folders", lambda t: (shutil.copytree(SAMPLE / "math", t / "all" / "math"), ["inspect", t / "all", "--lineage"], "--lineage: ", None)[1:]),
     Case("inspect: truncated shard", lambda t: (["inspect", corrupt_copy(SAMPLE / "math", t / "m", "truncate")], "part-00000.parquet", None)),
     Case("inspect: corrupt manifest json", lambda t: (shutil.copytree(SAMPLE / "math", t / "m"), (t / "m" / "manifest.json").write_text("{oops"),
                                                     ["inspect", t / "m"], "manifest.json: is not valid JSON", None)[2:]),
@@ -127,7 +129,8 @@ CASES = [
     Case("dedup: duplicate ids", lambda t: (["dedup", parquet_with(t, "d.parquet", {"id": ["a", "b", "a"], "text": ["x y z"] * 3}), t / "out"], "'a'", t / "out")),
     Case("dedup: task id out of range", lambda t: (["dedup", SAMPLE / "math", t / "out", "--minhash", "--stage", "signatures", "--tasks", "2", "--task-id", "5"], "--task-id", t / "out")),
     Case("dedup: filter stage before its inputs", lambda t: (["dedup", SAMPLE / "math", t / "out", "--minhash", "--stage", "filter", "--tasks", "1", "--task-id", "0"], "has not finished", t / "out")),
-    Case("dedup: missing id column", lambda t: (["dedup", SAMPLE / "math", t / "out", "--id-column", "uuid"], "no column 'uuid'", t / "out")),
+    Case("dedup: missing id column", lambda t: (["dedup", SAMPLE / "math", t / "out", "--id-column", "uuid"], "no column 'uuid' (columns: id, text, origin) — pass one of them with --id-column", t / "out")),
+    Case("dedup: missing text column", lambda t: (["dedup", SAMPLE / "math", t / "out", "--text-column", "body"], "no column 'body' (columns: id, text, origin) — pass one of them with --text-column", t / "out")),
     # mix
     Case("mix: weight does not parse", lambda t: (["mix", t / "out", "--source", f"web={SAMPLE / 'web'}:lots"], "lots", t / "out")),
     Case("mix: weights sum to zero", lambda t: (["mix", t / "out", "--source", f"web={SAMPLE / 'web'}:0", "--source", f"code={SAMPLE / 'code'}:0"], "zero", t / "out")),
@@ -140,6 +143,8 @@ CASES = [
     Case("pack: tokenizer folder missing", lambda t: (["pack", SAMPLE / "math", t / "out", "--tokenizer", t / "no-tok", "--seq-len", "64"], "no-tok", t / "out")),
     Case("pack: folder that is not a tokenizer", lambda t: (["pack", SAMPLE / "math", t / "out", "--tokenizer", SAMPLE / "math", "--seq-len", "64"], "not a tokenizer folder", t / "out")),
     Case("pack: packed folder given as documents", lambda t: (["pack", packed(), t / "out", "--tokenizer", tok(), "--seq-len", "64"], "packed folder, not a dataset", t / "out")),
+    Case("pack: hub tokenizer id while offline", lambda t: (["pack", SAMPLE / "math", t / "out", "--tokenizer", "no-org/no-tok", "--seq-len", "64"], "the Hub is offline (HF_HUB_OFFLINE is set)", t / "out"),
+         env={"HF_HUB_OFFLINE": "1"}),
     Case("pack: input without a text column", lambda t: (["pack", SAMPLE / "prompts", t / "out", "--tokenizer", tok(), "--seq-len", "64"], "no column 'text'", t / "out")),
     # pretrain / midtrain
     Case("pretrain: recipe typo", lambda t: (["pretrain", recipe(), t / "run", "--set", "training.micro_bach=2"], "did you mean 'micro_batch'", t / "run")),
@@ -175,7 +180,7 @@ CASES = [
 def test_bad_input(case: Case, tmp_path: Path):
     argv, needle, output = case.setup(tmp_path)
     before = snapshot(output)
-    result = run_cli(*argv)
+    result = run_cli(*argv, env=case.env)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert "Traceback" not in result.stderr
