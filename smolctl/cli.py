@@ -300,8 +300,8 @@ def _resume_hint_on_interrupt(stage: str, recipe, run) -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt:
-        raise Interrupted(f"{run} keeps its newest complete checkpoint — continue with "
-                          f"`smolctl {stage} {recipe} {run} --resume auto` (and the same options)") from None
+        raise Interrupted(f"{run}: continue with `smolctl {stage} {recipe} {run} --resume auto` and the same "
+                          "options (from the newest complete checkpoint, or afresh when there is none)") from None
 
 
 def _quiet_on_other_ranks(rank: int, exc: Exception) -> None:

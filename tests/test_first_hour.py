@@ -5,6 +5,7 @@ dataset folders, hub ids that fail fast offline, Ctrl-C with a resume hint, and 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -119,44 +120,20 @@ def test_a_hub_tokenizer_id_fails_fast_when_the_hub_is_offline(tmp_path, env, re
     assert not (tmp_path / "out").exists()
 
 
-PRETRAIN_RECIPE = """
-[model]
-architecture = "smollm3"
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 2
-num_attention_heads = 4
-num_key_value_heads = 2
-
-[data]
-paths = ["{packed}"]
-
-[training]
-steps = 100000
-seq_len = 64
-micro_batch = 2
-global_batch = 2
-
-[checkpoint]
-interval = 1000
-
-[logging]
-interval = 1
-"""
-
-
 @pytest.mark.slow
 def test_ctrl_c_in_pretrain_says_how_to_resume_and_the_run_folder_has_events(tmp_path, tokenizer_dir):
     from smolctl.data.pack import PackConfig, pack
+    from test_pretrain import TEST_RECIPE
 
     packed = tmp_path / "packed"
     pack(str(SAMPLE / "math"), packed, tokenizer_spec=str(tokenizer_dir), config=PackConfig(seq_len=64))
     recipe = tmp_path / "tiny.toml"
-    recipe.write_text(PRETRAIN_RECIPE.replace("{packed}", str(packed)))
+    recipe.write_text(TEST_RECIPE.replace("{packed}", str(packed)))
     run = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, "-m", "smolctl", "pretrain", str(recipe), str(run)], cwd=REPO,
+    process = subprocess.Popen([sys.executable, "-m", "smolctl", "pretrain", str(recipe), str(run),
+                                "--set", "training.steps=100000", "--set", "checkpoint.interval=100000"], cwd=REPO,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"})
+                               env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"})
     deadline = time.time() + 300
     while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().strip()):
         assert process.poll() is None and time.time() < deadline, process.communicate()[1][-2000:]
