@@ -171,9 +171,11 @@ def inspect_command(
 
 
 def _render_inspect(result: dict) -> None:
+    from smolctl.inspect import KIND_COLLECTION
+
     counts = [(key, human_count(result[key]) if key != "shards" else result[key])
               for key in ("rows", "tokens", "shards") if result.get(key) is not None]
-    if result["kind"] == "folders":
+    if result["kind"] == KIND_COLLECTION:
         show(table(f"{result['path']}: smolctl folders", ["folder", "kind", "rows", "tokens", "shards"],
                    [(f["path"], f["kind"], *(human_count(f[k]) if k in f and k != "shards" else f.get(k, "-")
                                               for k in ("rows", "tokens", "shards"))) for f in result["folders"]]))

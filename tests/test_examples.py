@@ -305,12 +305,12 @@ def check_parses(command: str, args: list[str], origin: Example) -> dict:
 
 def check_synopsis(example: Example) -> None:
     words = example.text.replace("[", " ").replace("]", " ").split()
-    command = words[words.index("smolctl") + 1]
+    command, args = words[words.index("smolctl") + 1], words[words.index("smolctl") + 2:]
     group = _cli_group()
     assert command in group.commands, f"{example}\n`smolctl {command}` is not a command"
     known = {opt for param in group.commands[command].params for opt in (*param.opts, *param.secondary_opts)}
-    named = {flag for word in words if word.startswith("--") for flag in word.split("/")}
-    unknown = sorted(named - known - {"--nproc_per_node"})
+    named = {flag for word in args if word.startswith("--") for flag in word.split("/")}
+    unknown = sorted(named - known)
     assert not unknown, f"{example}\nnames {unknown}, which `smolctl {command}` does not have"
 
 
