@@ -302,6 +302,8 @@ def _resume_hint_on_interrupt(stage: str, recipe, run) -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt:
+        if int(os.environ.get("RANK", "0")) != 0:  # under torchrun every rank gets the signal; rank 0 speaks
+            raise typer.Exit(130) from None
         raise Interrupted(f"{run}: continue with `smolctl {stage} {recipe} {run} --resume auto` and the same "
                           "options (from the newest complete checkpoint, or afresh when there is none)") from None
 
