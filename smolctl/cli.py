@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import typer
+from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
 from smolctl import __version__
-from rich.markup import escape
-
 from smolctl.console import console, emit_json, error_line, human_count, key_values, progress, show, styled, table
 from smolctl.errors import CheckFailed, Interrupted, UserError
 
@@ -32,6 +31,7 @@ PIPELINE = """\
 Every stage reads the previous stage's output folder and writes one with a manifest.json.
 Run `smolctl COMMAND --help` for examples; `make demo` runs the whole pipeline on the sample corpus.
 """
+
 
 class _ReadableHelp:
     """Help that reads as written. Docstrings and argument/option help are plain text, so `[model]` or
