@@ -109,14 +109,14 @@ def test_inspect_shows_only_the_counts_a_kind_has(tokenizer_dir):
     ({"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}, "127.0.0.1 does not answer"),  # nothing listens
 ])
 def test_a_hub_tokenizer_id_fails_fast_when_the_hub_is_offline(tmp_path, env, reason):
-    started = time.perf_counter()
+    """The slow path is huggingface_hub retrying (~45 s of sleeps, a "Retrying in Ns" line each): the reason in the
+    message shows the offline check decided, and no retry line was printed. (Wall time is not asserted: on a busy
+    CI machine starting Python alone varies by tens of seconds.)"""
     result = run_cli("pack", SAMPLE / "math", tmp_path / "out", "--tokenizer", "no-org/no-such-tokenizer",
                      "--seq-len", "64", env={**env, "HF_HOME": str(tmp_path / "hf")})
     line = _one_error_line(result)
     assert "no-org/no-such-tokenizer: is neither a local folder nor in the Hugging Face cache" in line
     assert reason in line and "Retrying" not in result.stderr
-    # huggingface_hub's retries alone sleep ~45 s; the rest is starting Python and importing transformers
-    assert time.perf_counter() - started < 40
     assert not (tmp_path / "out").exists()
 
 
