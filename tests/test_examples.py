@@ -78,9 +78,9 @@ TINY_RUN = {
     "ppo": ["training.steps=1", "ppo.batch_size=4", "ppo.minibatch_size=4", "training.micro_batch=4", "ppo.epochs=1",
             "checkpoint.every=100", "generation.max_new_tokens=4", "grpo.num_generations=2"],
 }
-# generate and merge read trained models: examples on demo-out/ run (slow) after the tiny chain, with these flags;
-# those on the user's runs/ are parsed only (USER_RUNS).
-MODEL_CONSUMERS = {"generate": ["--limit", "4", "--max-new-tokens", "4"], "merge": []}
+# generate, merge and report read trained runs: examples on demo-out/ run (slow) after the tiny chain, with these
+# flags; those on the user's runs/ are parsed only (USER_RUNS).
+MODEL_CONSUMERS = {"generate": ["--limit", "4", "--max-new-tokens", "4"], "merge": [], "report": []}
 USER_RUNS = "reads the user's own runs (runs/...); the examples on demo-out/ run here"
 # Examples known to fail, by exact text, with the issue that fixes them (the test passes again once it is fixed).
 XFAIL = {
@@ -428,7 +428,7 @@ EXAMPLES = all_examples()
 TRAINING = ("pretrain", "midtrain")
 POSTTRAINING = ("sft", "dpo", "ppo")
 STAGE_ORDER = ["train-tokenizer", "dedup", "mix", "pack", "pretrain", "midtrain", "sft", "dpo", "ppo", "generate",
-               "merge", "estimate", "benchmark-nccl", "stress-gpu", "inspect"]
+               "merge", "report", "estimate", "benchmark-nccl", "stress-gpu", "inspect"]
 
 
 def _param(example: Example, runs: bool = True):
