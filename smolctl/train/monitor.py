@@ -58,8 +58,8 @@ class Monitor:
         self.events_path = Path(run_dir) / "events.jsonl"
         self.events: list[dict] = []
         self.history: list[dict] = []
-        self._window = {"tokens": 0, "data": 0.0, "compute": 0.0, "steps": 0}
-        self._totals = {"tokens": 0, "data": 0.0, "compute": 0.0, "steps": 0}
+        self._window = _empty_bucket()
+        self._totals = _empty_bucket()
         self._started = time.perf_counter()
         self._tensorboard = None
         if enabled:
@@ -81,12 +81,17 @@ class Monitor:
         if self._tensorboard is not None:
             self._tensorboard.close()
 
-    def step(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens: int, data_s: float, compute_s: float) -> None:
+    def step(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens: int, data_s: float, compute_s: float,
+             checkpoint_s: float | None = None) -> None:
+        """`checkpoint_s`: the seconds this step's checkpoint held the loop (None: no checkpoint at this step)."""
         for bucket in (self._window, self._totals):
             bucket["tokens"] += tokens
             bucket["data"] += data_s
             bucket["compute"] += compute_s
             bucket["steps"] += 1
+            if checkpoint_s is not None:
+                bucket["checkpoint"] += checkpoint_s
+                bucket["checkpoints"] += 1
         if not self.enabled:
             return
         self._bar.update(self._task, completed=step)
@@ -96,7 +101,8 @@ class Monitor:
         tokens_per_s = self._window["tokens"] / seconds
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "data_wait": self._window["data"] / seconds, "step_s": seconds / self._window["steps"], "flops_per_s": tokens_per_s * self.flops_per_token,
-                  "mfu": self._mfu(tokens_per_s), "time": time.time()}
+                  "mfu": self._mfu(tokens_per_s), "checkpoint_s": self._window["checkpoint"],
+                  "checkpoint_share": self._totals["checkpoint"] / max(1e-9, time.perf_counter() - self._started), "time": time.time()}
         self.history.append(record)
         _append_jsonl(self.metrics_path, record)
         if self._tensorboard is not None:
@@ -105,7 +111,7 @@ class Monitor:
                     self._tensorboard.add_scalar(f"train/{key}", record[key], step)
         self._bar.update(self._task, rate=f"loss {loss:.4f}")
         self._bar.console.print(self._line(record))
-        self._window = {"tokens": 0, "data": 0.0, "compute": 0.0, "steps": 0}
+        self._window = _empty_bucket()
 
     def _mfu(self, tokens_per_s: float) -> float | None:
         return tokens_per_s * self.flops_per_token / (self.peak * self.world_size) if self.peak else None
@@ -149,10 +155,33 @@ class Monitor:
     def totals(self) -> dict:
         seconds = max(1e-9, self._totals["data"] + self._totals["compute"])
         tokens_per_s = self._totals["tokens"] / seconds
-        return {"steps_run": self._totals["steps"], "tokens_run": self._totals["tokens"],
-                "train_seconds": seconds, "wall_seconds": time.perf_counter() - self._started,
+        wall = time.perf_counter() - self._started
+        held, saves, steps = self._totals["checkpoint"], self._totals["checkpoints"], self._totals["steps"]
+        return {"steps_run": steps, "tokens_run": self._totals["tokens"],
+                "train_seconds": seconds, "wall_seconds": wall,
                 "tokens_per_s": tokens_per_s, "flops_per_s": tokens_per_s * self.flops_per_token,
-                "mfu": self._mfu(tokens_per_s), "data_wait": self._totals["data"] / seconds}
+                "mfu": self._mfu(tokens_per_s), "data_wait": self._totals["data"] / seconds,
+                **checkpoint_cost(held, saves, steps, wall)}
+
+
+def _empty_bucket() -> dict:
+    return {"tokens": 0, "data": 0.0, "compute": 0.0, "steps": 0, "checkpoint": 0.0, "checkpoints": 0}
+
+
+CHECKPOINT_BUDGET_S_PER_1000_STEPS = 300.0  # the seed's yardstick: under 5 minutes of checkpointing per 1,000 steps
+
+
+def checkpoint_cost(held_s: float, saves: int, steps: int, wall_s: float) -> dict:
+    """Seconds the loop was held by checkpoints: in all, per save, per 1,000 steps and as a share of wall time."""
+    return {"checkpoints_saved": saves, "checkpoint_seconds": held_s, "checkpoint_s_each": held_s / saves if saves else 0.0,
+            "checkpoint_s_per_1000_steps": 1000 * held_s / steps if steps else 0.0,
+            "checkpoint_share": held_s / wall_s if wall_s > 0 else 0.0}
+
+
+def idle_totals() -> dict:
+    """The totals of a command that ran no step (a finished run resumed)."""
+    return {"steps_run": 0, "tokens_run": 0, "train_seconds": 0.0, "wall_seconds": 0.0, "tokens_per_s": 0.0,
+            "flops_per_s": 0.0, "mfu": None, "data_wait": 0.0, **checkpoint_cost(0.0, 0, 0, 0.0)}
 
 
 def _append_jsonl(path: Path, record: dict) -> None:
