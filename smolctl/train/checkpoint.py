@@ -24,7 +24,7 @@ import json
 import shutil
 import time
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -141,14 +141,17 @@ def set_rng_state(state: dict) -> None:
 class CheckpointManager:
     """Owns what is saved (model, optimizer, train state, RNG), when it becomes visible, and how (sync or async).
 
-    Every rank calls `save`, `poll`, `wait` and `load` at the same points of the loop; rank 0 alone commits."""
+    Every rank calls `save`, `wait` and `load` at the same points of the loop; rank 0 alone commits."""
 
     def __init__(self, run_dir: Path, *, model, optimizer, dist: Dist, keep: int, async_save: bool, export_interval: int,
                  write_model_files: Callable[[Path], None], inputs: Callable[[], list[dict]]):
         self.run_dir, self.model, self.optimizer, self.dist = Path(run_dir), model, optimizer, dist
         self.keep, self.async_save, self.export_interval = keep, async_save, export_interval
         self.write_model_files, self.inputs = write_model_files, inputs
-        self._pending: tuple[Future, OutputFolder | None, dict] | None = None
+        # A background thread waits for the save in flight and commits it the moment it is written, so a crash
+        # soon after still finds it; `_pending` is that thread's future.
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smolctl-checkpoint")
+        self._pending: Future | None = None
         self._exporting: Future | None = None
         self.saved: list[dict] = []  # {"step", "blocking_s"} per save started
         self.process_group = None
@@ -182,35 +185,32 @@ class CheckpointManager:
         staging = path.parent / f".{path.name}.partial"
         torch.save(rng_state(), staging / f"rng-rank{self.dist.rank:05d}.pt")
         options = {"checkpoint_id": str(staging), "process_group": self.process_group, "no_dist": not self.dist.active}
+        fields = {"step": step, **fields}
         if blocking or not self.async_save:
             dcp.save(self._state(), **options)
-            done: Future = Future()
-            done.set_result(None)
+            self._commit(output, fields)
+            self.dist.barrier()
         else:
-            done = dcp.async_save(self._state(), **options)  # returns once the state is copied to CPU memory
-        self._pending = (done, output, {"step": step, **fields})
-        if blocking:
-            self.wait(barrier=True)
+            written = dcp.async_save(self._state(), **options)  # returns once the state is copied to CPU memory
+            self._pending = self._committer.submit(self._commit_when_written, written, output, fields)
         held = time.perf_counter() - started
         self.saved.append({"step": step, "blocking_s": held})
         return held
 
-    def poll(self) -> None:
-        """Commit the save in flight if it has finished; never blocks."""
-        if self._pending is not None and self._pending[0].done():
-            self._finish()
-
     def wait(self, *, barrier: bool = True) -> None:
         """Finish the save in flight (if any) and commit it; with `barrier`, every rank then sees it."""
         if self._pending is not None:
-            self._finish()
+            pending, self._pending = self._pending, None
+            pending.result()  # re-raises a failed write (disk full, ...) instead of hiding it
         if barrier:
             self.dist.barrier()
 
-    def _finish(self) -> None:
-        done, output, fields = self._pending
-        self._pending = None
-        done.result()  # re-raises a failed write (disk full, ...) instead of hiding it
+    def _commit_when_written(self, written: Future, output: OutputFolder | None, fields: dict) -> None:
+        written.result()
+        self._commit(output, fields)
+
+    def _commit(self, output: OutputFolder | None, fields: dict) -> None:
+        """Rank 0 (the only one with an output): manifest, rename into place, prune, maybe export."""
         if output is None:
             return
         # Rank 0's save finishes after DCP's coordinator gathered every rank's write results: all shards are on disk.
@@ -223,8 +223,6 @@ class CheckpointManager:
         for old in complete_checkpoints(self.run_dir)[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         if self.export_interval and fields["step"] % self.export_interval == 0:
-            from concurrent.futures import ThreadPoolExecutor
-
             export = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smolctl-export")
             self._exporting = export.submit(export_checkpoint, output.path,
                                             self.run_dir / "exports" / output.path.name, overwrite=True)
@@ -259,6 +257,7 @@ class CheckpointManager:
         if self._exporting is not None:
             self._exporting.result()
             self._exporting = None
+        self._committer.shutdown()
 
 
 def check_model_shapes(path: Path, model) -> None:

@@ -404,7 +404,6 @@ class Trainer:
                 if self.resume_from is not None:
                     self.monitor.note(f"resuming from {self.resume_from} (step {self.step}, {self.tokens_seen:,} tokens)")
                 while self.step < plan.steps:
-                    self.checkpoints.poll()
                     started = time.perf_counter()
                     loss, norm, batch, data_s = self._forward_backward()
                     verdict = self.guards.observe(self.step + 1, batch, loss, norm)
