@@ -251,18 +251,53 @@ def test_sigkill_then_resume_is_bit_identical(recipe, tmp_path):
 # ---- guards -----------------------------------------------------------------------------------------------------
 
 
-def test_nan_guard_skips_and_rolls_back(recipe, tmp_path):
+def test_nan_burst_rolls_back_once_to_before_the_burst(recipe, tmp_path):
     import torch
 
     run = tmp_path / "run"
-    # batch 3: one NaN, skipped; batches 6 and 7: two in a row → roll back to step 4 and skip both batches
-    result = train(recipe, run, overrides=["guards.inject_nan_batches=[3, 6, 7]", "guards.max_bad_steps=2"], show=False)
-    assert (result.skipped_steps, result.rollbacks, result.steps) == (3, 1, 12)
+    # batch 3: one NaN, skipped. Batches 7, 8, 9: a burst across the step-8 checkpoint → one rollback, to step 4
+    # (step-8 was saved inside the incident), skipping the three batches.
+    result = train(recipe, run, overrides=["guards.inject_nan_batches=[3, 7, 8, 9]", "guards.max_bad_steps=3"], show=False)
+    assert (result.skipped_steps, result.rollbacks, result.steps) == (4, 1, 12)
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-    assert [e["event"] for e in events] == ["nonfinite", "nonfinite", "nonfinite", "rollback"]
-    assert events[-1]["skipped_batches"] == [6, 7] and events[-1]["to"].endswith("step-0000004")
+    assert [e["event"] for e in events] == ["nonfinite"] * 4 + ["rollback"]
+    assert events[-1]["skipped_batches"] == [7, 8, 9] and events[-1]["to"].endswith("step-0000004")
     assert all(torch.isfinite(t).all() for t in weights(run / "final").values())
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 13))
+
+
+def test_a_level_shift_rebaselines_instead_of_looping():
+    from smolctl.train.config import GuardsSection
+    from smolctl.train.guards import Guards
+
+    guards = Guards(GuardsSection(spike_window=20, spike_zscore=6.0, max_bad_steps=3))
+    rng = np.random.default_rng(0)
+    losses = np.concatenate([3.0 + 0.01 * rng.standard_normal(30), 3.8 + 0.01 * rng.standard_normal(60)])
+    verdicts = [guards.observe(step, step, float(loss), 1.0) for step, loss in enumerate(losses, start=1)]
+    assert not any(v.rollback for v in verdicts)
+    shifts = [v.level_shift for v in verdicts if v.level_shift]
+    assert len(shifts) == 1 and shifts[0]["step"] == 33 and shifts[0]["to"] == pytest.approx(3.8, abs=0.05)
+    assert guards.spikes == 3 and all(v.event is None for v in verdicts[33:])
+    # a divergence is not a level: it rolls back, to before its first bad step
+    for step, loss in enumerate([5.0, 7.0, 11.0], start=91):
+        verdict = guards.observe(step, step, loss, 1.0)
+    assert verdict.rollback and verdict.first_bad_step == 91 and verdict.bad_batches == [91, 92, 93]
+
+
+def test_sigusr1_saves_the_current_step_and_exits_75(recipe, tmp_path):
+    run = tmp_path / "run"
+    command = _cli(recipe, run, "--set", "checkpoint.interval=100")
+    process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True)
+    metrics = run / "metrics.jsonl"
+    while process.poll() is None and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.01)
+    process.send_signal(signal.SIGUSR1)
+    result = json.loads(process.communicate(timeout=300)[0])
+    assert process.returncode == 75 and result["preempted"] == "SIGUSR1"
+    assert [p.name for p in (run / "checkpoints").glob("step-*")] == [f"step-{result['steps']:07d}"]
+    assert json.loads(metrics.read_text().splitlines()[-1])["step"] == result["steps"] < 60
+    assert not (run / "final").exists()
 
 
 def test_spike_detector_flags_outliers_and_counts_consecutive_bad_steps():
@@ -280,6 +315,29 @@ def test_spike_detector_flags_outliers_and_counts_consecutive_bad_steps():
     second = guards.observe(24, 24, float("nan"), 1.0)
     assert not second.apply_update and second.rollback and second.bad_batches == [23, 24]
     assert (guards.spikes, guards.skipped) == (2, 1)
+
+
+def test_resume_auto_on_a_finished_run_does_nothing_and_never_retrains_the_tail(pretrained, recipe, packed, tmp_path):
+    import shutil
+
+    from smolctl.shards import sha256_file
+
+    run = tmp_path / "run"
+    shutil.copytree(pretrained[0], run)
+    moved = shutil.copytree(packed, tmp_path / "moved-packed")  # the same data at another path is the same data
+    args = ["pretrain", recipe, run, "--data", moved, "--set", "training.steps=30", "--set", f'data.validation="{packed}"',
+            "--set", "data.validation_interval=15", "--set", "data.validation_batches=2", "--resume", "auto", "--json"]
+    before = {p.name: sha256_file(p) for p in (run / "final").iterdir()}
+    done = run_cli(*args)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["nothing_to_do"] and {p.name: sha256_file(p) for p in (run / "final").iterdir()} == before
+
+    shutil.rmtree(run / "final")  # killed after its last checkpoint, before final/ was written
+    done = run_cli(*args)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["resumed_from"].endswith("step-0000030") and result["speed"]["steps_run"] == 0
+    assert sha256_file(run / "final" / "model.safetensors") == before["model.safetensors"]
 
 
 def test_resume_refuses_a_different_model(pretrained, recipe):
