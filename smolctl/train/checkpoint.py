@@ -153,6 +153,7 @@ class CheckpointManager:
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smolctl-checkpoint")
         self._pending: Future | None = None
         self._exporting: Future | None = None
+        self._stager = None  # CPU buffers for async saves, allocated once and reused by every later save
         self.saved: list[dict] = []  # {"step", "blocking_s"} per save started
         self.process_group = None
         if dist.active:
@@ -191,7 +192,14 @@ class CheckpointManager:
             self._commit(output, fields)
             self.dist.barrier()
         else:
-            written = dcp.async_save(self._state(), **options)  # returns once the state is copied to CPU memory
+            if self._stager is None:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                # Pinned host memory makes the device-to-host copy fast on GPUs; on CPU it does not exist.
+                self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+                                                            use_async_staging=False, use_non_blocking_copy=False))
+            # Returns once the state is copied to CPU memory; the previous save has finished, so its buffers are free.
+            written = dcp.async_save(self._state(), async_stager=self._stager, **options)
             self._pending = self._committer.submit(self._commit_when_written, written, output, fields)
         held = time.perf_counter() - started
         self.saved.append({"step": step, "blocking_s": held})
@@ -258,6 +266,9 @@ class CheckpointManager:
             self._exporting.result()
             self._exporting = None
         self._committer.shutdown()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
 
 def check_model_shapes(path: Path, model) -> None:
