@@ -407,6 +407,14 @@ def test_midtrain_extends_context_and_records_its_parent(pretrained, recipe, tok
     assert result.first_loss < pretrained[1].first_loss - 0.5  # it started from the trained weights, not from scratch
 
 
+def test_midtrain_from_a_sharded_checkpoint_keeps_its_optimizer(pretrained, recipe, tmp_path):
+    parent = pretrained[0] / "checkpoints" / "step-0000030"
+    result = train(recipe, tmp_path / "run", stage="midtrain", init_from=str(parent), keep_optimizer=True, show=False,
+                   overrides=["training.steps=2", "schedule.warmup_steps=0", "schedule.decay_fraction=1.0"])
+    assert result.parent == str(parent.resolve()) and result.steps == 2
+    assert result.first_loss < pretrained[1].first_loss - 0.5  # the checkpoint's weights, loaded through DCP
+
+
 @pytest.mark.parametrize("setup, message", [
     (lambda p: p / "nope", "no such checkpoint folder"),
     (lambda p: (p / "empty").mkdir() or p / "empty", "incomplete model folder"),
