@@ -340,6 +340,15 @@ def test_resume_auto_on_a_finished_run_does_nothing_and_never_retrains_the_tail(
     assert sha256_file(run / "final" / "model.safetensors") == before["model.safetensors"]
 
 
+def test_export_interval_writes_hf_folders_beside_the_run(recipe, tmp_path):
+    run = tmp_path / "run"
+    train(recipe, run, overrides=["training.steps=2", "checkpoint.interval=1", "checkpoint.export_interval=2",
+                                  "schedule.warmup_steps=0"], show=False)
+    assert sorted(p.name for p in (run / "exports").iterdir()) == ["step-0000002"]
+    exported, final = weights(run / "exports" / "step-0000002"), weights(run / "final")
+    assert exported.keys() == final.keys() and all(np.array_equal(exported[k].numpy(), final[k].numpy()) for k in final)
+
+
 def test_resume_refuses_a_different_model(pretrained, recipe):
     with pytest.raises(UserError, match="model.hidden_size: differs from the run being resumed"):
         Trainer(load_train_recipe(recipe, ["model.hidden_size=64"]), pretrained[0], resume="auto", show=False)
@@ -379,7 +388,8 @@ def test_two_torchrun_processes_match_one(recipe, tmp_path):
         other = weights(tmp_path / name / "final")
         assert other.keys() == reference.keys()
         assert all(np.allclose(reference[k].numpy(), other[k].numpy(), atol=1e-4) for k in reference)
-        assert (tmp_path / name / "checkpoints" / "step-0000006" / "optimizer").is_dir()  # sharded optimizer state (DCP)
+        shards = sorted(p.name for p in (tmp_path / name / "checkpoints" / "step-0000006").glob("*.distcp"))
+        assert shards == ["__0_0.distcp", "__1_0.distcp"]  # each rank writes its own part of the state (DCP)
 
 
 # ---- midtrain ---------------------------------------------------------------------------------------------------
@@ -438,3 +448,30 @@ def test_smollm3_recipe_dry_run_counts_3b_parameters():
     plan = json.loads(done.stdout)
     assert plan["parameters"] == 3_075_098_624 and plan["global_batch"] == 576 and plan["grad_accum"] == 1
     assert plan["recipe"]["schedule"]["decay_steps"] == 522_000 and len(plan["recipe"]["data"]["stages"]) == 3
+
+
+def test_pretrain_sbatch_forwards_usr1_and_requeues_after_the_save(tmp_path):
+    """The sbatch's own logic, with stand-ins for srun (a trainer that saves and exits 75 on USR1), scontrol and
+    smolctl: Slurm's USR1 reaches the trainers, the script waits for them, then requeues; the user's options
+    reach the dry-run line too."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    calls = tmp_path / "calls"
+    scripts = {
+        "srun": "trap 'echo saved >> {calls}; exit 75' USR1\necho training >> {calls}\nfor i in $(seq 300); do sleep 0.1; done\n",
+        "scontrol": '[[ $1 == show ]] && {{ echo node1; exit 0; }}\necho "scontrol $*" >> {calls}\n',
+        "smolctl": 'echo "smolctl $*" >> {calls}\n',
+    }
+    for name, body in scripts.items():
+        (stubs / name).write_text("#!/bin/bash\n" + body.format(calls=calls))
+        (stubs / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node1"}
+    job = subprocess.Popen(["bash", "recipes/slurm/pretrain.sbatch", "r.toml", str(tmp_path / "run"), "--set", "a.b=1"],
+                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while "training" not in (calls.read_text() if calls.is_file() else ""):
+        time.sleep(0.05)
+    job.send_signal(signal.SIGUSR1)
+    assert job.wait(timeout=60) == 0, job.stdout.read()
+    assert calls.read_text().splitlines() == [
+        "smolctl pretrain r.toml --dry-run --world-size 8 --set a.b=1", "training", "saved", "scontrol requeue 42"]
+    assert (tmp_path / "run" / "nccl-trace").is_dir()

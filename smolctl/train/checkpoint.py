@@ -154,7 +154,6 @@ class CheckpointManager:
         self._pending: Future | None = None
         self._exporting: Future | None = None
         self._stager = None  # CPU buffers for async saves, allocated once and reused by every later save
-        self.saved: list[dict] = []  # {"step", "blocking_s"} per save started
         self.process_group = None
         if dist.active:
             import torch.distributed as torch_dist
@@ -201,9 +200,7 @@ class CheckpointManager:
             # Returns once the state is copied to CPU memory; the previous save has finished, so its buffers are free.
             written = dcp.async_save(self._state(), async_stager=self._stager, **options)
             self._pending = self._committer.submit(self._commit_when_written, written, output, fields)
-        held = time.perf_counter() - started
-        self.saved.append({"step": step, "blocking_s": held})
-        return held
+        return time.perf_counter() - started
 
     def wait(self, *, barrier: bool = True) -> None:
         """Finish the save in flight (if any) and commit it; with `barrier`, every rank then sees it."""
