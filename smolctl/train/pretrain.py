@@ -121,7 +121,7 @@ class Trainer:
         from smolctl.train.checkpoint import check_model_folder, check_same_identity, run_identity
         from smolctl.train.loader import PackedStream, validation_batches
         from smolctl.train.model import build_config
-        from smolctl.train.monitor import check_tensorboard
+        from smolctl.train.trackers import require_trackers
 
         recipe = self.recipe
         if self.init_from:
@@ -148,8 +148,8 @@ class Trainer:
         if recipe.data.validation:
             self.val_batches = validation_batches(recipe.data.validation, seq_len=recipe.training.seq_len,
                                                   micro_batch=recipe.training.micro_batch, count=recipe.data.validation_batches)
-        if recipe.logging.tensorboard and self.dist.is_main:
-            check_tensorboard()
+        if self.dist.is_main:
+            require_trackers(recipe.logging.report_to)
         self.identity = run_identity(recipe)
         if self.resume_from is not None or self.finished is not None:
             from smolctl.shards import read_manifest
@@ -383,6 +383,7 @@ class Trainer:
 
     def run(self) -> TrainResult:
         from smolctl.train.monitor import Monitor, peak_flops
+        from smolctl.train.trackers import open_tracker
 
         if self.finished is not None:
             return self._nothing_to_do()
@@ -392,7 +393,9 @@ class Trainer:
         self.monitor = Monitor(self.run_dir, title=self.stage, enabled=self.dist.is_main, total_steps=plan.steps, start_step=self.step,
                                flops_per_token=self.flops_per_token, peak=peak_flops(self.dist.device, self.precision),
                                world_size=self.dist.world_size, interval=recipe.logging.interval,
-                               tensorboard=recipe.logging.tensorboard, show=self.show)
+                               show=self.show, device=str(self.dist.device), profile_interval=recipe.logging.profile_interval,
+                               tracker=open_tracker(self.run_dir, recipe.logging.report_to, enabled=self.dist.is_main,
+                                                    resuming=self.resume_from is not None, config=json.loads(recipe.model_dump_json())))
         losses: list[float] = []
         val_loss = None
         self.stop_signal: str | None = None
@@ -405,15 +408,17 @@ class Trainer:
                     self.monitor.note(f"resuming from {self.resume_from} (step {self.step}, {self.tokens_seen:,} tokens)")
                 while self.step < plan.steps:
                     started = time.perf_counter()
-                    loss, norm, batch, data_s = self._forward_backward()
-                    verdict = self.guards.observe(self.step + 1, batch, loss, norm)
-                    if verdict.apply_update:
-                        self.optimizer.step()
+                    with self.monitor.profiled(self.step + 1):
+                        loss, norm, batch, data_s = self._forward_backward()
+                        verdict = self.guards.observe(self.step + 1, batch, loss, norm)
+                        if verdict.apply_update:
+                            self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
                     compute_s = time.perf_counter() - started - data_s
-                    for event in (verdict.event, verdict.level_shift):
-                        if event:
-                            self.monitor.event(event)
+                    if verdict.event:
+                        self.monitor.event({**verdict.event, "rows": self.stream.rows_of_last_batch()})
+                    if verdict.level_shift:
+                        self.monitor.event(verdict.level_shift)
                     if verdict.rollback:
                         self._rollback(verdict.bad_batches, verdict.first_bad_step)
                         continue
@@ -422,14 +427,16 @@ class Trainer:
                     if math.isfinite(loss):
                         losses.append(loss)
                         self.last_loss = loss
+                    self.monitor.step(self.step, loss=loss, lr=self._last_lr, grad_norm=norm, tokens=plan.tokens_per_step,
+                                      data_s=data_s, compute_s=compute_s, guards=self.guards.counts())
                     stopping = self.dist.any(self.stop_signal is not None)
                     if stopping and self.stop_signal is None:
                         self.stop_signal = "a signal to another rank"
                     # The last step always gets a checkpoint: final/ can be rebuilt from it and the run extended.
                     due = self.step == plan.steps or (recipe.checkpoint.interval and self.step % recipe.checkpoint.interval == 0)
-                    held = self._save_checkpoint(blocking=stopping) if due or stopping else None
-                    self.monitor.step(self.step, loss=loss, lr=self._last_lr, grad_norm=norm, tokens=plan.tokens_per_step,
-                                      data_s=data_s, compute_s=compute_s, checkpoint_s=held)
+                    if due or stopping:
+                        with self.monitor.checkpointing():
+                            self._save_checkpoint(blocking=stopping)
                     if stopping:
                         stopped = True
                         self.monitor.note(f"{self.stop_signal}: saved step {self.step}; stopping — continue with --resume auto")
