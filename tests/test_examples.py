@@ -78,9 +78,9 @@ TINY_RUN = {
     "ppo": ["training.steps=1", "ppo.batch_size=4", "ppo.minibatch_size=4", "training.micro_batch=4", "ppo.epochs=1",
             "checkpoint.every=100", "generation.max_new_tokens=4", "grpo.num_generations=2"],
 }
-# generate, merge and report read trained runs: examples on demo-out/ run (slow) after the tiny chain, with these
+# generate, merge, report and export read trained runs: examples on demo-out/ run (slow) after the tiny chain, with these
 # flags; those on the user's runs/ are parsed only (USER_RUNS).
-MODEL_CONSUMERS = {"generate": ["--limit", "4", "--max-new-tokens", "4"], "merge": [], "report": []}
+MODEL_CONSUMERS = {"generate": ["--limit", "4", "--max-new-tokens", "4"], "merge": [], "report": [], "export": []}
 USER_RUNS = "reads the user's own runs (runs/...); the examples on demo-out/ run here"
 # Examples known to fail, by exact text, with the issue that fixes them (the test passes again once it is fixed).
 XFAIL = {
@@ -231,7 +231,7 @@ def all_examples() -> list[Example]:
 
 
 def is_synopsis(text: str) -> bool:
-    return bool(re.search(r"\[[-A-Z.]|\w\|\w|\]\.\.\.", text))
+    return bool(re.search(r"\[[-A-Za-z.]|\w\|\w|\]\.\.\.", text))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -428,7 +428,7 @@ EXAMPLES = all_examples()
 TRAINING = ("pretrain", "midtrain")
 POSTTRAINING = ("sft", "dpo", "ppo")
 STAGE_ORDER = ["train-tokenizer", "dedup", "mix", "pack", "pretrain", "midtrain", "sft", "dpo", "ppo", "generate",
-               "merge", "report", "estimate", "benchmark-nccl", "stress-gpu", "inspect"]
+               "merge", "report", "export", "estimate", "benchmark-nccl", "stress-gpu", "inspect"]
 
 
 def _param(example: Example, runs: bool = True):
@@ -542,7 +542,7 @@ def test_example(example: Example, workspace, fast_results):
             check_parses(p.command, p.smolctl_args, example)
         pytest.skip(SKIP[example.text])
     if is_synopsis(example.text):
-        assert "smolctl" in example.text.split(), f"{example}\nreads as a synopsis but names no smolctl command"
+        assert "smolctl" in example.text.replace("[", " ").split(), f"{example}\nreads as a synopsis but names no smolctl command"
         check_synopsis(example)
         return
     p = plan(example)
