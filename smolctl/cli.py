@@ -433,10 +433,15 @@ def _stage_progress(bar):
 
 
 def _render_dedup(result, tasks: int, task_id: int) -> None:
+    if result.already_committed:
+        console.print(f"dedup: {result.output} is already committed by this run; nothing to do", markup=False)
+        return
     if not result.finished:
         where = f"task {task_id} of {tasks}, " if tasks > 1 else ""
+        units = (f"{where}{result.units_done} done, {result.units_skipped} already finished (skipped)"
+                 if result.units_done + result.units_skipped else f"{where}no units for this task: nothing to do")
         show(key_values(f"dedup --stage {result.stage}", [
-            ("units", f"{where}{result.units_done} done, {result.units_skipped} already finished (skipped)"),
+            ("units", units),
             ("time", f"{result.seconds:.1f}s"),
             ("output", f"{result.output} (committed by the filter task that finishes last)")]))
         return

@@ -228,7 +228,7 @@ def test_staged_markers_skip_finished_tasks_and_a_rerun_resumes(planted, tmp_pat
     first = dedup(planted["input"], out, stage="signatures", tasks=2, task_id=0)
     again = dedup(planted["input"], out, stage="signatures", tasks=2, task_id=0)
     assert (first.units_done, again.units_done, again.units_skipped) == (2, 0, 2)
-    with pytest.raises(UserError, match="1 unit"):
+    with pytest.raises(UserError, match=r"1 unit\(s\) of 3"):
         dedup(planted["input"], out, stage="buckets")
     # A run "killed" after the signatures of task 0: the plain local run finishes it, reusing the markers.
     result = dedup(planted["input"], out, workers=1)
@@ -236,8 +236,13 @@ def test_staged_markers_skip_finished_tasks_and_a_rerun_resumes(planted, tmp_pat
     dedup(planted["input"], tmp_path / "fresh", workers=1)
     for name in ("part-00000.parquet", "part-00001.parquet", "duplicates/part-00000.parquet"):
         assert (out / name).read_bytes() == (tmp_path / "fresh" / name).read_bytes()
+    # Any task of the committed run, re-submitted or late, finds it done; other settings are refused.
+    assert dedup(planted["input"], out, stage="signatures").already_committed
+    assert dedup(planted["input"], out, stage="filter", tasks=64, task_id=63).already_committed
     with pytest.raises(UserError, match="already exists"):
-        dedup(planted["input"], out, stage="signatures")
+        dedup(planted["input"], out, stage="signatures", keep="longest")
+    with pytest.raises(UserError, match="already exists"):
+        dedup(planted["input"], out, workers=1)
 
 
 def test_a_work_area_hashed_by_another_version_is_not_resumed(planted, tmp_path, monkeypatch):
