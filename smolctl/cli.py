@@ -174,6 +174,9 @@ def _render_inspect(result: dict) -> None:
   smolctl pack 'corpus/*.parquet' packed/ --tokenizer tok/ --seq-len 2048 --strategy concat --json
 
   smolctl pack mix/stage-1 tokens/ --tokenizer tok/ --format datatrove      for nanotron's DatatroveFolderDataset
+
+  smolctl pack mix/ packed/ --tokenizer tok/ --tasks 64 --task-id $SLURM_ARRAY_TASK_ID
+  (one task of a Slurm array, see recipes/slurm/pack.sbatch; the same bytes as a plain run)
 """)
 def pack_command(
     input: str = typer.Argument(..., help="Dataset folder (a mix stage, or a whole mix output: all stages in order), "
@@ -193,6 +196,9 @@ def pack_command(
     seed: int = typer.Option(0, "--seed", help="Seeds the shuffle of each bfd buffer's rows."),
     format: str = typer.Option("safetensors", "--format", help="safetensors: packed rows for pretrain; datatrove: "
                                "nanotron/datatrove .ds token files (documents + EOS back to back, no packing)."),
+    tasks: Optional[int] = typer.Option(None, "--tasks", help="Run as one task of an array of this size: input "
+                                        "shards are split round-robin; the last task to finish writes OUTPUT."),
+    task_id: int = typer.Option(0, "--task-id", help="This task's index in 0..tasks-1 ($SLURM_ARRAY_TASK_ID)."),
     overwrite: bool = OVERWRITE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
@@ -213,9 +219,11 @@ def pack_command(
             rate = tokens[0] / max(1e-9, time.perf_counter() - started)
             bar.update(task, advance=documents, rate=f"{human_count(rate)} tok/s")
 
-        result = job.run(advance)
+        result = job.run(advance, tasks=tasks, task_id=task_id)
     if json_out:
         emit_json(result.to_dict())
+        return
+    if _render_array_task("pack", result, tasks, task_id):
         return
     stats = result.stats
     packed = result.format == "safetensors"
@@ -231,6 +239,20 @@ def pack_command(
         ("skipped empty", stats.skipped_empty), ("shards", result.shards),
         ("time", f"{result.seconds:.1f}s ({human_count(result.tokens_per_second)} tokens/s)"),
     ]))
+
+
+def _render_array_task(command: str, result, tasks: int | None, task_id: int) -> bool:
+    """The summary of an array task that did not commit OUTPUT (True when it printed one)."""
+    if result.already_committed:
+        console.print(f"{command}: {result.output} is already committed by this run; nothing to do", markup=False)
+        return True
+    if result.finished:
+        return False
+    units = (f"{result.units_done} done, {result.units_skipped} already finished (skipped)"
+             if result.units_done + result.units_skipped else "no units for this task: nothing to do")
+    show(key_values(command, [("units", f"task {task_id} of {tasks}: {units}"), ("time", f"{result.seconds:.1f}s"),
+                              ("output", f"{result.output} (committed by the task that finishes the last unit)")]))
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -114,6 +114,12 @@ class WorkArea:
                             "check the path and its permissions") from exc
         atomic_write_json(recorded, self._canonical())
 
+    def discard(self) -> None:
+        """Remove the work area, and OUTPUT when nothing else is in it (a plain run that failed on bad input)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+        if self.output.is_dir() and not any(self.output.iterdir()):
+            self.output.rmdir()
+
     def _canonical(self) -> dict:
         return json.loads(json.dumps(self.fingerprint, default=str))
 
