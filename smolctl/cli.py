@@ -562,6 +562,9 @@ def _render_stress(config, reports) -> None:
   smolctl mix out/ --source web=web/:85 --source code=code/:12 --source math=math/:3 --tokens 2B --tokenizer tok/
 
   smolctl mix out/ --recipe recipes/smollm3-mix.toml --set stages.0.tokens=1_000_000_000 --json
+
+  smolctl mix out/ --recipe mix.toml --stage measure --tasks 64 --task-id $SLURM_ARRAY_TASK_ID
+  (then --stage write; see recipes/slurm/mix.sbatch)
 """)
 def mix_command(
     output: Path = typer.Argument(..., help="Dataset folder to write; with a recipe, one subfolder per stage."),
@@ -579,6 +582,10 @@ def mix_command(
                                                "across all stages (default 1: each document at most once)."),
     text_column: str = typer.Option("text", "--text-column", help="Column holding the documents."),
     shuffle_buffer: int = typer.Option(20_000, "--shuffle-buffer", help="Rows per shuffled block (bounds memory)."),
+    stage: Optional[str] = typer.Option(None, "--stage", help="Run one pass only, as Slurm array tasks: measure "
+                                        "(one unit per source shard), then write (one unit per output block)."),
+    tasks: Optional[int] = typer.Option(None, "--tasks", help="Array size for --stage (units are split round-robin)."),
+    task_id: int = typer.Option(0, "--task-id", help="This task's index in 0..tasks-1 ($SLURM_ARRAY_TASK_ID)."),
     overwrite: bool = OVERWRITE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
@@ -616,18 +623,21 @@ def mix_command(
             task = bar.add_task(f"writing {name}", total=rows, rate="")
             return lambda n: bar.advance(task, n)
 
-        result = job.run(on_measure=lambda n: bar.advance(measuring, n), on_stage=stage_task)
+        result = job.run(on_measure=lambda n: bar.advance(measuring, n), on_stage=stage_task, stage=stage,
+                         tasks=tasks, task_id=task_id)
     if json_out:
         emit_json(result.to_dict())
         return
-    for stage in result.stages:
-        show(table(f"{stage.name} → {stage.path}  ({human_count(stage.units)} {stage.unit}, "
-                   f"{human_count(stage.documents)} documents)",
-                   ["source", "target weight", "achieved", stage.unit, "documents", "repeat", "repeat so far"],
+    if _render_array_task(f"mix --stage {stage}" if stage else "mix", result, tasks or 1, task_id):
+        return
+    for report in result.stages:
+        show(table(f"{report.name} → {report.path}  ({human_count(report.units)} {report.unit}, "
+                   f"{human_count(report.documents)} documents)",
+                   ["source", "target weight", "achieved", report.unit, "documents", "repeat", "repeat so far"],
                    ([s.name, f"{s.start_weight:.3f}→{s.end_weight:.3f} (mean {s.target_weight:.3f})" if s.start_weight != s.end_weight
                      else f"{s.target_weight:.3f}", f"{s.achieved_weight:.3f}", human_count(s.units),
                      human_count(s.documents), f"{s.repeat:.2f}x", f"{s.cumulative_repeat:.2f}x"]
-                    for s in stage.sources)))
+                    for s in report.sources)))
     console.print(f"weights are fractions of [bold]{result.unit}[/]"
                   + ("" if result.unit == "tokens" else " (pass --tokenizer to weigh by tokens)")
                   + f"; seed {result.seed}, max repeat {result.max_repeat:g}; {result.seconds:.1f}s")
