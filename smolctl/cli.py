@@ -211,13 +211,14 @@ def pack_command(
                         workers=workers, buffer_tokens=buffer_tokens, shard_size=shard_size, seed=seed, format=format)
     job = prepare_pack(input, output, tokenizer_spec=tokenizer, config=config, overwrite=overwrite)
     with progress(not json_out) as bar:
-        task = bar.add_task("packing", total=job.total_documents, rate="")
+        # Shown from the first batch on: a task refused before any work prints its one-line error alone.
+        task = bar.add_task("packing", total=job.total_documents, rate="", visible=False)
         started, tokens = time.perf_counter(), [0]
 
         def advance(documents: int, new_tokens: int) -> None:
             tokens[0] += new_tokens
             rate = tokens[0] / max(1e-9, time.perf_counter() - started)
-            bar.update(task, advance=documents, rate=f"{human_count(rate)} tok/s")
+            bar.update(task, advance=documents, rate=f"{human_count(rate)} tok/s", visible=True)
 
         result = job.run(advance, tasks=tasks, task_id=task_id)
     if json_out:
@@ -617,14 +618,14 @@ def mix_command(
                                text_column=text_column, shuffle_buffer=shuffle_buffer)
     job = prepare_mix(plan, output, overwrite=overwrite)
     with progress(not json_out) as bar:
-        measuring = bar.add_task(f"measuring sources ({plan.unit})", total=job.total_rows, rate="")
+        measuring = bar.add_task(f"measuring sources ({plan.unit})", total=job.total_rows, rate="", visible=False)
 
         def stage_task(name: str, rows: int):
             task = bar.add_task(f"writing {name}", total=rows, rate="")
             return lambda n: bar.advance(task, n)
 
-        result = job.run(on_measure=lambda n: bar.advance(measuring, n), on_stage=stage_task, stage=stage,
-                         tasks=tasks, task_id=task_id)
+        result = job.run(on_measure=lambda n: bar.update(measuring, advance=n, visible=True), on_stage=stage_task,
+                         stage=stage, tasks=tasks, task_id=task_id)
     if json_out:
         emit_json(result.to_dict())
         return
