@@ -69,6 +69,8 @@ def root(
   smolctl train-tokenizer data/sample/web tok/ --vocab-size 8192
 
   smolctl train-tokenizer 'corpus/*.parquet' tok/ --vocab-size 49152 --text-column content --json
+
+  smolctl train-tokenizer 'crawl/*.parquet' tok/ --vocab-size 49152 --sample-bytes 2GB      any corpus size, one node
 """)
 def train_tokenizer_command(
     input: str = typer.Argument(..., help="Dataset folder, folder of parquet files, a .parquet file or a glob."),
@@ -76,23 +78,34 @@ def train_tokenizer_command(
     vocab_size: int = typer.Option(8192, "--vocab-size", help="Vocabulary size, special tokens included."),
     text_column: str = typer.Option("text", "--text-column", help="Column holding the documents."),
     min_frequency: int = typer.Option(2, "--min-frequency", help="Merges rarer than this are not learned."),
+    sample_documents: Optional[str] = typer.Option(None, "--sample-documents", help="Train on a seeded uniform "
+                                                   "sample of this many documents, e.g. 1M (streamed: any corpus size)."),
+    sample_bytes: Optional[str] = typer.Option(None, "--sample-bytes", help="Train on a seeded uniform sample of "
+                                               "this much text, e.g. 2GB (with --sample-documents: both limits)."),
+    seed: int = typer.Option(0, "--seed", help="Seeds the sample."),
     overwrite: bool = OVERWRITE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Train a byte-level BPE tokenizer with ChatML chat template and special tokens for document end and padding."""
+    from smolctl.data.mix_plan import parse_amount
     from smolctl.data.tokenizer import train_tokenizer
 
+    documents = parse_amount(sample_documents, "--sample-documents") if sample_documents is not None else None
+    size = parse_amount(sample_bytes, "--sample-bytes") if sample_bytes is not None else None
     with progress(not json_out) as bar:
         task = bar.add_task("reading documents", total=None, rate="", visible=False)
         result = train_tokenizer(input, str(output), vocab_size=vocab_size, text_column=text_column,
-                                 min_frequency=min_frequency, overwrite=overwrite,
+                                 min_frequency=min_frequency, overwrite=overwrite, sample_documents=documents,
+                                 sample_bytes=size, seed=seed,
                                  on_start=lambda total: bar.update(task, total=total, visible=True),
                                  on_batch=lambda n: bar.advance(task, n))
     if json_out:
         emit_json(result.__dict__)
         return
+    sampled = f" (sampled from {human_count(result.corpus_documents)})" if result.corpus_documents is not None else ""
     show(key_values("train-tokenizer", [
-        ("output", result.output), ("vocab size", result.vocab_size), ("documents", human_count(result.documents)),
+        ("output", result.output), ("vocab size", result.vocab_size),
+        ("documents", human_count(result.documents) + sampled),
         ("characters", human_count(result.characters)), ("chars/token", f"{result.chars_per_token:.2f}"),
         ("time", f"{result.seconds:.1f}s"),
     ]))
