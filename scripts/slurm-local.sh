@@ -60,11 +60,11 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 MaxArraySize=10001
-# Fast turnaround for tests: jobs start and finish within seconds.
+# Fast turnaround for tests: jobs start within a second; finished jobs stay visible to scontrol for an hour.
 SchedulerParameters=sched_interval=1
 MessageTimeout=30
 KillWait=5
-MinJobAge=300
+MinJobAge=3600
 NodeName=$host CPUs=$cpus RealMemory=$memory_mb State=UNKNOWN
 PartitionName=local Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 EOF
