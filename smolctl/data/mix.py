@@ -22,7 +22,9 @@ How it works, streaming each source once to measure it and once per stage that u
 Both passes are units of work (smolctl/data/array_tasks.py): `measure` has one unit per source shard, `write`
 one per output block (smolctl/data/mix_blocks.py finds a block's rows on its own). A plain run does them all in
 order; `--stage measure|write --tasks N --task-id I` does a share as one task of a Slurm array, and whichever
-call writes the last block assembles OUTPUT. The bytes are the same for any split.
+call writes the last block assembles OUTPUT. The bytes are the same for any split. A curriculum stage
+(`order = "ascending:SCORE"`, see mix_plan.py) sorts each source's whole slice by score, so it is one writing
+unit (its blocks sorted by score instead of shuffled).
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ import pyarrow.compute as pc
 
 from smolctl.data.array_tasks import (FINGERPRINT_KEY, AlreadyCommitted, WorkArea, check_task, digest, file_identity,
                                       link_or_copy, task_units, unless_committed)
-from smolctl.data.mix_blocks import BINS, SOURCE_COLUMN, row_bins, save_arrays, slice_pieces, source_key, write_block
-from smolctl.data.mix_plan import MixPlan, Stage
+from smolctl.data.mix_blocks import (BINS, SOURCE_COLUMN, row_bins, save_arrays, slice_pieces, source_key, write_block,
+                                     write_curriculum)
+from smolctl.data.mix_plan import MixPlan, Stage, check_order_columns
 from smolctl.errors import UserError
 from smolctl.shards import KIND_DOCUMENTS, DocumentSource, OutputFolder, atomic_write_json, open_documents, schema_to_dict
 
@@ -129,6 +132,7 @@ class StageReport:
     documents: int
     sources: list[SourceReport]
     shards: int = 0
+    order: str = "shuffle"
 
 
 def bin_boundary(cumulative: np.ndarray, position: float) -> int:
@@ -355,11 +359,16 @@ class MixJob:
             name = self.plan.stages[stage_index].name
             if name not in progress and on_stage:
                 progress[name] = on_stage(name, sum(self.block_rows(*blocks[u]) for u in units if blocks[u][0] == stage_index))
-            rows = write_block(self.plan, self.schema, self.sources, self.allocation(), stage_index, block,
-                               self.area.stage_dir("write") / f"{unit:05d}.parquet")
-            self.area.mark_done("write", unit, rows)
+            folder = self.area.stage_dir("write")
+            if block is None:
+                shards = write_curriculum(self.plan, self.schema, self.sources, self.allocation(), stage_index,
+                                          lambda texts: document_sizes(texts, self.backend), folder, unit)
+            else:
+                shards = write_block(self.plan, self.schema, self.sources, self.allocation(), stage_index, block, folder, unit)
+            rows = sum(shard["rows"] for shard in shards)
+            self.area.mark_done("write", unit, {"rows": rows, "shards": shards})
             if progress.get(name):
-                progress[name](rows["rows"])
+                progress[name](rows)
 
     # -- the allocation, computed once from the measuring units ---------------------------------------------
 
@@ -384,15 +393,18 @@ class MixJob:
         atomic_write_json(path, {"reports": [[asdict(r) for r in stage] for stage in reports], "pieces": pieces})
         return self.allocation()
 
-    def blocks(self) -> list[tuple[int, int]]:
-        """(stage, block) of every writing unit: the stages in order, each stage's blocks in order."""
+    def blocks(self) -> list[tuple[int, int | None]]:
+        """(stage, block) of every writing unit: the stages in order, each stage's blocks in order; a curriculum
+        stage is one unit (stage, None)."""
         rows = [sum(r.documents for r in stage) for stage in self.allocation()["reports"]]
         size = self.plan.shuffle_buffer
-        return [(index, block) for index, total in enumerate(rows) for block in range(-(-total // size))]
+        return [(index, None if self.plan.stages[index].ascending_by else block)
+                for index, total in enumerate(rows)
+                for block in range(min(1, total) if self.plan.stages[index].ascending_by else -(-total // size))]
 
-    def block_rows(self, stage_index: int, block: int) -> int:
+    def block_rows(self, stage_index: int, block: int | None) -> int:
         total = sum(r.documents for r in self.allocation()["reports"][stage_index])
-        return min(self.plan.shuffle_buffer, total - block * self.plan.shuffle_buffer)
+        return total if block is None else min(self.plan.shuffle_buffer, total - block * self.plan.shuffle_buffer)
 
     # -- the commit ------------------------------------------------------------------------------------------
 
@@ -406,7 +418,8 @@ class MixJob:
                 units = [unit for unit, (owner, _) in enumerate(blocks) if owner == index]
                 report = StageReport(stage.name, str(self.output / stage.name if plan.staged else self.output), plan.unit,
                                      stage.budget, stage.budget_kind, sum(r.units for r in reports),
-                                     sum(r.documents for r in reports), reports, len(units))
+                                     sum(r.documents for r in reports), reports,
+                                     sum(len(self.area.read_marker("write", unit)["shards"]) for unit in units), stage.order)
                 stages.append(report)
                 if not plan.staged:
                     self._link_blocks(top, units)
@@ -423,10 +436,10 @@ class MixJob:
 
     def _link_blocks(self, folder: OutputFolder, units: list[int]) -> None:
         for unit in units:
-            name = f"part-{len(folder.shards):05d}.parquet"
-            link_or_copy(self.area.stage_dir("write") / f"{unit:05d}.parquet", folder.file(name))
-            marker = self.area.read_marker("write", unit)
-            folder.add_shard(name, marker["rows"], sha256=marker["sha256"])
+            for shard in self.area.read_marker("write", unit)["shards"]:
+                name = f"part-{len(folder.shards):05d}.parquet"
+                link_or_copy(self.area.stage_dir("write") / shard["file"], folder.file(name))
+                folder.add_shard(name, shard["rows"], sha256=shard["sha256"])
 
     def _result(self, stages: list[StageReport], seconds: float, **fields) -> MixResult:
         plan = self.plan
@@ -440,8 +453,8 @@ class MixJob:
 
 
 def stage_manifest(stage: StageReport) -> dict:
-    return {"name": stage.name, "budget": stage.budget, "budget_kind": stage.budget_kind, "units": stage.units,
-            "documents": stage.documents,
+    return {"name": stage.name, "order": stage.order, "budget": stage.budget, "budget_kind": stage.budget_kind,
+            "units": stage.units, "documents": stage.documents,
             "sources": [{k: v for k, v in asdict(s).items() if k != "ranges"} for s in stage.sources]}
 
 
@@ -459,6 +472,7 @@ def prepare_mix(plan: MixPlan, output: str | Path, *, overwrite: bool = False) -
         source.require(text=[plan.text_column])
         sources[name] = source
     schema = output_schema({name: source.schema for name, source in sources.items()})
+    check_order_columns(plan, {name: source.schema for name, source in sources.items()})
     backend, tokenizer = None, None
     if plan.tokenizer:
         from smolctl.data.tokenizer import load_tokenizer, tokenizer_fingerprint

@@ -11,19 +11,24 @@ order is defined without reading any text, so any block of it can be found on it
    them are read.
 3. The block's rows in merged order, shuffled by a generator seeded with (seed, stage, block).
 So a block is the same bytes whether one process writes them all or each is a task of a Slurm array.
+
+A curriculum stage (`order = "ascending:SCORE"`) orders each source's slice by score, which needs the whole
+slice: it is written as one unit, its rows merged by due point (`merged_blocks`) and each block sorted by score.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from smolctl.data.mix_plan import MixPlan, Stage
+from smolctl.data.mix_plan import ORDER_COLUMN, MixPlan, Stage, ascending_stream, block_order
 from smolctl.errors import UserError
 from smolctl.shards import sha256_file
 
@@ -164,7 +169,7 @@ def slice_pieces(plan: MixPlan, stage_index: int, ranges: list, key: int, file_d
 
 
 def write_block(plan: MixPlan, schema: pa.Schema, sources: dict, allocation: dict, stage_index: int, block: int,
-                path: Path) -> dict:
+                folder: Path, unit: int) -> list[dict]:
     """One output block: its rows from every source, in merged order, shuffled; written as one parquet shard."""
     stage = plan.stages[stage_index]
     reports = [r for r in allocation["reports"][stage_index] if r.documents]
@@ -183,11 +188,76 @@ def write_block(plan: MixPlan, schema: pa.Schema, sources: dict, allocation: dic
         rank.append(np.arange(first, stop))
     order = np.lexsort((np.concatenate(rank), np.concatenate(owner), np.concatenate(due)))
     shuffle = np.random.default_rng([plan.seed, stage_index, block]).permutation(len(order))
-    table = pa.concat_tables(tables).take(pa.array(order[shuffle])).combine_chunks()
+    return [write_shard(pa.concat_tables(tables).take(pa.array(order[shuffle])), folder / f"{unit:05d}.parquet")]
+
+
+def write_curriculum(plan: MixPlan, schema: pa.Schema, sources: dict, allocation: dict, stage_index: int,
+                     sizes: Callable[[pa.Array], np.ndarray], folder: Path, unit: int) -> list[dict]:
+    """A curriculum stage as one unit: each source's whole slice sorted by score (mix_plan.ascending_stream),
+    merged by due point, each block sorted by score; one shard per block."""
+    stage = plan.stages[stage_index]
+    streams = []
+    for report in [r for r in allocation["reports"][stage_index] if r.documents]:
+        key, pieces = source_key(plan.seed, report.name), allocation["pieces"][stage_index][report.name]
+        rows = pa.concat_tables(conform(t, schema, report.name)
+                                for t in slice_rows(sources[report.name], key, pieces, 0, report.documents))
+        order = SliceOrder(stage, report.name, report.documents)
+        streams.append(ascending_stream(iter([(rows, order.due(np.arange(report.documents)))]), stage,
+                                        plan.text_column, sizes, lambda progress, name=report.name: due_points(stage, name, progress)))
+    return [write_shard(block, folder / f"{unit:05d}-{index:05d}.parquet")
+            for index, block in enumerate(merged_blocks(streams, plan.shuffle_buffer, plan.seed, stage_index))]
+
+
+def write_shard(table: pa.Table, path: Path) -> dict:
     tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp, compression="zstd")
+    pq.write_table(table.combine_chunks(), tmp, compression="zstd")
     tmp.replace(path)
-    return {"rows": table.num_rows, "sha256": sha256_file(path)}
+    return {"file": path.name, "rows": table.num_rows, "sha256": sha256_file(path)}
+
+
+def merged_blocks(streams: list[Iterator[tuple[pa.Table, np.ndarray]]], block_rows: int, seed: int,
+                  stage_index: int) -> Iterator[pa.Table]:
+    """Merge the streams by due point; emit blocks of `block_rows` rows, each shuffled by a seeded generator.
+
+    A row is ready once no stream can still produce an earlier due point (each stream's points only grow), so
+    the buffer never holds more than a block plus one batch per source.
+    """
+    heap: list[tuple[float, int, pa.Table, np.ndarray]] = []
+    buffer: list[tuple[pa.Table, np.ndarray]] = []
+    blocks = 0
+
+    def pull(index: int) -> None:
+        for rows, due in streams[index]:
+            heapq.heappush(heap, (float(due[0]), index, rows, due))
+            return
+
+    def ready_blocks(final: bool) -> Iterator[pa.Table]:
+        nonlocal buffer, blocks
+        rows = pa.concat_tables([t for t, _ in buffer]) if len(buffer) > 1 else buffer[0][0]
+        points = np.concatenate([d for _, d in buffer])
+        order = np.argsort(points, kind="stable")
+        ready = len(order) if final else int(np.searchsorted(points[order], heap[0][0], side="right"))
+        while ready >= block_rows or (final and ready > 0):
+            take = min(block_rows, ready)
+            block = rows.take(pa.array(block_order(rows, order[:take], seed, stage_index, blocks)))
+            yield block.drop_columns([ORDER_COLUMN]) if ORDER_COLUMN in block.column_names else block
+            blocks += 1
+            order, ready = order[take:], ready - take
+        buffer = [(rows.take(pa.array(order)), points[order])] if len(order) else []
+
+    for index in range(len(streams)):
+        pull(index)
+    buffered = 0
+    while heap:
+        _, index, rows, due = heapq.heappop(heap)
+        buffer.append((rows, due))
+        buffered += rows.num_rows
+        pull(index)
+        if heap and buffered >= block_rows:
+            yield from ready_blocks(final=False)
+            buffered = sum(t.num_rows for t, _ in buffer)
+    if buffer:
+        yield from ready_blocks(final=True)
 
 
 def save_arrays(path: Path, **arrays: np.ndarray) -> None:
