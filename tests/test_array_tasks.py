@@ -92,7 +92,8 @@ def test_a_pack_task_killed_mid_unit_resumes_to_the_same_bytes(four_shards, toke
 def run_mix(output: Path, **options):
     sample = MIX_RECIPE.parent.parent / "data" / "sample"
     paths = [f'sources.{name}.path="{sample / name}"' for name in ("web", "code", "math")]
-    plan = plan_from_recipe(MIX_RECIPE, ["shuffle_buffer=300", *paths])
+    # The last stage a curriculum (one writing unit), the others shuffled (one unit per block).
+    plan = plan_from_recipe(MIX_RECIPE, ["shuffle_buffer=300", 'stages.2.order="ascending:length"', *paths])
     return prepare_mix(plan, output).run(**options)
 
 
