@@ -284,7 +284,8 @@ def test_one_process_per_device_reports_back_to_the_parent():
     for report in (first, second):
         assert report.error is None and report.mismatches == 0 and report.matmuls > 0 and report.pattern_passes >= 2
     assert first.result_hash == second.result_hash and first.verdict == second.verdict == "OK"
-    assert ticks[-1] == first.matmuls + second.matmuls and 0 < ticks[len(ticks) // 2]  # progress while running
+    # progress while running: a tick before the last already counts work (workers may start late on a loaded machine)
+    assert ticks[-1] == first.matmuls + second.matmuls and any(0 < tick for tick in ticks[:-1])
 
 
 def run_cli(capsys, *args) -> tuple[int, str, str]:
