@@ -90,6 +90,7 @@ start_munge() {
     else
         munged --force
     fi
+    touch "$DIR/munged.started"  # so that stop ends the munged this script started, and only that one
 }
 
 start() {
@@ -129,6 +130,9 @@ stop_daemons() {
 
 stop() {
     stop_daemons
+    if [[ -f $DIR/munged.started && -s /run/munge/munged.pid ]]; then
+        kill "$(cat /run/munge/munged.pid)" 2>/dev/null || true
+    fi
     rm -rf "$DIR"
     log "stopped"
 }
