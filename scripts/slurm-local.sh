@@ -118,11 +118,12 @@ start() {
 }
 
 stop_daemons() {
-    local pidfile
+    local pidfile pid
     for pidfile in "$DIR/slurmd.pid" "$DIR/slurmctld.pid"; do
-        if [[ -s $pidfile ]] && kill -0 "$(cat "$pidfile")" 2>/dev/null; then
-            kill "$(cat "$pidfile")"
-            for _ in $(seq 50); do kill -0 "$(cat "$pidfile")" 2>/dev/null || break; sleep 0.1; done
+        pid=$(cat "$pidfile" 2>/dev/null || true)
+        if [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null; then
+            kill "$pid"
+            for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
         fi
         rm -f "$pidfile"
     done
