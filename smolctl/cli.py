@@ -699,7 +699,7 @@ def _render_stress(config, reports) -> None:
 
   smolctl mix out/ --recipe recipes/smollm3-mix.toml --set stages.0.tokens=1_000_000_000 --json
 
-  smolctl mix out/ --recipe mix.toml --stage measure --tasks 64 --task-id $SLURM_ARRAY_TASK_ID
+  smolctl mix out/ --recipe recipes/demo-mix.toml --stage measure --tasks 64 --task-id $SLURM_ARRAY_TASK_ID
   (then --stage write; see recipes/slurm/mix.sbatch)
 """)
 def mix_command(
