@@ -120,6 +120,8 @@ def root(
   smolctl train-tokenizer data/sample/web tok/ --vocab-size 8192
 
   smolctl train-tokenizer 'corpus/*.parquet' tok/ --vocab-size 49152 --text-column content --json
+
+  smolctl train-tokenizer 'crawl/*.parquet' tok/ --vocab-size 49152 --sample-bytes 2GB      any corpus size, one node
 """)
 def train_tokenizer_command(
     input: str = typer.Argument(..., help="Dataset folder, folder of parquet files, a .parquet file or a glob."),
@@ -127,23 +129,34 @@ def train_tokenizer_command(
     vocab_size: int = typer.Option(8192, "--vocab-size", help="Vocabulary size, special tokens included."),
     text_column: str = typer.Option("text", "--text-column", help="Column holding the documents."),
     min_frequency: int = typer.Option(2, "--min-frequency", help="Merges rarer than this are not learned."),
+    sample_documents: Optional[str] = typer.Option(None, "--sample-documents", help="Train on a seeded uniform "
+                                                   "sample of this many documents, e.g. 1M (streamed: any corpus size)."),
+    sample_bytes: Optional[str] = typer.Option(None, "--sample-bytes", help="Train on a seeded uniform sample of "
+                                               "this much text, e.g. 2GB (with --sample-documents: both limits)."),
+    seed: int = typer.Option(0, "--seed", help="Seeds the sample."),
     overwrite: bool = OVERWRITE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Train a byte-level BPE tokenizer with ChatML chat template and special tokens for document end and padding."""
+    from smolctl.data.mix_plan import parse_amount
     from smolctl.data.tokenizer import train_tokenizer
 
+    documents = parse_amount(sample_documents, "--sample-documents") if sample_documents is not None else None
+    size = parse_amount(sample_bytes, "--sample-bytes") if sample_bytes is not None else None
     with progress(not json_out) as bar:
         task = bar.add_task("reading documents", total=None, rate="", visible=False)
         result = train_tokenizer(input, str(output), vocab_size=vocab_size, text_column=text_column,
-                                 min_frequency=min_frequency, overwrite=overwrite,
+                                 min_frequency=min_frequency, overwrite=overwrite, sample_documents=documents,
+                                 sample_bytes=size, seed=seed,
                                  on_start=lambda total: bar.update(task, total=total, visible=True),
                                  on_batch=lambda n: bar.advance(task, n))
     if json_out:
         emit_json(result.__dict__)
         return
+    sampled = f" (sampled from {human_count(result.corpus_documents)})" if result.corpus_documents is not None else ""
     show(key_values("train-tokenizer", [
-        ("output", result.output), ("vocab size", result.vocab_size), ("documents", human_count(result.documents)),
+        ("output", result.output), ("vocab size", result.vocab_size),
+        ("documents", human_count(result.documents) + sampled),
         ("characters", human_count(result.characters)), ("chars/token", f"{result.chars_per_token:.2f}"),
         ("time", f"{result.seconds:.1f}s"),
     ]))
@@ -242,6 +255,9 @@ def _render_verification(result: dict) -> None:
   smolctl pack 'corpus/*.parquet' packed/ --tokenizer tok/ --seq-len 2048 --strategy concat --json
 
   smolctl pack mix/stage-1 tokens/ --tokenizer tok/ --format datatrove      for nanotron's DatatroveFolderDataset
+
+  smolctl pack mix/ packed/ --tokenizer tok/ --tasks 64 --task-id $SLURM_ARRAY_TASK_ID
+  (one task of a Slurm array, see recipes/slurm/pack.sbatch; the same bytes as a plain run)
 """)
 def pack_command(
     input: str = typer.Argument(..., help="Dataset folder (a mix stage, or a whole mix output: all stages in order), "
@@ -261,6 +277,9 @@ def pack_command(
     seed: int = typer.Option(0, "--seed", help="Seeds the shuffle of each bfd buffer's rows."),
     format: str = typer.Option("safetensors", "--format", help="safetensors: packed rows for pretrain; datatrove: "
                                "nanotron/datatrove .ds token files (documents + EOS back to back, no packing)."),
+    tasks: Optional[int] = typer.Option(None, "--tasks", help="Run as one task of an array of this size: input "
+                                        "shards are split round-robin; the last task to finish writes OUTPUT."),
+    task_id: int = typer.Option(0, "--task-id", help="This task's index in 0..tasks-1 ($SLURM_ARRAY_TASK_ID)."),
     overwrite: bool = OVERWRITE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
@@ -273,17 +292,20 @@ def pack_command(
                         workers=workers, buffer_tokens=buffer_tokens, shard_size=shard_size, seed=seed, format=format)
     job = prepare_pack(input, output, tokenizer_spec=tokenizer, config=config, overwrite=overwrite)
     with progress(not json_out) as bar:
-        task = bar.add_task("packing", total=job.total_documents, rate="")
+        # Shown from the first batch on: a task refused before any work prints its one-line error alone.
+        task = bar.add_task("packing", total=job.total_documents, rate="", visible=False)
         started, tokens = time.perf_counter(), [0]
 
         def advance(documents: int, new_tokens: int) -> None:
             tokens[0] += new_tokens
             rate = tokens[0] / max(1e-9, time.perf_counter() - started)
-            bar.update(task, advance=documents, rate=f"{human_count(rate)} tok/s")
+            bar.update(task, advance=documents, rate=f"{human_count(rate)} tok/s", visible=True)
 
-        result = job.run(advance)
+        result = job.run(advance, tasks=tasks, task_id=task_id)
     if json_out:
         emit_json(result.to_dict())
+        return
+    if _render_array_task("pack", result, tasks, task_id):
         return
     stats = result.stats
     packed = result.format == "safetensors"
@@ -299,6 +321,20 @@ def pack_command(
         ("skipped empty", stats.skipped_empty), ("shards", result.shards),
         ("time", f"{result.seconds:.1f}s ({human_count(result.tokens_per_second)} tokens/s)"),
     ]))
+
+
+def _render_array_task(command: str, result, tasks: int | None, task_id: int) -> bool:
+    """The summary of an array task that did not commit OUTPUT (True when it printed one)."""
+    if result.already_committed:
+        show(f"{command}: {result.output} is already committed by this run; nothing to do")
+        return True
+    if result.finished:
+        return False
+    units = (f"{result.units_done} done, {result.units_skipped} already finished (skipped)"
+             if result.units_done + result.units_skipped else "no units for this task: nothing to do")
+    show(key_values(command, [("units", f"task {task_id} of {tasks}: {units}"), ("time", f"{result.seconds:.1f}s"),
+                              ("output", f"{result.output} (committed by the task that finishes the last unit)")]))
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -544,10 +580,15 @@ def _stage_progress(bar):
 
 
 def _render_dedup(result, tasks: int, task_id: int) -> None:
+    if result.already_committed:
+        show(f"dedup: {result.output} is already committed by this run; nothing to do")
+        return
     if not result.finished:
         where = f"task {task_id} of {tasks}, " if tasks > 1 else ""
+        units = (f"{where}{result.units_done} done, {result.units_skipped} already finished (skipped)"
+                 if result.units_done + result.units_skipped else f"{where}no units for this task: nothing to do")
         show(key_values(f"dedup --stage {result.stage}", [
-            ("units", f"{where}{result.units_done} done, {result.units_skipped} already finished (skipped)"),
+            ("units", units),
             ("time", f"{result.seconds:.1f}s"),
             ("output", f"{result.output} (committed by the filter task that finishes last)")]))
         return
@@ -657,6 +698,9 @@ def _render_stress(config, reports) -> None:
   smolctl mix out/ --source web=web/:85 --source code=code/:12 --source math=math/:3 --tokens 2B --tokenizer tok/
 
   smolctl mix out/ --recipe recipes/smollm3-mix.toml --set stages.0.tokens=1_000_000_000 --json
+
+  smolctl mix out/ --recipe recipes/demo-mix.toml --stage measure --tasks 64 --task-id $SLURM_ARRAY_TASK_ID
+  (then --stage write; see recipes/slurm/mix.sbatch)
 """)
 def mix_command(
     output: Path = typer.Argument(..., help="Dataset folder to write; with a recipe, one subfolder per stage."),
@@ -674,6 +718,10 @@ def mix_command(
                                                "across all stages (default 1: each document at most once)."),
     text_column: str = typer.Option("text", "--text-column", help="Column holding the documents."),
     shuffle_buffer: int = typer.Option(20_000, "--shuffle-buffer", help="Rows per shuffled block (bounds memory)."),
+    stage: Optional[str] = typer.Option(None, "--stage", help="Run one pass only, as Slurm array tasks: measure "
+                                        "(one unit per source shard), then write (one unit per output block)."),
+    tasks: Optional[int] = typer.Option(None, "--tasks", help="Array size for --stage (units are split round-robin)."),
+    task_id: int = typer.Option(0, "--task-id", help="This task's index in 0..tasks-1 ($SLURM_ARRAY_TASK_ID)."),
     overwrite: bool = OVERWRITE_OPTION,
     json_out: bool = JSON_OPTION,
 ) -> None:
@@ -705,24 +753,27 @@ def mix_command(
                                text_column=text_column, shuffle_buffer=shuffle_buffer)
     job = prepare_mix(plan, output, overwrite=overwrite)
     with progress(not json_out) as bar:
-        measuring = bar.add_task(f"measuring sources ({plan.unit})", total=job.total_rows, rate="")
+        measuring = bar.add_task(f"measuring sources ({plan.unit})", total=job.total_rows, rate="", visible=False)
 
         def stage_task(name: str, rows: int):
             task = bar.add_task(f"writing {name}", total=rows, rate="")
             return lambda n: bar.advance(task, n)
 
-        result = job.run(on_measure=lambda n: bar.advance(measuring, n), on_stage=stage_task)
+        result = job.run(on_measure=lambda n: bar.update(measuring, advance=n, visible=True), on_stage=stage_task,
+                         stage=stage, tasks=tasks, task_id=task_id)
     if json_out:
         emit_json(result.to_dict())
         return
-    for stage in result.stages:
-        show(table(f"{stage.name} → {stage.path}  ({human_count(stage.units)} {stage.unit}, "
-                   f"{human_count(stage.documents)} documents)",
-                   ["source", "target weight", "achieved", stage.unit, "documents", "repeat", "repeat so far"],
+    if _render_array_task(f"mix --stage {stage}" if stage else "mix", result, tasks or 1, task_id):
+        return
+    for report in result.stages:
+        show(table(f"{report.name} → {report.path}  ({human_count(report.units)} {report.unit}, "
+                   f"{human_count(report.documents)} documents)",
+                   ["source", "target weight", "achieved", report.unit, "documents", "repeat", "repeat so far"],
                    ([s.name, f"{s.start_weight:.3f}→{s.end_weight:.3f} (mean {s.target_weight:.3f})" if s.start_weight != s.end_weight
                      else f"{s.target_weight:.3f}", f"{s.achieved_weight:.3f}", human_count(s.units),
                      human_count(s.documents), f"{s.repeat:.2f}x", f"{s.cumulative_repeat:.2f}x"]
-                    for s in stage.sources)))
+                    for s in report.sources)))
     show(styled(f"weights are fractions of [bold]{result.unit}[/]"
                 + ("" if result.unit == "tokens" else " (pass --tokenizer to weigh by tokens)")
                 + f"; seed {result.seed}, max repeat {result.max_repeat:g}; {result.seconds:.1f}s"))

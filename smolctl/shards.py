@@ -185,9 +185,11 @@ class OutputFolder:
         """Where a file of this output is written before the commit."""
         return self.staging / name
 
-    def add_shard(self, name: str, rows: int, tokens: int | None = None, **extra: Any) -> dict:
+    def add_shard(self, name: str, rows: int, tokens: int | None = None, sha256: str | None = None, **extra: Any) -> dict:
+        """Record a shard written into the staging folder; `sha256` when already known (a shard linked in from a
+        work area, hashed when it was written)."""
         path = self.staging / name
-        shard = {"name": name, "rows": int(rows), "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        shard = {"name": name, "rows": int(rows), "bytes": path.stat().st_size, "sha256": sha256 or sha256_file(path)}
         if tokens is not None:
             shard["tokens"] = int(tokens)
         shard.update(extra)

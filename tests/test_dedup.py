@@ -4,10 +4,7 @@ and shard layouts, --against, --keep, the staged Slurm path with markers, and th
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 import unicodedata
 from pathlib import Path
 
@@ -20,7 +17,7 @@ from smolctl.data import minhash
 from smolctl.data.dedup import DedupConfig, run
 from smolctl.data.minhash import MinHashParams
 from smolctl.errors import UserError
-from conftest import REPO, SAMPLE, run_cli
+from conftest import SAMPLE, run_cli
 
 PARAMS = MinHashParams.for_threshold(0.8)
 ASCII_PUNCTUATION = "".join(chr(c) for c in range(33, 127) if not (chr(c).isalnum() or chr(c) == "_"))
@@ -228,7 +225,7 @@ def test_staged_markers_skip_finished_tasks_and_a_rerun_resumes(planted, tmp_pat
     first = dedup(planted["input"], out, stage="signatures", tasks=2, task_id=0)
     again = dedup(planted["input"], out, stage="signatures", tasks=2, task_id=0)
     assert (first.units_done, again.units_done, again.units_skipped) == (2, 0, 2)
-    with pytest.raises(UserError, match="1 unit"):
+    with pytest.raises(UserError, match=r"1 unit\(s\) of 3"):
         dedup(planted["input"], out, stage="buckets")
     # A run "killed" after the signatures of task 0: the plain local run finishes it, reusing the markers.
     result = dedup(planted["input"], out, workers=1)
@@ -236,8 +233,13 @@ def test_staged_markers_skip_finished_tasks_and_a_rerun_resumes(planted, tmp_pat
     dedup(planted["input"], tmp_path / "fresh", workers=1)
     for name in ("part-00000.parquet", "part-00001.parquet", "duplicates/part-00000.parquet"):
         assert (out / name).read_bytes() == (tmp_path / "fresh" / name).read_bytes()
+    # Any task of the committed run, re-submitted or late, finds it done; other settings are refused.
+    assert dedup(planted["input"], out, stage="signatures").already_committed
+    assert dedup(planted["input"], out, stage="filter", tasks=64, task_id=63).already_committed
     with pytest.raises(UserError, match="already exists"):
-        dedup(planted["input"], out, stage="signatures")
+        dedup(planted["input"], out, stage="signatures", keep="longest")
+    with pytest.raises(UserError, match="already exists"):
+        dedup(planted["input"], out, workers=1)
 
 
 def test_a_work_area_hashed_by_another_version_is_not_resumed(planted, tmp_path, monkeypatch):
@@ -287,34 +289,6 @@ def test_ids_default_to_shard_and_row(tmp_path):
     _, report = read_output(tmp_path / "out")
     assert report.to_pylist() == [{"id": "part-00000:2", "duplicate_of": "part-00000:0", "cluster": 0,
                                    "reason": "exact", "jaccard": 1.0}]
-
-
-FAKE_SBATCH = """#!/bin/bash
-# Runs each array task of the job at once, one after the other (so afterok holds), as Slurm would run them.
-array=0-0; script=${@: -1}
-for arg in "$@"; do
-  case $arg in --array=*) array=${arg#--array=};; --export=ALL,*) for kv in $(echo "${arg#--export=ALL,}" | tr , ' '); do export "$kv"; done;; esac
-done
-for ((i=${array%-*}; i<=${array#*-}; i++)); do SLURM_JOB_ID=7 SLURM_ARRAY_TASK_ID=$i SLURM_CPUS_PER_TASK=1 bash "$script" >&2 || exit 1; done
-echo $RANDOM
-"""
-
-
-def test_slurm_recipe_chains_the_stages_to_the_same_output(planted, tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "sbatch").write_text(FAKE_SBATCH)
-    (bin_dir / "sbatch").chmod(0o755)
-    (bin_dir / "smolctl").write_text(f"#!/bin/bash\nexec {sys.executable} -m smolctl \"$@\"\n")
-    (bin_dir / "smolctl").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "INPUT": str(planted["input"]),
-           "OUTPUT": str(tmp_path / "slurm"), "TASKS": "2", "BANDS": "3", "DEDUP_ARGS": "--minhash --keep first"}
-    done = subprocess.run(["bash", str(REPO / "recipes" / "slurm" / "dedup.sbatch")], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    dedup(planted["input"], tmp_path / "local", workers=1)
-    for name in ("part-00000.parquet", "part-00002.parquet", "duplicates/part-00000.parquet"):
-        assert (tmp_path / "slurm" / name).read_bytes() == (tmp_path / "local" / name).read_bytes()
 
 
 # ---------------------------------------------------------------------------------------------------------------

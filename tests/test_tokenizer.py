@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pyarrow.parquet as pq
 import pytest
 
 from smolctl.data.tokenizer import DOCUMENT_END, IM_END, PAD, load_tokenizer, tokenizer_fingerprint
@@ -57,3 +58,34 @@ def test_cli_trains_with_json_and_rejects_tiny_vocab(tmp_path, sample):
     assert bad.returncode == 2 and "--vocab-size" in bad.stderr and not (tmp_path / "tok2").exists()
     wrong_column = run_cli("train-tokenizer", sample / "math", tmp_path / "tok3", "--text-column", "body")
     assert wrong_column.returncode == 2 and "columns: id, text, origin" in wrong_column.stderr
+
+
+def test_a_seeded_sample_is_the_lowest_priorities_within_the_budget(sample, tmp_path):
+    from itertools import accumulate
+
+    import numpy as np
+
+    from smolctl.data.tokenizer import sample_texts, train_tokenizer
+    from smolctl.shards import open_documents
+
+    source = open_documents(sample / "web")
+    # The reference: every document's priority drawn at once per file, sorted, the prefix that fits.
+    ranked = []
+    for index, path in enumerate(source.files):
+        texts = pq.read_table(path, columns=["text"]).column(0).to_pylist()
+        priorities = np.random.default_rng([7, index]).random(len(texts))
+        ranked += [(p, t) for p, t in zip(priorities.tolist(), texts) if t]
+    ranked = [t for _, t in sorted(ranked)]
+    assert sample_texts(source, "text", documents=150, seed=7) == ranked[:150]
+    fits = sum(1 for total in accumulate(len(t.encode()) for t in ranked) if total <= 60_000)
+    by_bytes = sample_texts(source, "text", bytes_=60_000, seed=7)
+    assert by_bytes == ranked[:fits] and 0 < fits < len(ranked)
+    assert sample_texts(source, "text", documents=150, bytes_=60_000, seed=7) == ranked[:min(150, fits)]
+    # The same seed trains the same tokenizer; the sample is recorded in the manifest.
+    prints = []
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        result = train_tokenizer(str(sample / "web"), str(tmp_path / name), vocab_size=600, sample_documents=200,
+                                 seed=seed)
+        assert (result.documents, result.corpus_documents) == (200, source.num_rows)
+        prints.append(json.loads((tmp_path / name / "manifest.json").read_text())["stats"]["fingerprint"])
+    assert prints[0] == prints[1] != prints[2]

@@ -11,18 +11,16 @@
 
 This module plans, chains and assembles; the units themselves are in dedup_stages.py.
 
-Intermediates live in OUTPUT/_work/<stage>/, each unit finished by an atomic `.done` marker, so any split of
-units into Slurm array tasks (`--tasks N --task-id I`), a local process pool, or a re-run after a kill gives
-the same bytes: documents are identified by their global position (input shards in order, then reference
-shards), and every choice (kept document, cluster number, report order) is a function of that order only.
+Intermediates live in OUTPUT/_work/<stage>/, each unit finished by an atomic `.done` marker
+(smolctl/data/array_tasks.py), so any split of units into Slurm array tasks (`--tasks N --task-id I`), a local
+process pool, or a re-run after a kill gives the same bytes: documents are identified by their global position
+(input shards in order, then reference shards), and every choice (kept document, cluster number, report order)
+is a function of that order only.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,16 +28,16 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from smolctl.data.array_tasks import (FINGERPRINT_KEY, AlreadyCommitted, WorkArea, check_task, digest, file_identity,
+                                      link_or_copy, task_units, unless_committed)
 from smolctl.data.dedup_stages import (Report, bucket_unit, check_unique_ids, components_unit, filter_unit, id_chunks,
                                       signature_unit)
 from smolctl.data.minhash import HASHING_VERSION, MinHashParams
 from smolctl.errors import UserError
-from smolctl.shards import (KIND_DOCUMENTS, DatasetWriter, DocumentSource, OutputFolder,
-                            atomic_write_json, check_output_path, open_documents, schema_to_dict)
+from smolctl.shards import KIND_DOCUMENTS, DatasetWriter, DocumentSource, OutputFolder, open_documents, schema_to_dict
 
 STAGES = ("signatures", "buckets", "components", "filter")
 KEEP_POLICIES = ("first", "longest")
-WORK = "_work"
 # Below this many documents a process pool costs more to start than it saves (the sample corpus runs in 1 s).
 POOL_MIN_DOCUMENTS = 20_000
 DUPLICATES_SCHEMA = pa.schema([("id", pa.string()), ("duplicate_of", pa.string()), ("cluster", pa.int64()),
@@ -73,6 +71,8 @@ class DedupResult:
     output: str
     stage: str
     finished: bool
+    already_committed: bool = False
+    """OUTPUT was committed by an earlier task of this same run: nothing was done."""
     documents: int = 0
     null_text: int = 0
     exact_removed: int = 0
@@ -98,7 +98,11 @@ class Plan:
     source: DocumentSource
     reference: DocumentSource | None
     id_column: str | None
-    work: Path
+    area: WorkArea
+
+    @property
+    def work(self) -> Path:
+        return self.area.root
 
     @property
     def units(self) -> list[tuple[DocumentSource, int]]:
@@ -116,22 +120,21 @@ class Plan:
         return 1 if stage == "components" else len(self.source.files)
 
     def marker(self, stage: str, unit: int) -> Path:
-        return self.work / stage / f"{unit:05d}.done"
+        return self.area.marker(stage, unit)
 
     def done(self, stage: str) -> bool:
-        return all(self.marker(stage, u).is_file() for u in range(self.unit_count(stage)))
+        return self.area.stage_done(stage, self.unit_count(stage))
 
-    def fingerprint(self) -> dict:
-        def files(src: DocumentSource | None) -> list:
-            return [] if src is None else [[str(f.resolve()), f.stat().st_size, int(f.stat().st_mtime)] for f in src.files]
 
-        return {"config": {k: v for k, v in asdict(self.config).items() if k not in ("overwrite", "output")},
-                "input_files": files(self.source), "reference_files": files(self.reference),
-                "hashing": HASHING_VERSION}
+def fingerprint(config: DedupConfig, source: DocumentSource, reference: DocumentSource | None) -> dict:
+    return {"config": {k: v for k, v in asdict(config).items() if k not in ("overwrite", "output")},
+            "input_files": file_identity(source.files), "reference_files": file_identity(reference.files) if reference else [],
+            "hashing": HASHING_VERSION}
 
 
 def plan(config: DedupConfig) -> Plan:
-    """Check everything a run needs before any file is written; UserError on the first problem."""
+    """Check the inputs and settings a run needs; UserError on the first problem. The output is checked by
+    the caller (a task of a run already committed finds OUTPUT complete, which is not an error)."""
     if not (config.exact or config.minhash):
         raise UserError("dedup", "both exact and MinHash dedup are off", "drop --no-exact or add --minhash")
     if config.keep not in KEEP_POLICIES:
@@ -150,12 +153,8 @@ def plan(config: DedupConfig) -> Plan:
     if total >= 2**32:
         raise UserError(config.input, f"{total:,} documents: candidate pairs index documents with 32 bits",
                         "split the corpus and chain runs with --against")
-    output = Path(config.output)
-    work = output / WORK
-    only_work = output.is_dir() and {p.name for p in output.iterdir()} <= {WORK}
-    if not only_work:
-        check_output_path(output, config.overwrite)
-    return Plan(config, source, reference, id_column, work)
+    area = WorkArea(Path(config.output), STAGES, fingerprint(config, source, reference))
+    return Plan(config, source, reference, id_column, area)
 
 
 def _resolve_ids(source: DocumentSource, config: DedupConfig) -> str | None:
@@ -164,44 +163,6 @@ def _resolve_ids(source: DocumentSource, config: DedupConfig) -> str | None:
         return config.id_column
     source.require(text=[config.text_column])
     return "id" if "id" in source.columns else None
-
-
-def check_work_area(plan_: Plan) -> None:
-    """A work area left in OUTPUT must belong to a run with the same inputs and settings (or --overwrite)."""
-    config_path = plan_.work / "config.json"
-    if config_path.is_file() and json.loads(config_path.read_text()) != _fingerprint(plan_) and not plan_.config.overwrite:
-        raise UserError(plan_.work, "holds an unfinished run with other inputs or settings",
-                        "re-run with the original arguments, or pass --overwrite to start again")
-
-
-def prepare_work_area(plan_: Plan) -> None:
-    """Create OUTPUT/_work and record the run's fingerprint; an older run's area is cleared (--overwrite)."""
-    config_path = plan_.work / "config.json"
-    fingerprint = _fingerprint(plan_)
-    if config_path.is_file():
-        if json.loads(config_path.read_text()) == fingerprint:
-            return
-        shutil.rmtree(plan_.work)
-    try:
-        for stage in STAGES:
-            (plan_.work / stage).mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(plan_.config.output, f"cannot create the work area: {exc.strerror or exc}",
-                        "check the path and its permissions") from exc
-    atomic_write_json(config_path, fingerprint)
-
-
-def _fingerprint(plan_: Plan) -> dict:
-    return json.loads(json.dumps(plan_.fingerprint(), default=str))
-
-
-def check_ready(plan_: Plan, stage: str) -> None:
-    """A stage may start only when every unit of the stages before it has its marker."""
-    for earlier in STAGES[:STAGES.index(stage)]:
-        if not plan_.done(earlier):
-            missing = sum(not plan_.marker(earlier, u).is_file() for u in range(plan_.unit_count(earlier)))
-            raise UserError(f"--stage {stage}", f"the {earlier} stage has not finished ({missing} unit(s) missing under {plan_.work / earlier})",
-                            f"run --stage {earlier} for every task first (or run without --stage)")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -217,7 +178,7 @@ def assemble(plan_: Plan, stats: dict) -> dict:
             piece = plan_.work / "filter" / f"{unit:05d}.parquet"
             if piece.is_file():
                 name = f"part-{len(folder.shards):05d}.parquet"
-                _link_or_copy(piece, folder.file(name))
+                link_or_copy(piece, folder.file(name))
                 folder.add_shard(name, pq.read_metadata(folder.file(name)).num_rows)
         removed = pq.read_table(plan_.work / "components" / "removed.parquet").drop_columns(["index"])
         with OutputFolder(folder.file("duplicates"), kind=KIND_DOCUMENTS, inputs=[]) as report_folder:
@@ -225,7 +186,8 @@ def assemble(plan_: Plan, stats: dict) -> dict:
             writer.write(removed.cast(DUPLICATES_SCHEMA))
             writer.close()
             report_folder.commit(schema=schema_to_dict(DUPLICATES_SCHEMA), stats={"removed": removed.num_rows})
-        return folder.commit(schema=schema_to_dict(plan_.source.schema), stats=stats, dedup=_settings(plan_))
+        return folder.commit(schema=schema_to_dict(plan_.source.schema), stats=stats, dedup=_settings(plan_),
+                             **{FINGERPRINT_KEY: digest(plan_.area.fingerprint)})
 
 
 def _settings(plan_: Plan) -> dict:
@@ -233,14 +195,6 @@ def _settings(plan_: Plan) -> dict:
     return {"exact": config.exact, "minhash": asdict(config.minhash) if config.minhash else None, "verify": config.verify,
             "keep": config.keep, "text_column": config.text_column, "id_column": plan_.id_column or "shard:row",
             "against": str(Path(config.against).resolve()) if config.against else None}
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    """A hard link keeps the work area intact until the commit: a crash here loses nothing."""
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -258,40 +212,55 @@ def run(config: DedupConfig, *, stage: str | None = None, tasks: int = 1, task_i
     """
     if stage is not None and stage not in STAGES:
         raise UserError("--stage", f"unknown stage {stage!r}", f"use one of {', '.join(STAGES)}")
-    if tasks < 1 or not 0 <= task_id < tasks:
-        raise UserError("--task-id", f"{task_id} is out of range for --tasks {tasks}", f"use 0 to {max(tasks, 1) - 1} (e.g. $SLURM_ARRAY_TASK_ID with --array=0-{max(tasks, 1) - 1})")
+    check_task(tasks, task_id)
     if stage == "components" and tasks != 1:
         raise UserError("--tasks", "the components stage is a single task", "run it with --tasks 1 --task-id 0")
     plan_ = plan(config)
+    # A task of an array (not a plain local run, which refuses a full OUTPUT) finds a committed run done.
+    array_task = stage is not None or tasks > 1
+    if array_task and plan_.area.committed() and not config.overwrite:
+        return DedupResult(output=str(config.output), stage=stage or "all", finished=True, already_committed=True,
+                           params=_settings(plan_))
+    if not array_task:
+        return _run_units(plan_, stage, tasks, task_id, workers, report)
+    try:
+        with unless_committed(plan_.area):
+            return _run_units(plan_, stage, tasks, task_id, workers, report)
+    except AlreadyCommitted:
+        return DedupResult(output=str(config.output), stage=stage or "all", finished=True, already_committed=True,
+                           params=_settings(plan_))
+
+
+def _run_units(plan_: Plan, stage: str | None, tasks: int, task_id: int, workers: int, report: Report) -> DedupResult:
+    config = plan_.config
     if stage is None:
         # Locally the ids are checked before anything is written; an array checks them in the components task.
         check_unique_ids(pa.chunked_array([c for i in range(len(plan_.source.files)) for c in id_chunks(plan_, i)], pa.string())
                           if plan_.id_column else None, config.input, plan_.id_column)
-    check_work_area(plan_)
+    plan_.area.check(config.overwrite)
     started = time.perf_counter()  # after the checks (and the imports they trigger): the time the work takes
     stages = STAGES if stage is None else (stage,)
     if stage is not None:
-        check_ready(plan_, stage)
-    prepare_work_area(plan_)
+        plan_.area.check_ready(stage, plan_.unit_count)
+    mine = {name: task_units(plan_.unit_count(name), tasks, task_id) for name in stages}
+    todo = {name: [u for u in units if not plan_.marker(name, u).is_file()] for name, units in mine.items()}
+    if stage is None or todo[stage]:  # a task with nothing left to do writes nothing
+        plan_.area.prepare()
     done = skipped = 0
     with _Workers(workers) as pool:
         for name in stages:
-            mine = [u for u in range(plan_.unit_count(name)) if u % tasks == task_id]
-            todo = [u for u in mine if not plan_.marker(name, u).is_file()]
-            report(name, 0, total=_stage_total(plan_, name, todo))
-            skipped += len(mine) - len(todo)
-            pool.run(plan_, name, todo, report)
-            done += len(todo)
+            report(name, 0, total=_stage_total(plan_, name, todo[name]))
+            skipped += len(mine[name]) - len(todo[name])
+            pool.run(plan_, name, todo[name], report)
+            done += len(todo[name])
     result = DedupResult(output=str(config.output), stage=stage or "all", finished=False, units_done=done,
                          units_skipped=skipped, params=_settings(plan_))
     if plan_.done("filter"):
         stats = _final_stats(plan_)
-        manifest = _assemble_once(plan_, stats)
+        manifest = plan_.area.commit_once(lambda: assemble(plan_, stats))
         result.finished = manifest is not None
         if not result.finished and stage is None:
-            lock = plan_.work / "assemble.lock"
-            raise UserError(lock, f"another process ({lock.read_text() if lock.exists() else 'gone'}) is writing OUTPUT",
-                            "wait for it to finish; if that process is dead, delete the lock and re-run")
+            raise plan_.area.busy_error()
         for key, value in stats.items():
             setattr(result, key, value)
     result.seconds = time.perf_counter() - started
@@ -317,37 +286,6 @@ def _final_stats(plan_: Plan) -> dict:
     return stats
 
 
-def _assemble_once(plan_: Plan, stats: dict) -> dict | None:
-    """Commit OUTPUT unless another task holds the assembly lock; a lock left by a dead process is taken over."""
-    lock = plan_.work / "assemble.lock"
-    owner = {"host": socket.gethostname(), "pid": os.getpid()}
-    try:
-        handle = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        holder = json.loads(lock.read_text() or "{}")
-        if holder.get("host") == owner["host"] and not _alive(holder.get("pid", -1)):
-            lock.unlink(missing_ok=True)
-            return _assemble_once(plan_, stats)
-        return None
-    with os.fdopen(handle, "w") as out:
-        json.dump(owner, out)
-    try:
-        return assemble(plan_, stats)
-    except BaseException:
-        lock.unlink(missing_ok=True)
-        raise
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return pid > 0
-
-
 class _Workers:
     """A process pool started on first use and shared by the stages of one run. Forked, not spawned: a spawned
     worker re-imports the caller's main module (`python -m smolctl` would start the CLI again) and pays the
@@ -360,7 +298,7 @@ class _Workers:
         documents = plan_.source.num_rows + (plan_.reference.num_rows if plan_.reference else 0)
         if self.size <= 1 or len(units) <= 1 or documents < POOL_MIN_DOCUMENTS:
             for unit in units:
-                mark_done(plan_, stage, unit, UNIT_RUNNERS[stage](plan_, unit, report))
+                plan_.area.mark_done(stage, unit, UNIT_RUNNERS[stage](plan_, unit, report))
             return
         from concurrent.futures import FIRST_COMPLETED, wait
 
@@ -403,7 +341,7 @@ def _init_worker(queue) -> None:
 def _unit_in_worker(plan_: Plan, stage: str, unit: int) -> tuple | None:
     """Run one unit in a pool process; a UserError comes back as its parts (it does not pickle as raised)."""
     try:
-        mark_done(plan_, stage, unit, UNIT_RUNNERS[stage](plan_, unit, _report_to_parent))
+        plan_.area.mark_done(stage, unit, UNIT_RUNNERS[stage](plan_, unit, _report_to_parent))
     except UserError as exc:
         return exc.where, exc.what, exc.fix
     return None
@@ -422,15 +360,3 @@ def _drain(queue, report: Report) -> None:
         except queues.Empty:
             return
         report(stage, advance, total=total)
-
-
-def mark_done(plan_: Plan, stage: str, unit: int, stats: dict) -> None:
-    """Write a unit's marker under a temporary name and rename it: a killed task leaves a marker or none.
-
-    No fsync (unlike the output's manifest): a marker only saves recomputing its unit, and on the shared
-    filesystems of clusters rename and close already reach the server.
-    """
-    path = plan_.marker(stage, unit)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps({**stats, "host": socket.gethostname(), "finished_at": time.time()}))
-    os.replace(tmp, path)

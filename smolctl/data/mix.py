@@ -2,6 +2,7 @@
 
     smolctl mix demo-out/mix --recipe recipes/demo-mix.toml
     smolctl mix out/ --source web=data/sample/web:0.7 --source code=data/sample/code:0.3 --bytes 1MB
+    smolctl mix out/ --recipe mix.toml --stage measure --tasks 64 --task-id $SLURM_ARRAY_TASK_ID   (then --stage write)
 
 How it works, streaming each source once to measure it and once per stage that uses it (memory: two arrays of
 2**16 bins per source, the shuffle buffer, and one batch per source; never a whole source):
@@ -13,64 +14,43 @@ How it works, streaming each source once to measure it and once per stage that u
    The slice ends at the bin boundary nearest the target, so achieved weights are exact to a bin (1/65536 of a
    source) or a document, whichever is larger, and are computed from the bins without re-reading anything.
    A slice that walks the source more than `max_repeat` times is an error that says what weight it can carry.
-3. Write. Each source streams the rows of its slice (files in a seeded order). Each row is due at the point of
-   the stage where the (possibly interpolated) schedule wants it; rows are merged by due point and written in
-   blocks of `shuffle_buffer` rows, each block shuffled with a seeded generator: every block holds the sources in
-   proportion, and the same seed gives the same bytes. A curriculum stage (`order = "ascending:SCORE"`) sorts
-   each source's slice and each block by score instead (see mix_plan.py).
+3. Write. Each source's slice is a sequence of rows (bin ranges one pass each, files in a seeded order). Each
+   row is due at the point of the stage where the (possibly interpolated) schedule wants it; rows are merged by
+   due point and cut into blocks of `shuffle_buffer` rows, each block shuffled with a seeded generator and
+   written as one shard: every block holds the sources in proportion, and the same seed gives the same bytes.
+
+Both passes are units of work (smolctl/data/array_tasks.py): `measure` has one unit per source shard, `write`
+one per output block (smolctl/data/mix_blocks.py finds a block's rows on its own). A plain run does them all in
+order; `--stage measure|write --tasks N --task-id I` does a share as one task of a Slurm array, and whichever
+call writes the last block assembles OUTPUT. The bytes are the same for any split. A curriculum stage
+(`order = "ascending:SCORE"`, see mix_plan.py) sorts each source's whole slice by score, so it is one writing
+unit (its blocks sorted by score instead of shuffled).
 """
 
 from __future__ import annotations
 
-import hashlib
-import heapq
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from smolctl.data.mix_plan import (
-    ORDER_COLUMN,
-    MixPlan,
-    Stage,
-    ascending_stream,
-    block_order,
-    check_order_columns,
-)
+from smolctl.data.array_tasks import (FINGERPRINT_KEY, AlreadyCommitted, WorkArea, check_task, digest, file_identity,
+                                      link_or_copy, task_units, unless_committed)
+from smolctl.data.mix_blocks import (BINS, SOURCE_COLUMN, row_bins, save_arrays, slice_pieces, source_key, write_block,
+                                     write_curriculum)
+from smolctl.data.mix_plan import MixPlan, Stage, check_order_columns
 from smolctl.errors import UserError
-from smolctl.shards import (
-    KIND_DOCUMENTS,
-    DatasetWriter,
-    DocumentSource,
-    OutputFolder,
-    check_output_path,
-    open_documents,
-    schema_to_dict,
-)
+from smolctl.shards import KIND_DOCUMENTS, DocumentSource, OutputFolder, atomic_write_json, open_documents, schema_to_dict
 
-BIN_BITS = 16
-BINS = 1 << BIN_BITS
-SOURCE_COLUMN = "source"
+STAGES = ("measure", "write")
 
 # ---------------------------------------------------------------------------------------------------------------
 # Pass 1: measure every source into hash bins
-
-
-def source_key(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}\0{name}".encode()).digest()[:8], "little")
-
-
-def row_bins(key: int, rows: np.ndarray) -> np.ndarray:
-    """A bin in [0, BINS) for each global row index: splitmix64 of (row, key), top bits. Pure, vectorised."""
-    z = (rows.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(key)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z ^= z >> np.uint64(31)
-    return (z >> np.uint64(64 - BIN_BITS)).astype(np.int64)
 
 
 @dataclass
@@ -91,9 +71,6 @@ class SourceProfile:
     def total_documents(self) -> int:
         return int(self.documents.sum())
 
-    def file_offsets(self) -> list[int]:
-        return np.concatenate([[0], np.cumsum(self.source.file_rows)]).astype(int).tolist()
-
 
 def document_sizes(texts: pa.Array, backend) -> np.ndarray:
     """Tokens (ids + the EOS `pack` appends; 0 for an empty document) or UTF-8 bytes of each document."""
@@ -105,19 +82,20 @@ def document_sizes(texts: pa.Array, backend) -> np.ndarray:
     return np.where(lengths > 0, lengths + 1, 0)
 
 
-def measure(name: str, source: DocumentSource, key: int, text_column: str, backend,
-            on_rows: Callable[[int], None] | None = None) -> SourceProfile:
+def measure_file(source: DocumentSource, file_index: int, key: int, text_column: str, backend,
+                 on_rows: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(units, documents) per bin of one file of a source; rows are numbered across the whole source."""
     units = np.zeros(BINS, dtype=np.int64)
     documents = np.zeros(BINS, dtype=np.int64)
-    row = 0
-    for batch in source.iter_batches(columns=[text_column], batch_size=4096):
+    row = sum(source.file_rows[:file_index])
+    for batch in source.iter_file_batches(file_index, columns=[text_column], batch_size=4096, threads=False):
         bins = row_bins(key, np.arange(row, row + batch.num_rows))
         units += np.bincount(bins, weights=document_sizes(batch.column(0), backend), minlength=BINS).astype(np.int64)
         documents += np.bincount(bins, minlength=BINS)
         row += batch.num_rows
         if on_rows:
             on_rows(batch.num_rows)
-    return SourceProfile(name, source, key, units, documents)
+    return units, documents
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -265,93 +243,6 @@ def output_schema(schemas: dict[str, pa.Schema]) -> pa.Schema:
     return merged.append(pa.field(SOURCE_COLUMN, pa.string()))
 
 
-def conform(batch: pa.RecordBatch, schema: pa.Schema, name: str) -> pa.Table:
-    columns = [batch.column(f.name) if f.name in batch.schema.names else pa.nulls(batch.num_rows, f.type)
-               for f in schema if f.name != SOURCE_COLUMN]
-    columns.append(pa.array([name] * batch.num_rows, pa.string()))
-    return pa.Table.from_arrays(columns, schema=schema)
-
-
-def due_points(stage: Stage, name: str, progress: np.ndarray) -> np.ndarray:
-    """Where in the stage (0..1) a source's rows belong, given how far through its slice each row is (0..1).
-
-    With weights moving linearly from a to b, the source's cumulative share at stage point x is
-    a·x + (b - a)·x²/2, normalised by its total (a + b)/2; this solves that for x.
-    """
-    a, b = stage.start[name], stage.end[name]
-    curve = (b - a) / 2
-    if abs(curve) < 1e-12:
-        return progress
-    target = progress * (a + b) / 2
-    return (-a + np.sqrt(np.maximum(a * a + 4 * curve * target, 0.0))) / (2 * curve)
-
-
-def stream_rows(profile: SourceProfile, report: SourceReport, stage: Stage, plan: MixPlan, schema: pa.Schema,
-                stage_index: int) -> Iterator[tuple[pa.Table, np.ndarray]]:
-    """(rows, due points) of one source's slice, one read pass per bin range, files in a seeded order."""
-    offsets = profile.file_offsets()
-    emitted = 0
-    for pass_index, (lo, hi) in enumerate(report.ranges):
-        rng = np.random.default_rng([plan.seed, profile.key % 2**32, stage_index, pass_index])
-        for file_index in rng.permutation(len(profile.source.files)).tolist():
-            row = offsets[file_index]
-            for batch in profile.source.iter_file_batches(file_index, batch_size=1024):
-                bins = row_bins(profile.key, np.arange(row, row + batch.num_rows))
-                row += batch.num_rows
-                keep = (bins >= lo) & (bins < hi)
-                if not keep.any():
-                    continue
-                rows = conform(batch.filter(pa.array(keep)), schema, profile.name)
-                progress = (emitted + np.arange(rows.num_rows) + 0.5) / max(1, report.documents)
-                emitted += rows.num_rows
-                yield rows, due_points(stage, profile.name, progress)
-
-
-def merged_blocks(streams: list[Iterator[tuple[pa.Table, np.ndarray]]], block_rows: int, seed: int,
-                  stage_index: int) -> Iterator[pa.Table]:
-    """Merge the streams by due point; emit blocks of `block_rows` rows, each shuffled by a seeded generator.
-
-    A row is ready once no stream can still produce an earlier due point (each stream's points only grow), so
-    the buffer never holds more than a block plus one batch per source.
-    """
-    heap: list[tuple[float, int, pa.Table, np.ndarray]] = []
-    buffer: list[tuple[pa.Table, np.ndarray]] = []
-    blocks = 0
-
-    def pull(index: int) -> None:
-        for rows, due in streams[index]:
-            heapq.heappush(heap, (float(due[0]), index, rows, due))
-            return
-
-    def ready_blocks(final: bool) -> Iterator[pa.Table]:
-        nonlocal buffer, blocks
-        rows = pa.concat_tables([t for t, _ in buffer]) if len(buffer) > 1 else buffer[0][0]
-        points = np.concatenate([d for _, d in buffer])
-        order = np.argsort(points, kind="stable")
-        ready = len(order) if final else int(np.searchsorted(points[order], heap[0][0], side="right"))
-        while ready >= block_rows or (final and ready > 0):
-            take = min(block_rows, ready)
-            block = rows.take(pa.array(block_order(rows, order[:take], seed, stage_index, blocks)))
-            yield block.drop_columns([ORDER_COLUMN]) if ORDER_COLUMN in block.column_names else block
-            blocks += 1
-            order, ready = order[take:], ready - take
-        buffer = [(rows.take(pa.array(order)), points[order])] if len(order) else []
-
-    for index in range(len(streams)):
-        pull(index)
-    buffered = 0
-    while heap:
-        _, index, rows, due = heapq.heappop(heap)
-        buffer.append((rows, due))
-        buffered += rows.num_rows
-        pull(index)
-        if heap and buffered >= block_rows:
-            yield from ready_blocks(final=False)
-            buffered = sum(t.num_rows for t, _ in buffer)
-    if buffer:
-        yield from ready_blocks(final=True)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The command
 
@@ -364,6 +255,13 @@ class MixResult:
     max_repeat: float
     stages: list[StageReport]
     seconds: float
+    finished: bool = True
+    """OUTPUT was committed by this call (`stages` is filled only then)."""
+    already_committed: bool = False
+    """An array task of a run committed earlier: nothing was done."""
+    stage: str = "all"
+    units_done: int = 0
+    units_skipped: int = 0
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -375,7 +273,7 @@ class MixResult:
 
 @dataclass
 class MixJob:
-    """A validated mix (sources opened, schemas unified, tokenizer loaded, output checked): see `prepare_mix`."""
+    """A validated mix (sources opened, schemas unified, tokenizer loaded): see `prepare_mix`."""
 
     plan: MixPlan
     output: Path
@@ -383,54 +281,169 @@ class MixJob:
     sources: dict[str, DocumentSource]
     schema: pa.Schema
     backend: object
+    area: WorkArea
 
     @property
     def total_rows(self) -> int:
         return sum(source.num_rows for source in self.sources.values())
 
+    @property
+    def measure_units(self) -> list[tuple[str, int]]:
+        """(source, file) of every measuring unit: the sources in order, each file in order."""
+        return [(name, index) for name, source in self.sources.items() for index in range(len(source.files))]
+
+    def unit_count(self, stage: str) -> int:
+        return len(self.measure_units) if stage == "measure" else len(self.blocks())
+
     def run(self, on_measure: Callable[[int], None] | None = None,
-            on_stage: Callable[[str, int], Callable[[int], None]] | None = None) -> MixResult:
-        """Measure, allocate, write. `on_stage(name, rows)` returns the per-block callback for that stage."""
+            on_stage: Callable[[str, int], Callable[[int], None]] | None = None, *, stage: str | None = None,
+            tasks: int | None = None, task_id: int = 0) -> MixResult:
+        """Measure, allocate, write: everything, or one stage's share for task `task_id` of `tasks`.
+        `on_stage(name, rows)` returns the per-block callback for that stage."""
+        if stage is not None and stage not in STAGES:
+            raise UserError("--stage", f"unknown stage {stage!r}", f"use one of {', '.join(STAGES)}")
+        if tasks is not None and stage is None:
+            raise UserError("--tasks", "mix runs as two arrays, the writing one after the measuring one",
+                            "add --stage measure (and, once every task has finished, --stage write)")
+        check_task(tasks or 1, task_id)
+        if stage is None:
+            return self._run(STAGES, 1, 0, on_measure, on_stage, array_task=False)
+        if not self.overwrite and self.area.committed():
+            return self._result([], 0.0, already_committed=True, stage=stage)
+        try:
+            with unless_committed(self.area):
+                return self._run((stage,), tasks or 1, task_id, on_measure, on_stage, array_task=True)
+        except AlreadyCommitted:
+            return self._result([], 0.0, already_committed=True, stage=stage)
+
+    def _run(self, stages: tuple[str, ...], tasks: int, task_id: int, on_measure, on_stage, array_task: bool) -> MixResult:
+        self.area.check(self.overwrite)
+        if array_task:
+            self.area.check_ready(stages[0], self.unit_count)
         started = time.perf_counter()
-        plan = self.plan
-        profiles = {name: measure(name, source, source_key(plan.seed, name), plan.text_column, self.backend, on_measure)
-                    for name, source in self.sources.items()}
-        allocations = allocate(plan, profiles)
+        done = skipped = 0
+        try:
+            for name in stages:
+                mine = task_units(self.unit_count(name), tasks, task_id)
+                todo = [unit for unit in mine if not self.area.is_done(name, unit)]
+                if todo or not array_task:  # a task with nothing left to do writes nothing
+                    self.area.prepare()
+                self._run_units(name, todo, on_measure, on_stage)
+                done, skipped = done + len(todo), skipped + len(mine) - len(todo)
+            result = self._result([], 0.0, finished=False, stage=stages[0] if array_task else "all",
+                                  units_done=done, units_skipped=skipped)
+            if self.area.stage_done("measure", self.unit_count("measure")) and self.area.stage_done("write", self.unit_count("write")):
+                stage_reports = self.area.commit_once(self._assemble)
+                if stage_reports is None and not array_task:
+                    raise self.area.busy_error()
+                result.finished, result.stages = stage_reports is not None, stage_reports or []
+        except UserError:
+            if not array_task:
+                self.area.discard()  # a plain run that fails leaves nothing behind
+            raise
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def _run_units(self, stage: str, units: list[int], on_measure, on_stage) -> None:
+        if stage == "measure":
+            for unit in units:
+                name, file_index = self.measure_units[unit]
+                units_per_bin, documents = measure_file(self.sources[name], file_index, source_key(self.plan.seed, name),
+                                                        self.plan.text_column, self.backend, on_measure)
+                save_arrays(self.area.stage_dir("measure") / f"{unit:05d}.npz", units=units_per_bin, documents=documents)
+                self.area.mark_done("measure", unit, {"rows": int(documents.sum())})
+            return
+        blocks, progress = self.blocks(), {}
+        for unit in units:
+            stage_index, block = blocks[unit]
+            name = self.plan.stages[stage_index].name
+            if name not in progress and on_stage:
+                progress[name] = on_stage(name, sum(self.block_rows(*blocks[u]) for u in units if blocks[u][0] == stage_index))
+            folder = self.area.stage_dir("write")
+            if block is None:
+                shards = write_curriculum(self.plan, self.schema, self.sources, self.allocation(), stage_index,
+                                          lambda texts: document_sizes(texts, self.backend), folder, unit)
+            else:
+                shards = write_block(self.plan, self.schema, self.sources, self.allocation(), stage_index, block, folder, unit)
+            rows = sum(shard["rows"] for shard in shards)
+            self.area.mark_done("write", unit, {"rows": rows, "shards": shards})
+            if progress.get(name):
+                progress[name](rows)
+
+    # -- the allocation, computed once from the measuring units ---------------------------------------------
+
+    def allocation(self) -> dict:
+        """Each stage's per-source reports and the pieces (pass, bin range, file, rows) of each slice, in reading
+        order. Computed by the first task that needs it and kept in the work area (the same bytes whoever does)."""
+        path = self.area.root / "allocation.json"
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            return {"reports": [[SourceReport(**{**r, "ranges": [tuple(x) for x in r["ranges"]]}) for r in stage]
+                                for stage in saved["reports"]], "pieces": saved["pieces"]}
+        per_file = [np.load(self.area.stage_dir("measure") / f"{unit:05d}.npz") for unit in range(len(self.measure_units))]
+        profiles = {}
+        for name, source in self.sources.items():
+            mine = [per_file[u] for u, (owner, _) in enumerate(self.measure_units) if owner == name]
+            profiles[name] = SourceProfile(name, source, source_key(self.plan.seed, name),
+                                           sum(m["units"] for m in mine), sum(m["documents"] for m in mine))
+        reports = allocate(self.plan, profiles)
+        pieces = [{r.name: slice_pieces(self.plan, index, r.ranges, profiles[r.name].key,
+                                         [per_file[u]["documents"] for u, (owner, _) in enumerate(self.measure_units) if owner == r.name])
+                   for r in stage_reports if r.ranges} for index, stage_reports in enumerate(reports)]
+        atomic_write_json(path, {"reports": [[asdict(r) for r in stage] for stage in reports], "pieces": pieces})
+        return self.allocation()
+
+    def blocks(self) -> list[tuple[int, int | None]]:
+        """(stage, block) of every writing unit: the stages in order, each stage's blocks in order; a curriculum
+        stage is one unit (stage, None)."""
+        rows = [sum(r.documents for r in stage) for stage in self.allocation()["reports"]]
+        size = self.plan.shuffle_buffer
+        return [(index, None if self.plan.stages[index].ascending_by else block)
+                for index, total in enumerate(rows)
+                for block in range(min(1, total) if self.plan.stages[index].ascending_by else -(-total // size))]
+
+    def block_rows(self, stage_index: int, block: int | None) -> int:
+        total = sum(r.documents for r in self.allocation()["reports"][stage_index])
+        return total if block is None else min(self.plan.shuffle_buffer, total - block * self.plan.shuffle_buffer)
+
+    # -- the commit ------------------------------------------------------------------------------------------
+
+    def _assemble(self) -> list[StageReport]:
+        """Link each stage's blocks into OUTPUT (one shard per block) with the manifests; swap it into place."""
+        plan, blocks, allocation = self.plan, self.blocks(), self.allocation()
         inputs = [ref for source in self.sources.values() for ref in source.lineage()]
         stages: list[StageReport] = []
-        with OutputFolder(self.output, kind=KIND_DOCUMENTS, overwrite=self.overwrite, inputs=inputs) as top:
-            for index, (stage, reports) in enumerate(zip(plan.stages, allocations)):
-                on_rows = on_stage(stage.name, sum(r.documents for r in reports)) if on_stage else None
+        with OutputFolder(self.output, kind=KIND_DOCUMENTS, overwrite=True, inputs=inputs) as top:
+            for index, (stage, reports) in enumerate(zip(plan.stages, allocation["reports"])):
+                units = [unit for unit, (owner, _) in enumerate(blocks) if owner == index]
+                report = StageReport(stage.name, str(self.output / stage.name if plan.staged else self.output), plan.unit,
+                                     stage.budget, stage.budget_kind, sum(r.units for r in reports),
+                                     sum(r.documents for r in reports), reports,
+                                     sum(len(self.area.read_marker("write", unit)["shards"]) for unit in units), stage.order)
+                stages.append(report)
                 if not plan.staged:
-                    stages.append(self._write_stage(top, self.output, index, stage, reports, profiles, on_rows))
+                    self._link_blocks(top, units)
                     continue
                 with OutputFolder(top.staging / stage.name, kind=KIND_DOCUMENTS, inputs=inputs) as folder:
-                    report = self._write_stage(folder, self.output / stage.name, index, stage, reports, profiles, on_rows)
+                    self._link_blocks(folder, units)
                     folder.commit(schema=schema_to_dict(self.schema), stats=totals([report], plan.unit),
                                   mix=self._mix_field([report]))
                 top.shards += [{**shard, "name": f"{stage.name}/{shard['name']}"} for shard in folder.shards]
-                stages.append(report)
-            top.commit(schema=schema_to_dict(self.schema), stats=totals(stages, plan.unit),
-                       mix=self._mix_field(stages), stages=[s.name for s in stages] if plan.staged else None)
-        return MixResult(str(self.output), plan.unit, plan.seed, plan.max_repeat, stages, time.perf_counter() - started)
+            top.commit(schema=schema_to_dict(self.schema), stats=totals(stages, plan.unit), mix=self._mix_field(stages),
+                       stages=[s.name for s in stages] if plan.staged else None,
+                       **{FINGERPRINT_KEY: digest(self.area.fingerprint)})
+        return stages
 
-    def _write_stage(self, folder: OutputFolder, path: Path, index: int, stage: Stage, reports: list[SourceReport],
-                     profiles: dict[str, SourceProfile], on_rows: Callable[[int], None] | None) -> StageReport:
+    def _link_blocks(self, folder: OutputFolder, units: list[int]) -> None:
+        for unit in units:
+            for shard in self.area.read_marker("write", unit)["shards"]:
+                name = f"part-{len(folder.shards):05d}.parquet"
+                link_or_copy(self.area.stage_dir("write") / shard["file"], folder.file(name))
+                folder.add_shard(name, shard["rows"], sha256=shard["sha256"])
+
+    def _result(self, stages: list[StageReport], seconds: float, **fields) -> MixResult:
         plan = self.plan
-        streams = [stream_rows(profiles[r.name], r, stage, plan, self.schema, index) for r in reports if r.ranges]
-        if stage.ascending_by:
-            streams = [ascending_stream(stream, stage, plan.text_column, lambda texts: document_sizes(texts, self.backend),
-                                        lambda progress, name=r.name: due_points(stage, name, progress))
-                       for stream, r in zip(streams, [r for r in reports if r.ranges])]
-        writer = DatasetWriter(folder, schema=self.schema)
-        for block in merged_blocks(streams, plan.shuffle_buffer, plan.seed, index):
-            writer.write(block)
-            if on_rows:
-                on_rows(block.num_rows)
-        writer.close()
-        return StageReport(stage.name, str(path), plan.unit, stage.budget, stage.budget_kind,
-                           sum(r.units for r in reports), sum(r.documents for r in reports), reports,
-                           len(folder.shards), stage.order)
+        return MixResult(str(self.output), plan.unit, plan.seed, plan.max_repeat, stages, seconds, **fields)
 
     def _mix_field(self, stages: list[StageReport]) -> dict:
         """The manifest's record of the mix: unit, seed, max_repeat, tokenizer and per stage and source numbers."""
@@ -450,7 +463,8 @@ def totals(stages: list[StageReport], unit: str) -> dict:
 
 
 def prepare_mix(plan: MixPlan, output: str | Path, *, overwrite: bool = False) -> MixJob:
-    """Open and check every source, unify their schemas, load the tokenizer, check the output: before any work."""
+    """Open and check every source, unify their schemas, load the tokenizer: before any work. The output folder
+    is checked by `MixJob.run` (an array task may find it already committed by its own run)."""
     used = [name for name in plan.sources if any(stage.share(name) > 0 for stage in plan.stages)]
     sources = {}
     for name in used:
@@ -459,10 +473,12 @@ def prepare_mix(plan: MixPlan, output: str | Path, *, overwrite: bool = False) -
         sources[name] = source
     schema = output_schema({name: source.schema for name, source in sources.items()})
     check_order_columns(plan, {name: source.schema for name, source in sources.items()})
-    check_output_path(Path(output), overwrite)
-    backend = None
+    backend, tokenizer = None, None
     if plan.tokenizer:
-        from smolctl.data.tokenizer import load_tokenizer
+        from smolctl.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 
-        backend = load_tokenizer(plan.tokenizer).backend_tokenizer
-    return MixJob(plan, Path(output), overwrite, sources, schema, backend)
+        loaded = load_tokenizer(plan.tokenizer)
+        backend, tokenizer = loaded.backend_tokenizer, tokenizer_fingerprint(loaded)
+    fingerprint = {"plan": asdict(plan), "input_files": {name: file_identity(s.files) for name, s in sources.items()},
+                   "tokenizer": tokenizer}
+    return MixJob(plan, Path(output), overwrite, sources, schema, backend, WorkArea(Path(output), STAGES, fingerprint))

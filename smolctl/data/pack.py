@@ -2,11 +2,19 @@
 
     smolctl pack demo-out/mix/stage-1 demo-out/packed --tokenizer demo-out/tokenizer --seq-len 256
 
+    smolctl pack mix/ packed/ --tokenizer tok/ --seq-len 4096 --tasks 64 --task-id $SLURM_ARRAY_TASK_ID
+
 Reads any documents input in batches, tokenises each batch with the Rust batch encoder (in this process, or in
 `--workers` processes), appends EOS to every document, hands the token batches to a packer
 (`smolctl.data.packing`) and writes its rows as safetensors shards with the packed-folder manifest that
 `pretrain` and `inspect` read; or, with `--format datatrove`, writes the token stream as datatrove/nanotron
 `.ds` files.
+
+The unit of work is one input shard: it is packed on its own (no row holds documents of two shards, so no row
+mixes two stages of a mix either) into OUTPUT/_work/pack/<unit>/ and marked done (smolctl/data/array_tasks.py).
+A plain run packs every unit in order; `--tasks N --task-id I` packs units I, I+N, ... as one task of a Slurm
+array. Whichever call finishes the last unit links the units' shards, in unit order, into OUTPUT with one
+manifest, so the bytes are the same for any N and any order the tasks run in.
 """
 
 from __future__ import annotations
@@ -14,30 +22,32 @@ from __future__ import annotations
 import multiprocessing
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from itertools import chain
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 
-from smolctl.data.packing import BfdPacker, ConcatPacker, PackStats, Rows, TokenBatch
+from smolctl.data.array_tasks import (FINGERPRINT_KEY, AlreadyCommitted, WorkArea, check_task, digest, file_identity,
+                                      link_or_copy, task_units, unless_committed)
+from smolctl.data.pack_sinks import DatatroveSink, RowSink, manifest_fields
+from smolctl.data.packing import PackStats, TokenBatch
 from smolctl.errors import UserError
 from smolctl.shards import (
     KIND_PACKED,
     OutputFolder,
-    PackedWriter,
-    check_output_path,
     lineage_ref,
     open_documents,
     parse_shard_size,
+    read_manifest,
 )
 
 STRATEGIES = ("bfd", "concat")
 LONG_DOCS = ("split", "truncate")
 FORMATS = ("safetensors", "datatrove")
 KIND_TOKENS = "tokens"
-DEFAULT_TOKEN_FILE_BYTES = 2**30  # token files roll by size; a --shard-size given in rows falls back to this
+STAGE = "pack"
 
 
 @dataclass(kw_only=True)
@@ -94,10 +104,14 @@ class PackResult:
     seconds: float
     shards: int = 0
     format: str = "safetensors"
-    tokens_per_second: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.tokens_per_second = self.stats.tokens / self.seconds if self.seconds else 0.0
+    tokens_per_second: float = 0.0
+    """Tokens this call packed per second (one task's share when run as an array task)."""
+    finished: bool = True
+    """OUTPUT was committed by this call; `stats` then covers all of it, else only this task's units."""
+    already_committed: bool = False
+    """An array task of a run committed earlier: nothing was done."""
+    units_done: int = 0
+    units_skipped: int = 0
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -146,32 +160,20 @@ def _init_worker(tokenizer_json: str) -> None:
 
 
 def _encode_in_worker(item: tuple[int, list[str]]) -> tuple[int, TokenBatch]:
-    group, texts = item
-    return group, encode_texts(_worker_backend, texts)
+    unit, texts = item
+    return unit, encode_texts(_worker_backend, texts)
 
 
-def file_groups(source) -> list[list[int]]:
-    """Input files grouped by mix stage (a whole `smolctl mix` output lists its stages' shards in order), so that
-    packing never mixes two stages in one row or one shuffled buffer. Any other input is one group."""
-    stages = (source.manifest or {}).get("stages")
-    if not stages:
-        return [list(range(len(source.files)))]
-    groups: dict[str, list[int]] = {}
-    for index, shard in enumerate(source.manifest["shards"]):
-        groups.setdefault(shard["name"].split("/")[0], []).append(index)
-    return list(groups.values())
-
-
-def tokenised_batches(source, tokenizer, config: PackConfig) -> Iterator[tuple[int, int, TokenBatch]]:
-    """(file group, documents read, token batch) in input order, tokenised here or by `workers` processes."""
-    texts = ((group, [t if t is not None else "" for t in batch.column(0).to_pylist()])
-             for group, files in enumerate(file_groups(source)) for index in files
-             for batch in source.iter_file_batches(index, columns=[config.text_column],
-                                                   batch_size=config.batch_documents))
+def tokenised_batches(source, tokenizer, config: PackConfig, units: list[int]) -> Iterator[tuple[int, int, TokenBatch]]:
+    """(unit, documents read, token batch) for the given units (input files) in order, tokenised here or by
+    `workers` processes."""
+    texts = ((unit, [t if t is not None else "" for t in batch.column(0).to_pylist()])
+             for unit in units
+             for batch in source.iter_file_batches(unit, columns=[config.text_column], batch_size=config.batch_documents))
     if config.workers == 1:
         backend = tokenizer.backend_tokenizer
-        for group, chunk in texts:
-            yield group, len(chunk), encode_texts(backend, chunk)
+        for unit, chunk in texts:
+            yield unit, len(chunk), encode_texts(backend, chunk)
         return
     context = multiprocessing.get_context("spawn")  # fork after Rust threads have started can deadlock
     with context.Pool(config.workers, initializer=_init_worker, initargs=(tokenizer.backend_tokenizer.to_str(),)) as pool:
@@ -181,11 +183,11 @@ def tokenised_batches(source, tokenizer, config: PackConfig) -> Iterator[tuple[i
         for item in texts:
             in_flight.append(pool.apply_async(_encode_in_worker, (item,)))
             if len(in_flight) >= 2 * config.workers:
-                group, batch = in_flight.popleft().get()
-                yield group, len(batch.lengths), batch
+                unit, batch = in_flight.popleft().get()
+                yield unit, len(batch.lengths), batch
         while in_flight:
-            group, batch = in_flight.popleft().get()
-            yield group, len(batch.lengths), batch
+            unit, batch = in_flight.popleft().get()
+            yield unit, len(batch.lengths), batch
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -208,91 +210,9 @@ def tokenizer_record(spec: str, tokenizer) -> dict:
     }
 
 
-class RowSink:
-    """Packs token batches into rows and writes them as safetensors shards (the packed folder)."""
-
-    def __init__(self, folder: OutputFolder, config: PackConfig, record: dict, stats: PackStats):
-        self.config, self.record, self.stats = config, record, stats
-        self.writer = PackedWriter(folder, rows_per_shard=config.rows_per_shard())
-        pad_id, self.group = record["pad_token_id"], 0
-        self.packer = (BfdPacker(seq_len=config.seq_len, long_docs=config.long_docs, buffer_tokens=config.buffer_tokens,
-                                 seed=config.seed, pad_id=pad_id, stats=stats) if config.strategy == "bfd"
-                       else ConcatPacker(seq_len=config.seq_len, long_docs=config.long_docs, pad_id=pad_id, stats=stats))
-
-    def add(self, batch: TokenBatch, group: int) -> None:
-        if group != self.group:  # a new mix stage: nothing of the previous one may share its rows
-            self._write(self.packer.finish())
-            self.group = group
-        self._write(self.packer.add(batch))
-
-    def _write(self, all_rows: Iterator[Rows]) -> None:
-        for rows in all_rows:
-            self.writer.write({"input_ids": rows.input_ids, "position_ids": rows.position_ids}, rows.row_tokens)
-            real = int(rows.row_tokens.sum())
-            self.stats.rows += len(rows.row_tokens)
-            self.stats.tokens += real
-            self.stats.padding_tokens += len(rows.row_tokens) * self.config.seq_len - real
-
-    def close(self) -> dict:
-        """Flush; returns the manifest fields of a packed folder."""
-        self._write(self.packer.finish())
-        self.writer.close()
-        config, stats = self.config, self.stats
-        return dict(schema={"input_ids": f"int32[{config.seq_len}]", "position_ids": f"int32[{config.seq_len}]"},
-                    seq_len=config.seq_len, strategy=config.strategy, long_docs=config.long_docs,
-                    padding_tokens=stats.padding_tokens, padding_fraction=stats.padding_fraction)
-
-
-class DatatroveSink:
-    """Token files as datatrove's DocumentTokenizer writes them and nanotron's DatatroveFolderDataset reads them:
-    NAME.ds (little-endian uint16 ids, uint32 past 65,536 tokens, documents back to back, each ending in EOS),
-    NAME.ds.index (little-endian uint64 end of each document, in tokens) and NAME.ds.metadata
-    (`tokenizer|token_size`, token count, human count). A file rolls at the shard size and at each mix stage."""
-
-    def __init__(self, folder: OutputFolder, config: PackConfig, record: dict, stats: PackStats):
-        self.folder, self.record, self.stats = folder, record, stats
-        self.token_size = 2 if record["vocab_size"] <= 2**16 else 4
-        self.shard_bytes = parse_shard_size(config.shard_size)[0] or DEFAULT_TOKEN_FILE_BYTES
-        self.handle = None
-        self.group = 0
-
-    def add(self, batch: TokenBatch, group: int) -> None:
-        if group != self.group:
-            self._close_file()
-            self.group = group
-        if self.handle is None:
-            self.name = f"part-{len(self.folder.shards):05d}.ds"
-            self.handle = open(self.folder.file(self.name), "wb")
-            self.ends, self.tokens = [], 0
-        self.handle.write(batch.ids.astype("<u2" if self.token_size == 2 else "<u4").tobytes())
-        self.ends.append(self.tokens + np.cumsum(batch.lengths))
-        self.tokens += len(batch.ids)
-        self.stats.tokens += len(batch.ids)
-        if self.tokens * self.token_size >= self.shard_bytes:
-            self._close_file()
-
-    def _close_file(self) -> None:
-        if self.handle is None:
-            return
-        self.handle.close()
-        self.handle = None
-        ends = np.concatenate(self.ends).astype("<u8")
-        ends.tofile(self.folder.file(f"{self.name}.index"))
-        self.folder.file(f"{self.name}.metadata").write_text(
-            f"{self.record['path']}|{self.token_size}\n{self.tokens}\n{self.tokens / 1e9:.2f}B tokens")
-        self.folder.add_shard(self.name, len(ends), tokens=self.tokens, index=f"{self.name}.index",
-                              metadata=f"{self.name}.metadata")
-
-    def close(self) -> dict:
-        self._close_file()
-        dtype = "uint16" if self.token_size == 2 else "uint32"
-        return dict(schema={"ds": f"{dtype} token ids", "ds.index": "uint64 document ends"},
-                    format="datatrove", token_size=self.token_size)
-
-
 @dataclass
 class PackJob:
-    """A validated pack: the input, tokenizer and output were checked before any work (see `prepare_pack`)."""
+    """A validated pack: the input, tokenizer and options were checked before any work (see `prepare_pack`)."""
 
     input_spec: str
     output: Path
@@ -302,54 +222,163 @@ class PackJob:
     record: dict
     inputs: list[dict]
     overwrite: bool
+    area: WorkArea
 
     @property
     def total_documents(self) -> int:
         return self.source.num_rows
 
-    def run(self, on_progress: Callable[[int, int], None] | None = None) -> PackResult:
-        """Tokenise and pack; `on_progress(documents read, tokens packed)` is called after every batch."""
-        config, stats = self.config, PackStats()
+    @property
+    def units(self) -> int:
+        return len(self.source.files)
+
+    def run(self, on_progress: Callable[[int, int], None] | None = None, *, tasks: int | None = None,
+            task_id: int = 0) -> PackResult:
+        """Pack every unit, or task `task_id`'s share of `tasks` (an array task); skip finished units and commit
+        OUTPUT when the last one is done. `on_progress(documents read, tokens packed)` follows every batch."""
+        array_task = tasks is not None
+        check_task(tasks or 1, task_id)
+        if array_task and not self.overwrite and self.area.committed():
+            return self._result(PackStats(), 0.0, already_committed=True)
+        if not array_task:
+            return self._run(on_progress, 1, 0, array_task)
+        try:
+            with unless_committed(self.area):
+                return self._run(on_progress, tasks, task_id, array_task)
+        except AlreadyCommitted:
+            return self._result(PackStats(), 0.0, already_committed=True)
+
+    def _run(self, on_progress, tasks: int, task_id: int, array_task: bool) -> PackResult:
+        self.area.check(self.overwrite)
+        mine = task_units(self.units, tasks, task_id)
+        todo = [unit for unit in mine if not self.area.is_done(STAGE, unit)]
+        if todo or not array_task:  # a task with nothing left to do writes nothing
+            self.area.prepare()
+        try:
+            return self._pack_and_commit(on_progress, mine, todo, array_task)
+        except UserError:
+            if not array_task:
+                self.area.discard()  # a plain run that fails leaves nothing behind
+            raise
+
+    def _pack_and_commit(self, on_progress, mine: list[int], todo: list[int], array_task: bool) -> PackResult:
         started = time.perf_counter()
-        kind, sink_type = (KIND_PACKED, RowSink) if config.format == "safetensors" else (KIND_TOKENS, DatatroveSink)
-        with OutputFolder(self.output, kind=kind, overwrite=self.overwrite, inputs=self.inputs) as folder:
-            sink = sink_type(folder, config, self.record, stats)
-            for group, read, batch in tokenised_batches(self.source, self.tokenizer, config):
-                batch, empty = append_document_end(batch, self.record["eos_token_id"])
-                stats.skipped_empty += empty
-                stats.documents += len(batch.lengths)
-                sink.add(batch, group)
-                if on_progress:
-                    on_progress(read, int(batch.lengths.sum()))
-            fields = sink.close()
-            if stats.documents == 0:
-                raise UserError(self.input_spec, f"column '{config.text_column}' holds no non-empty documents "
-                                f"({stats.skipped_empty} empty)", "pass a dataset with text")
-            folder.commit(stats=asdict(stats) | {"padding_fraction": stats.padding_fraction}, tokenizer=self.record,
-                          documents=stats.documents, skipped_empty=stats.skipped_empty, **fields)
-            shards = len(folder.shards)
+        self._pack_units(todo, on_progress)
+        seconds = time.perf_counter() - started
+        packed = sum_stats(self.area.read_marker(STAGE, unit) for unit in todo)
+        result = self._result(sum_stats(self.area.read_marker(STAGE, unit) for unit in mine), seconds, finished=False,
+                              units_done=len(todo), units_skipped=len(mine) - len(todo),
+                              tokens_per_second=packed.tokens / seconds if seconds else 0.0)
+        if self.area.stage_done(STAGE, self.units):
+            manifest = self.area.commit_once(self._assemble)
+            if manifest is None and not array_task:
+                raise self.area.busy_error()
+            if manifest is not None:
+                result.finished, result.shards = True, len(manifest["shards"])
+                result.stats = PackStats(**{k: v for k, v in manifest["stats"].items() if k != "padding_fraction"})
+        return result
+
+    def _pack_units(self, units: list[int], on_progress) -> None:
+        """Tokenise and pack the units in order, each into its own folder of the work area, then mark it done."""
+        current: UnitPacking | None = None
+        for unit, read, batch in tokenised_batches(self.source, self.tokenizer, self.config, units):
+            if current is None or current.unit != unit:
+                if current is not None:
+                    current.finish()
+                current = UnitPacking(self, unit)
+            tokens = current.add(batch)
+            if on_progress:
+                on_progress(read, tokens)
+        if current is not None:
+            current.finish()
+        for unit in units:  # input files without rows still finish their unit
+            if not self.area.is_done(STAGE, unit):
+                UnitPacking(self, unit).finish()
+
+    def _assemble(self) -> dict:
+        """Link every unit's shards, in unit order, into OUTPUT with one manifest; the accounting is the sum."""
+        config = self.config
+        stats = sum_stats(self.area.read_marker(STAGE, unit) for unit in range(self.units))
+        if stats.documents == 0:
+            raise UserError(self.input_spec, f"column '{config.text_column}' holds no non-empty documents "
+                            f"({stats.skipped_empty} empty)", "pass a dataset with text")
+        kind, suffix = (KIND_PACKED, ".safetensors") if config.format == "safetensors" else (KIND_TOKENS, ".ds")
+        with OutputFolder(self.output, kind=kind, overwrite=True, inputs=self.inputs) as folder:
+            for unit in range(self.units):
+                unit_folder = self.area.stage_dir(STAGE) / f"{unit:05d}"
+                for shard in read_manifest(unit_folder)["shards"]:
+                    name = f"part-{len(folder.shards):05d}{suffix}"
+                    extra = {}
+                    for key, new in (("index", f"{name}.index"), ("metadata", f"{name}.metadata")):
+                        if key in shard:
+                            link_or_copy(unit_folder / shard[key], folder.file(new))
+                            extra[key] = new
+                    link_or_copy(unit_folder / shard["name"], folder.file(name))
+                    folder.add_shard(name, shard["rows"], tokens=shard.get("tokens"), sha256=shard["sha256"], **extra)
+            return folder.commit(stats=asdict(stats) | {"padding_fraction": stats.padding_fraction},
+                                 tokenizer=self.record, documents=stats.documents, skipped_empty=stats.skipped_empty,
+                                 **manifest_fields(config, self.record, stats),
+                                 **{FINGERPRINT_KEY: digest(self.area.fingerprint)})
+
+    def _result(self, stats: PackStats, seconds: float, **fields) -> PackResult:
+        config = self.config
         return PackResult(str(self.output), config.seq_len, config.strategy, config.long_docs, self.record, stats,
-                          time.perf_counter() - started, shards, config.format)
+                          seconds, format=config.format, **fields)
+
+
+class UnitPacking:
+    """One unit (input file) being packed into OUTPUT/_work/pack/<unit>/, committed and marked when finished."""
+
+    def __init__(self, job: PackJob, unit: int):
+        self.job, self.unit, self.stats = job, unit, PackStats()
+        kind, sink_type = (KIND_PACKED, RowSink) if job.config.format == "safetensors" else (KIND_TOKENS, DatatroveSink)
+        self.folder = OutputFolder(job.area.stage_dir(STAGE) / f"{unit:05d}", kind=kind, overwrite=True)
+        self.sink = sink_type(self.folder, job.config, job.record, self.stats, unit)
+
+    def add(self, batch: TokenBatch) -> int:
+        """Pack a batch of tokenised documents; returns the tokens it adds (EOS included)."""
+        batch, empty = append_document_end(batch, self.job.record["eos_token_id"])
+        self.stats.skipped_empty += empty
+        self.stats.documents += len(batch.lengths)
+        self.sink.add(batch)
+        return int(batch.lengths.sum())
+
+    def finish(self) -> None:
+        self.sink.close()
+        self.folder.commit(stats=asdict(self.stats))
+        self.job.area.mark_done(STAGE, self.unit, asdict(self.stats))
+
+
+def sum_stats(markers) -> PackStats:
+    total = PackStats()
+    for marker in markers:
+        for key in asdict(total):
+            setattr(total, key, getattr(total, key) + marker[key])
+    return total
 
 
 def prepare_pack(input_spec: str, output: str | Path, *, tokenizer_spec: str, config: PackConfig,
                  overwrite: bool = False) -> PackJob:
-    """Check everything a pack needs (options, input columns, tokenizer, output folder) before any work."""
+    """Check everything a pack needs (options, input columns, tokenizer) before any work; the output folder is
+    checked by `PackJob.run` (an array task may find it already committed by its own run)."""
     from smolctl.data.tokenizer import load_tokenizer
 
     config.validate()
     config.rows_per_shard()
     source = open_documents(input_spec)
     source.require(text=[config.text_column])
-    check_output_path(Path(output), overwrite)
     tokenizer = load_tokenizer(tokenizer_spec)
     record = tokenizer_record(tokenizer_spec, tokenizer)
     inputs = source.lineage() + ([lineage_ref(Path(tokenizer_spec))] if Path(tokenizer_spec).is_dir() else [])
-    return PackJob(input_spec, Path(output), config, source, tokenizer, record, inputs, overwrite)
+    # --workers changes how fast, never what is written.
+    settings = {k: v for k, v in asdict(config).items() if k != "workers"}
+    fingerprint = {"config": settings, "input_files": file_identity(source.files), "tokenizer": record["fingerprint"]}
+    return PackJob(input_spec, Path(output), config, source, tokenizer, record, inputs, overwrite,
+                   WorkArea(Path(output), (STAGE,), fingerprint))
 
 
 def pack(input_spec: str, output: str | Path, *, tokenizer_spec: str, config: PackConfig, overwrite: bool = False,
-         on_progress: Callable[[int, int], None] | None = None) -> PackResult:
+         on_progress: Callable[[int, int], None] | None = None, tasks: int | None = None, task_id: int = 0) -> PackResult:
     """Tokenise and pack INPUT (any documents folder, parquet file or glob) into a packed folder at OUTPUT."""
     job = prepare_pack(input_spec, output, tokenizer_spec=tokenizer_spec, config=config, overwrite=overwrite)
-    return job.run(on_progress)
+    return job.run(on_progress, tasks=tasks, task_id=task_id)

@@ -174,8 +174,11 @@ class BfdPacker:
     full rows cut from long documents come in runs; a trainer reading rows in order would see that drift.
     """
 
-    def __init__(self, *, seq_len: int, long_docs: str, buffer_tokens: int, seed: int, pad_id: int, stats: PackStats):
+    def __init__(self, *, seq_len: int, long_docs: str, buffer_tokens: int, seed: int, pad_id: int, stats: PackStats,
+                 stream: int = 0):
+        # `stream` (the unit being packed) joins the seed: each unit's buffers get their own shuffles.
         self.seq_len, self.long_docs, self.buffer_tokens, self.seed = seq_len, long_docs, buffer_tokens, seed
+        self.stream = stream
         self.pad_id, self.stats = pad_id, stats
         self.pending: list[TokenBatch] = []
         self.pending_full: list[np.ndarray] = []
@@ -199,7 +202,7 @@ class BfdPacker:
         bin_of, offset, bins = best_fit_decreasing(batch.lengths, self.seq_len)
         # Shuffle by sending each BFD bin and each whole row to a random output row, then lay pieces out in
         # (output row, offset) order.
-        destination = np.random.default_rng([self.seed, self.buffers]).permutation(bins + len(whole))
+        destination = np.random.default_rng([self.seed, self.stream, self.buffers]).permutation(bins + len(whole))
         self.buffers += 1
         row_of = np.concatenate([destination[bin_of], destination[bins:]])
         order = np.lexsort((np.concatenate([offset, np.zeros(len(whole), dtype=np.int64)]), row_of))

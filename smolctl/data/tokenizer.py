@@ -1,16 +1,26 @@
-"""Train a byte-level BPE tokenizer on a dataset folder, and load any local (or hub) Hugging Face tokenizer."""
+"""Train a byte-level BPE tokenizer on a dataset folder, and load any local (or hub) Hugging Face tokenizer.
+
+    smolctl train-tokenizer data/sample/web tok/ --vocab-size 8192
+    smolctl train-tokenizer 'crawl/*.parquet' tok/ --vocab-size 49152 --sample-bytes 2GB --seed 0
+
+On a corpus of any size, `--sample-documents` / `--sample-bytes` train on a seeded uniform sample drawn while
+streaming the corpus once: memory holds the sample, never the corpus, so it finishes on one node.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import os
 import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 from urllib.parse import urlparse
+
+import numpy as np
 
 from smolctl.errors import UserError
 from smolctl.shards import OutputFolder, check_output_path, open_documents
@@ -44,26 +54,67 @@ class TokenizerTrainResult:
     characters: int
     seconds: float
     chars_per_token: float
+    corpus_documents: int | None = None
+    """Documents the sample was drawn from (None: trained on the whole corpus)."""
 
 
-def _texts(source, text_column: str, counter: dict) -> Iterator[list[str]]:
-    for batch in source.iter_batches(columns=[text_column], batch_size=2048):
-        texts = [t for t in batch.column(0).to_pylist() if t]
+def _texts(batches: Iterator[list[str]], counter: dict) -> Iterator[list[str]]:
+    for texts in batches:
+        texts = [t for t in texts if t]
         counter["documents"] += len(texts)
         counter["characters"] += sum(len(t) for t in texts)
         counter.setdefault("sample", texts[:200])
         yield texts
 
 
+def sample_texts(source, text_column: str, *, documents: int | None = None, bytes_: int | None = None,
+                 seed: int = 0, on_batch: Callable[[int], None] | None = None) -> list[str]:
+    """A seeded uniform sample (without replacement) of the non-empty documents, within both budgets.
+
+    Every document gets a random priority from a generator seeded with (seed, file); the sample is the documents
+    of lowest priority, in priority order, as many as fit (bottom-k sampling). Streaming, a heap holds the
+    current sample: a document that no longer fits is dropped, and so is every later one of higher priority
+    (the cutoff), so the result does not depend on batch sizes and memory is the sample's.
+    """
+    heap: list[tuple[float, str, int]] = []  # (-priority, text, UTF-8 bytes): the largest priority on top
+    kept_bytes, cutoff = 0, 1.0
+
+    def over_budget() -> bool:
+        return (documents is not None and len(heap) > documents) or (bytes_ is not None and kept_bytes > bytes_)
+
+    for file_index in range(len(source.files)):
+        rng = np.random.default_rng([seed, file_index])
+        for batch in source.iter_file_batches(file_index, [text_column], batch_size=2048):
+            texts = batch.column(0).to_pylist()
+            priorities = rng.random(len(texts))
+            for index in np.flatnonzero(priorities < cutoff).tolist():
+                text = texts[index]
+                if not text or priorities[index] >= cutoff:
+                    continue
+                size = len(text.encode())
+                heapq.heappush(heap, (-float(priorities[index]), text, size))
+                kept_bytes += size
+                while over_budget():
+                    priority, _, dropped = heapq.heappop(heap)
+                    kept_bytes, cutoff = kept_bytes - dropped, min(cutoff, -priority)
+            if on_batch:
+                on_batch(len(texts))
+    return [text for _, text, _ in sorted(heap, reverse=True)]
+
+
 def train_tokenizer(input_path: str, output: str, *, vocab_size: int, text_column: str = "text",
-                    min_frequency: int = 2, overwrite: bool = False, on_start=None, on_batch=None) -> TokenizerTrainResult:
-    """Train on the text column, streaming. `on_start(total_documents)` is called once the inputs are checked,
-    `on_batch(documents)` as they are read."""
+                    min_frequency: int = 2, overwrite: bool = False, sample_documents: int | None = None,
+                    sample_bytes: int | None = None, seed: int = 0, on_start=None, on_batch=None) -> TokenizerTrainResult:
+    """Train on the text column, streaming, or on a seeded sample of it (`sample_documents` / `sample_bytes`).
+    `on_start(total_documents)` is called once the inputs are checked, `on_batch(documents)` as they are read."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise UserError("--vocab-size", f"{vocab_size} is too small", f"use at least {256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens)")
+    for flag, value in (("--sample-documents", sample_documents), ("--sample-bytes", sample_bytes)):
+        if value is not None and value < 1:
+            raise UserError(flag, f"{value} is not a positive amount", "pass e.g. 1M documents or 2GB")
     source = open_documents(input_path)
     source.require(text=[text_column])
     check_output_path(Path(output), overwrite)
@@ -82,14 +133,22 @@ def train_tokenizer(input_path: str, output: str, *, vocab_size: int, text_colum
         show_progress=False,
     )
     counter = {"documents": 0, "characters": 0}
+    sampled = sample_documents is not None or sample_bytes is not None
+    if sampled:
+        sample = sample_texts(source, text_column, documents=sample_documents, bytes_=sample_bytes, seed=seed,
+                              on_batch=on_batch)
+        texts = _texts((sample[i:i + 2048] for i in range(0, len(sample), 2048)), counter)
+        length = len(sample)
+    else:
+        def read() -> Iterator[list[str]]:
+            for batch in source.iter_batches(columns=[text_column], batch_size=2048):
+                texts = batch.column(0).to_pylist()
+                if on_batch:
+                    on_batch(len(texts))
+                yield texts
 
-    def batches():
-        for texts in _texts(source, text_column, counter):
-            if on_batch:
-                on_batch(len(texts))
-            yield texts
-
-    tokenizer.train_from_iterator(batches(), trainer=trainer, length=source.num_rows)
+        texts, length = _texts(read(), counter), source.num_rows
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
     if counter["documents"] == 0:
         raise UserError(input_path, f"column '{text_column}' holds no text", "pass a dataset with non-empty documents")
     wrapped = PreTrainedTokenizerFast(
@@ -107,9 +166,11 @@ def train_tokenizer(input_path: str, output: str, *, vocab_size: int, text_colum
         wrapped.save_pretrained(str(folder.staging))
         folder.commit(stats={"vocab_size": len(wrapped), "documents": counter["documents"],
                              "characters": counter["characters"], "chars_per_token": round(chars_per_token, 3),
-                             "fingerprint": tokenizer_fingerprint(wrapped)})
+                             "fingerprint": tokenizer_fingerprint(wrapped)},
+                      sample={"documents": sample_documents, "bytes": sample_bytes, "seed": seed,
+                              "corpus_documents": source.num_rows} if sampled else None)
     return TokenizerTrainResult(output, len(wrapped), counter["documents"], counter["characters"],
-                                time.perf_counter() - started, chars_per_token)
+                                time.perf_counter() - started, chars_per_token, source.num_rows if sampled else None)
 
 
 def hub_unreachable(timeout_s: float = 3.0) -> str | None:

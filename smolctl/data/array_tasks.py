@@ -1,0 +1,215 @@
+"""Work cut into units and spread over Slurm array tasks: the machinery dedup, mix and pack share.
+
+    smolctl pack mix/ packed/ --tokenizer tok/ --seq-len 4096 --tasks 64 --task-id $SLURM_ARRAY_TASK_ID
+
+A command's work is a fixed sequence of stages, each cut into units that depend only on the input. Task I of N
+runs units I, I+N, ... of a stage; each finished unit leaves an atomic `.done` marker under OUTPUT/_work/<stage>/,
+so a re-run (after a kill, a pre-emption, a re-submitted array) skips it. The work area records a fingerprint of
+the inputs and settings: a task with other arguments is refused rather than mixing two runs. The task that
+completes the last stage assembles OUTPUT (under a lock, so exactly one does) and swaps it into place, which
+also removes the work area; the committed manifest keeps the fingerprint, so any task of that run started
+afterwards (a re-submitted array, a task with no units left) sees the run is done and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from smolctl.errors import UserError
+from smolctl.shards import atomic_write_json, check_output_path, read_manifest
+
+WORK = "_work"
+FINGERPRINT_KEY = "work_fingerprint"
+
+
+def check_task(tasks: int, task_id: int) -> None:
+    if tasks < 1:
+        raise UserError("--tasks", f"{tasks} is not a task count", "use 1 or more (the size of the Slurm array)")
+    if not 0 <= task_id < tasks:
+        raise UserError("--task-id", f"{task_id} is out of range for --tasks {tasks}",
+                        f"use 0 to {tasks - 1} (e.g. $SLURM_ARRAY_TASK_ID with --array=0-{tasks - 1})")
+
+
+def task_units(count: int, tasks: int, task_id: int) -> list[int]:
+    """Units I, I+N, ... : round-robin, so neighbouring units (similar sizes) land on different tasks."""
+    return list(range(task_id, count, tasks))
+
+
+def digest(fingerprint: dict) -> str:
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def file_identity(files) -> list:
+    """How a fingerprint names input files: resolved path, size and modification time."""
+    return [[str(Path(f).resolve()), Path(f).stat().st_size, int(Path(f).stat().st_mtime)] for f in files]
+
+
+@dataclass
+class WorkArea:
+    """OUTPUT/_work of one run: its fingerprint, stages and markers."""
+
+    output: Path
+    stages: tuple[str, ...]
+    fingerprint: dict
+
+    @property
+    def root(self) -> Path:
+        return self.output / WORK
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.root / stage
+
+    def marker(self, stage: str, unit: int) -> Path:
+        return self.root / stage / f"{unit:05d}.done"
+
+    def is_done(self, stage: str, unit: int) -> bool:
+        return self.marker(stage, unit).is_file()
+
+    def stage_done(self, stage: str, count: int) -> bool:
+        return all(self.is_done(stage, unit) for unit in range(count))
+
+    def read_marker(self, stage: str, unit: int) -> dict:
+        return json.loads(self.marker(stage, unit).read_text())
+
+    # -- the run's identity ---------------------------------------------------------------------------------
+
+    def committed(self) -> dict | None:
+        """The manifest of OUTPUT when this very run (same fingerprint) already committed it, else None."""
+        manifest = read_manifest(self.output) if (self.output / "manifest.json").is_file() else None
+        if manifest is not None and manifest.get(FINGERPRINT_KEY) == digest(self.fingerprint):
+            return manifest
+        return None
+
+    def check(self, overwrite: bool) -> None:
+        """OUTPUT may hold only this run's work area (or nothing); another run's needs --overwrite."""
+        only_work = self.output.is_dir() and {p.name for p in self.output.iterdir()} <= {WORK}
+        if not only_work:
+            check_output_path(self.output, overwrite)
+        recorded = self.root / "config.json"
+        if recorded.is_file() and json.loads(recorded.read_text()) != self._canonical() and not overwrite:
+            raise UserError(self.root, "holds an unfinished run with other inputs or settings",
+                            "re-run with the original arguments, or pass --overwrite to start again")
+
+    def prepare(self) -> None:
+        """Create the work area and record the fingerprint; an older run's area is cleared (--overwrite)."""
+        recorded = self.root / "config.json"
+        if recorded.is_file():
+            if json.loads(recorded.read_text()) == self._canonical():
+                return
+            shutil.rmtree(self.root)
+        try:
+            for stage in self.stages:
+                self.stage_dir(stage).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(self.output, f"cannot create the work area: {exc.strerror or exc}",
+                            "check the path and its permissions") from exc
+        atomic_write_json(recorded, self._canonical())
+
+    def discard(self) -> None:
+        """Remove the work area, and OUTPUT when nothing else is in it (a plain run that failed on bad input)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+        if self.output.is_dir() and not any(self.output.iterdir()):
+            self.output.rmdir()
+
+    def _canonical(self) -> dict:
+        return json.loads(json.dumps(self.fingerprint, default=str))
+
+    def check_ready(self, stage: str, counts: Callable[[str], int]) -> None:
+        """A stage may start only when every unit of the stages before it has its marker."""
+        for earlier in self.stages[:self.stages.index(stage)]:
+            count = counts(earlier)
+            missing = sum(not self.is_done(earlier, unit) for unit in range(count))
+            if missing:
+                raise UserError(f"--stage {stage}", f"the {earlier} stage has not finished ({missing} unit(s) of "
+                                f"{count} missing under {self.stage_dir(earlier)})",
+                                f"run --stage {earlier} for every task first (or run without --stage)")
+
+    # -- units ---------------------------------------------------------------------------------------------
+
+    def mark_done(self, stage: str, unit: int, stats: dict) -> None:
+        """Write a unit's marker under a temporary name and rename it: a killed task leaves a marker or none.
+
+        No fsync (unlike the output's manifest): a marker only saves recomputing its unit, and on the shared
+        filesystems of clusters rename and close already reach the server.
+        """
+        path = self.marker(stage, unit)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({**stats, "host": socket.gethostname(), "finished_at": time.time()}))
+        os.replace(tmp, path)
+
+    # -- the one commit ------------------------------------------------------------------------------------
+
+    def commit_once(self, assemble: Callable[[], dict]) -> dict | None:
+        """Run `assemble` unless another task holds the assembly lock (a lock left by a dead process on this
+        host is taken over). Returns the manifest, or None when another task is committing."""
+        lock = self.root / "assemble.lock"
+        owner = {"host": socket.gethostname(), "pid": os.getpid()}
+        try:
+            handle = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                holder = json.loads(lock.read_text() or "{}")
+            except FileNotFoundError:  # released, or the work area is gone with the commit
+                return None
+            if holder.get("host") == owner["host"] and not _alive(holder.get("pid", -1)):
+                lock.unlink(missing_ok=True)
+                return self.commit_once(assemble)
+            return None
+        except FileNotFoundError:  # the work area is gone: another task has just committed
+            return None
+        with os.fdopen(handle, "w") as out:
+            json.dump(owner, out)
+        try:
+            return assemble()
+        except BaseException:
+            lock.unlink(missing_ok=True)
+            raise
+
+    def busy_error(self) -> UserError:
+        lock = self.root / "assemble.lock"
+        holder = lock.read_text() if lock.exists() else "gone"
+        return UserError(lock, f"another process ({holder}) is writing OUTPUT",
+                         "wait for it to finish; if that process is dead, delete the lock and re-run")
+
+
+class AlreadyCommitted(Exception):
+    """This run's OUTPUT is committed: the task has nothing to do."""
+
+
+@contextmanager
+def unless_committed(area: WorkArea):
+    """A task that finds its work area gone or OUTPUT full because another task of the same run committed
+    it a moment ago (array tasks start together) has nothing to do: AlreadyCommitted, not an error."""
+    try:
+        yield
+    except (UserError, FileNotFoundError):
+        if area.committed():
+            raise AlreadyCommitted from None
+        raise
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid > 0
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """A hard link keeps the work area intact until the commit: a crash while assembling loses nothing."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)

@@ -1,0 +1,97 @@
+"""Where `smolctl pack` writes a unit's tokens: packed safetensors rows, or datatrove/nanotron token files."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+
+from smolctl.data.packing import BfdPacker, ConcatPacker, PackStats, Rows, TokenBatch
+from smolctl.shards import OutputFolder, PackedWriter, parse_shard_size
+
+if TYPE_CHECKING:
+    from smolctl.data.pack import PackConfig
+
+DEFAULT_TOKEN_FILE_BYTES = 2**30  # token files roll by size; a --shard-size given in rows falls back to this
+
+
+class RowSink:
+    """Packs token batches into rows and writes them as safetensors shards (the packed folder)."""
+
+    def __init__(self, folder: OutputFolder, config: PackConfig, record: dict, stats: PackStats, unit: int):
+        self.config, self.record, self.stats = config, record, stats
+        self.writer = PackedWriter(folder, rows_per_shard=config.rows_per_shard())
+        pad_id = record["pad_token_id"]
+        self.packer = (BfdPacker(seq_len=config.seq_len, long_docs=config.long_docs, buffer_tokens=config.buffer_tokens,
+                                 seed=config.seed, pad_id=pad_id, stats=stats, stream=unit) if config.strategy == "bfd"
+                       else ConcatPacker(seq_len=config.seq_len, long_docs=config.long_docs, pad_id=pad_id, stats=stats))
+
+    def add(self, batch: TokenBatch) -> None:
+        self._write(self.packer.add(batch))
+
+    def _write(self, all_rows: Iterator[Rows]) -> None:
+        for rows in all_rows:
+            self.writer.write({"input_ids": rows.input_ids, "position_ids": rows.position_ids}, rows.row_tokens)
+            real = int(rows.row_tokens.sum())
+            self.stats.rows += len(rows.row_tokens)
+            self.stats.tokens += real
+            self.stats.padding_tokens += len(rows.row_tokens) * self.config.seq_len - real
+
+    def close(self) -> None:
+        self._write(self.packer.finish())
+        self.writer.close()
+
+
+class DatatroveSink:
+    """Token files as datatrove's DocumentTokenizer writes them and nanotron's DatatroveFolderDataset reads them:
+    NAME.ds (little-endian uint16 ids, uint32 past 65,536 tokens, documents back to back, each ending in EOS),
+    NAME.ds.index (little-endian uint64 end of each document, in tokens) and NAME.ds.metadata
+    (`tokenizer|token_size`, token count, human count). A file rolls at the shard size and at each unit."""
+
+    def __init__(self, folder: OutputFolder, config: PackConfig, record: dict, stats: PackStats, unit: int):
+        self.folder, self.record, self.stats = folder, record, stats
+        self.token_size = token_size(record)
+        self.shard_bytes = parse_shard_size(config.shard_size)[0] or DEFAULT_TOKEN_FILE_BYTES
+        self.handle = None
+
+    def add(self, batch: TokenBatch) -> None:
+        if self.handle is None:
+            self.name = f"part-{len(self.folder.shards):05d}.ds"
+            self.handle = open(self.folder.file(self.name), "wb")
+            self.ends, self.tokens = [], 0
+        self.handle.write(batch.ids.astype("<u2" if self.token_size == 2 else "<u4").tobytes())
+        self.ends.append(self.tokens + np.cumsum(batch.lengths))
+        self.tokens += len(batch.ids)
+        self.stats.tokens += len(batch.ids)
+        if self.tokens * self.token_size >= self.shard_bytes:
+            self._close_file()
+
+    def _close_file(self) -> None:
+        if self.handle is None:
+            return
+        self.handle.close()
+        self.handle = None
+        ends = np.concatenate(self.ends).astype("<u8")
+        ends.tofile(self.folder.file(f"{self.name}.index"))
+        self.folder.file(f"{self.name}.metadata").write_text(
+            f"{self.record['path']}|{self.token_size}\n{self.tokens}\n{self.tokens / 1e9:.2f}B tokens")
+        self.folder.add_shard(self.name, len(ends), tokens=self.tokens, index=f"{self.name}.index",
+                              metadata=f"{self.name}.metadata")
+
+    def close(self) -> None:
+        self._close_file()
+
+
+def token_size(record: dict) -> int:
+    return 2 if record["vocab_size"] <= 2**16 else 4
+
+
+def manifest_fields(config: PackConfig, record: dict, stats: PackStats) -> dict:
+    """The fields of a packed (or token-file) folder's manifest beyond shards and stats."""
+    if config.format == "datatrove":
+        dtype = "uint16" if token_size(record) == 2 else "uint32"
+        return dict(schema={"ds": f"{dtype} token ids", "ds.index": "uint64 document ends"}, format="datatrove",
+                    token_size=token_size(record))
+    return dict(schema={"input_ids": f"int32[{config.seq_len}]", "position_ids": f"int32[{config.seq_len}]"},
+                seq_len=config.seq_len, strategy=config.strategy, long_docs=config.long_docs,
+                padding_tokens=stats.padding_tokens, padding_fraction=stats.padding_fraction)

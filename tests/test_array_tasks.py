@@ -1,0 +1,151 @@
+"""pack and mix as Slurm array tasks without Slurm: any split and order of tasks gives the bytes of a plain run,
+a task killed mid-unit resumes to the same bytes, a committed run's late tasks exit 0, bad task arguments are
+one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import run_cli
+from smolctl.data import mix as mix_module
+from smolctl.data import pack as pack_module
+from smolctl.data.mix import prepare_mix
+from smolctl.data.mix_plan import plan_from_recipe
+from smolctl.data.pack import PackConfig, prepare_pack
+from smolctl.errors import UserError
+from smolctl.shards import read_manifest
+
+MIX_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo-mix.toml"
+
+
+def shard_bytes(folder: Path) -> dict[str, bytes]:
+    """Every shard under a folder (stages included) by relative path, and the manifests' data-bearing fields."""
+    files = {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+             if p.is_file() and p.name != "manifest.json"}
+    for manifest in sorted(folder.rglob("manifest.json")):
+        fields = {k: v for k, v in json.loads(manifest.read_text()).items() if k not in ("created_at", "command")}
+        files[str(manifest.relative_to(folder))] = json.dumps(fields, sort_keys=True).encode()
+    return files
+
+
+@pytest.fixture(scope="module")
+def four_shards(sample, tmp_path_factory) -> Path:
+    """The sample web documents in four shards of unequal size (units of different lengths)."""
+    table = pq.read_table(sample / "web" / "part-00000.parquet", columns=["id", "text"])
+    folder = tmp_path_factory.mktemp("four") / "web"
+    folder.mkdir()
+    for index, (start, stop) in enumerate([(0, 100), (100, 350), (350, 420), (420, table.num_rows)]):
+        pq.write_table(table.slice(start, stop - start), folder / f"part-{index:05d}.parquet")
+    return folder
+
+
+def run_pack(source: Path, output: Path, tokenizer_dir: Path, **options):
+    config = PackConfig(seq_len=128, batch_documents=64, buffer_tokens=4096, shard_size="40rows",
+                        **options.pop("config", {}))
+    return prepare_pack(str(source), output, tokenizer_spec=str(tokenizer_dir), config=config).run(**options)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "datatrove"])
+def test_pack_tasks_in_any_order_give_the_bytes_of_one_run(four_shards, tokenizer_dir, tmp_path, fmt):
+    plain = run_pack(four_shards, tmp_path / "plain", tokenizer_dir, config={"format": fmt})
+    results = [run_pack(four_shards, tmp_path / "tasks", tokenizer_dir, config={"format": fmt}, tasks=3, task_id=i)
+               for i in (2, 0, 1)]
+    assert [r.finished for r in results] == [False, False, True]
+    assert [r.units_done for r in results] == [1, 2, 1]  # units 2 | 0, 3 | 1
+    assert shard_bytes(tmp_path / "tasks") == shard_bytes(tmp_path / "plain")
+    assert not (tmp_path / "tasks" / "_work").exists()
+    # The accounting is the sum over units, equal to the plain run's.
+    assert results[-1].stats == plain.stats and plain.stats.documents == 926 - plain.stats.skipped_empty
+    manifest = read_manifest(tmp_path / "tasks")
+    assert manifest["documents"] == plain.stats.documents and manifest["tokens"] == plain.stats.tokens
+    # A re-submitted array after the commit, or a task with no units of a large array, has nothing to do.
+    again = run_pack(four_shards, tmp_path / "tasks", tokenizer_dir, config={"format": fmt}, tasks=64, task_id=63)
+    assert again.already_committed
+
+
+def test_a_pack_task_killed_mid_unit_resumes_to_the_same_bytes(four_shards, tokenizer_dir, tmp_path, monkeypatch):
+    run_pack(four_shards, tmp_path / "plain", tokenizer_dir)
+    original, calls = pack_module.UnitPacking.add, []
+
+    def dies_on_the_third_batch(self, batch):
+        calls.append(self.unit)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # a kill between batches: shards of the unit already written, no marker
+        return original(self, batch)
+
+    monkeypatch.setattr(pack_module.UnitPacking, "add", dies_on_the_third_batch)
+    with pytest.raises(KeyboardInterrupt):
+        run_pack(four_shards, tmp_path / "tasks", tokenizer_dir, tasks=2, task_id=1)
+    monkeypatch.setattr(pack_module.UnitPacking, "add", original)
+    work = tmp_path / "tasks" / "_work" / "pack"
+    assert (work / ".00001.partial").is_dir() and not (work / "00001.done").exists()
+    for task in (1, 0):
+        run_pack(four_shards, tmp_path / "tasks", tokenizer_dir, tasks=2, task_id=task)
+    assert shard_bytes(tmp_path / "tasks") == shard_bytes(tmp_path / "plain")
+
+
+def run_mix(output: Path, **options):
+    sample = MIX_RECIPE.parent.parent / "data" / "sample"
+    paths = [f'sources.{name}.path="{sample / name}"' for name in ("web", "code", "math")]
+    # The last stage a curriculum (one writing unit), the others shuffled (one unit per block).
+    plan = plan_from_recipe(MIX_RECIPE, ["shuffle_buffer=300", 'stages.2.order="ascending:length"', *paths])
+    return prepare_mix(plan, output).run(**options)
+
+
+def test_mix_tasks_in_any_order_give_the_bytes_of_one_run(tmp_path, monkeypatch):
+    plain = run_mix(tmp_path / "plain")
+    # ~1200, 500, 400 documents (budgets are met to a bin) in blocks of 300: several blocks per stage
+    assert [s.shards for s in plain.stages] == [-(-s.documents // 300) for s in plain.stages] and plain.stages[2].shards > 1
+    with pytest.raises(UserError, match="the measure stage has not finished"):
+        run_mix(tmp_path / "tasks", stage="write", tasks=3, task_id=0)
+    original, calls = mix_module.write_block, []
+
+    def dies_after_writing(*args):  # a kill after the block file is written, before its marker
+        rows = original(*args)
+        calls.append(rows)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return rows
+
+    for task in (2, 0, 1):
+        run_mix(tmp_path / "tasks", stage="measure", tasks=3, task_id=task)
+    monkeypatch.setattr(mix_module, "write_block", dies_after_writing)
+    with pytest.raises(KeyboardInterrupt):
+        run_mix(tmp_path / "tasks", stage="write", tasks=3, task_id=2)
+    monkeypatch.setattr(mix_module, "write_block", original)
+    results = [run_mix(tmp_path / "tasks", stage="write", tasks=3, task_id=task) for task in (2, 0, 1)]
+    assert [r.finished for r in results] == [False, False, True]
+    assert shard_bytes(tmp_path / "tasks") == shard_bytes(tmp_path / "plain")
+    assert [s.documents for s in results[-1].stages] == [s.documents for s in plain.stages]
+    late = run_mix(tmp_path / "tasks", stage="measure", tasks=3, task_id=0)
+    assert late.already_committed
+
+
+def test_bad_task_arguments_are_one_line_errors(four_shards, tokenizer_dir, tmp_path):
+    out = tmp_path / "packed"
+    base = ["pack", four_shards, out, "--tokenizer", tokenizer_dir, "--seq-len", "128"]
+    done = run_cli(*base, "--tasks", "3", "--task-id", "3")
+    assert done.returncode == 2 and "--task-id: 3 is out of range for --tasks 3" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not out.exists()
+    run_pack(four_shards, out, tokenizer_dir, tasks=3, task_id=0)
+    done = run_cli(*base[:-1], "256", "--tasks", "3", "--task-id", "0")
+    assert done.returncode == 2 and "holds an unfinished run with other inputs or settings" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    done = run_cli("mix", tmp_path / "mix", "--recipe", MIX_RECIPE, "--stage", "write", "--tasks", "2",
+                   "--task-id", "0")
+    assert done.returncode == 2 and "the measure stage has not finished" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "mix").exists()
+    with pytest.raises(UserError, match="add --stage measure"):
+        run_mix(tmp_path / "mix", tasks=2, task_id=0)
+
+
+def test_a_plain_run_that_fails_leaves_nothing(tokenizer_dir, tmp_path):
+    pq.write_table(pa.table({"text": ["", None]}), tmp_path / "empty.parquet")
+    with pytest.raises(UserError, match="holds no non-empty documents"):
+        run_pack(tmp_path / "empty.parquet", tmp_path / "out", tokenizer_dir)
+    assert not (tmp_path / "out").exists()
