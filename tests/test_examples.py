@@ -68,15 +68,17 @@ SKIP = {
 FULL_SIZE_RECIPES = {"recipes/smollm3-sft.toml", "recipes/smollm3-dpo.toml", "recipes/smollm3-ppo.toml"}
 # Training examples on these recipes also train for real, a few steps, with TINY_RUN's overrides.
 TINY_RECIPES = {"recipes/smollm3-tiny.toml", "recipes/smollm3-tiny-midtrain.toml", "recipes/sft-tiny.toml",
-                "recipes/dpo-tiny.toml", "recipes/ppo-tiny.toml"}
+                "recipes/sft-lora-tiny.toml", "recipes/dpo-tiny.toml", "recipes/ppo-tiny.toml", "recipes/grpo-tiny.toml"}
 TINY_RUN = {
     "pretrain": ["training.steps=2", "schedule.warmup_steps=1", "checkpoint.interval=100", "logging.interval=1"],
     "midtrain": ["training.steps=2", "training.micro_batch=2", "training.global_batch=2", "schedule.warmup_steps=0",
                  "checkpoint.interval=100", "logging.interval=1"],
-    "sft": ["training.steps=1", "training.warmup_steps=0", "checkpoint.every=100", "sft.max_length=128"],
-    "dpo": ["training.steps=1", "checkpoint.every=100", "dpo.max_length=64", "data.limit=8"],
+    "sft": ["training.steps=1", "schedule.warmup_steps=0", "checkpoint.interval=100", "sft.max_length=128"],
+    "dpo": ["training.steps=1", "checkpoint.interval=100", "dpo.max_length=64", "data.limit=8"],
     "ppo": ["training.steps=1", "ppo.batch_size=4", "ppo.minibatch_size=4", "training.micro_batch=4", "ppo.epochs=1",
-            "checkpoint.every=100", "generation.max_new_tokens=4", "grpo.num_generations=2"],
+            "checkpoint.interval=100", "ppo.max_new_tokens=4"],
+    "grpo": ["training.steps=1", "training.micro_batch=4", "training.global_batch=4", "grpo.num_generations=2",
+             "checkpoint.interval=100", "grpo.max_new_tokens=4"],
 }
 # generate, merge, report and export read trained runs: examples on demo-out/ run (slow) after the tiny chain, with these
 # flags; those on the user's runs/ are parsed only (USER_RUNS).
@@ -426,8 +428,8 @@ def clear_output(workspace: Path, output: str | None) -> None:
 
 EXAMPLES = all_examples()
 TRAINING = ("pretrain", "midtrain")
-POSTTRAINING = ("sft", "dpo", "ppo")
-STAGE_ORDER = ["train-tokenizer", "dedup", "mix", "pack", "pretrain", "midtrain", "sft", "dpo", "ppo", "generate",
+POSTTRAINING = ("sft", "dpo", "ppo", "grpo")
+STAGE_ORDER = ["train-tokenizer", "dedup", "mix", "pack", "pretrain", "midtrain", "sft", "dpo", "ppo", "grpo", "generate",
                "merge", "report", "export", "estimate", "benchmark-nccl", "stress-gpu", "inspect"]
 
 
