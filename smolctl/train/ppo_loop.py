@@ -22,10 +22,12 @@ from torch import nn
 from smolctl.errors import UserError
 from smolctl.train.config import PpoRecipe
 from smolctl.train.ppo import (
-    Setup, as_chat, clipped_policy_loss, clipped_value_loss, completion_mask, gae, masked_mean, reward_trend,
-    token_logprobs_and_entropy, whiten,
+    Setup, as_chat, clipped_policy_loss, clipped_value_loss, completion_mask, explained_variance, gae, masked_mean,
+    reward_trend, token_logprobs, whiten,
 )
 from smolctl.train.run import EVENTS, FINAL, METRICS, append_jsonl, checkpoint_dir, prune_checkpoints
+
+COMPLETIONS = "completions.jsonl"
 from smolctl.train.schedule import lambda_scheduler
 from smolctl.train.stage import (
     StageResult, StepHook, apply_peft, chat_stop_ids, final_metrics, load_start, parameter_counts, save_final, use_bf16,
@@ -33,7 +35,8 @@ from smolctl.train.stage import (
 
 
 class PolicyWithValue(nn.Module):
-    """A causal LM plus a scalar value head on its last hidden state."""
+    """A causal LM plus a scalar value head on its last hidden state. The forward returns the final hidden states
+    (not the logits: scoring turns them into log-probabilities a chunk of positions at a time) and the values."""
 
     def __init__(self, policy: nn.Module):
         super().__init__()
@@ -43,11 +46,29 @@ class PolicyWithValue(nn.Module):
         nn.init.normal_(self.value_head.weight, std=1 / math.sqrt(hidden + 1))
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask):
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        out = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                          output_hidden_states=True, use_cache=False)
-        return out.logits, self.value_head(out.hidden_states[-1].float()).squeeze(-1)
+    def forward(self, input_ids, attention_mask, critic_only: bool = False):
+        """critic_only: the backbone runs without gradients, so only the value head learns (critic warmup)."""
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not critic_only):
+            hidden = final_hidden(self.policy, input_ids, attention_mask)
+        return hidden, self.value_head(hidden.float()).squeeze(-1)
+
+
+def final_hidden(model: nn.Module, input_ids, attention_mask):
+    """The last layer's (normalised) hidden states [B, T, H]; the LM head runs on one position only."""
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                output_hidden_states=True, use_cache=False, logits_to_keep=1)
+    return out.hidden_states[-1]
+
+
+def train_without_dropout(model: nn.Module) -> None:
+    """Training mode for the layers that checkpoint (gradient checkpointing acts only in training mode), evaluation
+    mode everywhere else: dropout would make the update's log-probabilities differ from the rollout's, and the
+    ratio of the two is PPO's signal."""
+    model.eval()
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False):
+            module.training = True
 
 
 class PpoLoop:
@@ -58,10 +79,12 @@ class PpoLoop:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         torch.manual_seed(self.training.seed)
         policy, self.tokenizer = load_start(setup.parent, attention=self.training.attention)
-        self.reference, _ = load_start(setup.parent, bf16, attention=self.training.attention)
+        # The reference is the policy's twin in weights and compute (fp32 weights under the same autocast), so the
+        # KL penalty is exactly 0 at step 0 and measures only what training changed.
+        self.reference, _ = load_start(setup.parent, attention=self.training.attention)
         policy = apply_peft(policy, recipe.peft)
         if self.training.gradient_checkpointing:
-            policy.gradient_checkpointing_enable()
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # fp32 weights, bf16 compute: the same mixed precision the Trainer-based stages get from bf16=True.
         self.autocast = partial(torch.autocast, self.device.type, dtype=torch.bfloat16, enabled=bf16)
         self.reference.to(self.device).eval().requires_grad_(False)
@@ -69,9 +92,14 @@ class PpoLoop:
         self.parameters = parameter_counts(self.model)
         self.stop_ids = chat_stop_ids(self.tokenizer)
         self.chat = bool(getattr(self.tokenizer, "chat_template", None))
+        self.generation = self.generation_config()
         opt = recipe.optimizer
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=opt.lr,
-                                           betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+        critic = list(self.model.value_head.parameters())
+        policy_params = [p for n, p in self.model.named_parameters() if p.requires_grad and not n.startswith("value_head.")]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": policy_params, "lr": opt.lr},
+             {"params": critic, "lr": self.cfg.critic_learning_rate(opt.lr), "weight_decay": 0.0}],
+            betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
         self.scheduler = lambda_scheduler(self.optimizer, recipe.schedule, int(self.training.steps))
         self.step, self.nan_skipped, self.history = 0, 0, []
         self._cached_order: tuple = (None, None)
@@ -125,18 +153,32 @@ class PpoLoop:
 
     # -- rollout: generate, score, evaluate old/reference log-probs and values --------------------------------
 
+    def generation_config(self):
+        """Sampling exactly as the recipe says: whatever the checkpoint's generation_config carries (top_k, a low
+        temperature, greedy decoding) would otherwise fill every field left unset, and the rollout's
+        log-probabilities would no longer be those of the distribution that sampled."""
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(
+            do_sample=True, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=0, min_p=None,
+            max_new_tokens=self.cfg.max_new_tokens, eos_token_id=self.stop_ids,
+            pad_token_id=self.tokenizer.pad_token_id, repetition_penalty=1.0, num_beams=1)
+        self.model.policy.generation_config = config
+        return config
+
+    def encode(self, prompts: list) -> dict:
+        texts = [self.tokenizer.apply_chat_template(as_chat(p), tokenize=False, add_generation_prompt=True)
+                 if self.chat else p for p in prompts]
+        return self.tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
+                              add_special_tokens=False).to(self.device)
+
     @torch.no_grad()
     def rollout(self, indices: list[int]) -> dict | None:
         prompts = [self.setup.prompts[i] for i in indices]
-        texts = [self.tokenizer.apply_chat_template(as_chat(p), tokenize=False, add_generation_prompt=True)
-                 if self.chat else p for p in prompts]
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
-                             add_special_tokens=False).to(self.device)
+        enc = self.encode(prompts)
         self.model.eval()
         with self.autocast():
-            sequences = self.model.policy.generate(
-                **enc, max_new_tokens=self.cfg.max_new_tokens, do_sample=True, temperature=self.cfg.temperature,
-                top_k=0, top_p=1.0, eos_token_id=self.stop_ids, pad_token_id=self.tokenizer.pad_token_id)
+            sequences = self.model.policy.generate(**enc, generation_config=self.generation)
         prompt_len = enc["input_ids"].shape[1]
         completion = sequences[:, prompt_len:]
         mask = completion_mask(completion, self.stop_ids)
@@ -151,8 +193,8 @@ class PpoLoop:
         attention = torch.cat([enc["attention_mask"], mask.long()], dim=1)[keep]
         batch = {"sequences": sequences[keep], "attention": attention, "mask": mask[keep], "prompt_len": prompt_len,
                  "scores": scores[keep]}
-        batch["old_logprobs"], _, batch["old_values"] = self.evaluate(self.model, batch)
-        batch["ref_logprobs"], _, _ = self.evaluate(self.reference, batch)
+        batch["old_logprobs"], batch["old_values"] = self.score(self.model, batch)
+        batch["ref_logprobs"], _ = self.score(self.reference, batch)
         kl = (batch["old_logprobs"] - batch["ref_logprobs"]) * batch["mask"]
         rewards = -self.cfg.kl_coef * kl
         last = (batch["mask"].sum(1).long() - 1).clamp(min=0)
@@ -162,56 +204,81 @@ class PpoLoop:
         batch["advantages"] = whiten(advantages, batch["mask"])
         batch["rollout_stats"] = {
             "reward": float(batch["scores"].mean()), "kl": float(kl.sum(1).mean()),
+            "explained_variance": explained_variance(batch["old_values"], batch["returns"], batch["mask"]),
             "completion_length": float(batch["mask"].sum(1).mean()),
             **{f"rewards/{name}": _finite_mean(values, keep.tolist()) for name, values in scored.components.items()},
         }
         return batch
 
-    def evaluate(self, model: nn.Module, batch: dict, rows=slice(None)):
-        """Log-probs, entropies and values (None for the reference) of the completion tokens: each [B, T]."""
+    @torch.no_grad()
+    def score(self, model: nn.Module, batch: dict):
+        """Log-probabilities of the sampled tokens and values (None for the reference), each [B, T], computed
+        ppo.scoring_micro_batch completions at a time."""
+        micro = self.cfg.scoring_micro_batch or self.training.micro_batch
+        parts = [self.evaluate(model, batch, rows)
+                 for rows in torch.arange(len(batch["sequences"]), device=self.device).split(micro)]
+        values = torch.cat([p[2] for p in parts]) if parts[0][2] is not None else None
+        return torch.cat([p[0] for p in parts]), values
+
+    def evaluate(self, model: nn.Module, batch: dict, rows, entropy: bool = False, critic_only: bool = False):
+        """Log-probs, entropies (with `entropy`) and values (None for the reference) of the completion tokens of
+        `rows`: each [rows, T]."""
         sequences, attention, start = batch["sequences"][rows], batch["attention"][rows], batch["prompt_len"]
         with self.autocast():
             if isinstance(model, PolicyWithValue):
-                logits, values = model(sequences, attention)
+                hidden, values = model(sequences, attention, critic_only)
                 values = values[:, start - 1:-1].float()
+                head = model.policy.get_output_embeddings()
             else:
-                positions = (attention.cumsum(-1) - 1).clamp(min=0)
-                logits = model(input_ids=sequences, attention_mask=attention, position_ids=positions,
-                               use_cache=False).logits
-                values = None
-        logits = logits[:, start - 1:-1] / self.cfg.temperature
-        logprobs, entropy = token_logprobs_and_entropy(logits, sequences[:, start:])
-        return logprobs, entropy, values
+                hidden, values, head = final_hidden(model, sequences, attention), None, model.get_output_embeddings()
+            if critic_only:
+                return None, None, values
+            logprobs, entropies = token_logprobs(hidden[:, start - 1:-1], head, sequences[:, start:],
+                                                 self.cfg.temperature, entropy)
+        return logprobs, entropies, values
 
     # -- update: epochs of minibatches, micro-batched -------------------------------------------------------
 
     def update(self, batch: dict) -> dict:
-        self.model.train()
+        """Epochs of minibatches; each minibatch's losses are means over its completion tokens (its micro batches
+        each add their tokens' share), so micro batching changes nothing but memory."""
+        train_without_dropout(self.model)
+        critic_only = self.step < self.cfg.critic_warmup_steps
         size = len(batch["scores"])
         minibatch, micro = min(self.cfg.minibatch_size, size), self.training.micro_batch
         totals: dict[str, list[float]] = {"grad_norm": []}
         for _ in range(self.cfg.epochs):
-            order = torch.randperm(size)
+            order = torch.randperm(size, device=self.device)
             for start in range(0, size, minibatch):
                 rows = order[start:start + minibatch]
+                tokens = batch["mask"][rows].sum().clamp(min=1)
                 self.optimizer.zero_grad(set_to_none=True)
+                sums: dict[str, float] = {}
                 for chunk in rows.split(micro):
-                    losses = self.losses(batch, chunk)
-                    (losses["loss"] * len(chunk) / len(rows)).backward()
+                    losses = self.losses(batch, chunk, tokens, critic_only)
+                    losses.pop("loss").backward()
                     for key, value in losses.items():
-                        totals.setdefault(key, []).append(float(value.detach()))
+                        sums[key] = sums.get(key, 0.0) + float(value)
+                for key, value in sums.items():
+                    totals.setdefault(key, []).append(value)
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.optimizer.grad_clip or math.inf)
                 totals["grad_norm"].append(float(norm))
                 self.optimizer.step()
-        return {**batch["rollout_stats"], **{k: sum(v) / len(v) for k, v in totals.items()}}
+        return {**batch["rollout_stats"], **{k: sum(v) / len(v) for k, v in totals.items()},
+                "critic_warmup": float(critic_only)}
 
-    def losses(self, batch: dict, rows) -> dict:
+    def losses(self, batch: dict, rows, tokens, critic_only: bool) -> dict:
+        """This micro batch's share of the minibatch's losses (sums over its tokens / the minibatch's tokens)."""
         mask = batch["mask"][rows]
-        logprobs, entropy, values = self.evaluate(self.model, batch, rows)
+        logprobs, entropy, values = self.evaluate(self.model, batch, rows, entropy=not critic_only,
+                                                  critic_only=critic_only)
+        value_loss = clipped_value_loss(values, batch["old_values"][rows], batch["returns"][rows], mask,
+                                        self.cfg.vf_clip, tokens)
+        if critic_only:
+            return {"loss": value_loss, "value_loss": value_loss.detach()}
         policy_loss, clipfrac = clipped_policy_loss(logprobs, batch["old_logprobs"][rows], batch["advantages"][rows],
-                                                    mask, self.cfg.clip)
-        value_loss = clipped_value_loss(values, batch["old_values"][rows], batch["returns"][rows], mask, self.cfg.vf_clip)
-        mean_entropy = masked_mean(entropy, mask)
+                                                    mask, self.cfg.clip, tokens)
+        mean_entropy = masked_mean(entropy, mask, tokens)
         loss = policy_loss + self.cfg.vf_coef * value_loss - self.cfg.ent_coef * mean_entropy
         return {"loss": loss, "policy_loss": policy_loss.detach(), "value_loss": value_loss.detach(),
                 "entropy": mean_entropy.detach(), "clipfrac": clipfrac.detach()}
