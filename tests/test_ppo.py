@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from smolctl.errors import UserError
 from smolctl.train.config import load_command_recipe
 from smolctl.train.grpo import run_grpo
-from smolctl.train.ppo import clipped_policy_loss, clipped_value_loss, completion_mask, gae, run_ppo, whiten
+from smolctl.train.ppo import (
+    clipped_policy_loss, clipped_value_loss, completion_mask, explained_variance, gae, prepare, run_ppo,
+    token_logprobs, whiten,
+)
+from smolctl.train.ppo_loop import PpoLoop
 from smolctl.train.rewards import CompositeReward, RewardSection, distinct_ngram_ratio
 from tiny_checkpoint import make_tiny_checkpoint
 
@@ -68,6 +75,48 @@ def test_whiten_and_completion_mask():
     assert white[0, 3].item() == 0.0
     completion = torch.tensor([[5, 7, 3, 9, 9], [5, 6, 7, 8, 4]])
     assert completion_mask(completion, [3, 0]).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+
+
+def test_explained_variance_is_one_for_a_perfect_critic_and_zero_for_the_mean():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 50.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    assert explained_variance(torch.full_like(returns, 2.0), returns, mask) == pytest.approx(0.0, abs=1e-6)
+    assert explained_variance(-returns, returns, mask) < 0
+
+
+def test_chunked_token_logprobs_equal_the_full_log_softmax_in_value_and_gradient():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False)
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    tokens = torch.randint(0, 50, (2, 5))
+    logprobs, entropy = token_logprobs(hidden, head, tokens, temperature=0.7, entropy=True, chunk_elements=3 * 50)
+    full = torch.log_softmax(head(hidden) / 0.7, dim=-1)
+    expected = full.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(logprobs, expected, atol=1e-6)
+    assert torch.allclose(entropy, -(full.exp() * full).sum(-1), atol=1e-5)
+    grad, = torch.autograd.grad((logprobs + entropy).sum(), hidden)
+    expected_grad, = torch.autograd.grad((expected - (full.exp() * full).sum(-1)).sum(), hidden)
+    assert torch.allclose(grad, expected_grad, atol=1e-5)
+
+
+def test_chunked_token_logprobs_keep_no_vocabulary_logits_for_backward():
+    """Each chunk is checkpointed: what autograd keeps is the hidden states, not a chunk's [positions, vocabulary]
+    logits (without the checkpoint every chunk's logits would stay alive until backward)."""
+    head = torch.nn.Linear(16, 4096, bias=False)
+    hidden = torch.randn(4, 32, 16, requires_grad=True)
+    tokens = torch.randint(0, 4096, (4, 32))
+    saved: list[int] = []
+
+    def keep(tensor):
+        saved.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        logprobs, entropy = token_logprobs(hidden, head, tokens, 1.0, entropy=True, chunk_elements=8 * 4096)
+    (logprobs.sum() + entropy.sum()).backward()
+    assert sum(saved) < 4 * 32 * 4096 / 8, f"autograd kept {sum(saved)} elements"
+    assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -148,6 +197,112 @@ def rewards_logged(run) -> list[float]:
 
 
 RUNNERS = {"ppo": run_ppo, "grpo": run_grpo}
+
+
+@pytest.fixture(scope="module")
+def stubborn_model(tiny_model, tmp_path_factory):
+    """The tiny model with a generation_config that would change sampling (greedy-ish: top_k 1, temperature 0.3);
+    the rollout must sample as the recipe says all the same."""
+    folder = tmp_path_factory.mktemp("stubborn") / "model"
+    shutil.copytree(tiny_model, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False, "top_k": 1, "temperature": 0.3,
+                                                               "top_p": 0.5}))
+    return folder
+
+
+def ppo_loop(model, tmp_path, overrides=()) -> PpoLoop:
+    recipe = load_command_recipe("ppo", toy_recipe(tmp_path), list(overrides))
+    return PpoLoop(recipe, prepare("ppo", recipe, tmp_path / "run", str(model), "none", False), None)
+
+
+def generated_and_scored_logprobs(loop: PpoLoop, prompts: int = 6):
+    """(the rollout's log-probabilities of the sampled tokens, generate's own: log_softmax of its output scores at
+    those tokens, completion mask)."""
+    torch.manual_seed(1)
+    enc = loop.encode(loop.setup.prompts[:prompts])
+    loop.model.eval()
+    out = loop.model.policy.generate(**enc, generation_config=loop.generation, output_scores=True,
+                                     return_dict_in_generate=True)
+    start = enc["input_ids"].shape[1]
+    completion = out.sequences[:, start:]
+    mask = completion_mask(completion, loop.stop_ids)
+    sampled = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)
+    expected = sampled.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    batch = {"sequences": out.sequences, "attention": torch.cat([enc["attention_mask"], mask.long()], dim=1),
+             "prompt_len": start}
+    scored, values = loop.score(loop.model, batch)
+    assert values.shape == scored.shape == completion.shape
+    return scored, expected, mask
+
+
+def logprobs_agree(scored, expected, mask) -> bool:
+    return bool(((scored - expected).abs() * mask).max() < 1e-5)
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_rollout_logprobs_are_those_generate_sampled_with(shift, stubborn_model, tmp_path):
+    """The log-probabilities PPO's ratio starts from are those of the distribution that sampled (temperature and
+    top_p from the recipe, not the checkpoint's generation_config), token for token; shifted by one token they are
+    not, so this check catches an off-by-one in the scoring."""
+    loop = ppo_loop(stubborn_model, tmp_path, ["ppo.temperature=0.7", "ppo.scoring_micro_batch=4",
+                                               "ppo.max_new_tokens=8"])
+    scored, expected, mask = generated_and_scored_logprobs(loop)
+    assert mask.sum() > 12 and (expected * mask).min() < -1.0     # sampled, not greedy: some unlikely tokens
+    scored = torch.roll(scored, shifts=shift, dims=1)
+    assert logprobs_agree(scored, expected, mask) == (shift == 0)
+
+
+class LargestLogits(TorchDispatchMode):
+    """Records the element count of the largest fp32 tensor over the vocabulary that any operation allocates."""
+
+    def __init__(self, vocabulary: int):
+        super().__init__()
+        self.vocabulary, self.largest = vocabulary, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:  # a view (e.g. the LM head's weight expanded for a batched matmul) allocates nothing
+            return out
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 and tensor.shape[-1:] == (
+                    self.vocabulary,):
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+def test_scoring_a_rollout_never_builds_batch_by_sequence_by_vocabulary_logits(tiny_model, tmp_path):
+    loop = ppo_loop(tiny_model, tmp_path, ["ppo.scoring_micro_batch=2", "ppo.max_new_tokens=8"])
+    enc = loop.encode(loop.setup.prompts[:8])
+    loop.model.eval()
+    sequences = loop.model.policy.generate(**enc, generation_config=loop.generation)
+    start = enc["input_ids"].shape[1]
+    mask = completion_mask(sequences[:, start:], loop.stop_ids)
+    batch = {"sequences": sequences, "attention": torch.cat([enc["attention_mask"], mask.long()], dim=1),
+             "prompt_len": start}
+    vocabulary = loop.model.policy.get_output_embeddings().out_features
+    with LargestLogits(vocabulary) as allocations:
+        loop.score(loop.model, batch)
+        loop.score(loop.reference, batch)
+    # at most one micro batch (2 of 8 completions) of logits at a time
+    completion_logits = (sequences.shape[1] - start) * vocabulary
+    assert 0 < allocations.largest <= 2 * completion_logits, (allocations.largest, completion_logits)
+
+
+def test_kl_is_zero_at_step_zero_and_the_critic_learns(tiny_model, tmp_path):
+    """kl_coef > 0: the reference is the policy's twin, so the first rollout's KL is 0; with a critic learning rate
+    far above the policy's (and a critic-only warmup step), the value loss falls and explained variance rises."""
+    overrides = ["training.steps=8", "optimizer.lr=1e-5", "ppo.kl_coef=0.1", "ppo.critic_lr=3e-2",
+                 "ppo.critic_warmup_steps=1", "ppo.epochs=2", "ppo.minibatch_size=8", "training.micro_batch=4"]
+    recipe = load_command_recipe("ppo", toy_recipe(tmp_path), overrides)
+    run_ppo(recipe, tmp_path / "run", start=str(tiny_model))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert abs(records[0]["kl"]) < 1e-6
+    assert records[0]["critic_warmup"] == 1.0 and records[1]["critic_warmup"] == 0.0
+    first, last = records[:3], records[-3:]
+    mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)
+    assert mean(last, "value_loss") < mean(first, "value_loss") / 2, [r["value_loss"] for r in records]
+    assert mean(last, "explained_variance") > mean(first, "explained_variance") + 0.2, \
+        [r["explained_variance"] for r in records]
 
 
 @pytest.mark.slow
