@@ -43,7 +43,9 @@ class PolicyWithValue(nn.Module):
         self.policy = policy
         hidden = policy.config.get_text_config().hidden_size
         self.value_head = nn.Linear(hidden, 1)
-        nn.init.normal_(self.value_head.weight, std=1 / math.sqrt(hidden + 1))
+        # Zero: the fresh critic predicts 0 everywhere (explained variance 0) rather than noise that the clipped
+        # value loss would take many steps to undo.
+        nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids, attention_mask, critic_only: bool = False):
