@@ -19,7 +19,7 @@ from smolctl.train.ppo import (
     token_logprobs, whiten,
 )
 from smolctl.train.ppo_loop import PpoLoop
-from smolctl.train.rewards import CompositeReward, RewardSection, distinct_ngram_ratio
+from smolctl.train.rewards import CompositeReward, RewardSection, group_diversity
 from tiny_checkpoint import make_tiny_checkpoint
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -123,15 +123,26 @@ def test_chunked_token_logprobs_keep_no_vocabulary_logits_for_backward():
 # Rewards
 
 
-def nan_reward(completion: str, reference: str | None) -> float:
-    return math.nan if "x" in completion else 1.0
+def nan_reward(row: dict) -> float:
+    return math.nan if "x" in row["completion"] else 1.0
 
 
-def spaced_words(completion: str, reference: str | None) -> float:
+def failing_reward(row: dict) -> float:
+    if "b" in row["completion"]:
+        raise ValueError("cannot parse")
+    return 1.0
+
+
+def batched_reward(rows: list[dict]) -> list[float]:
+    """Sees every column of each row: the prompt, the completion, the reference, and `id`."""
+    return [float(row["completion"] in row["prompt"]) + row["id"] / 100 for row in rows]
+
+
+def spaced_words(row: dict) -> float:
     """A toy reward a random tiny model learns within a dozen steps: about the share of its 6 tokens that start a
     word (~0.45 at random, 1.0 for e.g. " the the the ..."). Dense and without plateaus below the optimum; a
     share-of-characters reward instead traps GRPO at a repeated common word (0.25)."""
-    return min(1.0, completion.count(" ") / 6)
+    return min(1.0, row["completion"].count(" ") / 6)
 
 
 def test_task_rewards_exact_regex_and_callable():
@@ -145,14 +156,59 @@ def test_task_rewards_exact_regex_and_callable():
     assert called.score([" a b", "ab"], [2, 1], [None, None]).totals == pytest.approx([2 / 6, 0.0])
 
 
+def test_the_default_regex_matches_the_final_answer_on_word_boundaries():
+    final = CompositeReward([RewardSection(kind="task", match="regex")])
+    texts = ["so the answer is 4.", "the answer is 14", "4 apples, no: 5", "3.4", "4"]
+    assert final.score(texts, [1] * 5, ["4"] * 5).totals == [1.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_reward_callables_see_the_whole_row_singly_or_batched():
+    rows = [{"id": 3, "prompt": "say hi", "reference": None}, {"id": 5, "prompt": "say hi", "reference": None}]
+    batched = CompositeReward([RewardSection(kind="task", match="callable", function="test_ppo:batched_reward",
+                                             batched=True)])
+    assert batched.score(["hi", "bye"], [1, 1], rows=rows).totals == pytest.approx([1.03, 0.05])
+
+
+def test_a_failing_reward_names_itself_and_the_row_or_is_counted_and_skipped():
+    section = dict(kind="task", match="callable", function="test_ppo:failing_reward")
+    rows = [{"prompt": "p1", "reference": None}, {"prompt": "p2", "reference": None}]
+    with pytest.raises(UserError, match=r"rewards\[0\]\.function: test_ppo:failing_reward raised ValueError: "
+                                        r"cannot parse on row 1 \(prompt='p2'.*completion='abc'"):
+        CompositeReward([RewardSection(**section)]).score(["ok", "abc"], [1, 1], rows=rows)
+    skipping = CompositeReward([RewardSection(**section, on_error="skip")])
+    totals = skipping.score(["ok", "abc"], [1, 1], rows=rows).totals
+    assert totals[0] == 1.0 and math.isnan(totals[1]) and skipping.errors == {"task": 1}
+
+
+def test_diversity_is_over_the_group_and_short_texts_earn_nothing():
+    assert group_diversity(["yes", ""], 2) == [0.0, 0.0]                       # shorter than n words: no bonus
+    assert group_diversity(["a b c", "a b c", "x y z"], 2) == [0.0, 0.0, 1.0]  # copies of a sibling: no bonus
+    assert group_diversity(["a a a a a"], 2) == [0.25]                         # one distinct bigram of four
+    reward = CompositeReward([RewardSection(kind="diversity", n=2)])
+    assert reward.score(["a b c", "a b c"], [3, 3], groups=[0, 1]).components["diversity"] == [1.0, 1.0]
+
+
+def test_truncated_completions_score_the_truncated_penalty():
+    reward = CompositeReward([RewardSection(kind="task"), RewardSection(kind="length", truncated_penalty=-1.0)])
+    scored = reward.score(["numbers", "numbers"], [3, 3], ["numbers", "numbers"], truncated=[False, True])
+    assert scored.totals == [pytest.approx(math.exp(-0.03)), -1.0]
+
+
+def test_in_the_3b_recipe_a_long_correct_answer_beats_a_short_wrong_one():
+    recipe = load_command_recipe("ppo", "recipes/smollm3-ppo.toml")
+    reward = CompositeReward(recipe.rewards)
+    correct, wrong = "the answer is 4 " + "because " * 394 + "4", "5"
+    scored = reward.score([correct, wrong], [400, 1], ["4", "4"], groups=[0, 0])
+    assert scored.totals[0] > scored.totals[1] + 0.3, scored
+
+
 def test_shaped_reward_is_task_times_length_penalty_plus_diversity_bonus():
     reward = CompositeReward([RewardSection(kind="task"), RewardSection(kind="length", scale=0.01),
                               RewardSection(kind="diversity", n=2, weight=0.1)])
     scored = reward.score(["numbers", "a a a a a"], [10, 50], ["numbers", "numbers"])
-    assert scored.totals[0] == pytest.approx(1.0 * math.exp(-0.1) + 0.1 * 1.0)
+    assert scored.totals[0] == pytest.approx(1.0 * math.exp(-0.1) + 0.0)  # one word: no diversity bonus
     assert scored.totals[1] == pytest.approx(0.0 + 0.1 * 0.25)      # bigrams: (a a) x4, one distinct
     assert scored.components["length"] == pytest.approx([math.exp(-0.1), math.exp(-0.5)])
-    assert distinct_ngram_ratio("", 2) == 0.0 and distinct_ngram_ratio("one", 2) == 1.0
 
 
 def test_reward_callable_that_does_not_import_is_a_user_error():
@@ -219,7 +275,7 @@ def generated_and_scored_logprobs(loop: PpoLoop, prompts: int = 6):
     """(the rollout's log-probabilities of the sampled tokens, generate's own: log_softmax of its output scores at
     those tokens, completion mask)."""
     torch.manual_seed(1)
-    enc = loop.encode(loop.setup.prompts[:prompts])
+    enc = loop.encode([row["prompt"] for row in loop.setup.rows[:prompts]])
     loop.model.eval()
     out = loop.model.policy.generate(**enc, generation_config=loop.generation, output_scores=True,
                                      return_dict_in_generate=True)
@@ -272,7 +328,7 @@ class LargestLogits(TorchDispatchMode):
 
 def test_scoring_a_rollout_never_builds_batch_by_sequence_by_vocabulary_logits(tiny_model, tmp_path):
     loop = ppo_loop(tiny_model, tmp_path, ["ppo.scoring_micro_batch=2", "ppo.max_new_tokens=8"])
-    enc = loop.encode(loop.setup.prompts[:8])
+    enc = loop.encode([row["prompt"] for row in loop.setup.rows[:8]])
     loop.model.eval()
     sequences = loop.model.policy.generate(**enc, generation_config=loop.generation)
     start = enc["input_ids"].shape[1]

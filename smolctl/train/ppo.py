@@ -139,8 +139,9 @@ def completion_mask(completion, stop_ids):
 # Prompts
 
 
-def load_prompts(source: DocumentSource, data: PromptDataSection, needs_reference: bool) -> tuple[list, list]:
-    """(prompts, references) from the dataset; references are None when the column is absent and not needed."""
+def load_prompts(source: DocumentSource, data: PromptDataSection, needs_reference: bool) -> list[dict]:
+    """The dataset's rows, each with its reference under "reference" (None when the column is absent and not
+    needed): reward callables see every column."""
     from smolctl.train.posttrain import require_columns
 
     require_columns(source, [data.prompt_column], "set data.prompt_column, or pass a dataset of prompts")
@@ -148,16 +149,14 @@ def load_prompts(source: DocumentSource, data: PromptDataSection, needs_referenc
         if data.reference_column not in source.columns:
             raise UserError(source.spec, f"has no column '{data.reference_column}' for the task reward (columns: "
                             f"{', '.join(source.columns)})", "set data.reference_column, or use a regex/callable reward")
-    columns = [data.prompt_column] + ([data.reference_column] if data.reference_column in source.columns else [])
-    prompts, references = [], []
-    for batch in source.iter_batches(columns=columns):
-        prompts += batch.column(0).to_pylist()
-        references += batch.column(1).to_pylist() if len(columns) == 2 else [None] * batch.num_rows
+    rows = []
+    for batch in source.iter_batches():
+        rows += batch.to_pylist()
     if data.limit is not None:
-        prompts, references = prompts[:data.limit], references[:data.limit]
-    if not prompts:
+        rows = rows[:data.limit]
+    if not rows:
         raise UserError(source.spec, "holds no prompts", "pass a non-empty dataset")
-    return prompts, references
+    return [{**row, "prompt": row[data.prompt_column], "reference": row.get(data.reference_column)} for row in rows]
 
 
 def as_chat(prompt) -> list[dict]:
@@ -173,8 +172,8 @@ class Setup:
     run: Path
     parent: Path
     source: DocumentSource
-    prompts: list
-    references: list
+    rows: list[dict]
+    """The dataset's rows, with "prompt" and "reference" whatever their columns are called."""
     reward: CompositeReward
     start: RunStart
 
@@ -186,9 +185,9 @@ def prepare(stage: str, recipe: PpoRecipe | GrpoRecipe, run: str | Path, start: 
     parent = check_start(start or recipe.model.from_, "--from" if start else "model.from")
     source = open_documents(recipe.data.path)
     reward = CompositeReward(recipe.rewards)
-    prompts, references = load_prompts(source, recipe.data, reward.needs_reference)
+    rows = load_prompts(source, recipe.data, reward.needs_reference)
     begun = open_run(stage, recipe, run, parent, resume, overwrite)
-    return Setup(run, parent, source, prompts, references, reward, begun)
+    return Setup(run, parent, source, rows, reward, begun)
 
 
 def run_ppo(recipe: PpoRecipe, run: str | Path, *, start: str | None = None, resume: str = "none",

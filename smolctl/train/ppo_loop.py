@@ -25,9 +25,8 @@ from smolctl.train.ppo import (
     Setup, as_chat, clipped_policy_loss, clipped_value_loss, completion_mask, explained_variance, gae, masked_mean,
     reward_trend, token_logprobs, whiten,
 )
+from smolctl.train.rewards import log_completions
 from smolctl.train.run import EVENTS, FINAL, METRICS, append_jsonl, checkpoint_dir, prune_checkpoints
-
-COMPLETIONS = "completions.jsonl"
 from smolctl.train.schedule import lambda_scheduler
 from smolctl.train.stage import (
     StageResult, StepHook, apply_peft, chat_stop_ids, final_metrics, load_start, parameter_counts, save_final, use_bf16,
@@ -131,7 +130,7 @@ class PpoLoop:
                    **final_metrics(self.history, (*components, "kl", "policy_loss", "value_loss", "entropy",
                                                   "clipfrac", "completion_length")),
                    "nan_rewards_skipped": self.nan_skipped}
-        data = {"prompts": len(self.setup.prompts)}
+        data = {"prompts": len(self.setup.rows), "reward_errors_skipped": sum(self.setup.reward.errors.values())}
         adapter = save_final(self.setup.run, self.model.policy, self.tokenizer, parent=self.setup.parent,
                              data_inputs=self.setup.source.lineage(), stage="ppo", parameters=self.parameters,
                              stats={**{k.replace("/", "_"): v for k, v in metrics.items()}, **data, "steps": self.step,
@@ -143,14 +142,14 @@ class PpoLoop:
 
     def next_prompts(self) -> list[int]:
         """Indices of this step's prompts: a seeded permutation per pass over the data, cycled."""
-        n, size = len(self.setup.prompts), self.cfg.batch_size
+        n, size = len(self.setup.rows), self.cfg.batch_size
         return [int(self._order(position // n)[position % n])
                 for position in range(self.step * size, (self.step + 1) * size)]
 
     def _order(self, epoch: int):
         if self._cached_order[0] != epoch:
             generator = torch.Generator().manual_seed(self.training.seed + epoch)
-            self._cached_order = (epoch, torch.randperm(len(self.setup.prompts), generator=generator))
+            self._cached_order = (epoch, torch.randperm(len(self.setup.rows), generator=generator))
         return self._cached_order[1]
 
     # -- rollout: generate, score, evaluate old/reference log-probs and values --------------------------------
@@ -176,8 +175,8 @@ class PpoLoop:
 
     @torch.no_grad()
     def rollout(self, indices: list[int]) -> dict | None:
-        prompts = [self.setup.prompts[i] for i in indices]
-        enc = self.encode(prompts)
+        rows = [self.setup.rows[i] for i in indices]
+        enc = self.encode([row["prompt"] for row in rows])
         self.model.eval()
         with self.autocast():
             sequences = self.model.policy.generate(**enc, generation_config=self.generation)
@@ -186,7 +185,9 @@ class PpoLoop:
         mask = completion_mask(completion, self.stop_ids)
         lengths = mask.sum(1).long().tolist()
         decoded = [self.tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(completion, lengths)]
-        scored = self.setup.reward.score(decoded, lengths, [self.setup.references[i] for i in indices])
+        # cut off: no stop token within max_new_tokens
+        truncated = [n == completion.shape[1] and int(row[-1]) not in self.stop_ids for row, n in zip(completion, lengths)]
+        scored = self.setup.reward.score(decoded, lengths, rows=rows, truncated=truncated, groups=indices)
         scores = torch.tensor(scored.totals, dtype=torch.float32, device=self.device)
         keep = torch.isfinite(scores)
         self.nan_skipped += int((~keep).sum())
@@ -204,6 +205,11 @@ class PpoLoop:
         advantages, batch["returns"] = gae(rewards, batch["old_values"] * batch["mask"], batch["mask"],
                                            self.cfg.gamma, self.cfg.lam)
         batch["advantages"] = whiten(advantages, batch["mask"])
+        if self.recipe.logging.completions_interval and (self.step + 1) % self.recipe.logging.completions_interval == 0:
+            kept = [i for i, k in enumerate(keep.tolist()) if k]
+            log_completions(self.setup.run, self.step + 1, [rows[i]["prompt"] for i in kept],
+                            [decoded[i] for i in kept], {n: [v[i] for i in kept] for n, v in scored.components.items()},
+                            batch["scores"].tolist(), batch["advantages"][:, 0].tolist())
         batch["rollout_stats"] = {
             "reward": float(batch["scores"].mean()), "kl": float(kl.sum(1).mean()),
             "explained_variance": explained_variance(batch["old_values"], batch["returns"], batch["mask"]),
