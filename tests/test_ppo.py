@@ -365,8 +365,11 @@ def test_kl_is_zero_at_step_zero_and_the_critic_learns(tiny_model, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_mean_reward_rises_on_a_learnable_toy_reward(algorithm, tiny_model, tmp_path):
-    recipe = load_command_recipe(algorithm, toy_recipe(tmp_path, algorithm=algorithm))
+    recipe = load_command_recipe(algorithm, toy_recipe(tmp_path, algorithm=algorithm),
+                                 ["logging.completions_interval=7"])
     result = RUNNERS[algorithm](recipe, tmp_path / "run", start=str(tiny_model))
+    logged = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert {line["step"] for line in logged} == {7, 14} and "task" in logged[0]["rewards"]
     rewards = rewards_logged(tmp_path / "run")
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.1, f"{algorithm} did not learn: {first:.3f} → {last:.3f} ({rewards})"
@@ -379,10 +382,16 @@ def test_mean_reward_rises_on_a_learnable_toy_reward(algorithm, tiny_model, tmp_
 
 def test_nan_rewards_are_counted_and_skipped(tiny_model, tmp_path):
     path = toy_recipe(tmp_path, reward="test_ppo:nan_reward")
-    recipe = load_command_recipe("ppo", path, ["training.steps=2", "ppo.epochs=1", "ppo.max_new_tokens=4"])
+    recipe = load_command_recipe("ppo", path, ["training.steps=2", "ppo.epochs=1", "ppo.max_new_tokens=4",
+                                               "logging.completions_interval=2"])
     result = run_ppo(recipe, tmp_path / "run", start=str(tiny_model))
     assert result.metrics["nan_rewards_skipped"] > 0
     assert all(math.isfinite(r) for r in rewards_logged(tmp_path / "run"))
+    lines = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert lines and {line["step"] for line in lines} == {2}           # every completions_interval steps
+    assert all(line["total"] == 1.0 and "x" not in line["completion"] for line in lines)  # NaN ones left out
+    assert set(lines[0]) == {"step", "prompt", "completion", "rewards", "total", "advantage"}
+    assert lines[0]["rewards"] == {"task": 1.0} and math.isfinite(lines[0]["advantage"])
 
 
 def test_ppo_resumes_from_its_newest_checkpoint(tiny_model, tmp_path):
