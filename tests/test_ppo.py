@@ -416,6 +416,10 @@ def test_bad_ppo_inputs_fail_before_training(tiny_model, tmp_path):
     with pytest.raises(UserError, match=r"has no column 'answer' for the task reward \(columns: id, prompt, reference\)"):
         run_ppo(load_command_recipe("ppo", exact, ["data.reference_column=answer"]), tmp_path / "b",
                 start=str(tiny_model))
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="grpo.use_vllm: vLLM generation needs a GPU"):
+            run_grpo(load_command_recipe("grpo", toy_recipe(tmp_path, algorithm="grpo"), ["grpo.use_vllm=true"]),
+                     tmp_path / "e", start=str(tiny_model))
     with pytest.raises(UserError, match="not a multiple of grpo.num_generations"):
         run_grpo(load_command_recipe("grpo", toy_recipe(tmp_path, algorithm="grpo"), ["grpo.num_generations=3"]),
                  tmp_path / "c", start=str(tiny_model))
@@ -423,4 +427,4 @@ def test_bad_ppo_inputs_fail_before_training(tiny_model, tmp_path):
         load_command_recipe("ppo", toy_recipe(tmp_path, kind="taks"))
     with pytest.raises(UserError, match=r"--resume: .* is not a complete checkpoint \(no trainer_state.json\)"):
         run_ppo(load_command_recipe("ppo", path), tmp_path / "d", start=str(tiny_model), resume=str(tmp_path))
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not any((tmp_path / name).exists() for name in "abe")

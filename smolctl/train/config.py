@@ -334,6 +334,12 @@ class GrpoSection(Section):
     ent_coef: float = Field(0.0, ge=0)
     max_new_tokens: int = Field(32, gt=0)
     temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    mask_truncated_completions: bool = False
+    """Leave completions cut off at max_new_tokens out of the loss (TRL's option of the same name)."""
+    use_vllm: bool = False
+    """Generate with vLLM inside the training processes (TRL's colocate mode): GPU only, needs the vllm package."""
 
 
 # ---------------------------------------------------------------------------------------------------------------

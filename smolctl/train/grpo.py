@@ -31,10 +31,25 @@ def check_grpo_batch(recipe: GrpoRecipe) -> tuple[int, int]:
     return batch, accumulation
 
 
+def check_vllm() -> None:
+    """grpo.use_vllm needs a GPU and the vllm package, checked before anything loads."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError("grpo.use_vllm", "vLLM generation needs a GPU", "set grpo.use_vllm = false on CPU")
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError("grpo.use_vllm", "the vllm package is not installed", "pip install vllm, or set "
+                        "grpo.use_vllm = false")
+
+
 def run_grpo(recipe: GrpoRecipe, run: str | Path, *, start: str | None = None, resume: str = "none",
              overwrite: bool = False, on_step: StepHook | None = None) -> StageResult:
     """Train the starting checkpoint on the recipe's rewards with TRL's GRPOTrainer and write RUN/final."""
     batch, accumulation = check_grpo_batch(recipe)
+    if recipe.grpo.use_vllm:
+        check_vllm()
     setup = prepare("grpo", recipe, run, start, resume, overwrite)
     if setup.start.finished:
         return finished_result("grpo", setup.run, setup.start)
@@ -73,7 +88,8 @@ def run_grpo(recipe: GrpoRecipe, run: str | Path, *, start: str | None = None, r
         **trainer_arguments(setup.run, recipe), steps_per_generation=accumulation,
         num_generations=grpo.num_generations, num_iterations=grpo.epochs, epsilon=grpo.clip, beta=grpo.kl_coef,
         max_completion_length=grpo.max_new_tokens, temperature=grpo.temperature, entropy_coef=grpo.ent_coef,
-        top_k=0, log_completions=False, shuffle_dataset=True,
+        top_k=0, top_p=grpo.top_p, min_p=grpo.min_p, mask_truncated_completions=grpo.mask_truncated_completions,
+        use_vllm=grpo.use_vllm, vllm_mode="colocate", log_completions=False, shuffle_dataset=True,
     )
     callback = run_callback(setup.run, on_step, recipe.checkpoint.keep,
                             extra=lambda: {**logged["components"], "nan_rewards_skipped": logged["nan"]})

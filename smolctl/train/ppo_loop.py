@@ -115,8 +115,14 @@ class PpoLoop:
         while self.step < self.training.steps:
             step_started = time.perf_counter()
             lr = self.scheduler.get_last_lr()[0]
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             batch = self.rollout(self.next_prompts())
+            update_started = time.perf_counter()
             stats = self.update(batch) if batch is not None else {"skipped_batch": 1.0}
+            stats["seconds/update"] = time.perf_counter() - update_started
+            if self.device.type == "cuda":
+                stats["memory/peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             self.step += 1
             self.scheduler.step()
             tokens = int(batch["attention"].sum()) if batch is not None else 0
@@ -178,8 +184,10 @@ class PpoLoop:
         rows = [self.setup.rows[i] for i in indices]
         enc = self.encode([row["prompt"] for row in rows])
         self.model.eval()
+        started = time.perf_counter()
         with self.autocast():
             sequences = self.model.policy.generate(**enc, generation_config=self.generation)
+        generate_seconds = time.perf_counter() - started
         prompt_len = enc["input_ids"].shape[1]
         completion = sequences[:, prompt_len:]
         mask = completion_mask(completion, self.stop_ids)
@@ -196,8 +204,10 @@ class PpoLoop:
         attention = torch.cat([enc["attention_mask"], mask.long()], dim=1)[keep]
         batch = {"sequences": sequences[keep], "attention": attention, "mask": mask[keep], "prompt_len": prompt_len,
                  "scores": scores[keep]}
+        started = time.perf_counter()
         batch["old_logprobs"], batch["old_values"] = self.score(self.model, batch)
         batch["ref_logprobs"], _ = self.score(self.reference, batch)
+        score_seconds = time.perf_counter() - started
         kl = (batch["old_logprobs"] - batch["ref_logprobs"]) * batch["mask"]
         rewards = -self.cfg.kl_coef * kl
         last = (batch["mask"].sum(1).long() - 1).clamp(min=0)
@@ -213,6 +223,7 @@ class PpoLoop:
         batch["rollout_stats"] = {
             "reward": float(batch["scores"].mean()), "kl": float(kl.sum(1).mean()),
             "explained_variance": explained_variance(batch["old_values"], batch["returns"], batch["mask"]),
+            "seconds/generate": generate_seconds, "seconds/score": score_seconds,
             "completion_length": float(batch["mask"].sum(1).mean()),
             **{f"rewards/{name}": _finite_mean(values, keep.tolist()) for name, values in scored.components.items()},
         }
