@@ -194,6 +194,30 @@ def test_truncated_completions_score_the_truncated_penalty():
     assert scored.totals == [pytest.approx(math.exp(-0.03)), -1.0]
 
 
+def test_a_reward_model_folder_scores_prompt_and_completion(tokenizer_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification, SmolLM3Config
+
+    from smolctl.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    torch.manual_seed(0)
+    config = SmolLM3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, num_labels=1,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    reward = CompositeReward([RewardSection(kind="model", path=str(tmp_path / "rm"), weight=2.0)])
+    rows = [{"prompt": "What is 2+2?"}, {"prompt": "Name a colour."}, {"prompt": "What is 2+2?"}]
+    scored = reward.score(["4", "4", "five"], [1, 1, 1], rows=rows)
+    values = scored.components["model"]
+    assert len(set(values)) == 3                              # the prompt and the completion both count
+    alone = CompositeReward([RewardSection(kind="model", path=str(tmp_path / "rm"))])
+    assert alone.score(["4"], [1], rows=rows[:1]).components["model"] == pytest.approx(values[:1], abs=1e-5)
+    assert scored.totals == pytest.approx([2 * v for v in values])
+    with pytest.raises(UserError, match=r"rewards\[0\]\.path: .* is not a folder"):
+        CompositeReward([RewardSection(kind="model", path=str(tmp_path / "nothing"))])
+
+
 def test_in_the_3b_recipe_a_long_correct_answer_beats_a_short_wrong_one():
     recipe = load_command_recipe("ppo", "recipes/smollm3-ppo.toml")
     reward = CompositeReward(recipe.rewards)
@@ -423,7 +447,7 @@ def test_bad_ppo_inputs_fail_before_training(tiny_model, tmp_path):
     with pytest.raises(UserError, match="not a multiple of grpo.num_generations"):
         run_grpo(load_command_recipe("grpo", toy_recipe(tmp_path, algorithm="grpo"), ["grpo.num_generations=3"]),
                  tmp_path / "c", start=str(tiny_model))
-    with pytest.raises(UserError, match=r"rewards\[0\]\.kind: Input should be .task., .length. or .diversity."):
+    with pytest.raises(UserError, match=r"rewards\[0\]\.kind: Input should be .task., .length., .diversity. or .model."):
         load_command_recipe("ppo", toy_recipe(tmp_path, kind="taks"))
     with pytest.raises(UserError, match=r"--resume: .* is not a complete checkpoint \(no trainer_state.json\)"):
         run_ppo(load_command_recipe("ppo", path), tmp_path / "d", start=str(tiny_model), resume=str(tmp_path))

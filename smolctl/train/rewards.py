@@ -34,7 +34,7 @@ COMPLETIONS = "completions.jsonl"
 
 
 class RewardSection(Section):
-    kind: Literal["task", "length", "diversity"]
+    kind: Literal["task", "length", "diversity", "model"]
     weight: float = 1.0
     match: Literal["exact", "regex", "callable"] = "exact"
     """task: exact (normalised text equality), regex (search), or callable (`function`)."""
@@ -52,6 +52,10 @@ class RewardSection(Section):
     """length: the penalty is exp(-scale * completion tokens)."""
     truncated_penalty: float | None = None
     """length: the total of a completion cut off at the token limit (default: scored like a finished one)."""
+    path: str | None = None
+    """model: a sequence-classification reward model folder; it scores (prompt, completion) as a chat when its
+    tokenizer has a template, else as a text pair; one label: its logit, several: the last label's probability.
+    Its score adds to the task term, weighted."""
     n: int = Field(2, gt=0)
     """diversity: n-gram size (words). Each completion scores the share of its n-grams that are distinct and not in
     the other completions of the same prompt; text shorter than n words scores 0."""
@@ -67,6 +71,8 @@ class RewardSection(Section):
             raise ValueError('pattern is only used with kind = "task" and match = "regex"')
         if (self.batched or self.on_error != "raise") and (self.kind, self.match) != ("task", "callable"):
             raise ValueError('batched and on_error are only used with kind = "task" and match = "callable"')
+        if (self.kind == "model") != (self.path is not None):
+            raise ValueError('kind = "model" needs path = "reward-model-folder", and only it takes a path')
         if self.truncated_penalty is not None and self.kind != "length":
             raise ValueError('truncated_penalty is only used with kind = "length"')
         return self
@@ -129,7 +135,8 @@ class CompositeReward:
         self.names = self._names()
         self.wheres = [f"{where}[{i}]" for i in range(len(self.sections))]
         self._tasks: list[Callable | None] = [
-            self._task_scorer(s, w) if s.kind == "task" else None for s, w in zip(self.sections, self.wheres)]
+            self._task_scorer(s, w) if s.kind == "task" else RewardModel(s.path, f"{w}.path") if s.kind == "model"
+            else None for s, w in zip(self.sections, self.wheres)]
         self.errors: dict[str, int] = {}
         """Exceptions of on_error = "skip" callables, per reward name."""
 
@@ -182,6 +189,8 @@ class CompositeReward:
                 values = self._call(name, section, task, where, full_rows)
             elif section.kind == "task":
                 values = [_as_float(task(c, r)) for c, r in zip(completions, references)]
+            elif section.kind == "model":
+                values = task([row.get("prompt") for row in rows], list(completions))
             elif section.kind == "length":
                 values = [math.exp(-section.scale * n) for n in lengths]
             else:
@@ -227,7 +236,7 @@ class CompositeReward:
         task, penalty, bonus, has_task = 0.0, 1.0, 0.0, False
         for name, section in zip(self.names, self.sections):
             value = components[name][i]
-            if section.kind == "task":
+            if section.kind in ("task", "model"):
                 task += section.weight * value
                 has_task = True
             elif section.kind == "length":
@@ -259,6 +268,48 @@ def log_completions(run: Path, step: int, prompts: list, completions: list[str],
             "step": step, "prompt": prompt, "completion": completion,
             "rewards": {name: values[i] for name, values in components.items()}, "total": totals[i],
             "advantage": advantages[i] if advantages is not None else None})
+
+
+class RewardModel:
+    """A sequence-classification model folder that scores (prompt, completion) pairs, loaded once, frozen."""
+
+    def __init__(self, path: str, where: str, batch_size: int = 8):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        if not Path(path).is_dir():
+            raise UserError(where, f"{path} is not a folder", "pass a Hugging Face sequence-classification model folder")
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise UserError(where, f"cannot load a reward model from {path}: {str(exc).splitlines()[0][:200]}",
+                            "pass a folder with a sequence-classification model and its tokenizer") from exc
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model.to(self.device).eval().requires_grad_(False)
+        self.batch_size = batch_size
+
+    def __call__(self, prompts: list, completions: list[str]) -> list[float]:
+        import torch
+
+        scores: list[float] = []
+        for start in range(0, len(completions), self.batch_size):
+            pairs = list(zip(prompts[start:start + self.batch_size], completions[start:start + self.batch_size]))
+            if getattr(self.tokenizer, "chat_template", None):
+                texts = [self.tokenizer.apply_chat_template(
+                    [*(p if isinstance(p, list) else [{"role": "user", "content": p or ""}]),
+                     {"role": "assistant", "content": c}], tokenize=False) for p, c in pairs]
+                enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            else:
+                enc = self.tokenizer([p or "" for p, _ in pairs], [c for _, c in pairs], return_tensors="pt",
+                                     padding=True)
+            with torch.no_grad():
+                logits = self.model(**enc.to(self.device)).logits.float()
+            scores += (logits[:, 0] if logits.shape[1] == 1 else logits.softmax(-1)[:, -1]).tolist()
+        return scores
 
 
 def _preview(row: dict) -> str:
