@@ -33,6 +33,7 @@ stage "pack (long context)" "$OUT/packed-long" \
 smolctl inspect "$OUT/packed" --samples 1 >/dev/null
 stage estimate - smolctl estimate recipes/smollm3-tiny.toml --validate --set "data.paths=['$OUT/packed']"
 stage pretrain "$OUT/pretrain/final" smolctl pretrain recipes/smollm3-tiny.toml "$OUT/pretrain" --data "$OUT/packed"
+stage report "$OUT/pretrain/report.html" smolctl report "$OUT/pretrain" --html "$OUT/pretrain/report.html"
 stage midtrain "$OUT/midtrain/final" smolctl midtrain recipes/smollm3-tiny-midtrain.toml "$OUT/midtrain" \
   --from "$OUT/pretrain/final" --data "$OUT/packed-long"
 stage sft "$OUT/sft/final" smolctl sft recipes/sft-tiny.toml "$OUT/sft" --from "$OUT/midtrain/final"

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from typer._click import exceptions as click_exceptions
 
 from smolctl import __version__
@@ -22,7 +23,7 @@ PIPELINE = """\
 [bold]smolctl[/] — train small language models the SmolLM3 way, one composable stage at a time.
 
   [bold]data[/]      train-tokenizer → dedup → mix → pack        (parquet folders → packed safetensors)
-  [bold]train[/]     pretrain → midtrain → sft → dpo → ppo|grpo  (HF model folders, resumable)
+  [bold]train[/]     pretrain → midtrain → sft → dpo → ppo|grpo  (HF model folders, resumable; report RUN)
             generate (completions, preference pairs) · merge (MergeKit: linear, soups, SLERP, TIES)
   [bold]cluster[/]   estimate · benchmark-nccl · stress-gpu     (size the run, validate the machines)
   [bold]any[/]       inspect PATH                               (what a folder holds, its lineage, checksums)
@@ -1038,6 +1039,66 @@ def _render_train(r) -> None:
     ]))
 
 
+@app.command("report", epilog="""[bold]Examples[/]
+
+  smolctl report demo-out/pretrain
+
+  smolctl report runs/lr-3e-3 runs/lr-1e-3 --html compare.html
+
+  smolctl report demo-out/sft --json
+""")
+def report_command(
+    runs: list[Path] = typer.Argument(..., help="Run folders of any training command (they hold metrics.jsonl)."),
+    html: Optional[Path] = typer.Option(None, "--html", help="Also write one self-contained HTML file (plots inline, no network)."),
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """A run in the playbook's terms: loss/lr/grad-norm/throughput plots, KPIs against targets, and a diagnosis."""
+    from smolctl.train.report import build_reports
+
+    reports = build_reports(runs)
+    if html is not None:
+        from smolctl.shards import atomic_write_bytes
+        from smolctl.train.report_views import html_report
+
+        atomic_write_bytes(html, html_report(reports).encode())
+    if json_out:
+        emit_json({"runs": [r.to_dict() for r in reports], "html": str(html) if html else None})
+    else:
+        _render_report(reports, html)
+
+
+def _render_report(reports, html_path: Path | None) -> None:
+    from smolctl.train.report_views import legend, plotted_metrics, rows_text, text_plot, when
+
+    colors = {"pass": "green", "warn": "yellow", "n/a": "dim"}
+    for report in reports:
+        s = report.summary
+        loss = f"{s['first_loss']:.4f} → {s['last_loss']:.4f} (min {s['min_loss']:.4f})" if s["first_loss"] is not None else "-"
+        show(key_values(f"{report.stage} {report.run}", [
+            ("steps", f"{s['steps']:,}" + (f" on {s['world_size']} process{'es' if s['world_size'] > 1 else ''}"
+                                            if s["world_size"] else "")),
+            ("loss", loss + (f"  (validation {s['val_loss']:.4f})" if s["val_loss"] is not None else "")),
+            ("tokens/s", human_count(s["tokens_per_s"]) + " (median)" if s["tokens_per_s"] is not None else "-"),
+            ("guards", f"{s['skipped']} skipped, {s['spikes']} spikes, {s['rollbacks']} rollbacks"),
+        ]))
+    if len(reports) > 1:
+        console.print(legend(reports))
+    for metric in plotted_metrics(reports):
+        console.print(text_plot(reports, metric, width=min(72, max(32, console.width - 16))))
+    for report in reports:
+        show(table(f"KPIs · {report.run}", ["KPI", "target", "value", "status", "what to do"],
+                   [(k.name, k.target, k.shown, f"[{colors[k.status]}]{k.status}[/]", k.advice) for k in report.kpis],
+                   justify="left"))
+        if report.findings:
+            show(table(f"diagnosis · {report.run}", ["what", "when", "detail", "likely cause", "what to do"],
+                       [(f.kind, when(f), f.detail + (f"\n{rows_text(f.rows)}" if f.rows else ""), f.cause, f.remedy)
+                        for f in report.findings], justify="left"))
+        else:
+            console.print(f"diagnosis · {report.run}: [green]no spike, drift, plateau, slowdown or guard event[/]")
+    if html_path is not None:
+        console.print(f"HTML report: {html_path}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # estimate
 
@@ -1275,7 +1336,7 @@ def _render_validation(v: dict) -> None:
 
 PIPELINE_ORDER = {
     "Data": ["train-tokenizer", "dedup", "mix", "pack"],
-    "Training": ["pretrain", "midtrain", "sft", "dpo", "ppo", "grpo", "generate", "merge"],
+    "Training": ["pretrain", "midtrain", "sft", "dpo", "ppo", "grpo", "generate", "merge", "report"],
     "Cluster": ["estimate", "benchmark-nccl", "stress-gpu"],
     "Any folder": ["inspect"],
 }
@@ -1326,7 +1387,7 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as exc:
         if debug:
             traceback.print_exc()
-        console.print(f"[red]error:[/] {exc.line()}", soft_wrap=True)
+        console.print("[red]error:[/]", escape(exc.line()), soft_wrap=True)  # messages may hold [brackets]
         code = exc.exit_code
     except CheckFailed as exc:
         if debug:

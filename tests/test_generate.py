@@ -36,7 +36,8 @@ def rows(folder: Path) -> list[dict]:
 
 
 def test_pairs_from_a_strong_and_a_weak_model_train_dpo_as_they_are(models, tmp_path):
-    from smolctl.train.posttrain import load_dpo_recipe, run_dpo
+    from smolctl.train.config import load_command_recipe
+    from smolctl.train.posttrain import run_dpo
 
     strong, weak = models
     result = run_cli("generate", SAMPLE / "prompts", tmp_path / "pairs", "--pairs", "--chosen", strong,
@@ -52,9 +53,9 @@ def test_pairs_from_a_strong_and_a_weak_model_train_dpo_as_they_are(models, tmp_
     assert [ref["path"] for ref in manifest["inputs"]] == [str(SAMPLE / "prompts"), str(strong.resolve()), str(weak.resolve())]
     assert manifest["generate"]["sampling"]["max_new_tokens"] == 6
 
-    recipe = load_dpo_recipe("recipes/dpo-tiny.toml", [f'data.path="{tmp_path / "pairs"}"', "training.steps=2",
-                                                      "training.micro_batch=4", "dpo.max_length=64"])
-    trained = run_dpo(recipe, output=str(tmp_path / "dpo"), start=str(strong))
+    recipe = load_command_recipe("dpo", "recipes/dpo-tiny.toml", [f'data.path="{tmp_path / "pairs"}"', "training.steps=2",
+                                                                "training.micro_batch=4", "dpo.max_length=64"])
+    trained = run_dpo(recipe, tmp_path / "dpo", start=str(strong))
     assert trained.steps == 2 and trained.data["rows_used"] == 8
 
 

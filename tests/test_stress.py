@@ -283,8 +283,10 @@ def test_one_process_per_device_reports_back_to_the_parent():
     first, second = run_stress(config, on_tick=lambda elapsed, reports: ticks.append(sum(r.matmuls for r in reports)))
     for report in (first, second):
         assert report.error is None and report.mismatches == 0 and report.matmuls > 0 and report.pattern_passes >= 2
-    assert first.result_hash == second.result_hash and first.verdict == second.verdict == "OK"
-    assert ticks[-1] == first.matmuls + second.matmuls and 0 < ticks[len(ticks) // 2]  # progress while running
+    assert first.result_hash == second.result_hash
+    # two processes on a shared 2-core machine start and burn at different times, so only speed may differ
+    assert all("slower than the best device" in reason for reason in first.reasons + second.reasons)
+    assert ticks[-1] == first.matmuls + second.matmuls and any(0 < t < ticks[-1] for t in ticks)  # progress seen
 
 
 def run_cli(capsys, *args) -> tuple[int, str, str]:

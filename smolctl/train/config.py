@@ -196,11 +196,13 @@ class CheckpointSection(Section):
 class LoggingSection(Section):
     interval: int = Field(10, gt=0)
     """Steps between lines in RUN/metrics.jsonl and on the console."""
+    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = []
+    """Trackers beside metrics.jsonl (always written), offline: RUN/tensorboard, RUN/wandb, trackio's local store."""
+    profile_interval: int = Field(100, ge=0)
+    """With several processes, profile one step every n steps for the communication share (0: never)."""
     completions_interval: int = Field(0, ge=0)
     """ppo / grpo: every n steps, write the step's completions (prompt, completion, each reward, total, advantage)
     to RUN/completions.jsonl (0: never)."""
-    tensorboard: bool = False
-    """Also write TensorBoard scalars to RUN/tensorboard (needs the tensorboard package)."""
 
 
 class GuardsSection(Section):

@@ -31,6 +31,7 @@ from smolctl.train.schedule import lambda_scheduler
 from smolctl.train.stage import (
     StageResult, StepHook, apply_peft, chat_stop_ids, final_metrics, load_start, parameter_counts, save_final, use_bf16,
 )
+from smolctl.train.trackers import open_tracker
 
 
 class PolicyWithValue(nn.Module):
@@ -106,6 +107,8 @@ class PpoLoop:
         self._cached_order: tuple = (None, None)
         if setup.start.resume_from:
             self._load(Path(setup.start.resume_from))
+        self.tracker = open_tracker(setup.run, recipe.logging.report_to, resuming=bool(setup.start.resume_from),
+                                    config=recipe.model_dump(mode="json", by_alias=True))
 
     # -- the loop -------------------------------------------------------------------------------------------
 
@@ -130,6 +133,7 @@ class PpoLoop:
                       "nan_rewards_skipped": self.nan_skipped})
             if interval and (self.step % interval == 0 or self.step == self.training.steps):
                 self.save_checkpoint()
+        self.tracker.close()
         seconds = time.perf_counter() - started
         components = tuple(f"rewards/{name}" for name in self.setup.reward.names)
         metrics = {**reward_trend([r["reward"] for r in self.history if "reward" in r]),
@@ -309,6 +313,7 @@ class PpoLoop:
         if self.step % self.recipe.logging.interval == 0 or self.step == self.training.steps:
             self.history.append(record)
             append_jsonl(self.setup.run / METRICS, record)
+            self.tracker.log({f"train/{k}": v for k, v in record.items() if k != "step"}, self.step)
         if self.on_step is not None:
             self.on_step(self.step, self.training.steps, record)
 

@@ -108,7 +108,7 @@ class Trainer:
         from smolctl.train.checkpoint import check_model_folder
         from smolctl.train.loader import PackedStream, validation_batches
         from smolctl.train.model import build_config
-        from smolctl.train.monitor import check_tensorboard
+        from smolctl.train.trackers import require_trackers
 
         recipe = self.recipe
         if self.init_from:
@@ -135,8 +135,8 @@ class Trainer:
         if recipe.data.validation:
             self.val_batches = validation_batches(recipe.data.validation, seq_len=recipe.training.seq_len,
                                                   micro_batch=recipe.training.micro_batch, count=recipe.data.validation_batches)
-        if recipe.logging.tensorboard and self.dist.is_main:
-            check_tensorboard()
+        if self.dist.is_main:
+            require_trackers(recipe.logging.report_to)
         if self.resume_from is not None:
             self._check_same_run()
 
@@ -321,6 +321,7 @@ class Trainer:
     def run(self) -> TrainResult:
         from smolctl.train.checkpoint import checkpoint_path, complete_checkpoints
         from smolctl.train.monitor import Monitor, peak_flops
+        from smolctl.train.trackers import open_tracker
 
         self._build()
         self._start()
@@ -329,7 +330,9 @@ class Trainer:
         self.monitor = Monitor(self.run_dir, title=self.stage, enabled=self.dist.is_main, total_steps=plan.steps, start_step=start_step,
                                flops_per_token=self.flops_per_token, peak=peak_flops(self.dist.device, self.precision),
                                world_size=self.dist.world_size, interval=recipe.logging.interval,
-                               tensorboard=recipe.logging.tensorboard, show=self.show)
+                               show=self.show, device=str(self.dist.device), profile_interval=recipe.logging.profile_interval,
+                               tracker=open_tracker(self.run_dir, recipe.logging.report_to, enabled=self.dist.is_main,
+                                                    resuming=self.resume_from is not None, config=json.loads(recipe.model_dump_json())))
         losses: list[float] = []
         val_loss = None
         self.model.train()
@@ -338,14 +341,15 @@ class Trainer:
                 self.monitor.note(f"resuming from {self.resume_from} (step {self.step}, {self.tokens_seen:,} tokens)")
             while self.step < plan.steps:
                 started = time.perf_counter()
-                loss, norm, batch, data_s = self._forward_backward()
-                verdict = self.guards.observe(self.step + 1, batch, loss, norm)
-                if verdict.apply_update:
-                    self.optimizer.step()
+                with self.monitor.profiled(self.step + 1):
+                    loss, norm, batch, data_s = self._forward_backward()
+                    verdict = self.guards.observe(self.step + 1, batch, loss, norm)
+                    if verdict.apply_update:
+                        self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 compute_s = time.perf_counter() - started - data_s
                 if verdict.event:
-                    self.monitor.event(verdict.event)
+                    self.monitor.event({**verdict.event, "rows": self.stream.rows_of_last_batch()})
                 if verdict.rollback:
                     self._rollback(verdict.bad_batches)
                     continue
@@ -355,9 +359,10 @@ class Trainer:
                     losses.append(loss)
                     self.last_loss = loss
                 self.monitor.step(self.step, loss=loss, lr=self._last_lr, grad_norm=norm, tokens=plan.tokens_per_step,
-                                  data_s=data_s, compute_s=compute_s)
+                                  data_s=data_s, compute_s=compute_s, guards=self.guards.counts())
                 if recipe.checkpoint.interval and self.step % recipe.checkpoint.interval == 0:
-                    self._save(checkpoint_path(self.run_dir, self.step), with_state=True)
+                    with self.monitor.checkpointing():
+                        self._save(checkpoint_path(self.run_dir, self.step), with_state=True)
                 if recipe.data.validation_interval and self.step % recipe.data.validation_interval == 0:
                     val_loss = self._evaluate()
             if self.val_batches and not (recipe.data.validation_interval and self.step % recipe.data.validation_interval == 0):

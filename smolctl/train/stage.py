@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
 import warnings
+from contextlib import redirect_stdout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -165,8 +167,11 @@ def parameter_counts(model) -> dict[str, int]:
 
 
 def trainer_arguments(run: Path, recipe: PostTrainRecipe) -> dict[str, Any]:
-    """The TrainingArguments every TRL stage shares, from the shared tables; the schedule is ours (`scheduled`)."""
+    """The TrainingArguments every TRL stage shares, from the shared tables; the schedule is ours (`scheduled`);
+    the recipe's trackers (logging.report_to, offline)."""
     import torch
+
+    from smolctl.train.trackers import trainer_reporting
 
     training, optimizer = recipe.training, recipe.optimizer
     _, grad_accum = global_batch_and_accumulation(training, world_size())
@@ -181,7 +186,8 @@ def trainer_arguments(run: Path, recipe: PostTrainRecipe) -> dict[str, Any]:
         gradient_checkpointing=training.gradient_checkpointing, torch_compile=training.compile,
         logging_steps=recipe.logging.interval, save_strategy="steps" if interval else "no", save_steps=interval or 1,
         save_total_limit=None,  # RunCallback renames checkpoint-N to step-N and prunes, as pretrain does
-        include_num_input_tokens_seen="all", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+        include_num_input_tokens_seen="all", disable_tqdm=True, dataloader_num_workers=0,
+        **trainer_reporting(run, recipe.logging.report_to),
         log_level="error", push_to_hub=False,
         ddp_find_unused_parameters=False,  # every parameter gets a gradient; the search costs a graph traversal
         **sharding,
@@ -263,12 +269,13 @@ def run_callback(run: Path, on_step: StepHook | None, keep: int, extra: Callable
 
 def train_quietly(trainer, resume_from: Path | None) -> None:
     """Train, with our callback as the only reporter: the Trainer's printer would put log dicts on stdout,
-    which belongs to --json."""
+    which belongs to --json (trackers that print, like trackio, are sent to stderr)."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
-    trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+    with redirect_stdout(sys.stderr):
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -380,7 +387,10 @@ def finish_trl(stage: str, trainer, callback, run: Path, parent: Path, data_inpu
 
 def open_run(stage: str, recipe: PostTrainRecipe, run: Path, parent: Path, resume: str, overwrite: bool) -> RunStart:
     """Decide fresh start, resume or nothing to do, and record the run; call it once the cheap checks passed."""
+    from smolctl.train.trackers import require_trackers
+
     check_sharding(recipe)
+    require_trackers(recipe.logging.report_to)
     start = plan_start(run, resume, overwrite, int(recipe.training.steps))
     begin_run(run, stage, recipe.model_dump(mode="json", by_alias=True), parent, start)
     return start
