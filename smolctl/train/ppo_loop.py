@@ -279,7 +279,7 @@ class PpoLoop:
                 sums: dict[str, float] = {}
                 for chunk in rows.split(micro):
                     losses = self.losses(batch, chunk, tokens, critic_only)
-                    losses.pop("loss").backward()
+                    losses["loss"].backward()
                     for key, value in losses.items():
                         sums[key] = sums.get(key, 0.0) + float(value)
                 for key, value in sums.items():
