@@ -1,5 +1,5 @@
 """The smolctl command line: the only module that knows Typer. Each command parses its arguments, calls one
-module, and renders the result (rich on stderr, or one JSON object on stdout with --json)."""
+module, and renders the result (on stdout: rich tables, or one JSON object with --json; progress on stderr)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,17 @@ import os
 import re
 import sys
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Iterator, Optional
 
 import typer
 from rich.markup import escape
-from typer._click import exceptions as click_exceptions
+from typer.core import TyperCommand, TyperGroup
 
 from smolctl import __version__
-from smolctl.console import console, emit_json, human_count, key_values, progress, show, table
-from smolctl.errors import CheckFailed, UserError
+from smolctl.console import console, emit_json, error_line, human_count, key_values, progress, show, styled, table
+from smolctl.errors import CheckFailed, Interrupted, UserError
 
 PIPELINE = """\
 [bold]smolctl[/] — train small language models the SmolLM3 way, one composable stage at a time.
@@ -32,8 +33,56 @@ Every stage reads the previous stage's output folder and writes one with a manif
 Run `smolctl COMMAND --help` for examples; `make demo` runs the whole pipeline on the sample corpus.
 """
 
+
+class _ReadableHelp:
+    """Help that reads as written. Docstrings and argument/option help are plain text, so `[model]` or
+    `[rows, seq_len]` are shown, not taken for Rich markup (epilogs keep their markup: `[bold]Examples[/]`).
+    Usage lines and option columns read as values: `smolctl pretrain [OPTIONS] RECIPE [RUN]` (Typer writes
+    required arguments as `{recipe}`), no `<bool>` after a flag, `--set <str>` for a repeatable option."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.help = escape(self.help) if self.help else self.help
+        for param in self.params:
+            if getattr(param, "help", None):
+                param.help = escape(param.help)
+
+    def collect_usage_pieces(self, ctx):
+        pieces = super().collect_usage_pieces(ctx)  # [OPTIONS], one piece per argument, a group's COMMAND
+        arguments = [param for param in self.get_params(ctx) if param.param_type_name == "argument"]
+        start = 1 if self.options_metavar else 0
+        return pieces[:start] + [self._usage_name(param) for param in arguments] + pieces[start + len(arguments):]
+
+    @staticmethod
+    def _usage_name(argument) -> str:
+        if argument.metavar:  # written out by the command, e.g. "[RECIPE] OUTPUT"
+            return argument.metavar
+        name = argument.name.upper() + ("..." if argument.nargs != 1 else "")
+        return name if argument.required else f"[{name}]"
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for param in params:
+            if param.param_type_name != "option" or param.metavar is not None:
+                continue
+            if param.is_flag:
+                param.metavar = ""
+            elif param.multiple and (label := param.display_type_rich(ctx) or "").startswith("<list["):
+                param.metavar = "<" + label[len("<list["):-len("]>")] + ">"
+        return params
+
+
+class _Command(_ReadableHelp, TyperCommand):
+    pass
+
+
+class _Group(_ReadableHelp, TyperGroup):
+    pass
+
+
 app = typer.Typer(
     name="smolctl",
+    cls=_Group,
     help="Train small language models the SmolLM3 way, one composable stage at a time. Run with no arguments "
     "for the pipeline at a glance.",
     rich_markup_mode="rich",
@@ -131,10 +180,17 @@ def inspect_command(
 
 
 def _render_inspect(result: dict) -> None:
-    facts = [("kind", result["kind"]), ("rows", human_count(result["rows"]) if result.get("rows") is not None else "?")]
-    if result.get("tokens"):
-        facts.append(("tokens", human_count(result["tokens"])))
-    facts.append(("shards", result.get("shards")))
+    from smolctl.inspect import KIND_COLLECTION
+
+    counts = [(key, human_count(result[key]) if key != "shards" else result[key])
+              for key in ("rows", "tokens", "shards") if result.get(key) is not None]
+    if result["kind"] == KIND_COLLECTION:
+        show(table(f"{result['path']}: smolctl folders", ["folder", "kind", "rows", "tokens", "shards"],
+                   [(f["path"], f["kind"], *(human_count(f[k]) if k in f and k != "shards" else f.get(k, "-")
+                                              for k in ("rows", "tokens", "shards"))) for f in result["folders"]]))
+        _render_verification(result)
+        return
+    facts = [("kind", result["kind"]), *counts]
     for key in ("seq_len", "strategy", "command", "smolctl_version", "created_at"):
         if result.get(key):
             facts.append((key, result[key]))
@@ -145,6 +201,10 @@ def _render_inspect(result: dict) -> None:
             facts.append((key, value))
     if result.get("inputs"):
         facts.append(("inputs", "\n".join(result["inputs"])))
+    if result.get("folders"):
+        facts.append(("holds", "\n".join(f"{f['path']}/ ({f['kind']}"
+                                         + "".join(f", {f[k]:,} {k}" for k in ("rows", "tokens") if k in f) + ")"
+                                         for f in result["folders"])))
     show(key_values(result["path"], facts))
     if result.get("schema"):
         show(table("schema", ["column", "type"], result["schema"].items()))
@@ -155,12 +215,18 @@ def _render_inspect(result: dict) -> None:
         show(table("lineage", ["", "folder", "kind", "rows", "status"],
                    (("  " * e["depth"] + "└" if e["depth"] else "•", e["path"], e["kind"] or "-",
                      e["rows"] if e["rows"] is not None else "-", e["status"]) for e in result["lineage"])))
-    if "problems" in result:
-        if result["problems"]:
-            for problem in result["problems"]:
-                console.print(f"[red]mismatch[/] {problem}")
-        else:
-            console.print(f"[green]verified[/]: {result['shards']} shard(s) match the manifest")
+    _render_verification(result)
+
+
+def _render_verification(result: dict) -> None:
+    if "problems" not in result:
+        return
+    for problem in result["problems"]:
+        show(styled(f"[red]mismatch[/] {escape(problem)}"), soft_wrap=True)
+    if not result["problems"]:
+        folders = len(result["verified_folders"])
+        show(styled(f"[green]verified[/]: every shard of {folders} folder{'s' if folders > 1 else ''} "
+                    "matches its manifest"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -239,6 +305,18 @@ def pack_command(
 # Cluster validation: benchmark-nccl, stress-gpu
 
 
+@contextmanager
+def _resume_hint_on_interrupt(stage: str, recipe, run) -> Iterator[None]:
+    """Ctrl-C in a training command: one line on what is kept and the command that continues (exit 130)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if int(os.environ.get("RANK", "0")) != 0:  # under torchrun every rank gets the signal; rank 0 speaks
+            raise typer.Exit(130) from None
+        raise Interrupted(f"{run}: continue with `smolctl {stage} {recipe} {run} --resume auto` and the same "
+                          "options (from the newest complete checkpoint, or afresh when there is none)") from None
+
+
 def _quiet_on_other_ranks(rank: int, exc: Exception) -> None:
     """Every rank raises the same error; only rank 0 says it, the others leave with the same exit code."""
     if rank != 0:
@@ -308,7 +386,7 @@ def _render_nccl(report) -> None:
              ("NCCL", topo["nccl"] or "-"),
              ("NCCL_* env", "\n".join(f"{k}={v}" for k, v in topo["nccl_env"].items()) or "(none set)")]
     if topo["env_mismatch"]:
-        facts.append(("[red]differs across ranks[/]", ", ".join(topo["env_mismatch"])))
+        facts.append((styled("[red]differs across ranks[/]"), ", ".join(topo["env_mismatch"])))
     show(key_values("benchmark-nccl", facts))
     # nccl-tests' own layout, so that its users read it at once (and plain text never gets truncated)
     head = f"{'size':>12} {'count':>12} {'type':>9} {'redop':>6} {'root':>5} {'time':>10} {'algbw':>8} {'busbw':>8} {'#wrong':>7}"
@@ -320,17 +398,17 @@ def _render_nccl(report) -> None:
         lines += [f"{r.size:>12} {r.count:>12} {r.type:>9} {r.redop:>6} {r.root:>5} {r.time_us:>10.2f} "
                   f"{r.algbw:>8.2f} {r.busbw:>8.2f} {r.wrong:>7}" for r in result.rows]
         lines.append(f"# {result.op} avg bus bandwidth: {result.avg_busbw:.3f} GB/s\n")
-        console.print("\n".join(lines), markup=False, soft_wrap=True)
+        show("\n".join(lines), soft_wrap=True)
     if report.multinode:
         _render_multinode(report.multinode, topo)
-    console.print(f"# Out of bounds values : {report.wrong} {'OK' if not report.wrong else 'FAILED'}")
-    console.print(f"# Avg bus bandwidth    : {report.avg_busbw:.3f} GB/s (all ops, all sizes)")
+    show(f"# Out of bounds values : {report.wrong} {'OK' if not report.wrong else 'FAILED'}")
+    show(f"# Avg bus bandwidth    : {report.avg_busbw:.3f} GB/s (all ops, all sizes)")
     below = {r.op for r in report.below_expectation()}
     for result in report.results:
         if result.op in report.expect_busbw:
             verdict = "[red]FAIL[/]" if result.op in below else "[green]PASS[/]"
             peak = f"{result.peak.busbw:.2f} GB/s at {human_bytes(result.peak.size)}" if result.peak else "no size ran"
-            console.print(f"{verdict} {result.op}: busbw {peak} (expected ≥ {report.expect_busbw[result.op]:g})")
+            show(styled(f"{verdict} {result.op}: busbw {peak} (expected ≥ {report.expect_busbw[result.op]:g})"))
 
 
 def _render_multinode(split: dict, topo: dict) -> None:
@@ -348,20 +426,20 @@ def _render_multinode(split: dict, topo: dict) -> None:
     links = split["links"]
     if links:
         slow = links["slowest"]
-        console.print(f"one-way transfers to the same local rank {', '.join(map(str, links['shifts']))} node(s) on "
+        show(f"one-way transfers to the same local rank {', '.join(map(str, links['shifts']))} node(s) on "
                       f"({links['count']} links, {human_bytes(split['size'])}): median send "
                       f"{links['send_busbw_median']:.2f} GB/s, receive {links['recv_busbw_median']:.2f} GB/s; slowest "
                       f"link rank {slow['from_rank']} ({slow['from_host']}) → rank {slow['to_rank']} "
                       f"({slow['to_host']}) at {slow['busbw']:.2f} GB/s (send {slow['send_busbw']:.2f}, receive "
-                      f"{slow['recv_busbw']:.2f})", soft_wrap=True, markup=False)
-        console.print("hosts by their links' median busbw, slowest first: " + ", ".join(
+                      f"{slow['recv_busbw']:.2f})", soft_wrap=True)
+        show("hosts by their links' median busbw, slowest first: " + ", ".join(
             f"{h['host']} {h['busbw_median']:.2f} GB/s ({h['links']} links)" for h in links["slowest_hosts"]),
-            soft_wrap=True, markup=False)
+            soft_wrap=True)
     ranks: dict[str, list[int]] = {}
     for rank, host in enumerate(topo["rank_hosts"]):
         ranks.setdefault(host, []).append(rank)
-    console.print("rank → host: " + "; ".join(f"{host} {_rank_ranges(found)}" for host, found in ranks.items()),
-                  soft_wrap=True, markup=False)
+    show("rank → host: " + "; ".join(f"{host} {_rank_ranges(found)}" for host, found in ranks.items()),
+         soft_wrap=True)
 
 
 def _rank_ranges(ranks: list[int]) -> str:
@@ -546,24 +624,24 @@ def _render_stress(config, reports) -> None:
     rows = [(r.device, f"{number(r.tflops_min)} / {number(r.tflops_median)}", r.mismatches,
              (r.result_hash or "-")[:12], r.memory_errors,
              number(r.telemetry.get("max_temp_c"), "d"), ", ".join(r.telemetry.get("throttle") or []) or "-",
-             "[green]OK[/]" if r.verdict == "OK" else "[red]FAULTY[/]") for r in reports]
+             styled("[green]OK[/]" if r.verdict == "OK" else "[red]FAULTY[/]")) for r in reports]
     names = ", ".join(dict.fromkeys(r.name for r in reports if r.name)) or "?"
     show(table(f"stress-gpu: {names}, {config.dtype} {config.size}² matmuls, {config.duration_s:g}s",
                ["device", "TFLOPS min / median", "mismatches", "product sha256", "memory errors", "max °C",
                 "throttling", "result"], rows))
     for r in reports:
-        console.print(f"{r.device}: {r.matmuls} matmuls checked, {human_bytes(r.memory_tested_bytes)} pattern-tested "
-                      f"in {r.pattern_passes} passes" + (f" — [red]{'; '.join(r.reasons)}[/]" if r.reasons else "")
-                      + (f" [yellow]warning: {'; '.join(r.warnings)}[/]" if r.warnings else ""), soft_wrap=True)
+        show(styled(f"{r.device}: {r.matmuls} matmuls checked, {human_bytes(r.memory_tested_bytes)} pattern-tested "
+                    f"in {r.pattern_passes} passes" + (f" — [red]{escape('; '.join(r.reasons))}[/]" if r.reasons else "")
+                    + (f" [yellow]warning: {escape('; '.join(r.warnings))}[/]" if r.warnings else "")), soft_wrap=True)
     ok = sum(r.verdict == "OK" for r in reports)
     floor = f", below --expect-tflops {config.expect_tflops:g}" if config.expect_tflops else ""
-    console.print(f"{ok}/{len(reports)} device(s) OK (FAULTY: any mismatch, a product differing from the other "
-                  f"devices', a memory error, hardware throttling, row remapping, ECC or Xid errors, a degraded "
-                  f"PCIe link, or median TFLOPS more than {config.tolerance:.0%} below the best device{floor})",
-                  soft_wrap=True)
+    show(f"{ok}/{len(reports)} device(s) OK (FAULTY: any mismatch, a product differing from the other "
+         f"devices', a memory error, hardware throttling, row remapping, ECC or Xid errors, a degraded "
+         f"PCIe link, or median TFLOPS more than {config.tolerance:.0%} below the best device{floor})", soft_wrap=True)
     if unchecked := [r.device for r in reports if "missing" in r.telemetry]:
-        console.print(f"[yellow]telemetry missing on {', '.join(unchecked)}:[/] {reports[0].telemetry.get('missing', '')}"
-                      " — throttling, ECC, row remapping, Xid and PCIe were not checked", soft_wrap=True)
+        show(styled(f"[yellow]telemetry missing on {escape(', '.join(unchecked))}:[/] "
+                    f"{escape(str(reports[0].telemetry.get('missing', '')))}"
+                    " — throttling, ECC, row remapping, Xid and PCIe were not checked"), soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -645,9 +723,9 @@ def mix_command(
                      else f"{s.target_weight:.3f}", f"{s.achieved_weight:.3f}", human_count(s.units),
                      human_count(s.documents), f"{s.repeat:.2f}x", f"{s.cumulative_repeat:.2f}x"]
                     for s in stage.sources)))
-    console.print(f"weights are fractions of [bold]{result.unit}[/]"
-                  + ("" if result.unit == "tokens" else " (pass --tokenizer to weigh by tokens)")
-                  + f"; seed {result.seed}, max repeat {result.max_repeat:g}; {result.seconds:.1f}s")
+    show(styled(f"weights are fractions of [bold]{result.unit}[/]"
+                + ("" if result.unit == "tokens" else " (pass --tokenizer to weigh by tokens)")
+                + f"; seed {result.seed}, max repeat {result.max_repeat:g}; {result.seconds:.1f}s"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -697,9 +775,10 @@ def _post_train(stage: str, run_stage, recipe: Path, run: Optional[Path], from_:
                     ("loss", "loss"), ("reward", "reward"), ("rewards/accuracies", "acc"), ("kl", "kl")) if key in metrics]
                 live["bar"].update(live["task"], completed=step, total=total, rate="  ".join(shown))
 
-            result = run_stage(config, _require_run(run, stage, recipe), start=from_, resume=resume,
-                               overwrite=overwrite, on_step=on_step)
-    except (UserError, CheckFailed) as exc:
+            with _resume_hint_on_interrupt(stage, recipe, run or "RUN"):
+                result = run_stage(config, _require_run(run, stage, recipe), start=from_, resume=resume,
+                                   overwrite=overwrite, on_step=on_step)
+    except (UserError, CheckFailed, Interrupted) as exc:
         _quiet_on_other_ranks(rank, exc)  # under torchrun every rank refuses; rank 0 says it once
     if rank != 0:
         return
@@ -920,7 +999,7 @@ def merge_command(
                ([p["path"], "" if p["weight"] is None else f"{p['weight']:.4g}",
                  "" if p["density"] is None else f"{p['density']:.3g}"] for p in result.parents)))
     if result.base:
-        console.print(f"base: {result.base}")
+        show(f"base: {result.base}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -942,7 +1021,7 @@ WorldSizeOpt = Annotated[Optional[int], typer.Option("--world-size", metavar="N"
 
   torchrun --nproc_per_node 8 -m smolctl pretrain recipes/smollm3.toml runs/3b --resume auto
 
-  smolctl pretrain recipes/smollm3-tiny.toml runs/t --data packed/ --set training.steps=50 --set optimizer.lr=1e-3 --json
+  smolctl pretrain recipes/smollm3-tiny.toml runs/t --data demo-out/packed --set training.steps=50 --set optimizer.lr=1e-3 --json
 """)
 def pretrain_command(recipe: RecipeArg, run: RunArg = None, data: DataOpt = [], set_: SetOpt = None,
                      resume: ResumeOpt = "none", dry_run: DryRunOpt = False, world_size: WorldSizeOpt = None,
@@ -969,6 +1048,33 @@ def midtrain_command(recipe: RecipeArg, run: RunArg = None, from_: FromOpt = Non
                    keep_optimizer=keep_optimizer)
 
 
+@app.command("export", epilog="""[bold]Examples[/]
+
+  smolctl export runs/3b/checkpoints/step-0020000 runs/3b-step20k
+
+  smolctl export runs/t/checkpoints/step-0000200 /tmp/t-200 --overwrite --json
+""")
+def export_command(
+    checkpoint: Path = typer.Argument(..., help="A complete training checkpoint: RUN/checkpoints/step-NNNNNNN."),
+    out: Path = typer.Argument(..., help="Output Hugging Face folder (config, tokenizer, safetensors, manifest)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it already holds files."),
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Turn a sharded checkpoint into a Hugging Face folder on CPU, tensor group by tensor group (any model size)."""
+    from smolctl.train.checkpoint import export_checkpoint
+
+    manifest = export_checkpoint(checkpoint, out, overwrite=overwrite)
+    if json_out:
+        emit_json({"output": str(out), "checkpoint": str(checkpoint), "step": manifest.get("step"),
+                   "shards": [s["name"] for s in manifest["shards"]], "bytes": sum(s["bytes"] for s in manifest["shards"])})
+        return
+    show(key_values(f"export {out}", [
+        ("from", f"{checkpoint} (step {manifest.get('step')})"),
+        ("weights", f"{len(manifest['shards'])} safetensors file(s), {sum(s['bytes'] for s in manifest['shards']):,} bytes"),
+        ("load", f"AutoModelForCausalLM.from_pretrained({str(out)!r})"),
+    ]))
+
+
 def _train_command(stage: str, recipe: Path, run: Path | None, *, data, overrides, resume: str, dry_run: bool,
                    world_size: int | None, overwrite: bool, json_out: bool, init_from: str | None = None,
                    keep_optimizer: bool = False) -> None:
@@ -983,16 +1089,18 @@ def _train_command(stage: str, recipe: Path, run: Path | None, *, data, override
             result = plan_run(load_train_recipe(recipe, overrides, data, stage), world_size=world_size or world_size_from_env())
             emit_json(result) if json_out else _render_dry_run(recipe, result)
             return
-        outcome = train(recipe, _require_run(run, stage, recipe), overrides=overrides, data=data, stage=stage, resume=resume, overwrite=overwrite,
-                        init_from=init_from, keep_optimizer=keep_optimizer, show=not json_out and rank == 0)
-    except (UserError, CheckFailed) as exc:
+        with _resume_hint_on_interrupt(stage, recipe, run):
+            outcome = train(recipe, _require_run(run, stage, recipe), overrides=overrides, data=data, stage=stage,
+                            resume=resume, overwrite=overwrite, init_from=init_from, keep_optimizer=keep_optimizer,
+                            show=not json_out and rank == 0)
+    except (UserError, CheckFailed, Interrupted) as exc:
         _quiet_on_other_ranks(rank, exc)
-    if rank != 0:
-        return
-    if json_out:
-        emit_json(outcome.__dict__)
-    else:
-        _render_train(outcome)
+    if rank == 0:
+        emit_json(outcome.__dict__) if json_out else _render_train(outcome)
+    if outcome.preempted:
+        from smolctl.train.pretrain import PREEMPTED_EXIT
+
+        raise typer.Exit(PREEMPTED_EXIT)  # recipes/slurm/pretrain.sbatch requeues the job on this code
 
 
 def _render_dry_run(recipe: Path, r: dict) -> None:
@@ -1015,12 +1123,18 @@ def _render_dry_run(recipe: Path, r: dict) -> None:
                  f" = {r['estimate']['wall_hours_on_world'] / 24:,.1f} days on {r['world_size']}"),
     ]))
     show(table("data", ["folder", "status"], r["data"].items(), justify="left"))
-    console.print("resolved recipe: [bold]--json[/] prints it in full")
+    show(styled("resolved recipe: [bold]--json[/] prints it in full"))
 
 
 def _render_train(r) -> None:
     from smolctl.train.monitor import flops_text
 
+    from smolctl.train.monitor import CHECKPOINT_BUDGET_S_PER_1000_STEPS
+
+    if r.nothing_to_do:
+        console.print(f"nothing to do: {r.run} finished at step {r.steps:,}; {r.final} left as it was")
+    elif r.preempted:
+        console.print(f"[yellow]{r.preempted}[/]: stopped after saving step {r.steps:,}; continue with --resume auto")
     speed = r.speed
     rate = f"{human_count(speed['tokens_per_s'])} tokens/s, " + (
         f"MFU {speed['mfu']:.1%}" if speed["mfu"] is not None else f"{flops_text(speed['flops_per_s'])} (no MFU: no known peak)")
@@ -1033,6 +1147,9 @@ def _render_train(r) -> None:
         ("batch", f"{r.plan['global_batch']} seq × {r.plan['seq_len']} = {r.plan['tokens_per_step']:,} tokens/step "
                   f"(micro {r.plan['micro_batch']} × world {r.plan['world_size']} × accumulation {r.plan['grad_accum']})"),
         ("speed", f"{rate}; data wait {speed['data_wait']:.2%} of step time"),
+        ("checkpoint cost", f"{speed['checkpoints_saved']} saves, {speed['checkpoint_s_each']:.2f} s blocking each, "
+                            f"{speed['checkpoint_share']:.2%} of wall time, {speed['checkpoint_s_per_1000_steps']:.0f} s per 1,000 steps "
+                            f"(yardstick < {CHECKPOINT_BUDGET_S_PER_1000_STEPS:.0f})"),
         ("guards", f"{r.skipped_steps} skipped (non-finite), {r.spikes} spikes, {r.rollbacks} rollbacks"
                    + (f" — see {r.run}/events.jsonl" if r.events else "")),
         ("parent", r.parent or "-"), ("checkpoints", "\n".join(r.checkpoints) or "-"),
@@ -1082,21 +1199,21 @@ def _render_report(reports, html_path: Path | None) -> None:
             ("guards", f"{s['skipped']} skipped, {s['spikes']} spikes, {s['rollbacks']} rollbacks"),
         ]))
     if len(reports) > 1:
-        console.print(legend(reports))
+        show(styled(legend(reports)))
     for metric in plotted_metrics(reports):
-        console.print(text_plot(reports, metric, width=min(72, max(32, console.width - 16))))
+        show(styled(text_plot(reports, metric, width=min(72, max(32, console.width - 16)))))
     for report in reports:
         show(table(f"KPIs · {report.run}", ["KPI", "target", "value", "status", "what to do"],
-                   [(k.name, k.target, k.shown, f"[{colors[k.status]}]{k.status}[/]", k.advice) for k in report.kpis],
+                   [(k.name, k.target, k.shown, styled(f"[{colors[k.status]}]{k.status}[/]"), k.advice) for k in report.kpis],
                    justify="left"))
         if report.findings:
             show(table(f"diagnosis · {report.run}", ["what", "when", "detail", "likely cause", "what to do"],
                        [(f.kind, when(f), f.detail + (f"\n{rows_text(f.rows)}" if f.rows else ""), f.cause, f.remedy)
                         for f in report.findings], justify="left"))
         else:
-            console.print(f"diagnosis · {report.run}: [green]no spike, drift, plateau, slowdown or guard event[/]")
+            show(styled(f"diagnosis · {escape(report.run)}: [green]no spike, drift, plateau, slowdown or guard event[/]"))
     if html_path is not None:
-        console.print(f"HTML report: {html_path}")
+        show(f"HTML report: {html_path}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1198,7 +1315,7 @@ def estimate_command(
 def _render_headlines(r: dict) -> None:
     for line in r["headlines"]:
         colour = "red" if line["level"] == "error" else "yellow"
-        console.print(f"[bold {colour}]{line['level']}:[/] {line['text']}", soft_wrap=True)
+        show(styled(f"[bold {colour}]{line['level']}:[/] {escape(line['text'])}"), soft_wrap=True)
 
 
 def _render_estimate(r: dict) -> None:
@@ -1231,12 +1348,12 @@ def _render_estimate(r: dict) -> None:
         ("logits gradient (transient)", "logits_grad"), ("allocator headroom", "allocator_headroom"),
         ("CUDA context + NCCL", "runtime_reserved")] if mem[key]]
     verdict = "[green]fits[/]" if mem["fits"] else "[red]does not fit[/]"
-    rows.append((f"total — {verdict} {mem['gpu']}", human_bytes(mem["total"]), f"{mem['total'] / mem['capacity']:.1%}"))
+    rows.append((styled(f"total — {verdict} {escape(mem['gpu'])}"), human_bytes(mem["total"]), f"{mem['total'] / mem['capacity']:.1%}"))
     stage = "" if mem["stage"] == "all" else f", {mem['stage']} pipeline stage"
     show(table(f"memory per GPU ({human_bytes(mem['capacity'])}{stage})", ["", "bytes", "of GPU"], rows))
     _render_compute(comp, lay["mfu"])
     for note in [comp["overhead"]["why"], *r["notes"]]:
-        console.print(f"[dim]note:[/] {note}", soft_wrap=False)
+        show(styled(f"[dim]note:[/] {escape(note)}"), soft_wrap=False)
     if "find" in r:
         _render_find(r["find"], lay)
     if "validate" in r:
@@ -1276,7 +1393,7 @@ def _render_compute(comp: dict, mfu: float) -> None:
 def _render_find(found: dict, lay: dict) -> None:
     from smolctl.console import human_bytes
 
-    console.print(f"largest micro batch that fits this layout: [bold]{found['largest_micro_batch'] or 'none'}[/]")
+    show(styled(f"largest micro batch that fits this layout: [bold]{found['largest_micro_batch'] or 'none'}[/]"))
     if found["framework"] == "smolctl":
         columns = ["tp", "dp shard (FSDP2)", "dp replicate", "recompute", "accumulation", "total", "free"]
         rows = [(x["tp"], x["dp_shard"], x["dp_replicate"], x["recompute"], x["gradient_accumulation"],
@@ -1289,9 +1406,9 @@ def _render_find(found: dict, lay: dict) -> None:
                f"{lay['micro_batch']} and global batch {found['global_batch_tokens']:,} tokens, fastest first",
                columns, rows or [("none fit",) + ("",) * (len(columns) - 1)]))
     skipped = found["skipped"]
-    console.print(f"[dim]left out: {skipped['batch']} layout(s) whose data parallel × micro batch does not divide "
-                  f"the global batch, {skipped['pipeline']} pipeline(s) with fewer micro batches than stages[/]",
-                  soft_wrap=True)
+    show(styled(f"[dim]left out: {skipped['batch']} layout(s) whose data parallel × micro batch does not divide "
+                f"the global batch, {skipped['pipeline']} pipeline(s) with fewer micro batches than stages[/]"),
+         soft_wrap=True)
 
 
 def _render_inference(r: dict) -> None:
@@ -1306,7 +1423,7 @@ def _render_inference(r: dict) -> None:
             (f"KV cache for the batch ({inf['batch']})", *(human_bytes(x["kv_cache"]) for _, x in sides)),
             ("prefill activations", *(human_bytes(x["activations"]) for _, x in sides)),
             ("CUDA context + workspaces", *(human_bytes(x["runtime_reserved"]) for _, x in sides)),
-            ("total", *(f"{human_bytes(x['total'])} — " + ("[green]fits[/]" if x["fits"] else "[red]does not fit[/]")
+            ("total", *(styled(f"{human_bytes(x['total'])} — " + ("[green]fits[/]" if x["fits"] else "[red]does not fit[/]"))
                         for _, x in sides)),
             (f"largest batch at {inf['context']:,} tokens", *(str(x["max_batch"]) for _, x in sides)),
             (f"longest context at batch {inf['batch']}", *(f"{x['max_context']:,}" for _, x in sides)),
@@ -1315,8 +1432,8 @@ def _render_inference(r: dict) -> None:
                "sequence)" for _, x in sides))]
     gpus = f"{inf['tp']} × {inf['gpu']}" if inf["tp"] > 1 else inf["gpu"]
     show(table(f"inference: {r['model']['name']} on {gpus} (per GPU)", ["", *(name for name, _ in sides)], rows))
-    console.print("[dim]note: decoding reads every weight and the batch's KV cache once per token, so memory "
-                  "bandwidth bounds tokens/s; real servers reach 60–80% of it[/]", soft_wrap=True)
+    show(styled("[dim]note: decoding reads every weight and the batch's KV cache once per token, so memory "
+                "bandwidth bounds tokens/s; real servers reach 60–80% of it[/]"), soft_wrap=True)
 
 
 def _render_validation(v: dict) -> None:
@@ -1336,12 +1453,13 @@ def _render_validation(v: dict) -> None:
 
 PIPELINE_ORDER = {
     "Data": ["train-tokenizer", "dedup", "mix", "pack"],
-    "Training": ["pretrain", "midtrain", "sft", "dpo", "ppo", "grpo", "generate", "merge", "report"],
+    "Training": ["pretrain", "midtrain", "export", "sft", "dpo", "ppo", "grpo", "generate", "merge", "report"],
     "Cluster": ["estimate", "benchmark-nccl", "stress-gpu"],
     "Any folder": ["inspect"],
 }
 _position = {name: i for i, name in enumerate(n for names in PIPELINE_ORDER.values() for n in names)}
 for _command in app.registered_commands:
+    _command.cls = _Command
     _command.rich_help_panel = next(panel for panel, names in PIPELINE_ORDER.items() if _command.name in names)
 app.registered_commands.sort(key=lambda command: _position[command.name])
 
@@ -1366,10 +1484,9 @@ def _report_unexpected(exc: Exception) -> int:
         number = int(match.group(1))
     if number in ENVIRONMENT_ERRNOS:
         where = getattr(exc, "filename", None) or "output"
-        console.print(f"[red]error:[/] {where}: {os.strerror(number)} — {ENVIRONMENT_ERRNOS[number]}", soft_wrap=True)
+        error_line("error", f"{where}: {os.strerror(number)} — {ENVIRONMENT_ERRNOS[number]}")
         return 2
-    console.print(f"[red]internal error:[/] {type(exc).__name__}: {exc} — please report it; "
-                  "SMOLCTL_DEBUG=1 shows the traceback", soft_wrap=True)
+    error_line("internal error", f"{type(exc).__name__}: {exc} — please report it; SMOLCTL_DEBUG=1 shows the traceback")
     return 1
 
 
@@ -1378,24 +1495,24 @@ def main(argv: list[str] | None = None) -> None:
     debug = os.environ.get("SMOLCTL_DEBUG") == "1"
     try:
         code = app(args=argv, prog_name="smolctl", standalone_mode=False)
-    except typer.Abort:
-        console.print("aborted")
-        code = 130
-    except click_exceptions.ClickException as exc:
+    except Interrupted as exc:
+        error_line("interrupted", str(exc))
+        code = exc.exit_code
+    except typer.TyperException as exc:  # a usage error found while parsing: Typer prints it with the usage line
         exc.show()
         code = exc.exit_code
     except UserError as exc:
         if debug:
             traceback.print_exc()
-        console.print("[red]error:[/]", escape(exc.line()), soft_wrap=True)  # messages may hold [brackets]
+        error_line("error", exc.line())
         code = exc.exit_code
     except CheckFailed as exc:
         if debug:
             traceback.print_exc()
-        console.print(f"[red]failed:[/] {exc}", soft_wrap=True)
+        error_line("failed", str(exc))
         code = exc.exit_code
-    except KeyboardInterrupt:
-        console.print("interrupted")
+    except (KeyboardInterrupt, typer.Abort):  # Ctrl-C elsewhere: outputs are written atomically, nothing half-made
+        error_line("interrupted", "nothing half-written was left behind — run the command again")
         code = 130
     except Exception as exc:  # the file system refusing a write, or a bug in smolctl
         if debug:

@@ -1,4 +1,11 @@
-"""Everything a command shows: rich on stderr for people, one JSON object on stdout for scripts."""
+"""Everything a command shows. Results (summaries, tables, reports) go to stdout through `show`, so that
+`smolctl inspect X > file` or `| less` captures them; progress, logs and warnings go to stderr through `console`
+and `warn`; `--json` prints one JSON object on stdout instead of the results.
+
+Text given to a table, `show` or `warn` is printed as it is: brackets in paths and recipe keys (`/tmp/run[old]`,
+`[model]`) are not Rich markup. A renderer that wants colour passes `styled("[green]OK[/]")` (its own markup,
+with any user text inside it escaped) or a rich renderable.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,7 @@ from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -19,12 +27,29 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
-console = Console(stderr=True, highlight=False)
+console = Console(stderr=True, highlight=False)  # progress, logs, warnings, errors
+results = Console(highlight=False)  # what a command found or made: stdout
+
+
+def styled(markup: str) -> Text:
+    """Text whose Rich markup is meant (colours, bold); interpolate user text through `escape`."""
+    return Text.from_markup(markup)
+
+
+def literal(value: Any) -> Text:
+    """A value shown exactly as it is, whatever brackets it holds."""
+    return value if isinstance(value, Text) else Text(str(value))
 
 
 def warn(message: str) -> None:
-    console.print(f"[yellow]warning:[/] {message}")
+    console.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
+
+
+def error_line(label: str, message: str) -> None:
+    """The one line a command ends with when it fails: `error: ...` (label) in red, the message verbatim."""
+    console.print(f"[red]{label}:[/] {escape(message)}", soft_wrap=True)
 
 
 def emit_json(payload: Any) -> None:
@@ -110,24 +135,29 @@ def human_duration(seconds: float) -> str:
     return f"{days}d{hours:02d}h"
 
 
+def _cell(value: Any) -> Any:
+    return value if hasattr(value, "__rich_console__") or hasattr(value, "__rich__") else literal(value)
+
+
 def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], justify: str = "right") -> Table:
     """A table whose first column is left-aligned and the rest `justify`-aligned (numbers read best right)."""
-    out = Table(title=title, title_justify="left", header_style="bold")
+    out = Table(title=literal(title), title_justify="left", header_style="bold")
     for i, name in enumerate(columns):
-        out.add_column(name, justify="left" if i == 0 else justify)
+        out.add_column(literal(name), justify="left" if i == 0 else justify)
     for row in rows:
-        out.add_row(*(str(cell) for cell in row))
+        out.add_row(*(_cell(cell) for cell in row))
     return out
 
 
 def key_values(title: str, pairs: Iterable[tuple[str, Any]]) -> Table:
-    out = Table(title=title, title_justify="left", show_header=False)
+    out = Table(title=literal(title), title_justify="left", show_header=False)
     out.add_column(style="bold")
     out.add_column()
     for key, value in pairs:
-        out.add_row(key, str(value))
+        out.add_row(_cell(key), _cell(value))
     return out
 
 
-def show(renderable: Any) -> None:
-    console.print(renderable)
+def show(renderable: Any, **options: Any) -> None:
+    """Print a result on stdout: a table, a `styled` line, or plain text (printed verbatim, never as markup)."""
+    results.print(literal(renderable) if isinstance(renderable, str) else renderable, **options)

@@ -19,3 +19,9 @@ class CheckFailed(Exception):
     """A check that ran and failed (a checksum, a bandwidth target, a faulty GPU): exit code 1."""
 
     exit_code = 1
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a long command: one line saying what was kept and how to continue, exit code 130."""
+
+    exit_code = 130

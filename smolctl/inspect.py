@@ -7,6 +7,7 @@ from pathlib import Path
 from smolctl.errors import UserError
 from smolctl.shards import (
     KIND_DOCUMENTS,
+    KIND_MODEL,
     KIND_PACKED,
     MANIFEST_NAME,
     lineage_chain,
@@ -63,14 +64,76 @@ def _packed_samples(path: Path, count: int, tokenizer_spec: str | None, manifest
     return samples
 
 
+# The counts a folder kind has: a dataset counts rows (documents), a packed folder rows and tokens, datatrove token
+# files tokens; a model's shards are its weight files and a tokenizer has none, and neither has rows.
+COUNTS_BY_KIND = {
+    KIND_DOCUMENTS: ("rows", "tokens", "shards"),
+    KIND_PACKED: ("rows", "tokens", "shards"),
+    "tokens": ("rows", "tokens", "shards"),
+    KIND_MODEL: ("shards",),
+    "tokenizer": (),
+}
+KIND_COLLECTION = "folders"  # a plain folder holding smolctl folders (e.g. dedup outputs per source)
+
+
+def smolctl_folders_under(root: Path, max_depth: int = 3) -> list[Path]:
+    """Every folder with a manifest below `root` (not `root` itself), in path order; hidden folders (staging, work
+    areas) are skipped. A dataset's `duplicates/`, a mix's stages and a run's `final/` are found this way."""
+    found: list[Path] = []
+
+    def walk(folder: Path, depth: int) -> None:
+        for child in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
+            if (child / MANIFEST_NAME).is_file():
+                found.append(child)
+            if depth < max_depth:
+                walk(child, depth + 1)
+
+    walk(root, 1)
+    return found
+
+
+def _counts(manifest: dict) -> dict:
+    counts = {"rows": manifest.get("rows"), "tokens": manifest.get("tokens"), "shards": len(manifest.get("shards", []))}
+    return {key: counts[key] for key in COUNTS_BY_KIND.get(manifest["kind"], counts) if counts[key] is not None}
+
+
+def _summary(folder: Path, root: Path) -> dict:
+    manifest = read_manifest(folder)
+    return {"path": str(folder.relative_to(root)), "kind": manifest["kind"], **_counts(manifest)}
+
+
+def _verify_all(folders: list[Path]) -> list[str]:
+    problems: list[str] = []
+    for folder in folders:
+        problems += verify_checksums(folder)
+    return problems
+
+
+def inspect_collection(root: Path, *, verify: bool) -> dict:
+    """A plain folder of smolctl folders (`demo-out/dedup` holds web/, code/, math/ and their duplicates/)."""
+    folders = smolctl_folders_under(root)
+    result: dict = {"path": str(root), "kind": KIND_COLLECTION, "folders": [_summary(f, root) for f in folders]}
+    if verify:
+        result["verified_folders"] = [str(f) for f in folders]
+        result["problems"] = _verify_all(folders)
+        result["verified"] = not result["problems"]
+    return result
+
+
 def inspect_path(path: str, *, samples: int = 3, verify: bool = False, lineage: bool = False,
                  tokenizer: str | None = None) -> dict:
-    """Describe a dataset, packed, model or tokenizer folder, or a foreign parquet file/folder/glob."""
+    """Describe a dataset, packed, model or tokenizer folder, a folder of such folders, or a foreign parquet
+    file/folder/glob."""
     target = Path(path)
     if target.is_dir() and not (target / MANIFEST_NAME).exists() and (target / "final" / MANIFEST_NAME).is_file():
         target = target / "final"  # a training run folder: what it produced is its final model
         path = str(target)
     manifest = read_manifest(target) if target.is_dir() else None
+    if manifest is None and target.is_dir() and smolctl_folders_under(target, max_depth=1):
+        if lineage:
+            raise UserError("--lineage", f"{path} holds several smolctl folders, each with its own lineage",
+                            f"inspect one of them, e.g. {smolctl_folders_under(target, max_depth=1)[0]} --lineage")
+        return inspect_collection(target, verify=verify)
     result: dict = {"path": str(path), "kind": manifest["kind"] if manifest else None}
     if manifest is None:
         source = open_documents(path)
@@ -83,16 +146,16 @@ def inspect_path(path: str, *, samples: int = 3, verify: bool = False, lineage: 
             raise UserError(path, "has no manifest.json to verify against", "only folders written by smolctl can be verified")
         return result
 
+    nested = smolctl_folders_under(target)
     result.update(
-        rows=manifest.get("rows"),
-        tokens=manifest.get("tokens"),
-        shards=len(manifest.get("shards", [])),
+        **_counts(manifest),
         schema=manifest.get("schema", {}),
         command=" ".join(manifest.get("command", [])),
         smolctl_version=manifest.get("smolctl_version"),
         created_at=manifest.get("created_at"),
         inputs=[ref.get("path") for ref in manifest.get("inputs", [])],
         stats=manifest.get("stats", {}),
+        folders=[_summary(folder, target) for folder in nested],
     )
     for key in ("seq_len", "tokenizer", "strategy", "parent"):
         if key in manifest:
@@ -104,6 +167,10 @@ def inspect_path(path: str, *, samples: int = 3, verify: bool = False, lineage: 
     if lineage:
         result["lineage"] = lineage_chain(target)
     if verify:
-        result["problems"] = verify_checksums(target, manifest)
+        # a mix's stages are its own shards: hash each file once
+        listed = {shard["name"] for shard in manifest.get("shards", [])}
+        separate = [f for f in nested if not any(name.startswith(f"{f.relative_to(target)}/") for name in listed)]
+        result["verified_folders"] = [str(f) for f in [target, *separate]]
+        result["problems"] = _verify_all([target, *separate])
         result["verified"] = not result["problems"]
     return result

@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -464,12 +464,15 @@ class DocumentSource:
     def columns(self) -> list[str]:
         return list(self.schema.names)
 
-    def require(self, *columns: str, text: Sequence[str] = ()) -> None:
-        """Every named column must exist; those in `text` must hold strings."""
+    def require(self, *columns: str, text: Sequence[str] = (), flags: Mapping[str, str] | None = None) -> None:
+        """Every named column must exist; those in `text` must hold strings. A missing column's error names the
+        flag that chose it (`flags`: column → flag; text columns default to --text-column) and the columns there are."""
         for name in (*columns, *text):
             if name not in self.schema.names:
+                flag = (flags or {}).get(name) or ("--text-column" if name in text else None)
+                where = f"pass one of them with {flag}" if flag else "pass one of them"
                 raise UserError(self.spec, f"has no column '{name}' (columns: {', '.join(self.schema.names)})",
-                                f"pass the right column name (e.g. --text-column {self.schema.names[0]})" if self.schema.names else "check the input")
+                                where if self.schema.names else "check the input")
         for name in text:
             kind = self.schema.field(name).type
             if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):

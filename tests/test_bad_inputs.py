@@ -22,6 +22,7 @@ class Case:
     name: str
     # Given a scratch folder, prepare inputs and return (argv, text the message must contain, output folder).
     setup: Callable[[Path], tuple[list, str, Path | None]]
+    env: dict | None = None  # environment variables the case runs with
 
 
 def snapshot(folder: Path | None) -> dict[str, str] | None:
@@ -64,6 +65,12 @@ def shared_inputs(tokenizer_dir, tmp_path_factory):
     _SHARED["model"] = make_tiny_checkpoint(tokenizer_dir, root / "model")
     _SHARED["narrow"] = make_tiny_checkpoint(tokenizer_dir, root / "narrow", hidden_size=32)
     _SHARED["big-vocab"] = make_tiny_checkpoint(tokenizer_dir, root / "big-vocab", vocab_size=2048 + 64)
+    from smolctl.train.pretrain import train
+
+    _SHARED["run"] = root / "run"  # a finished 2-step run with checkpoints at steps 1 and 2
+    train(_SHARED["recipe"], _SHARED["run"], overrides=["training.steps=2", "checkpoint.interval=1", "schedule.warmup_steps=0"], show=False)
+    _SHARED["other-packed"] = root / "other-packed"
+    pack(str(SAMPLE / "web"), _SHARED["other-packed"], tokenizer_spec=str(tokenizer_dir), config=PackConfig(seq_len=64))
 
 
 def tok() -> Path:
@@ -80,6 +87,25 @@ def recipe() -> Path:
 
 def model() -> Path:
     return _SHARED["model"]
+
+
+def run_copy(tmp: Path, *, unfinished: bool = False) -> Path:
+    """A copy of the shared run; `unfinished`: its final/ and last checkpoint gone, as after a crash."""
+    copy = tmp / "run"
+    shutil.copytree(_SHARED["run"], copy)
+    if unfinished:
+        shutil.rmtree(copy / "final")
+        shutil.rmtree(copy / "checkpoints" / "step-0000002")
+    return copy
+
+
+def partial_checkpoint(tmp: Path) -> Path:
+    """A save that never finished: DCP files in the hidden staging folder, no manifest."""
+    run = run_copy(tmp)
+    partial = run / "checkpoints" / ".step-0000003.partial"
+    shutil.copytree(run / "checkpoints" / "step-0000002", partial)
+    (partial / "manifest.json").unlink()
+    return partial
 
 
 def other(name: str) -> Path:
@@ -116,6 +142,7 @@ CASES = [
     Case("inspect: missing path", lambda t: (["inspect", t / "nope"], "no such file or folder", None)),
     Case("inspect: empty folder", lambda t: ((t / "empty").mkdir(), ["inspect", t / "empty"], "holds no parquet files", None)[1:]),
     Case("inspect: text file named .parquet", lambda t: ((t / "x.parquet").write_text("hi"), ["inspect", t / "x.parquet"], "x.parquet", None)[1:]),
+    Case("inspect: --lineage on a folder of smolctl folders", lambda t: (shutil.copytree(SAMPLE / "math", t / "all" / "math"), ["inspect", t / "all", "--lineage"], "--lineage: ", None)[1:]),
     Case("inspect: truncated shard", lambda t: (["inspect", corrupt_copy(SAMPLE / "math", t / "m", "truncate")], "part-00000.parquet", None)),
     Case("inspect: corrupt manifest json", lambda t: (shutil.copytree(SAMPLE / "math", t / "m"), (t / "m" / "manifest.json").write_text("{oops"),
                                                     ["inspect", t / "m"], "manifest.json: is not valid JSON", None)[2:]),
@@ -133,7 +160,8 @@ CASES = [
     Case("dedup: duplicate ids", lambda t: (["dedup", parquet_with(t, "d.parquet", {"id": ["a", "b", "a"], "text": ["x y z"] * 3}), t / "out"], "'a'", t / "out")),
     Case("dedup: task id out of range", lambda t: (["dedup", SAMPLE / "math", t / "out", "--minhash", "--stage", "signatures", "--tasks", "2", "--task-id", "5"], "--task-id", t / "out")),
     Case("dedup: filter stage before its inputs", lambda t: (["dedup", SAMPLE / "math", t / "out", "--minhash", "--stage", "filter", "--tasks", "1", "--task-id", "0"], "has not finished", t / "out")),
-    Case("dedup: missing id column", lambda t: (["dedup", SAMPLE / "math", t / "out", "--id-column", "uuid"], "no column 'uuid'", t / "out")),
+    Case("dedup: missing id column", lambda t: (["dedup", SAMPLE / "math", t / "out", "--id-column", "uuid"], "no column 'uuid' (columns: id, text, origin) — pass one of them with --id-column", t / "out")),
+    Case("dedup: missing text column", lambda t: (["dedup", SAMPLE / "math", t / "out", "--text-column", "body"], "no column 'body' (columns: id, text, origin) — pass one of them with --text-column", t / "out")),
     # mix
     Case("mix: weight does not parse", lambda t: (["mix", t / "out", "--source", f"web={SAMPLE / 'web'}:lots"], "lots", t / "out")),
     Case("mix: weights sum to zero", lambda t: (["mix", t / "out", "--source", f"web={SAMPLE / 'web'}:0", "--source", f"code={SAMPLE / 'code'}:0"], "zero", t / "out")),
@@ -146,6 +174,8 @@ CASES = [
     Case("pack: tokenizer folder missing", lambda t: (["pack", SAMPLE / "math", t / "out", "--tokenizer", t / "no-tok", "--seq-len", "64"], "no-tok", t / "out")),
     Case("pack: folder that is not a tokenizer", lambda t: (["pack", SAMPLE / "math", t / "out", "--tokenizer", SAMPLE / "math", "--seq-len", "64"], "not a tokenizer folder", t / "out")),
     Case("pack: packed folder given as documents", lambda t: (["pack", packed(), t / "out", "--tokenizer", tok(), "--seq-len", "64"], "packed folder, not a dataset", t / "out")),
+    Case("pack: hub tokenizer id while offline", lambda t: (["pack", SAMPLE / "math", t / "out", "--tokenizer", "no-org/no-tok", "--seq-len", "64"], "the Hub is offline (HF_HUB_OFFLINE is set)", t / "out"),
+         env={"HF_HUB_OFFLINE": "1"}),
     Case("pack: input without a text column", lambda t: (["pack", SAMPLE / "prompts", t / "out", "--tokenizer", tok(), "--seq-len", "64"], "no column 'text'", t / "out")),
     # pretrain / midtrain
     Case("pretrain: recipe typo", lambda t: (["pretrain", recipe(), t / "run", "--set", "training.micro_bach=2"], "did you mean 'micro_batch'", t / "run")),
@@ -159,6 +189,13 @@ CASES = [
     Case("pretrain: negative learning rate", lambda t: (["pretrain", recipe(), t / "run", "--set", "optimizer.lr=-1.0"], "optimizer.lr", t / "run")),
     Case("midtrain: --from missing", lambda t: (["midtrain", recipe(), t / "run", "--from", t / "nope"], "nope", t / "run")),
     Case("midtrain: checkpoint with a missing weights file", lambda t: (["midtrain", recipe(), t / "run", "--from", model_missing_weights(t)], "model", t / "run")),
+    Case("pretrain: --resume of a save that never finished", lambda t: (["pretrain", recipe(), t / "run", "--resume", partial_checkpoint(t)], "is not a complete checkpoint", t / "run")),
+    Case("pretrain: --resume of another run's checkpoint", lambda t: (["pretrain", recipe(), t / "mine", "--resume", _SHARED["run"] / "checkpoints" / "step-0000001"], "is not a complete checkpoint of", t / "mine")),
+    Case("pretrain: --resume auto with another model", lambda t: (["pretrain", recipe(), run_copy(t, unfinished=True), "--resume", "auto", "--set", "training.steps=2", "--set", "model.hidden_size=64"], "model.hidden_size: differs from the run being resumed", t / "run")),
+    Case("pretrain: --resume auto on other data", lambda t: (["pretrain", recipe(), run_copy(t, unfinished=True), "--resume", "auto", "--set", "training.steps=2", "--data", _SHARED["other-packed"]], "holds other data than the folder the run was trained on", t / "run")),
+    Case("export: a save that never finished", lambda t: (["export", partial_checkpoint(t), t / "out"], "is not a complete checkpoint", t / "out")),
+    Case("export: a model folder, not a checkpoint", lambda t: (["export", _SHARED["run"] / "final", t / "out"], "is a model folder, not a training checkpoint", t / "out")),
+    Case("export: output exists", lambda t: (["export", _SHARED["run"] / "checkpoints" / "step-0000002", _existing_output(t)], "already exists and is not empty", t / "existing")),
     # sft / dpo / ppo
     Case("sft: data without messages", lambda t: (["sft", "recipes/sft-tiny.toml", t / "run", "--from", model(), "--set", f'data.path="{SAMPLE / "math"}"'], "messages", t / "run")),
     Case("sft: --from is not a model", lambda t: (["sft", "recipes/sft-tiny.toml", t / "run", "--from", SAMPLE / "math"], "math", t / "run")),
@@ -204,7 +241,7 @@ CASES = [
 def test_bad_input(case: Case, tmp_path: Path):
     argv, needle, output = case.setup(tmp_path)
     before = snapshot(output)
-    result = run_cli(*argv)
+    result = run_cli(*argv, env=case.env)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert "Traceback" not in result.stderr

@@ -80,7 +80,7 @@ def test_verify_exits_1_on_a_flipped_byte(tmp_path, sample):
     data[100] ^= 0x01
     shard.write_bytes(bytes(data))
     result = run_cli("inspect", copy, "--verify", "--samples", "0")
-    assert result.returncode == 1 and "sha256 differs" in result.stderr
+    assert result.returncode == 1 and "sha256 differs" in result.stdout
 
 
 def test_completions_are_in_sync_with_the_cli():

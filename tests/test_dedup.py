@@ -327,7 +327,7 @@ def test_cli_json_and_summary(tmp_path):
     result = json.loads(done.stdout)
     assert result["finished"] and result["documents"] == result["kept"] + result["exact_removed"] + result["near_removed"]
     done = run_cli("dedup", SAMPLE / "math", tmp_path / "math2", "--minhash", "--workers", "1")
-    assert done.returncode == 0 and "near removed" in done.stderr and "docs/s" in done.stderr
+    assert done.returncode == 0 and "near removed" in done.stdout and "docs/s" in done.stdout
 
 
 def _bad_inputs(tmp: Path) -> list[tuple[list, str]]:

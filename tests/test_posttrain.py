@@ -88,7 +88,7 @@ def test_sft_dpo_ppo_chain_through_the_cli(tiny_model, tmp_path):
                   "--set", "training.steps=2", "--set", "ppo.batch_size=8", "--set", "training.micro_batch=8",
                   "--set", "ppo.max_new_tokens=4")
     assert ppo.returncode == 0, ppo.stderr
-    assert "reward_last" in ppo.stderr and "ppo/final" in ppo.stderr
+    assert "reward_last" in ppo.stdout and "ppo/final" in ppo.stdout
     for stage in ("sft", "dpo", "ppo"):
         assert isinstance(chat_reply(tmp_path / stage / "final"), str)
     lineage = run_cli("inspect", tmp_path / "ppo" / "final", "--lineage", "--json", "--samples", "0")

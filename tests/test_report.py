@@ -156,8 +156,8 @@ def test_json_and_several_runs_overlaid(tmp_path):
     assert [r["run"] for r in out["runs"]] == [str(a), str(b)]
     assert {k["name"] for k in out["runs"][0]["kpis"]} == {"MFU", "memory", "communication", "checkpointing", "data wait"}
     text = run_cli("report", a, b)
-    assert text.returncode == 0 and any(0x2801 <= ord(c) <= 0x28FF for c in text.stderr)  # braille plots
-    assert str(a) in text.stderr and str(b) in text.stderr
+    assert text.returncode == 0 and any(0x2801 <= ord(c) <= 0x28FF for c in text.stdout)  # braille plots
+    assert str(a) in text.stdout and str(b) in text.stdout
 
 
 # ---- a real run, real trackers, a real browser -----------------------------------------------------------------

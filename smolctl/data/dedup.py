@@ -160,7 +160,7 @@ def plan(config: DedupConfig) -> Plan:
 
 def _resolve_ids(source: DocumentSource, config: DedupConfig) -> str | None:
     if config.id_column is not None:
-        source.require(config.id_column, text=[config.text_column])
+        source.require(config.id_column, text=[config.text_column], flags={config.id_column: "--id-column"})
         return config.id_column
     source.require(text=[config.text_column])
     return "id" if "id" in source.columns else None

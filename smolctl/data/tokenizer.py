@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+from urllib.parse import urlparse
 
 from smolctl.errors import UserError
 from smolctl.shards import OutputFolder, check_output_path, open_documents
@@ -109,6 +112,24 @@ def train_tokenizer(input_path: str, output: str, *, vocab_size: int, text_colum
                                 time.perf_counter() - started, chars_per_token)
 
 
+def hub_unreachable(timeout_s: float = 3.0) -> str | None:
+    """Why the Hub cannot be asked (HF_HUB_OFFLINE, or its host not answering within `timeout_s`), or None.
+
+    Asked before a hub id is resolved: offline, huggingface_hub would otherwise retry for ~45 s before failing."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # only the proxy knows whether the Hub is reachable
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout_s).close()
+    except OSError as exc:
+        return f"{endpoint.hostname} does not answer: {exc.strerror or exc}"
+    return None
+
+
 def load_tokenizer(spec: str | Path):
     """A fast tokenizer from a local folder (ours, or any Hugging Face tokenizer folder) or a hub id."""
     from transformers import AutoTokenizer
@@ -123,9 +144,14 @@ def load_tokenizer(spec: str | Path):
         if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
             raise UserError(path, "is not a tokenizer folder (no tokenizer.json or tokenizer_config.json)",
                             "pass a folder written by `smolctl train-tokenizer` or a Hugging Face tokenizer folder")
+    offline = None if path.exists() else hub_unreachable()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(spec), local_files_only=path.exists())
+        tokenizer = AutoTokenizer.from_pretrained(str(spec), local_files_only=path.exists() or offline is not None)
     except (OSError, ValueError, json.JSONDecodeError, Exception) as exc:  # transformers raises many kinds here
+        if offline is not None:
+            raise UserError(spec, f"is neither a local folder nor in the Hugging Face cache, and the Hub is offline "
+                            f"({offline})", f"pass a tokenizer folder, or fetch it first where the Hub is reachable "
+                            f"(`hf download {spec}`)") from exc
         where = "a local folder" if path.exists() else "the Hugging Face Hub (is it reachable, and is the id right?)"
         raise UserError(spec, f"cannot load a tokenizer from {where}: {str(exc).splitlines()[0][:200]}",
                         "pass a tokenizer folder (see `smolctl train-tokenizer`)") from exc

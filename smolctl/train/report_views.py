@@ -9,6 +9,8 @@ from __future__ import annotations
 import html
 import math
 
+from rich.markup import escape
+
 from smolctl.train.report import PLOTTED, Finding, RunReport
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf"]
@@ -79,7 +81,7 @@ def _segment(a, b):
 
 
 def legend(reports: list[RunReport]) -> str:
-    return "   ".join(f"[{TERMINAL_COLORS[i % len(TERMINAL_COLORS)]}]━━[/] {r.run}" for i, r in enumerate(reports))
+    return "   ".join(f"[{TERMINAL_COLORS[i % len(TERMINAL_COLORS)]}]━━[/] {escape(r.run)}" for i, r in enumerate(reports))
 
 
 def rows_text(rows: list[dict], limit: int = 8) -> str:

@@ -274,6 +274,9 @@ def train_quietly(trainer, resume_from: Path | None) -> None:
 
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
+    # TRL writes a hub model card (README.md, about a "[None]" base model) beside the checkpoints at every save;
+    # the run's model is final/, described by its manifest.
+    trainer.create_model_card = lambda *args, **kwargs: None
     with redirect_stdout(sys.stderr):
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
 
