@@ -89,7 +89,7 @@ def test_a_killed_generate_resumes_without_losing_or_repeating_a_prompt(models, 
 
 
 def test_rank_by_keeps_the_best_and_worst_of_k_by_the_reward_tables(models, tmp_path, monkeypatch):
-    (tmp_path / "rank_reward_module.py").write_text("def longest(completion, reference):\n    return len(completion)\n")
+    (tmp_path / "rank_reward_module.py").write_text("def longest(row):\n    return len(row[\"completion\"])\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     recipe = tmp_path / "rewards.toml"
     recipe.write_text('[[rewards]]\nkind = "task"\nmatch = "callable"\nfunction = "rank_reward_module:longest"\n')

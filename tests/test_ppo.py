@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from smolctl.errors import UserError
 from smolctl.train.config import load_command_recipe
 from smolctl.train.grpo import run_grpo
-from smolctl.train.ppo import clipped_policy_loss, clipped_value_loss, completion_mask, gae, run_ppo, whiten
-from smolctl.train.rewards import CompositeReward, RewardSection, distinct_ngram_ratio
+from smolctl.train.ppo import (
+    clipped_policy_loss, clipped_value_loss, completion_mask, explained_variance, gae, prepare, run_ppo,
+    token_logprobs, whiten,
+)
+from smolctl.train.ppo_loop import PpoLoop
+from smolctl.train.rewards import CompositeReward, RewardSection, group_diversity
 from tiny_checkpoint import make_tiny_checkpoint
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -70,19 +77,72 @@ def test_whiten_and_completion_mask():
     assert completion_mask(completion, [3, 0]).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
 
 
+def test_explained_variance_is_one_for_a_perfect_critic_and_zero_for_the_mean():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 50.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    assert explained_variance(torch.full_like(returns, 2.0), returns, mask) == pytest.approx(0.0, abs=1e-6)
+    assert explained_variance(-returns, returns, mask) < 0
+
+
+def test_chunked_token_logprobs_equal_the_full_log_softmax_in_value_and_gradient():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False)
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    tokens = torch.randint(0, 50, (2, 5))
+    logprobs, entropy = token_logprobs(hidden, head, tokens, temperature=0.7, entropy=True, chunk_elements=3 * 50)
+    full = torch.log_softmax(head(hidden) / 0.7, dim=-1)
+    expected = full.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(logprobs, expected, atol=1e-6)
+    assert torch.allclose(entropy, -(full.exp() * full).sum(-1), atol=1e-5)
+    grad, = torch.autograd.grad((logprobs + entropy).sum(), hidden)
+    expected_grad, = torch.autograd.grad((expected - (full.exp() * full).sum(-1)).sum(), hidden)
+    assert torch.allclose(grad, expected_grad, atol=1e-5)
+
+
+def test_chunked_token_logprobs_keep_no_vocabulary_logits_for_backward():
+    """Each chunk is checkpointed: what autograd keeps is the hidden states, not a chunk's [positions, vocabulary]
+    logits (without the checkpoint every chunk's logits would stay alive until backward)."""
+    head = torch.nn.Linear(16, 4096, bias=False)
+    hidden = torch.randn(4, 32, 16, requires_grad=True)
+    tokens = torch.randint(0, 4096, (4, 32))
+    saved: list[int] = []
+
+    def keep(tensor):
+        saved.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        logprobs, entropy = token_logprobs(hidden, head, tokens, 1.0, entropy=True, chunk_elements=8 * 4096)
+    (logprobs.sum() + entropy.sum()).backward()
+    assert sum(saved) < 4 * 32 * 4096 / 8, f"autograd kept {sum(saved)} elements"
+    assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Rewards
 
 
-def nan_reward(completion: str, reference: str | None) -> float:
-    return math.nan if "x" in completion else 1.0
+def nan_reward(row: dict) -> float:
+    return math.nan if "x" in row["completion"] else 1.0
 
 
-def spaced_words(completion: str, reference: str | None) -> float:
+def failing_reward(row: dict) -> float:
+    if "b" in row["completion"]:
+        raise ValueError("cannot parse")
+    return 1.0
+
+
+def batched_reward(rows: list[dict]) -> list[float]:
+    """Sees every column of each row: the prompt, the completion, the reference, and `id`."""
+    return [float(row["completion"] in row["prompt"]) + row["id"] / 100 for row in rows]
+
+
+def spaced_words(row: dict) -> float:
     """A toy reward a random tiny model learns within a dozen steps: about the share of its 6 tokens that start a
     word (~0.45 at random, 1.0 for e.g. " the the the ..."). Dense and without plateaus below the optimum; a
     share-of-characters reward instead traps GRPO at a repeated common word (0.25)."""
-    return min(1.0, completion.count(" ") / 6)
+    return min(1.0, row["completion"].count(" ") / 6)
 
 
 def test_task_rewards_exact_regex_and_callable():
@@ -96,14 +156,83 @@ def test_task_rewards_exact_regex_and_callable():
     assert called.score([" a b", "ab"], [2, 1], [None, None]).totals == pytest.approx([2 / 6, 0.0])
 
 
+def test_the_default_regex_matches_the_final_answer_on_word_boundaries():
+    final = CompositeReward([RewardSection(kind="task", match="regex")])
+    texts = ["so the answer is 4.", "the answer is 14", "4 apples, no: 5", "3.4", "4"]
+    assert final.score(texts, [1] * 5, ["4"] * 5).totals == [1.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_reward_callables_see_the_whole_row_singly_or_batched():
+    rows = [{"id": 3, "prompt": "say hi", "reference": None}, {"id": 5, "prompt": "say hi", "reference": None}]
+    batched = CompositeReward([RewardSection(kind="task", match="callable", function="test_ppo:batched_reward",
+                                             batched=True)])
+    assert batched.score(["hi", "bye"], [1, 1], rows=rows).totals == pytest.approx([1.03, 0.05])
+
+
+def test_a_failing_reward_names_itself_and_the_row_or_is_counted_and_skipped():
+    section = dict(kind="task", match="callable", function="test_ppo:failing_reward")
+    rows = [{"prompt": "p1", "reference": None}, {"prompt": "p2", "reference": None}]
+    with pytest.raises(UserError, match=r"rewards\[0\]\.function: test_ppo:failing_reward raised ValueError: "
+                                        r"cannot parse on row 1 \(prompt='p2'.*completion='abc'"):
+        CompositeReward([RewardSection(**section)]).score(["ok", "abc"], [1, 1], rows=rows)
+    skipping = CompositeReward([RewardSection(**section, on_error="skip")])
+    totals = skipping.score(["ok", "abc"], [1, 1], rows=rows).totals
+    assert totals[0] == 1.0 and math.isnan(totals[1]) and skipping.errors == {"task": 1}
+
+
+def test_diversity_is_over_the_group_and_short_texts_earn_nothing():
+    assert group_diversity(["yes", ""], 2) == [0.0, 0.0]                       # shorter than n words: no bonus
+    assert group_diversity(["a b c", "a b c", "x y z"], 2) == [0.0, 0.0, 1.0]  # copies of a sibling: no bonus
+    assert group_diversity(["a a a a a"], 2) == [0.25]                         # one distinct bigram of four
+    reward = CompositeReward([RewardSection(kind="diversity", n=2)])
+    assert reward.score(["a b c", "a b c"], [3, 3], groups=[0, 1]).components["diversity"] == [1.0, 1.0]
+
+
+def test_truncated_completions_score_the_truncated_penalty():
+    reward = CompositeReward([RewardSection(kind="task"), RewardSection(kind="length", truncated_penalty=-1.0)])
+    scored = reward.score(["numbers", "numbers"], [3, 3], ["numbers", "numbers"], truncated=[False, True])
+    assert scored.totals == [pytest.approx(math.exp(-0.03)), -1.0]
+
+
+def test_a_reward_model_folder_scores_prompt_and_completion(tokenizer_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification, SmolLM3Config
+
+    from smolctl.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    torch.manual_seed(0)
+    config = SmolLM3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, num_labels=1,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    reward = CompositeReward([RewardSection(kind="model", path=str(tmp_path / "rm"), weight=2.0)])
+    rows = [{"prompt": "What is 2+2?"}, {"prompt": "Name a colour."}, {"prompt": "What is 2+2?"}]
+    scored = reward.score(["4", "4", "five"], [1, 1, 1], rows=rows)
+    values = scored.components["model"]
+    assert len(set(values)) == 3                              # the prompt and the completion both count
+    alone = CompositeReward([RewardSection(kind="model", path=str(tmp_path / "rm"))])
+    assert alone.score(["4"], [1], rows=rows[:1]).components["model"] == pytest.approx(values[:1], abs=1e-5)
+    assert scored.totals == pytest.approx([2 * v for v in values])
+    with pytest.raises(UserError, match=r"rewards\[0\]\.path: .* is not a folder"):
+        CompositeReward([RewardSection(kind="model", path=str(tmp_path / "nothing"))])
+
+
+def test_in_the_3b_recipe_a_long_correct_answer_beats_a_short_wrong_one():
+    recipe = load_command_recipe("ppo", "recipes/smollm3-ppo.toml")
+    reward = CompositeReward(recipe.rewards)
+    correct, wrong = "the answer is 4 " + "because " * 394 + "4", "5"
+    scored = reward.score([correct, wrong], [400, 1], ["4", "4"], groups=[0, 0])
+    assert scored.totals[0] > scored.totals[1] + 0.3, scored
+
+
 def test_shaped_reward_is_task_times_length_penalty_plus_diversity_bonus():
     reward = CompositeReward([RewardSection(kind="task"), RewardSection(kind="length", scale=0.01),
                               RewardSection(kind="diversity", n=2, weight=0.1)])
     scored = reward.score(["numbers", "a a a a a"], [10, 50], ["numbers", "numbers"])
-    assert scored.totals[0] == pytest.approx(1.0 * math.exp(-0.1) + 0.1 * 1.0)
+    assert scored.totals[0] == pytest.approx(1.0 * math.exp(-0.1) + 0.0)  # one word: no diversity bonus
     assert scored.totals[1] == pytest.approx(0.0 + 0.1 * 0.25)      # bigrams: (a a) x4, one distinct
     assert scored.components["length"] == pytest.approx([math.exp(-0.1), math.exp(-0.5)])
-    assert distinct_ngram_ratio("", 2) == 0.0 and distinct_ngram_ratio("one", 2) == 1.0
 
 
 def test_reward_callable_that_does_not_import_is_a_user_error():
@@ -150,11 +279,121 @@ def rewards_logged(run) -> list[float]:
 RUNNERS = {"ppo": run_ppo, "grpo": run_grpo}
 
 
+@pytest.fixture(scope="module")
+def stubborn_model(tiny_model, tmp_path_factory):
+    """The tiny model with a generation_config that would change sampling (greedy-ish: top_k 1, temperature 0.3);
+    the rollout must sample as the recipe says all the same."""
+    folder = tmp_path_factory.mktemp("stubborn") / "model"
+    shutil.copytree(tiny_model, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": False, "top_k": 1, "temperature": 0.3,
+                                                               "top_p": 0.5}))
+    return folder
+
+
+def ppo_loop(model, tmp_path, overrides=()) -> PpoLoop:
+    recipe = load_command_recipe("ppo", toy_recipe(tmp_path), list(overrides))
+    return PpoLoop(recipe, prepare("ppo", recipe, tmp_path / "run", str(model), "none", False), None)
+
+
+def generated_and_scored_logprobs(loop: PpoLoop, prompts: int = 6):
+    """(the rollout's log-probabilities of the sampled tokens, generate's own: log_softmax of its output scores at
+    those tokens, completion mask)."""
+    torch.manual_seed(1)
+    enc = loop.encode([row["prompt"] for row in loop.setup.rows[:prompts]])
+    loop.model.eval()
+    out = loop.model.policy.generate(**enc, generation_config=loop.generation, output_scores=True,
+                                     return_dict_in_generate=True)
+    start = enc["input_ids"].shape[1]
+    completion = out.sequences[:, start:]
+    mask = completion_mask(completion, loop.stop_ids)
+    sampled = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1)
+    expected = sampled.gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+    batch = {"sequences": out.sequences, "attention": torch.cat([enc["attention_mask"], mask.long()], dim=1),
+             "prompt_len": start}
+    scored, values = loop.score(loop.model, batch)
+    assert values.shape == scored.shape == completion.shape
+    return scored, expected, mask
+
+
+def logprobs_agree(scored, expected, mask) -> bool:
+    return bool(((scored - expected).abs() * mask).max() < 1e-5)
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_rollout_logprobs_are_those_generate_sampled_with(shift, stubborn_model, tmp_path):
+    """The log-probabilities PPO's ratio starts from are those of the distribution that sampled (temperature and
+    top_p from the recipe, not the checkpoint's generation_config), token for token; shifted by one token they are
+    not, so this check catches an off-by-one in the scoring."""
+    loop = ppo_loop(stubborn_model, tmp_path, ["ppo.temperature=0.7", "ppo.scoring_micro_batch=4",
+                                               "ppo.max_new_tokens=8"])
+    scored, expected, mask = generated_and_scored_logprobs(loop)
+    assert mask.sum() > 12 and (expected * mask).min() < -1.0     # sampled, not greedy: some unlikely tokens
+    scored = torch.roll(scored, shifts=shift, dims=1)
+    assert logprobs_agree(scored, expected, mask) == (shift == 0)
+
+
+class LargestLogits(TorchDispatchMode):
+    """Records the element count of the largest fp32 tensor over the vocabulary that any operation allocates."""
+
+    def __init__(self, vocabulary: int):
+        super().__init__()
+        self.vocabulary, self.largest = vocabulary, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:  # a view (e.g. the LM head's weight expanded for a batched matmul) allocates nothing
+            return out
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 and tensor.shape[-1:] == (
+                    self.vocabulary,):
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+def test_scoring_a_rollout_never_builds_batch_by_sequence_by_vocabulary_logits(tiny_model, tmp_path):
+    loop = ppo_loop(tiny_model, tmp_path, ["ppo.scoring_micro_batch=2", "ppo.max_new_tokens=8"])
+    enc = loop.encode([row["prompt"] for row in loop.setup.rows[:8]])
+    loop.model.eval()
+    sequences = loop.model.policy.generate(**enc, generation_config=loop.generation)
+    start = enc["input_ids"].shape[1]
+    mask = completion_mask(sequences[:, start:], loop.stop_ids)
+    batch = {"sequences": sequences, "attention": torch.cat([enc["attention_mask"], mask.long()], dim=1),
+             "prompt_len": start}
+    vocabulary = loop.model.policy.get_output_embeddings().out_features
+    with LargestLogits(vocabulary) as allocations:
+        loop.score(loop.model, batch)
+        loop.score(loop.reference, batch)
+    # at most one micro batch (2 of 8 completions) of logits at a time
+    completion_logits = (sequences.shape[1] - start) * vocabulary
+    assert 0 < allocations.largest <= 2 * completion_logits, (allocations.largest, completion_logits)
+
+
+def test_kl_is_zero_at_step_zero_and_the_critic_learns(tiny_model, tmp_path):
+    """kl_coef > 0: the reference is the policy's twin, so the first rollout's KL is 0. The critic (its own
+    learning rate, here in its warmup, so the policy stays put) fits the returns of a batch: the value loss falls
+    and the explained variance of its values rises."""
+    loop = ppo_loop(tiny_model, tmp_path, [
+        "ppo.kl_coef=0.1", "ppo.critic_lr=1e-2", "ppo.critic_warmup_steps=100", "ppo.vf_clip=100", "ppo.epochs=4",
+        "ppo.batch_size=8", "ppo.minibatch_size=4", "training.micro_batch=4"])
+    batch = loop.rollout(loop.next_prompts())
+    assert abs(batch["rollout_stats"]["kl"]) < 1e-6 and torch.equal(batch["old_logprobs"], batch["ref_logprobs"])
+    assert batch["rollout_stats"]["explained_variance"] == pytest.approx(0.0, abs=1e-6)   # a fresh critic says 0
+    policy_before = {n: p.clone() for n, p in loop.model.policy.named_parameters()}
+    losses = [loop.update(batch)["value_loss"] for _ in range(4)]
+    _, values = loop.score(loop.model, batch)
+    assert losses[-1] < losses[0] / 2, losses
+    assert explained_variance(values, batch["returns"], batch["mask"]) > 0.3
+    assert all(torch.equal(p, policy_before[n]) for n, p in loop.model.policy.named_parameters())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_mean_reward_rises_on_a_learnable_toy_reward(algorithm, tiny_model, tmp_path):
-    recipe = load_command_recipe(algorithm, toy_recipe(tmp_path, algorithm=algorithm))
+    recipe = load_command_recipe(algorithm, toy_recipe(tmp_path, algorithm=algorithm),
+                                 ["logging.completions_interval=7"])
     result = RUNNERS[algorithm](recipe, tmp_path / "run", start=str(tiny_model))
+    logged = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert {line["step"] for line in logged} == {7, 14} and "task" in logged[0]["rewards"]
     rewards = rewards_logged(tmp_path / "run")
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.1, f"{algorithm} did not learn: {first:.3f} → {last:.3f} ({rewards})"
@@ -167,10 +406,16 @@ def test_mean_reward_rises_on_a_learnable_toy_reward(algorithm, tiny_model, tmp_
 
 def test_nan_rewards_are_counted_and_skipped(tiny_model, tmp_path):
     path = toy_recipe(tmp_path, reward="test_ppo:nan_reward")
-    recipe = load_command_recipe("ppo", path, ["training.steps=2", "ppo.epochs=1", "ppo.max_new_tokens=4"])
+    recipe = load_command_recipe("ppo", path, ["training.steps=2", "ppo.epochs=1", "ppo.max_new_tokens=4",
+                                               "logging.completions_interval=2"])
     result = run_ppo(recipe, tmp_path / "run", start=str(tiny_model))
     assert result.metrics["nan_rewards_skipped"] > 0
     assert all(math.isfinite(r) for r in rewards_logged(tmp_path / "run"))
+    lines = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert lines and {line["step"] for line in lines} == {2}           # every completions_interval steps
+    assert all(line["total"] == 1.0 and "x" not in line["completion"] for line in lines)  # NaN ones left out
+    assert set(lines[0]) == {"step", "prompt", "completion", "rewards", "total", "advantage"}
+    assert lines[0]["rewards"] == {"task": 1.0} and math.isfinite(lines[0]["advantage"])
 
 
 def test_ppo_resumes_from_its_newest_checkpoint(tiny_model, tmp_path):
@@ -195,11 +440,15 @@ def test_bad_ppo_inputs_fail_before_training(tiny_model, tmp_path):
     with pytest.raises(UserError, match=r"has no column 'answer' for the task reward \(columns: id, prompt, reference\)"):
         run_ppo(load_command_recipe("ppo", exact, ["data.reference_column=answer"]), tmp_path / "b",
                 start=str(tiny_model))
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="grpo.use_vllm: vLLM generation needs a GPU"):
+            run_grpo(load_command_recipe("grpo", toy_recipe(tmp_path, algorithm="grpo"), ["grpo.use_vllm=true"]),
+                     tmp_path / "e", start=str(tiny_model))
     with pytest.raises(UserError, match="not a multiple of grpo.num_generations"):
         run_grpo(load_command_recipe("grpo", toy_recipe(tmp_path, algorithm="grpo"), ["grpo.num_generations=3"]),
                  tmp_path / "c", start=str(tiny_model))
-    with pytest.raises(UserError, match=r"rewards\[0\]\.kind: Input should be .task., .length. or .diversity."):
+    with pytest.raises(UserError, match=r"rewards\[0\]\.kind: Input should be .task., .length., .diversity. or .model."):
         load_command_recipe("ppo", toy_recipe(tmp_path, kind="taks"))
     with pytest.raises(UserError, match=r"--resume: .* is not a complete checkpoint \(no trainer_state.json\)"):
         run_ppo(load_command_recipe("ppo", path), tmp_path / "d", start=str(tiny_model), resume=str(tmp_path))
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not any((tmp_path / name).exists() for name in "abe")

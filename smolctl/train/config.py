@@ -206,6 +206,9 @@ class LoggingSection(Section):
     """Trackers beside metrics.jsonl (always written), offline: RUN/tensorboard, RUN/wandb, trackio's local store."""
     profile_interval: int = Field(100, ge=0)
     """With several processes, profile one step every n steps for the communication share (0: never)."""
+    completions_interval: int = Field(0, ge=0)
+    """ppo / grpo: every n steps, write the step's completions (prompt, completion, each reward, total, advantage)
+    to RUN/completions.jsonl (0: never)."""
 
 
 class GuardsSection(Section):
@@ -309,6 +312,20 @@ class PpoSection(Section):
     """GAE lambda."""
     max_new_tokens: int = Field(32, gt=0)
     temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling; the rollout samples with temperature and top_p only, whatever the checkpoint's
+    generation_config says."""
+    critic_lr: float | None = Field(None, gt=0)
+    """Learning rate of the value head (its own parameter group). Default: 10 × optimizer.lr, at least 1e-4, since
+    a freshly initialised head learns nothing at a policy's 1e-6."""
+    critic_warmup_steps: int = Field(0, ge=0)
+    """First steps that train only the value head (the policy and its backbone stay as they are)."""
+    scoring_micro_batch: int | None = Field(None, gt=0)
+    """Completions per forward when scoring a rollout (old and reference log-probabilities, values).
+    Default: training.micro_batch."""
+
+    def critic_learning_rate(self, policy_lr: float) -> float:
+        return self.critic_lr if self.critic_lr is not None else max(10 * policy_lr, 1e-4)
 
 
 class GrpoSection(Section):
@@ -325,6 +342,12 @@ class GrpoSection(Section):
     ent_coef: float = Field(0.0, ge=0)
     max_new_tokens: int = Field(32, gt=0)
     temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    mask_truncated_completions: bool = False
+    """Leave completions cut off at max_new_tokens out of the loss (TRL's option of the same name)."""
+    use_vllm: bool = False
+    """Generate with vLLM inside the training processes (TRL's colocate mode): GPU only, needs the vllm package."""
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -27,8 +27,10 @@ from smolctl.train.stage import StageResult, StepHook, check_start, finished_res
 # The math, on [batch, tokens] tensors with a 0/1 mask of the completion tokens
 
 
-def masked_mean(values, mask):
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+def masked_mean(values, mask, count=None):
+    """Mean of values where mask is 1; `count` replaces the mask's own token count, so micro batches of one
+    minibatch each add their share of that minibatch's mean."""
+    return (values * mask).sum() / (mask.sum().clamp(min=1) if count is None else count)
 
 
 def whiten(values, mask):
@@ -54,7 +56,7 @@ def gae(rewards, values, mask, gamma: float, lam: float):
     return advantages, (advantages + values) * mask
 
 
-def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, clip: float):
+def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, clip: float, count=None):
     """PPO's clipped surrogate, to minimise: mean over tokens of max(-A·r, -A·clip(r, 1-ε, 1+ε)).
     Returns (loss, fraction of tokens where the clip was active)."""
     import torch
@@ -62,25 +64,66 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, clip: float):
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + clip)
-    return masked_mean(torch.maximum(unclipped, clipped), mask), masked_mean((clipped > unclipped).float(), mask)
+    return (masked_mean(torch.maximum(unclipped, clipped), mask, count),
+            masked_mean((clipped > unclipped).float(), mask, count))
 
 
-def clipped_value_loss(values, old_values, returns, mask, clip: float):
+def clipped_value_loss(values, old_values, returns, mask, clip: float, count=None):
     """0.5 · mean of max((V - R)², (V_clipped - R)²), V_clipped kept within ±clip of the rollout's values."""
     import torch
 
     clipped = old_values + torch.clamp(values - old_values, -clip, clip)
-    return 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask)
+    return 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask, count)
 
 
-def token_logprobs_and_entropy(logits, tokens):
-    """log p(token) and the entropy of each position's distribution; logits [B, T, V], tokens [B, T]."""
+def explained_variance(values, returns, mask) -> float:
+    """1 - Var(returns - values) / Var(returns) over the completion tokens: 1 when the critic predicts the returns,
+    0 when it predicts only their mean, negative when it is worse than that."""
+    residual = returns - values
+    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    var_residual = masked_mean((residual - masked_mean(residual, mask)) ** 2, mask)
+    return float(1 - var_residual / var_returns.clamp(min=1e-8))
+
+
+LOGIT_CHUNK_ELEMENTS = 1 << 26
+"""Vocabulary logits computed at once when scoring (256 MB in fp32): 512 positions of a 128k vocabulary."""
+
+
+def token_logprobs(hidden, head, tokens, temperature: float, entropy: bool = False,
+                   chunk_elements: int = LOGIT_CHUNK_ELEMENTS):
+    """log p(token) of the sampled tokens from the final hidden states, and with `entropy` each position's entropy.
+
+    hidden [B, T, H], head the LM head (hidden → vocabulary logits), tokens [B, T]. The vocabulary logits exist for
+    at most `chunk_elements / vocabulary` positions at a time, as gather − logsumexp in fp32, so no [B, T, V]
+    tensor is ever built; under autograd each chunk is checkpointed, so backward recomputes its logits instead of
+    keeping every chunk's alive. Returns ([B, T], [B, T] or None)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    vocabulary = head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
+    positions = max(1, chunk_elements // vocabulary)
+    flat_hidden, flat_tokens = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
+    parts = []
+    for chunk_hidden, chunk_tokens in zip(flat_hidden.split(positions), flat_tokens.split(positions)):
+        if torch.is_grad_enabled() and chunk_hidden.requires_grad:
+            parts.append(checkpoint(_chunk_logprobs, chunk_hidden, chunk_tokens, head, temperature, entropy,
+                                    use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(chunk_hidden, chunk_tokens, head, temperature, entropy))
+    logprobs = torch.cat([p[0] for p in parts]).view(tokens.shape)
+    return logprobs, torch.cat([p[1] for p in parts]).view(tokens.shape) if entropy else None
+
+
+def _chunk_logprobs(hidden, tokens, head, temperature: float, entropy: bool):
     import torch
 
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return chosen, entropy
+    logits = head(hidden).float() / temperature
+    normaliser = torch.logsumexp(logits, dim=-1)
+    chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - normaliser
+    if not entropy:
+        return chosen, chosen
+    probs = torch.softmax(logits, dim=-1)
+    return chosen, normaliser - (probs * logits).sum(-1)
 
 
 def completion_mask(completion, stop_ids):
@@ -96,8 +139,9 @@ def completion_mask(completion, stop_ids):
 # Prompts
 
 
-def load_prompts(source: DocumentSource, data: PromptDataSection, needs_reference: bool) -> tuple[list, list]:
-    """(prompts, references) from the dataset; references are None when the column is absent and not needed."""
+def load_prompts(source: DocumentSource, data: PromptDataSection, needs_reference: bool) -> list[dict]:
+    """The dataset's rows, each with its reference under "reference" (None when the column is absent and not
+    needed): reward callables see every column."""
     from smolctl.train.posttrain import require_columns
 
     require_columns(source, [data.prompt_column], "set data.prompt_column, or pass a dataset of prompts")
@@ -105,16 +149,14 @@ def load_prompts(source: DocumentSource, data: PromptDataSection, needs_referenc
         if data.reference_column not in source.columns:
             raise UserError(source.spec, f"has no column '{data.reference_column}' for the task reward (columns: "
                             f"{', '.join(source.columns)})", "set data.reference_column, or use a regex/callable reward")
-    columns = [data.prompt_column] + ([data.reference_column] if data.reference_column in source.columns else [])
-    prompts, references = [], []
-    for batch in source.iter_batches(columns=columns):
-        prompts += batch.column(0).to_pylist()
-        references += batch.column(1).to_pylist() if len(columns) == 2 else [None] * batch.num_rows
+    rows = []
+    for batch in source.iter_batches():
+        rows += batch.to_pylist()
     if data.limit is not None:
-        prompts, references = prompts[:data.limit], references[:data.limit]
-    if not prompts:
+        rows = rows[:data.limit]
+    if not rows:
         raise UserError(source.spec, "holds no prompts", "pass a non-empty dataset")
-    return prompts, references
+    return [{**row, "prompt": row[data.prompt_column], "reference": row.get(data.reference_column)} for row in rows]
 
 
 def as_chat(prompt) -> list[dict]:
@@ -130,8 +172,8 @@ class Setup:
     run: Path
     parent: Path
     source: DocumentSource
-    prompts: list
-    references: list
+    rows: list[dict]
+    """The dataset's rows, with "prompt" and "reference" whatever their columns are called."""
     reward: CompositeReward
     start: RunStart
 
@@ -143,9 +185,9 @@ def prepare(stage: str, recipe: PpoRecipe | GrpoRecipe, run: str | Path, start: 
     parent = check_start(start or recipe.model.from_, "--from" if start else "model.from")
     source = open_documents(recipe.data.path)
     reward = CompositeReward(recipe.rewards)
-    prompts, references = load_prompts(source, recipe.data, reward.needs_reference)
+    rows = load_prompts(source, recipe.data, reward.needs_reference)
     begun = open_run(stage, recipe, run, parent, resume, overwrite)
-    return Setup(run, parent, source, prompts, references, reward, begun)
+    return Setup(run, parent, source, rows, reward, begun)
 
 
 def run_ppo(recipe: PpoRecipe, run: str | Path, *, start: str | None = None, resume: str = "none",

@@ -22,9 +22,10 @@ from torch import nn
 from smolctl.errors import UserError
 from smolctl.train.config import PpoRecipe
 from smolctl.train.ppo import (
-    Setup, as_chat, clipped_policy_loss, clipped_value_loss, completion_mask, gae, masked_mean, reward_trend,
-    token_logprobs_and_entropy, whiten,
+    Setup, as_chat, clipped_policy_loss, clipped_value_loss, completion_mask, explained_variance, gae, masked_mean,
+    reward_trend, token_logprobs, whiten,
 )
+from smolctl.train.rewards import log_completions
 from smolctl.train.run import EVENTS, FINAL, METRICS, append_jsonl, checkpoint_dir, prune_checkpoints
 from smolctl.train.schedule import lambda_scheduler
 from smolctl.train.stage import (
@@ -34,21 +35,42 @@ from smolctl.train.trackers import open_tracker
 
 
 class PolicyWithValue(nn.Module):
-    """A causal LM plus a scalar value head on its last hidden state."""
+    """A causal LM plus a scalar value head on its last hidden state. The forward returns the final hidden states
+    (not the logits: scoring turns them into log-probabilities a chunk of positions at a time) and the values."""
 
     def __init__(self, policy: nn.Module):
         super().__init__()
         self.policy = policy
         hidden = policy.config.get_text_config().hidden_size
         self.value_head = nn.Linear(hidden, 1)
-        nn.init.normal_(self.value_head.weight, std=1 / math.sqrt(hidden + 1))
+        # Zero: the fresh critic predicts 0 everywhere (explained variance 0) rather than noise that the clipped
+        # value loss would take many steps to undo.
+        nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask):
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        out = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                          output_hidden_states=True, use_cache=False)
-        return out.logits, self.value_head(out.hidden_states[-1].float()).squeeze(-1)
+    def forward(self, input_ids, attention_mask, critic_only: bool = False):
+        """critic_only: the backbone runs without gradients, so only the value head learns (critic warmup)."""
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not critic_only):
+            hidden = final_hidden(self.policy, input_ids, attention_mask)
+        return hidden, self.value_head(hidden.float()).squeeze(-1)
+
+
+def final_hidden(model: nn.Module, input_ids, attention_mask):
+    """The last layer's (normalised) hidden states [B, T, H]; the LM head runs on one position only."""
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                output_hidden_states=True, use_cache=False, logits_to_keep=1)
+    return out.hidden_states[-1]
+
+
+def train_without_dropout(model: nn.Module) -> None:
+    """Training mode for the layers that checkpoint (gradient checkpointing acts only in training mode), evaluation
+    mode everywhere else: dropout would make the update's log-probabilities differ from the rollout's, and the
+    ratio of the two is PPO's signal."""
+    model.eval()
+    for module in model.modules():
+        if getattr(module, "gradient_checkpointing", False):
+            module.training = True
 
 
 class PpoLoop:
@@ -59,10 +81,12 @@ class PpoLoop:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         torch.manual_seed(self.training.seed)
         policy, self.tokenizer = load_start(setup.parent, attention=self.training.attention)
-        self.reference, _ = load_start(setup.parent, bf16, attention=self.training.attention)
+        # The reference is the policy's twin in weights and compute (fp32 weights under the same autocast), so the
+        # KL penalty is exactly 0 at step 0 and measures only what training changed.
+        self.reference, _ = load_start(setup.parent, attention=self.training.attention)
         policy = apply_peft(policy, recipe.peft)
         if self.training.gradient_checkpointing:
-            policy.gradient_checkpointing_enable()
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # fp32 weights, bf16 compute: the same mixed precision the Trainer-based stages get from bf16=True.
         self.autocast = partial(torch.autocast, self.device.type, dtype=torch.bfloat16, enabled=bf16)
         self.reference.to(self.device).eval().requires_grad_(False)
@@ -70,9 +94,14 @@ class PpoLoop:
         self.parameters = parameter_counts(self.model)
         self.stop_ids = chat_stop_ids(self.tokenizer)
         self.chat = bool(getattr(self.tokenizer, "chat_template", None))
+        self.generation = self.generation_config()
         opt = recipe.optimizer
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=opt.lr,
-                                           betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+        critic = list(self.model.value_head.parameters())
+        policy_params = [p for n, p in self.model.named_parameters() if p.requires_grad and not n.startswith("value_head.")]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": policy_params, "lr": opt.lr},
+             {"params": critic, "lr": self.cfg.critic_learning_rate(opt.lr), "weight_decay": 0.0}],
+            betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
         self.scheduler = lambda_scheduler(self.optimizer, recipe.schedule, int(self.training.steps))
         self.step, self.nan_skipped, self.history = 0, 0, []
         self._cached_order: tuple = (None, None)
@@ -89,8 +118,14 @@ class PpoLoop:
         while self.step < self.training.steps:
             step_started = time.perf_counter()
             lr = self.scheduler.get_last_lr()[0]
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             batch = self.rollout(self.next_prompts())
+            update_started = time.perf_counter()
             stats = self.update(batch) if batch is not None else {"skipped_batch": 1.0}
+            stats["seconds/update"] = time.perf_counter() - update_started
+            if self.device.type == "cuda":
+                stats["memory/peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             self.step += 1
             self.scheduler.step()
             tokens = int(batch["attention"].sum()) if batch is not None else 0
@@ -105,7 +140,7 @@ class PpoLoop:
                    **final_metrics(self.history, (*components, "kl", "policy_loss", "value_loss", "entropy",
                                                   "clipfrac", "completion_length")),
                    "nan_rewards_skipped": self.nan_skipped}
-        data = {"prompts": len(self.setup.prompts)}
+        data = {"prompts": len(self.setup.rows), "reward_errors_skipped": sum(self.setup.reward.errors.values())}
         adapter = save_final(self.setup.run, self.model.policy, self.tokenizer, parent=self.setup.parent,
                              data_inputs=self.setup.source.lineage(), stage="ppo", parameters=self.parameters,
                              stats={**{k.replace("/", "_"): v for k, v in metrics.items()}, **data, "steps": self.step,
@@ -117,36 +152,54 @@ class PpoLoop:
 
     def next_prompts(self) -> list[int]:
         """Indices of this step's prompts: a seeded permutation per pass over the data, cycled."""
-        n, size = len(self.setup.prompts), self.cfg.batch_size
+        n, size = len(self.setup.rows), self.cfg.batch_size
         return [int(self._order(position // n)[position % n])
                 for position in range(self.step * size, (self.step + 1) * size)]
 
     def _order(self, epoch: int):
         if self._cached_order[0] != epoch:
             generator = torch.Generator().manual_seed(self.training.seed + epoch)
-            self._cached_order = (epoch, torch.randperm(len(self.setup.prompts), generator=generator))
+            self._cached_order = (epoch, torch.randperm(len(self.setup.rows), generator=generator))
         return self._cached_order[1]
 
     # -- rollout: generate, score, evaluate old/reference log-probs and values --------------------------------
 
-    @torch.no_grad()
-    def rollout(self, indices: list[int]) -> dict | None:
-        prompts = [self.setup.prompts[i] for i in indices]
+    def generation_config(self):
+        """Sampling exactly as the recipe says: whatever the checkpoint's generation_config carries (top_k, a low
+        temperature, greedy decoding) would otherwise fill every field left unset, and the rollout's
+        log-probabilities would no longer be those of the distribution that sampled."""
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(
+            do_sample=True, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=0, min_p=None,
+            max_new_tokens=self.cfg.max_new_tokens, eos_token_id=self.stop_ids,
+            pad_token_id=self.tokenizer.pad_token_id, repetition_penalty=1.0, num_beams=1)
+        self.model.policy.generation_config = config
+        return config
+
+    def encode(self, prompts: list) -> dict:
         texts = [self.tokenizer.apply_chat_template(as_chat(p), tokenize=False, add_generation_prompt=True)
                  if self.chat else p for p in prompts]
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
-                             add_special_tokens=False).to(self.device)
+        return self.tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
+                              add_special_tokens=False).to(self.device)
+
+    @torch.no_grad()
+    def rollout(self, indices: list[int]) -> dict | None:
+        rows = [self.setup.rows[i] for i in indices]
+        enc = self.encode([row["prompt"] for row in rows])
         self.model.eval()
+        started = time.perf_counter()
         with self.autocast():
-            sequences = self.model.policy.generate(
-                **enc, max_new_tokens=self.cfg.max_new_tokens, do_sample=True, temperature=self.cfg.temperature,
-                top_k=0, top_p=1.0, eos_token_id=self.stop_ids, pad_token_id=self.tokenizer.pad_token_id)
+            sequences = self.model.policy.generate(**enc, generation_config=self.generation)
+        generate_seconds = time.perf_counter() - started
         prompt_len = enc["input_ids"].shape[1]
         completion = sequences[:, prompt_len:]
         mask = completion_mask(completion, self.stop_ids)
         lengths = mask.sum(1).long().tolist()
         decoded = [self.tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(completion, lengths)]
-        scored = self.setup.reward.score(decoded, lengths, [self.setup.references[i] for i in indices])
+        # cut off: no stop token within max_new_tokens
+        truncated = [n == completion.shape[1] and int(row[-1]) not in self.stop_ids for row, n in zip(completion, lengths)]
+        scored = self.setup.reward.score(decoded, lengths, rows=rows, truncated=truncated, groups=indices)
         scores = torch.tensor(scored.totals, dtype=torch.float32, device=self.device)
         keep = torch.isfinite(scores)
         self.nan_skipped += int((~keep).sum())
@@ -155,8 +208,10 @@ class PpoLoop:
         attention = torch.cat([enc["attention_mask"], mask.long()], dim=1)[keep]
         batch = {"sequences": sequences[keep], "attention": attention, "mask": mask[keep], "prompt_len": prompt_len,
                  "scores": scores[keep]}
-        batch["old_logprobs"], _, batch["old_values"] = self.evaluate(self.model, batch)
-        batch["ref_logprobs"], _, _ = self.evaluate(self.reference, batch)
+        started = time.perf_counter()
+        batch["old_logprobs"], batch["old_values"] = self.score(self.model, batch)
+        batch["ref_logprobs"], _ = self.score(self.reference, batch)
+        score_seconds = time.perf_counter() - started
         kl = (batch["old_logprobs"] - batch["ref_logprobs"]) * batch["mask"]
         rewards = -self.cfg.kl_coef * kl
         last = (batch["mask"].sum(1).long() - 1).clamp(min=0)
@@ -164,58 +219,89 @@ class PpoLoop:
         advantages, batch["returns"] = gae(rewards, batch["old_values"] * batch["mask"], batch["mask"],
                                            self.cfg.gamma, self.cfg.lam)
         batch["advantages"] = whiten(advantages, batch["mask"])
+        if self.recipe.logging.completions_interval and (self.step + 1) % self.recipe.logging.completions_interval == 0:
+            kept = [i for i, k in enumerate(keep.tolist()) if k]
+            log_completions(self.setup.run, self.step + 1, [rows[i]["prompt"] for i in kept],
+                            [decoded[i] for i in kept], {n: [v[i] for i in kept] for n, v in scored.components.items()},
+                            batch["scores"].tolist(), batch["advantages"][:, 0].tolist())
         batch["rollout_stats"] = {
             "reward": float(batch["scores"].mean()), "kl": float(kl.sum(1).mean()),
+            "explained_variance": explained_variance(batch["old_values"], batch["returns"], batch["mask"]),
+            "seconds/generate": generate_seconds, "seconds/score": score_seconds,
             "completion_length": float(batch["mask"].sum(1).mean()),
             **{f"rewards/{name}": _finite_mean(values, keep.tolist()) for name, values in scored.components.items()},
         }
         return batch
 
-    def evaluate(self, model: nn.Module, batch: dict, rows=slice(None)):
-        """Log-probs, entropies and values (None for the reference) of the completion tokens: each [B, T]."""
+    @torch.no_grad()
+    def score(self, model: nn.Module, batch: dict):
+        """Log-probabilities of the sampled tokens and values (None for the reference), each [B, T], computed
+        ppo.scoring_micro_batch completions at a time."""
+        micro = self.cfg.scoring_micro_batch or self.training.micro_batch
+        parts = [self.evaluate(model, batch, rows)
+                 for rows in torch.arange(len(batch["sequences"]), device=self.device).split(micro)]
+        values = torch.cat([p[2] for p in parts]) if parts[0][2] is not None else None
+        return torch.cat([p[0] for p in parts]), values
+
+    def evaluate(self, model: nn.Module, batch: dict, rows, entropy: bool = False, critic_only: bool = False):
+        """Log-probs, entropies (with `entropy`) and values (None for the reference) of the completion tokens of
+        `rows`: each [rows, T]."""
         sequences, attention, start = batch["sequences"][rows], batch["attention"][rows], batch["prompt_len"]
         with self.autocast():
             if isinstance(model, PolicyWithValue):
-                logits, values = model(sequences, attention)
+                hidden, values = model(sequences, attention, critic_only)
                 values = values[:, start - 1:-1].float()
+                head = model.policy.get_output_embeddings()
             else:
-                positions = (attention.cumsum(-1) - 1).clamp(min=0)
-                logits = model(input_ids=sequences, attention_mask=attention, position_ids=positions,
-                               use_cache=False).logits
-                values = None
-        logits = logits[:, start - 1:-1] / self.cfg.temperature
-        logprobs, entropy = token_logprobs_and_entropy(logits, sequences[:, start:])
-        return logprobs, entropy, values
+                hidden, values, head = final_hidden(model, sequences, attention), None, model.get_output_embeddings()
+            if critic_only:
+                return None, None, values
+            logprobs, entropies = token_logprobs(hidden[:, start - 1:-1], head, sequences[:, start:],
+                                                 self.cfg.temperature, entropy)
+        return logprobs, entropies, values
 
     # -- update: epochs of minibatches, micro-batched -------------------------------------------------------
 
     def update(self, batch: dict) -> dict:
-        self.model.train()
+        """Epochs of minibatches; each minibatch's losses are means over its completion tokens (its micro batches
+        each add their tokens' share), so micro batching changes nothing but memory."""
+        train_without_dropout(self.model)
+        critic_only = self.step < self.cfg.critic_warmup_steps
         size = len(batch["scores"])
         minibatch, micro = min(self.cfg.minibatch_size, size), self.training.micro_batch
         totals: dict[str, list[float]] = {"grad_norm": []}
         for _ in range(self.cfg.epochs):
-            order = torch.randperm(size)
+            order = torch.randperm(size, device=self.device)
             for start in range(0, size, minibatch):
                 rows = order[start:start + minibatch]
+                tokens = batch["mask"][rows].sum().clamp(min=1)
                 self.optimizer.zero_grad(set_to_none=True)
+                sums: dict[str, float] = {}
                 for chunk in rows.split(micro):
-                    losses = self.losses(batch, chunk)
-                    (losses["loss"] * len(chunk) / len(rows)).backward()
+                    losses = self.losses(batch, chunk, tokens, critic_only)
+                    losses["loss"].backward()
                     for key, value in losses.items():
-                        totals.setdefault(key, []).append(float(value.detach()))
+                        sums[key] = sums.get(key, 0.0) + float(value)
+                for key, value in sums.items():
+                    totals.setdefault(key, []).append(value)
                 norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.optimizer.grad_clip or math.inf)
                 totals["grad_norm"].append(float(norm))
                 self.optimizer.step()
-        return {**batch["rollout_stats"], **{k: sum(v) / len(v) for k, v in totals.items()}}
+        return {**batch["rollout_stats"], **{k: sum(v) / len(v) for k, v in totals.items()},
+                "critic_warmup": float(critic_only)}
 
-    def losses(self, batch: dict, rows) -> dict:
+    def losses(self, batch: dict, rows, tokens, critic_only: bool) -> dict:
+        """This micro batch's share of the minibatch's losses (sums over its tokens / the minibatch's tokens)."""
         mask = batch["mask"][rows]
-        logprobs, entropy, values = self.evaluate(self.model, batch, rows)
+        logprobs, entropy, values = self.evaluate(self.model, batch, rows, entropy=not critic_only,
+                                                  critic_only=critic_only)
+        value_loss = clipped_value_loss(values, batch["old_values"][rows], batch["returns"][rows], mask,
+                                        self.cfg.vf_clip, tokens)
+        if critic_only:
+            return {"loss": value_loss, "value_loss": value_loss.detach()}
         policy_loss, clipfrac = clipped_policy_loss(logprobs, batch["old_logprobs"][rows], batch["advantages"][rows],
-                                                    mask, self.cfg.clip)
-        value_loss = clipped_value_loss(values, batch["old_values"][rows], batch["returns"][rows], mask, self.cfg.vf_clip)
-        mean_entropy = masked_mean(entropy, mask)
+                                                    mask, self.cfg.clip, tokens)
+        mean_entropy = masked_mean(entropy, mask, tokens)
         loss = policy_loss + self.cfg.vf_coef * value_loss - self.cfg.ent_coef * mean_entropy
         return {"loss": loss, "policy_loss": policy_loss.detach(), "value_loss": value_loss.detach(),
                 "entropy": mean_entropy.detach(), "clipfrac": clipfrac.detach()}
