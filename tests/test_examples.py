@@ -65,7 +65,8 @@ SKIP = {
         "needs the demo's post-training output; tests/test_pipeline.py checks this lineage from the final model",
 }
 # Post-training examples on these recipes are parsed only (see FULL_SIZE_POSTTRAIN).
-FULL_SIZE_RECIPES = {"recipes/smollm3-sft.toml", "recipes/smollm3-dpo.toml", "recipes/smollm3-ppo.toml"}
+FULL_SIZE_RECIPES = {"recipes/smollm3-sft.toml", "recipes/smollm3-dpo.toml", "recipes/smollm3-ppo.toml",
+                     "recipes/smollm3-grpo.toml"}
 # Training examples on these recipes also train for real, a few steps, with TINY_RUN's overrides.
 TINY_RECIPES = {"recipes/smollm3-tiny.toml", "recipes/smollm3-tiny-midtrain.toml", "recipes/sft-tiny.toml",
                 "recipes/sft-lora-tiny.toml", "recipes/dpo-tiny.toml", "recipes/ppo-tiny.toml", "recipes/grpo-tiny.toml"}
@@ -140,7 +141,7 @@ DEMO_OUT = [
 # Finding the examples
 
 LAUNCHERS = ("smolctl", "torchrun", "accelerate", "sbatch", "srun", "bash", "source", "cp", "make", "...")
-ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
+ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")  # shlex has already joined a quoted value
 
 
 @dataclass
