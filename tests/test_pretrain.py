@@ -109,7 +109,7 @@ def test_recipe_errors_name_the_key(recipe, override, message):
 
 
 @pytest.mark.parametrize("overrides, where, message", [
-    (["training.global_batch=9"], "training.global_batch", "9 sequences is not divisible by micro_batch 2 × world size 1"),
+    (["training.global_batch=9"], "training.global_batch", "9 sequences is not divisible by micro_batch 2 × data-parallel size 1"),
     (["training.seq_len=128"], "packed-64", "is packed at seq_len 64 but training.seq_len is 128"),
     (["model.vocab_size=100"], "model.vocab_size", "is smaller than the tokenizer's"),
     (['data.paths=["/nonexistent/packed"]'], "/nonexistent/packed", "no such folder"),
