@@ -740,13 +740,15 @@ DRY_RUN_OPTION = typer.Option(False, "--dry-run", help="Validate, print the reso
                               "memory/time estimate; build the model on the meta device; train nothing.")
 WORLD_SIZE_OPTION = typer.Option(None, "--world-size", help="--dry-run only: plan for this many processes "
                                  "(default: WORLD_SIZE or 1).")
+GPU_OPTION = typer.Option("h100", "--gpu", help="--dry-run only: the GPU whose memory the plan must fit "
+                          "(h100, h200, a100-80, ... as in `smolctl estimate`).")
 
 
 @app.command("pretrain", epilog="""[bold]Examples[/]
 
   smolctl pretrain recipes/smollm3-tiny.toml demo-out/pretrain --data demo-out/packed
 
-  smolctl pretrain recipes/smollm3.toml --dry-run --world-size 192
+  smolctl pretrain recipes/smollm3.toml --dry-run --world-size 384
 
   torchrun --nproc_per_node 8 -m smolctl pretrain recipes/smollm3.toml runs/3b --resume auto
 
@@ -760,12 +762,13 @@ def pretrain_command(
     resume: str = RESUME_OPTION,
     dry_run: bool = DRY_RUN_OPTION,
     world_size: Optional[int] = WORLD_SIZE_OPTION,
+    gpu: str = GPU_OPTION,
     overwrite: bool = typer.Option(False, "--overwrite", help="Delete RUN first if it already holds a run."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Pretrain a causal LM from a recipe on packed folders: resumable bit for bit, guarded, single process or torchrun."""
     _train_command("pretrain", recipe, run, data=data, overrides=set_, resume=resume, dry_run=dry_run,
-                   world_size=world_size, overwrite=overwrite, json_out=json_out)
+                   world_size=world_size, gpu=gpu, overwrite=overwrite, json_out=json_out)
 
 
 @app.command("midtrain", epilog="""[bold]Examples[/]
@@ -784,6 +787,7 @@ def midtrain_command(
     resume: str = RESUME_OPTION,
     dry_run: bool = DRY_RUN_OPTION,
     world_size: Optional[int] = WORLD_SIZE_OPTION,
+    gpu: str = GPU_OPTION,
     overwrite: bool = typer.Option(False, "--overwrite", help="Delete RUN first if it already holds a run."),
     json_out: bool = JSON_OPTION,
 ) -> None:
@@ -791,12 +795,12 @@ def midtrain_command(
     if from_ is None and not dry_run:
         raise UserError("--from", "is required", "pass the model folder to continue from, e.g. RUN/final")
     _train_command("midtrain", recipe, run, data=data, overrides=set_, resume=resume, dry_run=dry_run, world_size=world_size,
-                   overwrite=overwrite, json_out=json_out, init_from=str(from_) if from_ else None, keep_optimizer=keep_optimizer)
+                   gpu=gpu, overwrite=overwrite, json_out=json_out, init_from=str(from_) if from_ else None, keep_optimizer=keep_optimizer)
 
 
 def _train_command(stage: str, recipe: Path, run: Path | None, *, data, overrides, resume: str, dry_run: bool,
                    world_size: int | None, overwrite: bool, json_out: bool, init_from: str | None = None,
-                   keep_optimizer: bool = False) -> None:
+                   keep_optimizer: bool = False, gpu: str = "h100") -> None:
     from smolctl.train.distributed import world_size_from_env
     from smolctl.train.pretrain import load_train_recipe, train
 
@@ -805,7 +809,7 @@ def _train_command(stage: str, recipe: Path, run: Path | None, *, data, override
         if dry_run:
             from smolctl.train.dryrun import dry_run as plan_run
 
-            result = plan_run(load_train_recipe(recipe, overrides, data), world_size=world_size or world_size_from_env())
+            result = plan_run(load_train_recipe(recipe, overrides, data), world_size=world_size or world_size_from_env(), gpu=gpu)
             emit_json(result) if json_out else _render_dry_run(recipe, result)
             return
         if run is None:
@@ -826,21 +830,31 @@ def _render_dry_run(recipe: Path, r: dict) -> None:
     from smolctl.console import human_bytes
 
     model, training = r["recipe"]["model"], r["recipe"]["training"]
-    mem = r["memory_per_device"]
-    show(key_values(f"{recipe} (dry run: nothing trained, model built on the meta device)", [
+    mem, layout = r["memory"], r["layout"]
+    fsdp = layout["dp_shard"] > 1
+    rows = [
         ("model", f"{model['architecture']}: {model['num_hidden_layers']} layers, hidden {model['hidden_size']}, "
                   f"FFN {model['intermediate_size']}, {model['num_attention_heads']} heads / {model['num_key_value_heads'] or model['num_attention_heads']} KV, "
                   f"vocab {r['vocab_size']:,}, rope θ {model['rope_theta']:g}"),
         ("parameters", f"{human_count(r['parameters'])} ({r['parameters']:,}; {human_count(r['non_embedding_parameters'])} non-embedding)"),
+        ("layout", f"world {r['world_size']} = tp {layout['tp']} × dp {r['data_parallel']} (dp_replicate {layout['dp_replicate']} × "
+                   f"dp_shard {layout['dp_shard']}){'; FSDP2 over dp' if fsdp else ''}"),
         ("batch", f"{r['global_batch']} sequences × {training['seq_len']} = {r['tokens_per_step']:,} tokens/step; micro batch "
-                  f"{r['micro_batch']} × world {r['world_size']} × accumulation {r['grad_accum']}"),
+                  f"{r['micro_batch']} × dp {r['data_parallel']} × accumulation {r['grad_accum']}"),
         ("budget", f"{r['steps']:,} steps = {human_count(r['total_tokens'])} tokens, {r['total_flops']:.3g} FLOPs "
                    f"({r['flops_per_token']:.3g} per token)"),
-        ("memory / device", f"{human_bytes(mem['total'])} = {human_bytes(mem['weights_grads_optimizer'])} weights+grads+AdamW"
-                            f"{' (sharded)' if training['shard'] else ''} + {human_bytes(mem['activations'])} activations"),
-        ("time", f"{r['estimate']['gpu_hours']:,.0f} {r['estimate']['reference_gpu']} GPU-hours at {r['estimate']['assumed_mfu']:.0%} MFU"
-                 f" = {r['estimate']['wall_hours_on_world'] / 24:,.1f} days on {r['world_size']}"),
-    ]))
+        ("memory / GPU", f"{human_bytes(mem['total'])} of {human_bytes(mem['capacity'])} on {mem['gpu']}: "
+                         f"{'fits' if mem['fits'] else 'does NOT fit'} ({human_bytes(mem['activations'])} activations, "
+                         f"checkpointing {training['activation_checkpointing']}; same model as `smolctl estimate`)"),
+        ("time", f"{r['estimate']['gpu_hours']:,.0f} {r['estimate']['gpu']} GPU-hours at {r['estimate']['assumed_mfu']:.0%} MFU"
+                 f" = {r['estimate']['days']:,.1f} days on {r['world_size']}"),
+    ]
+    if "would_fit" in r:
+        options = [f"micro_batch {r['would_fit']['largest_micro_batch']}"] if r["would_fit"]["largest_micro_batch"] else []
+        options += [", ".join(f"{k} = {str(v).lower()}" for k, v in o.items() if k != "total") + f" ({human_bytes(o['total'])})"
+                    for o in r["would_fit"]["layouts"]]
+        rows.append(("would fit", "\n".join(options) or "nothing on this many GPUs: add GPUs or pick a larger one (--gpu)"))
+    show(key_values(f"{recipe} (dry run: nothing trained, model built on the meta device)", rows))
     show(table("data", ["folder", "status"], r["data"].items(), justify="left"))
     console.print("resolved recipe: [bold]--json[/] prints it in full")
 

@@ -300,27 +300,54 @@ def test_tensorboard_without_the_package_is_a_user_error(recipe, tmp_path):
 # ---- distributed ------------------------------------------------------------------------------------------------
 
 
-def test_two_torchrun_processes_match_one(recipe, tmp_path):
-    """Same global batch: 1 process × 4 accumulated micro batches = 2 processes × 2, under DDP and FSDP2."""
+def _launch(recipe: Path, run: Path, processes: int, settings: list[str], port: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = ["pretrain", str(recipe), "--set", "training.steps=6", "--set", "checkpoint.interval=3", "--json"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29613", "-m", "smolctl"]
-    runs = {"one": [sys.executable, "-m", "smolctl"], "ddp": torchrun, "fsdp": torchrun}
-    results = {}
-    for name, launcher in runs.items():
-        extra = ["--set", "training.shard=true"] if name == "fsdp" else []
-        done = subprocess.run([*launcher, args[0], args[1], str(tmp_path / name), *args[2:], *extra],
-                              env=env, capture_output=True, text=True, cwd=REPO)
-        assert done.returncode == 0, done.stderr[-2000:]
-        results[name] = json.loads(done.stdout)
-    assert [results[n]["plan"]["grad_accum"] for n in runs] == [4, 2, 2]
-    reference = weights(tmp_path / "one" / "final")
-    for name in ("ddp", "fsdp"):
-        assert results[name]["final_loss"] == pytest.approx(results["one"]["final_loss"], rel=1e-4)
-        other = weights(tmp_path / name / "final")
-        assert other.keys() == reference.keys()
-        assert all(np.allclose(reference[k].numpy(), other[k].numpy(), atol=1e-4) for k in reference)
-        assert (tmp_path / name / "checkpoints" / "step-0000006" / "optimizer").is_dir()  # sharded optimizer state (DCP)
+    launcher = [sys.executable, "-m", "smolctl"] if processes == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(port), "-m", "smolctl"]
+    args = ["pretrain", str(recipe), str(run), "--json", "--set", "training.steps=10", "--set", "checkpoint.interval=5",
+            "--set", "model.hidden_size=64", "--set", "model.intermediate_size=128"]
+    for setting in settings:
+        args += ["--set", setting]
+    done = subprocess.run([*launcher, *args], env=env, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def _losses(run: Path) -> list[float]:
+    return [row["loss"] for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in row]
+
+
+@pytest.fixture(scope="module")
+def single_process(recipe, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("one") / "run"
+    _launch(recipe, run, 1, [], 0)
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes, settings, accumulation", [
+    (2, [], 2),                                                   # DDP
+    (2, ["training.shard=true"], 2),                              # FSDP2
+    (2, ["parallel.tp=2"], 4),                                    # tensor parallel: both ranks read the same rows
+    (4, ["parallel.tp=2", "parallel.dp_shard=2"], 2),             # FSDP2 × TP on a 2 × 2 mesh
+], ids=["ddp", "fsdp", "tp2", "fsdp2xtp2"])
+def test_parallel_layouts_follow_the_single_process_run(recipe, single_process, tmp_path, processes, settings, accumulation):
+    """Same global batch, same data order: every layout follows one process's loss curve over 10 steps, and its
+    final model (gathered from DTensor shards) loads in transformers and equals the single-process one."""
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    result = _launch(recipe, run, processes, settings, 29613 + processes)
+    assert result["plan"]["grad_accum"] == accumulation
+    reference = _losses(single_process)
+    assert len(reference) == 10 and _losses(run) == pytest.approx(reference, rel=1e-4)
+    expected, got = weights(single_process / "final"), weights(run / "final")
+    assert got.keys() == expected.keys()
+    assert all(np.allclose(expected[k].numpy(), got[k].numpy(), atol=2e-4) for k in expected)
+    model = AutoModelForCausalLM.from_pretrained(run / "final")
+    assert model.config.hidden_size == 64
+    if processes > 1:
+        assert (run / "checkpoints" / "step-0000010" / "optimizer").is_dir()  # sharded optimizer state (DCP)
 
 
 # ---- midtrain ---------------------------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def apply_ac(model, mode: str) -> None:
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, partial(_selective_policy, _saved_ops()))
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
 
 
 def apply_compile(layers) -> None:
