@@ -151,6 +151,10 @@ CASES = [
     Case("pretrain: global batch not divisible", lambda t: (["pretrain", recipe(), t / "run", "--set", "training.global_batch=7"], "global_batch", t / "run")),
     Case("pretrain: zero steps", lambda t: (["pretrain", recipe(), t / "run", "--set", "training.steps=0"], "training.steps", t / "run")),
     Case("pretrain: negative learning rate", lambda t: (["pretrain", recipe(), t / "run", "--set", "optimizer.lr=-1.0"], "optimizer.lr", t / "run")),
+    Case("pretrain: tp does not divide the KV heads", lambda t: (["pretrain", recipe(), t / "run", "--set", "parallel.tp=4"], "parallel.tp: 4 does not divide model.num_key_value_heads = 2", t / "run")),
+    Case("pretrain: a world size the mesh cannot cover", lambda t: (["pretrain", recipe(), "--dry-run", "--world-size", "6", "--set", "parallel.tp=2", "--set", "parallel.dp_shard=2"], "parallel.dp_shard: 2 does not divide the 3 ranks", None)),
+    Case("pretrain: tp on an architecture without a TP plan", lambda t: (["pretrain", recipe(), "--dry-run", "--world-size", "2", "--set", "parallel.tp=2", "--set", 'model.architecture="falcon"'], "parallel.tp: falcon has no tensor-parallel plan", None)),
+    Case("pretrain: flash_attention_2 without a GPU", lambda t: (["pretrain", recipe(), t / "run", "--set", 'training.attention="flash_attention_2"'], "training.attention: flash_attention_2 needs a CUDA GPU", t / "run")),
     Case("midtrain: --from missing", lambda t: (["midtrain", recipe(), t / "run", "--from", t / "nope"], "nope", t / "run")),
     Case("midtrain: checkpoint with a missing weights file", lambda t: (["midtrain", recipe(), t / "run", "--from", model_missing_weights(t)], "model", t / "run")),
     # sft / dpo / ppo
