@@ -58,6 +58,8 @@ class TrainResult:
     plan: dict
     speed: dict
     events: list[dict] = field(default_factory=list)
+    peak_memory: int | None = None
+    """Bytes the CUDA caching allocator handed out at most on this rank (None on CPU)."""
 
 
 class Trainer:
@@ -405,7 +407,8 @@ class Trainer:
             skipped_steps=self.guards.skipped, spikes=self.guards.spikes, rollbacks=self.guards.rollbacks,
             checkpoints=[str(p) for p in complete_checkpoints(self.run_dir)],
             plan={**asdict(self.plan), "tokens_per_step": plan.tokens_per_step}, speed=self.monitor.totals(),
-            events=self.monitor.events)
+            events=self.monitor.events,
+            peak_memory=torch.cuda.max_memory_allocated() if self.dist.device.startswith("cuda") else None)
 
 
 def train(recipe_path: str | Path, run_dir: str | Path, *, overrides: Sequence[str] = (), data: Sequence[str] = (),
