@@ -135,8 +135,7 @@ def _recipe_values(recipe: dict, path: str) -> dict[str, Any]:
         values["recompute"] = "full"
     if training.get("shard") and "zero" not in training:
         values["zero"] = 3
-    if "parallel" in recipe or "activation_checkpointing" in training:  # a recipe for smolctl's own trainer
-        values.update(_trainer_values(recipe.get("parallel") or {}, training))
+    values.update(_trainer_values(recipe.get("parallel") or {}, training))  # what smolctl pretrain runs
     return values
 
 
