@@ -166,6 +166,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--baseline", default="main", help="Git ref whose smolctl is the previous loop.")
+    parser.add_argument("--variants", default="trainer,smolctl,smolctl-compile,baseline",
+                        help="Comma-separated subset to run (the first one is the reference column).")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -183,14 +185,19 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="train-bench-") as tmp:
         work = prepare(Path(tmp), args)
-        results = {variant: run_worker(variant, work, args) for variant in ("trainer", "smolctl", "smolctl-compile")}
-        results[f"smolctl@{args.baseline}"] = run_worker("smolctl", work, args, export_baseline(args.baseline, work))
-    base = results["trainer"]["tokens_per_s"]
+        results = {}
+        for variant in args.variants.split(","):
+            if variant == "baseline":
+                results[f"smolctl@{args.baseline}"] = run_worker("smolctl", work, args, export_baseline(args.baseline, work))
+            else:
+                results[variant] = run_worker(variant, work, args)
+    reference = next(iter(results))
+    base = results[reference]["tokens_per_s"]
     rows = [(name, f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base:.3f}×", human_bytes(r["peak_rss_bytes"]),
              f"{r['overhead']:.2%}" if "overhead" in r else "-", f"{r['seconds']:.0f}s") for name, r in results.items()]
     show(table(f"pretrain on CPU: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, seq {args.seq_len}, "
                f"batch {args.global_batch} (micro {args.micro_batch}), {args.steps} steps ({args.warmup} warmup)",
-               ["variant", "tokens/s", "vs Trainer", "peak RSS", "loop overhead", "wall"], rows))
+               ["variant", "tokens/s", f"vs {reference}", "peak RSS", "loop overhead", "wall"], rows))
     print(json.dumps(results))
 
 
