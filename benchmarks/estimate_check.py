@@ -10,6 +10,9 @@
 4. The published SmolLM3 run: 384 H100, 11.2T tokens, ~30% MFU, reported ~24 days; and its memory per GPU vs
    `accelerate estimate-memory`'s 16 bytes per parameter (weights, gradients, Adam; no activations).
 5. On a CUDA machine: the per-GPU total vs torch.cuda.max_memory_allocated of a real training step.
+6. Llama 3 405B on 16,384 H100s: effective training time (Meta: >90%) and GPU-hours (model card: 30.84M) under
+   the overhead model, against the earlier one (one cluster-wide store, blocking hourly writes).
+7. Inference: the KV cache of SmolLM3-3B against the closed form, and with multi-head attention beside it.
 """
 
 from __future__ import annotations
@@ -168,9 +171,51 @@ def gpu_peak() -> None:
          ["model", "batch", "recompute", "measured GiB", "ours GiB", "ours/measured"], rows)
 
 
+LLAMA3_405B = {"model": "llama3-405b", "gpus": 16384, "tp": 8, "pp": 16, "zero": 1, "seq_len": 8192,
+               "recompute": "full", "global_batch_tokens": 16 * 2**20, "tokens": "15.6T", "mfu": 0.38}
+
+
+def llama3_405b() -> None:
+    rows = []
+    for name, extra in [("async, per node 1 GB/s, Young/Daly (defaults)", {}),
+                        ("sync writes, per node 1 GB/s, Young/Daly", {"async_checkpoint": False}),
+                        ("async, hourly", {"checkpoint_hours": 1.0}),
+                        ("earlier model: 5 GB/s for the cluster, blocking, hourly",
+                         {"checkpoint_gbps": 5 / 2048, "checkpoint_hours": 1.0, "async_checkpoint": False})]:
+        compute = estimate(plan_from_sources(flags={**LLAMA3_405B, **extra}))["compute"]
+        over = compute["overhead"]
+        rows.append([name, f"{over['checkpoint_interval_seconds']:.0f} s", f"{over['checkpoint_fraction']:.2%}",
+                     f"{over['failure_fraction']:.2%}", f"{over['effective_training_time']:.1%}",
+                     f"{compute['time']['days']:.1f}", f"{compute['gpu_hours'] / 1e6:.2f}M",
+                     f"{compute['gpu_hours'] / 30.84e6:.3f}"])
+    show("6. Llama 3 405B, 16,384 H100, tp 8 pp 16, 15.6T tokens at 38% MFU (Meta: >90% effective, 30.84M GPU-hours)",
+         ["checkpointing", "interval", "checkpoint", "failures", "effective", "days", "GPU-hours", "/ published"],
+         rows)
+
+
+def inference_kv() -> None:
+    from smolctl.infra.estimate import estimate_inference
+    from smolctl.infra.inference import InferencePlan
+
+    rows = []
+    for context in (4096, 8192, 65536):
+        served = estimate_inference(plan_from_sources(flags={"model": "smollm3-3b"}),
+                                    InferencePlan(context=context, compare_attention=True))["inference"]
+        formula = 2 * 36 * 4 * 128 * context * 2
+        gqa, mha = served["model"], served["multi_head"]
+        rows.append([context, f"{gqa['kv_per_sequence'] / 2**20:.0f}", f"{gqa['kv_per_sequence'] / formula:.4f}",
+                     f"{mha['kv_per_sequence'] / 2**20:.0f}", gqa["max_batch"], mha["max_batch"],
+                     f"{gqa['decode_tokens_per_second']:.0f}", f"{mha['decode_tokens_per_second']:.0f}"])
+    show("7. SmolLM3-3B inference on one H100, bf16 KV cache, batch 1: GQA (4 KV heads) vs multi-head (16)",
+         ["context", "KV MiB/seq", "/ formula", "MHA KV MiB/seq", "max batch", "MHA max batch", "decode tok/s",
+          "MHA decode tok/s"], rows)
+
+
 if __name__ == "__main__":
     parameters()
     flops()
     activation_rows()
     smollm3_run()
     gpu_peak()
+    llama3_405b()
+    inference_kv()

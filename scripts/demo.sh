@@ -33,14 +33,24 @@ stage "pack (long context)" "$OUT/packed-long" \
 smolctl inspect "$OUT/packed" --samples 1 >/dev/null
 stage estimate - smolctl estimate recipes/smollm3-tiny.toml --validate --set "data.paths=['$OUT/packed']"
 stage pretrain "$OUT/pretrain/final" smolctl pretrain recipes/smollm3-tiny.toml "$OUT/pretrain" --data "$OUT/packed"
+stage report "$OUT/pretrain/report.html" smolctl report "$OUT/pretrain" --html "$OUT/pretrain/report.html"
 stage midtrain "$OUT/midtrain/final" smolctl midtrain recipes/smollm3-tiny-midtrain.toml "$OUT/midtrain" \
   --from "$OUT/pretrain/final" --data "$OUT/packed-long"
 stage sft "$OUT/sft/final" smolctl sft recipes/sft-tiny.toml "$OUT/sft" --from "$OUT/midtrain/final"
 stage dpo "$OUT/dpo/final" smolctl dpo recipes/dpo-tiny.toml "$OUT/dpo" --from "$OUT/sft"
 stage ppo "$OUT/ppo/final" smolctl ppo recipes/ppo-tiny.toml "$OUT/ppo" --from "$OUT/dpo"
-stage stress-gpu - smolctl stress-gpu --duration 3s
+stage stress-gpu - smolctl stress-gpu --duration 3s --devices cpu
 stage benchmark-nccl - torchrun --nproc_per_node 2 -m smolctl benchmark-nccl --ops all_reduce,all_gather,all_to_all \
   --min-bytes 64K --max-bytes 1M --iters 5 --warmup 1
+
+# The playbook's last steps: preference pairs sampled from a strong (DPO) and a weak (SFT) model, DPO on them as
+# they are, then SmolLM3's final merge (preference-tuned model linear with the mid-training checkpoint, 0.9 / 0.1).
+stage "generate (pairs)" "$OUT/pairs" smolctl generate "$DATA/prompts" "$OUT/pairs" --pairs \
+  --chosen "$OUT/dpo" --rejected "$OUT/sft" --limit 16 --max-new-tokens 16
+stage "dpo (generated pairs)" "$OUT/dpo-generated/final" smolctl dpo recipes/dpo-tiny.toml "$OUT/dpo-generated" \
+  --from "$OUT/sft" --set data.path="$OUT/pairs" --set training.steps=2
+stage merge "$OUT/merged" smolctl merge --method linear --model "$OUT/dpo-generated:0.9" \
+  --model "$OUT/midtrain:0.1" "$OUT/merged"
 
 smolctl inspect "$OUT/ppo/final" --samples 0 --lineage
 python scripts/demo_summary.py "$OUT" "$OUT/ppo/final"

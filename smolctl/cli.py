@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from typer._click import exceptions as click_exceptions
 
 from smolctl import __version__
@@ -22,7 +23,8 @@ PIPELINE = """\
 [bold]smolctl[/] — train small language models the SmolLM3 way, one composable stage at a time.
 
   [bold]data[/]      train-tokenizer → dedup → mix → pack        (parquet folders → packed safetensors)
-  [bold]train[/]     pretrain → midtrain → sft → dpo → ppo       (HF model folders, resumable)
+  [bold]train[/]     pretrain → midtrain → sft → dpo → ppo       (HF model folders, resumable; report RUN)
+            generate (completions, preference pairs) · merge (MergeKit: linear, soups, SLERP, TIES)
   [bold]cluster[/]   estimate · benchmark-nccl · stress-gpu     (size the run, validate the machines)
   [bold]any[/]       inspect PATH                               (what a folder holds, its lineage, checksums)
 
@@ -246,13 +248,13 @@ def _quiet_on_other_ranks(rank: int, exc: Exception) -> None:
 
 @app.command("benchmark-nccl", epilog="""[bold]Examples[/]
 
-  torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --expect-busbw 300
+  torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --expect-busbw all_reduce=350,all_to_all=40
 
   torchrun --nproc_per_node 2 -m smolctl benchmark-nccl --max-bytes 1M --iters 5 --warmup 1    (CPU, gloo)
 
   torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --ops all_reduce,all_to_all --min-bytes 1M --max-bytes 8G
 
-  sbatch --nodes 4 recipes/slurm/benchmark-nccl.sbatch    (multi-node: adds intra vs inter-node and the slowest pair)
+  sbatch --nodes 4 recipes/slurm/benchmark-nccl.sbatch    (multi-node: intra vs inter-node, slowest host and link)
 """)
 def benchmark_nccl_command(
     ops: str = typer.Option("all_reduce,all_gather,reduce_scatter,all_to_all,broadcast,send_recv", "--ops",
@@ -264,7 +266,7 @@ def benchmark_nccl_command(
     iters: int = typer.Option(20, "--iters", help="Timed calls per size."),
     warmup: int = typer.Option(5, "--warmup", help="Untimed calls per size before timing."),
     backend: str = typer.Option("auto", "--backend", help="auto (nccl when GPUs are visible, else gloo), nccl or gloo."),
-    expect_busbw: Optional[float] = typer.Option(None, "--expect-busbw", help="GB/s each op's busbw at the largest size must reach; exit 1 below it."),
+    expect_busbw: Optional[str] = typer.Option(None, "--expect-busbw", help="GB/s the busbw at the largest size must reach, per op (all_reduce=350,all_to_all=40) or one number for all; exit 1 below it."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Collective bandwidth like nccl-tests (time, algbw, busbw, #wrong per size) for every op, under torchrun."""
@@ -290,7 +292,7 @@ def benchmark_nccl_command(
 
 def _nccl_failure(report) -> str:
     problems = [f"{report.wrong} wrong element(s)"] if report.wrong else []
-    problems += [f"{r.op} busbw {r.peak.busbw:.2f} GB/s < {report.expect_busbw:g}" if r.peak else f"{r.op}: no size ran"
+    problems += [f"{r.op} busbw {r.peak.busbw:.2f} GB/s < {report.expect_busbw[r.op]:g}" if r.peak else f"{r.op}: no size ran"
                  for r in report.below_expectation()]
     return "benchmark-nccl: " + "; ".join(problems)
 
@@ -320,26 +322,57 @@ def _render_nccl(report) -> None:
         lines.append(f"# {result.op} avg bus bandwidth: {result.avg_busbw:.3f} GB/s\n")
         console.print("\n".join(lines), markup=False, soft_wrap=True)
     if report.multinode:
-        split = report.multinode
-        rows = [(name.replace("_", "-"), split[name]["groups"], split[name]["ranks_per_group"],
-                 f"{split[name]['busbw_min']:.2f}" if split[name]["busbw_min"] is not None else "-",
-                 f"{split[name]['busbw_median']:.2f}" if split[name]["busbw_median"] is not None else "-")
-                for name in ("intra_node", "inter_node")]
-        show(table(f"all_reduce at {human_bytes(split['size'])}: inside vs across nodes",
-                   ["scope", "groups", "ranks/group", "busbw min (GB/s)", "busbw median (GB/s)"], rows))
-        pairs = split["send_recv"]
-        slow = pairs["slowest"]
-        console.print(f"send/recv to the same local rank on the next node ({pairs['pairs']} pairs, "
-                      f"{human_bytes(pairs['size'])}): median {pairs['busbw_median']:.2f} GB/s; slowest pair rank "
-                      f"{slow['rank']} → rank {slow['peer']} at {slow['busbw']:.2f} GB/s", soft_wrap=True)
+        _render_multinode(report.multinode, topo)
     console.print(f"# Out of bounds values : {report.wrong} {'OK' if not report.wrong else 'FAILED'}")
     console.print(f"# Avg bus bandwidth    : {report.avg_busbw:.3f} GB/s (all ops, all sizes)")
-    if report.expect_busbw is not None:
-        below = {r.op for r in report.below_expectation()}
-        for result in report.results:
+    below = {r.op for r in report.below_expectation()}
+    for result in report.results:
+        if result.op in report.expect_busbw:
             verdict = "[red]FAIL[/]" if result.op in below else "[green]PASS[/]"
             peak = f"{result.peak.busbw:.2f} GB/s at {human_bytes(result.peak.size)}" if result.peak else "no size ran"
-            console.print(f"{verdict} {result.op}: busbw {peak} (expected ≥ {report.expect_busbw:g})")
+            console.print(f"{verdict} {result.op}: busbw {peak} (expected ≥ {report.expect_busbw[result.op]:g})")
+
+
+def _render_multinode(split: dict, topo: dict) -> None:
+    from smolctl.console import human_bytes
+
+    def gbps(value) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    rows = [(name.replace("_", "-"), split[name]["groups"], split[name]["ranks_per_group"],
+             gbps(split[name]["busbw_min"]), gbps(split[name]["busbw_median"]),
+             f"{split[name]['slowest']['name']}" if split[name]["slowest"] else "-")
+            for name in ("intra_node", "inter_node")]
+    show(table(f"all_reduce at {human_bytes(split['size'])}: inside vs across nodes",
+               ["scope", "groups", "ranks/group", "busbw min (GB/s)", "busbw median (GB/s)", "slowest"], rows))
+    links = split["links"]
+    if links:
+        slow = links["slowest"]
+        console.print(f"one-way transfers to the same local rank {', '.join(map(str, links['shifts']))} node(s) on "
+                      f"({links['count']} links, {human_bytes(split['size'])}): median send "
+                      f"{links['send_busbw_median']:.2f} GB/s, receive {links['recv_busbw_median']:.2f} GB/s; slowest "
+                      f"link rank {slow['from_rank']} ({slow['from_host']}) → rank {slow['to_rank']} "
+                      f"({slow['to_host']}) at {slow['busbw']:.2f} GB/s (send {slow['send_busbw']:.2f}, receive "
+                      f"{slow['recv_busbw']:.2f})", soft_wrap=True, markup=False)
+        console.print("hosts by their links' median busbw, slowest first: " + ", ".join(
+            f"{h['host']} {h['busbw_median']:.2f} GB/s ({h['links']} links)" for h in links["slowest_hosts"]),
+            soft_wrap=True, markup=False)
+    ranks: dict[str, list[int]] = {}
+    for rank, host in enumerate(topo["rank_hosts"]):
+        ranks.setdefault(host, []).append(rank)
+    console.print("rank → host: " + "; ".join(f"{host} {_rank_ranges(found)}" for host, found in ranks.items()),
+                  soft_wrap=True, markup=False)
+
+
+def _rank_ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 3, 8] → '0-3,8'."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -465,9 +498,9 @@ def _render_dedup(result, tasks: int, task_id: int) -> None:
 
   smolctl stress-gpu                                   60 s on every GPU: bf16 8192² matmuls, all results checked
 
-  smolctl stress-gpu --duration 10m --devices 0,1 --json
+  smolctl stress-gpu --duration 10m --expect-tflops 600 --json     H100: also fail a GPU below 600 TFLOPS
 
-  smolctl stress-gpu --duration 3s                     on a machine without GPUs: the CPU, fp32 512²
+  smolctl stress-gpu --duration 3s --devices cpu       the tool itself on the CPU (fp32 512²), no GPU needed
 """)
 def stress_gpu_command(
     duration: str = typer.Option("60", "--duration", help="Seconds, or 30s, 5m, 1h."),
@@ -475,14 +508,18 @@ def stress_gpu_command(
     size: Optional[int] = typer.Option(None, "--size", help="n of the n×n matmuls (default: 8192 on GPUs, 512 on CPU)."),
     memory_fraction: float = typer.Option(0.9, "--memory-fraction", help="Share of each GPU's memory to fill and pattern-test, in (0, 1)."),
     tolerance: float = typer.Option(0.10, "--tolerance", help="A device more than this fraction slower than the best fails."),
-    devices: str = typer.Option("all", "--devices", help="all, cpu, or GPU indices like 0,1."),
+    expect_tflops: Optional[float] = typer.Option(None, "--expect-tflops", help="Fail a device whose median TFLOPS is below this."),
+    expect_gpus: Optional[int] = typer.Option(None, "--expect-gpus", help="Fail when torch sees fewer GPUs (default with --devices all: what nvidia-smi lists)."),
+    devices: str = typer.Option("all", "--devices", help="all (fails when torch sees no GPU), GPU indices like 0,1, or cpu."),
+    launch: str = typer.Option("auto", "--launch", help="process per device, thread, or auto (processes for GPUs)."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Burn every GPU with checked matmuls and a memory pattern test; OK/FAULTY per device like gpu-burn."""
     from smolctl.infra.stress import build_config, run_stress
 
     config = build_config(duration=duration, dtype=dtype, size=size, memory_fraction=memory_fraction,
-                          tolerance=tolerance, devices=devices)
+                          tolerance=tolerance, devices=devices, expect_tflops=expect_tflops,
+                          expect_gpus=expect_gpus, launch=launch)
 
     def tick(elapsed: float, reports) -> None:
         latest = " · ".join(f"{r.device} {r.tflops[-1]:.3g}" for r in reports if r.tflops)
@@ -506,20 +543,27 @@ def _render_stress(config, reports) -> None:
     def number(value, fmt: str = ".3g") -> str:
         return "-" if value is None else format(value, fmt)
 
-    rows = [(r.device, f"{number(r.tflops_min)} / {number(r.tflops_median)}", r.mismatches, r.memory_errors,
+    rows = [(r.device, f"{number(r.tflops_min)} / {number(r.tflops_median)}", r.mismatches,
+             (r.result_hash or "-")[:12], r.memory_errors,
              number(r.telemetry.get("max_temp_c"), "d"), ", ".join(r.telemetry.get("throttle") or []) or "-",
              "[green]OK[/]" if r.verdict == "OK" else "[red]FAULTY[/]") for r in reports]
     names = ", ".join(dict.fromkeys(r.name for r in reports if r.name)) or "?"
     show(table(f"stress-gpu: {names}, {config.dtype} {config.size}² matmuls, {config.duration_s:g}s",
-               ["device", "TFLOPS min / median", "mismatches", "memory errors", "max °C", "throttling", "result"],
-               rows))
+               ["device", "TFLOPS min / median", "mismatches", "product sha256", "memory errors", "max °C",
+                "throttling", "result"], rows))
     for r in reports:
         console.print(f"{r.device}: {r.matmuls} matmuls checked, {human_bytes(r.memory_tested_bytes)} pattern-tested "
-                      f"in {r.pattern_passes} passes" + (f" — [red]{'; '.join(r.reasons)}[/]" if r.reasons else ""),
-                      soft_wrap=True)
+                      f"in {r.pattern_passes} passes" + (f" — [red]{'; '.join(r.reasons)}[/]" if r.reasons else "")
+                      + (f" [yellow]warning: {'; '.join(r.warnings)}[/]" if r.warnings else ""), soft_wrap=True)
     ok = sum(r.verdict == "OK" for r in reports)
-    console.print(f"{ok}/{len(reports)} device(s) OK (FAULTY: any mismatch or memory error, or median TFLOPS more "
-                  f"than {config.tolerance:.0%} below the best device)", soft_wrap=True)
+    floor = f", below --expect-tflops {config.expect_tflops:g}" if config.expect_tflops else ""
+    console.print(f"{ok}/{len(reports)} device(s) OK (FAULTY: any mismatch, a product differing from the other "
+                  f"devices', a memory error, hardware throttling, row remapping, ECC or Xid errors, a degraded "
+                  f"PCIe link, or median TFLOPS more than {config.tolerance:.0%} below the best device{floor})",
+                  soft_wrap=True)
+    if unchecked := [r.device for r in reports if "missing" in r.telemetry]:
+        console.print(f"[yellow]telemetry missing on {', '.join(unchecked)}:[/] {reports[0].telemetry.get('missing', '')}"
+                      " — throttling, ECC, row remapping, Xid and PCIe were not checked", soft_wrap=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -729,6 +773,135 @@ def ppo_command(
     _post_train("ppo", load_ppo_recipe, run_ppo, recipe, from_, output, overrides, resume, overwrite, json_out)
 
 
+@app.command("generate", epilog="""[bold]Examples[/]
+
+  smolctl generate data/sample/prompts demo-out/completions --model demo-out/sft --num-completions 2
+
+  smolctl generate data/sample/prompts demo-out/pairs --pairs --chosen demo-out/dpo --rejected demo-out/sft
+
+  smolctl generate data/sample/prompts demo-out/ranked --model demo-out/sft -k 4 --rank-by recipes/ppo-tiny.toml
+
+  smolctl generate prompts/ runs/synthetic --model runs/sft --max-new-tokens 1024 --backend vllm --json
+""")
+def generate_command(
+    prompts: str = typer.Argument(..., help="Dataset folder (or parquet file/glob) with a column of prompt strings."),
+    output: Path = typer.Argument(..., help="Dataset folder to write (a rerun of a killed run continues it)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model or run folder to sample (not with --pairs)."),
+    pairs: bool = typer.Option(False, "--pairs", help="Preference pairs: --chosen's answer vs --rejected's."),
+    chosen: Optional[str] = typer.Option(None, "--chosen", help="--pairs: the strong model (its answers are chosen)."),
+    rejected: Optional[str] = typer.Option(None, "--rejected", help="--pairs: the weak model (answers rejected)."),
+    rank_by: Optional[Path] = typer.Option(None, "--rank-by", help="Recipe whose [[rewards]] tables (as ppo/grpo "
+                                           "use) rank K completions: best chosen, worst rejected."),
+    num_completions: int = typer.Option(1, "--num-completions", "-k", help="Completions per prompt."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens sampled per completion."),
+    temperature: float = typer.Option(0.6, "--temperature", help="0 is greedy (SmolLM3 suggests 0.6)."),
+    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling mass (SmolLM3 suggests 0.95)."),
+    seed: int = typer.Option(0, "--seed", help="Seeds the sampling of every batch."),
+    prompt_column: str = typer.Option("prompt", "--prompt-column", help="Column holding the prompts."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N prompts."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Prompts per generate call."),
+    shard_prompts: int = typer.Option(256, "--shard-prompts", help="Prompts per output shard (a killed run "
+                                      "resumes from the last whole shard)."),
+    backend: str = typer.Option("auto", "--backend", help="auto (vLLM when installed and on a GPU), transformers "
+                                "or vllm."),
+    overwrite: bool = OVERWRITE_OPTION,
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Sample a model on prompts (chat template applied): completions for SFT data, or preference pairs for dpo
+    from a strong and a weak model or from K completions ranked by rewards."""
+    from smolctl.train.generate import GenerateJob, Sampling, run_generate
+
+    if pairs:
+        if model or not (chosen and rejected):
+            raise UserError("--pairs", "takes --chosen STRONG and --rejected WEAK (and no --model)",
+                            "e.g. --pairs --chosen runs/dpo --rejected runs/sft")
+        if rank_by:
+            raise UserError("--rank-by", "ranks K completions of one --model, not --pairs", "use one of the two")
+        models, mode = [chosen, rejected], "pairs"
+    else:
+        if chosen or rejected:
+            raise UserError("--chosen/--rejected", "are the two models of --pairs", "add --pairs, or use --model")
+        if not model:
+            raise UserError("--model", "no model to sample", "pass --model PATH (a model folder or a run folder)")
+        models, mode = [model], "ranked" if rank_by else "completions"
+    reward, reference_column = None, "reference"
+    if rank_by:
+        from smolctl.train.rewards import load_reward_tables
+
+        reward, reference_column = load_reward_tables(rank_by)
+    job = GenerateJob(prompts=prompts, output=output, models=[Path(m) for m in models], mode=mode,
+                      sampling=Sampling(num_completions=num_completions, max_new_tokens=max_new_tokens,
+                                        temperature=temperature, top_p=top_p, seed=seed),
+                      prompt_column=prompt_column, limit=limit, batch_size=batch_size, shard_prompts=shard_prompts,
+                      backend=backend, reward=reward, reward_recipe=str(rank_by) if rank_by else None,
+                      reference_column=reference_column, overwrite=overwrite)
+    with progress(not json_out) as bar:
+        task = bar.add_task(f"generating ({mode})", total=None, rate="", visible=False)
+
+        def on_progress(done: int, total: int, rate: float) -> None:
+            bar.update(task, completed=done, total=total, visible=True, rate=f"{human_count(rate)} tok/s")
+
+        result = run_generate(job, on_progress=on_progress)
+    if json_out:
+        emit_json(result.to_dict())
+        return
+    facts = [("mode", result.mode), ("models", ", ".join(result.models)), ("backend", result.backend),
+             ("prompts", result.prompts), ("rows", result.rows), ("shards", result.shards),
+             ("tokens sampled", f"{human_count(result.completion_tokens)} ({result.tokens_per_second:.0f} tok/s)")]
+    if result.resumed_shards:
+        facts.append(("resumed", f"{result.resumed_shards} shards were already done"))
+    if result.mode == "ranked":
+        facts.append(("dropped (all K tied)", result.dropped_tied))
+    show(key_values(f"generate → {result.output}", facts))
+
+
+@app.command("merge", epilog="""[bold]Examples[/]
+
+  smolctl merge recipes/smollm3-merge.toml runs/merged
+
+  smolctl merge --method linear --model demo-out/dpo:0.9 --model demo-out/midtrain:0.1 demo-out/merged
+
+  smolctl merge --method linear --model runs/apo-a --model runs/apo-b --model runs/apo-c runs/soup
+
+  smolctl merge --method slerp --model runs/a --model runs/b --set options.t=0.3 runs/slerp
+""")
+def merge_command(
+    arguments: list[str] = typer.Argument(..., help="[RECIPE] OUTPUT: a TOML recipe (method, models, options) "
+                                          "and the model folder to write; OUTPUT alone with --method/--model.",
+                                          metavar="[RECIPE] OUTPUT"),
+    method: Optional[str] = typer.Option(None, "--method", help="linear, slerp, ties or dare_ties (without a "
+                                         "recipe)."),
+    model: Optional[list[str]] = typer.Option(None, "--model", help="PATH[:WEIGHT] (repeat): a model folder or "
+                                              "a run folder (its final/). Linear without weights: a model soup."),
+    base: Optional[str] = typer.Option(None, "--base", help="ties, dare_ties: the model task vectors are taken "
+                                       "against."),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", help="Set a recipe key, e.g. options.t=0.3 "
+                                                  "or dtype=bfloat16 (repeat)."),
+    overwrite: bool = OVERWRITE_OPTION,
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Merge checkpoints in weight space with MergeKit (linear, model soups, SLERP, TIES, DARE-TIES) into a model
+    folder whose lineage lists every parent."""
+    from smolctl.train.merge import load_merge_recipe, run_merge
+
+    if len(arguments) > 2:
+        raise UserError("merge", f"takes [RECIPE] OUTPUT, got {len(arguments)} arguments",
+                        "pass the models with --model, or list them in the recipe")
+    recipe_path, output = (arguments[0], arguments[1]) if len(arguments) == 2 else (None, arguments[0])
+    recipe, where = load_merge_recipe(recipe_path, overrides or [], method, model or [], base)
+    with console.status(f"merging {len(recipe.models)} model entries ({recipe.method})", spinner="dots"):
+        result = run_merge(recipe, output, where=where, overwrite=overwrite)
+    if json_out:
+        emit_json(result.__dict__)
+        return
+    show(table(f"merge ({result.method}) → {result.output}  ({human_count(result.parameters)} parameters, "
+               f"{result.seconds:.1f}s)", ["parent", "weight", "density"],
+               ([p["path"], "" if p["weight"] is None else f"{p['weight']:.4g}",
+                 "" if p["density"] is None else f"{p['density']:.3g}"] for p in result.parents)))
+    if result.base:
+        console.print(f"base: {result.base}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # pretrain, midtrain
 
@@ -880,6 +1053,66 @@ def _render_train(r) -> None:
     ]))
 
 
+@app.command("report", epilog="""[bold]Examples[/]
+
+  smolctl report demo-out/pretrain
+
+  smolctl report runs/lr-3e-3 runs/lr-1e-3 --html compare.html
+
+  smolctl report demo-out/sft --json
+""")
+def report_command(
+    runs: list[Path] = typer.Argument(..., help="Run folders of any training command (they hold metrics.jsonl)."),
+    html: Optional[Path] = typer.Option(None, "--html", help="Also write one self-contained HTML file (plots inline, no network)."),
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """A run in the playbook's terms: loss/lr/grad-norm/throughput plots, KPIs against targets, and a diagnosis."""
+    from smolctl.train.report import build_reports
+
+    reports = build_reports(runs)
+    if html is not None:
+        from smolctl.shards import atomic_write_bytes
+        from smolctl.train.report_views import html_report
+
+        atomic_write_bytes(html, html_report(reports).encode())
+    if json_out:
+        emit_json({"runs": [r.to_dict() for r in reports], "html": str(html) if html else None})
+    else:
+        _render_report(reports, html)
+
+
+def _render_report(reports, html_path: Path | None) -> None:
+    from smolctl.train.report_views import legend, plotted_metrics, rows_text, text_plot, when
+
+    colors = {"pass": "green", "warn": "yellow", "n/a": "dim"}
+    for report in reports:
+        s = report.summary
+        loss = f"{s['first_loss']:.4f} → {s['last_loss']:.4f} (min {s['min_loss']:.4f})" if s["first_loss"] is not None else "-"
+        show(key_values(f"{report.stage} {report.run}", [
+            ("steps", f"{s['steps']:,}" + (f" on {s['world_size']} process{'es' if s['world_size'] > 1 else ''}"
+                                            if s["world_size"] else "")),
+            ("loss", loss + (f"  (validation {s['val_loss']:.4f})" if s["val_loss"] is not None else "")),
+            ("tokens/s", human_count(s["tokens_per_s"]) + " (median)" if s["tokens_per_s"] is not None else "-"),
+            ("guards", f"{s['skipped']} skipped, {s['spikes']} spikes, {s['rollbacks']} rollbacks"),
+        ]))
+    if len(reports) > 1:
+        console.print(legend(reports))
+    for metric in plotted_metrics(reports):
+        console.print(text_plot(reports, metric, width=min(72, max(32, console.width - 16))))
+    for report in reports:
+        show(table(f"KPIs · {report.run}", ["KPI", "target", "value", "status", "what to do"],
+                   [(k.name, k.target, k.shown, f"[{colors[k.status]}]{k.status}[/]", k.advice) for k in report.kpis],
+                   justify="left"))
+        if report.findings:
+            show(table(f"diagnosis · {report.run}", ["what", "when", "detail", "likely cause", "what to do"],
+                       [(f.kind, when(f), f.detail + (f"\n{rows_text(f.rows)}" if f.rows else ""), f.cause, f.remedy)
+                        for f in report.findings], justify="left"))
+        else:
+            console.print(f"diagnosis · {report.run}: [green]no spike, drift, plateau, slowdown or guard event[/]")
+    if html_path is not None:
+        console.print(f"HTML report: {html_path}")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # estimate
 
@@ -891,7 +1124,12 @@ def _render_train(r) -> None:
   smolctl estimate --model smollm3-3b --seq-len 4096 --micro-batch 3 --gpus 384 --gpu h100 --tp 2 --zero 1
   --tokens 11.2T --mfu 0.30 --price-per-gpu-hour 2.5
 
-  smolctl estimate --model llama3-8b --gpus 64 --gpu a100-80 --find           what fits: layouts, micro batch
+  smolctl estimate --model llama3-8b --gpus 64 --gpu a100-80 --tokens 1T --find     what fits: layouts, micro batch
+
+  smolctl estimate --model llama3-405b --gpus 16384 --tp 8 --pp 16 --zero 1 --seq-len 8192 --recompute full
+  --global-batch-tokens 16777216 --tokens 15.6T --mfu 0.38          Llama 3 405B: ~33M GPU-hours (Meta: 30.84M)
+
+  smolctl estimate --model smollm3-3b --inference --context 8192 --batch 8 --compare-attention     serving memory
 
   smolctl estimate recipes/smollm3-tiny.toml --validate                       estimate vs measured, side by side
 
@@ -911,6 +1149,7 @@ def estimate_command(
     pp: Optional[int] = typer.Option(None, "--pp", help="Pipeline stages (1F1B schedule)."),
     cp: Optional[int] = typer.Option(None, "--cp", help="Context parallel size (splits the sequence)."),
     zero: Optional[int] = typer.Option(None, "--zero", help="ZeRO stage 0-3 over data parallel (recipe shard=true: 3)."),
+    dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="With --zero 3: shard over this many data-parallel ranks, replicate over the rest (HSDP)."),
     recompute: Optional[str] = typer.Option(None, "--recompute", help="none | selective | full activation recomputation."),
     attention: Optional[str] = typer.Option(None, "--attention", help="flash | sdpa | eager."),
     precision: Optional[str] = typer.Option(None, "--precision", help="bf16 (bf16 weights + fp32 master) | amp (fp32 weights, bf16 autocast) | fp32."),
@@ -918,16 +1157,25 @@ def estimate_command(
     mfu: Optional[float] = typer.Option(None, "--mfu", help="Achieved model FLOPs utilisation (default 0.30)."),
     price: Optional[float] = typer.Option(None, "--price-per-gpu-hour", help="Cost of one GPU-hour, for the total."),
     target_days: Optional[float] = typer.Option(None, "--target-days", help="Also report the GPUs needed to finish in this many days."),
-    checkpoint_gbps: Optional[float] = typer.Option(None, "--checkpoint-gbps", help="Checkpoint storage write bandwidth, GB/s (default 5)."),
-    checkpoint_hours: Optional[float] = typer.Option(None, "--checkpoint-hours", help="Hours between checkpoints (default 1)."),
+    tf32: Optional[bool] = typer.Option(None, "--tf32", help="fp32 matmuls run as TF32 on tensor cores (off in PyTorch unless enabled)."),
+    checkpoint_gbps: Optional[float] = typer.Option(None, "--checkpoint-gbps", help="Checkpoint write bandwidth per node, GB/s (default 1)."),
+    checkpoint_hours: Optional[float] = typer.Option(None, "--checkpoint-hours", help="Hours between checkpoints (default: Young/Daly's optimum)."),
+    sync_checkpoint: bool = typer.Option(False, "--sync-checkpoint", help="Training waits for each checkpoint write (default: async, waits only for the copy to host memory)."),
     overhead: Optional[float] = typer.Option(None, "--overhead", help="Use this wall-clock overhead factor instead of the computed one."),
     find: bool = typer.Option(False, "--find", help="Also search the layouts and the largest micro batch that fit."),
+    framework: Optional[str] = typer.Option(None, "--framework", help="What --find proposes: smolctl (tp × FSDP2/HSDP, the trainer's layouts; default) or megatron (tp, pp, cp, ZeRO)."),
+    require_fit: bool = typer.Option(False, "--require-fit", help="Exit 1 when the run does not fit the GPU."),
+    inference_mode: bool = typer.Option(False, "--inference", help="Size serving instead: weights, KV cache, activations, decode tokens/s."),
+    context: int = typer.Option(8192, "--context", help="--inference: tokens per sequence in the KV cache."),
+    batch: int = typer.Option(1, "--batch", help="--inference: sequences decoded together."),
+    kv_dtype: str = typer.Option("bf16", "--kv-dtype", help="--inference: bf16 or fp8 KV cache."),
+    compare_attention: bool = typer.Option(False, "--compare-attention", help="--inference: the same model with multi-head attention beside it."),
     validate: bool = typer.Option(False, "--validate", help="Run a (scaled-down) copy here and print estimate vs measured."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Parameters, memory per GPU, FLOPs, time and cost of a training run; --find what fits; --validate against
     a measured forward + backward."""
-    from smolctl.infra.estimate import estimate, transformers_config
+    from smolctl.infra.estimate import InferencePlan, estimate, estimate_inference, transformers_config
     from smolctl.infra.plan import plan_from_sources
 
     if recipe is not None and model is not None:
@@ -935,11 +1183,18 @@ def estimate_command(
     if recipe is not None and not recipe.endswith(".toml"):
         recipe, model = None, recipe  # a preset, config.json or model folder in the recipe's place
     flags = dict(model=model, seq_len=seq_len, micro_batch=micro_batch, global_batch_tokens=global_batch_tokens,
-                 tokens=tokens, gpus=gpus, gpu=gpu, tp=tp, pp=pp, cp=cp, zero=zero, recompute=recompute,
+                 tokens=tokens, gpus=gpus, gpu=gpu, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=dp_shard, recompute=recompute,
                  attention=attention, precision=precision, optimizer=optimizer, mfu=mfu, price_per_gpu_hour=price,
                  target_days=target_days, checkpoint_gbps=checkpoint_gbps, checkpoint_hours=checkpoint_hours,
-                 overhead=overhead)
+                 overhead=overhead, tf32=tf32, framework=framework, async_checkpoint=False if sync_checkpoint else None)
     plan = plan_from_sources(recipe=recipe, overrides=overrides, flags=flags)
+    if inference_mode:
+        served = estimate_inference(plan, InferencePlan(context, batch, kv_dtype.lower(), compare_attention))
+        emit_json(served) if json_out else _render_inference(served)
+        if require_fit and not served["inference"]["model"]["fits"]:
+            raise CheckFailed(f"estimate: {served['model']['name']} does not fit {plan.gpu} for inference at "
+                              f"batch {batch} × {context} tokens")
+        return
     result = estimate(plan, find=find)
     if validate:
         from smolctl.infra.measure import validate as run_validation
@@ -950,6 +1205,14 @@ def estimate_command(
         emit_json(result)
     else:
         _render_estimate(result)
+    if require_fit and not result["memory"]["fits"]:
+        raise CheckFailed(f"estimate: does not fit {plan.gpu} ({result['memory']['total'] / 2**30:.1f} GiB per GPU)")
+
+
+def _render_headlines(r: dict) -> None:
+    for line in r["headlines"]:
+        colour = "red" if line["level"] == "error" else "yellow"
+        console.print(f"[bold {colour}]{line['level']}:[/] {line['text']}", soft_wrap=True)
 
 
 def _render_estimate(r: dict) -> None:
@@ -966,8 +1229,10 @@ def _render_estimate(r: dict) -> None:
         ("shape", f"{m['layers']} layers, hidden {m['hidden']}, FFN {m['ffn']}, {m['heads']} heads "
                   f"({m['kv_heads']} KV) × {m['head_dim']}, vocab {m['vocab']}"),
     ]))
+    _render_headlines(r)
     show(key_values("layout", [
-        ("GPUs", f"{lay['gpus']} × {lay['gpu']} = tp {lay['tp']} × pp {lay['pp']} × cp {lay['cp']} × dp {lay['dp']}"),
+        ("GPUs", f"{lay['gpus']} × {lay['gpu']} = tp {lay['tp']} × pp {lay['pp']} × cp {lay['cp']} × dp {lay['dp']}"
+                 + (f" (FSDP2 shard {lay['dp_shard']} × replicate {lay['dp'] // lay['dp_shard']})" if lay["dp_shard"] else "")),
         ("batch", f"micro {lay['micro_batch']} × {lay['seq_len']} tokens, accumulation {lay['gradient_accumulation']}, "
                   f"global {human_count(lay['global_batch_tokens'])} tokens/step"),
         ("training", f"{lay['precision']}, {lay['optimizer']}, ZeRO-{lay['zero']}, recompute {lay['recompute']}, "
@@ -1003,12 +1268,16 @@ def _render_compute(comp: dict, mfu: float) -> None:
         ("throughput", f"{comp['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU at MFU {mfu:.0%}; "
                        f"{comp['step_seconds']:.2f} s/step, {comp['steps']:,} steps"),
         ("compute time", human_duration(comp["compute_time"]["seconds"])),
-        ("overhead", f"× {comp['overhead']['factor']:.3f}"),
+        ("overhead", f"× {comp['overhead']['factor']:.3f} ({comp['overhead']['effective_training_time']:.1%} of "
+                     "the wall-clock time trains)"),
         ("time", f"{human_duration(t['seconds'])} = {t['hours']:,.1f} h = {t['days']:.2f} days"),
         ("GPU-hours", f"{comp['gpu_hours']:,.0f}" + (f"  cost {comp['cost']:,.0f}" if comp["cost"] else "")),
         ("checkpoint", f"{human_bytes(comp['checkpoint']['bytes'])} (model only "
-                       f"{human_bytes(comp['checkpoint']['model_bytes'])}), "
-                       f"{comp['checkpoint']['write_seconds']:.1f} s to write at {comp['checkpoint']['gbps']:g} GB/s"),
+                       f"{human_bytes(comp['checkpoint']['model_bytes'])}) every "
+                       f"{human_duration(comp['checkpoint']['interval_seconds'])}: "
+                       + (f"{comp['checkpoint']['stall_seconds']:.2g} s stall, then " if comp['checkpoint']['async'] else "")
+                       + f"{comp['checkpoint']['write_seconds']:.1f} s to write at "
+                       f"{comp['checkpoint']['gbps_per_node']:g} GB/s per node"),
     ]
     if comp.get("gpus_for_target"):
         target = comp["gpus_for_target"]
@@ -1022,10 +1291,46 @@ def _render_find(found: dict, lay: dict) -> None:
     from smolctl.console import human_bytes
 
     console.print(f"largest micro batch that fits this layout: [bold]{found['largest_micro_batch'] or 'none'}[/]")
-    show(table(f"layouts that fit {lay['gpus']} × {lay['gpu']} at micro batch {lay['micro_batch']}, fastest first",
-               ["tp", "pp", "cp", "dp", "zero", "recompute", "total", "free"],
-               [(x["tp"], x["pp"], x["cp"], x["dp"], x["zero"], x["recompute"], human_bytes(x["total"]),
-                 human_bytes(x["free"])) for x in found["layouts"]] or [("none fit", "", "", "", "", "", "", "")]))
+    if found["framework"] == "smolctl":
+        columns = ["tp", "dp shard (FSDP2)", "dp replicate", "recompute", "accumulation", "total", "free"]
+        rows = [(x["tp"], x["dp_shard"], x["dp_replicate"], x["recompute"], x["gradient_accumulation"],
+                 human_bytes(x["total"]), human_bytes(x["free"])) for x in found["layouts"]]
+    else:
+        columns = ["tp", "pp", "cp", "dp", "zero", "recompute", "accumulation", "total", "free"]
+        rows = [(x["tp"], x["pp"], x["cp"], x["dp"], x["zero"], x["recompute"], x["gradient_accumulation"],
+                 human_bytes(x["total"]), human_bytes(x["free"])) for x in found["layouts"]]
+    show(table(f"{found['framework']} layouts that fit {lay['gpus']} × {lay['gpu']} at micro batch "
+               f"{lay['micro_batch']} and global batch {found['global_batch_tokens']:,} tokens, fastest first",
+               columns, rows or [("none fit",) + ("",) * (len(columns) - 1)]))
+    skipped = found["skipped"]
+    console.print(f"[dim]left out: {skipped['batch']} layout(s) whose data parallel × micro batch does not divide "
+                  f"the global batch, {skipped['pipeline']} pipeline(s) with fewer micro batches than stages[/]",
+                  soft_wrap=True)
+
+
+def _render_inference(r: dict) -> None:
+    from smolctl.console import human_bytes
+
+    inf = r["inference"]
+    sides = [("this model", inf["model"])] + ([("multi-head attention", inf["multi_head"])] if "multi_head" in inf else [])
+    rows = [("KV heads", *(str(x["kv_heads"]) for _, x in sides)),
+            ("weights (bf16)", *(human_bytes(x["weights"]) for _, x in sides)),
+            (f"KV cache per token ({inf['kv_dtype']})", *(human_bytes(x["kv_per_token"]) for _, x in sides)),
+            (f"KV cache per sequence ({inf['context']:,} tokens)", *(human_bytes(x["kv_per_sequence"]) for _, x in sides)),
+            (f"KV cache for the batch ({inf['batch']})", *(human_bytes(x["kv_cache"]) for _, x in sides)),
+            ("prefill activations", *(human_bytes(x["activations"]) for _, x in sides)),
+            ("CUDA context + workspaces", *(human_bytes(x["runtime_reserved"]) for _, x in sides)),
+            ("total", *(f"{human_bytes(x['total'])} — " + ("[green]fits[/]" if x["fits"] else "[red]does not fit[/]")
+                        for _, x in sides)),
+            (f"largest batch at {inf['context']:,} tokens", *(str(x["max_batch"]) for _, x in sides)),
+            (f"longest context at batch {inf['batch']}", *(f"{x['max_context']:,}" for _, x in sides)),
+            (f"decode bound ({inf['model']['memory_tbps']:g} TB/s)",
+             *(f"{x['decode_tokens_per_second']:,.0f} tokens/s ({x['decode_tokens_per_second_per_sequence']:,.0f} per "
+               "sequence)" for _, x in sides))]
+    gpus = f"{inf['tp']} × {inf['gpu']}" if inf["tp"] > 1 else inf["gpu"]
+    show(table(f"inference: {r['model']['name']} on {gpus} (per GPU)", ["", *(name for name, _ in sides)], rows))
+    console.print("[dim]note: decoding reads every weight and the batch's KV cache once per token, so memory "
+                  "bandwidth bounds tokens/s; real servers reach 60–80% of it[/]", soft_wrap=True)
 
 
 def _render_validation(v: dict) -> None:
@@ -1045,7 +1350,7 @@ def _render_validation(v: dict) -> None:
 
 PIPELINE_ORDER = {
     "Data": ["train-tokenizer", "dedup", "mix", "pack"],
-    "Training": ["pretrain", "midtrain", "sft", "dpo", "ppo"],
+    "Training": ["pretrain", "midtrain", "sft", "dpo", "ppo", "generate", "merge", "report"],
     "Cluster": ["estimate", "benchmark-nccl", "stress-gpu"],
     "Any folder": ["inspect"],
 }
@@ -1096,7 +1401,7 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as exc:
         if debug:
             traceback.print_exc()
-        console.print(f"[red]error:[/] {exc.line()}", soft_wrap=True)
+        console.print("[red]error:[/]", escape(exc.line()), soft_wrap=True)  # messages may hold [brackets]
         code = exc.exit_code
     except CheckFailed as exc:
         if debug:

@@ -161,18 +161,22 @@ def parse_shard_size(text: str) -> tuple[int | None, int | None]:
 class OutputFolder:
     """A stage's output folder, written in a staging folder and swapped into place on commit."""
 
-    def __init__(self, path: str | Path, *, kind: str, overwrite: bool = False, inputs: Sequence[dict] = ()):
+    def __init__(self, path: str | Path, *, kind: str, overwrite: bool = False, inputs: Sequence[dict] = (),
+                 resumable: bool = False):
+        """resumable=True keeps an existing staging folder (a stage that resumes by shard decides what in it to
+        reuse) and keeps it when the stage fails, for the next run to continue."""
         self.path = Path(path)
         self.kind = kind
         self.inputs = list(inputs)
+        self.resumable = resumable
         self.shards: list[dict] = []
         check_output_path(self.path, overwrite)
         self.staging = self.path.parent / f".{self.path.name}.partial"
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if self.staging.exists():
+            if self.staging.exists() and not resumable:
                 shutil.rmtree(self.staging)
-            self.staging.mkdir()
+            self.staging.mkdir(exist_ok=resumable)
         except OSError as exc:
             raise UserError(self.path, f"cannot create the output folder: {exc.strerror or exc}",
                             "check the path and its permissions") from exc
@@ -232,7 +236,7 @@ class OutputFolder:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
+        if exc_type is not None and not self.resumable:
             self.abort()
 
 

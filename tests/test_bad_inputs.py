@@ -62,6 +62,8 @@ def shared_inputs(tokenizer_dir, tmp_path_factory):
     _SHARED["recipe"] = root / "tiny.toml"
     _SHARED["recipe"].write_text(TEST_RECIPE.replace("{packed}", str(_SHARED["packed"])))
     _SHARED["model"] = make_tiny_checkpoint(tokenizer_dir, root / "model")
+    _SHARED["narrow"] = make_tiny_checkpoint(tokenizer_dir, root / "narrow", hidden_size=32)
+    _SHARED["big-vocab"] = make_tiny_checkpoint(tokenizer_dir, root / "big-vocab", vocab_size=2048 + 64)
 
 
 def tok() -> Path:
@@ -78,6 +80,10 @@ def recipe() -> Path:
 
 def model() -> Path:
     return _SHARED["model"]
+
+
+def other(name: str) -> Path:
+    return _SHARED[name]
 
 
 def write(path: Path, text: str) -> Path:
@@ -163,6 +169,20 @@ CASES = [
     Case("dpo: data without chosen/rejected", lambda t: (["dpo", "recipes/dpo-tiny.toml", t / "run", "--from", model(), "--set", f'data.path="{SAMPLE / "chat"}"'], "chosen", t / "run")),
     Case("ppo: reward callable that does not import", lambda t: (["ppo", "recipes/ppo-tiny.toml", t / "run", "--from", model(), "--set", 'rewards.0.match="callable"', "--set", 'rewards.0.function="nowhere_module:score"'], "nowhere_module", t / "run")),
     Case("ppo: reward key its kind ignores", lambda t: (["ppo", "recipes/ppo-tiny.toml", t / "run", "--from", model(), "--set", 'rewards.1.function="m:f"'], "rewards[1]: function is only used", t / "run")),
+    # merge / generate
+    Case("merge: missing parent", lambda t: (["merge", "--method", "linear", "--model", f"{model()}:0.5", "--model", f"{t / 'gone'}:0.5", t / "out"], "parent " + str(t / "gone") + " does not exist", t / "out")),
+    Case("merge: linear weights do not sum to 1", lambda t: (["merge", "--method", "linear", "--model", f"{model()}:0.9", "--model", f"{other('narrow')}:0.2", t / "out"], "sum to 1.1", t / "out")),
+    Case("merge: architectures differ", lambda t: (["merge", "--method", "linear", "--model", model(), "--model", other("narrow"), t / "out"], "differ in tensor", t / "out")),
+    Case("merge: vocabularies differ", lambda t: (["merge", "--method", "slerp", "--model", model(), "--model", other("big-vocab"), t / "out"], "vocabulary of 2112 tokens", t / "out")),
+    Case("merge: slerp of three models", lambda t: (["merge", "--method", "slerp", "--model", model(), "--model", other("narrow"), "--model", other("big-vocab"), t / "out"], "exactly two models, not 3", t / "out")),
+    Case("merge: option the method ignores", lambda t: (["merge", "--method", "linear", "--model", model(), "--model", other("narrow"), "--set", "options.t=0.5", t / "out"], "t is not used by linear", t / "out")),
+    Case("generate: --pairs without --rejected", lambda t: (["generate", SAMPLE / "prompts", t / "out", "--pairs", "--chosen", model()], "--pairs: takes --chosen STRONG and --rejected WEAK", t / "out")),
+    Case("generate: prompt column missing", lambda t: (["generate", SAMPLE / "prompts", t / "out", "--model", model(), "--prompt-column", "question"], "no column 'question'", t / "out")),
+    Case("generate: greedy with K completions", lambda t: (["generate", SAMPLE / "prompts", t / "out", "--model", model(), "--temperature", "0", "-k", "2"], "greedy", t / "out")),
+    Case("generate: --rank-by a recipe without rewards", lambda t: (["generate", SAMPLE / "prompts", t / "out", "--model", model(), "-k", "2", "--rank-by", "recipes/dpo-tiny.toml"], "has no rewards tables", t / "out")),
+    Case("generate: --rank-by with one completion", lambda t: (["generate", SAMPLE / "prompts", t / "out", "--model", model(), "--rank-by", "recipes/ppo-tiny.toml"], "at least 2 completions", t / "out")),
+    Case("generate: --model is a dataset", lambda t: (["generate", SAMPLE / "prompts", t / "out", "--model", SAMPLE / "math"], "math", t / "out")),
+    Case("mix: unknown stage order", lambda t: (["mix", t / "out", "--recipe", "recipes/demo-mix.toml", "--set", 'stages.0.order="hardest-first"'], "'hardest-first' is not an order", t / "out")),
     # estimate / cluster checks
     Case("estimate: unknown model", lambda t: (["estimate", "--model", "gpt-17"], "smollm3-3b", None)),
     Case("estimate: unknown gpu", lambda t: (["estimate", "--model", "smollm3-3b", "--gpu", "h900"], "h100", None)),
@@ -172,6 +192,9 @@ CASES = [
     Case("stress-gpu: memory fraction outside (0,1)", lambda t: (["stress-gpu", "--memory-fraction", "1.5"], "--memory-fraction", None)),
     Case("stress-gpu: unknown dtype", lambda t: (["stress-gpu", "--dtype", "fp12"], "fp12", None)),
     Case("benchmark-nccl: one process", lambda t: (["benchmark-nccl"], "torchrun", None)),
+    Case("benchmark-nccl: threshold for an op not run", lambda t: (["benchmark-nccl", "--ops", "all_reduce", "--expect-busbw", "all_to_all=40"], "all_to_all", None)),
+    Case("estimate: unknown --find framework", lambda t: (["estimate", "--model", "smollm3-3b", "--framework", "deepspeed"], "--framework", None)),
+    Case("stress-gpu: --expect-tflops not a rate", lambda t: (["stress-gpu", "--expect-tflops", "0"], "--expect-tflops", None)),
 ]
 
 

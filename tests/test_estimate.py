@@ -12,10 +12,12 @@ import pytest
 
 from smolctl.cli import main
 from smolctl.errors import UserError
-from smolctl.infra.estimate import estimate, largest_micro_batch, load_model, memory, smallest_layouts, transformers_config
+from smolctl.infra.estimate import (FAILURES_PER_GPU_DAY, estimate, estimate_inference, largest_micro_batch, load_model,
+                                    memory, smallest_layouts, transformers_config)
 from smolctl.infra.flops import matmul_params, training_flops_per_token
 from smolctl.infra.measure import build_model, measure_activations, measure_flops, scaled_down, validate
-from smolctl.infra.memory import GIB, PRECISIONS, activations, state_bytes
+from smolctl.infra.inference import InferencePlan
+from smolctl.infra.memory import GIB, GPUS, PRECISIONS, activations, state_bytes
 from smolctl.infra.model_shape import config_from_dict, measure_shape, resolve_config
 from smolctl.infra.plan import parse_count, plan_from_sources
 
@@ -181,9 +183,105 @@ def test_find_returns_the_largest_micro_batch_and_layouts_that_fit():
     assert best is not None
     assert memory(replace(plan, micro_batch=best), shape)["fits"]
     assert not memory(replace(plan, micro_batch=best + 1 if best < 8 else best * 2), shape)["fits"]
-    layouts = smallest_layouts(plan, shape)
-    assert layouts and all(x["tp"] * x["pp"] * x["cp"] * x["dp"] == 16 for x in layouts)
-    assert all(x["total"] <= 39.4 * GIB for x in layouts)
+    found = smallest_layouts(plan, shape)
+    layouts = found["layouts"]
+    assert found["framework"] == "smolctl" and layouts
+    for x in layouts:  # what `smolctl pretrain` runs: tp × FSDP2 shard × replicate, no pipeline or context parallel
+        assert (x["pp"], x["cp"]) == (1, 1) and x["tp"] * x["dp_shard"] * x["dp_replicate"] == 16
+        assert x["zero"] == (3 if x["dp_shard"] > 1 else 0) and x["total"] <= 39.4 * GIB
+
+
+def test_find_holds_the_global_batch_and_fills_every_pipeline():
+    # 8 sequences per step on 16 GPUs: dp 16 (× micro batch 1) cannot hold it, and dp 8 with 2 stages would run
+    # one micro batch through a 2-stage pipeline
+    plan = plan_from_sources(flags={"model": "smollm3-3b", "gpus": 16, "gpu": "a100-40", "seq_len": 4096,
+                                    "global_batch_tokens": 8 * 4096, "framework": "megatron"})
+    _, shape = load_model(plan)
+    found = smallest_layouts(plan, shape, top=1000)
+    assert found["skipped"]["batch"] > 0 and found["skipped"]["pipeline"] > 0 and found["layouts"]
+    for x in found["layouts"]:
+        assert 8 % x["dp"] == 0 and x["gradient_accumulation"] == 8 // x["dp"] >= x["pp"]
+        assert x["global_batch_tokens"] == 8 * 4096
+    assert any(x["pp"] > 1 for x in found["layouts"])
+
+
+def test_kv_weights_are_replicated_when_tp_exceeds_the_kv_heads():
+    shape = load_model(plan_from_sources(flags={"model": "smollm3-3b", "gpus": 8}))[1]  # 4 KV heads
+    kv = shape.layers * 2 * shape.hidden * shape.kv_dim
+    weights = {tp: memory(plan_from_sources(flags={"model": "smollm3-3b", "gpus": 8, "tp": tp}), shape)["weights"]
+               for tp in (4, 8)}
+    assert weights[4] == pytest.approx(shape.params.total / 4 * 2)
+    assert weights[8] == pytest.approx(((shape.params.total - kv) / 8 + kv / 4) * 2)  # one whole KV head per rank
+
+
+def test_fp32_runs_at_the_plain_fp32_rate_unless_tf32_is_on():
+    flags = {"model": "smollm2-135m", "gpus": 8, "precision": "fp32", "tokens": "1B"}
+    plain, tf32 = (estimate(plan_from_sources(flags={**flags, "tf32": on}))["compute"] for on in (False, True))
+    assert plain["peak_flops_per_gpu"] == GPUS["h100"].fp32_tflops * 1e12
+    assert tf32["peak_flops_per_gpu"] == GPUS["h100"].bf16_tflops * 1e12 / 2
+    assert plain["compute_time"]["seconds"] / tf32["compute_time"]["seconds"] == pytest.approx(989.4 / 2 / 66.9)
+
+
+def test_hsdp_shards_the_states_over_dp_shard_ranks_only():
+    flags = {"model": "smollm3-3b", "gpus": 64, "zero": 3}
+    shape = load_model(plan_from_sources(flags=flags))[1]
+    fsdp, hsdp = (memory(plan_from_sources(flags={**flags, "dp_shard": shard}), shape) for shard in (None, 8))
+    assert hsdp["optimizer"] == pytest.approx(fsdp["optimizer"] * 8) and hsdp["weights"] == pytest.approx(fsdp["weights"] * 8)
+    assert hsdp["gather"] == fsdp["gather"]
+
+
+def test_zero3_gathers_the_largest_unit_even_when_it_is_the_embedding():
+    plan = plan_from_sources(flags={"model": "smollm2-135m", "gpus": 8, "zero": 3})
+    shape = load_model(plan)[1]
+    assert shape.params.embedding > 5 * shape.params.per_layer  # 49k × 576 against one 3.5M-parameter layer
+    assert memory(plan, shape)["gather"] == pytest.approx(shape.params.embedding * (2 * 2 + 2))
+
+
+LLAMA3_405B = {"model": "llama3-405b", "gpus": 16384, "tp": 8, "pp": 16, "zero": 1, "seq_len": 8192,
+               "recompute": "full", "global_batch_tokens": 16 * 2**20, "tokens": "15.6T", "mfu": 0.38}
+
+
+def test_llama3_405b_reproduces_its_published_goodput_and_gpu_hours():
+    # Meta's model card: 30.84M H100 GPU-hours; the Llama 3 paper: >90% effective training time on 16,384 H100s
+    # at 38% MFU, 419 unexpected interruptions in 54 days
+    result = estimate(plan_from_sources(flags=LLAMA3_405B))
+    compute = result["compute"]
+    assert abs(compute["gpu_hours"] / 30.84e6 - 1) < 0.15, compute["gpu_hours"]
+    assert compute["overhead"]["effective_training_time"] > 0.90
+    assert compute["overhead"]["mtbf_hours"] == pytest.approx(24 / (FAILURES_PER_GPU_DAY * 16384))
+    # the old model (one 5 GB/s store for the whole cluster, every write blocking, hourly) loses a quarter
+    blocking = estimate(plan_from_sources(flags={**LLAMA3_405B, "checkpoint_gbps": 5 / 2048, "checkpoint_hours": 1.0,
+                                                 "async_checkpoint": False}))["compute"]["overhead"]
+    assert blocking["effective_training_time"] < 0.75
+
+
+def test_the_checkpoint_interval_follows_young_daly_unless_given():
+    base = {"model": "smollm3-3b", "gpus": 384, "tokens": "1T"}
+    fast = estimate(plan_from_sources(flags=base))["compute"]["overhead"]
+    stall, mtbf = fast["checkpoint_stall_seconds"], fast["mtbf_hours"] * 3600
+    assert fast["checkpoint_interval_seconds"] == pytest.approx(max((2 * stall * mtbf) ** 0.5,
+                                                                    fast["checkpoint_write_seconds"]))
+    hourly = estimate(plan_from_sources(flags={**base, "checkpoint_hours": 1.0}))["compute"]["overhead"]
+    assert hourly["checkpoint_interval_seconds"] == 3600 and hourly["factor"] > fast["factor"]
+    blocking = estimate(plan_from_sources(flags={**base, "async_checkpoint": False}))["compute"]["overhead"]
+    assert blocking["checkpoint_stall_seconds"] == blocking["checkpoint_write_seconds"] > stall
+    twice = estimate(plan_from_sources(flags={**base, "gpus": 768}))["compute"]["overhead"]
+    assert twice["checkpoint_write_seconds"] == pytest.approx(fast["checkpoint_write_seconds"] / 2)  # per node
+
+
+def test_inference_kv_cache_of_smollm3_at_8k():
+    plan = plan_from_sources(flags={"model": "smollm3-3b"})
+    result = estimate_inference(plan, InferencePlan(context=8192, batch=4, compare_attention=True))["inference"]
+    gqa, mha = result["model"], result["multi_head"]
+    formula = 2 * 36 * 4 * 128 * 8192 * 2  # K and V × layers × KV heads × head dim × context × bf16
+    assert abs(gqa["kv_per_sequence"] / formula - 1) < 0.01 and gqa["kv_cache"] == 4 * gqa["kv_per_sequence"]
+    assert mha["kv_heads"] == 16 and mha["kv_per_sequence"] == pytest.approx(4 * gqa["kv_per_sequence"])
+    assert mha["weights"] > gqa["weights"] and mha["max_batch"] < gqa["max_batch"]
+    assert gqa["decode_tokens_per_second"] == pytest.approx(4 * 3.35e12 / (gqa["weights"] + gqa["kv_cache"]))
+    fp8 = estimate_inference(plan, InferencePlan(context=8192, kv_dtype="fp8"))["inference"]["model"]
+    assert fp8["kv_per_sequence"] == pytest.approx(formula / 2)
+    assert gqa["fits"] and gqa["total"] == pytest.approx(gqa["weights"] + gqa["kv_cache"] + gqa["activations"]
+                                                         + gqa["runtime_reserved"])
 
 
 def test_validate_on_the_tiny_recipe_agrees_with_measurement(tmp_path):
@@ -227,6 +325,11 @@ def test_cli_json_for_a_preset(capsys):
     (["--model", "smollm3-3b", "--recompute", "some"], "known: none, selective, full"),
     (["--model", "smollm3-3b", "--checkpoint-gbps", "0"], "--checkpoint-gbps: must be positive"),
     (["--model", "smollm3-3b", "--pp", "40"], "40 pipeline stages for 36 layers"),
+    (["--model", "smollm3-3b", "--framework", "deepspeed"], "known: smolctl, megatron"),
+    (["--model", "smollm3-3b", "--gpus", "16", "--dp-shard", "8"], "--dp-shard: 8 shards weights"),
+    (["--model", "smollm3-3b", "--gpus", "16", "--zero", "3", "--dp-shard", "3"], "3 does not divide the 16"),
+    (["--model", "smollm3-3b", "--inference", "--kv-dtype", "int4"], "--kv-dtype: 'int4' is not known"),
+    (["--model", "smollm3-3b", "--inference", "--context", "0"], "--context: must be at least 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     code, _, err = run_cli(capsys, "estimate", *args)
@@ -259,3 +362,35 @@ def test_repeat_estimates_read_the_measured_shape_from_the_cache(tmp_path, monke
     third = run_cli("estimate", "--model", "smollm2-135m", "--json", env=env)
     assert json.loads(third.stdout) == json.loads(first.stdout)
     assert json.loads(entries[0].read_text())["shape"]["params"]["total"] == json.loads(first.stdout)["model"]["params"]["total"]
+
+
+def test_estimate_says_what_it_prices_and_whether_it_fits(capsys):
+    code, out, err = run_cli(capsys, "estimate", "--model", "llama3-8b", "--gpus", "8")
+    text = " ".join((out + err).split())
+    assert code == 0 and "no --tokens: the time and cost below are for ONE optimizer step" in text
+    assert "error: does not fit h100" in text and text.index("does not fit h100") < text.index("layout")
+    code, out, err = run_cli(capsys, "estimate", "--model", "llama3-8b", "--gpus", "8", "--tokens", "1T",
+                             "--require-fit")
+    assert code == 1 and "failed: estimate: does not fit h100" in " ".join(err.split())
+    assert "ONE optimizer step" not in out + err
+    code, _, _ = run_cli(capsys, "estimate", "--model", "smollm2-135m", "--gpus", "8", "--tokens", "1T",
+                         "--require-fit")
+    assert code == 0
+
+
+def test_estimate_says_when_it_changes_the_global_batch(capsys):
+    code, out, err = run_cli(capsys, "estimate", "--model", "smollm3-3b", "--gpus", "384", "--micro-batch", "3",
+                             "--global-batch-tokens", "2359296", "--tokens", "1T")
+    text = " ".join((out + err).split())
+    assert code == 0 and "global batch changed from 2,359,296 to 4,718,592 tokens" in text
+    assert "do not divide the 576 asked for" in text
+
+
+def test_cli_inference_json(capsys):
+    code, out, _ = run_cli(capsys, "estimate", "--model", "smollm3-3b", "--inference", "--context", "8192",
+                           "--batch", "2", "--compare-attention", "--json")
+    result = json.loads(out)["inference"]
+    assert code == 0 and result["batch"] == 2 and result["multi_head"]["kv_heads"] == 16
+    code, _, err = run_cli(capsys, "estimate", "--model", "smollm3-3b", "--inference", "--gpu", "l4", "--context",
+                           "131072", "--batch", "64", "--require-fit")
+    assert code == 1 and "does not fit l4 for inference" in err

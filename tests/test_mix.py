@@ -255,3 +255,103 @@ def test_cli_recipe_with_overrides_then_pack(sample, tokenizer_dir, tmp_path):
     refused = run_cli("mix", tmp_path / "x", "--recipe", "recipes/demo-mix.toml", "--source", "web=a:1")
     assert refused.returncode == 2 and "cannot be combined with --recipe" in refused.stderr
     assert not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Curriculum order
+
+
+def scored_copy(sample: Path, name: str, tmp: Path) -> Path:
+    """The sample source with a `difficulty` column unrelated to length or order on disk; code scores higher than
+    web, so a plain sort by score would put web first and break the weights."""
+    table = read_rows(sample / name)
+    rng = np.random.default_rng(len(name))
+    low = {"web": 0, "code": 25}[name]
+    path = tmp / f"{name}.parquet"
+    pq.write_table(table.append_column("difficulty", pa.array(rng.integers(low, low + 50, table.num_rows))), path)
+    return path
+
+
+CURRICULUM = """
+seed = 5
+max_repeat = 2.0
+shuffle_buffer = 300
+[sources.web]
+path = "{web}"
+[sources.code]
+path = "{code}"
+[[stages]]
+name = "warmup"
+documents = 300
+weights = {{ web = 1 }}
+order = "{order}"
+[[stages]]
+name = "main"
+documents = 1500
+weights = {{ web = 70, code = 30 }}
+order = "{order}"
+"""
+
+
+def curriculum_mix(sample: Path, tmp: Path, order: str, name: str, seed: int = 5) -> Path:
+    recipe = tmp / f"{name}.toml"
+    recipe.write_text(CURRICULUM.format(web=scored_copy(sample, "web", tmp), code=scored_copy(sample, "code", tmp),
+                                        order=order).replace("seed = 5", f"seed = {seed}"))
+    prepare_mix(plan_from_recipe(recipe), tmp / name).run()
+    return tmp / name
+
+
+def block_byte_shares(table: pa.Table, block: int) -> list[dict[str, float]]:
+    return [byte_shares(table.slice(start, block)) for start in range(0, table.num_rows - block + 1, block)]
+
+
+def test_curriculum_rises_within_each_stage_and_keeps_the_weights_along_it(sample, tmp_path):
+    ordered = curriculum_mix(sample, tmp_path, "ascending:difficulty", "ordered")
+    shuffled = curriculum_mix(sample, tmp_path, "shuffle", "shuffled")
+    warmup = read_rows(ordered / "warmup")["difficulty"].to_numpy()
+    assert (np.diff(warmup) >= 0).all(), "one source: the whole stage from easy to hard"
+    main, plain = read_rows(ordered / "main"), read_rows(shuffled / "main")
+    assert sorted(main["id"].to_pylist()) == sorted(plain["id"].to_pylist()), "the same rows, reordered"
+    scores, names = main["difficulty"].to_numpy(), main["source"].to_numpy(zero_copy_only=False)
+    for name in ("web", "code"):
+        assert (np.diff(scores[names == name]) >= 0).all(), f"{name} never gets easier along the stage"
+    for start in range(0, main.num_rows, 300):
+        assert (np.diff(scores[start:start + 300]) >= 0).all(), "every block is sorted"
+    assert scores[:300].mean() < scores[-300:].mean()
+    # Each block keeps the sources' byte shares as closely as the shuffled mix does.
+    target = {"web": 0.7, "code": 0.3}
+    worst = {label: max(abs(shares.get(n, 0.0) - t) for shares in block_byte_shares(rows, 300) for n, t in target.items())
+             for label, rows in (("ordered", main), ("shuffled", plain))}
+    assert worst["ordered"] <= worst["shuffled"] + 0.02, worst
+    assert read_manifest(ordered / "main")["mix"]["stages"][0]["order"] == "ascending:difficulty"
+
+
+def test_curriculum_same_seed_same_bytes_and_proxies(sample, tmp_path):
+    first = curriculum_mix(sample, tmp_path, "ascending:compression", "a")
+    again = curriculum_mix(sample, tmp_path, "ascending:compression", "b")
+    other = curriculum_mix(sample, tmp_path, "ascending:compression", "c", seed=6)
+    shas = {n: [s["sha256"] for s in read_manifest(p)["shards"]] for n, p in (("a", first), ("b", again), ("c", other))}
+    assert shas["a"] == shas["b"] != shas["c"]
+    import zlib
+
+    texts = read_rows(first / "warmup")["text"].to_pylist()
+    ratios = [len(zlib.compress(t.encode())) / len(t.encode()) for t in texts]
+    assert ratios == sorted(ratios)
+    lengths = curriculum_mix(sample, tmp_path, "ascending:length", "d")
+    sizes = pc.binary_length(read_rows(lengths / "warmup")["text"]).to_numpy()
+    assert (np.diff(sizes) >= 0).all()
+
+
+@pytest.mark.parametrize("order, message", [
+    ("descending:length", "is not an order"),
+    ("ascending:", "is not an order"),
+    ("ascending:rank", "source 'web' has no column 'rank'"),
+    ("ascending:id", "column 'id' of source 'web' holds string, not numbers"),
+])
+def test_bad_curriculum_orders(sample, tmp_path, order, message):
+    recipe = tmp_path / "m.toml"
+    recipe.write_text(CURRICULUM.format(web=scored_copy(sample, "web", tmp_path), code=scored_copy(sample, "code", tmp_path),
+                                        order=order))
+    with pytest.raises(UserError, match=message):
+        prepare_mix(plan_from_recipe(recipe), tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -16,7 +16,8 @@ How it works, streaming each source once to measure it and once per stage that u
 3. Write. Each source streams the rows of its slice (files in a seeded order). Each row is due at the point of
    the stage where the (possibly interpolated) schedule wants it; rows are merged by due point and written in
    blocks of `shuffle_buffer` rows, each block shuffled with a seeded generator: every block holds the sources in
-   proportion, and the same seed gives the same bytes.
+   proportion, and the same seed gives the same bytes. A curriculum stage (`order = "ascending:SCORE"`) sorts
+   each source's slice and each block by score instead (see mix_plan.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from smolctl.data.mix_plan import MixPlan, Stage
+from smolctl.data.mix_plan import (
+    ORDER_COLUMN,
+    MixPlan,
+    Stage,
+    ascending_stream,
+    block_order,
+    check_order_columns,
+)
 from smolctl.errors import UserError
 from smolctl.shards import (
     KIND_DOCUMENTS,
@@ -146,6 +154,7 @@ class StageReport:
     documents: int
     sources: list[SourceReport]
     shards: int = 0
+    order: str = "shuffle"
 
 
 def bin_boundary(cumulative: np.ndarray, position: float) -> int:
@@ -322,8 +331,8 @@ def merged_blocks(streams: list[Iterator[tuple[pa.Table, np.ndarray]]], block_ro
         ready = len(order) if final else int(np.searchsorted(points[order], heap[0][0], side="right"))
         while ready >= block_rows or (final and ready > 0):
             take = min(block_rows, ready)
-            shuffle = np.random.default_rng([seed, stage_index, blocks]).permutation(take)
-            yield rows.take(pa.array(order[:take][shuffle]))
+            block = rows.take(pa.array(block_order(rows, order[:take], seed, stage_index, blocks)))
+            yield block.drop_columns([ORDER_COLUMN]) if ORDER_COLUMN in block.column_names else block
             blocks += 1
             order, ready = order[take:], ready - take
         buffer = [(rows.take(pa.array(order)), points[order])] if len(order) else []
@@ -409,6 +418,10 @@ class MixJob:
                      profiles: dict[str, SourceProfile], on_rows: Callable[[int], None] | None) -> StageReport:
         plan = self.plan
         streams = [stream_rows(profiles[r.name], r, stage, plan, self.schema, index) for r in reports if r.ranges]
+        if stage.ascending_by:
+            streams = [ascending_stream(stream, stage, plan.text_column, lambda texts: document_sizes(texts, self.backend),
+                                        lambda progress, name=r.name: due_points(stage, name, progress))
+                       for stream, r in zip(streams, [r for r in reports if r.ranges])]
         writer = DatasetWriter(folder, schema=self.schema)
         for block in merged_blocks(streams, plan.shuffle_buffer, plan.seed, index):
             writer.write(block)
@@ -417,7 +430,7 @@ class MixJob:
         writer.close()
         return StageReport(stage.name, str(path), plan.unit, stage.budget, stage.budget_kind,
                            sum(r.units for r in reports), sum(r.documents for r in reports), reports,
-                           len(folder.shards))
+                           len(folder.shards), stage.order)
 
     def _mix_field(self, stages: list[StageReport]) -> dict:
         """The manifest's record of the mix: unit, seed, max_repeat, tokenizer and per stage and source numbers."""
@@ -427,8 +440,8 @@ class MixJob:
 
 
 def stage_manifest(stage: StageReport) -> dict:
-    return {"name": stage.name, "budget": stage.budget, "budget_kind": stage.budget_kind, "units": stage.units,
-            "documents": stage.documents,
+    return {"name": stage.name, "order": stage.order, "budget": stage.budget, "budget_kind": stage.budget_kind,
+            "units": stage.units, "documents": stage.documents,
             "sources": [{k: v for k, v in asdict(s).items() if k != "ranges"} for s in stage.sources]}
 
 
@@ -445,6 +458,7 @@ def prepare_mix(plan: MixPlan, output: str | Path, *, overwrite: bool = False) -
         source.require(text=[plan.text_column])
         sources[name] = source
     schema = output_schema({name: source.schema for name, source in sources.items()})
+    check_order_columns(plan, {name: source.schema for name, source in sources.items()})
     check_output_path(Path(output), overwrite)
     backend = None
     if plan.tokenizer:

@@ -1,4 +1,5 @@
-"""The plan of a `smolctl mix`: sources, stages, weights and budgets, from command-line flags or a TOML recipe.
+"""The plan of a `smolctl mix`: sources, stages, weights and budgets, from command-line flags or a TOML recipe,
+and the order of a stage's rows (a seeded shuffle, or a curriculum from easy to hard).
 
 Everything here is checked before any data is read; `smolctl.data.mix` carries the plan out.
 """
@@ -7,14 +8,25 @@ from __future__ import annotations
 
 import math
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from smolctl.errors import UserError
 from smolctl.recipe import Section, load_recipe
 
 BUDGET_KINDS = ("tokens", "bytes", "documents")
 STAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+ORDER_PROXIES = ("length", "compression")
+"""Built-in difficulty scores: UTF-8 bytes of the text, and zlib-compressed bytes / raw bytes (repetitive,
+predictable text compresses well and scores low)."""
+ORDER_COLUMN = "__order_score"
+"""Carries each row's difficulty score from the sorted source streams to the block that orders by it."""
 
 
 class SourceSection(Section):
@@ -35,6 +47,9 @@ class StageSection(Section):
     bytes: int | None = None
     documents: int | None = None
     """One budget (or none: as much as max_repeat allows)."""
+    order: str = "shuffle"
+    """shuffle (seeded), or ascending:SCORE, easy to hard: SCORE is a numeric column of every source the stage
+    uses, or a built-in proxy, `length` (UTF-8 bytes) or `compression` (zlib ratio)."""
 
 
 class MixRecipe(Section):
@@ -60,6 +75,12 @@ class Stage:
     budget: int | None = None
     budget_kind: str | None = None
     """tokens, bytes or documents; None takes as much as max_repeat allows."""
+    order: str = "shuffle"
+
+    @property
+    def ascending_by(self) -> str | None:
+        """The score a curriculum stage sorts by; None for a shuffled stage."""
+        return self.order.partition(":")[2] if self.order != "shuffle" else None
 
     def share(self, name: str) -> float:
         """The source's fraction of the whole stage: the mean of a linear schedule."""
@@ -164,7 +185,7 @@ def plan_from_recipe(path: str | Path, overrides: list[str] = ()) -> MixPlan:
         kind, amount = budgets[0] if budgets else (None, None)
         if amount is not None and amount < 1:
             raise UserError(where, f"{kind} = {amount}", "budgets are positive")
-        stages.append(Stage(section.name, start, end, amount, kind))
+        stages.append(Stage(section.name, start, end, amount, kind, section.order))
     plan = MixPlan(sources, stages, recipe.tokenizer, recipe.seed, recipe.max_repeat, recipe.text_column,
                    recipe.shuffle_buffer, staged=True)
     check_plan(plan)
@@ -183,8 +204,84 @@ def check_plan(plan: MixPlan) -> None:
     if len(set(names)) != len(names):
         raise UserError("stages", f"a stage name is used twice ({', '.join(names)})", "give each stage its own name")
     for stage in plan.stages:
+        kind, colon, key = stage.order.partition(":")
+        if stage.order != "shuffle" and (kind != "ascending" or not colon or not key):
+            raise UserError(f"stage {stage.name!r}: order", f"{stage.order!r} is not an order",
+                            'use "shuffle", "ascending:length", "ascending:compression" or "ascending:COLUMN"')
         if stage.budget_kind == "tokens" and not plan.tokenizer:
             raise UserError(f"stage {stage.name!r}", "a budget in tokens needs a tokenizer", "pass --tokenizer (or set tokenizer in the recipe), or give the budget in bytes")
         if stage.budget_kind == "bytes" and plan.tokenizer:
             raise UserError(f"stage {stage.name!r}", "with a tokenizer, weights are fractions of tokens, so a budget in bytes is ambiguous",
                             "give the budget in tokens or documents")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Curriculum order: rows easy to hard within a stage, the source weights holding along it
+#
+# Each source's slice is sorted by score (ties keep the seeded stream order), and its k-th easiest row takes the
+# stage point where the weight schedule wants the source's cumulative units (tokens or bytes) to reach that row:
+# at every point of the stage every source has given its share of units, from its easy end. The merge by stage
+# point then cuts blocks of `shuffle_buffer` rows as for a shuffled stage, and each block is sorted by score
+# instead of shuffled. So the score never decreases within a source along the whole stage, nor within a block;
+# across sources it rises from block to block by quantile (one block of the whole stage gives a global sort, and
+# gives up the weights along it). Sorting holds one source's slice of the stage in memory.
+
+
+def check_order_columns(plan: MixPlan, schemas: dict[str, pa.Schema]) -> None:
+    """Every source a curriculum stage uses has its score column, as numbers."""
+    for stage in plan.stages:
+        key = stage.ascending_by
+        if key is None or key in ORDER_PROXIES:
+            continue
+        for name, schema in schemas.items():
+            if stage.share(name) <= 0:
+                continue
+            if key not in schema.names:
+                raise UserError(f"stage {stage.name!r}: order", f"source {name!r} has no column {key!r} (columns: "
+                                f"{', '.join(schema.names)})", f"add the score to every source, or use ascending:{ORDER_PROXIES[0]}")
+            kind = schema.field(key).type
+            if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+                raise UserError(f"stage {stage.name!r}: order", f"column {key!r} of source {name!r} holds {kind}, not numbers",
+                                "score rows with a numeric column")
+
+
+def order_scores(table: pa.Table, key: str, text_column: str, where: str) -> np.ndarray:
+    """Each row's difficulty: a proxy computed from the text, or the score column (nulls are an error)."""
+    if key == "length":
+        return pc.fill_null(pc.binary_length(table.column(text_column)), 0).to_numpy().astype(np.float64)
+    if key == "compression":
+        raw = [(text or "").encode() for text in table.column(text_column).to_pylist()]
+        return np.array([len(zlib.compress(b)) / len(b) if b else 0.0 for b in raw], dtype=np.float64)
+    column = table.column(key)
+    if column.null_count:
+        raise UserError(where, f"column {key!r} has {column.null_count} empty (null) scores", "score every row")
+    return column.to_numpy().astype(np.float64)
+
+
+def ascending_stream(stream: Iterator[tuple[pa.Table, np.ndarray]], stage: Stage, text_column: str,
+                     sizes: Callable[[pa.Array], np.ndarray], due: Callable[[np.ndarray], np.ndarray],
+                     batch_rows: int = 1024) -> Iterator[tuple[pa.Table, np.ndarray]]:
+    """One source's (rows, due points) sorted by score, each row due where its cumulative units fall; the rows
+    carry their score in ORDER_COLUMN."""
+    tables = [rows for rows, _ in stream]
+    if not tables:
+        return
+    table = pa.concat_tables(tables)
+    scores = order_scores(table, stage.ascending_by, text_column, f"stage {stage.name!r}")
+    order = np.argsort(scores, kind="stable")
+    table = table.take(pa.array(order)).append_column(ORDER_COLUMN, pa.array(scores[order]))
+    units = sizes(table.column(text_column).combine_chunks()).astype(np.float64)
+    if units.sum() <= 0:
+        units = np.ones(table.num_rows)
+    progress = (np.cumsum(units) - units / 2) / units.sum()
+    points = due(progress)
+    for start in range(0, table.num_rows, batch_rows):
+        yield table.slice(start, batch_rows), points[start:start + batch_rows]
+
+
+def block_order(rows: pa.Table, index: np.ndarray, seed: int, stage_index: int, block: int) -> np.ndarray:
+    """The rows `index` of one block, in order: a seeded shuffle, or by score when the rows carry one."""
+    if ORDER_COLUMN in rows.column_names:
+        scores = rows.column(ORDER_COLUMN).take(pa.array(index)).to_numpy()
+        return index[np.argsort(scores, kind="stable")]
+    return index[np.random.default_rng([seed, stage_index, block]).permutation(len(index))]

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 import socket
-import statistics
 import time
 from typing import Callable
 
 from smolctl.infra.collectives import (DTYPES, PatternTiles, SizeResult, bandwidths, expected_segments,
                                        input_segments, pattern_tables)
+from smolctl.infra.multinode import Link, link_schedule, ring_shifts, summarize
 
 
 def node_key() -> str:
@@ -32,7 +32,7 @@ class Runner:
         attr, self.type_name, exact_limit = DTYPES[dtype_name]
         self.dtype = getattr(torch, attr)
         self.elem_size = torch.empty((), dtype=self.dtype).element_size()
-        self.tiles = PatternTiles(pattern_tables(world, exact_limit), self.dtype, device)
+        self.tiles = PatternTiles(pattern_tables(world, exact_limit, rank), self.dtype, device)
         self.cuda = device.type == "cuda"
 
     def topology(self, backend: str, max_bytes: int) -> dict:
@@ -49,6 +49,7 @@ class Runner:
             "world_size": self.world, "nodes": len(node_names),
             "ranks_per_node": per_node[0] if len(per_node) == 1 else per_node,
             "hosts": list(dict.fromkeys(info["host"] for info in everyone)), "node_of_rank": node_of_rank,
+            "rank_hosts": [info["host"] for info in everyone],
             "backend": backend, "device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
             "dtype": self.type_name, "max_bytes": max_bytes, "torch": torch.__version__,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if self.cuda else None,
@@ -65,7 +66,7 @@ class Runner:
         out = self.torch.zeros(chunk if op == "reduce_scatter" else count, dtype=self.dtype, device=self.device)
         return inp, out
 
-    def _call(self, op: str, inp, out, group=None, send_to: int | None = None, recv_from: int | None = None):
+    def _call(self, op: str, inp, out, group=None):
         dist = self.dist
         if op == "all_reduce":
             return lambda: dist.all_reduce(out, group=group)
@@ -77,8 +78,7 @@ class Runner:
             return lambda: dist.all_to_all_single(out, inp, group=group)
         if op == "broadcast":
             return lambda: dist.broadcast(out, src=0, group=group)
-        send_to = (self.rank + 1) % self.world if send_to is None else send_to
-        recv_from = (self.rank - 1) % self.world if recv_from is None else recv_from
+        send_to, recv_from = (self.rank + 1) % self.world, (self.rank - 1) % self.world  # a ring
 
         def exchange() -> None:
             for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, inp, send_to),
@@ -132,18 +132,26 @@ class Runner:
         self.dist.all_reduce(values)
         return values.tolist()
 
+    def _one_way(self, tensor, peer: int, send: bool) -> Callable[[], None]:
+        dist = self.dist
+
+        def transfer() -> None:
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, tensor, peer)]):
+                work.wait()
+        return transfer
+
     def multinode(self, topology: dict, max_bytes: int) -> dict:
-        """All_reduce inside each node vs across nodes (one rank per node and local index, as rail-optimised
-        fabrics pair them), and a send/recv probe from every rank to the same local rank on the next node."""
+        """All_reduce inside each node and across nodes (one rank per node and local index, as rail-optimised
+        fabrics pair them), then one-way transfers from every rank to the same local rank `shift` nodes on, for
+        several shifts, each timed at both ends (infra/multinode.py plans them and writes the report)."""
         node_of_rank = topology["node_of_rank"]
         by_node = [[r for r, k in enumerate(node_of_rank) if k == node] for node in range(topology["nodes"])]
-        local = by_node[node_of_rank[self.rank]].index(self.rank)
         widest = max(len(ranks) for ranks in by_node)
-        inter = [[ranks[j] for ranks in by_node if j < len(ranks)] for j in range(widest)]
+        rails = [[ranks[j] for ranks in by_node if j < len(ranks)] for j in range(widest)]
         count = max_bytes // self.elem_size
         size = count * self.elem_size
-        split = {"size": size}
-        for name, groups in (("intra_node", by_node), ("inter_node", inter)):
+        seconds_of = {}
+        for name, groups in (("intra", by_node), ("inter", rails)):
             group, _ = self.dist.new_subgroups_by_enumeration(groups)
             members = next(g for g in groups if self.rank in g)
             seconds = float("nan")
@@ -152,25 +160,21 @@ class Runner:
                 mine = self._seconds(self._call("all_reduce", inp, out, group=group), group=group)
                 seconds = self._sum([mine], group=group)[0] / len(members)
             per_rank = self._gather(seconds)
-            busbw = [bandwidths("all_reduce", size, per_rank[g[0]], len(g))[1] for g in groups if len(g) > 1]
-            split[name] = {"groups": len([g for g in groups if len(g) > 1]), "ranks_per_group": len(members),
-                           "busbw_min": min(busbw) if busbw else None,
-                           "busbw_median": statistics.median(busbw) if busbw else None}
-        node = node_of_rank[self.rank]
-        ahead, behind = by_node[(node + 1) % len(by_node)], by_node[(node - 1) % len(by_node)]
-        seconds = float("nan")
-        inp, out = self._buffers("send_recv", count)
-        if local < len(ahead) and local < len(behind):
-            seconds = self._seconds(self._call("send_recv", inp, out, send_to=ahead[local],
-                                               recv_from=behind[local]))
-        else:  # no peer on a smaller node: still meet the others at the barrier inside _seconds
-            self.dist.barrier()
-        per_rank = self._gather(seconds)
-        timed = [(t, r) for r, t in enumerate(per_rank) if t == t]
-        slowest_seconds, slowest = max(timed)
-        peer_node = by_node[(node_of_rank[slowest] + 1) % len(by_node)]
-        split["send_recv"] = {
-            "size": size, "pairs": len(timed), "busbw_median": statistics.median(size / t / 1e9 for t, _ in timed),
-            "slowest": {"rank": slowest, "peer": peer_node[by_node[node_of_rank[slowest]].index(slowest)],
-                        "busbw": size / slowest_seconds / 1e9}}
-        return split
+            seconds_of[name] = (groups, [per_rank[g[0]] for g in groups])
+        buffer = self.torch.zeros(count, dtype=self.dtype, device=self.device)
+        links = []
+        for shift in ring_shifts(len(by_node)):
+            for phase in link_schedule(len(by_node), shift):
+                pairs = [(by_node[a][j], by_node[b][j]) for a, b in phase
+                         for j in range(min(len(by_node[a]), len(by_node[b])))]
+                role = next(((peer, True) for sender, peer in pairs if sender == self.rank), None) or \
+                    next(((peer, False) for peer, receiver in pairs if receiver == self.rank), None)
+                seconds = float("nan")
+                if role is None:  # not in this phase: still meet the others at the barrier inside _seconds
+                    self.dist.barrier()
+                else:
+                    seconds = self._seconds(self._one_way(buffer, *role))
+                per_rank = self._gather(seconds)
+                links += [Link(shift, sender, receiver, per_rank[sender], per_rank[receiver])
+                          for sender, receiver in pairs]
+        return summarize(topology["rank_hosts"], seconds_of["intra"], seconds_of["inter"], links, size)

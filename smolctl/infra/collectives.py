@@ -1,23 +1,25 @@
 """benchmark-nccl: collective bandwidth the way nccl-tests measures it, with nothing to compile.
 
-    torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --max-bytes 8G --expect-busbw 300
+    torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --max-bytes 8G --expect-busbw all_reduce=350,all_to_all=40
 
 For every op and message size: warm-up, `iters` timed calls (CUDA events on GPU, wall clock after a barrier on
 CPU), the per-rank time averaged over ranks (nccl-tests' default), algbw = size / time and busbw = algbw × the
 nccl-tests bus factor, then one verification call on a known pattern whose wrong elements are counted over all
-ranks (#wrong). Multi-node runs add an intra- vs inter-node all_reduce split and a rail-aligned send/recv probe
-between nodes that names the slowest rank pair. Every rank computes the same report; only rank 0 shows it.
-This module holds the arithmetic, the sizes, the verification patterns and the report; collective_runner.py
-does the collective calls.
+ranks (#wrong). Multi-node runs add an intra- vs inter-node all_reduce split and rail-aligned one-way transfers
+between nodes over several ring shifts (infra/multinode.py names the slowest host and link). Every rank computes
+the same report; only rank 0 shows it. This module holds the arithmetic, the sizes, the verification patterns and
+the report; collective_runner.py does the collective calls.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import re
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from smolctl.errors import UserError
 
@@ -36,8 +38,9 @@ DTYPES = {
 DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32", "float32": "fp32",
                  "double": "fp64", "float64": "fp64", "int": "int32"}
 CHUNKED_OPS = ("all_gather", "reduce_scatter", "all_to_all")  # the buffer splits into one chunk per rank
-PERIOD = 31  # verification patterns repeat every 31 elements (prime, so chunk offsets rarely line up)
+PERIOD = 31  # data-moving ops carry 0..30 (and the patterns repeat every 31 elements at small world sizes)
 RANK_STRIDE = 7  # rank r's pattern is shifted by 7·r, so data from the wrong rank shows up as wrong
+SUM_VARIETY = 16  # at least this many distinct sums along a reduced buffer, so a misplaced chunk shows up
 VERIFY_CHUNK = 2**22  # elements filled/compared per kernel, which bounds the pattern tile's memory
 
 
@@ -80,12 +83,39 @@ class BenchConfig:
     iters: int = 20
     warmup: int = 5
     backend: str = "auto"
-    expect_busbw: float | None = None
-    """GB/s that every op's busbw at the largest size must reach."""
+    expect_busbw: dict[str, float] = field(default_factory=dict)
+    """op → GB/s that its busbw at the largest size must reach."""
+
+
+def parse_thresholds(text: str | None, ops: list[str]) -> dict[str, float]:
+    """'300' (every op), 'all_reduce=350,all_to_all=40' (those ops) → {op: GB/s}."""
+    if text is None:
+        return {}
+    fix = "give GB/s, e.g. 300 (every op) or all_reduce=350,all_to_all=40"
+    thresholds = {}
+    for part in (p.strip() for p in str(text).split(",") if p.strip()):
+        name, _, value = part.rpartition("=")
+        name = name.strip().lower().replace("-", "_")
+        try:
+            number = float(value)
+        except ValueError:
+            raise UserError("--expect-busbw", f"cannot read {part!r} as a bandwidth", fix) from None
+        if not number > 0:
+            raise UserError("--expect-busbw", f"{number:g} is not a bandwidth", fix)
+        if not name:
+            thresholds.update({op: number for op in ops})
+        elif name not in ops:
+            raise UserError("--expect-busbw", f"{name!r} is not among the ops run ({', '.join(ops)})",
+                            "name an op given to --ops")
+        else:
+            thresholds[name] = number
+    if not thresholds:
+        raise UserError("--expect-busbw", "no threshold given", fix)
+    return thresholds
 
 
 def build_config(*, ops: str, min_bytes: str, max_bytes: str | None, factor: float, dtype: str | None,
-                 iters: int, warmup: int, backend: str, expect_busbw: float | None) -> BenchConfig:
+                 iters: int, warmup: int, backend: str, expect_busbw: str | float | None) -> BenchConfig:
     names = [op.strip().lower().replace("-", "_") for op in ops.split(",") if op.strip()]
     if names == ["all"]:
         names = list(OPS)
@@ -106,14 +136,13 @@ def build_config(*, ops: str, min_bytes: str, max_bytes: str | None, factor: flo
         raise UserError("--factor", f"{factor} does not grow the size", "use a factor above 1, e.g. 2")
     if backend not in ("auto", "nccl", "gloo"):
         raise UserError("--backend", f"unknown backend {backend!r}", "choose auto, nccl or gloo")
-    if expect_busbw is not None and expect_busbw <= 0:
-        raise UserError("--expect-busbw", f"{expect_busbw} is not a bandwidth", "give GB/s above 0, e.g. 300")
+    thresholds = parse_thresholds(None if expect_busbw is None else str(expect_busbw), list(dict.fromkeys(names)))
     if iters < 1:
         raise UserError("--iters", f"{iters} timed calls measure nothing", "use 1 or more, e.g. --iters 20")
     if warmup < 0:
         raise UserError("--warmup", f"{warmup} is negative", "use 0 or more, e.g. --warmup 5")
     return BenchConfig(tuple(dict.fromkeys(names)), low, high, factor, dtype_name, iters, warmup, backend,
-                       expect_busbw)
+                       thresholds)
 
 
 def launch_environment() -> tuple[int, int, int]:
@@ -147,31 +176,61 @@ def message_sizes(op: str, min_bytes: int, max_bytes: int, factor: float, elem_s
 
 @dataclass(frozen=True)
 class Segment:
-    """Elements [start, start+length) of a buffer hold table[(phase + k) % PERIOD] for k = 0..length-1."""
+    """Elements [start, start+length) of a buffer hold table[(phase + k) % period] for k = 0..length-1."""
 
     start: int
     length: int
-    table: str  # "moved" | "summand" | "sum"
+    table: str  # "moved" | "summand" (this rank's) | "sum" | "fill" (the constant `phase`)
     phase: int
 
 
-def pattern_tables(world: int, exact_limit: int) -> dict[str, list[float]]:
-    """Data-moving ops carry 0..30. Reductions carry values small enough that the sum over all ranks stays an
-    exact integer in the dtype (bf16 holds integers up to 256 exactly), so #wrong needs no tolerance."""
-    moved = [float(k) for k in range(PERIOD)]
-    modulus = max(2, min(PERIOD, exact_limit // world + 1))
-    summand = [float(k % modulus) for k in range(PERIOD)]
-    total = [float(sum(summand[(k + RANK_STRIDE * r) % PERIOD] for r in range(world))) for k in range(PERIOD)]
-    return {"moved": moved, "summand": summand, "sum": total}
+@dataclass(frozen=True)
+class Patterns:
+    """One rank's verification tables, all `period` long."""
+
+    period: int
+    tables: dict[str, Sequence[float]]
+
+
+def reduction_layout(world: int, exact_limit: int) -> tuple[int, int]:
+    """(groups, variety) for the reduction patterns: rank r contributes to element k only when r ≡ k (mod
+    groups), so at most ⌈world / groups⌉ ranks add to any element; every contributor adds 1 except the first
+    (rank k mod groups), which adds 1 + a value below `variety`. The largest sum, ⌈world / groups⌉ + variety − 1,
+    stays within the integers the dtype holds exactly (bf16: 256), so any summation order gives the exact
+    result and #wrong needs no tolerance, at any world size."""
+    variety = min(PERIOD, exact_limit - world + 1)
+    if variety >= SUM_VARIETY:
+        return 1, variety
+    return math.ceil(world / (exact_limit - SUM_VARIETY + 1)), SUM_VARIETY
+
+
+@functools.lru_cache(maxsize=4)
+def _shared_tables(world: int, exact_limit: int) -> tuple[int, int, tuple[int, ...], tuple[float, ...],
+                                                          tuple[float, ...]]:
+    """(period, groups, what each element's first contributor adds, the moved values, the expected sums): the
+    same on every rank."""
+    groups, variety = reduction_layout(world, exact_limit)
+    period = groups * variety if groups > 1 else PERIOD
+    first_adds = tuple(1 + (k // groups) % variety for k in range(period))
+    # element k's contributors are ranks k mod groups, + groups, + 2·groups, ... below world
+    total = tuple(float(len(range(k % groups, world, groups)) - 1 + first_adds[k]) for k in range(period))
+    return period, groups, first_adds, tuple(float(k % PERIOD) for k in range(period)), total
+
+
+def pattern_tables(world: int, exact_limit: int, rank: int = 0) -> Patterns:
+    """Data-moving ops carry 0..30; reductions carry this rank's summands and check their exact sum."""
+    period, groups, first_adds, moved, total = _shared_tables(world, exact_limit)
+    summand = [0.0] * period
+    for k in range(rank % groups, period, groups):
+        summand[k] = float(first_adds[k]) if rank == k % groups else 1.0
+    return Patterns(period, {"moved": moved, "summand": summand, "sum": total})
 
 
 def input_segments(op: str, rank: int, world: int, count: int) -> list[Segment]:
     """What rank `rank` puts in its input buffer before the verification call (`count` = total elements)."""
     chunk = count // world
-    if op == "all_reduce":
-        return [Segment(0, count, "summand", RANK_STRIDE * rank)]
-    if op == "reduce_scatter":
-        return [Segment(0, count, "summand", RANK_STRIDE * rank)]
+    if op in ("all_reduce", "reduce_scatter"):  # the summand table is this rank's own
+        return [Segment(0, count, "summand", 0)]
     if op == "all_gather":
         return [Segment(0, chunk, "moved", RANK_STRIDE * rank)]
     if op == "broadcast":  # the root's data; the others start from a value no pattern holds
@@ -196,21 +255,21 @@ def expected_segments(op: str, rank: int, world: int, count: int) -> list[Segmen
 
 
 class PatternTiles:
-    """The tables laid out once on the device, PERIOD elements longer than a chunk, so any segment's slice at any
+    """The tables laid out once on the device, a period longer than a chunk, so any segment's slice at any
     phase is a view: filling is one copy and checking one compare per chunk, with no index tensors."""
 
-    def __init__(self, tables: dict[str, list[float]], dtype, device, chunk: int = VERIFY_CHUNK):
+    def __init__(self, patterns: Patterns, dtype, device, chunk: int = VERIFY_CHUNK):
         import torch
 
-        self.chunk = chunk
-        index = torch.arange(chunk + PERIOD, device=device) % PERIOD
+        self.chunk, self.period = chunk, patterns.period
+        index = torch.arange(chunk + self.period, device=device) % self.period
         self.tiles = {name: torch.tensor(values, dtype=torch.float64, device=device)[index].to(dtype)
-                      for name, values in tables.items()}
+                      for name, values in patterns.tables.items()}
 
     def _pieces(self, segment: Segment):
         for offset in range(0, segment.length, self.chunk):
             length = min(self.chunk, segment.length - offset)
-            phase = (segment.phase + offset) % PERIOD
+            phase = (segment.phase + offset) % self.period
             yield segment.start + offset, length, phase
 
     def fill(self, buffer, segments: list[Segment]) -> None:
@@ -269,7 +328,7 @@ class OpResult:
 class BenchReport:
     topology: dict
     results: list[OpResult]
-    expect_busbw: float | None
+    expect_busbw: dict[str, float]
     multinode: dict | None = None
 
     @property
@@ -282,11 +341,10 @@ class BenchReport:
         return statistics.fmean(rows) if rows else 0.0
 
     def below_expectation(self) -> list[OpResult]:
-        """Ops whose busbw at the largest size misses --expect-busbw. The largest size, not the average: small
-        sizes are latency-bound, and the plateau is the number a cluster is specified by."""
-        if self.expect_busbw is None:
-            return []
-        return [r for r in self.results if r.peak is None or r.peak.busbw < self.expect_busbw]
+        """Ops whose busbw at the largest size misses their --expect-busbw. The largest size, not the average:
+        small sizes are latency-bound, and the plateau is the number a cluster is specified by."""
+        return [r for r in self.results if r.op in self.expect_busbw
+                and (r.peak is None or r.peak.busbw < self.expect_busbw[r.op])]
 
     @property
     def passed(self) -> bool:

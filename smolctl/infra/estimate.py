@@ -21,8 +21,9 @@ from smolctl import __version__
 from smolctl.errors import UserError
 from smolctl.shards import atomic_write_json
 from smolctl.infra.flops import attention_flops_per_token, training_flops_per_token
-from smolctl.infra.memory import (ALLOCATOR_HEADROOM, FP32_SPEED, GIB, GPUS, OPTIMIZER_BYTES, PRECISIONS,
-                                  RUNTIME_RESERVED_GIB, activations, logits_grad_bytes, stage_params, state_bytes)
+from smolctl.infra.inference import InferencePlan, check_inference, inference
+from smolctl.infra.memory import (ALLOCATOR_HEADROOM, GIB, GPUS, OPTIMIZER_BYTES, PRECISIONS, RUNTIME_RESERVED_GIB,
+                                  TF32_SPEED, activations, logits_grad_bytes, stage_params, state_bytes)
 from smolctl.infra.model_shape import ModelShape, ParamCounts, config_from_dict, measure_shape, resolve_config
 from smolctl.infra.plan import Plan, accumulation, check_model_layout, data_parallel
 
@@ -30,6 +31,9 @@ from smolctl.infra.plan import Plan, accumulation, check_model_layout, data_para
 FAILURES_PER_GPU_DAY = 419 / (54 * 16384)
 RESTART_HOURS = 0.25
 """Time to notice a failure, reschedule and reload the last checkpoint."""
+GPUS_PER_NODE = 8
+STAGING_GBPS = 10.0
+"""GPU → host memory copy of each GPU's checkpoint shard before an async write (PCIe, pageable memory)."""
 
 
 # What compute() reads from the transformers config; cached beside the measured shape.
@@ -96,11 +100,15 @@ def memory(plan: Plan, shape: ModelShape) -> dict:
     act = activations(shape, micro_batch=plan.micro_batch, seq_len=plan.seq_len, precision=precision,
                       attention=plan.attention, recompute=plan.recompute, layers=stage_layers, tp=plan.tp, cp=plan.cp,
                       sequence_parallel=plan.sequence_parallel, loss_chunk_tokens=plan.loss_chunk_tokens)
-    shard = data_parallel(plan) * plan.cp
+    shard = (plan.dp_shard or data_parallel(plan)) * plan.cp
+    # ZeRO-3 / FSDP gathers one unit at a time: a decoder layer, or the embedding or LM head (their own units in
+    # torchtitan's wrapping) when those are larger, as with a large vocabulary on a small model
+    largest_unit = max(shape.params.per_layer, shape.params.embedding, shape.params.lm_head)
+    kv_per_layer = 2 * shape.hidden * shape.kv_dim
     stages = []
     for name, params, last in zip(("first", "last"), stage_params(shape, plan.pp), (plan.pp == 1, True)):
-        states = state_bytes(params, shape.params.per_layer, precision=precision, optimizer=plan.optimizer,
-                             zero=plan.zero, shard=shard, tp=plan.tp)
+        states = state_bytes(params, largest_unit, precision=precision, optimizer=plan.optimizer, zero=plan.zero,
+                             shard=shard, tp=plan.tp, kv_params=kv_per_layer * stage_layers, kv_heads=shape.kv_heads)
         held = in_flight if name == "first" else 1
         saved = held * (act.inputs + stage_layers * act.per_layer + act.weight_copies)
         saved += max(act.head if last else 0.0, act.recompute)
@@ -123,23 +131,53 @@ def memory(plan: Plan, shape: ModelShape) -> dict:
     }
 
 
-def overhead(plan: Plan, checkpoint_bytes: float) -> dict:
-    """The wall-clock factor on top of FLOPs ÷ (MFU × peak), and why."""
-    write_seconds = checkpoint_bytes / (plan.checkpoint_gbps * 1e9)
-    checkpoint = write_seconds / (plan.checkpoint_hours * 3600)
+def peak_flops(plan: Plan) -> float:
+    gpu = GPUS[plan.gpu]
+    if plan.precision != "fp32":
+        return gpu.bf16_tflops * 1e12
+    return gpu.bf16_tflops * 1e12 * TF32_SPEED if plan.tf32 else gpu.fp32_tflops * 1e12
+
+
+def overhead(plan: Plan, checkpoint_bytes: float, staged_bytes_per_gpu: float) -> dict:
+    """The wall-clock factor on top of FLOPs ÷ (MFU × peak), and why. A run of compute time C, checkpointing
+    every τ seconds with δ seconds of training stopped each time, failing every M seconds (mean time between
+    failures of the whole job) and losing R (restart) + τ/2 (work since the last checkpoint) + w (an async write
+    in flight) per failure, takes W = C·(1 + δ/τ) + (W / M)·(R + τ/2 + w), so W / C = (1 + δ/τ) / (1 − (R + τ/2
+    + w) / M). τ defaults to Young/Daly's optimum √(2·δ·M), no shorter than the write itself."""
+    nodes = math.ceil(plan.gpus / GPUS_PER_NODE)
+    write = checkpoint_bytes / (plan.checkpoint_gbps * 1e9 * nodes)
+    stall = staged_bytes_per_gpu / (STAGING_GBPS * 1e9) if plan.async_checkpoint else write
+    in_flight = write if plan.async_checkpoint else 0.0
     failures_per_day = FAILURES_PER_GPU_DAY * plan.gpus
-    failure = failures_per_day * (RESTART_HOURS + plan.checkpoint_hours / 2) / 24
-    computed = 1 + checkpoint + failure
+    mtbf = 86400 / failures_per_day
+    interval = plan.checkpoint_hours * 3600 if plan.checkpoint_hours else max(math.sqrt(2 * stall * mtbf), write)
+    lost = RESTART_HOURS * 3600 + interval / 2 + in_flight
+    if lost >= mtbf:
+        raise UserError("--gpus", f"{plan.gpus} GPUs fail every {mtbf / 60:.0f} min on average, less than the "
+                        f"{lost / 60:.0f} min each failure costs (restart, lost work)",
+                        "checkpoint more often (--checkpoint-hours) or faster (--checkpoint-gbps), or use fewer GPUs")
+    checkpoint, failure = stall / interval, lost / mtbf
+    computed = (1 + checkpoint) / (1 - failure)
+    how = (f"async: {stall:.2g} s to stage {staged_bytes_per_gpu / 1e9:.2g} GB per GPU to host memory, then "
+           f"{write:.0f} s to write" if plan.async_checkpoint else f"blocking: {write:.0f} s to write")
+    rule = "given" if plan.checkpoint_hours else "Young/Daly √(2·stall·MTBF)"
     why = (f"--mfu is the steady-state MFU the training monitor measures, so data loading, gradient sync and pipeline "
-           f"bubbles are already in it; on top: blocking checkpoint writes {checkpoint:.2%} "
-           f"({checkpoint_bytes / 1e9:.0f} GB every {plan.checkpoint_hours:g} h at {plan.checkpoint_gbps:g} GB/s) and "
-           f"failure recovery {failure:.2%} ({failures_per_day:.2f} interruptions/day at Llama 3's "
-           f"{FAILURES_PER_GPU_DAY:.1e} per GPU-day, each a {RESTART_HOURS * 60:.0f} min restart plus half a "
-           f"checkpoint interval of lost work)")
+           f"bubbles are already in it; on top: checkpoints {checkpoint:.2%} ({checkpoint_bytes / 1e9:,.0f} GB every "
+           f"{_minutes(interval)} ({rule}), {how} at {plan.checkpoint_gbps:g} GB/s per node × {nodes} nodes) "
+           f"and failure recovery {failure:.2%} ({failures_per_day:.2f} interruptions/day, one every "
+           f"{mtbf / 3600:.1f} h at Llama 3's {FAILURES_PER_GPU_DAY:.1e} per GPU-day, each a "
+           f"{RESTART_HOURS * 60:.0f} min restart plus {lost / 60 - RESTART_HOURS * 60:.1f} min of lost work): "
+           f"{1 / computed:.1%} of the wall-clock time trains")
     if plan.overhead is not None:
         why = f"--overhead {plan.overhead:g} given (computed: {computed:.3f} — {why})"
-    return {"factor": plan.overhead if plan.overhead is not None else computed, "checkpoint_fraction": checkpoint,
-            "failure_fraction": failure, "checkpoint_write_seconds": write_seconds, "why": why}
+    factor = plan.overhead if plan.overhead is not None else computed
+    return {"factor": factor, "effective_training_time": 1 / factor, "checkpoint_fraction": checkpoint,
+            "failure_fraction": failure, "checkpoint_write_seconds": write, "checkpoint_stall_seconds": stall,
+            "checkpoint_interval_seconds": interval, "mtbf_hours": mtbf / 3600, "why": why}
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def _duration(seconds: float) -> dict:
@@ -151,11 +189,12 @@ def compute(plan: Plan, config, shape: ModelShape) -> dict:
     batch_tokens, accumulate = accumulation(plan)
     tokens = plan.tokens or batch_tokens
     per_token = training_flops_per_token(config, plan.seq_len, shape.params.matmul)
-    peak = GPUS[plan.gpu].bf16_tflops * 1e12 * (FP32_SPEED if plan.precision == "fp32" else 1.0)
+    peak = peak_flops(plan)
     per_gpu = plan.mfu * peak / per_token
     seconds = tokens * per_token / (plan.gpus * plan.mfu * peak)
     full_state = shape.params.total * (precision.param_bytes + precision.master_bytes + OPTIMIZER_BYTES[plan.optimizer])
-    extra = overhead(plan, full_state)
+    # DCP writes each replicated tensor once and balances the writes over the ranks, so every GPU stages its share
+    extra = overhead(plan, full_state, full_state / plan.gpus)
     wall = seconds * extra["factor"]
     result = {
         "flops_per_token": per_token, "six_n": 6.0 * shape.params.matmul,
@@ -168,7 +207,9 @@ def compute(plan: Plan, config, shape: ModelShape) -> dict:
         "gpu_hours": plan.gpus * wall / 3600,
         "cost": plan.gpus * wall / 3600 * plan.price_per_gpu_hour if plan.price_per_gpu_hour else None,
         "checkpoint": {"bytes": full_state, "model_bytes": shape.params.total * 2,
-                       "write_seconds": extra["checkpoint_write_seconds"], "gbps": plan.checkpoint_gbps},
+                       "write_seconds": extra["checkpoint_write_seconds"], "gbps_per_node": plan.checkpoint_gbps,
+                       "stall_seconds": extra["checkpoint_stall_seconds"],
+                       "interval_seconds": extra["checkpoint_interval_seconds"], "async": plan.async_checkpoint},
         "pipeline_bubble": (plan.pp - 1) / (accumulate + plan.pp - 1) if plan.pp > 1 else 0.0,
         "recompute_flops_per_token": 2.0 * shape.params.matmul if plan.recompute == "full" else 0.0,
     }
@@ -200,23 +241,79 @@ def largest_micro_batch(plan: Plan, shape: ModelShape, limit: int = 1024) -> int
 _RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 2}
 
 
-def smallest_layouts(plan: Plan, shape: ModelShape, top: int = 5) -> list[dict]:
-    """Layouts that fit at the plan's micro batch, fastest first: no recompute before selective before full
-    (full recompute costs a third more FLOPs, more than intra-node TP costs), then the fewest model-parallel GPUs,
-    then ZeRO 0–2 before 3 (ZeRO-1/2 move the same bytes as an all-reduce, ZeRO-3 half as much again), then TP
-    before PP (bubbles) before CP, then the most free memory."""
-    found = []
-    for tp, pp, cp, zero, recompute in product((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8), (0, 1, 2, 3),
-                                               ("none", "selective", "full")):
-        if plan.gpus % (tp * pp * cp) or plan.seq_len % cp or (recompute == "selective" and plan.attention != "eager"):
+def _candidates(plan: Plan):
+    """Every layout --find considers. smolctl: what `smolctl pretrain` runs, tensor parallel × FSDP2 data parallel
+    sharded over dp_shard ranks and replicated over the rest (HSDP; dp_shard 1 is plain DDP), no pipeline or
+    context parallel. megatron: tp × pp × cp with ZeRO 0–3 over data parallel."""
+    recomputes = ("none", "selective", "full") if plan.attention == "eager" else ("none", "full")
+    if plan.framework == "smolctl":
+        for tp, recompute in product((1, 2, 4, 8), recomputes):
+            if plan.gpus % tp:
+                continue
+            dp = plan.gpus // tp
+            for shard in sorted({d for d in (2**k for k in range(dp.bit_length())) if dp % d == 0} | {dp}):
+                yield replace(plan, tp=tp, pp=1, cp=1, zero=3 if shard > 1 else 0,
+                              dp_shard=shard if shard > 1 else None, recompute=recompute)
+        return
+    for tp, pp, cp, zero, recompute in product((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8), (0, 1, 2, 3), recomputes):
+        if not plan.gpus % (tp * pp * cp) and not plan.seq_len % cp:
+            yield replace(plan, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=None, recompute=recompute)
+
+
+def smallest_layouts(plan: Plan, shape: ModelShape, top: int = 5) -> dict:
+    """Layouts that fit at the plan's micro batch and global batch (held fixed: data parallel × micro batch must
+    divide it, and a pipeline needs at least as many micro batches as stages), fastest first: no recompute before
+    selective before full (full recompute costs a third more FLOPs, more than intra-node TP costs), then the fewest
+    model-parallel GPUs, then weights gathered inside a node before across nodes (HSDP), then ZeRO 0–2 before 3
+    (ZeRO-1/2 move the same bytes as an all-reduce, ZeRO-3 half as much again), then TP before PP (bubbles)
+    before CP, then the most free memory."""
+    batch_tokens = plan.global_batch_tokens or accumulation(plan)[0]  # the batch asked for, not a rounded one
+    sequences = batch_tokens // plan.seq_len
+    found, skipped = [], {"batch": 0, "pipeline": 0}
+    for candidate in _candidates(replace(plan, global_batch_tokens=batch_tokens)):
+        dp = data_parallel(candidate)
+        if sequences % (dp * plan.micro_batch):
+            skipped["batch"] += 1
             continue
-        candidate = replace(plan, tp=tp, pp=pp, cp=cp, zero=zero, recompute=recompute)
+        accumulate = sequences // (dp * plan.micro_batch)
+        if accumulate < candidate.pp:
+            skipped["pipeline"] += 1
+            continue
         result = _fits(candidate, shape)
         if result:
-            found.append(((_RECOMPUTE_COST[recompute], tp * pp * cp, zero == 3, pp, cp, -result["free"]),
-                          {"tp": tp, "pp": pp, "cp": cp, "dp": plan.gpus // (tp * pp * cp), "zero": zero,
-                           "recompute": recompute, "total": result["total"], "free": result["free"]}))
-    return [layout for _, layout in sorted(found, key=lambda item: item[0])[:top]]
+            shard = candidate.dp_shard or dp
+            across_nodes = candidate.zero == 3 and shard * candidate.model_parallel > GPUS_PER_NODE
+            found.append(((_RECOMPUTE_COST[candidate.recompute], candidate.model_parallel, across_nodes,
+                           candidate.zero == 3, candidate.pp, candidate.cp, -result["free"]),
+                          {"tp": candidate.tp, "pp": candidate.pp, "cp": candidate.cp, "dp": dp,
+                           "dp_shard": shard if candidate.zero == 3 else 1,
+                           "dp_replicate": dp // shard if candidate.zero == 3 else dp, "zero": candidate.zero,
+                           "recompute": candidate.recompute, "gradient_accumulation": accumulate,
+                           "global_batch_tokens": batch_tokens, "total": result["total"], "free": result["free"]}))
+    return {"framework": plan.framework, "global_batch_tokens": batch_tokens, "skipped": skipped,
+            "layouts": [layout for _, layout in sorted(found, key=lambda item: item[0])[:top]]}
+
+
+def _headlines(plan: Plan, held: dict, batch_tokens: int) -> list[dict]:
+    """What the reader must not miss, above the tables: a run that does not fit, a global batch other than the
+    one asked for, a time for one step when no token count was given."""
+    lines = []
+    if not held["fits"]:
+        lines.append({"level": "error", "text": f"does not fit {plan.gpu}: {held['total'] / GIB:.1f} GiB per GPU of "
+                      f"{held['capacity'] / GIB:.1f} — --find lists the layouts that do (or try --recompute full, a "
+                      "larger --tp, a smaller --micro-batch)"})
+    if plan.global_batch_tokens and batch_tokens != plan.global_batch_tokens:
+        wanted = plan.global_batch_tokens // plan.seq_len
+        per_step = plan.micro_batch * data_parallel(plan)
+        lines.append({"level": "warning", "text": f"global batch changed from {plan.global_batch_tokens:,} to "
+                      f"{batch_tokens:,} tokens: {data_parallel(plan)} data-parallel ranks × micro batch "
+                      f"{plan.micro_batch} = {per_step} sequences per pass do not divide the {wanted} asked for, so "
+                      f"the step rounds up to {batch_tokens // plan.seq_len}; choose --gpus / --micro-batch so that "
+                      f"dp × micro batch divides {wanted} (or --find)"})
+    if plan.tokens is None:
+        lines.append({"level": "warning", "text": f"no --tokens: the time and cost below are for ONE optimizer step "
+                      f"({batch_tokens:,} tokens); give the run's tokens, e.g. --tokens 1T"})
+    return lines
 
 
 def estimate(plan: Plan, *, find: bool = False) -> dict:
@@ -224,9 +321,6 @@ def estimate(plan: Plan, *, find: bool = False) -> dict:
     check_model_layout(plan, shape.heads, shape.kv_heads, shape.layers)
     batch_tokens, accumulate = accumulation(plan)
     notes = list(plan.notes)
-    if plan.global_batch_tokens and batch_tokens != plan.global_batch_tokens:
-        notes.append(f"global batch rounded up from {plan.global_batch_tokens} to {batch_tokens} tokens (a whole "
-                     f"number of micro batches on each of the {data_parallel(plan)} data-parallel ranks)")
     if not shape.llama_like:
         notes.append(f"{shape.model_type} is not a Llama-family layer: activations are approximated with the "
                      "Llama formula; run --validate to measure them")
@@ -236,10 +330,14 @@ def estimate(plan: Plan, *, find: bool = False) -> dict:
     if plan.recompute == "full":
         notes.append("full recompute runs each layer's forward twice (+2N FLOPs/token of hardware work); give the "
                      "MFU measured with it (MFU does not count recomputation)")
+    if plan.tp > shape.kv_heads:
+        notes.append(f"tp {plan.tp} > {shape.kv_heads} KV heads: each KV head is replicated on "
+                     f"{plan.tp // shape.kv_heads} ranks (its weights counted on each)")
+    if plan.precision == "fp32":
+        notes.append("fp32 matmuls at the TF32 tensor-core rate (--tf32)" if plan.tf32 else
+                     f"fp32 matmuls at the plain fp32 rate ({GPUS[plan.gpu].fp32_tflops:g} TFLOPS): PyTorch leaves "
+                     "TF32 off; with it on (torch.backends.cuda.matmul.allow_tf32) pass --tf32")
     held = memory(plan, shape)
-    if not held["fits"]:
-        notes.append(f"does not fit {plan.gpu}: --find lists the layouts that do (or try --recompute full, a larger "
-                     "--tp, a smaller --micro-batch)")
     loss_bytes = held["activations_detail"]["head"] + held["logits_grad"]
     if loss_bytes > 0.15 * held["capacity"]:
         notes.append(f"the loss over {shape.vocab} vocabulary entries holds {loss_bytes / 2**30:.1f} GiB (fp32 "
@@ -248,16 +346,26 @@ def estimate(plan: Plan, *, find: bool = False) -> dict:
         "source": plan.source,
         "model": {"name": plan.model if isinstance(plan.model, str) else plan.model.get("architecture", "?"),
                   **shape.to_dict()},
+        "headlines": _headlines(plan, held, batch_tokens),
         "layout": {"gpus": plan.gpus, "gpu": plan.gpu, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp,
-                   "dp": data_parallel(plan), "zero": plan.zero, "recompute": plan.recompute,
+                   "dp": data_parallel(plan), "dp_shard": plan.dp_shard, "zero": plan.zero, "recompute": plan.recompute,
                    "attention": plan.attention, "precision": plan.precision, "optimizer": plan.optimizer,
                    "seq_len": plan.seq_len, "micro_batch": plan.micro_batch, "gradient_accumulation": accumulate,
-                   "global_batch_tokens": batch_tokens, "mfu": plan.mfu},
+                   "global_batch_tokens": batch_tokens, "mfu": plan.mfu, "tf32": plan.tf32},
         "memory": held,
         "compute": compute(plan, config, shape),
         "notes": notes,
     }
     if find:
-        result["find"] = {"largest_micro_batch": largest_micro_batch(plan, shape),
-                          "layouts": smallest_layouts(plan, shape)}
+        result["find"] = {"largest_micro_batch": largest_micro_batch(plan, shape), **smallest_layouts(plan, shape)}
     return result
+
+
+def estimate_inference(plan: Plan, serving: InferencePlan) -> dict:
+    """Weights, KV cache, activations and decode speed of serving the plan's model on its GPU type (tp GPUs)."""
+    _, shape = load_model(plan)
+    check_model_layout(replace(plan, pp=1), shape.heads, shape.kv_heads, shape.layers)
+    return {"source": plan.source,
+            "model": {"name": plan.model if isinstance(plan.model, str) else plan.model.get("architecture", "?"),
+                      **shape.to_dict()},
+            "inference": inference(shape, plan.gpu, check_inference(serving), tp=plan.tp)}

@@ -43,16 +43,24 @@ class Gpu:
     """What `torch.cuda.mem_get_info` reports as total (a little under the marketing number)."""
     bf16_tflops: float
     """Dense bf16 tensor-core peak (no sparsity)."""
+    fp32_tflops: float
+    """Plain fp32 (CUDA cores, no TF32): what fp32 matmuls get unless TF32 is switched on."""
+    memory_tbps: float
+    """Memory bandwidth, TB/s: the bound on decoding, which reads every weight and the KV cache per token."""
 
 
+# Datasheet numbers (dense, SXM unless named).
 GPUS: dict[str, Gpu] = {g.name: g for g in [
-    Gpu("h100", 79.1, 989.4), Gpu("h100-pcie", 79.1, 756.0), Gpu("h200", 139.8, 989.4), Gpu("gh200", 94.5, 989.4),
-    Gpu("b200", 178.4, 2250.0), Gpu("a100-80", 79.2, 312.0), Gpu("a100-40", 39.4, 312.0), Gpu("l40s", 44.4, 362.1),
-    Gpu("l4", 22.0, 121.0), Gpu("a10g", 22.0, 70.0), Gpu("rtx4090", 23.6, 165.2), Gpu("mi300x", 191.5, 1307.4),
+    Gpu("h100", 79.1, 989.4, 66.9, 3.35), Gpu("h100-pcie", 79.1, 756.0, 51.2, 2.0),
+    Gpu("h200", 139.8, 989.4, 66.9, 4.8), Gpu("gh200", 94.5, 989.4, 66.9, 4.0), Gpu("b200", 178.4, 2250.0, 80.0, 8.0),
+    Gpu("a100-80", 79.2, 312.0, 19.5, 2.04), Gpu("a100-40", 39.4, 312.0, 19.5, 1.56),
+    Gpu("l40s", 44.4, 362.1, 91.6, 0.86), Gpu("l4", 22.0, 121.0, 30.3, 0.3), Gpu("a10g", 22.0, 70.0, 31.2, 0.6),
+    Gpu("rtx4090", 23.6, 165.2, 82.6, 1.01), Gpu("mi300x", 191.5, 1307.4, 163.4, 5.3),
 ]}
 
-# fp32 matmuls run as TF32 on tensor cores at half the bf16 rate (A100, H100, B200).
-FP32_SPEED = 0.5
+# fp32 matmuls with TF32 switched on (torch.backends.cuda.matmul.allow_tf32) run on tensor cores at half the bf16
+# rate (A100, H100, B200); PyTorch leaves it off by default, so plain fp32 runs at the GPU's fp32_tflops.
+TF32_SPEED = 0.5
 # The caching allocator's fragmentation: reserved memory runs 5–15% above allocated in long training runs.
 ALLOCATOR_HEADROOM = 0.10
 # CUDA context, cuBLAS/NCCL workspaces: outside max_memory_allocated but not usable by tensors.
@@ -241,12 +249,20 @@ def stage_params(shape: ModelShape, pp: int) -> tuple[int, int]:
     return stage_layers + counts.embedding, stage_layers + shape.hidden + head
 
 
+def tp_local_params(params: float, kv_params: float, tp: int, kv_heads: int) -> float:
+    """Parameters on one tensor-parallel rank: everything splits by tp except the key/value projections when tp
+    exceeds the KV heads (GQA): a head cannot be split, so each rank holds one whole KV head, replicated across
+    tp / kv_heads ranks."""
+    return (params - kv_params) / tp + kv_params / min(tp, kv_heads)
+
+
 def state_bytes(params: float, per_layer: float, *, precision: Precision, optimizer: str, zero: int, shard: int,
-                tp: int) -> StateBytes:
+                tp: int, kv_params: float = 0.0, kv_heads: int = 1) -> StateBytes:
     """Weights, gradients, fp32 master weights and optimizer states of `params` parameters on one GPU. TP shards
-    everything by tp; ZeRO stage 1/2/3 shards optimizer states (+ master), then gradients, then weights over the
-    `shard` ranks that hold replicas (data parallel × context parallel)."""
-    local = params / tp
+    everything by tp (KV projections: see tp_local_params); ZeRO stage 1/2/3 shards optimizer states (+ master),
+    then gradients, then weights over the `shard` ranks that hold replicas (data parallel × context parallel).
+    `per_layer` is the largest unit ZeRO-3 gathers at once (a decoder layer, or the embedding when larger)."""
+    local = tp_local_params(params, kv_params, tp, kv_heads) if kv_params else params / tp
     gather = 0.0
     if zero >= 3:
         gather = per_layer / tp * (2 * precision.param_bytes + precision.grad_bytes)

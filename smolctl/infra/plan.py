@@ -57,14 +57,23 @@ class Plan:
     optimizer: str = "adamw"
     mfu: float = 0.30
     """Achieved model FLOPs utilisation (steady state, as the training monitor reports it)."""
+    tf32: bool = False
+    """fp32 matmuls on tensor cores (TF32); off by default in PyTorch, so fp32 runs at the plain fp32 rate."""
     price_per_gpu_hour: float | None = None
     target_days: float | None = None
-    checkpoint_gbps: float = 5.0
-    """Aggregate write bandwidth of the checkpoint storage in GB/s."""
-    checkpoint_hours: float = 1.0
-    """Hours between checkpoints."""
+    checkpoint_gbps: float = 1.0
+    """Checkpoint write bandwidth per node, GB/s (Llama 3's storage: 2 TB/s sustained over 2,048 nodes)."""
+    checkpoint_hours: float | None = None
+    """Hours between checkpoints; default: Young/Daly's optimum for the cluster's failure rate."""
+    async_checkpoint: bool = True
+    """Training waits only for the copy to host memory; the write to storage runs behind it (DCP async_save)."""
     overhead: float | None = None
     """Replace the computed overhead factor (checkpoint writes + failure recovery) by this one."""
+    framework: str = "smolctl"
+    """What --find may propose: smolctl (tp × FSDP2/HSDP data parallel, as `smolctl pretrain` runs) or megatron
+    (tp, pp, cp, ZeRO 0–3)."""
+    dp_shard: int | None = None
+    """FSDP2/HSDP: data-parallel ranks one replica is sharded over (default: all of them, when zero = 3)."""
     sequence_parallel: bool = True
     """False for smolctl's trainer: its TP splits attention and MLP only; norms and the LM head stay whole."""
     loss_chunk_tokens: int | None = None
@@ -79,6 +88,7 @@ class Plan:
 
 # Recipe [training] keys → plan fields; values translated where the recipe speaks the trainer's language.
 _RECIPE_PRECISION = {"auto": "amp", "bf16": "amp", "fp32": "fp32"}
+FRAMEWORKS = ("smolctl", "megatron")
 _RECIPE_ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash", "flex_attention": "flash"}
 
 
@@ -193,6 +203,7 @@ def check_plan(plan: Plan) -> Plan:
     _choice(plan.optimizer, OPTIMIZER_BYTES, "--optimizer")
     _choice(plan.recompute, RECOMPUTES, "--recompute")
     _choice(plan.attention, ATTENTIONS, "--attention")
+    _choice(plan.framework, FRAMEWORKS, "--framework")
     for name in ("seq_len", "micro_batch", "tp", "pp", "cp"):
         if getattr(plan, name) < 1:
             raise UserError(f"--{name.replace('_', '-')}", f"must be at least 1, got {getattr(plan, name)}")
@@ -223,6 +234,12 @@ def check_plan(plan: Plan) -> Plan:
         raise UserError("--gpus", f"{gpus} GPUs cannot hold tp {plan.tp} × pp {plan.pp} × cp {plan.cp} = "
                         f"{plan.model_parallel} (the layout must multiply to --gpus with a whole data-parallel size)",
                         f"use a multiple of {plan.model_parallel} GPUs")
+    if plan.dp_shard is not None and plan.zero != 3:
+        raise UserError("--dp-shard", f"{plan.dp_shard} shards weights, gradients and optimizer states (FSDP2, "
+                        f"ZeRO-3), not ZeRO-{plan.zero}", "add --zero 3")
+    if plan.dp_shard is not None and (plan.dp_shard < 1 or (gpus // plan.model_parallel) % plan.dp_shard):
+        raise UserError("--dp-shard", f"{plan.dp_shard} does not divide the {gpus // plan.model_parallel} "
+                        "data-parallel ranks", "use a divisor of the data-parallel size")
     return replace(plan, gpus=gpus)
 
 

@@ -2,25 +2,35 @@
 
     smolctl stress-gpu --duration 5m
 
-Each device runs in its own thread: an n×n matmul repeated for the whole duration (TFLOPS sampled per window,
-timed around the matmuls only), every result compared with a reference computed once and sanity-checked in
-float64 (silent data corruption shows up as mismatching elements), and a pattern test that writes and reads back
-a buffer filling the rest of the chosen memory fraction. With nvidia-ml-py installed, temperature, power, SM
-clock, throttle reasons and ECC / row-remapping counters are sampled too. A device is FAULTY on any mismatch or
-memory error, or when its median TFLOPS is more than `tolerance` below the best device's. On a machine without
-GPUs the same code runs on the CPU in float32 with small matrices.
+Every GPU runs in its own process: an n×n matmul repeated for the whole duration (TFLOPS sampled per window,
+timed around the matmuls only), every result compared bit for bit with the device's first one (itself checked in
+float64 by Freivalds' method), and a pattern test that writes and reads back a buffer filling the rest of the
+chosen memory fraction; NVML telemetry (infra/telemetry.py) is sampled alongside. Every device multiplies the same
+matrices from the same seed with the same kernel, so the SHA-256 of each device's product must agree across the
+node. `judge` then marks each device OK or FAULTY. `--devices cpu` runs the same code on the CPU in float32 with
+small matrices (a check of the tool, not of the CPU).
+
+Why processes: a Python thread per GPU shares one GIL for all kernel launches, so eight GPUs launching short
+matmuls and checks contend for it, and a CUDA error (an Xid, an illegal address) poisons the whole process's
+CUDA context, so one bad GPU would fail all the others. A process per GPU costs a few seconds of start-up.
+Threads remain for the CPU (one device; tests inject faults by patching the worker in-process).
 """
 
 from __future__ import annotations
 
+import hashlib
+import multiprocessing
+import queue
 import re
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
-from smolctl.errors import UserError
+from smolctl.errors import CheckFailed, UserError
+from smolctl.infra.telemetry import health_findings, nvidia_smi_gpus, open_telemetry, why_no_gpu
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
@@ -29,8 +39,7 @@ CPU_PATTERN_BYTES = 16 * 2**20  # CPU mode exercises the code path; it is not a 
 PATTERN_CHUNK = 2**24  # int32 words written/checked per kernel: bounds the scratch buffer to 64 MiB
 PATTERN_SEEDS = (0x55555555, -0x55555556, 0, -1)  # 0x5555…, 0xAAAA…, all zeros, all ones: every bit both ways
 HEADROOM_BYTES = 512 * 2**20  # left free for cuBLAS workspaces and the check's temporaries
-THROTTLE_REASONS = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal",
-                    0x80: "hw_power_brake"}
+LAUNCHES = ("auto", "process", "thread")
 
 
 def parse_duration(text: str) -> float:
@@ -56,10 +65,15 @@ class StressConfig:
     """A device whose median TFLOPS is more than this fraction below the best device's fails."""
     sample_s: float = 1.0
     """Seconds of matmuls per TFLOPS sample."""
+    expect_tflops: float | None = None
+    """An absolute floor on each device's median TFLOPS (a node whose GPUs are all equally slow fails too)."""
+    launch: str = "auto"
+    """process (one per device), thread, or auto: processes for GPUs, a thread for the CPU."""
 
 
 def build_config(*, duration: str, dtype: str | None, size: int | None, memory_fraction: float, tolerance: float,
-                 devices: str) -> StressConfig:
+                 devices: str, expect_tflops: float | None = None, expect_gpus: int | None = None,
+                 launch: str = "auto") -> StressConfig:
     """Validate the flags; defaults follow the hardware: bf16 and 8192 on GPUs, fp32 and 512 on the CPU."""
     import torch
 
@@ -68,24 +82,35 @@ def build_config(*, duration: str, dtype: str | None, size: int | None, memory_f
         raise UserError("--memory-fraction", f"{memory_fraction} is outside (0, 1)", "use e.g. 0.9 for 90%")
     if not 0 <= tolerance < 1:
         raise UserError("--tolerance", f"{tolerance} is outside [0, 1)", "use e.g. 0.10 for 10% slower than the best")
+    if expect_tflops is not None and not expect_tflops > 0:
+        raise UserError("--expect-tflops", f"{expect_tflops} is not a rate", "give TFLOPS above 0, e.g. 600")
+    if expect_gpus is not None and expect_gpus < 1:
+        raise UserError("--expect-gpus", f"{expect_gpus} GPUs checks nothing", "give 1 or more, e.g. 8")
+    if launch not in LAUNCHES:
+        raise UserError("--launch", f"unknown launch {launch!r}", f"choose from {', '.join(LAUNCHES)}")
+    if dtype is not None and DTYPE_ALIASES.get(dtype.lower(), dtype.lower()) not in DTYPES:
+        raise UserError("--dtype", f"unknown dtype {dtype!r}", f"choose from {', '.join(DTYPES)}")
+    if size is not None and not 16 <= size <= 65536:
+        raise UserError("--size", f"{size} is not a sensible matrix size", "use 16..65536, e.g. 8192 on GPUs")
+    # the flags are sound; now whether the node is (a GPU that torch cannot see fails it, exit 1)
     resolved = resolve_devices(devices, torch.cuda.device_count())
     on_gpu = resolved[0] != "cpu"
-    name = dtype.lower() if dtype else ("bf16" if on_gpu else "fp32")
-    name = DTYPE_ALIASES.get(name, name)
-    if name not in DTYPES:
-        raise UserError("--dtype", f"unknown dtype {dtype!r}", f"choose from {', '.join(DTYPES)}")
+    if on_gpu:
+        check_gpu_count(torch.cuda.device_count(), expect_gpus, everything=devices.strip().lower() == "all")
+    name = DTYPE_ALIASES.get(dtype.lower(), dtype.lower()) if dtype else ("bf16" if on_gpu else "fp32")
     n = size or (8192 if on_gpu else 512)
-    if not 16 <= n <= 65536:
-        raise UserError("--size", f"{n} is not a sensible matrix size", "use 16..65536, e.g. 8192 on GPUs")
     return StressConfig(seconds, resolved, name, n, memory_fraction, tolerance,
-                        sample_s=min(2.0, max(0.25, seconds / 30)))
+                        sample_s=min(2.0, max(0.25, seconds / 30)), expect_tflops=expect_tflops, launch=launch)
 
 
 def resolve_devices(spec: str, gpu_count: int) -> tuple[str, ...]:
-    """'all' → every visible GPU (or the CPU when there is none); '0,3' → those GPUs; 'cpu' → the CPU."""
+    """'all' → every visible GPU (a failed check when torch sees none); '0,3' → those GPUs; 'cpu' → the CPU."""
     spec = spec.strip().lower()
-    if spec == "cpu" or (spec == "all" and gpu_count == 0):
+    if spec == "cpu":
         return ("cpu",)
+    if spec == "all" and gpu_count == 0:
+        raise CheckFailed(f"stress-gpu --devices all: torch sees no GPU ({why_no_gpu()}); a node whose GPUs "
+                          "torch cannot use fails — for a CPU-only check of the tool pass --devices cpu")
     if spec == "all":
         return tuple(f"cuda:{i}" for i in range(gpu_count))
     indices = []
@@ -98,6 +123,17 @@ def resolve_devices(spec: str, gpu_count: int) -> tuple[str, ...]:
     return tuple(f"cuda:{i}" for i in dict.fromkeys(indices))
 
 
+def check_gpu_count(visible: int, expected: int | None, *, everything: bool) -> None:
+    """Fail a node where torch sees fewer GPUs than --expect-gpus, or (with --devices all and no --expect-gpus)
+    than nvidia-smi lists: a GPU that CUDA cannot initialise is otherwise simply left out of 'all'."""
+    source = "--expect-gpus"
+    if expected is None and everything:
+        expected, source = nvidia_smi_gpus(), "nvidia-smi / CUDA_VISIBLE_DEVICES"
+    if expected is not None and visible < expected:
+        raise CheckFailed(f"stress-gpu: torch sees {visible} GPU(s), {expected} expected ({source}); a missing "
+                          "GPU is a failed node (check `nvidia-smi`, the kernel log for Xid / 'fallen off the bus')")
+
+
 @dataclass
 class DeviceReport:
     device: str
@@ -105,15 +141,18 @@ class DeviceReport:
     tflops: list[float] = field(default_factory=list)
     matmuls: int = 0
     mismatches: int = 0
-    """Result elements that differ from the reference (plus reference rows failing the float64 check)."""
+    """Result elements not bit-identical to the device's first result (plus its rows failing the float64 check)."""
+    result_hash: str | None = None
+    """SHA-256 of the device's first product: every device multiplies the same inputs, so these must agree."""
     memory_errors: int = 0
-    """int32 words the pattern test read back wrong, plus new uncorrectable ECC errors."""
+    """int32 words the pattern test read back wrong."""
     memory_tested_bytes: int = 0
     pattern_passes: int = 0
     telemetry: dict = field(default_factory=dict)
     error: str | None = None
     verdict: str = "OK"
     reasons: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def tflops_min(self) -> float | None:
@@ -127,59 +166,117 @@ class DeviceReport:
         return {**asdict(self), "tflops_min": self.tflops_min, "tflops_median": self.tflops_median}
 
 
-def judge(reports: list[DeviceReport], tolerance: float) -> list[DeviceReport]:
-    """Mark each device OK or FAULTY (in place, and return the list): any mismatch, memory or ECC error, a crash,
-    or a median TFLOPS more than `tolerance` below the best device's (gpu-fryer's rule)."""
+def _hash_outliers(reports: list[DeviceReport]) -> dict[str, str]:
+    """device → why its product is suspect: devices of one model whose hash is not the majority's (all of them
+    when no hash has a majority)."""
+    outliers = {}
+    for name in dict.fromkeys(r.name for r in reports):
+        members = [r for r in reports if r.name == name and r.result_hash]
+        votes = Counter(r.result_hash for r in members)
+        if len(votes) < 2:
+            continue
+        (majority, count), *rest = votes.most_common()
+        tied = rest[0][1] == count
+        for r in members:
+            if tied:
+                outliers[r.device] = (f"products differ bit-wise across the {len(members)} {name} devices with no "
+                                      f"majority ({len(votes)} different results from the same inputs)")
+            elif r.result_hash != majority:
+                outliers[r.device] = (f"product differs bit-wise from {count} of the {len(members)} {name} devices "
+                                      "(same inputs, same kernel)")
+    return outliers
+
+
+def judge(reports: list[DeviceReport], tolerance: float, expect_tflops: float | None = None) -> list[DeviceReport]:
+    """Mark each device OK or FAULTY (in place, and return the list): a crash, any mismatch, a product that
+    differs from the other devices', a memory error, what NVML reports (hardware throttling, row remapping, new
+    uncorrectable ECC errors, Xid errors, a PCIe link below its maximum), a median TFLOPS below --expect-tflops,
+    or more than `tolerance` below the best device's (gpu-fryer's rule)."""
     timed = [r for r in reports if r.tflops_median]
     healthy = [r for r in timed if not (r.error or r.mismatches or r.memory_errors)]
     fastest = max(healthy or timed, key=lambda r: r.tflops_median, default=None)  # a broken device sets no bar
     best, best_device = (fastest.tflops_median, fastest.device) if fastest else (None, None)
+    outliers = _hash_outliers(reports)
     for report in reports:
         reasons = []
         if report.error:
             reasons.append(f"error: {report.error}")
         if report.mismatches:
             reasons.append(f"{report.mismatches} mismatching result element(s)")
+        if report.device in outliers:
+            reasons.append(outliers[report.device])
         if report.memory_errors:
             reasons.append(f"{report.memory_errors} memory error(s)")
-        if report.telemetry.get("remap_failure"):
-            reasons.append("row remapping failed")
+        faults, report.warnings = health_findings(report.telemetry)
+        reasons += faults
         if report.tflops_median is None:
             reasons.append("no matmul finished")
-        elif best and report.tflops_median < (1 - tolerance) * best:
-            reasons.append(f"{1 - report.tflops_median / best:.0%} slower than the best device ({best_device})")
+        else:
+            if expect_tflops and report.tflops_median < expect_tflops:
+                reasons.append(f"median {report.tflops_median:.4g} TFLOPS < --expect-tflops {expect_tflops:g}")
+            if best and report.tflops_median < (1 - tolerance) * best:
+                reasons.append(f"{1 - report.tflops_median / best:.0%} slower than the best device ({best_device})")
         report.reasons, report.verdict = reasons, "FAULTY" if reasons else "OK"
     return reports
 
 
-def run_stress(config: StressConfig, on_tick: Callable[[float, list[DeviceReport]], None] | None = None,
-               stop: threading.Event | None = None) -> list[DeviceReport]:
-    """Stress every device concurrently (so they heat up together, as in a real run) and judge them."""
-    stop = stop or threading.Event()
-    reports = [DeviceReport(device) for device in config.devices]
-    workers = [DeviceStress(i, config, report, stop) for i, report in enumerate(reports)]
-    threads = [threading.Thread(target=worker.run, name=f"stress-{worker.report.device}", daemon=True)
-               for worker in workers]
-    began = time.monotonic()
-    for thread in threads:
-        thread.start()
+def _device_main(index: int, config: StressConfig, updates, stop) -> None:
+    """One device's worker, in a thread or a spawned process: runs the burn and posts its report after every
+    window, the last time with done=True."""
+    report = DeviceReport(config.devices[index])
     try:
-        while any(thread.is_alive() for thread in threads):
-            for thread in threads:
-                thread.join(timeout=0.2)
+        DeviceStress(index, config, report, stop, publish=lambda: updates.put((index, asdict(report), False))).run()
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the group; the parent reports it once
+        return
+    updates.put((index, asdict(report), True))
+
+
+def run_stress(config: StressConfig, on_tick: Callable[[float, list[DeviceReport]], None] | None = None,
+               stop=None) -> list[DeviceReport]:
+    """Stress every device concurrently (so they heat up together, as in a real run) and judge them."""
+    in_processes = config.launch == "process" or (config.launch == "auto" and config.devices[0] != "cpu")
+    context = multiprocessing.get_context("spawn")
+    updates = context.Queue() if in_processes else queue.Queue()
+    stop = stop or (context.Event() if in_processes else threading.Event())
+    make = context.Process if in_processes else threading.Thread
+    workers = [make(target=_device_main, args=(i, config, updates, stop), name=f"stress-{device}", daemon=True)
+               for i, device in enumerate(config.devices)]
+    reports = [DeviceReport(device) for device in config.devices]
+    done: set[int] = set()
+    began = time.monotonic()
+    for worker in workers:
+        worker.start()
+    try:
+        while len(done) < len(workers):
+            try:
+                index, state, final = updates.get(timeout=0.2)
+                reports[index] = DeviceReport(**{f.name: state[f.name] for f in fields(DeviceReport)})
+                if final:
+                    done.add(index)
+            except queue.Empty:  # nothing new: a worker that died without its last report crashed
+                for index, worker in enumerate(workers):
+                    if index not in done and not worker.is_alive():
+                        code = getattr(worker, "exitcode", None)
+                        reports[index].error = f"worker exited with code {code} without a report"
+                        done.add(index)
             if on_tick:
                 on_tick(time.monotonic() - began, reports)
     except KeyboardInterrupt:
         stop.set()
         raise
-    return judge(reports, config.tolerance)
+    finally:
+        for worker in workers:
+            worker.join(timeout=10)
+            if in_processes and worker.is_alive():
+                worker.terminate()
+    return judge(reports, config.tolerance, config.expect_tflops)
 
 
 class DeviceStress:
     """One device's burn: setup, then windows of checked matmuls and periodic pattern passes until the deadline."""
 
-    def __init__(self, index: int, config: StressConfig, report: DeviceReport, stop: threading.Event):
-        self.index, self.config, self.report, self.stop = index, config, report, stop
+    def __init__(self, index: int, config: StressConfig, report: DeviceReport, stop, publish=lambda: None):
+        self.index, self.config, self.report, self.stop, self.publish = index, config, report, stop, publish
 
     def run(self) -> None:
         try:
@@ -204,7 +301,6 @@ class DeviceStress:
         self._burn()
         self._pattern_pass()
         self.report.telemetry = self.telemetry.close()
-        self.report.memory_errors += self.report.telemetry.get("ecc_uncorrected_new") or 0
 
     def _setup_matmul(self) -> None:
         torch, n = self.torch, self.config.size
@@ -214,13 +310,11 @@ class DeviceStress:
         self.out = torch.empty(n, n, dtype=self.dtype, device=self.device)
         self.multiply()
         self.reference = self.out.clone()
+        # the bytes, whatever the dtype: the same on every device of one model, or one of them computes wrong
+        self.report.result_hash = hashlib.sha256(
+            self.reference.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
         self.reference_rows_wrong = self._reference_rows_wrong(generator)
         self.report.mismatches = self.reference_rows_wrong
-        # |result - reference| may reach one unit in the last place and no more (a floor keeps near-zero
-        # elements from demanding exactness); deterministic kernels give bit-identical results anyway
-        u = UNIT_ROUNDOFF[self.config.dtype]
-        rms = self.reference.float().pow(2).mean().sqrt()
-        self.bound = (self.reference.float().abs() * (2 * u) + 2 * u * rms).to(self.dtype)
         self.wrong = torch.zeros((), dtype=torch.int64, device=self.device)
 
     def _reference_rows_wrong(self, generator) -> int:
@@ -239,9 +333,8 @@ class DeviceStress:
         self.torch.matmul(self.a, self.b, out=self.out)
 
     def _check(self) -> None:
-        diff = self.out.sub_(self.reference).abs_()  # out is scratch: the next multiply overwrites it
-        # counting the elements within bound (rather than those beyond) makes a NaN count as wrong
-        self.wrong += self.out.numel() - self.torch.le(diff, self.bound).sum()
+        # the same kernel on the same inputs gives the same bits: any difference (a NaN included) is corruption
+        self.wrong += self.torch.ne(self.out, self.reference).sum()
 
     def _pattern_bytes(self) -> int:
         if self.device.type != "cuda":
@@ -275,6 +368,7 @@ class DeviceStress:
             self.report.matmuls += iters
             self.report.mismatches = self.reference_rows_wrong + int(self.wrong)
             self.telemetry.sample()
+            self.publish()
             now = time.monotonic()
             if now >= deadline:
                 return
@@ -355,71 +449,3 @@ class PatternTest:
         for k, chunk in enumerate(self.buffer.split(PATTERN_CHUNK)):
             errors += self.torch.ne(chunk, self._expected(k, self.scratch[:chunk.numel()], seed)).sum()
         return int(errors)
-
-
-class NoTelemetry:
-    """Stand-in when nvidia-ml-py is missing or the device is the CPU."""
-
-    def sample(self) -> None:
-        pass
-
-    def close(self) -> dict:
-        return {}
-
-
-def open_telemetry(device) -> NoTelemetry:
-    if device.type != "cuda":
-        return NoTelemetry()
-    try:
-        import pynvml  # nvidia-ml-py, optional
-        pynvml.nvmlInit()
-    except Exception:
-        return NoTelemetry()
-    return NvmlTelemetry(pynvml, device)
-
-
-class NvmlTelemetry(NoTelemetry):
-    """Temperature, power, SM clock and throttle reasons per sample; ECC and row remapping before and after."""
-
-    def __init__(self, nvml, device) -> None:
-        import torch
-
-        self.nvml = nvml
-        try:
-            uuid = str(torch.cuda.get_device_properties(device).uuid)
-            self.handle = nvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-        except Exception:  # older drivers / MIG: fall back to the index, right unless CUDA_VISIBLE_DEVICES reorders
-            self.handle = nvml.nvmlDeviceGetHandleByIndex(device.index)
-        self.temps, self.powers, self.clocks, self.reasons = [], [], [], 0
-        self.ecc_before = self._read(nvml.nvmlDeviceGetTotalEccErrors, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                                     nvml.NVML_VOLATILE_ECC)
-
-    def _read(self, getter, *args):
-        try:
-            return getter(self.handle, *args)
-        except Exception:  # a counter this GPU or driver does not have
-            return None
-
-    def sample(self) -> None:
-        nvml = self.nvml
-        for values, value in ((self.temps, self._read(nvml.nvmlDeviceGetTemperature, nvml.NVML_TEMPERATURE_GPU)),
-                              (self.powers, self._read(nvml.nvmlDeviceGetPowerUsage)),
-                              (self.clocks, self._read(nvml.nvmlDeviceGetClockInfo, nvml.NVML_CLOCK_SM))):
-            if value is not None:
-                values.append(value)
-        reasons_getter = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            nvml.nvmlDeviceGetCurrentClocksThrottleReasons
-        self.reasons |= self._read(reasons_getter) or 0
-
-    def close(self) -> dict:
-        ecc_after = self._read(self.nvml.nvmlDeviceGetTotalEccErrors, self.nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
-                               self.nvml.NVML_VOLATILE_ECC)
-        remap = self._read(self.nvml.nvmlDeviceGetRemappedRows)  # (corrected, uncorrected, pending, failure)
-        return {
-            "max_temp_c": max(self.temps, default=None), "max_power_w": max(self.powers, default=0) / 1e3 or None,
-            "min_sm_clock_mhz": min(self.clocks, default=None),
-            "throttle": [name for bit, name in THROTTLE_REASONS.items() if self.reasons & bit],
-            "ecc_uncorrected_new": None if ecc_after is None or self.ecc_before is None
-            else ecc_after - self.ecc_before,
-            "remap_pending": bool(remap[2]) if remap else None, "remap_failure": bool(remap[3]) if remap else None,
-        }

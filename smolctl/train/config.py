@@ -191,8 +191,10 @@ class CheckpointSection(Section):
 class LoggingSection(Section):
     interval: int = Field(10, gt=0)
     """Steps between lines in RUN/metrics.jsonl and on the console."""
-    tensorboard: bool = False
-    """Also write TensorBoard scalars to RUN/tensorboard (needs the tensorboard package)."""
+    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = []
+    """Trackers beside metrics.jsonl (always written), offline: RUN/tensorboard, RUN/wandb, trackio's local store."""
+    profile_interval: int = Field(100, ge=0)
+    """With several processes, profile one step every n steps for the communication share (0: never)."""
 
 
 class GuardsSection(Section):

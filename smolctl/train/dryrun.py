@@ -8,7 +8,7 @@ same function on the same plan, so the two commands agree), without touching any
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from smolctl.errors import UserError
@@ -50,23 +50,24 @@ def estimate_plan(recipe: TrainRecipe, *, vocab: int, world_size: int, gpu: str,
            for section, table in json.loads(recipe.model_dump_json()).items()}
     raw["model"]["vocab_size"] = vocab
     values = _recipe_values(raw, "recipe")
-    values.update(gpus=world_size, gpu=gpu, tp=layout.tp, source="recipe")
+    values.update(gpus=world_size, gpu=gpu, tp=layout.tp, source="recipe", dp_shard=layout.dp_shard)
     if layout.dp_shard == 1:  # replicas only (DDP, or TP without FSDP): nothing sharded over data-parallel ranks
-        values["zero"] = 0
+        values.update(zero=0, dp_shard=None)
     return check_plan(Plan(**values))
 
 
 def _runnable_layouts(plan, shape) -> list[dict]:
-    """estimate's layouts that fit, restricted to what this trainer runs (no pipeline or context parallel)."""
+    """estimate's layouts that fit (its smolctl framework: tp × FSDP2/HSDP data parallel), as recipe keys."""
     from smolctl.infra.estimate import smallest_layouts
 
-    recompute = {"none": "none", "full": "full", "ops": "selective"}
+    recompute = {"none": "none", "full": "full"}
     found: dict[tuple, dict] = {}
-    for option in smallest_layouts(plan, shape, top=40):
-        if option["pp"] == 1 and option["cp"] == 1 and option["zero"] in (0, 3) and option["recompute"] in recompute:
-            key = (option["tp"], option["zero"] == 3, recompute[option["recompute"]])
-            found.setdefault(key, {"parallel.tp": key[0], "training.shard": key[1],
-                                   "training.activation_checkpointing": key[2], "total": option["total"]})
+    for option in smallest_layouts(replace(plan, framework="smolctl"), shape, top=20)["layouts"]:
+        if option["pp"] == 1 and option["cp"] == 1 and option["recompute"] in recompute:
+            keys = {"parallel.tp": option["tp"], "parallel.dp_shard": option["dp_shard"],
+                    "parallel.dp_replicate": option["dp_replicate"], "training.shard": option["zero"] == 3,
+                    "training.activation_checkpointing": recompute[option["recompute"]]}
+            found.setdefault(tuple(keys.values()), {**keys, "total": option["total"]})
     return list(found.values())[:3]
 
 

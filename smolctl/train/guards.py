@@ -65,6 +65,10 @@ class Guards:
             self.bad_run.clear()
         return verdict
 
+    def counts(self) -> dict:
+        """Running totals for the metrics lines: updates skipped, spikes seen, rollbacks done."""
+        return {"skipped": self.skipped, "spikes": self.spikes, "rollbacks": self.rollbacks}
+
     def state_dict(self) -> dict:
         return {"recent": list(self.recent), "skipped": self.skipped, "spikes": self.spikes, "rollbacks": self.rollbacks}
 

@@ -131,6 +131,7 @@ class PackedStream:
         self.stages = [(s.start_step, [self.paths.index(p) for p in s.paths], self._weights(s)) for s in stages]
         self.readers = [_RowReader(s) for s in self.sources]
         self.position = DataPosition(consumed=[0] * len(self.sources))
+        self._last_drawn: list[tuple[int, int]] = []
 
     def _weights(self, stage: DataStage) -> np.ndarray:
         if stage.weights is not None:
@@ -182,10 +183,26 @@ class PackedStream:
         while self.position.batches_drawn + 1 in self.position.skip:
             self._draw(step, global_batch)
         number = self.position.batches_drawn + 1
-        picked = self._draw(step, global_batch)
+        picked = self._last_drawn = self._draw(step, global_batch)
         local = global_batch // world_size
         mine = picked[rank * local:(rank + 1) * local]
         return number, *self._read(mine)
+
+    @property
+    def last_drawn(self) -> list[tuple[int, int]]:
+        """(folder, row) of every sequence of the last global batch drawn."""
+        return list(self._last_drawn)
+
+    def rows_of(self, drawn: list[tuple[int, int]]) -> list[dict]:
+        """Where a drawn global batch came from, per shard file: the rows to look at when a guard fires on it
+        (batches are drawn ahead by the prefetch thread, so the caller keeps `last_drawn` with its batch)."""
+        by_shard: dict[tuple[int, int], list[int]] = {}
+        for source, row in drawn:
+            offsets = self.readers[source].offsets
+            shard = int(np.searchsorted(offsets, row, side="right") - 1)
+            by_shard.setdefault((source, shard), []).append(row - int(offsets[shard]))
+        return [{"folder": self.paths[source], "shard": self.sources[source].files[shard].name, "rows": sorted(rows)}
+                for (source, shard), rows in sorted(by_shard.items())]
 
     def _read(self, picked: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         ids = np.empty((len(picked), self.sources[0].seq_len), dtype=np.int64)
@@ -220,6 +237,8 @@ class HostBatch:
     labels: object
     position: dict
     """The stream position once this batch is consumed: what a checkpoint taken after this step records."""
+    drawn: list
+    """(folder, row) of every sequence of the global batch, for guard events (the stream has moved on)."""
 
 
 class Prefetcher:

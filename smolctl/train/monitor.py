@@ -1,6 +1,14 @@
 """What a run shows and records: a live line (step, loss, lr, grad norm, tokens/s, data-wait share, MFU or
-FLOP/s, ETA), RUN/metrics.jsonl every `logging.interval` steps, RUN/events.jsonl for every guard event, and
-TensorBoard scalars when asked. Only rank 0 monitors; the other ranks get a silent one (a null object).
+FLOP/s, ETA), RUN/metrics.jsonl every `logging.interval` steps, RUN/events.jsonl for every guard event, and the
+trackers of `logging.report_to` (smolctl/train/trackers.py). Only rank 0 monitors; the other ranks get a silent
+one (a null object). `smolctl report RUN` reads what is written here.
+
+Each metrics line holds the playbook's numbers: loss, lr, grad_norm, tokens_per_s, MFU (GPU) or FLOP/s (CPU),
+data_wait (share of step time spent waiting for the batch), memory (peak reserved over device total on GPU, peak
+RSS on CPU), comm_share (time collectives were in flight over the step's time, measured on one step under
+torch.profiler every `logging.profile_interval` steps when there is more than one process), checkpoint_s
+(seconds the loop was blocked saving since the last line), and the running counts of skipped updates, spikes and
+rollbacks.
 
 MFU uses the FLOPs-per-token formula of `smolctl estimate` (smolctl/infra/flops.py) against the dense bf16 peak
 of the GPU model; on CPU there is no meaningful peak, so the achieved FLOP/s is shown instead.
@@ -11,10 +19,12 @@ from __future__ import annotations
 import json
 import math
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from smolctl.console import human_count, human_duration, progress
-from smolctl.errors import UserError
+from smolctl.train.trackers import NoTracker, Tracker
 
 # Dense bf16 tensor-core peak per device (vendor datasheets, no sparsity), matched against the device name.
 PEAK_BF16_FLOPS = [
@@ -38,37 +48,60 @@ def flops_text(flops_per_s: float) -> str:
     return f"{flops_per_s / 1e12:.1f} TFLOP/s" if flops_per_s >= 1e12 else f"{flops_per_s / 1e9:.1f} GFLOP/s"
 
 
-def check_tensorboard() -> None:
-    try:
-        import torch.utils.tensorboard  # noqa: F401
-    except ImportError as exc:
-        raise UserError("logging.tensorboard", "is true but the tensorboard package is not installed",
-                        "pip install tensorboard, or set logging.tensorboard = false (metrics.jsonl is always written)") from exc
+# Profiler events that are collectives: NCCL kernels on the GPU, gloo work on CPU threads, the c10d ops around them.
+_COLLECTIVE_MARKERS = ("nccl", "gloo:", "c10d::")
+
+
+def collective_seconds(events, on_gpu: bool) -> float:
+    """Seconds during which at least one collective was in flight (overlapping and nested events counted once).
+    On GPU only the NCCL kernels count: the CPU-side c10d events there are launches, not transfers."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if any(m in e.name.lower() for m in (("nccl",) if on_gpu else _COLLECTIVE_MARKERS))
+                   and (not on_gpu or e.device_type.name == "CUDA"))
+    covered, reach = 0.0, -math.inf
+    for start, end in spans:  # union of intervals, microseconds
+        if end > reach:
+            covered += end - max(start, reach)
+            reach = end
+    return covered / 1e6
+
+
+def memory_use(device: str) -> dict:
+    """GPU: peak reserved bytes and their share of the device; CPU: the process's peak resident set size."""
+    import torch
+
+    if device.startswith("cuda"):
+        index = torch.device(device)
+        peak = torch.cuda.max_memory_reserved(index)
+        return {"memory_peak_bytes": peak, "memory_share": peak / torch.cuda.get_device_properties(index).total_memory}
+    import resource
+
+    return {"memory_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux reports KiB
 
 
 class Monitor:
     def __init__(self, run_dir: Path, *, title: str, enabled: bool, total_steps: int, start_step: int, flops_per_token: float,
-                 peak: float | None, world_size: int, interval: int, tensorboard: bool, show: bool):
-        self.enabled, self.title = enabled, title
+                 peak: float | None, world_size: int, interval: int, show: bool, device: str = "cpu",
+                 profile_interval: int = 0, tracker: Tracker = NoTracker()):
+        self.enabled, self.title, self.device = enabled, title, device
         self.total_steps, self.start_step = total_steps, start_step
         self.flops_per_token, self.peak, self.world_size = flops_per_token, peak, world_size
         self.interval = interval
+        # Collectives exist only with more than one process; every rank profiles the same steps (they wait on each other).
+        self.profile_interval = profile_interval if world_size > 1 else 0
+        self.tracker = tracker
         self.show = show and enabled
         self.metrics_path = Path(run_dir) / "metrics.jsonl"
         self.events_path = Path(run_dir) / "events.jsonl"
         self.events: list[dict] = []
         self.history: list[dict] = []
-        self._window = {"tokens": 0, "data": 0.0, "compute": 0.0, "steps": 0}
-        self._totals = {"tokens": 0, "data": 0.0, "compute": 0.0, "steps": 0}
+        self._window = _empty_window()
+        self._totals = _empty_window()
+        self._comm_share: float | None = None  # the latest profiled step's, reported once on the next line
         self._started = time.perf_counter()
-        self._tensorboard = None
         if enabled:
             _drop_lines_after(self.metrics_path, start_step)
             _drop_lines_after(self.events_path, start_step)
-            if tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def __enter__(self) -> "Monitor":
         self._progress_cm = progress(self.show)
@@ -78,10 +111,38 @@ class Monitor:
 
     def __exit__(self, *exc) -> None:
         self._progress_cm.__exit__(*exc)
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        self.tracker.close()
 
-    def step(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens: int, data_s: float, compute_s: float) -> None:
+    @contextmanager
+    def profiled(self, step: int) -> Iterator[None]:
+        """Around one training step: every `profile_interval` steps it runs under torch.profiler, and the share of
+        its time spent in collectives goes on the next metrics line."""
+        if not self.profile_interval or step % self.profile_interval:
+            yield
+            return
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        on_gpu = self.device.startswith("cuda")
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
+            started = time.perf_counter()
+            yield
+            if on_gpu:
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - started
+        self._comm_share = min(1.0, collective_seconds(prof.events(), on_gpu) / max(seconds, 1e-9))
+
+    @contextmanager
+    def checkpointing(self) -> Iterator[None]:
+        """Around a blocking checkpoint save: its seconds go on the next metrics line (the playbook's budget is
+        under 5 minutes per 1,000 steps)."""
+        started = time.perf_counter()
+        yield
+        self._window["checkpoint"] += time.perf_counter() - started
+
+    def step(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens: int, data_s: float, compute_s: float,
+             guards: dict | None = None) -> None:
+        """`guards`: the running counts of skipped updates, spikes and rollbacks, written with each line."""
         for bucket in (self._window, self._totals):
             bucket["tokens"] += tokens
             bucket["data"] += data_s
@@ -96,16 +157,16 @@ class Monitor:
         tokens_per_s = self._window["tokens"] / seconds
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "data_wait": self._window["data"] / seconds, "step_s": seconds / self._window["steps"], "flops_per_s": tokens_per_s * self.flops_per_token,
-                  "mfu": self._mfu(tokens_per_s), "time": time.time()}
+                  "mfu": self._mfu(tokens_per_s), **memory_use(self.device),
+                  "checkpoint_s": self._window["checkpoint"], **(guards or {}), "time": time.time()}
+        if self._comm_share is not None:
+            record["comm_share"], self._comm_share = self._comm_share, None
         self.history.append(record)
         _append_jsonl(self.metrics_path, record)
-        if self._tensorboard is not None:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
-                if record[key] is not None:
-                    self._tensorboard.add_scalar(f"train/{key}", record[key], step)
+        self.tracker.log({f"train/{k}": v for k, v in record.items() if k not in ("step", "time") and v is not None}, step)
         self._bar.update(self._task, rate=f"loss {loss:.4f}")
         self._bar.console.print(self._line(record))
-        self._window = {"tokens": 0, "data": 0.0, "compute": 0.0, "steps": 0}
+        self._window = _empty_window()
 
     def _mfu(self, tokens_per_s: float) -> float | None:
         return tokens_per_s * self.flops_per_token / (self.peak * self.world_size) if self.peak else None
@@ -126,8 +187,7 @@ class Monitor:
             self.history.append(record)
             _append_jsonl(self.metrics_path, record)
             self._bar.console.print(f"step {step}: validation loss {loss:.4f}")
-            if self._tensorboard is not None:
-                self._tensorboard.add_scalar("val/loss", loss, step)
+            self.tracker.log({"val/loss": loss}, step)
 
     def rewind(self, step: int) -> None:
         """After a rollback the steps past `step` run again: their metrics lines go (events stay: they are the record)."""
@@ -153,6 +213,10 @@ class Monitor:
                 "train_seconds": seconds, "wall_seconds": time.perf_counter() - self._started,
                 "tokens_per_s": tokens_per_s, "flops_per_s": tokens_per_s * self.flops_per_token,
                 "mfu": self._mfu(tokens_per_s), "data_wait": self._totals["data"] / seconds}
+
+
+def _empty_window() -> dict:
+    return {"tokens": 0, "data": 0.0, "compute": 0.0, "checkpoint": 0.0, "steps": 0}
 
 
 def _append_jsonl(path: Path, record: dict) -> None:

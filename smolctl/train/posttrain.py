@@ -22,6 +22,8 @@ from pydantic import Field
 from smolctl.errors import UserError
 from smolctl.recipe import Section, load_recipe
 from smolctl.shards import DocumentSource, open_documents
+from smolctl.train.config import LoggingSection
+from smolctl.train.trackers import require_trackers
 from smolctl.train.stage import (
     FINAL, CheckpointSection, ModelSection, StageResult, StepHook, TrainingSection, check_start, final_metrics,
     load_start, monitor_callback, prepare_run, quiet_offline, record_recipe, require_chat_template, train_quietly,
@@ -64,6 +66,7 @@ class SftRecipe(Section):
     data: SftDataSection
     training: TrainingSection = TrainingSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    logging: LoggingSection = LoggingSection()
     sft: SftSection = SftSection()
 
 
@@ -89,6 +92,7 @@ class DpoRecipe(Section):
     data: DpoDataSection
     training: TrainingSection = TrainingSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    logging: LoggingSection = LoggingSection()
     dpo: DpoSection = DpoSection()
 
 
@@ -221,6 +225,7 @@ def run_sft(recipe: SftRecipe, *, output: str | None = None, start: str | None =
     columns = sft_columns(source)
     if recipe.data.balance_by:
         require_columns(source, [recipe.data.balance_by], "set data.balance_by to a column of categories, or remove it")
+    require_trackers(recipe.logging.report_to)
     resume_from = prepare_run(out, resume, overwrite)
     # Heavy imports only once the cheap checks have passed, so a mistake is reported in a second, not ten.
     quiet_offline()
@@ -242,7 +247,7 @@ def run_sft(recipe: SftRecipe, *, output: str | None = None, start: str | None =
 
     packing = recipe.sft.packing
     config = SFTConfig(
-        **trainer_arguments(out, recipe.training, recipe.checkpoint),
+        **trainer_arguments(out, recipe.training, recipe.checkpoint, recipe.logging.report_to),
         # TRL does not truncate padding-free batches; SFTTrainer refuses a max_length there.
         max_length=None if packing == "padding_free" else recipe.sft.max_length,
         packing=packing == "bfd", packing_strategy="bfd", padding_free=packing == "padding_free",
@@ -265,6 +270,7 @@ def run_dpo(recipe: DpoRecipe, *, output: str | None = None, start: str | None =
     source = open_documents(recipe.data.path)
     require_columns(source, ["prompt", "chosen", "rejected"],
                     "pass a preference dataset (e.g. data/sample/preference)")
+    require_trackers(recipe.logging.report_to)
     resume_from = prepare_run(out, resume, overwrite)
     quiet_offline()
     from trl import DPOConfig, DPOTrainer
@@ -280,7 +286,7 @@ def run_dpo(recipe: DpoRecipe, *, output: str | None = None, start: str | None =
     record_recipe(out, recipe.model_dump(by_alias=True), parent, resume_from)
 
     config = DPOConfig(
-        **trainer_arguments(out, recipe.training, recipe.checkpoint),
+        **trainer_arguments(out, recipe.training, recipe.checkpoint, recipe.logging.report_to),
         beta=recipe.dpo.beta, loss_type=[recipe.dpo.loss_type], max_length=recipe.dpo.max_length,
         precompute_ref_log_probs=recipe.dpo.precompute_ref_log_probs,
     )

@@ -25,7 +25,9 @@ from pydantic import Field
 from smolctl.errors import UserError
 from smolctl.recipe import Section, load_recipe
 from smolctl.shards import DocumentSource, open_documents
+from smolctl.train.config import LoggingSection
 from smolctl.train.rewards import CompositeReward, RewardSection
+from smolctl.train.trackers import require_trackers
 from smolctl.train.stage import (
     FINAL, CheckpointSection, ModelSection, StageResult, StepHook, TrainingSection, check_start, chat_stop_ids,
     final_metrics, load_start, monitor_callback, prepare_run, quiet_offline, record_recipe, train_quietly,
@@ -81,6 +83,7 @@ class PpoRecipe(Section):
     data: PromptDataSection
     training: TrainingSection = TrainingSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    logging: LoggingSection = LoggingSection()
     generation: GenerationSection = GenerationSection()
     ppo: PpoSection = PpoSection()
     grpo: GrpoSection = GrpoSection()
@@ -218,6 +221,7 @@ def prepare(recipe: PpoRecipe, output: str | None, start: str | None, resume: st
                         'launch it without torchrun, or set algorithm = "grpo" (TRL, multi-process)')
     if recipe.algorithm == "grpo":
         check_grpo_batch(recipe)
+    require_trackers(recipe.logging.report_to)
     resume_from = prepare_run(out, resume, overwrite)
     record_recipe(out, recipe.model_dump(by_alias=True), parent, resume_from)
     return Setup(out, parent, source, prompts, references, reward, resume_from)
@@ -264,7 +268,7 @@ def _run_grpo(recipe: PpoRecipe, setup: Setup, on_step: StepHook | None) -> Stag
         return [v if math.isfinite(v) else None for v in scored.totals]
 
     micro = recipe.training.micro_batch
-    arguments = trainer_arguments(setup.run, recipe.training, recipe.checkpoint)
+    arguments = trainer_arguments(setup.run, recipe.training, recipe.checkpoint, recipe.logging.report_to)
     arguments["gradient_accumulation_steps"] = recipe.ppo.batch_size // micro
     config = GRPOConfig(
         **arguments, steps_per_generation=recipe.ppo.batch_size // micro, num_generations=recipe.grpo.num_generations,

@@ -27,6 +27,7 @@ from smolctl.train.stage import (
     FINAL, StageResult, StepHook, chat_stop_ids, complete_checkpoints, exponential_factor, final_metrics, load_start,
     use_bf16, write_model,
 )
+from smolctl.train.trackers import open_tracker
 
 
 class PolicyWithValue(nn.Module):
@@ -81,6 +82,8 @@ class PpoLoop:
         self._cached_order: tuple = (None, None)
         if setup.resume_from:
             self._load(Path(setup.resume_from))
+        self.tracker = open_tracker(setup.run, recipe.logging.report_to, resuming=bool(setup.resume_from),
+                                    config=recipe.model_dump(by_alias=True))
 
     # -- the loop -------------------------------------------------------------------------------------------
 
@@ -94,6 +97,7 @@ class PpoLoop:
             self.log({**stats, "lr": self.scheduler.get_last_lr()[0], "nan_rewards_skipped": self.nan_skipped})
             if self.step % self.recipe.checkpoint.every == 0 or self.step == self.training.steps:
                 self.save_checkpoint()
+        self.tracker.close()
         seconds = time.perf_counter() - started
         components = tuple(f"rewards/{name}" for name in self.setup.reward.names)
         metrics = {**reward_trend([r["reward"] for r in self.history if "reward" in r]),
@@ -220,6 +224,7 @@ class PpoLoop:
         self.setup.run.mkdir(parents=True, exist_ok=True)
         with open(self.setup.run / "metrics.jsonl", "a") as handle:
             handle.write(json.dumps(record) + "\n")
+        self.tracker.log({f"train/{k}": v for k, v in record.items() if k != "step"}, self.step)
         if self.on_step is not None:
             self.on_step(self.step, self.training.steps, record)
 

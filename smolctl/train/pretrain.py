@@ -115,8 +115,8 @@ class Trainer:
         from smolctl.train.loader import PackedStream, validation_batches
         from smolctl.train.model import build_config
         from smolctl.train.model import check_attention
-        from smolctl.train.monitor import check_tensorboard
         from smolctl.train.parallel import tp_plan
+        from smolctl.train.trackers import require_trackers
 
         recipe = self.recipe
         if self.init_from:
@@ -145,8 +145,8 @@ class Trainer:
         if recipe.data.validation:
             self.val_batches = validation_batches(recipe.data.validation, seq_len=recipe.training.seq_len,
                                                   micro_batch=recipe.training.micro_batch, count=recipe.data.validation_batches)
-        if recipe.logging.tensorboard and self.dist.is_main:
-            check_tensorboard()
+        if self.dist.is_main:
+            require_trackers(recipe.logging.report_to)
         if self.resume_from is not None:
             self._check_same_run()
 
@@ -269,7 +269,7 @@ class Trainer:
         tensors = [torch.from_numpy(a) for a in (ids, fill_padding_positions(positions), make_labels(ids, positions))]
         if self.dist.device.startswith("cuda"):
             tensors = [t.pin_memory() for t in tensors]
-        return HostBatch(number, *tensors, position=self.stream.position.state_dict())
+        return HostBatch(number, *tensors, position=self.stream.position.state_dict(), drawn=self.stream.last_drawn)
 
     def _forward_backward(self):
         """Forward and backward over the global batch, gradients clipped; the caller decides whether to apply them.
@@ -284,7 +284,7 @@ class Trainer:
         started = time.perf_counter()
         plan, device = self.plan, self.dist.device
         host = self.prefetch.get(self.step)
-        self.data_position = host.position
+        self.data_position, self.batch_drawn = host.position, host.drawn
         ids, positions, labels = (t.to(device, non_blocking=True) for t in (host.input_ids, host.position_ids, host.labels))
         data_done = time.perf_counter()
 
@@ -353,6 +353,7 @@ class Trainer:
     def run(self) -> TrainResult:
         from smolctl.train.checkpoint import checkpoint_path, complete_checkpoints
         from smolctl.train.monitor import Monitor, peak_flops
+        from smolctl.train.trackers import open_tracker
 
         import torch
 
@@ -363,7 +364,9 @@ class Trainer:
         self.monitor = Monitor(self.run_dir, title=self.stage, enabled=self.dist.is_main, total_steps=plan.steps, start_step=start_step,
                                flops_per_token=self.flops_per_token, peak=peak_flops(self.dist.device, self.precision),
                                world_size=self.dist.world_size, interval=recipe.logging.interval,
-                               tensorboard=recipe.logging.tensorboard, show=self.show)
+                               show=self.show, device=str(self.dist.device), profile_interval=recipe.logging.profile_interval,
+                               tracker=open_tracker(self.run_dir, recipe.logging.report_to, enabled=self.dist.is_main,
+                                                    resuming=self.resume_from is not None, config=json.loads(recipe.model_dump_json())))
         losses: list[float] = []
         val_loss = None
         self.model.train()
@@ -372,16 +375,17 @@ class Trainer:
                 self.monitor.note(f"resuming from {self.resume_from} (step {self.step}, {self.tokens_seen:,} tokens)")
             while self.step < plan.steps:
                 started = time.perf_counter()
-                loss, norm, batch, data_s = self._forward_backward()
-                # the step's one host sync: the guards judge every step's loss and norm before the update
-                loss, norm = torch.stack([loss.float(), norm.float().to(loss.device)]).tolist()
-                verdict = self.guards.observe(self.step + 1, batch, loss, norm)
-                if verdict.apply_update:
-                    self.optimizer.step()
+                with self.monitor.profiled(self.step + 1):
+                    loss, norm, batch, data_s = self._forward_backward()
+                    # the step's one host sync: the guards judge every step's loss and norm before the update
+                    loss, norm = torch.stack([loss.float(), norm.float().to(loss.device)]).tolist()
+                    verdict = self.guards.observe(self.step + 1, batch, loss, norm)
+                    if verdict.apply_update:
+                        self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 compute_s = time.perf_counter() - started - data_s
                 if verdict.event:
-                    self.monitor.event(verdict.event)
+                    self.monitor.event({**verdict.event, "rows": self.stream.rows_of(self.batch_drawn)})
                 if verdict.rollback:
                     self._rollback(verdict.bad_batches)
                     continue
@@ -391,9 +395,10 @@ class Trainer:
                     losses.append(loss)
                     self.last_loss = loss
                 self.monitor.step(self.step, loss=loss, lr=self._last_lr, grad_norm=norm, tokens=plan.tokens_per_step,
-                                  data_s=data_s, compute_s=compute_s)
+                                  data_s=data_s, compute_s=compute_s, guards=self.guards.counts())
                 if recipe.checkpoint.interval and self.step % recipe.checkpoint.interval == 0:
-                    self._save(checkpoint_path(self.run_dir, self.step), with_state=True)
+                    with self.monitor.checkpointing():
+                        self._save(checkpoint_path(self.run_dir, self.step), with_state=True)
                 if recipe.data.validation_interval and self.step % recipe.data.validation_interval == 0:
                     val_loss = self._evaluate()
             if self.val_batches and not (recipe.data.validation_interval and self.step % recipe.data.validation_interval == 0):

@@ -18,12 +18,13 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Literal, Sequence
 
 from pydantic import Field, model_validator
 
 from smolctl.errors import UserError
-from smolctl.recipe import Section
+from smolctl.recipe import Section, load_toml, validate
 
 
 class RewardSection(Section):
@@ -161,6 +162,19 @@ class CompositeReward:
             else:
                 bonus += section.weight * value
         return (task if has_task else 1.0) * penalty + bonus
+
+
+def load_reward_tables(path: str | Path) -> tuple[CompositeReward, str]:
+    """The `[[rewards]]` tables of any recipe (a ppo/grpo recipe, or a file with just those tables), and the
+    reference column its [data] table names (default "reference"), so ranking uses the rewards RL trains on."""
+    data = load_toml(path)
+    tables = data.get("rewards")
+    if not isinstance(tables, list) or not tables:
+        raise UserError(path, "has no rewards tables (an array of tables named rewards)",
+                        "copy the rewards tables of recipes/ppo-tiny.toml and adapt them")
+    sections = [validate(RewardSection, table, f"{path}: rewards[{i}]") for i, table in enumerate(tables)]
+    reference = data.get("data", {}).get("reference_column", "reference") if isinstance(data.get("data"), dict) else "reference"
+    return CompositeReward(sections, f"{path}: rewards"), str(reference)
 
 
 def _as_float(value) -> float:

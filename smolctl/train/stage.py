@@ -16,11 +16,13 @@ import json
 import math
 import os
 import shutil
+import sys
 import warnings
 import time
+from contextlib import redirect_stdout
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 from pydantic import ConfigDict, Field
 
@@ -197,13 +199,15 @@ def prepare_run(run: Path, resume: str | None, overwrite: bool) -> str | None:
 
 def record_recipe(run: Path, recipe: dict, start: Path, resume_from: str | None) -> None:
     """Keep the resolved recipe in RUN/recipe.json. A resume must use the same recipe and starting checkpoint:
-    only `training.steps` and the [checkpoint] table may change (to train longer, or save more often)."""
+    only `training.steps` and the [checkpoint] and [logging] tables may change (to train longer, save more often,
+    or report elsewhere)."""
     resolved = {**_flatten(recipe), "model.from": str(start.resolve())}
     path = run / "recipe.json"
     if resume_from and path.is_file():
         before = json.loads(path.read_text())
         changed = sorted(key for key in set(before) | set(resolved) if before.get(key) != resolved.get(key)
-                         and key != "output" and key != "training.steps" and not key.startswith("checkpoint."))
+                         and key != "output" and key != "training.steps"
+                         and not key.startswith(("checkpoint.", "logging.")))  # where it saves and reports may change
         if changed:
             raise UserError("--resume", f"the recipe differs from the one the run started with in {', '.join(changed)}",
                             "resume with the same recipe and --from (only training.steps and [checkpoint] may "
@@ -232,9 +236,13 @@ def complete_checkpoints(checkpoints: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[-1]))
 
 
-def trainer_arguments(run: Path, training: TrainingSection, checkpoint: CheckpointSection) -> dict[str, Any]:
-    """The TrainingArguments every stage shares: our schedule, checkpoints in RUN/checkpoints, no hub, no tqdm."""
+def trainer_arguments(run: Path, training: TrainingSection, checkpoint: CheckpointSection,
+                      report_to: Sequence[str] = ()) -> dict[str, Any]:
+    """The TrainingArguments every stage shares: our schedule, checkpoints in RUN/checkpoints, the recipe's
+    trackers (logging.report_to, offline), no hub, no tqdm."""
     import torch
+
+    from smolctl.train.trackers import trainer_reporting
 
     bf16 = use_bf16(training.precision)
     schedules = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine",
@@ -246,7 +254,7 @@ def trainer_arguments(run: Path, training: TrainingSection, checkpoint: Checkpoi
         weight_decay=training.weight_decay, max_grad_norm=training.max_grad_norm, seed=training.seed,
         data_seed=training.seed, bf16=bf16, fp16=False, use_cpu=not torch.cuda.is_available(),
         gradient_checkpointing=training.gradient_checkpointing, logging_steps=1, save_strategy="steps",
-        save_steps=checkpoint.every, save_total_limit=checkpoint.keep, report_to="none", disable_tqdm=True,
+        save_steps=checkpoint.every, save_total_limit=checkpoint.keep, disable_tqdm=True, **trainer_reporting(run, report_to),
         dataloader_num_workers=0, log_level="error", push_to_hub=False,
         ddp_find_unused_parameters=False,  # every parameter gets a gradient; the search costs a graph traversal
     )
@@ -309,12 +317,13 @@ def monitor_callback(run: Path, on_step: StepHook | None):
 
 def train_quietly(trainer, resume_from: str | None) -> None:
     """Train, with our monitor as the only reporter: the Trainer's printer would put log dicts on stdout,
-    which belongs to --json."""
+    which belongs to --json (trackers that print, like trackio, are sent to stderr)."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
-    trainer.train(resume_from_checkpoint=resume_from)
+    with redirect_stdout(sys.stderr):
+        trainer.train(resume_from_checkpoint=resume_from)
 
 
 # ---------------------------------------------------------------------------------------------------------------
