@@ -908,7 +908,7 @@ def merge_command(
 SET_OPTION = typer.Option([], "--set", help="Override a recipe key, e.g. --set training.steps=200 (repeatable; values are TOML).")
 DATA_OPTION = typer.Option([], "--data", help="Packed folder(s) to train on, replacing the recipe's [data] paths/stages (repeatable).")
 RESUME_OPTION = typer.Option("none", "--resume", help="auto: continue from the newest complete checkpoint in RUN "
-                             "(start fresh if none); none: start fresh; or a RUN/checkpoints/step-N path.")
+                             "(start fresh if none; a finished run is left as it is); none: start fresh; or a RUN/checkpoints/step-N path.")
 DRY_RUN_OPTION = typer.Option(False, "--dry-run", help="Validate, print the resolved recipe, parameter count and a "
                               "memory/time estimate; build the model on the meta device; train nothing.")
 WORLD_SIZE_OPTION = typer.Option(None, "--world-size", help="--dry-run only: plan for this many processes "
@@ -971,6 +971,33 @@ def midtrain_command(
                    gpu=gpu, overwrite=overwrite, json_out=json_out, init_from=str(from_) if from_ else None, keep_optimizer=keep_optimizer)
 
 
+@app.command("export", epilog="""[bold]Examples[/]
+
+  smolctl export runs/3b/checkpoints/step-0020000 runs/3b-step20k
+
+  smolctl export runs/t/checkpoints/step-0000200 /tmp/t-200 --overwrite --json
+""")
+def export_command(
+    checkpoint: Path = typer.Argument(..., help="A complete training checkpoint: RUN/checkpoints/step-NNNNNNN."),
+    out: Path = typer.Argument(..., help="Output Hugging Face folder (config, tokenizer, safetensors, manifest)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT if it already holds files."),
+    json_out: bool = JSON_OPTION,
+) -> None:
+    """Turn a sharded checkpoint into a Hugging Face folder on CPU, tensor group by tensor group (any model size)."""
+    from smolctl.train.checkpoint import export_checkpoint
+
+    manifest = export_checkpoint(checkpoint, out, overwrite=overwrite)
+    if json_out:
+        emit_json({"output": str(out), "checkpoint": str(checkpoint), "step": manifest.get("step"),
+                   "shards": [s["name"] for s in manifest["shards"]], "bytes": sum(s["bytes"] for s in manifest["shards"])})
+        return
+    show(key_values(f"export {out}", [
+        ("from", f"{checkpoint} (step {manifest.get('step')})"),
+        ("weights", f"{len(manifest['shards'])} safetensors file(s), {sum(s['bytes'] for s in manifest['shards']):,} bytes"),
+        ("load", f"AutoModelForCausalLM.from_pretrained({str(out)!r})"),
+    ]))
+
+
 def _train_command(stage: str, recipe: Path, run: Path | None, *, data, overrides, resume: str, dry_run: bool,
                    world_size: int | None, overwrite: bool, json_out: bool, init_from: str | None = None,
                    keep_optimizer: bool = False, gpu: str = "h100") -> None:
@@ -991,12 +1018,12 @@ def _train_command(stage: str, recipe: Path, run: Path | None, *, data, override
                         init_from=init_from, keep_optimizer=keep_optimizer, show=not json_out and rank == 0)
     except (UserError, CheckFailed) as exc:
         _quiet_on_other_ranks(rank, exc)
-    if rank != 0:
-        return
-    if json_out:
-        emit_json(outcome.__dict__)
-    else:
-        _render_train(outcome)
+    if rank == 0:
+        emit_json(outcome.__dict__) if json_out else _render_train(outcome)
+    if outcome.preempted:
+        from smolctl.train.pretrain import PREEMPTED_EXIT
+
+        raise typer.Exit(PREEMPTED_EXIT)  # recipes/slurm/pretrain.sbatch requeues the job on this code
 
 
 def _render_dry_run(recipe: Path, r: dict) -> None:
@@ -1035,6 +1062,12 @@ def _render_dry_run(recipe: Path, r: dict) -> None:
 def _render_train(r) -> None:
     from smolctl.train.monitor import flops_text
 
+    from smolctl.train.monitor import CHECKPOINT_BUDGET_S_PER_1000_STEPS
+
+    if r.nothing_to_do:
+        console.print(f"nothing to do: {r.run_dir} finished at step {r.steps:,}; {r.final_model} left as it was")
+    elif r.preempted:
+        console.print(f"[yellow]{r.preempted}[/]: stopped after saving step {r.steps:,}; continue with --resume auto")
     speed = r.speed
     rate = f"{human_count(speed['tokens_per_s'])} tokens/s, " + (
         f"MFU {speed['mfu']:.1%}" if speed["mfu"] is not None else f"{flops_text(speed['flops_per_s'])} (no MFU: no known peak)")
@@ -1047,6 +1080,9 @@ def _render_train(r) -> None:
         ("batch", f"{r.plan['global_batch']} seq × {r.plan['seq_len']} = {r.plan['tokens_per_step']:,} tokens/step "
                   f"(micro {r.plan['micro_batch']} × world {r.plan['world_size']} × accumulation {r.plan['grad_accum']})"),
         ("speed", f"{rate}; data wait {speed['data_wait']:.2%} of step time"),
+        ("checkpoint cost", f"{speed['checkpoints_saved']} saves, {speed['checkpoint_s_each']:.2f} s blocking each, "
+                            f"{speed['checkpoint_share']:.2%} of wall time, {speed['checkpoint_s_per_1000_steps']:.0f} s per 1,000 steps "
+                            f"(yardstick < {CHECKPOINT_BUDGET_S_PER_1000_STEPS:.0f})"),
         ("guards", f"{r.skipped_steps} skipped (non-finite), {r.spikes} spikes, {r.rollbacks} rollbacks"
                    + (f" — see {r.run_dir}/events.jsonl" if r.events else "")),
         ("parent", r.parent or "-"), ("checkpoints", "\n".join(r.checkpoints) or "-"),
@@ -1350,7 +1386,7 @@ def _render_validation(v: dict) -> None:
 
 PIPELINE_ORDER = {
     "Data": ["train-tokenizer", "dedup", "mix", "pack"],
-    "Training": ["pretrain", "midtrain", "sft", "dpo", "ppo", "generate", "merge", "report"],
+    "Training": ["pretrain", "midtrain", "export", "sft", "dpo", "ppo", "generate", "merge", "report"],
     "Cluster": ["estimate", "benchmark-nccl", "stress-gpu"],
     "Any folder": ["inspect"],
 }

@@ -64,6 +64,12 @@ def shared_inputs(tokenizer_dir, tmp_path_factory):
     _SHARED["model"] = make_tiny_checkpoint(tokenizer_dir, root / "model")
     _SHARED["narrow"] = make_tiny_checkpoint(tokenizer_dir, root / "narrow", hidden_size=32)
     _SHARED["big-vocab"] = make_tiny_checkpoint(tokenizer_dir, root / "big-vocab", vocab_size=2048 + 64)
+    from smolctl.train.pretrain import train
+
+    _SHARED["run"] = root / "run"  # a finished 2-step run with checkpoints at steps 1 and 2
+    train(_SHARED["recipe"], _SHARED["run"], overrides=["training.steps=2", "checkpoint.interval=1", "schedule.warmup_steps=0"], show=False)
+    _SHARED["other-packed"] = root / "other-packed"
+    pack(str(SAMPLE / "web"), _SHARED["other-packed"], tokenizer_spec=str(tokenizer_dir), config=PackConfig(seq_len=64))
 
 
 def tok() -> Path:
@@ -80,6 +86,25 @@ def recipe() -> Path:
 
 def model() -> Path:
     return _SHARED["model"]
+
+
+def run_copy(tmp: Path, *, unfinished: bool = False) -> Path:
+    """A copy of the shared run; `unfinished`: its final/ and last checkpoint gone, as after a crash."""
+    copy = tmp / "run"
+    shutil.copytree(_SHARED["run"], copy)
+    if unfinished:
+        shutil.rmtree(copy / "final")
+        shutil.rmtree(copy / "checkpoints" / "step-0000002")
+    return copy
+
+
+def partial_checkpoint(tmp: Path) -> Path:
+    """A save that never finished: DCP files in the hidden staging folder, no manifest."""
+    run = run_copy(tmp)
+    partial = run / "checkpoints" / ".step-0000003.partial"
+    shutil.copytree(run / "checkpoints" / "step-0000002", partial)
+    (partial / "manifest.json").unlink()
+    return partial
 
 
 def other(name: str) -> Path:
@@ -163,6 +188,13 @@ CASES = [
     Case("pretrain: flash_attention_2 without a GPU", lambda t: (["pretrain", recipe(), t / "run", "--set", 'training.attention="flash_attention_2"'], "training.attention: flash_attention_2 needs a CUDA GPU", t / "run")),
     Case("midtrain: --from missing", lambda t: (["midtrain", recipe(), t / "run", "--from", t / "nope"], "nope", t / "run")),
     Case("midtrain: checkpoint with a missing weights file", lambda t: (["midtrain", recipe(), t / "run", "--from", model_missing_weights(t)], "model", t / "run")),
+    Case("pretrain: --resume of a save that never finished", lambda t: (["pretrain", recipe(), t / "run", "--resume", partial_checkpoint(t)], "is not a complete checkpoint", t / "run")),
+    Case("pretrain: --resume of another run's checkpoint", lambda t: (["pretrain", recipe(), t / "mine", "--resume", _SHARED["run"] / "checkpoints" / "step-0000001"], "is not a complete checkpoint of", t / "mine")),
+    Case("pretrain: --resume auto with another model", lambda t: (["pretrain", recipe(), run_copy(t, unfinished=True), "--resume", "auto", "--set", "training.steps=2", "--set", "model.hidden_size=64"], "model.hidden_size: differs from the run being resumed", t / "run")),
+    Case("pretrain: --resume auto on other data", lambda t: (["pretrain", recipe(), run_copy(t, unfinished=True), "--resume", "auto", "--set", "training.steps=2", "--data", _SHARED["other-packed"]], "holds other data than the folder the run was trained on", t / "run")),
+    Case("export: a save that never finished", lambda t: (["export", partial_checkpoint(t), t / "out"], "is not a complete checkpoint", t / "out")),
+    Case("export: a model folder, not a checkpoint", lambda t: (["export", _SHARED["run"] / "final", t / "out"], "is a model folder, not a training checkpoint", t / "out")),
+    Case("export: output exists", lambda t: (["export", _SHARED["run"] / "checkpoints" / "step-0000002", _existing_output(t)], "already exists and is not empty", t / "existing")),
     # sft / dpo / ppo
     Case("sft: data without messages", lambda t: (["sft", "recipes/sft-tiny.toml", t / "run", "--from", model(), "--set", f'data.path="{SAMPLE / "math"}"'], "messages", t / "run")),
     Case("sft: --from is not a model", lambda t: (["sft", "recipes/sft-tiny.toml", t / "run", "--from", SAMPLE / "math"], "math", t / "run")),

@@ -200,7 +200,8 @@ def test_pretrain_loss_falls_and_final_model_loads(pretrained):
 
     run, result = pretrained
     assert result.steps == 30 and result.final_loss < result.first_loss - 1.0
-    assert [Path(p).name for p in result.checkpoints] == ["step-0000024", "step-0000028"]  # keep = 2
+    # keep = 2; the last step always gets a checkpoint
+    assert [Path(p).name for p in result.checkpoints] == ["step-0000028", "step-0000030"]
     final = run / "final"
     manifest = json.loads((final / "manifest.json").read_text())
     assert manifest["kind"] == "model" and manifest["parent"] is None and manifest["inputs"][0]["kind"] == "packed"
@@ -250,21 +251,56 @@ def test_sigkill_then_resume_is_bit_identical(recipe, tmp_path):
 # ---- guards -----------------------------------------------------------------------------------------------------
 
 
-def test_nan_guard_skips_and_rolls_back(recipe, tmp_path):
+def test_nan_burst_rolls_back_once_to_before_the_burst(recipe, tmp_path):
     import torch
 
     run = tmp_path / "run"
-    # batch 3: one NaN, skipped; batches 6 and 7: two in a row → roll back to step 4 and skip both batches
-    result = train(recipe, run, overrides=["guards.inject_nan_batches=[3, 6, 7]", "guards.max_bad_steps=2"], show=False)
-    assert (result.skipped_steps, result.rollbacks, result.steps) == (3, 1, 12)
+    # batch 3: one NaN, skipped. Batches 7, 8, 9: a burst across the step-8 checkpoint → one rollback, to step 4
+    # (step-8 was saved inside the incident), skipping the three batches.
+    result = train(recipe, run, overrides=["guards.inject_nan_batches=[3, 7, 8, 9]", "guards.max_bad_steps=3"], show=False)
+    assert (result.skipped_steps, result.rollbacks, result.steps) == (4, 1, 12)
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-    assert [e["event"] for e in events] == ["nonfinite", "nonfinite", "nonfinite", "rollback"]
-    assert events[-1]["skipped_batches"] == [6, 7] and events[-1]["to"].endswith("step-0000004")
+    assert [e["event"] for e in events] == ["nonfinite"] * 4 + ["rollback"]
+    assert events[-1]["skipped_batches"] == [7, 8, 9] and events[-1]["to"].endswith("step-0000004")
     # each bad step names the packed rows of its global batch (8 sequences), for `smolctl report` to show
-    assert all(sum(len(part["rows"]) for part in e["rows"]) == 8 for e in events[:3])
+    assert all(sum(len(part["rows"]) for part in e["rows"]) == 8 for e in events[:4])
     assert events[0]["rows"][0]["shard"].endswith(".safetensors")
     assert all(torch.isfinite(t).all() for t in weights(run / "final").values())
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 13))
+
+
+def test_a_level_shift_rebaselines_instead_of_looping():
+    from smolctl.train.config import GuardsSection
+    from smolctl.train.guards import Guards
+
+    guards = Guards(GuardsSection(spike_window=20, spike_zscore=6.0, max_bad_steps=3))
+    rng = np.random.default_rng(0)
+    losses = np.concatenate([3.0 + 0.01 * rng.standard_normal(30), 3.8 + 0.01 * rng.standard_normal(60)])
+    verdicts = [guards.observe(step, step, float(loss), 1.0) for step, loss in enumerate(losses, start=1)]
+    assert not any(v.rollback for v in verdicts)
+    shifts = [v.level_shift for v in verdicts if v.level_shift]
+    assert len(shifts) == 1 and shifts[0]["step"] == 33 and shifts[0]["to"] == pytest.approx(3.8, abs=0.05)
+    assert guards.spikes == 3 and all(v.event is None for v in verdicts[33:])
+    # a divergence is not a level: it rolls back, to before its first bad step
+    for step, loss in enumerate([5.0, 7.0, 11.0], start=91):
+        verdict = guards.observe(step, step, loss, 1.0)
+    assert verdict.rollback and verdict.first_bad_step == 91 and verdict.bad_batches == [91, 92, 93]
+
+
+def test_sigusr1_saves_the_current_step_and_exits_75(recipe, tmp_path):
+    run = tmp_path / "run"
+    command = _cli(recipe, run, "--set", "checkpoint.interval=100")
+    process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True)
+    metrics = run / "metrics.jsonl"
+    while process.poll() is None and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.01)
+    process.send_signal(signal.SIGUSR1)
+    result = json.loads(process.communicate(timeout=300)[0])
+    assert process.returncode == 75 and result["preempted"] == "SIGUSR1"
+    assert [p.name for p in (run / "checkpoints").glob("step-*")] == [f"step-{result['steps']:07d}"]
+    assert json.loads(metrics.read_text().splitlines()[-1])["step"] == result["steps"] < 60
+    assert not (run / "final").exists()
 
 
 def test_spike_detector_flags_outliers_and_counts_consecutive_bad_steps():
@@ -282,6 +318,38 @@ def test_spike_detector_flags_outliers_and_counts_consecutive_bad_steps():
     second = guards.observe(24, 24, float("nan"), 1.0)
     assert not second.apply_update and second.rollback and second.bad_batches == [23, 24]
     assert (guards.spikes, guards.skipped) == (2, 1)
+
+
+def test_resume_auto_on_a_finished_run_does_nothing_and_never_retrains_the_tail(pretrained, recipe, packed, tmp_path):
+    import shutil
+
+    from smolctl.shards import sha256_file
+
+    run = tmp_path / "run"
+    shutil.copytree(pretrained[0], run)
+    moved = shutil.copytree(packed, tmp_path / "moved-packed")  # the same data at another path is the same data
+    args = ["pretrain", recipe, run, "--data", moved, "--set", "training.steps=30", "--set", f'data.validation="{packed}"',
+            "--set", "data.validation_interval=15", "--set", "data.validation_batches=2", "--resume", "auto", "--json"]
+    before = {p.name: sha256_file(p) for p in (run / "final").iterdir()}
+    done = run_cli(*args)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["nothing_to_do"] and {p.name: sha256_file(p) for p in (run / "final").iterdir()} == before
+
+    shutil.rmtree(run / "final")  # killed after its last checkpoint, before final/ was written
+    done = run_cli(*args)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["resumed_from"].endswith("step-0000030") and result["speed"]["steps_run"] == 0
+    assert sha256_file(run / "final" / "model.safetensors") == before["model.safetensors"]
+
+
+def test_export_interval_writes_hf_folders_beside_the_run(recipe, tmp_path):
+    run = tmp_path / "run"
+    train(recipe, run, overrides=["training.steps=2", "checkpoint.interval=1", "checkpoint.export_interval=2",
+                                  "schedule.warmup_steps=0"], show=False)
+    assert sorted(p.name for p in (run / "exports").iterdir()) == ["step-0000002"]
+    exported, final = weights(run / "exports" / "step-0000002"), weights(run / "final")
+    assert exported.keys() == final.keys() and all(np.array_equal(exported[k].numpy(), final[k].numpy()) for k in final)
 
 
 def test_resume_refuses_a_different_model(pretrained, recipe):
@@ -337,7 +405,8 @@ def test_parallel_layouts_follow_the_single_process_run(recipe, single_process, 
     assert all(np.allclose(expected[k].numpy(), got[k].numpy(), atol=2e-4) for k in expected)
     model = AutoModelForCausalLM.from_pretrained(run / "final")
     assert model.config.hidden_size == 64
-    assert (run / "checkpoints" / "step-0000010" / "optimizer").is_dir()  # sharded optimizer state (DCP)
+    shards = sorted(p.name for p in (run / "checkpoints" / "step-0000010").glob("*.distcp"))
+    assert shards == [f"__{rank}_0.distcp" for rank in range(processes)]  # each rank writes its part of the state (DCP)
     if not settings:
         # every second step is profiled: the share of its time spent in gloo collectives is on the next line
         shares = [line.get("comm_share") for line in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
@@ -368,6 +437,14 @@ def test_midtrain_extends_context_and_records_its_parent(pretrained, recipe, tok
     config = AutoModelForCausalLM.from_pretrained(run / "final").config
     assert config.rope_parameters["rope_theta"] == 500000.0 and config.max_position_embeddings == 128
     assert result.first_loss < pretrained[1].first_loss - 0.5  # it started from the trained weights, not from scratch
+
+
+def test_midtrain_from_a_sharded_checkpoint_keeps_its_optimizer(pretrained, recipe, tmp_path):
+    parent = pretrained[0] / "checkpoints" / "step-0000030"
+    result = train(recipe, tmp_path / "run", stage="midtrain", init_from=str(parent), keep_optimizer=True, show=False,
+                   overrides=["training.steps=2", "schedule.warmup_steps=0", "schedule.decay_fraction=1.0"])
+    assert result.parent == str(parent.resolve()) and result.steps == 2
+    assert result.first_loss < pretrained[1].first_loss - 0.5  # the checkpoint's weights, loaded through DCP
 
 
 @pytest.mark.parametrize("setup, message", [
@@ -426,3 +503,30 @@ def test_long_context_recipe_runs_both_published_stages():
     assert first["recipe"]["model"]["rope_theta"] == 1.5e6 and second["recipe"]["model"]["rope_theta"] == 5e6
     assert first["total_tokens"] == pytest.approx(50e9, rel=0.01) and second["total_tokens"] == pytest.approx(50e9, rel=0.01)
     assert first["memory"]["fits"] and second["memory"]["fits"]
+
+
+def test_pretrain_sbatch_forwards_usr1_and_requeues_after_the_save(tmp_path):
+    """The sbatch's own logic, with stand-ins for srun (a trainer that saves and exits 75 on USR1), scontrol and
+    smolctl: Slurm's USR1 reaches the trainers, the script waits for them, then requeues; the user's options
+    reach the dry-run line too."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    calls = tmp_path / "calls"
+    scripts = {
+        "srun": "trap 'echo saved >> {calls}; exit 75' USR1\necho training >> {calls}\nfor i in $(seq 300); do sleep 0.1; done\n",
+        "scontrol": '[[ $1 == show ]] && {{ echo node1; exit 0; }}\necho "scontrol $*" >> {calls}\n',
+        "smolctl": 'echo "smolctl $*" >> {calls}\n',
+    }
+    for name, body in scripts.items():
+        (stubs / name).write_text("#!/bin/bash\n" + body.format(calls=calls))
+        (stubs / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node1"}
+    job = subprocess.Popen(["bash", "recipes/slurm/pretrain.sbatch", "r.toml", str(tmp_path / "run"), "--set", "a.b=1"],
+                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while "training" not in (calls.read_text() if calls.is_file() else ""):
+        time.sleep(0.05)
+    job.send_signal(signal.SIGUSR1)
+    assert job.wait(timeout=60) == 0, job.stdout.read()
+    assert calls.read_text().splitlines() == [
+        "smolctl pretrain r.toml --dry-run --world-size 8 --set a.b=1", "training", "saved", "scontrol requeue 42"]
+    assert (tmp_path / "run" / "nccl-trace").is_dir()

@@ -1,114 +1,124 @@
-"""Checkpoints that Hugging Face loads as they are, and that resume a run bit for bit.
+"""Checkpoints that resume at any world size, saved off the training loop's critical path.
 
-    RUN/checkpoints/step-0000500/   config.json, model.safetensors, tokenizer files, generation_config.json
-                                    manifest.json (kind "model": lineage, parent, step, tokens)
-                                    trainer_state.pt (step, tokens, data position, guards), optimizer.pt
-                                    (or optimizer/ via torch.distributed.checkpoint when distributed),
-                                    rng-rank00000.pt (one per rank)
-    RUN/final/                      the finished model: the same HF folder and manifest, no trainer state
+    RUN/checkpoints/step-0000500/   .metadata, __R_0.distcp   torch.distributed.checkpoint (DCP): model and AdamW
+                                                              state, one file per rank, whatever the layout
+                                    train_state.json          step, tokens, data position, guards, parent
+                                    rng-rank00000.pt          one per rank
+                                    config.json, generation_config.json, tokenizer files (for `smolctl export`)
+                                    manifest.json             kind "checkpoint", written last: the save finished
+    RUN/final/                      a Hugging Face folder (kind "model"), gathered from memory at the end
 
-Each checkpoint is written into a hidden staging folder and renamed into place after its manifest, so a kill
-at any moment leaves only complete checkpoints; `--resume auto` takes the newest one that has a manifest.
+    smolctl export RUN/checkpoints/step-0000500 OUT           the same Hugging Face folder for any checkpoint
+
+One format for one process, DDP and FSDP2: state dicts go through `torch.distributed.checkpoint.state_dict`, so
+DTensor shards are saved as such and DCP reshards them on load; the data order is a function of the step, so a
+run saved on 2 processes continues on 1 or 4. A save is staged to CPU memory and written by a background thread
+(`dcp.async_save`, at most one in flight); it becomes a checkpoint — manifest written, staging folder renamed,
+visible to `--resume auto` — only once every rank has finished writing, so a crash during a save leaves the
+previous checkpoint as the newest.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 from smolctl.errors import UserError
-from smolctl.shards import KIND_MODEL, MANIFEST_NAME, OutputFolder, read_manifest
-from smolctl.train.distributed import Dist, full_state_dict
+from smolctl.shards import KIND_MODEL, MANIFEST_NAME, OutputFolder, atomic_write_json, lineage_ref, read_manifest
+from smolctl.train.distributed import Dist
 
-TRAINER_STATE = "trainer_state.pt"
-OPTIMIZER_FILE = "optimizer.pt"
-OPTIMIZER_DCP = "optimizer"
+KIND_CHECKPOINT = "checkpoint"
+TRAIN_STATE = "train_state.json"
+DCP_METADATA = ".metadata"
+MODEL_KEY, OPTIMIZER_KEY = "model", "optimizer"
+EXPORT_SHARD_BYTES = 2 * 1024**3  # safetensors shards of an export: bounded memory, HF's sharded layout
+
+# One process is a layout DCP handles like any other; its "assuming a single process" warning says nothing new.
+warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)", category=UserWarning)
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step-{step:07d}"
 
 
+def checkpoint_step(path: Path) -> int:
+    return int(Path(path).name.split("-")[1])
+
+
+def _is_complete(folder: Path) -> bool:
+    manifest = read_manifest(folder) if (folder / MANIFEST_NAME).is_file() else None
+    if not manifest or manifest.get("kind") != KIND_CHECKPOINT:
+        return False
+    return all((folder / f["name"]).is_file() and (folder / f["name"]).stat().st_size == f["bytes"] for f in manifest["files"])
+
+
 def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Checkpoints with a manifest and trainer state, oldest first (staging folders are hidden and skipped)."""
+    """Checkpoints whose save finished (manifest written, every listed file present at its size), oldest first.
+    Saves in progress live in hidden `.step-N.partial` folders and are never listed."""
     folder = Path(run_dir) / "checkpoints"
     if not folder.is_dir():
         return []
-    found = [p for p in folder.glob("step-*") if (p / MANIFEST_NAME).is_file() and (p / TRAINER_STATE).is_file()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+    return sorted((p for p in folder.glob("step-*") if _is_complete(p)), key=checkpoint_step)
 
 
-def save_model_folder(path: Path, *, model, tokenizer, dist: Dist, inputs: list[dict], parent: str | None,
-                      fields: dict, optimizer=None, wrapped=None, trainer_state: dict | None = None) -> Path:
-    """Write an HF model folder (plus trainer state when `trainer_state` is given) atomically. Every rank calls
-    this: under FSDP all ranks gather the weights and all write their optimizer shards."""
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # our own progress line is the only one on the console
-    # Only FSDP needs a gather; otherwise save_pretrained reads the model's own tensors (no copy).
-    weights = full_state_dict(wrapped, dist) if dist.sharded else None
-    if weights is not None and model.config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)  # the gathered dict repeats the tied embedding; HF folders store it once
-    staging = path.parent / f".{path.name}.partial"
-    output = None
-    if dist.is_main:
-        output = OutputFolder(path, kind=KIND_MODEL, overwrite=True, inputs=inputs)
-        model.save_pretrained(str(output.staging), state_dict=weights)
-        tokenizer.save_pretrained(str(output.staging))
-    dist.barrier()
-    if trainer_state is not None:
-        if dist.active:
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-            dcp.save({"optimizer": get_optimizer_state_dict(wrapped, optimizer)}, checkpoint_id=str(staging / OPTIMIZER_DCP))
-        else:
-            torch.save(optimizer.state_dict(), staging / OPTIMIZER_FILE)
-        torch.save(rng_state(), staging / f"rng-rank{dist.rank:05d}.pt")
-        if dist.is_main:
-            torch.save(trainer_state, staging / TRAINER_STATE)
-    dist.barrier()
-    if dist.is_main:
-        for weights_file in sorted(output.staging.glob("*.safetensors")):
-            output.add_shard(weights_file.name, rows=0)
-        output.commit(parent=parent, **fields)
-    dist.barrier()
-    return path
+def check_checkpoint(path: str | Path, flag: str) -> dict:
+    """The manifest of a complete checkpoint, or one UserError naming `flag` (the option or argument given)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise UserError(flag, f"{folder}: no such checkpoint folder", "pass RUN/checkpoints/step-NNNNNNN")
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise UserError(flag, f"{folder} is not a complete checkpoint (no manifest.json: its save never finished)",
+                        "pass one of the run's RUN/checkpoints/step-NNNNNNN folders")
+    if manifest.get("kind") != KIND_CHECKPOINT:
+        raise UserError(flag, f"{folder} is a {manifest.get('kind')} folder, not a training checkpoint",
+                        "pass one of the run's RUN/checkpoints/step-NNNNNNN folders")
+    if not _is_complete(folder):
+        raise UserError(flag, f"{folder} is missing files its manifest lists", "use an earlier checkpoint of the run")
+    return manifest
 
 
-def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints; returns what was deleted."""
-    doomed = complete_checkpoints(run_dir)[:-keep]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-    return doomed
+# ---- what is saved: each part has state_dict / load_state_dict (DCP's Stateful protocol) -----------------------
 
 
-def load_trainer_state(path: Path, *, optimizer, wrapped, dist: Dist) -> dict:
-    """Restore the optimizer and this rank's RNG state from a checkpoint; returns the loop's state dict."""
-    import torch
+class ModelState:
+    """The model's parameters by fully qualified name (DDP's `module.` and compile's `_orig_mod.` removed);
+    DTensors under FSDP2 / tensor parallel."""
 
-    if optimizer is not None:
-        if dist.active:
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    def __init__(self, model):
+        self.model = model
 
-            if not (path / OPTIMIZER_DCP).is_dir():
-                raise UserError(path, "holds no distributed optimizer state (it was saved by a single process)",
-                                "resume with the world size it was saved with")
-            state = {"optimizer": get_optimizer_state_dict(wrapped, optimizer)}
-            dcp.load(state, checkpoint_id=str(path / OPTIMIZER_DCP))
-            set_optimizer_state_dict(wrapped, optimizer, state["optimizer"])
-        else:
-            if not (path / OPTIMIZER_FILE).is_file():
-                raise UserError(path, "holds no single-process optimizer state (it was saved under torchrun)",
-                                "resume with the world size it was saved with")
-            optimizer.load_state_dict(torch.load(path / OPTIMIZER_FILE, weights_only=True))
-    rng_file = path / f"rng-rank{dist.rank:05d}.pt"
-    if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=True))
-    return torch.load(path / TRAINER_STATE, weights_only=True)
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.model, state)
+
+
+class OptimizerState:
+    """AdamW moments keyed by parameter name, not position, so a different wrapping finds its own."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, state)
 
 
 def rng_state() -> dict:
@@ -128,18 +138,294 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def check_model_folder(path: str | Path, *, need_optimizer: bool = False) -> dict:
-    """A `--from` folder must be a complete model folder written by smolctl (or a plain HF folder with weights)."""
+class CheckpointManager:
+    """Owns what is saved (model, optimizer, train state, RNG), when it becomes visible, and how (sync or async).
+
+    Every rank calls `save`, `wait` and `load` at the same points of the loop; rank 0 alone commits."""
+
+    def __init__(self, run_dir: Path, *, model, optimizer, dist: Dist, keep: int, async_save: bool, export_interval: int,
+                 write_model_files: Callable[[Path], None], inputs: Callable[[], list[dict]]):
+        self.run_dir, self.model, self.optimizer, self.dist = Path(run_dir), model, optimizer, dist
+        self.keep, self.async_save, self.export_interval = keep, async_save, export_interval
+        self.write_model_files, self.inputs = write_model_files, inputs
+        # A background thread waits for the save in flight and commits it the moment it is written, so a crash
+        # soon after still finds it; `_pending` is that thread's future.
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smolctl-checkpoint")
+        self._pending: Future | None = None
+        self._exporting: Future | None = None
+        self._stager = None  # CPU buffers for async saves, allocated once and reused by every later save
+        self.process_group = None
+        if dist.active:
+            import torch.distributed as torch_dist
+
+            # DCP's background thread runs collectives; on their own gloo group they never interleave with the
+            # training loop's (and async_save needs a CPU backend even when training uses NCCL).
+            self.process_group = torch_dist.new_group(backend="gloo")
+
+    def _state(self, optimizer: bool = True) -> dict:
+        state = {MODEL_KEY: ModelState(self.model)}
+        if optimizer:
+            state[OPTIMIZER_KEY] = OptimizerState(self.model, self.optimizer)
+        return state
+
+    def save(self, step: int, *, train_state: dict, fields: dict, blocking: bool) -> float:
+        """Start (or, with `blocking`, finish) the save of `step`; returns the seconds the loop was held."""
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        started = time.perf_counter()
+        self.wait(barrier=False)  # at most one save in flight
+        path = checkpoint_path(self.run_dir, step)
+        output = None
+        if self.dist.is_main:
+            output = OutputFolder(path, kind=KIND_CHECKPOINT, overwrite=True, inputs=self.inputs())
+            atomic_write_json(output.file(TRAIN_STATE), train_state)
+            self.write_model_files(output.staging)
+        self.dist.barrier()  # the staging folder exists before any rank writes into it
+        staging = path.parent / f".{path.name}.partial"
+        torch.save(rng_state(), staging / f"rng-rank{self.dist.rank:05d}.pt")
+        options = {"checkpoint_id": str(staging), "process_group": self.process_group, "no_dist": not self.dist.active}
+        fields = {"step": step, **fields}
+        if blocking or not self.async_save:
+            dcp.save(self._state(), **options)
+            self._commit(output, fields)
+            self.dist.barrier()
+        else:
+            if self._stager is None:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                # Pinned host memory makes the device-to-host copy fast on GPUs; on CPU it does not exist.
+                self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+                                                            use_async_staging=False, use_non_blocking_copy=False))
+            # Returns once the state is copied to CPU memory; the previous save has finished, so its buffers are free.
+            written = dcp.async_save(self._state(), async_stager=self._stager, **options)
+            self._pending = self._committer.submit(self._commit_when_written, written, output, fields)
+        return time.perf_counter() - started
+
+    def wait(self, *, barrier: bool = True) -> None:
+        """Finish the save in flight (if any) and commit it; with `barrier`, every rank then sees it."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()  # re-raises a failed write (disk full, ...) instead of hiding it
+        if barrier:
+            self.dist.barrier()
+
+    def _commit_when_written(self, written: Future, output: OutputFolder | None, fields: dict) -> None:
+        written.result()
+        self._commit(output, fields)
+
+    def _commit(self, output: OutputFolder | None, fields: dict) -> None:
+        """Rank 0 (the only one with an output): manifest, rename into place, prune, maybe export."""
+        if output is None:
+            return
+        # Rank 0's save finishes after DCP's coordinator gathered every rank's write results: all shards are on disk.
+        # Listed by size, not hashed: hashing every save would stall rank 0 for minutes on a large model.
+        files = [{"name": entry.name, "bytes": entry.stat().st_size} for entry in sorted(output.staging.iterdir()) if entry.is_file()]
+        output.commit(files=files, **fields)
+        if self._exporting is not None:
+            self._exporting.result()  # the folder it reads must outlive it
+            self._exporting = None
+        for old in complete_checkpoints(self.run_dir)[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        if self.export_interval and fields["step"] % self.export_interval == 0:
+            export = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smolctl-export")
+            self._exporting = export.submit(export_checkpoint, output.path,
+                                            self.run_dir / "exports" / output.path.name, overwrite=True)
+            export.shutdown(wait=False)
+
+    def load(self, path: Path, *, optimizer: bool = True) -> dict:
+        """Restore the model (and optimizer) in place from `path`, whatever world size saved it; this rank's RNG
+        when the same rank saved one; returns the train state."""
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        path = Path(path)
+        dcp.load(self._state(optimizer), checkpoint_id=str(path), process_group=self.process_group,
+                 no_dist=not self.dist.active)
+        rng_file = path / f"rng-rank{self.dist.rank:05d}.pt"
+        saved_world = len(list(path.glob("rng-rank*.pt")))
+        if rng_file.is_file() and saved_world == self.dist.world_size:
+            set_rng_state(torch.load(rng_file, weights_only=True))
+        return json.loads((path / TRAIN_STATE).read_text())
+
+    def discard_after(self, step: int) -> list[Path]:
+        """Rank 0: delete the checkpoints newer than `step` (they may hold a bad incident's updates)."""
+        doomed = [p for p in complete_checkpoints(self.run_dir) if checkpoint_step(p) > step]
+        if self.dist.is_main:
+            for path in doomed:
+                shutil.rmtree(path, ignore_errors=True)
+        self.dist.barrier()
+        return doomed
+
+    def close(self) -> None:
+        self.wait(barrier=False)
+        if self._exporting is not None:
+            self._exporting.result()
+            self._exporting = None
+        self._committer.shutdown()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+
+def check_model_shapes(path: Path, model) -> None:
+    """Refuse (one line) a checkpoint whose weights do not fit `model` (an unwrapped model), before DCP fails deep."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = {k[len(MODEL_KEY) + 1:]: tuple(v.size) for k, v in FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+             if k.startswith(MODEL_KEY + ".") and hasattr(v, "size")}
+    own = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    differ = sorted(name for name in own.keys() & saved.keys() if own[name] != saved[name])
+    missing = sorted(own.keys() - saved.keys())
+    if differ or missing:
+        what = (f"{differ[0]} is {list(saved[differ[0]])} there but {list(own[differ[0]])} here" if differ
+                else f"it has no {missing[0]}")
+        raise UserError(path, f"holds a different model ({what})", "make [model] match the recipe that wrote the checkpoint")
+
+
+# ---- Hugging Face folders from checkpoints ---------------------------------------------------------------------
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False,
+                      shard_bytes: int = EXPORT_SHARD_BYTES, flag: str = "CHECKPOINT") -> dict:
+    """A DCP checkpoint → a Hugging Face folder `from_pretrained` loads, streamed tensor group by tensor group
+    (memory stays near `shard_bytes` whatever the model size), on CPU, with a manifest whose parent is the
+    checkpoint. Returns the manifest."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint import FileSystemReader
+
+    source = Path(checkpoint)
+    manifest = check_checkpoint(source, flag)
+    tied = json.loads((source / "config.json").read_text()).get("tie_word_embeddings", False)
+    metadata = FileSystemReader(str(source)).read_metadata().state_dict_metadata
+    tensors = {key[len(MODEL_KEY) + 1:]: meta for key, meta in metadata.items()
+               if key.startswith(MODEL_KEY + ".") and hasattr(meta, "size")}
+    if tied:
+        tensors.pop("lm_head.weight", None)  # HF folders store a tied embedding once
+    groups: list[list[str]] = [[]]
+    group_bytes = 0
+    for name, meta in tensors.items():
+        size = meta.size.numel() * meta.properties.dtype.itemsize
+        if groups[-1] and group_bytes + size > shard_bytes:
+            groups.append([])
+            group_bytes = 0
+        groups[-1].append(name)
+        group_bytes += size
+    output = OutputFolder(out, kind=KIND_MODEL, overwrite=overwrite, inputs=[lineage_ref(source)])
+    with output:
+        for entry in source.iterdir():
+            if entry.is_file() and entry.name not in (MANIFEST_NAME, TRAIN_STATE, DCP_METADATA) \
+                    and not entry.name.endswith(".distcp") and not entry.name.startswith("rng-rank"):
+                shutil.copy2(entry, output.file(entry.name))
+        names = ["model.safetensors"] if len(groups) == 1 else \
+            [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        weight_map = {}
+        for name, group in zip(names, groups):
+            part = {f"{MODEL_KEY}.{k}": torch.empty(tuple(tensors[k].size), dtype=tensors[k].properties.dtype) for k in group}
+            dcp.load(part, checkpoint_id=str(source), no_dist=True)
+            save_file({k: part[f"{MODEL_KEY}.{k}"] for k in group}, str(output.file(name)), metadata={"format": "pt"})
+            del part
+            weight_map.update({k: name for k in group})
+            output.add_shard(name, rows=0)
+        if len(names) > 1:
+            total = sum(tensors[k].size.numel() * tensors[k].properties.dtype.itemsize for k in weight_map)
+            atomic_write_json(output.file("model.safetensors.index.json"),
+                              {"metadata": {"total_size": total}, "weight_map": weight_map})
+        kept = {k: manifest[k] for k in ("stage", "step", "tokens_seen", "parameters", "tokenizer", "recipe", "identity", "stats")
+                if k in manifest}
+        return output.commit(parent=str(source.resolve()), **kept)
+
+
+def save_model_folder(path: Path, *, model, wrapped, tokenizer, dist: Dist, inputs: list[dict], parent: str | None,
+                      fields: dict) -> Path:
+    """RUN/final: the full weights gathered from memory (every rank takes part under FSDP) into a Hugging Face
+    folder that rank 0 writes atomically."""
+    from transformers.utils import logging as hf_logging
+
+    from smolctl.train.distributed import full_state_dict
+
+    hf_logging.disable_progress_bar()  # our own progress line is the only one on the console
+    # Only sharded models need a gather; otherwise save_pretrained reads the model's own tensors (no copy).
+    weights = full_state_dict(wrapped, dist) if dist.sharded else None
+    if weights is not None and model.config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # the gathered dict repeats the tied embedding; HF folders store it once
+    if dist.is_main:
+        output = OutputFolder(path, kind=KIND_MODEL, overwrite=True, inputs=inputs)
+        model.save_pretrained(str(output.staging), state_dict=weights)
+        tokenizer.save_pretrained(str(output.staging))
+        for weights_file in sorted(output.staging.glob("*.safetensors")):
+            output.add_shard(weights_file.name, rows=0)
+        output.commit(parent=parent, **fields)
+    dist.barrier()
+    return path
+
+
+def check_model_folder(path: str | Path, *, need_optimizer: bool = False) -> str:
+    """A `--from` folder: a Hugging Face model folder ("model") or a complete training checkpoint ("checkpoint")."""
     folder = Path(path)
     if not folder.is_dir():
         raise UserError("--from", f"{folder}: no such checkpoint folder", "pass RUN/final or RUN/checkpoints/step-NNNNNNN")
+    manifest = read_manifest(folder) or {}
+    if manifest.get("kind") == KIND_CHECKPOINT:
+        check_checkpoint(folder, "--from")
+        return KIND_CHECKPOINT
     if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
         raise UserError("--from", f"{folder}: incomplete model folder (no config.json or *.safetensors)",
                         "pass a finished checkpoint; a partial one (killed while saving) is not usable")
-    manifest = read_manifest(folder) or {}
     if manifest and manifest.get("kind") != KIND_MODEL:
         raise UserError("--from", f"{folder}: is a {manifest.get('kind')} folder, not a model", "pass a model folder")
-    if need_optimizer and not (folder / OPTIMIZER_FILE).is_file() and not (folder / OPTIMIZER_DCP).is_dir():
+    if need_optimizer:
         raise UserError("--keep-optimizer", f"{folder} holds no optimizer state",
                         "pass a RUN/checkpoints/step-NNNNNNN folder, or drop --keep-optimizer")
-    return manifest
+    return KIND_MODEL
+
+
+def packed_digest(path: str | Path) -> str:
+    """What a packed folder holds, not where it is: its shards' checksums and rows, seq_len and tokenizer."""
+    import hashlib
+
+    from smolctl.shards import open_packed
+
+    manifest = open_packed(path).manifest
+    content = {"shards": [[s["sha256"], s["rows"]] for s in manifest["shards"]], "seq_len": manifest["seq_len"],
+               "tokenizer": (manifest.get("tokenizer") or {}).get("fingerprint")}
+    return hashlib.sha256(json.dumps(content).encode()).hexdigest()[:16]
+
+
+def run_identity(recipe) -> dict:
+    """What a resumed run must share with the run it continues: the model, the data by content (the same folder
+    moved or named another way is the same data; another folder at the same path is not), and the numbers that
+    fix the data order (seed, seq_len, global batch). Its length, micro batch and schedule may change."""
+    model = recipe.model.model_dump(exclude={"tokenizer"})  # the data's tokenizer fingerprint stands for it
+    data = recipe.data
+    stages = [{"start_step": s.start_step, "weights": s.weights, "folders": [packed_digest(p) for p in s.paths]}
+              for s in data.stage_list()]
+    training = {k: getattr(recipe.training, k) for k in ("seed", "seq_len", "global_batch", "global_batch_tokens")}
+    return {"model": model, "data": {"stages": stages, "validation": packed_digest(data.validation) if data.validation else None},
+            "training": training}
+
+
+def check_same_identity(saved: dict | None, current: dict, where: Path, recipe) -> None:
+    """UserError naming the first recipe key whose value (or data content) differs from the saved run's."""
+    if saved is None:
+        raise UserError(where, "records no run identity (written by an older smolctl)", "start a new run folder")
+    for section in ("model", "training"):
+        for key in current[section].keys() | saved[section].keys():
+            if saved[section].get(key) != current[section].get(key):
+                raise UserError(f"{section}.{key}", f"differs from the run being resumed ({saved[section].get(key)!r} → "
+                                f"{current[section].get(key)!r})", "resume with the recipe the run started with, or start a new run")
+    stages_now, stages_then = current["data"]["stages"], saved["data"]["stages"]
+    if [(s["start_step"], s["weights"], len(s["folders"])) for s in stages_now] != \
+            [(s["start_step"], s["weights"], len(s["folders"])) for s in stages_then]:
+        raise UserError("data", "its stages or weights differ from the run being resumed",
+                        "resume with the recipe the run started with, or start a new run")
+    for stage, now, then in zip(recipe.data.stage_list(), stages_now, stages_then):
+        for path, digest, before in zip(stage.paths, now["folders"], then["folders"]):
+            if digest != before:
+                raise UserError(path, "holds other data than the folder the run was trained on (shard checksums or "
+                                "tokenizer differ)", "pass the packed folders the run started with, or start a new run")
+    if current["data"]["validation"] != saved["data"]["validation"]:
+        raise UserError("data.validation", "holds other data than the run's validation folder",
+                        "pass the validation folder the run started with")

@@ -185,7 +185,13 @@ class CheckpointSection(Section):
     interval: int = Field(1000, ge=0)
     """Save every n steps into RUN/checkpoints/step-NNNNNNN (0: only the final model)."""
     keep: int = Field(3, gt=0)
-    """How many of the newest checkpoints to keep."""
+    """How many of the newest checkpoints to keep (the last step always gets one, so `final/` can be rebuilt)."""
+    async_save: bool = True
+    """Copy the state to CPU memory and write it in a background thread while training continues (one save in
+    flight); false: the loop waits for every write."""
+    export_interval: int = Field(0, ge=0)
+    """Also write a Hugging Face folder RUN/exports/step-NNNNNNN every n steps, in the background (0: never;
+    `smolctl export` makes one from any checkpoint on demand)."""
 
 
 class LoggingSection(Section):
@@ -205,7 +211,7 @@ class GuardsSection(Section):
     max_bad_steps: int = Field(5, gt=0)
     """After this many consecutive bad steps (non-finite or spike) roll back to the last checkpoint."""
     max_rollbacks: int = Field(3, ge=0)
-    """Give up (exit 1) after this many rollbacks in one run."""
+    """Give up (exit 1) after this many incidents (each one rollback) in one run."""
     inject_nan_batches: list[int] = []
     """Fault drill: the loss of these batches (1-based) is made NaN, to rehearse the guards."""
 

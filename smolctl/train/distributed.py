@@ -44,6 +44,14 @@ class Dist:
             dist.all_reduce(value, op=dist.ReduceOp.SUM)
         return value
 
+    def any(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on at least one (e.g. a signal that reached only some ranks)."""
+        if not self.active:
+            return flag
+        import torch
+
+        return bool(self.sum(torch.tensor([int(flag)], device=self.device)).item())
+
     def close(self) -> None:
         if self.active:
             import torch.distributed as dist

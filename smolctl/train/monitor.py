@@ -138,7 +138,9 @@ class Monitor:
         under 5 minutes per 1,000 steps)."""
         started = time.perf_counter()
         yield
-        self._window["checkpoint"] += time.perf_counter() - started
+        for bucket in (self._window, self._totals):
+            bucket["checkpoint"] += time.perf_counter() - started
+            bucket["checkpoints"] += 1
 
     def step(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens: int, data_s: float, compute_s: float,
              guards: dict | None = None) -> None:
@@ -158,7 +160,8 @@ class Monitor:
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "data_wait": self._window["data"] / seconds, "step_s": seconds / self._window["steps"], "flops_per_s": tokens_per_s * self.flops_per_token,
                   "mfu": self._mfu(tokens_per_s), **memory_use(self.device),
-                  "checkpoint_s": self._window["checkpoint"], **(guards or {}), "time": time.time()}
+                  "checkpoint_s": self._window["checkpoint"],
+                  "checkpoint_share": self._totals["checkpoint"] / max(1e-9, time.perf_counter() - self._started), **(guards or {}), "time": time.time()}
         if self._comm_share is not None:
             record["comm_share"], self._comm_share = self._comm_share, None
         self.history.append(record)
@@ -209,14 +212,33 @@ class Monitor:
     def totals(self) -> dict:
         seconds = max(1e-9, self._totals["data"] + self._totals["compute"])
         tokens_per_s = self._totals["tokens"] / seconds
-        return {"steps_run": self._totals["steps"], "tokens_run": self._totals["tokens"],
-                "train_seconds": seconds, "wall_seconds": time.perf_counter() - self._started,
+        wall = time.perf_counter() - self._started
+        held, saves, steps = self._totals["checkpoint"], self._totals["checkpoints"], self._totals["steps"]
+        return {"steps_run": steps, "tokens_run": self._totals["tokens"],
+                "train_seconds": seconds, "wall_seconds": wall,
                 "tokens_per_s": tokens_per_s, "flops_per_s": tokens_per_s * self.flops_per_token,
-                "mfu": self._mfu(tokens_per_s), "data_wait": self._totals["data"] / seconds}
+                "mfu": self._mfu(tokens_per_s), "data_wait": self._totals["data"] / seconds,
+                **checkpoint_cost(held, saves, steps, wall)}
+
+
+CHECKPOINT_BUDGET_S_PER_1000_STEPS = 300.0  # the seed's yardstick: under 5 minutes of checkpointing per 1,000 steps
+
+
+def checkpoint_cost(held_s: float, saves: int, steps: int, wall_s: float) -> dict:
+    """Seconds the loop was held by checkpoints: in all, per save, per 1,000 steps and as a share of wall time."""
+    return {"checkpoints_saved": saves, "checkpoint_seconds": held_s, "checkpoint_s_each": held_s / saves if saves else 0.0,
+            "checkpoint_s_per_1000_steps": 1000 * held_s / steps if steps else 0.0,
+            "checkpoint_share": held_s / wall_s if wall_s > 0 else 0.0}
+
+
+def idle_totals() -> dict:
+    """The totals of a command that ran no step (a finished run resumed)."""
+    return {"steps_run": 0, "tokens_run": 0, "train_seconds": 0.0, "wall_seconds": 0.0, "tokens_per_s": 0.0,
+            "flops_per_s": 0.0, "mfu": None, "data_wait": 0.0, **checkpoint_cost(0.0, 0, 0, 0.0)}
 
 
 def _empty_window() -> dict:
-    return {"tokens": 0, "data": 0.0, "compute": 0.0, "checkpoint": 0.0, "steps": 0}
+    return {"tokens": 0, "data": 0.0, "compute": 0.0, "checkpoint": 0.0, "checkpoints": 0, "steps": 0}
 
 
 def _append_jsonl(path: Path, record: dict) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -27,6 +28,8 @@ from smolctl.train.config import BatchPlan, TrainRecipe, derive_batch, resolve_l
 
 RUN_FILE = "run.json"
 FINAL = "final"
+PREEMPTED_EXIT = 75  # sysexits' EX_TEMPFAIL: saved and stopped on request; recipes/slurm/pretrain.sbatch requeues
+PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
 def load_train_recipe(path: str | Path, overrides: Sequence[str] = (), data: Sequence[str] = ()) -> TrainRecipe:
@@ -60,6 +63,10 @@ class TrainResult:
     events: list[dict] = field(default_factory=list)
     peak_memory: int | None = None
     """Bytes the CUDA caching allocator handed out at most on this rank (None on CPU)."""
+    nothing_to_do: bool = False
+    """`--resume auto` found the run finished: nothing trained, final/ left as it was."""
+    preempted: str | None = None
+    """The signal (SIGUSR1 / SIGTERM) that stopped the run after a checkpoint at its current step."""
 
 
 class Trainer:
@@ -76,8 +83,10 @@ class Trainer:
         self.plan: BatchPlan = derive_batch(recipe.training, recipe.schedule, self.dist.world_size, self.layout)
         # TP ranks of one group read the same rows: the data is split over data-parallel ranks only
         self.dp_rank = self.dist.rank // self.layout.tp
+        self.finished: dict | None = None  # the final/ manifest when --resume auto finds nothing left to do
         self.resume_from = self._resume_point(resume, overwrite)
-        self.init_from = str(Path(init_from).resolve()) if init_from and self.resume_from is None else None
+        self.init_from = str(Path(init_from).resolve()) if init_from and self.resume_from is None and not self.finished else None
+        self.init_kind: str | None = None
         self.keep_optimizer = keep_optimizer
         self._validate_inputs()
         self.prefetch = Prefetcher(self._host_batch)
@@ -85,10 +94,15 @@ class Trainer:
     # ---- setup: every check before any compute ----------------------------------------------------------------
 
     def _resume_point(self, resume: str, overwrite: bool) -> Path | None:
+        from smolctl.shards import read_manifest
         from smolctl.train.checkpoint import complete_checkpoints
 
         checkpoints = complete_checkpoints(self.run_dir)
         if resume == "auto":
+            final = read_manifest(self.run_dir / FINAL) if (self.run_dir / FINAL).is_dir() else None
+            if final and int(final.get("step", -1)) >= self.plan.steps:
+                self.finished = final
+                return None
             if checkpoints:
                 return checkpoints[-1]
             if self.run_dir.is_dir() and any(self.run_dir.iterdir()) and not (self.run_dir / RUN_FILE).is_file() and not overwrite:
@@ -96,7 +110,7 @@ class Trainer:
             return None
         if resume != "none":
             path = Path(resume)
-            if path not in checkpoints and path.resolve() not in [c.resolve() for c in checkpoints]:
+            if path.resolve() not in [c.resolve() for c in checkpoints]:
                 raise UserError("--resume", f"{path} is not a complete checkpoint of {self.run_dir}",
                                 "pass auto, none, or one of RUN/checkpoints/step-NNNNNNN")
             return path
@@ -111,7 +125,7 @@ class Trainer:
 
     def _validate_inputs(self) -> None:
         from smolctl.data.tokenizer import load_tokenizer, tokenizer_fingerprint
-        from smolctl.train.checkpoint import check_model_folder
+        from smolctl.train.checkpoint import check_model_folder, check_same_identity, run_identity
         from smolctl.train.loader import PackedStream, validation_batches
         from smolctl.train.model import build_config
         from smolctl.train.model import check_attention
@@ -120,7 +134,7 @@ class Trainer:
 
         recipe = self.recipe
         if self.init_from:
-            check_model_folder(self.init_from, need_optimizer=self.keep_optimizer)
+            self.init_kind = check_model_folder(self.init_from, need_optimizer=self.keep_optimizer)
         self.stream = PackedStream(recipe.data.stage_list(), seed=recipe.training.seed, seq_len=recipe.training.seq_len)
         data_tokenizer = self.stream.tokenizer_info()
         spec = recipe.model.tokenizer or self.init_from or data_tokenizer.get("path")
@@ -147,24 +161,18 @@ class Trainer:
                                                   micro_batch=recipe.training.micro_batch, count=recipe.data.validation_batches)
         if self.dist.is_main:
             require_trackers(recipe.logging.report_to)
-        if self.resume_from is not None:
-            self._check_same_run()
+        self.identity = run_identity(recipe)
+        if self.resume_from is not None or self.finished is not None:
+            from smolctl.shards import read_manifest
 
-    def _check_same_run(self) -> None:
-        """A resumed run must train the same model on the same data order (seed, data, global batch); its length,
-        micro batch (memory) and schedule may change."""
-        saved = json.loads((self.run_dir / RUN_FILE).read_text())["recipe"]
-        current = json.loads(self.recipe.model_dump_json())
-        for section, keys in (("model", None), ("data", None), ("training", ("seed", "seq_len", "global_batch", "global_batch_tokens"))):
-            for key in keys or current[section]:
-                if saved[section].get(key) != current[section].get(key):
-                    raise UserError(f"{section}.{key}", f"differs from the run being resumed ({saved[section].get(key)!r} → "
-                                    f"{current[section].get(key)!r})", "resume with the recipe the run started with, or start a new run")
+            where = self.resume_from or self.run_dir / FINAL
+            check_same_identity((read_manifest(where) or {}).get("identity"), self.identity, where, recipe)
 
     def _build(self) -> None:
         import torch
 
         from smolctl.infra.flops import training_flops_per_token
+        from smolctl.train.checkpoint import KIND_CHECKPOINT, CheckpointManager, check_model_shapes
         from smolctl.train.distributed import load_full_state_dict, wrap_model
         from smolctl.train.loss import CausalLMLoss
         from smolctl.train.model import build_model, count_parameters, parameter_groups, read_weights
@@ -175,9 +183,11 @@ class Trainer:
             self.precision = "bf16" if dist.device.startswith("cuda") else "fp32"
         self.model = build_model(self.config, device=dist.device, attention=training.attention, seed=training.seed)
         self.parameters = count_parameters(self.model)["total"]
-        weights_from = self.resume_from or self.init_from
-        if weights_from:
-            load_full_state_dict(self.model, read_weights(Path(weights_from), self.model), dist)
+        if self.init_from and self.init_kind != KIND_CHECKPOINT:
+            load_full_state_dict(self.model, read_weights(Path(self.init_from), self.model), dist)
+        dcp_source = self.resume_from or (self.init_from if self.init_kind == KIND_CHECKPOINT else None)
+        if dcp_source:
+            check_model_shapes(Path(dcp_source), self.model)  # DCP loads them after wrapping, at any world size
         loss_model = CausalLMLoss(self.model, chunk_tokens=training.loss_chunk_tokens,
                                   flatten_rows=training.attention == "flash_attention_2")
         self.wrapped = wrap_model(loss_model, dist, self.layout, activation_checkpointing=training.activation_checkpointing,
@@ -188,20 +198,22 @@ class Trainer:
         # FSDP's mixed-precision policy already computes in bf16; autocast is for the unsharded paths
         self.autocast = self.precision == "bf16" and not dist.fsdp
         self.flops_per_token = training_flops_per_token(self.config, training.seq_len)
-
+        # Checkpoints hold the inner Hugging Face model (its parameters sharded in place by TP / FSDP2), not the
+        # loss wrapper or DDP: their keys are the plain model's, so `smolctl export` and from_pretrained read them
+        # and a checkpoint of one layout (tp, dp, world size) loads into any other.
+        self.checkpoints = CheckpointManager(self.run_dir, model=self.model, optimizer=self.optimizer, dist=dist,
+                                             keep=recipe.checkpoint.keep, async_save=recipe.checkpoint.async_save,
+                                             export_interval=recipe.checkpoint.export_interval,
+                                             write_model_files=self._write_model_files, inputs=self._inputs)
 
     # ---- state -------------------------------------------------------------------------------------------------
 
-    def _restore(self, checkpoint: Path, *, with_weights: bool) -> None:
-        from smolctl.train.checkpoint import load_trainer_state
-        from smolctl.train.distributed import load_full_state_dict
+    def _restore(self, checkpoint: Path) -> None:
+        """Model, optimizer, RNG and loop state from a checkpoint saved at any world size."""
         from smolctl.train.loader import DataPosition
-        from smolctl.train.model import read_weights
 
         self.prefetch.reset()  # the stream is about to rewind: no batch may be drawn from the old position
-        if with_weights:
-            load_full_state_dict(self.model, read_weights(checkpoint, self.model), self.dist)
-        state = load_trainer_state(checkpoint, optimizer=self.optimizer, wrapped=self.model, dist=self.dist)
+        state = self.checkpoints.load(checkpoint)
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.stream.position = DataPosition.from_state(state["data"])
         self.data_position = self.stream.position.state_dict()
@@ -216,23 +228,33 @@ class Trainer:
         refs = [lineage_ref(Path(p)) for p in self.stream.paths]
         return refs + ([lineage_ref(Path(self.parent))] if self.parent else [])
 
-    def _save(self, path: Path, *, with_state: bool) -> None:
-        from smolctl.train.checkpoint import prune_checkpoints, save_model_folder
+    def _manifest_fields(self) -> dict:
+        return {"stage": self.stage, "step": self.step, "tokens_seen": self.tokens_seen, "parameters": self.parameters,
+                "tokenizer": self.stream.tokenizer_info(), "recipe": json.loads(self.recipe.model_dump_json()),
+                "identity": self.identity, "stats": {"steps": self.step, "loss": self.last_loss}}
 
-        fields = {"stage": self.stage, "step": self.step, "tokens_seen": self.tokens_seen, "parameters": self.parameters,
-                  "tokenizer": self.stream.tokenizer_info(), "recipe": json.loads(self.recipe.model_dump_json()),
-                  "stats": {"steps": self.step, "loss": self.last_loss}}
-        save_model_folder(path, model=self.model, tokenizer=self.tokenizer, dist=self.dist, inputs=self._inputs(),
-                          parent=self.parent, fields=fields, optimizer=self.optimizer, wrapped=self.model,
-                          trainer_state=self._trainer_state() if with_state else None)
-        if with_state and self.dist.is_main:
-            prune_checkpoints(self.run_dir, self.recipe.checkpoint.keep)
-        self.dist.barrier()
+    def _write_model_files(self, folder: Path) -> None:
+        """The small files `smolctl export` turns a checkpoint into a Hugging Face folder with."""
+        self.model.config.save_pretrained(str(folder))
+        if getattr(self.model, "generation_config", None) is not None:
+            self.model.generation_config.save_pretrained(str(folder))
+        self.tokenizer.save_pretrained(str(folder))
+
+    def _save_checkpoint(self, *, blocking: bool) -> float:
+        """Checkpoint the current step; returns the seconds the loop was held (staging only, when async)."""
+        return self.checkpoints.save(self.step, train_state=self._trainer_state(), fields=self._manifest_fields(), blocking=blocking)
+
+    def _write_final(self) -> None:
+        from smolctl.train.checkpoint import save_model_folder
+
+        # the inner model gathers to the plain Hugging Face names (the loss wrapper would prefix them with `lm.`)
+        save_model_folder(self.run_dir / FINAL, model=self.model, wrapped=self.model, tokenizer=self.tokenizer,
+                          dist=self.dist, inputs=self._inputs(), parent=self.parent, fields=self._manifest_fields())
 
     # ---- the loop ----------------------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        from smolctl.train.checkpoint import load_trainer_state
+        from smolctl.train.checkpoint import KIND_CHECKPOINT
         from smolctl.train.guards import Guards
 
         self.guards = Guards(self.recipe.guards)
@@ -240,9 +262,9 @@ class Trainer:
         self.last_loss: float | None = None
         self.data_position = self.stream.position.state_dict()
         if self.resume_from is not None:
-            self._restore(self.resume_from, with_weights=False)
-        elif self.init_from and self.keep_optimizer:
-            load_trainer_state(Path(self.init_from), optimizer=self.optimizer, wrapped=self.model, dist=self.dist)
+            self._restore(self.resume_from)
+        elif self.init_kind == KIND_CHECKPOINT:
+            self.checkpoints.load(Path(self.init_from), optimizer=self.keep_optimizer)  # a new stage: its own step 0
         if self.dist.is_main and self.resume_from is None:
             if self._replace_run:
                 shutil.rmtree(self.run_dir)
@@ -311,21 +333,27 @@ class Trainer:
         self._last_lr = lr
         return loss, norm, host.number, data_done - started
 
-    def _rollback(self, bad_batches: list[int]) -> None:
-        from smolctl.train.checkpoint import complete_checkpoints
+    def _rollback(self, bad_batches: list[int], first_bad_step: int) -> None:
+        """Back to the last checkpoint saved before the incident's first bad step (a later one may hold its updates,
+        and is deleted), skipping the incident's batches from then on."""
+        from smolctl.train.checkpoint import checkpoint_step, complete_checkpoints
 
-        checkpoints = complete_checkpoints(self.run_dir)
-        if not checkpoints:
-            raise CheckFailed(f"{len(bad_batches)} consecutive bad steps (batches {bad_batches}) and no checkpoint to roll "
-                              "back to — lower the lr, raise guards.max_bad_steps, or save checkpoints sooner")
+        self.checkpoints.wait()  # a save in flight is part of the choice, on every rank alike
+        clean = [c for c in complete_checkpoints(self.run_dir) if checkpoint_step(c) < first_bad_step]
+        if not clean:
+            raise CheckFailed(f"{len(bad_batches)} consecutive bad steps (batches {bad_batches}) and no checkpoint from before "
+                              f"step {first_bad_step} to roll back to — lower the lr, raise guards.max_bad_steps or "
+                              "checkpoint.keep, or save checkpoints sooner")
         if self.guards.rollbacks >= self.recipe.guards.max_rollbacks:
-            raise CheckFailed(f"still unstable after {self.guards.rollbacks} rollbacks (guards.max_rollbacks) — see {self.run_dir}/events.jsonl")
+            raise CheckFailed(f"still unstable after {self.guards.rollbacks} incidents (guards.max_rollbacks) — see {self.run_dir}/events.jsonl")
         counts = (self.guards.skipped, self.guards.spikes, self.guards.rollbacks + 1)
-        self._restore(checkpoints[-1], with_weights=True)
+        target = clean[-1]
+        self.checkpoints.discard_after(checkpoint_step(target))
+        self._restore(target)
         self.guards.skipped, self.guards.spikes, self.guards.rollbacks = counts
         self.stream.position.skip = sorted(set(self.stream.position.skip) | set(bad_batches))
         self.monitor.rewind(self.step)
-        self.monitor.event({"event": "rollback", "step": self.step, "to": str(checkpoints[-1]), "skipped_batches": bad_batches})
+        self.monitor.event({"event": "rollback", "step": self.step, "to": str(target), "skipped_batches": bad_batches})
 
     def _evaluate(self) -> float | None:
         import torch
@@ -350,60 +378,24 @@ class Trainer:
         self.monitor.validation(self.step, loss)
         return loss
 
-    def run(self) -> TrainResult:
-        from smolctl.train.checkpoint import checkpoint_path, complete_checkpoints
-        from smolctl.train.monitor import Monitor, peak_flops
-        from smolctl.train.trackers import open_tracker
+    def _catch_preemption(self) -> dict:
+        """SIGUSR1 / SIGTERM (Slurm's notice, torchrun forwarding it) only set a flag: the loop finishes its step,
+        saves and stops. Returns the previous handlers (empty off the main thread, where Python cannot catch)."""
+        import threading
 
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def request_stop(signum, frame) -> None:
+            self.stop_signal = self.stop_signal or signal.Signals(signum).name
+
+        return {sig: signal.signal(sig, request_stop) for sig in PREEMPTION_SIGNALS}
+
+    def _result(self, val_loss: float | None, losses: list[float], *, stopped: bool) -> TrainResult:
         import torch
 
-        self._build()
-        self._start()
-        recipe, plan = self.recipe, self.plan
-        start_step = self.step
-        self.monitor = Monitor(self.run_dir, title=self.stage, enabled=self.dist.is_main, total_steps=plan.steps, start_step=start_step,
-                               flops_per_token=self.flops_per_token, peak=peak_flops(self.dist.device, self.precision),
-                               world_size=self.dist.world_size, interval=recipe.logging.interval,
-                               show=self.show, device=str(self.dist.device), profile_interval=recipe.logging.profile_interval,
-                               tracker=open_tracker(self.run_dir, recipe.logging.report_to, enabled=self.dist.is_main,
-                                                    resuming=self.resume_from is not None, config=json.loads(recipe.model_dump_json())))
-        losses: list[float] = []
-        val_loss = None
-        self.model.train()
-        with self.monitor:
-            if self.resume_from is not None:
-                self.monitor.note(f"resuming from {self.resume_from} (step {self.step}, {self.tokens_seen:,} tokens)")
-            while self.step < plan.steps:
-                started = time.perf_counter()
-                with self.monitor.profiled(self.step + 1):
-                    loss, norm, batch, data_s = self._forward_backward()
-                    # the step's one host sync: the guards judge every step's loss and norm before the update
-                    loss, norm = torch.stack([loss.float(), norm.float().to(loss.device)]).tolist()
-                    verdict = self.guards.observe(self.step + 1, batch, loss, norm)
-                    if verdict.apply_update:
-                        self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                compute_s = time.perf_counter() - started - data_s
-                if verdict.event:
-                    self.monitor.event({**verdict.event, "rows": self.stream.rows_of(self.batch_drawn)})
-                if verdict.rollback:
-                    self._rollback(verdict.bad_batches)
-                    continue
-                self.step += 1
-                self.tokens_seen += plan.tokens_per_step
-                if math.isfinite(loss):
-                    losses.append(loss)
-                    self.last_loss = loss
-                self.monitor.step(self.step, loss=loss, lr=self._last_lr, grad_norm=norm, tokens=plan.tokens_per_step,
-                                  data_s=data_s, compute_s=compute_s, guards=self.guards.counts())
-                if recipe.checkpoint.interval and self.step % recipe.checkpoint.interval == 0:
-                    with self.monitor.checkpointing():
-                        self._save(checkpoint_path(self.run_dir, self.step), with_state=True)
-                if recipe.data.validation_interval and self.step % recipe.data.validation_interval == 0:
-                    val_loss = self._evaluate()
-            if self.val_batches and not (recipe.data.validation_interval and self.step % recipe.data.validation_interval == 0):
-                val_loss = self._evaluate()
-            self._save(self.run_dir / FINAL, with_state=False)
+        from smolctl.train.checkpoint import complete_checkpoints
+
         return TrainResult(
             run_dir=str(self.run_dir), stage=self.stage, final_model=str(self.run_dir / FINAL), steps=self.step,
             tokens_seen=self.tokens_seen, parameters=self.parameters, first_loss=losses[0] if losses else None,
@@ -411,9 +403,101 @@ class Trainer:
             resumed_from=str(self.resume_from) if self.resume_from else None, parent=self.parent,
             skipped_steps=self.guards.skipped, spikes=self.guards.spikes, rollbacks=self.guards.rollbacks,
             checkpoints=[str(p) for p in complete_checkpoints(self.run_dir)],
-            plan={**asdict(self.plan), "tokens_per_step": plan.tokens_per_step}, speed=self.monitor.totals(),
-            events=self.monitor.events,
+            plan={**asdict(self.plan), "tokens_per_step": self.plan.tokens_per_step}, speed=self.monitor.totals(),
+            events=self.monitor.events, preempted=self.stop_signal if stopped else None,
             peak_memory=torch.cuda.max_memory_allocated() if self.dist.device.startswith("cuda") else None)
+
+    def _nothing_to_do(self) -> TrainResult:
+        """`--resume auto` on a finished run: report it from final/'s manifest, touch nothing."""
+        from smolctl.train.checkpoint import complete_checkpoints
+        from smolctl.train.monitor import idle_totals
+
+        final = self.finished
+        return TrainResult(
+            run_dir=str(self.run_dir), stage=final.get("stage", self.stage), final_model=str(self.run_dir / FINAL),
+            steps=int(final["step"]), tokens_seen=int(final.get("tokens_seen", 0)), parameters=int(final.get("parameters", 0)),
+            first_loss=None, final_loss=(final.get("stats") or {}).get("loss"), val_loss=None, resumed_from=None,
+            parent=final.get("parent"), skipped_steps=0, spikes=0, rollbacks=0,
+            checkpoints=[str(p) for p in complete_checkpoints(self.run_dir)],
+            plan={**asdict(self.plan), "tokens_per_step": self.plan.tokens_per_step}, speed=idle_totals(), nothing_to_do=True)
+
+    def run(self) -> TrainResult:
+        import torch
+
+        from smolctl.train.monitor import Monitor, peak_flops
+        from smolctl.train.trackers import open_tracker
+
+        if self.finished is not None:
+            return self._nothing_to_do()
+        self._build()
+        self._start()
+        recipe, plan = self.recipe, self.plan
+        self.monitor = Monitor(self.run_dir, title=self.stage, enabled=self.dist.is_main, total_steps=plan.steps, start_step=self.step,
+                               flops_per_token=self.flops_per_token, peak=peak_flops(self.dist.device, self.precision),
+                               world_size=self.dist.world_size, interval=recipe.logging.interval,
+                               show=self.show, device=str(self.dist.device), profile_interval=recipe.logging.profile_interval,
+                               tracker=open_tracker(self.run_dir, recipe.logging.report_to, enabled=self.dist.is_main,
+                                                    resuming=self.resume_from is not None, config=json.loads(recipe.model_dump_json())))
+        losses: list[float] = []
+        val_loss = None
+        self.stop_signal: str | None = None
+        stopped = False
+        previous_handlers = self._catch_preemption()
+        self.model.train()
+        try:
+            with self.monitor:
+                if self.resume_from is not None:
+                    self.monitor.note(f"resuming from {self.resume_from} (step {self.step}, {self.tokens_seen:,} tokens)")
+                while self.step < plan.steps:
+                    started = time.perf_counter()
+                    with self.monitor.profiled(self.step + 1):
+                        loss, norm, batch, data_s = self._forward_backward()
+                        # the step's one host sync: the guards judge every step's loss and norm before the update
+                        loss, norm = torch.stack([loss.float(), norm.float().to(loss.device)]).tolist()
+                        verdict = self.guards.observe(self.step + 1, batch, loss, norm)
+                        if verdict.apply_update:
+                            self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                    compute_s = time.perf_counter() - started - data_s
+                    if verdict.event:
+                        # the stream is a batch ahead (prefetch): the rows are those of the batch just judged
+                        self.monitor.event({**verdict.event, "rows": self.stream.rows_of(self.batch_drawn)})
+                    if verdict.level_shift:
+                        self.monitor.event(verdict.level_shift)
+                    if verdict.rollback:
+                        self._rollback(verdict.bad_batches, verdict.first_bad_step)
+                        continue
+                    self.step += 1
+                    self.tokens_seen += plan.tokens_per_step
+                    if math.isfinite(loss):
+                        losses.append(loss)
+                        self.last_loss = loss
+                    self.monitor.step(self.step, loss=loss, lr=self._last_lr, grad_norm=norm, tokens=plan.tokens_per_step,
+                                      data_s=data_s, compute_s=compute_s, guards=self.guards.counts())
+                    stopping = self.dist.any(self.stop_signal is not None)
+                    if stopping and self.stop_signal is None:
+                        self.stop_signal = "a signal to another rank"
+                    # The last step always gets a checkpoint: final/ can be rebuilt from it and the run extended.
+                    due = self.step == plan.steps or (recipe.checkpoint.interval and self.step % recipe.checkpoint.interval == 0)
+                    if due or stopping:
+                        with self.monitor.checkpointing():
+                            self._save_checkpoint(blocking=stopping)
+                    if stopping:
+                        stopped = True
+                        self.monitor.note(f"{self.stop_signal}: saved step {self.step}; stopping — continue with --resume auto")
+                        break
+                    if recipe.data.validation_interval and self.step % recipe.data.validation_interval == 0:
+                        val_loss = self._evaluate()
+                if not stopped:
+                    if self.val_batches and not (recipe.data.validation_interval and self.step % recipe.data.validation_interval == 0):
+                        val_loss = self._evaluate()
+                    self.checkpoints.wait()  # final/ only after the last step's checkpoint is complete
+                    self._write_final()
+                self.checkpoints.close()
+        finally:
+            for sig, handler in previous_handlers.items():
+                signal.signal(sig, handler)
+        return self._result(val_loss, losses, stopped=stopped)
 
 
 def train(recipe_path: str | Path, run_dir: str | Path, *, overrides: Sequence[str] = (), data: Sequence[str] = (),

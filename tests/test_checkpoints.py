@@ -1,0 +1,158 @@
+"""Runs that survive a cluster: sharded checkpoints under torchrun (2 CPU processes, gloo), a killed rank, SIGUSR1,
+resuming at another world size, and `smolctl export`.
+
+One uninterrupted 2-process FSDP2 run (8 steps, checkpoints at 4 and 8) is the reference every other run is held
+against: a run with one rank SIGKILLed resumes to bit-identical weights; its step-4 checkpoint continues on 1 (and
+4) processes along the same loss curve; a DDP run stopped by SIGUSR1 saves the step it is on and its resume neither
+repeats nor skips a step; the export of its last checkpoint equals the weights it gathered in memory for final/."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from test_pretrain import packed, recipe  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.slow
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+QUICK = ["--set", "training.steps=8", "--set", "checkpoint.interval=4", "--set", "checkpoint.keep=3"]
+
+
+def torchrun(processes: int, port: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(port),
+            "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "-m", "smolctl"]
+
+
+def pretrain(launcher: list[str], recipe: Path, run: Path, *extra: str) -> list[str]:  # noqa: F811
+    return [*launcher, "pretrain", str(recipe), str(run), *QUICK, "--json", *extra]
+
+
+def finish(command: list[str]) -> dict:
+    done = subprocess.run(command, env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def losses(run: Path) -> dict[int, float]:
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [line["step"] for line in lines if "loss" in line]
+    assert steps == sorted(set(steps)), f"a step was logged twice: {steps}"
+    return {line["step"]: line["loss"] for line in lines if "loss" in line}
+
+
+def weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def identical(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)
+
+
+def wait_for_step(process: subprocess.Popen, run: Path, step: int) -> None:
+    metrics = run / "metrics.jsonl"
+    while process.poll() is None:
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
+        if lines and json.loads(lines[-1])["step"] >= step:
+            return
+        time.sleep(0.01)
+    pytest.fail(f"the run ended (exit {process.returncode}) before step {step}")
+
+
+def worker_pid(launcher_pid: int, rank: int) -> int:
+    """The torchrun worker with RANK=rank among the launcher's children."""
+    for child in Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split():
+        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return int(child)
+    raise AssertionError(f"no worker with RANK={rank}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, recipe) -> tuple[Path, dict]:  # noqa: F811
+    run = tmp_path_factory.mktemp("reference") / "run"
+    result = finish(pretrain(torchrun(2, 29631), recipe, run, "--set", "training.shard=true"))
+    assert [Path(p).name for p in result["checkpoints"]] == ["step-0000004", "step-0000008"]
+    assert result["speed"]["checkpoints_saved"] == 2 and result["speed"]["checkpoint_seconds"] > 0
+    return run, result
+
+
+def test_a_killed_rank_then_resume_is_bit_identical(reference, recipe, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    command = pretrain(torchrun(2, 29632), recipe, run, "--set", "training.shard=true")
+    victim = subprocess.Popen(command, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_step(victim, run, 5)  # past the step-4 checkpoint, before the step-8 one
+    os.kill(worker_pid(victim.pid, 1), signal.SIGKILL)  # one node of two dies
+    assert victim.wait(timeout=300) != 0
+    assert not (run / "final").exists() and not (run / "checkpoints" / "step-0000008").exists()
+
+    result = finish([*command, "--resume", "auto"])
+    assert result["resumed_from"].endswith("step-0000004") and result["steps"] == 8
+    assert identical(weights(run / "final"), weights(reference[0] / "final"))
+    assert sorted(losses(run)) == list(range(1, 9))
+
+
+@pytest.mark.parametrize("processes", [1, 4])
+def test_a_two_process_checkpoint_continues_on_another_world_size(reference, recipe, tmp_path, processes):  # noqa: F811
+    if processes > (os.cpu_count() or 1):
+        pytest.skip(f"{processes} processes need {processes} cores")
+    run = tmp_path / "run"
+    shutil.copytree(reference[0], run)
+    shutil.rmtree(run / "final")
+    shutil.rmtree(run / "checkpoints" / "step-0000008")
+    launcher = [sys.executable, "-m", "smolctl"] if processes == 1 else torchrun(processes, 29633)
+    result = finish(pretrain(launcher, recipe, run, "--resume", "auto", "--set", "training.shard=true"))
+    assert result["plan"]["world_size"] == processes and result["resumed_from"].endswith("step-0000004")
+    expected, got = losses(reference[0]), losses(run)
+    assert sorted(got) == list(range(1, 9))
+    assert all(abs(got[step] - expected[step]) < 1e-4 for step in range(5, 9)), (got, expected)
+
+
+def test_sigusr1_saves_the_current_step_and_resume_neither_repeats_nor_skips(reference, recipe, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    command = pretrain(torchrun(2, 29634), recipe, run, "--set", "checkpoint.interval=100")  # DDP; no scheduled saves
+    launcher = subprocess.Popen(command, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for_step(launcher, run, 2)
+    launcher.send_signal(signal.SIGUSR1)  # what the sbatch's trap forwards at the time limit
+    stderr = launcher.communicate(timeout=300)[1]
+    stopped_at = max(losses(run))
+    assert stopped_at < 8, "the run finished before the signal"
+    assert f"SIGUSR1: saved step {stopped_at}; stopping" in stderr
+    assert [p.name for p in (run / "checkpoints").glob("step-*")] == [f"step-{stopped_at:07d}"]
+    assert not (run / "final").exists()
+
+    result = finish([*command, "--resume", "auto"])
+    assert result["resumed_from"].endswith(f"step-{stopped_at:07d}") and result["speed"]["steps_run"] == 8 - stopped_at
+    expected, got = losses(reference[0]), losses(run)
+    assert sorted(got) == list(range(1, 9))
+    assert all(abs(got[step] - expected[step]) < 1e-4 for step in got), (got, expected)
+
+
+def test_export_of_a_sharded_checkpoint_equals_the_gathered_weights(reference, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from conftest import run_cli
+    from smolctl.shards import lineage_chain, read_manifest
+
+    run = reference[0]
+    out = tmp_path / "export"
+    done = run_cli("export", run / "checkpoints" / "step-0000008", out, "--json")
+    assert done.returncode == 0, done.stderr
+    assert identical(weights(out), weights(run / "final"))  # DCP shards streamed = FSDP2 full gather in memory
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert np.array_equal(model.state_dict()["model.norm.weight"].numpy(), weights(run / "final")["model.norm.weight"].numpy())
+    manifest = read_manifest(out)
+    assert manifest["kind"] == "model" and manifest["step"] == 8
+    assert manifest["parent"] == str((run / "checkpoints" / "step-0000008").resolve())
+    assert any(entry["kind"] == "packed" for entry in lineage_chain(out))
