@@ -70,6 +70,18 @@ def wait_for_step(process: subprocess.Popen, run: Path, step: int) -> None:
     pytest.fail(f"the run ended (exit {process.returncode}) before step {step}")
 
 
+def wait_for_checkpoint(process: subprocess.Popen, run: Path, step: int) -> None:
+    """Until the step's checkpoint is committed: an async save finishes a step or more after it started, later
+    still on a loaded machine."""
+    from smolctl.train.checkpoint import checkpoint_path, complete_checkpoints
+
+    while process.poll() is None:
+        if checkpoint_path(run, step) in complete_checkpoints(run):
+            return
+        time.sleep(0.01)
+    pytest.fail(f"the run ended (exit {process.returncode}) before its step-{step} checkpoint was complete")
+
+
 def worker_pid(launcher_pid: int, rank: int) -> int:
     """The torchrun worker with RANK=rank among the launcher's children."""
     for child in Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split():
@@ -93,6 +105,8 @@ def test_a_killed_rank_then_resume_is_bit_identical(reference, recipe, tmp_path)
     command = pretrain(torchrun(2, 29632), recipe, run, "--set", "training.shard=true")
     victim = subprocess.Popen(command, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_step(victim, run, 5)  # past the step-4 checkpoint, before the step-8 one
+    wait_for_checkpoint(victim, run, 4)
+    assert max(losses(run)) < 8, "the step-4 checkpoint was committed only at the end of the run"
     os.kill(worker_pid(victim.pid, 1), signal.SIGKILL)  # one node of two dies
     assert victim.wait(timeout=300) != 0
     assert not (run / "final").exists() and not (run / "checkpoints" / "step-0000008").exists()
