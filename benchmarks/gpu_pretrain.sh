@@ -1,40 +1,52 @@
 #!/usr/bin/env bash
-# Tokens/s and MFU of `smolctl pretrain` for SmolLM3-3B (the published architecture, 128k vocabulary) on one GPU,
-# eager and with training.compile = true. Under 5 minutes on one H100/H200; prints one table.
-#   bash benchmarks/gpu_pretrain.sh [OUT]          (needs a CUDA GPU; the aim is MFU >= 45% in bf16)
-# The sample corpus is packed at seq 4096 with a locally trained tokenizer; model.vocab_size = 128256 keeps the
-# 3B model's real LM head (the extra embedding rows are simply never seen), so the compute is the real one.
+# Tokens/s, MFU and peak memory of `smolctl pretrain` for the SmolLM3-3B architecture (128k vocabulary) at seq 4096
+# in bf16 with the chunked loss, against the dry run's memory estimate. About 5 minutes on one H100/H200.
+#   bash benchmarks/gpu_pretrain.sh [OUT]          (needs a CUDA GPU; the aim is MFU >= 45%)
+# Variants: eager; torch.compile per decoder layer; compile + selective checkpointing at a larger micro batch;
+# and, with 2+ GPUs, FSDP2 (bf16 parameters, fp32 reductions) under torchrun. The sample corpus is packed at seq
+# 4096 with a small local tokenizer; model.vocab_size = 128256 keeps the real LM head, so the compute is the 3B
+# model's. The dry run sizes each variant with `smolctl estimate`'s memory model for comparison.
 set -euo pipefail
 OUT=${1:-gpu-bench}
 PY=${PYTHON:-.venv/bin/python}
-SMOLCTL=${SMOLCTL:-.venv/bin/smolctl}
 STEPS=${STEPS:-16}
+GPU=${GPU:-h200}
 mkdir -p "$OUT"
-"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'; print(torch.cuda.get_device_name())"
+GPUS=$("$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'; print(torch.cuda.device_count())")
 
-[ -d "$OUT/tok" ] || "$SMOLCTL" train-tokenizer data/sample/web "$OUT/tok" --vocab-size 4096 --json > /dev/null
-[ -d "$OUT/packed" ] || "$SMOLCTL" pack data/sample/web "$OUT/packed" --tokenizer "$OUT/tok" --seq-len 4096 --json > /dev/null
+[ -d "$OUT/tok" ] || "$PY" -m smolctl train-tokenizer data/sample/web "$OUT/tok" --vocab-size 4096 --json > /dev/null
+[ -d "$OUT/packed" ] || "$PY" -m smolctl pack data/sample/web "$OUT/packed" --tokenizer "$OUT/tok" --seq-len 4096 --json > /dev/null
 
-run() {  # NAME, then --set overrides
-  local name=$1; shift
-  "$SMOLCTL" pretrain recipes/smollm3.toml "$OUT/$name" --data "$OUT/packed" --overwrite --json \
-    --set model.tokenizer="\"$OUT/tok\"" --set training.steps="$STEPS" --set training.shard=false \
-    --set training.global_batch_tokens=32768 --set schedule.warmup_steps=2 --set schedule.decay_steps=2 \
-    --set checkpoint.interval=0 --set logging.interval=1 "$@" > "$OUT/$name.json"
+COMMON=(--data "$OUT/packed" --set model.tokenizer="\"$OUT/tok\"" --set training.steps="$STEPS" --set parallel.tp=1
+        --set schedule.warmup_steps=2 --set schedule.decay_steps=2 --set checkpoint.interval=0 --set logging.interval=1)
+run() {  # NAME PROCESSES, then --set overrides
+  local name=$1 procs=$2; shift 2
+  local launch=("$PY" -m smolctl)
+  [ "$procs" -gt 1 ] && launch=("$PY" -m torch.distributed.run --nproc_per_node "$procs" -m smolctl)
+  "${launch[@]}" pretrain recipes/smollm3.toml "$OUT/$name" --overwrite --json "${COMMON[@]}" "$@" > "$OUT/$name.json"
+  "$PY" -m smolctl pretrain recipes/smollm3.toml --dry-run --world-size "$procs" --gpu "$GPU" --json "${COMMON[@]}" "$@" \
+    > "$OUT/$name.dry.json"
 }
-run eager --set training.micro_batch=2
-run compiled --set training.micro_batch=2 --set training.compile=true
-run eager-ckpt --set training.micro_batch=8 --set training.gradient_checkpointing=true
+run eager 1 --set training.micro_batch=2 --set training.global_batch_tokens=16384 --set training.shard=false
+run compiled 1 --set training.micro_batch=2 --set training.global_batch_tokens=16384 --set training.shard=false --set training.compile=true
+run compiled-selective 1 --set training.micro_batch=4 --set training.global_batch_tokens=16384 --set training.shard=false \
+    --set training.compile=true --set training.activation_checkpointing='"selective"'
+if [ "$GPUS" -ge 2 ]; then
+  run fsdp2-compiled 2 --set training.micro_batch=2 --set training.global_batch_tokens=16384 --set training.shard=true --set training.compile=true
+fi
 
 "$PY" - "$OUT" <<'PYEOF'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-print(f"{'variant':<12} {'tokens/s':>10} {'MFU':>7} {'step s':>7}  (steady state: steps after the first 5)")
-for name in ("eager", "compiled", "eager-ckpt"):
-    lines = [json.loads(l) for l in (out / name / "metrics.jsonl").read_text().splitlines()][5:]
+print(f"{'variant':<20} {'tokens/s/GPU':>12} {'MFU':>7} {'step s':>7} {'peak GiB':>9} {'dry run GiB':>12}  (steady state: steps after the 5th)")
+for result in sorted(out.glob("*.dry.json")):
+    name = result.name.removesuffix(".dry.json")
+    run, dry = json.loads((out / f"{name}.json").read_text()), json.loads(result.read_text())
+    lines = [json.loads(l) for l in (out / name / "metrics.jsonl").read_text().splitlines() if '"loss"' in l][5:]
     step_s = sum(l["step_s"] for l in lines) / len(lines)
-    tokens = 32768 / step_s
+    per_gpu = run["plan"]["tokens_per_step"] / step_s / run["plan"]["world_size"]
     mfu = sum(l["mfu"] or 0 for l in lines) / len(lines)
-    print(f"{name:<12} {tokens:>10,.0f} {mfu:>7.1%} {step_s:>7.2f}")
+    print(f"{name:<20} {per_gpu:>12,.0f} {mfu:>7.1%} {step_s:>7.2f} {run['peak_memory'] / 2**30:>9.2f} "
+          f"{dry['memory']['allocated'] / 2**30:>12.2f}")
 PYEOF

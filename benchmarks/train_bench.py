@@ -1,10 +1,12 @@
-"""`smolctl pretrain` against a Hugging Face `Trainer` run of the same model, data, batch and optimizer on CPU.
+"""`smolctl pretrain` against its previous loop (another git ref's smolctl, main by default) and a Hugging Face
+`Trainer` run of the same model, data, batch and optimizer on CPU.
 
-    .venv/bin/python benchmarks/train_bench.py                 # ~5 minutes on 2 idle cores
-    .venv/bin/python benchmarks/train_bench.py --steps 30 --hidden 384
+    .venv/bin/python benchmarks/train_bench.py                 # ~6 minutes on 2 idle cores
+    .venv/bin/python benchmarks/train_bench.py --steps 30 --hidden 384 --baseline main
 
 Each variant runs in its own fresh process (two runs in one process skew each other by ~20%): smolctl, smolctl
-with training.compile = true, and transformers' Trainer. Throughput is measured the same way for all three, as
+with training.compile = true, the baseline ref's smolctl (its package exported with `git archive`), and
+transformers' Trainer. Throughput is measured the same way for all three, as
 the wall time between consecutive optimizer-step ends after the warmup steps; peak memory is the process's max
 RSS. smolctl's overhead is the share of step wall time outside forward, backward and the optimizer step (data
 loading, labels, guards, logging included).
@@ -126,11 +128,26 @@ def worker_trainer(work: Path, args) -> dict:
     return {"tokens_per_s": steady_rate(step_ends, args.global_batch * args.seq_len, args.warmup)}
 
 
-def run_worker(variant: str, work: Path, args) -> dict:
+def export_baseline(ref: str, work: Path) -> Path:
+    """The smolctl package of git `ref`, unpacked under `work`: the baseline worker imports it first."""
+    import io
+    import tarfile
+
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, "smolctl"], capture_output=True, check=True).stdout
+    root = work / f"baseline-{ref.replace('/', '-')}"
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(root, filter="data")
+    return root
+
+
+def run_worker(variant: str, work: Path, args, pythonpath: Path | None = None) -> dict:
     """One variant in a fresh interpreter; returns its JSON line plus the child's peak RSS."""
+    import os
+
     command = [sys.executable, __file__, "--worker", variant, "--work", str(work), *sys.argv[1:]]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(pythonpath or REPO), os.environ.get("PYTHONPATH")]))}
     started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{variant} failed:\n{done.stderr[-3000:]}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -148,6 +165,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--baseline", default="main", help="Git ref whose smolctl is the previous loop.")
+    parser.add_argument("--variants", default="trainer,smolctl,smolctl-compile,baseline",
+                        help="Comma-separated subset to run (the first one is the reference column).")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -165,13 +185,19 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="train-bench-") as tmp:
         work = prepare(Path(tmp), args)
-        results = {variant: run_worker(variant, work, args) for variant in ("trainer", "smolctl", "smolctl-compile")}
-    base = results["trainer"]["tokens_per_s"]
+        results = {}
+        for variant in args.variants.split(","):
+            if variant == "baseline":
+                results[f"smolctl@{args.baseline}"] = run_worker("smolctl", work, args, export_baseline(args.baseline, work))
+            else:
+                results[variant] = run_worker(variant, work, args)
+    reference = next(iter(results))
+    base = results[reference]["tokens_per_s"]
     rows = [(name, f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base:.3f}×", human_bytes(r["peak_rss_bytes"]),
              f"{r['overhead']:.2%}" if "overhead" in r else "-", f"{r['seconds']:.0f}s") for name, r in results.items()]
     show(table(f"pretrain on CPU: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, seq {args.seq_len}, "
                f"batch {args.global_batch} (micro {args.micro_batch}), {args.steps} steps ({args.warmup} warmup)",
-               ["variant", "tokens/s", "vs Trainer", "peak RSS", "loop overhead", "wall"], rows))
+               ["variant", "tokens/s", f"vs {reference}", "peak RSS", "loop overhead", "wall"], rows))
     print(json.dumps(results))
 
 

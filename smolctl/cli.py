@@ -1062,24 +1062,26 @@ DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Validate, print the 
                                          "a memory/time estimate; build the model on the meta device; train nothing.")]
 WorldSizeOpt = Annotated[Optional[int], typer.Option("--world-size", metavar="N", help="--dry-run only: plan for this many "
                                                      "processes (default: WORLD_SIZE or 1).")]
+GpuOpt = Annotated[str, typer.Option("--gpu", metavar="GPU", help="--dry-run only: the GPU whose memory the plan must fit "
+                                     "(h100, h200, a100-80, ... as in `smolctl estimate`).")]
 
 
 @app.command("pretrain", epilog="""[bold]Examples[/]
 
   smolctl pretrain recipes/smollm3-tiny.toml demo-out/pretrain --data demo-out/packed
 
-  smolctl pretrain recipes/smollm3.toml --dry-run --world-size 192
+  smolctl pretrain recipes/smollm3.toml --dry-run --world-size 384
 
   torchrun --nproc_per_node 8 -m smolctl pretrain recipes/smollm3.toml runs/3b --resume auto
 
   smolctl pretrain recipes/smollm3-tiny.toml runs/t --data demo-out/packed --set training.steps=50 --set optimizer.lr=1e-3 --json
 """)
 def pretrain_command(recipe: RecipeArg, run: RunArg = None, data: DataOpt = [], set_: SetOpt = None,
-                     resume: ResumeOpt = "none", dry_run: DryRunOpt = False, world_size: WorldSizeOpt = None,
+                     resume: ResumeOpt = "none", dry_run: DryRunOpt = False, world_size: WorldSizeOpt = None, gpu: GpuOpt = "h100",
                      overwrite: OverwriteOpt = False, json_out: JsonOpt = False) -> None:
     """Pretrain a causal LM from a recipe on packed folders: resumable bit for bit, guarded, single process or torchrun."""
     _train_command("pretrain", recipe, run, data=data, overrides=set_ or [], resume=resume, dry_run=dry_run,
-                   world_size=world_size, overwrite=overwrite, json_out=json_out)
+                   world_size=world_size, gpu=gpu, overwrite=overwrite, json_out=json_out)
 
 
 @app.command("midtrain", epilog="""[bold]Examples[/]
@@ -1092,10 +1094,10 @@ def midtrain_command(recipe: RecipeArg, run: RunArg = None, from_: FromOpt = Non
                      keep_optimizer: bool = typer.Option(False, "--keep-optimizer", help="Carry the AdamW state over "
                                                          "(needs a checkpoints/step-N folder)."),
                      data: DataOpt = [], set_: SetOpt = None, resume: ResumeOpt = "none", dry_run: DryRunOpt = False,
-                     world_size: WorldSizeOpt = None, overwrite: OverwriteOpt = False, json_out: JsonOpt = False) -> None:
+                     world_size: WorldSizeOpt = None, gpu: GpuOpt = "h100", overwrite: OverwriteOpt = False, json_out: JsonOpt = False) -> None:
     """Continue pretraining from a checkpoint: annealing or long-context extension, recorded as the parent in the manifest."""
     _train_command("midtrain", recipe, run, data=data, overrides=set_ or [], resume=resume, dry_run=dry_run,
-                   world_size=world_size, overwrite=overwrite, json_out=json_out, init_from=from_,
+                   world_size=world_size, gpu=gpu, overwrite=overwrite, json_out=json_out, init_from=from_,
                    keep_optimizer=keep_optimizer)
 
 
@@ -1128,7 +1130,7 @@ def export_command(
 
 def _train_command(stage: str, recipe: Path, run: Path | None, *, data, overrides, resume: str, dry_run: bool,
                    world_size: int | None, overwrite: bool, json_out: bool, init_from: str | None = None,
-                   keep_optimizer: bool = False) -> None:
+                   keep_optimizer: bool = False, gpu: str = "h100") -> None:
     from smolctl.train.distributed import world_size_from_env
     from smolctl.train.pretrain import load_train_recipe, train
 
@@ -1137,7 +1139,7 @@ def _train_command(stage: str, recipe: Path, run: Path | None, *, data, override
         if dry_run:
             from smolctl.train.dryrun import dry_run as plan_run
 
-            result = plan_run(load_train_recipe(recipe, overrides, data, stage), world_size=world_size or world_size_from_env())
+            result = plan_run(load_train_recipe(recipe, overrides, data, stage), world_size=world_size or world_size_from_env(), gpu=gpu)
             emit_json(result) if json_out else _render_dry_run(recipe, result)
             return
         with _resume_hint_on_interrupt(stage, recipe, run):
@@ -1158,21 +1160,31 @@ def _render_dry_run(recipe: Path, r: dict) -> None:
     from smolctl.console import human_bytes
 
     model, training = r["recipe"]["model"], r["recipe"]["training"]
-    mem = r["memory_per_device"]
-    show(key_values(f"{recipe} (dry run: nothing trained, model built on the meta device)", [
+    mem, layout = r["memory"], r["layout"]
+    fsdp = layout["dp_shard"] > 1
+    rows = [
         ("model", f"{model['architecture']}: {model['num_hidden_layers']} layers, hidden {model['hidden_size']}, "
                   f"FFN {model['intermediate_size']}, {model['num_attention_heads']} heads / {model['num_key_value_heads'] or model['num_attention_heads']} KV, "
                   f"vocab {r['vocab_size']:,}, rope θ {model['rope_theta']:g}"),
         ("parameters", f"{human_count(r['parameters'])} ({r['parameters']:,}; {human_count(r['non_embedding_parameters'])} non-embedding)"),
+        ("layout", f"world {r['world_size']} = tp {layout['tp']} × dp {r['data_parallel']} (dp_replicate {layout['dp_replicate']} × "
+                   f"dp_shard {layout['dp_shard']}){'; FSDP2 over dp' if fsdp else ''}"),
         ("batch", f"{r['global_batch']} sequences × {training['seq_len']} = {r['tokens_per_step']:,} tokens/step; micro batch "
-                  f"{r['micro_batch']} × world {r['world_size']} × accumulation {r['grad_accum']}"),
+                  f"{r['micro_batch']} × dp {r['data_parallel']} × accumulation {r['grad_accum']}"),
         ("budget", f"{r['steps']:,} steps = {human_count(r['total_tokens'])} tokens, {r['total_flops']:.3g} FLOPs "
                    f"({r['flops_per_token']:.3g} per token)"),
-        ("memory / device", f"{human_bytes(mem['total'])} = {human_bytes(mem['weights_grads_optimizer'])} weights+grads+AdamW"
-                            f"{' (sharded)' if training['shard'] else ''} + {human_bytes(mem['activations'])} activations"),
-        ("time", f"{r['estimate']['gpu_hours']:,.0f} {r['estimate']['reference_gpu']} GPU-hours at {r['estimate']['assumed_mfu']:.0%} MFU"
-                 f" = {r['estimate']['wall_hours_on_world'] / 24:,.1f} days on {r['world_size']}"),
-    ]))
+        ("memory / GPU", f"{human_bytes(mem['total'])} of {human_bytes(mem['capacity'])} on {mem['gpu']}: "
+                         f"{'fits' if mem['fits'] else 'does NOT fit'} ({human_bytes(mem['activations'])} activations, "
+                         f"checkpointing {training['activation_checkpointing']}; same model as `smolctl estimate`)"),
+        ("time", f"{r['estimate']['gpu_hours']:,.0f} {r['estimate']['gpu']} GPU-hours at {r['estimate']['assumed_mfu']:.0%} MFU"
+                 f" = {r['estimate']['days']:,.1f} days on {r['world_size']}"),
+    ]
+    if "would_fit" in r:
+        options = [f"micro_batch {r['would_fit']['largest_micro_batch']}"] if r["would_fit"]["largest_micro_batch"] else []
+        options += [", ".join(f"{k} = {str(v).lower()}" for k, v in o.items() if k != "total") + f" ({human_bytes(o['total'])})"
+                    for o in r["would_fit"]["layouts"]]
+        rows.append(("would fit", "\n".join(options) or "nothing on this many GPUs: add GPUs or pick a larger one (--gpu)"))
+    show(key_values(f"{recipe} (dry run: nothing trained, model built on the meta device)", rows))
     show(table("data", ["folder", "status"], r["data"].items(), justify="left"))
     show(styled("resolved recipe: [bold]--json[/] prints it in full"))
 

@@ -3,8 +3,9 @@ resuming at another world size, and `smolctl export`.
 
 One uninterrupted 2-process FSDP2 run (8 steps, checkpoints at 4 and 8) is the reference every other run is held
 against: a run with one rank SIGKILLed resumes to bit-identical weights; its step-4 checkpoint continues on 1 (and
-4) processes along the same loss curve; a DDP run stopped by SIGUSR1 saves the step it is on and its resume neither
-repeats nor skips a step; the export of its last checkpoint equals the weights it gathered in memory for final/."""
+4) processes along the same loss curve, and so does a tensor-parallel (tp 2) run's on one process; a DDP run
+stopped by SIGUSR1 saves the step it is on and its resume neither repeats nor skips a step; the export of its last
+checkpoint equals the weights it gathered in memory for final/."""
 
 from __future__ import annotations
 
@@ -70,6 +71,18 @@ def wait_for_step(process: subprocess.Popen, run: Path, step: int) -> None:
     pytest.fail(f"the run ended (exit {process.returncode}) before step {step}")
 
 
+def wait_for_checkpoint(process: subprocess.Popen, run: Path, step: int) -> None:
+    """Until the step's checkpoint is committed: an async save finishes a step or more after it started, later
+    still on a loaded machine."""
+    from smolctl.train.checkpoint import checkpoint_path, complete_checkpoints
+
+    while process.poll() is None:
+        if checkpoint_path(run, step) in complete_checkpoints(run):
+            return
+        time.sleep(0.01)
+    pytest.fail(f"the run ended (exit {process.returncode}) before its step-{step} checkpoint was complete")
+
+
 def worker_pid(launcher_pid: int, rank: int) -> int:
     """The torchrun worker with RANK=rank among the launcher's children."""
     for child in Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split():
@@ -93,6 +106,8 @@ def test_a_killed_rank_then_resume_is_bit_identical(reference, recipe, tmp_path)
     command = pretrain(torchrun(2, 29632), recipe, run, "--set", "training.shard=true")
     victim = subprocess.Popen(command, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_step(victim, run, 5)  # past the step-4 checkpoint, before the step-8 one
+    wait_for_checkpoint(victim, run, 4)
+    assert max(losses(run)) < 8, "the step-4 checkpoint was committed only at the end of the run"
     os.kill(worker_pid(victim.pid, 1), signal.SIGKILL)  # one node of two dies
     assert victim.wait(timeout=300) != 0
     assert not (run / "final").exists() and not (run / "checkpoints" / "step-0000008").exists()
@@ -103,18 +118,27 @@ def test_a_killed_rank_then_resume_is_bit_identical(reference, recipe, tmp_path)
     assert sorted(losses(run)) == list(range(1, 9))
 
 
-@pytest.mark.parametrize("processes", [1, 4])
-def test_a_two_process_checkpoint_continues_on_another_world_size(reference, recipe, tmp_path, processes):  # noqa: F811
+@pytest.fixture(scope="module")
+def tensor_parallel(tmp_path_factory, recipe) -> tuple[Path, dict]:  # noqa: F811
+    """The same run on 2 processes as one tensor-parallel group: its checkpoints hold DTensor shards split by tp."""
+    run = tmp_path_factory.mktemp("tensor-parallel") / "run"
+    return run, finish(pretrain(torchrun(2, 29635), recipe, run, "--set", "parallel.tp=2"))
+
+
+@pytest.mark.parametrize("source, processes", [("reference", 1), ("reference", 4), ("tensor_parallel", 1)],
+                         ids=["fsdp-to-1", "fsdp-to-4", "tp2-to-1"])
+def test_a_two_process_checkpoint_continues_on_another_world_size(request, recipe, tmp_path, source, processes):  # noqa: F811
     if processes > (os.cpu_count() or 1):
         pytest.skip(f"{processes} processes need {processes} cores")
+    saved = request.getfixturevalue(source)[0]
     run = tmp_path / "run"
-    shutil.copytree(reference[0], run)
+    shutil.copytree(saved, run)
     shutil.rmtree(run / "final")
     shutil.rmtree(run / "checkpoints" / "step-0000008")
     launcher = [sys.executable, "-m", "smolctl"] if processes == 1 else torchrun(processes, 29633)
     result = finish(pretrain(launcher, recipe, run, "--resume", "auto", "--set", "training.shard=true"))
     assert result["plan"]["world_size"] == processes and result["resumed_from"].endswith("step-0000004")
-    expected, got = losses(reference[0]), losses(run)
+    expected, got = losses(saved), losses(run)
     assert sorted(got) == list(range(1, 9))
     assert all(abs(got[step] - expected[step]) < 1e-4 for step in range(5, 9)), (got, expected)
 

@@ -86,12 +86,7 @@ TINY_RUN = {
 MODEL_CONSUMERS = {"generate": ["--limit", "4", "--max-new-tokens", "4"], "merge": [], "report": [], "export": []}
 USER_RUNS = "reads the user's own runs (runs/...); the examples on demo-out/ run here"
 # Examples known to fail, by exact text, with the issue that fixes them (the test passes again once it is fixed).
-XFAIL = {
-    "smolctl midtrain recipes/smollm3-long-context.toml runs/smollm3-32k --from runs/smollm3/final --dry-run "
-    "--world-size 48": "issue 13: the long-context recipe's global batch is not divisible at world size 48",
-    "sbatch --nodes 48 recipes/slurm/pretrain.sbatch recipes/smollm3.toml runs/smollm3":
-        "issue 13: recipes/smollm3.toml's global batch is not divisible at 48 nodes x 8 GPUs",
-}
+XFAIL: dict[str, str] = {}
 # Words and paths that stand for the user's own: replaced, whole word, before running.
 PLACEHOLDERS = {
     "RECIPE": "recipes/smollm3.toml",

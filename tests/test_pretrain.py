@@ -109,7 +109,7 @@ def test_recipe_errors_name_the_key(recipe, override, message):
 
 
 @pytest.mark.parametrize("overrides, where, message", [
-    (["training.global_batch=9"], "training.global_batch", "9 sequences is not divisible by micro_batch 2 × world size 1"),
+    (["training.global_batch=9"], "training.global_batch", "9 sequences is not divisible by micro_batch 2 × data-parallel size 1"),
     (["training.seq_len=128"], "packed-64", "is packed at seq_len 64 but training.seq_len is 128"),
     (["model.vocab_size=100"], "model.vocab_size", "is smaller than the tokenizer's"),
     (['data.paths=["/nonexistent/packed"]'], "/nonexistent/packed", "no such folder"),
@@ -360,33 +360,58 @@ def test_resume_refuses_a_different_model(pretrained, recipe):
 # ---- distributed ------------------------------------------------------------------------------------------------
 
 
-def test_two_torchrun_processes_match_one(recipe, tmp_path):
-    """Same global batch: 1 process × 4 accumulated micro batches = 2 processes × 2, under DDP and FSDP2."""
+def _launch(recipe: Path, run: Path, processes: int, settings: list[str], port: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = ["pretrain", str(recipe), "--set", "training.steps=6", "--set", "checkpoint.interval=3", "--json",
-            "--set", "logging.profile_interval=2"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29613", "-m", "smolctl"]
-    runs = {"one": [sys.executable, "-m", "smolctl"], "ddp": torchrun, "fsdp": torchrun}
-    results = {}
-    for name, launcher in runs.items():
-        extra = ["--set", "training.shard=true"] if name == "fsdp" else []
-        done = subprocess.run([*launcher, args[0], args[1], str(tmp_path / name), *args[2:], *extra],
-                              env=env, capture_output=True, text=True, cwd=REPO)
-        assert done.returncode == 0, done.stderr[-2000:]
-        results[name] = json.loads(done.stdout)
-    assert [results[n]["plan"]["grad_accum"] for n in runs] == [4, 2, 2]
-    reference = weights(tmp_path / "one" / "final")
-    for name in ("ddp", "fsdp"):
-        assert results[name]["final_loss"] == pytest.approx(results["one"]["final_loss"], rel=1e-4)
-        other = weights(tmp_path / name / "final")
-        assert other.keys() == reference.keys()
-        assert all(np.allclose(reference[k].numpy(), other[k].numpy(), atol=1e-4) for k in reference)
-        shards = sorted(p.name for p in (tmp_path / name / "checkpoints" / "step-0000006").glob("*.distcp"))
-        assert shards == ["__0_0.distcp", "__1_0.distcp"]  # each rank writes its own part of the state (DCP)
+    launcher = [sys.executable, "-m", "smolctl"] if processes == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(port), "-m", "smolctl"]
+    args = ["pretrain", str(recipe), str(run), "--json", "--set", "training.steps=10", "--set", "checkpoint.interval=5",
+            "--set", "model.hidden_size=64", "--set", "model.intermediate_size=128", "--set", "logging.profile_interval=2"]
+    for setting in settings:
+        args += ["--set", setting]
+    done = subprocess.run([*launcher, *args], env=env, capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+def _losses(run: Path) -> list[float]:
+    return [row["loss"] for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in row]
+
+
+@pytest.fixture(scope="module")
+def single_process(recipe, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("one") / "run"
+    _launch(recipe, run, 1, [], 0)
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes, settings, accumulation", [
+    (2, [], 2),                                                   # DDP
+    (2, ["parallel.tp=2"], 4),                                    # tensor parallel: both ranks read the same rows
+    (4, ["parallel.tp=2", "parallel.dp_shard=2"], 2),             # FSDP2 × TP on a 2 × 2 mesh
+], ids=["ddp", "tp2", "fsdp2xtp2"])
+def test_parallel_layouts_follow_the_single_process_run(recipe, single_process, tmp_path, processes, settings, accumulation):
+    """Same global batch, same data order: every layout follows one process's loss curve over 10 steps, and its
+    final model (gathered from DTensor shards) loads in transformers and equals the single-process one."""
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    result = _launch(recipe, run, processes, settings, 29613 + processes)
+    assert result["plan"]["grad_accum"] == accumulation
+    reference = _losses(single_process)
+    assert len(reference) == 10 and _losses(run) == pytest.approx(reference, rel=1e-4)
+    expected, got = weights(single_process / "final"), weights(run / "final")
+    assert got.keys() == expected.keys()
+    assert all(np.allclose(expected[k].numpy(), got[k].numpy(), atol=2e-4) for k in expected)
+    model = AutoModelForCausalLM.from_pretrained(run / "final")
+    assert model.config.hidden_size == 64
+    shards = sorted(p.name for p in (run / "checkpoints" / "step-0000010").glob("*.distcp"))
+    assert shards == [f"__{rank}_0.distcp" for rank in range(processes)]  # each rank writes its part of the state (DCP)
+    if not settings:
         # every second step is profiled: the share of its time spent in gloo collectives is on the next line
-        shares = [line.get("comm_share") for line in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())]
-        assert [share is not None for share in shares] == [False, True] * 3 and all(0 < s <= 1 for s in shares[1::2])
-    assert all("comm_share" not in line for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines())
+        shares = [line.get("comm_share") for line in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+        assert [share is not None for share in shares] == [False, True] * 5 and all(0 < s <= 1 for s in shares[1::2])
+        assert all("comm_share" not in line for line in (single_process / "metrics.jsonl").read_text().splitlines())
 
 
 # ---- midtrain ---------------------------------------------------------------------------------------------------
@@ -439,12 +464,45 @@ def test_keep_optimizer_needs_a_checkpoint_with_optimizer_state(pretrained, reci
 # ---- the published recipe ---------------------------------------------------------------------------------------
 
 
-def test_smollm3_recipe_dry_run_counts_3b_parameters():
-    done = run_cli("pretrain", "recipes/smollm3.toml", "--dry-run", "--world-size", "192", "--json")
+def test_smollm3_recipe_dry_run_shows_the_published_layout():
+    """TP 2 × DP 192 on 384 GPUs, micro batch 3, no accumulation; stages at 0 / 8T / 10T tokens with their own
+    folders; the WSD decay spans stage 3; memory from estimate's model, which agrees with `smolctl estimate`."""
+    done = run_cli("pretrain", "recipes/smollm3.toml", "--dry-run", "--world-size", "384", "--json")
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
     assert plan["parameters"] == 3_075_098_624 and plan["global_batch"] == 576 and plan["grad_accum"] == 1
-    assert plan["recipe"]["schedule"]["decay_steps"] == 522_000 and len(plan["recipe"]["data"]["stages"]) == 3
+    assert plan["layout"] == {"dp_replicate": 1, "dp_shard": 192, "tp": 2} and plan["data_parallel"] == 192
+    stages = plan["recipe"]["data"]["stages"]
+    tokens_per_step = plan["tokens_per_step"]
+    assert [round(s["start_step"] * tokens_per_step / 1e12, 3) for s in stages] == [0, 8, 10]
+    assert len({tuple(s["paths"]) for s in stages}) == 3  # each stage brings its own datasets
+    assert plan["recipe"]["schedule"]["decay_steps"] == plan["steps"] - stages[2]["start_step"]
+    assert plan["memory"]["fits"]
+    estimate = run_cli("estimate", "recipes/smollm3.toml", "--gpus", "384", "--json")
+    assert estimate.returncode == 0, estimate.stderr
+    assert json.loads(estimate.stdout)["memory"]["total"] == pytest.approx(plan["memory"]["total"])
+
+
+def test_dry_run_names_a_layout_that_fits_when_the_recipe_does_not():
+    from smolctl.train.dryrun import dry_run
+
+    recipe = load_train_recipe(REPO / "recipes/smollm3.toml", ["training.micro_batch=6", "training.global_batch_tokens=4718592"])
+    plan = dry_run(recipe, world_size=384)
+    assert not plan["memory"]["fits"]
+    layouts = plan["would_fit"]["layouts"]
+    assert layouts and all(o["total"] < plan["memory"]["capacity"] for o in layouts)
+    assert 1 <= plan["would_fit"]["largest_micro_batch"] < 6
+
+
+def test_long_context_recipe_runs_both_published_stages():
+    from smolctl.train.dryrun import dry_run
+
+    path = REPO / "recipes/smollm3-long-context.toml"
+    first = dry_run(load_train_recipe(path), world_size=48)
+    second = dry_run(load_train_recipe(path, ["training.seq_len=65536", "model.rope_theta=5e6", "parallel.tp=4"]), world_size=48)
+    assert first["recipe"]["model"]["rope_theta"] == 1.5e6 and second["recipe"]["model"]["rope_theta"] == 5e6
+    assert first["total_tokens"] == pytest.approx(50e9, rel=0.01) and second["total_tokens"] == pytest.approx(50e9, rel=0.01)
+    assert first["memory"]["fits"] and second["memory"]["fits"]
 
 
 def test_pretrain_sbatch_forwards_usr1_and_requeues_after_the_save(tmp_path):

@@ -98,7 +98,8 @@ def memory(plan: Plan, shape: ModelShape) -> dict:
     stage_layers = math.ceil(shape.layers / plan.pp)
     in_flight = min(plan.pp, accumulate)  # 1F1B: the first stage holds pp micro batches' activations
     act = activations(shape, micro_batch=plan.micro_batch, seq_len=plan.seq_len, precision=precision,
-                      attention=plan.attention, recompute=plan.recompute, layers=stage_layers, tp=plan.tp, cp=plan.cp)
+                      attention=plan.attention, recompute=plan.recompute, layers=stage_layers, tp=plan.tp, cp=plan.cp,
+                      sequence_parallel=plan.sequence_parallel, loss_chunk_tokens=plan.loss_chunk_tokens)
     shard = (plan.dp_shard or data_parallel(plan)) * plan.cp
     # ZeRO-3 / FSDP gathers one unit at a time: a decoder layer, or the embedding or LM head (their own units in
     # torchtitan's wrapping) when those are larger, as with a large vocabulary on a small model
@@ -111,8 +112,9 @@ def memory(plan: Plan, shape: ModelShape) -> dict:
         held = in_flight if name == "first" else 1
         saved = held * (act.inputs + stage_layers * act.per_layer + act.weight_copies)
         saved += max(act.head if last else 0.0, act.recompute)
-        logits = logits_grad_bytes(shape, micro_batch=plan.micro_batch, seq_len=plan.seq_len, tp=plan.tp,
-                                   cp=plan.cp) if last else 0.0
+        logits = logits_grad_bytes(shape, micro_batch=plan.micro_batch, seq_len=plan.seq_len, tp=plan.tp, cp=plan.cp,
+                                   sequence_parallel=plan.sequence_parallel,
+                                   loss_chunk_tokens=plan.loss_chunk_tokens) if last else 0.0
         allocated = states.total + saved + logits
         stages.append((allocated, name, states, saved, logits))
     allocated, stage, states, saved, logits = max(stages, key=lambda s: s[0])

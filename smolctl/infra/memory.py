@@ -16,7 +16,14 @@ decoder layer (read from the saved-tensor hooks and checked against them by `tes
 with p the parameter dtype's bytes (bf16: 2; fp32 and amp: 4) and a the compute dtype's (bf16 and amp: 2; fp32:
 4). Recompute modes: "selective" recomputes the attention core (Korthikanti et al. 2022, the Ultra-Scale
 Playbook) — flash/sdpa kernels already do, so there it equals "none"; "full" keeps only each layer's input and
-recomputes one layer at a time during backward.
+recomputes one layer at a time during backward; "ops" is smolctl pretrain's selective checkpointing (torchtitan's
+op-level policy): each layer keeps its input and every matmul and attention output, and recomputes the norms,
+activations and element-wise work.
+
+smolctl's trainer (`pretrain --dry-run` and `estimate` on a pretrain recipe) differs from the textbook layout in
+two ways, each a keyword below: its TP has no sequence parallelism (norms, residual stream, embeddings and LM head
+stay whole on every TP rank: `sequence_parallel=False`), and its loss runs the LM head over token chunks,
+recomputed in backward (`loss_chunk_tokens`), so neither the full logits nor their log-softmax are ever held.
 """
 
 from __future__ import annotations
@@ -81,7 +88,7 @@ PRECISIONS = {
 # an fp32 absmax per 2048-value block; SGD one fp32 momentum buffer.
 OPTIMIZER_BYTES = {"adamw": 8.0, "adamw8bit": 2.0 + 2 * 4 / 2048, "sgd": 4.0}
 ATTENTIONS = ("sdpa", "flash", "eager")
-RECOMPUTES = ("none", "selective", "full")
+RECOMPUTES = ("none", "selective", "full", "ops")
 
 
 def _norm(width: int, precision: Precision, consumers: int) -> float:
@@ -128,6 +135,22 @@ def _eager_recompute(shape: ModelShape, seq_len: int, precision: Precision) -> f
     return scores + repeated + casts
 
 
+def _ops_layer_bytes(shape: ModelShape, precision: Precision, tp: int, sequence_parallel: bool) -> float:
+    """Per token, what the op-level selective policy keeps of one layer: its input (the residual stream, in the
+    parameter dtype), the q/k/v, attention (with its fp32 log-sum-exp) and gate/up outputs (split by TP), and the
+    o/down outputs (whole on every TP rank unless sequence-parallel)."""
+    p, a = precision.param_bytes, precision.compute_bytes
+    q, kv = shape.q_dim, shape.kv_dim
+    split = a * (q + 2 * kv) + a * q + 4 * shape.heads + 2 * a * shape.ffn
+    whole = p * shape.hidden + 2 * a * shape.hidden
+    return split / tp + whole / (tp if sequence_parallel else 1)
+
+
+def _replicated_norm_bytes(shape: ModelShape, precision: Precision) -> float:
+    """The two RMSNorms of a layer: without sequence parallelism every TP rank holds them whole."""
+    return _norm(shape.hidden, precision, 3) + _norm(shape.hidden, precision, 2)
+
+
 def _layer_matmul_params(shape: ModelShape) -> int:
     return 2 * shape.hidden * (shape.q_dim + shape.kv_dim) + 3 * shape.hidden * shape.ffn
 
@@ -158,13 +181,17 @@ class Activations:
 
 
 def activations(shape: ModelShape, *, micro_batch: int, seq_len: int, precision: Precision, attention: str,
-                recompute: str, layers: int | None = None, tp: int = 1, cp: int = 1) -> Activations:
-    """Activation bytes per GPU for one micro batch. TP assumes sequence parallelism (Megatron-SP, torchtitan), so
-    every per-token term divides by TP; CP gives each GPU seq/cp tokens (attention still spans the whole seq)."""
+                recompute: str, layers: int | None = None, tp: int = 1, cp: int = 1,
+                sequence_parallel: bool = True, loss_chunk_tokens: int | None = None) -> Activations:
+    """Activation bytes per GPU for one micro batch. TP with sequence parallelism (Megatron-SP, torchtitan) divides
+    every per-token term by TP; without it the norms and the LM head stay whole. CP gives each GPU seq/cp tokens
+    (attention still spans the whole seq). `loss_chunk_tokens`: the head keeps only the hidden states."""
     layers = shape.layers if layers is None else layers
     tokens = micro_batch * seq_len / cp
     p, a = precision.param_bytes, precision.compute_bytes
     full_layer = layer_bytes_per_token(shape, seq_len, precision, attention) * tokens / tp
+    if not sequence_parallel and tp > 1:
+        full_layer += _replicated_norm_bytes(shape, precision) * tokens * (1 - 1 / tp)
     copies = _layer_matmul_params(shape) * a / tp if precision.autocast else 0.0
     if recompute == "full":
         # The layer input is kept; an fp32 input is also what the first norm saves, so the recompute shares it.
@@ -179,11 +206,19 @@ def activations(shape: ModelShape, *, micro_batch: int, seq_len: int, precision:
         after_core = a * shape.q_dim + _norm(shape.hidden, precision, 2) + 4 * a * shape.ffn
         transient = max(0.0, _eager_recompute(shape, seq_len, precision) - after_core) * tokens / tp
         held_copies = copies * layers
+    elif recompute == "ops":
+        per_layer = min(full_layer, _ops_layer_bytes(shape, precision, tp, sequence_parallel) * tokens)
+        transient, held_copies = full_layer - per_layer, copies * layers
     else:
         per_layer, transient, held_copies = full_layer, 0.0, copies * layers
-    head = (_norm(shape.hidden, precision, 1) + 4 * shape.vocab + 8) * tokens / tp
+    head_tp = tp if sequence_parallel else 1
+    if loss_chunk_tokens:
+        # the final norm, its output cast to the compute dtype (all the chunked loss keeps) and the labels
+        head = (_norm(shape.hidden, precision, 1) + a * shape.hidden + 8) * tokens / head_tp
+    else:
+        head = (_norm(shape.hidden, precision, 1) + 4 * shape.vocab + 8) * tokens / head_tp
     if precision.autocast:
-        head += shape.vocab * shape.hidden * a / tp
+        head += shape.vocab * shape.hidden * a / head_tp
     rope = 2 * seq_len * shape.head_dim * p
     return Activations(per_layer=per_layer, recompute=transient, head=head, inputs=8 * tokens + rope,
                        weight_copies=held_copies)
@@ -240,6 +275,11 @@ def state_bytes(params: float, per_layer: float, *, precision: Precision, optimi
     )
 
 
-def logits_grad_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int, tp: int, cp: int) -> float:
-    """The loss backward briefly holds two fp32 vocab-sized gradients (log-softmax's input and output)."""
-    return 8 * shape.vocab * micro_batch * seq_len / cp / tp
+def logits_grad_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int, tp: int, cp: int,
+                      sequence_parallel: bool = True, loss_chunk_tokens: int | None = None) -> float:
+    """The loss backward briefly holds two fp32 vocab-sized gradients (log-softmax's input and output); a chunked
+    loss holds them for one chunk of tokens at a time."""
+    tokens = micro_batch * seq_len / cp
+    if loss_chunk_tokens:
+        tokens = min(tokens, loss_chunk_tokens)
+    return 8 * shape.vocab * tokens / (tp if sequence_parallel else 1)

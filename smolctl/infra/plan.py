@@ -74,6 +74,10 @@ class Plan:
     (tp, pp, cp, ZeRO 0–3)."""
     dp_shard: int | None = None
     """FSDP2/HSDP: data-parallel ranks one replica is sharded over (default: all of them, when zero = 3)."""
+    sequence_parallel: bool = True
+    """False for smolctl's trainer: its TP splits attention and MLP only; norms and the LM head stay whole."""
+    loss_chunk_tokens: int | None = None
+    """smolctl's trainer: the LM head + cross-entropy run over chunks of this many tokens (None: full logits)."""
     source: str = "flags"
     notes: tuple[str, ...] = field(default=())
 
@@ -137,10 +141,28 @@ def _recipe_values(recipe: dict, path: str) -> dict[str, Any]:
     # Absent keys mean the pretrain schema's defaults: precision "auto" (amp on GPU), attention "sdpa".
     values["precision"] = _RECIPE_PRECISION.get(training.get("precision", "auto"), "amp")
     values["attention"] = _RECIPE_ATTENTION.get(training.get("attention", "sdpa"), "sdpa")
-    if training.get("gradient_checkpointing"):
-        values["recompute"] = "full"
     if training.get("shard") and "zero" not in training:
         values["zero"] = 3
+    values.update(_trainer_values(recipe.get("parallel") or {}, training))  # what smolctl pretrain runs
+    return values
+
+
+# smolctl pretrain's activation_checkpointing → the memory model's recompute modes.
+_RECIPE_RECOMPUTE = {"none": "none", "selective": "ops", "full": "full"}
+
+
+def _trainer_values(parallel: dict, training: dict) -> dict[str, Any]:
+    """What smolctl's own trainer runs, read from a pretrain recipe: TP from [parallel] (FSDP2 whenever TP or
+    sharding is on), its checkpointing modes, the chunked loss, TP without sequence parallelism."""
+    values: dict[str, Any] = {"sequence_parallel": False, "loss_chunk_tokens": training.get("loss_chunk_tokens", 4096)}
+    if "tp" in parallel:
+        values["tp"] = parallel["tp"]
+    if training.get("shard") or parallel.get("tp", 1) > 1 or parallel.get("dp_shard", 1) > 1:
+        values["zero"] = 3
+        if training.get("precision", "auto") != "fp32":
+            values["precision"] = "bf16"  # FSDP2's policy: bf16 weights in compute, fp32 shards and reductions
+    if "activation_checkpointing" in training:
+        values["recompute"] = _RECIPE_RECOMPUTE.get(training["activation_checkpointing"], "none")
     return values
 
 

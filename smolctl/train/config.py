@@ -170,12 +170,18 @@ class TrainingSection(Section):
     """Seeds the weights (pretrain) and the data order."""
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     """auto: bf16 autocast on GPU (fp32 master weights), fp32 on CPU."""
-    gradient_checkpointing: bool = False
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Recompute in backward instead of keeping activations. full: each decoder layer keeps only its input;
+    selective: each layer keeps its matmul and attention outputs and recomputes norms, activations and RoPE
+    (torchtitan's op-level policy)."""
     compile: bool = False
-    """torch.compile the model (first steps are slower while it compiles)."""
+    """torch.compile each decoder layer (first steps are slower while it compiles)."""
     shard: bool = False
     """Under torchrun: FSDP2 fully_shard instead of DDP (parameters, gradients and optimizer state sharded)."""
     attention: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
+    loss_chunk_tokens: int = Field(4096, gt=0)
+    """Tokens per chunk of the LM head + cross-entropy: only one chunk's fp32 logits exist at a time, and they
+    are recomputed in backward (4096 tokens × 128k vocabulary = 2 GiB)."""
 
     @model_validator(mode="after")
     def _budget_and_batch(self) -> "TrainingSection":
@@ -184,6 +190,19 @@ class TrainingSection(Section):
         if self.global_batch is not None and self.global_batch_tokens is not None:
             raise ValueError("give either global_batch (sequences) or global_batch_tokens, not both")
         return self
+
+
+class ParallelSection(Section):
+    """The device mesh (dp_replicate, dp_shard, tp), torchtitan style: world size = dp_replicate × dp_shard × tp."""
+
+    tp: int = Field(1, gt=0)
+    """Tensor-parallel degree: each decoder layer's matmuls split over tp ranks (the model's base_model_tp_plan).
+    Keep it within a node; it must divide the attention and KV heads."""
+    dp_shard: int | None = Field(None, gt=0)
+    """FSDP2 degree: ranks that shard parameters, gradients and optimizer state. Default: all remaining ranks when
+    training.shard is true or tp > 1, else 1."""
+    dp_replicate: int | None = Field(None, gt=0)
+    """Ranks that hold replicas (DDP, or HSDP across nodes with dp_shard within one). Default: the rest."""
 
 
 class CheckpointSection(Section):
@@ -361,6 +380,7 @@ class _Recipe(Section):
     optimizer: OptimizerSection
     schedule: ScheduleSection = ScheduleSection()
     training: TrainingSection
+    parallel: ParallelSection = ParallelSection()
     checkpoint: CheckpointSection = CheckpointSection()
     logging: LoggingSection = LoggingSection()
 
@@ -396,6 +416,9 @@ class PostTrainRecipe(_Recipe):
         if self.training.tokens is not None or self.training.seq_len is not None or self.training.global_batch_tokens:
             raise ValueError("post-training counts training.steps and sequences: tokens, seq_len and "
                              "global_batch_tokens are pretrain keys")
+        if self.training.activation_checkpointing == "selective":
+            raise ValueError("training.activation_checkpointing = \"selective\" is pretrain's op-level policy; "
+                             "post-training recomputes whole layers: use \"full\" or \"none\"")
         return self
 
 
@@ -433,6 +456,7 @@ MOVED_KEYS = {
     "training.schedule": "schedule.kind",
     "training.warmup_steps": "schedule.warmup_steps",
     "training.decay": "schedule.decay_rate",
+    "training.gradient_checkpointing": "training.activation_checkpointing (\"full\", \"selective\" or \"none\")",
     "training.grad_accum": "training.global_batch (sequences per step; accumulation is derived)",
     "generation.max_new_tokens": "ppo.max_new_tokens or grpo.max_new_tokens",
     "generation.temperature": "ppo.temperature or grpo.temperature",
@@ -468,49 +492,110 @@ def load_command_recipe(command: str, path: str | Path, overrides: Sequence[str]
 
 
 @dataclass(frozen=True)
+class Layout:
+    """How the world is cut: rank = (replica · dp_shard + shard) · tp + tp_rank, so TP groups are neighbours."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that see different data; the tp ranks of one group read the same micro batch."""
+        return self.dp_replicate * self.dp_shard
+
+
+def _split(world_size: int, parallel: ParallelSection, sharded: bool) -> Layout:
+    tp = parallel.tp
+    if world_size % tp:
+        raise UserError("parallel.tp", f"{tp} does not divide the world size {world_size}",
+                        f"use a tp that divides {world_size}, or launch a multiple of {tp} processes")
+    rest = world_size // tp
+    replicate, shard = parallel.dp_replicate, parallel.dp_shard
+    if replicate is None and shard is None:
+        return Layout(1, rest, tp) if sharded or tp > 1 else Layout(rest, 1, tp)
+    given_key, given = ("parallel.dp_shard", shard) if shard is not None else ("parallel.dp_replicate", replicate)
+    if replicate is not None and shard is not None:
+        if replicate * shard != rest:
+            raise UserError("parallel", f"dp_replicate {replicate} × dp_shard {shard} × tp {tp} = {replicate * shard * tp} "
+                            f"processes, but the world size is {world_size}",
+                            f"make dp_replicate × dp_shard = {rest}, or leave one of them unset")
+        return Layout(replicate, shard, tp)
+    if rest % given:
+        raise UserError(given_key, f"{given} does not divide the {rest} ranks left by tp {tp} in a world of {world_size}",
+                        f"use a divisor of {rest}, or leave it unset")
+    return Layout(rest // given, given, tp) if shard is not None else Layout(given, rest // given, tp)
+
+
+def resolve_layout(recipe: "TrainRecipe", world_size: int) -> Layout:
+    """The mesh for `world_size` processes, checked against the model: TP splits heads, so tp must divide both
+    the attention heads and the KV heads."""
+    model, tp = recipe.model, recipe.parallel.tp
+    for key, heads in (("num_attention_heads", model.num_attention_heads),
+                       ("num_key_value_heads", model.num_key_value_heads or model.num_attention_heads)):
+        if heads % tp:
+            raise UserError("parallel.tp", f"{tp} does not divide model.{key} = {heads}",
+                            f"use a tp that divides {heads} (e.g. {max(d for d in range(1, tp + 1) if heads % d == 0)})")
+    return _split(world_size, recipe.parallel, recipe.training.shard)
+
+
+@dataclass(frozen=True)
 class BatchPlan:
     """The numbers the loop runs on, derived once and printed: nothing is re-derived later."""
 
     world_size: int
     micro_batch: int
     global_batch: int  # sequences per optimizer step
-    grad_accum: int  # micro batches per device per step
+    grad_accum: int  # micro batches per data-parallel rank per step
     seq_len: int
     steps: int
+    tp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
 
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
 
     @property
+    def data_parallel(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
     def local_batch(self) -> int:
-        return self.global_batch // self.world_size
+        return self.global_batch // self.data_parallel
 
 
-def global_batch_and_accumulation(training: TrainingSection, world_size: int, seq_len: int | None = None) -> tuple[int, int]:
-    """(sequences per optimizer step, micro batches per device per step) for this world size; UserError when they
-    do not divide, naming the keys to change."""
+def global_batch_and_accumulation(training: TrainingSection, world_size: int, seq_len: int | None = None,
+                                  layout: Layout | None = None) -> tuple[int, int]:
+    """(sequences per optimizer step, micro batches per data-parallel rank per step) for this layout: only
+    data-parallel ranks split the batch, TP ranks share theirs. UserError when they do not divide, naming the keys."""
+    layout = layout or Layout(world_size, 1, 1)
     if training.global_batch_tokens is not None and seq_len:
         if training.global_batch_tokens % seq_len:
             raise UserError("training.global_batch_tokens", f"{training.global_batch_tokens} is not a multiple of seq_len {seq_len}",
                             "use a multiple of training.seq_len, or give training.global_batch in sequences")
         global_batch = training.global_batch_tokens // seq_len
     else:
-        global_batch = training.global_batch or training.micro_batch * world_size
-    per_pass = training.micro_batch * world_size
+        global_batch = training.global_batch or training.micro_batch * layout.data_parallel
+    dp = layout.data_parallel
+    per_pass = training.micro_batch * dp
     if global_batch % per_pass:
+        ranks = f"data-parallel size {dp}" + (f" (world {world_size} / tp {layout.tp})" if layout.tp > 1 else "")
         raise UserError("training.global_batch", f"{global_batch} sequences is not divisible by micro_batch {training.micro_batch} × "
-                        f"world size {world_size} = {per_pass}", f"use a multiple of {per_pass}, or change training.micro_batch")
+                        f"{ranks} = {per_pass}", f"use a multiple of {per_pass}, or change training.micro_batch or parallel.tp")
     return global_batch, global_batch // per_pass
 
 
-def derive_batch(training: TrainingSection, schedule: ScheduleSection, world_size: int) -> BatchPlan:
-    """Global batch → gradient accumulation for this world size; token budget → steps. UserError when they do
-    not divide, naming the keys to change."""
-    global_batch, grad_accum = global_batch_and_accumulation(training, world_size, training.seq_len)
+def derive_batch(training: TrainingSection, schedule: ScheduleSection, world_size: int, layout: Layout | None = None) -> BatchPlan:
+    """Global batch → gradient accumulation for this layout; token budget → steps. UserError when they do not
+    divide, naming the keys to change."""
+    layout = layout or Layout(world_size, 1, 1)
+    global_batch, grad_accum = global_batch_and_accumulation(training, world_size, training.seq_len, layout)
     steps = training.steps if training.steps is not None else -(-int(training.tokens) // (global_batch * training.seq_len))
     decay = schedule.decay_steps or 0
     if schedule.warmup_steps + decay > steps:
         raise UserError("schedule", f"warmup_steps {schedule.warmup_steps} + decay_steps {decay} exceed the {steps} training steps",
                         "shorten the warmup/decay or train longer")
-    return BatchPlan(world_size, training.micro_batch, global_batch, grad_accum, int(training.seq_len), steps)
+    return BatchPlan(world_size, training.micro_batch, global_batch, grad_accum, int(training.seq_len), steps,
+                     layout.tp, layout.dp_replicate, layout.dp_shard)

@@ -18,6 +18,9 @@ class Dist:
     world_size: int = 1
     device: str = "cpu"
     sharded: bool = False
+    """Parameters are DTensors (TP and/or FSDP): saving gathers them, loading scatters into them."""
+    fsdp: bool = False
+    """FSDP2 manages gradient reduction (set_requires_gradient_sync); otherwise DDP or a single process."""
 
     @property
     def is_main(self) -> bool:
@@ -78,32 +81,31 @@ def init_distributed() -> Dist:
     return Dist(rank, local_rank, world, device)
 
 
-def wrap_model(model, dist: Dist, *, shard: bool):
-    """DDP (replicated) or FSDP2 fully_shard per decoder layer (sharded) when there is more than one process."""
-    if not dist.active:
-        return model
-    if shard:
-        from torch.distributed.fsdp import fully_shard
+def wrap_model(wrapped, dist: Dist, layout, *, activation_checkpointing: str, compile: bool, bf16: bool):
+    """Parallelise `wrapped` (a CausalLMLoss) over `layout`: TP + FSDP2 through smolctl.train.parallel, or DDP when
+    the layout only replicates (tp 1, dp_shard 1) — one all-reduce of gradients, no parameter gathers."""
+    from smolctl.train.parallel import build_mesh, parallelize
 
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        dist.sharded = True
-        return model
+    replicate_only = layout.tp == 1 and layout.dp_shard == 1
+    mesh = build_mesh(layout, dist.device.split(":")[0]) if dist.active and not replicate_only else None
+    parallelize(wrapped, mesh=mesh, layout=layout, activation_checkpointing=activation_checkpointing, compile=compile,
+                bf16=bf16, fsdp=not replicate_only)
+    dist.sharded = mesh is not None
+    dist.fsdp = mesh is not None and layout.data_parallel > 1
+    if not dist.active or not replicate_only:
+        return wrapped
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [dist.local_rank] if dist.device.startswith("cuda") else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    return DistributedDataParallel(wrapped, device_ids=device_ids)
 
 
 def gradient_sync(wrapped, dist: Dist, last_micro_batch: bool):
-    """Skip the gradient all-reduce on all but the last micro batch of a step (gradient accumulation)."""
-    if not dist.active or last_micro_batch:
-        if dist.sharded:
-            wrapped.set_requires_gradient_sync(True)
+    """Skip the gradient reduction on all but the last micro batch of a step (gradient accumulation)."""
+    if dist.fsdp:
+        wrapped.set_requires_gradient_sync(last_micro_batch)
         return nullcontext()
-    if dist.sharded:
-        wrapped.set_requires_gradient_sync(False)
+    if not dist.active or last_micro_batch or dist.sharded:
         return nullcontext()
     return wrapped.no_sync()
 

@@ -1,30 +1,19 @@
 """`--dry-run`: the resolved recipe, the exact parameter count (model built on the meta device, nothing
-allocated), the batch arithmetic, and a memory / time estimate, without touching any data.
+allocated), the parallel layout and batch arithmetic, and memory / time from `smolctl estimate`'s model (the
+same function on the same plan, so the two commands agree), without touching any data.
 
-    smolctl pretrain recipes/smollm3.toml --dry-run --world-size 192
+    smolctl pretrain recipes/smollm3.toml --dry-run --world-size 384 --gpu h100
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from smolctl.errors import UserError
 from smolctl.shards import KIND_PACKED, read_manifest
-from smolctl.train.config import TrainRecipe, derive_batch
-
-BYTES_PER_PARAM_TRAINING = 16  # fp32 weights 4 + fp32 gradients 4 + AdamW moments 8 (bf16 autocast keeps fp32 masters)
-REFERENCE_GPU = ("H100", 989e12)  # dense bf16 peak used for the time estimate
-ASSUMED_MFU = 0.40  # what a well-tuned dense 1-3B run reaches on H100s (SmolLM3 reports ~40%)
-
-
-def _activation_bytes(config, seq_len: int, micro_batch: int, checkpointing: bool) -> float:
-    """Per-device activation memory of one micro batch in bf16: Korthikanti et al. 2022 (eq. 2, no TP, flash/SDPA
-    attention so the s² score term vanishes) ≈ 34·s·b·h per layer; with checkpointing only each layer's input
-    (2·s·b·h) is kept. Plus the fp32 logits and their gradient (8·s·b·V)."""
-    per_layer = (2 if checkpointing else 34) * seq_len * micro_batch * config.hidden_size
-    return per_layer * config.num_hidden_layers + 8.0 * seq_len * micro_batch * config.vocab_size
-
+from smolctl.train.config import Layout, TrainRecipe, derive_batch, resolve_layout
 
 def _data_status(path: str, seq_len: int) -> str:
     folder = Path(path)
@@ -53,30 +42,69 @@ def _vocab_size(recipe: TrainRecipe) -> int:
     return len(load_tokenizer(spec))
 
 
-def dry_run(recipe: TrainRecipe, *, world_size: int) -> dict:
-    from smolctl.infra.flops import training_flops_per_token
-    from smolctl.train.model import build_config, build_model, count_parameters
+def estimate_plan(recipe: TrainRecipe, *, vocab: int, world_size: int, gpu: str, layout: Layout):
+    """The `smolctl estimate` plan of this recipe on this layout: what `estimate RECIPE --gpus N` would size."""
+    from smolctl.infra.plan import _recipe_values, check_plan, Plan
 
+    raw = {section: {k: v for k, v in table.items() if v is not None} if isinstance(table, dict) else table
+           for section, table in json.loads(recipe.model_dump_json()).items()}
+    raw["model"]["vocab_size"] = vocab
+    values = _recipe_values(raw, "recipe")
+    values.update(gpus=world_size, gpu=gpu, tp=layout.tp, source="recipe", dp_shard=layout.dp_shard)
+    if layout.dp_shard == 1:  # replicas only (DDP, or TP without FSDP): nothing sharded over data-parallel ranks
+        values.update(zero=0, dp_shard=None)
+    return check_plan(Plan(**values))
+
+
+def _runnable_layouts(plan, shape) -> list[dict]:
+    """estimate's layouts that fit (its smolctl framework: tp × FSDP2/HSDP data parallel), as recipe keys."""
+    from smolctl.infra.estimate import smallest_layouts
+
+    recompute = {"none": "none", "full": "full"}
+    found: dict[tuple, dict] = {}
+    for option in smallest_layouts(replace(plan, framework="smolctl"), shape, top=20)["layouts"]:
+        if option["pp"] == 1 and option["cp"] == 1 and option["recompute"] in recompute:
+            keys = {"parallel.tp": option["tp"], "parallel.dp_shard": option["dp_shard"],
+                    "parallel.dp_replicate": option["dp_replicate"], "training.shard": option["zero"] == 3,
+                    "training.activation_checkpointing": recompute[option["recompute"]]}
+            found.setdefault(tuple(keys.values()), {**keys, "total": option["total"]})
+    return list(found.values())[:3]
+
+
+def dry_run(recipe: TrainRecipe, *, world_size: int, gpu: str = "h100") -> dict:
+    from smolctl.infra.estimate import compute, largest_micro_batch, load_model, memory
+    from smolctl.infra.memory import GPUS
+    from smolctl.train.model import build_config, build_model, count_parameters
+    from smolctl.train.parallel import tp_plan
+
+    if gpu not in GPUS:
+        raise UserError("--gpu", f"{gpu!r} is not known", f"known: {', '.join(GPUS)}")
     training = recipe.training
-    plan = derive_batch(training, recipe.schedule, world_size)
+    layout = resolve_layout(recipe, world_size)
+    plan = derive_batch(training, recipe.schedule, world_size, layout)
     vocab = _vocab_size(recipe)
     config = build_config(recipe.model, vocab_size=vocab, seq_len=training.seq_len, eos_id=None, pad_id=None)
+    tp_plan(config, layout.tp)
     counts = count_parameters(build_model(config, device="meta", attention=training.attention))
-    flops_per_token = training_flops_per_token(config, training.seq_len)
+    sizing = estimate_plan(recipe, vocab=vocab, world_size=world_size, gpu=gpu, layout=layout)
+    model_config, shape = load_model(sizing)
+    held = memory(sizing, shape)
+    timing = compute(sizing, model_config, shape)
     total_tokens = plan.steps * plan.tokens_per_step
-    states = BYTES_PER_PARAM_TRAINING * counts["total"] / (world_size if training.shard else 1)
-    activations = _activation_bytes(config, training.seq_len, training.micro_batch, training.gradient_checkpointing)
-    gpu, peak = REFERENCE_GPU
-    gpu_hours = flops_per_token * total_tokens / (peak * ASSUMED_MFU) / 3600
-    return {
+    result = {
         "recipe": json.loads(recipe.model_dump_json()),
         "parameters": counts["total"], "non_embedding_parameters": counts["non_embedding"], "vocab_size": vocab,
-        "world_size": world_size, "micro_batch": plan.micro_batch, "global_batch": plan.global_batch,
+        "world_size": world_size, "layout": asdict(layout), "data_parallel": plan.data_parallel,
+        "micro_batch": plan.micro_batch, "global_batch": plan.global_batch,
         "grad_accum": plan.grad_accum, "tokens_per_step": plan.tokens_per_step, "steps": plan.steps,
-        "total_tokens": total_tokens, "flops_per_token": flops_per_token, "total_flops": flops_per_token * total_tokens,
-        "memory_per_device": {"weights_grads_optimizer": states, "activations": activations, "total": states + activations},
-        "estimate": {"reference_gpu": gpu, "assumed_mfu": ASSUMED_MFU, "gpu_hours": gpu_hours,
-                     "wall_hours_on_world": gpu_hours / world_size},
+        "total_tokens": total_tokens, "flops_per_token": timing["flops_per_token"],
+        "total_flops": timing["flops_per_token"] * total_tokens,
+        "memory": held,
+        "estimate": {"gpu": gpu, "assumed_mfu": sizing.mfu, "gpu_hours": timing["gpu_hours"], "days": timing["time"]["days"]},
         "data": {path: _data_status(path, training.seq_len) for path in recipe.data.all_paths()
                  + ([recipe.data.validation] if recipe.data.validation else [])},
     }
+    if not held["fits"]:
+        result["would_fit"] = {"largest_micro_batch": largest_micro_batch(sizing, shape),
+                               "layouts": _runnable_layouts(sizing, shape)}
+    return result

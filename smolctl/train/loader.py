@@ -66,6 +66,15 @@ def make_labels(input_ids: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
     return labels
 
 
+def check_rows_start_documents(position_ids: np.ndarray) -> None:
+    """flash_attention_2 runs a micro batch as one row of B·T tokens, finding documents where positions restart
+    at 0: a row that began mid-document would attend to the previous row's last document."""
+    if (position_ids[:, 0] != 0).any():
+        raise UserError("training.attention", "flash_attention_2 with micro_batch > 1 would let tokens attend across "
+                        "documents: some packed rows do not start at position 0",
+                        'pack the data with `smolctl pack`, set training.attention = "sdpa", or training.micro_batch = 1')
+
+
 @dataclass
 class DataPosition:
     """Everything the stream needs to resume: batches drawn, rows consumed per folder, batches to skip."""
@@ -179,10 +188,16 @@ class PackedStream:
         mine = picked[rank * local:(rank + 1) * local]
         return number, *self._read(mine)
 
-    def rows_of_last_batch(self) -> list[dict]:
-        """Where the last global batch came from, per shard file: the rows to look at when a guard fires on it."""
+    @property
+    def last_drawn(self) -> list[tuple[int, int]]:
+        """(folder, row) of every sequence of the last global batch drawn."""
+        return list(self._last_drawn)
+
+    def rows_of(self, drawn: list[tuple[int, int]]) -> list[dict]:
+        """Where a drawn global batch came from, per shard file: the rows to look at when a guard fires on it
+        (batches are drawn ahead by the prefetch thread, so the caller keeps `last_drawn` with its batch)."""
         by_shard: dict[tuple[int, int], list[int]] = {}
-        for source, row in self._last_drawn:
+        for source, row in drawn:
             offsets = self.readers[source].offsets
             shard = int(np.searchsorted(offsets, row, side="right") - 1)
             by_shard.setdefault((source, shard), []).append(row - int(offsets[shard]))
@@ -210,3 +225,51 @@ def validation_batches(path: str, *, seq_len: int, micro_batch: int, count: int)
     rows = np.arange(min(source.num_rows, micro_batch * count))
     return [(reader.read(chunk, "input_ids"), reader.read(chunk, "position_ids"))
             for chunk in np.array_split(rows, max(1, -(-len(rows) // micro_batch))) if len(chunk)]
+
+
+@dataclass
+class HostBatch:
+    """One step's rows for this rank, ready to copy to the device (pinned when the device is a GPU)."""
+
+    number: int
+    input_ids: object  # torch (local_batch, T) int64
+    position_ids: object
+    labels: object
+    position: dict
+    """The stream position once this batch is consumed: what a checkpoint taken after this step records."""
+    drawn: list
+    """(folder, row) of every sequence of the global batch, for guard events (the stream has moved on)."""
+
+
+class Prefetcher:
+    """Prepares step n+1's batch on a background thread while step n computes. The stream's position moves
+    ahead with it, so checkpoints record `HostBatch.position` (the consumed position), and `reset()` waits for
+    the thread before anything rewinds the stream (resume, rollback)."""
+
+    def __init__(self, produce):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._produce = produce
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smolctl-prefetch")
+        self._pending: tuple[int, object] | None = None
+
+    def get(self, step: int) -> HostBatch:
+        if self._pending is not None and self._pending[0] == step:
+            batch = self._pending[1].result()
+        else:
+            self.reset()
+            batch = self._produce(step)
+        self._pending = (step + 1, self._pool.submit(self._produce, step + 1))
+        return batch
+
+    def reset(self) -> None:
+        if self._pending is not None:
+            try:
+                self._pending[1].result()
+            except Exception:  # an error in a batch nobody will consume is not this step's error
+                pass
+            self._pending = None
+
+    def close(self) -> None:
+        self.reset()
+        self._pool.shutdown(wait=True)

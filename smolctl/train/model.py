@@ -64,6 +64,15 @@ def build_config(section: ModelSection, *, vocab_size: int, seq_len: int, eos_id
                         "check the [model] keys against the architecture's config class") from exc
 
 
+def check_attention(attention: str, device: str) -> None:
+    """flash_attention_2 needs a CUDA GPU and the flash-attn package; say so before the model is built."""
+    import importlib.util
+
+    if attention == "flash_attention_2" and (not device.startswith("cuda") or importlib.util.find_spec("flash_attn") is None):
+        raise UserError("training.attention", "flash_attention_2 needs a CUDA GPU and the flash-attn package",
+                        'use attention = "sdpa" (it masks packed documents too), or install flash-attn on the GPU machine')
+
+
 def build_model(config, *, device: str = "cpu", attention: str = "sdpa", seed: int | None = None):
     """The model with fresh weights (seeded, so every rank and every rerun starts identical). On the meta device
     only shapes exist, which is how --dry-run sizes a 3B model without allocating it."""

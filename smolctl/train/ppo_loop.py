@@ -85,7 +85,7 @@ class PpoLoop:
         # KL penalty is exactly 0 at step 0 and measures only what training changed.
         self.reference, _ = load_start(setup.parent, attention=self.training.attention)
         policy = apply_peft(policy, recipe.peft)
-        if self.training.gradient_checkpointing:
+        if self.training.activation_checkpointing == "full":
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # fp32 weights, bf16 compute: the same mixed precision the Trainer-based stages get from bf16=True.
         self.autocast = partial(torch.autocast, self.device.type, dtype=torch.bfloat16, enabled=bf16)

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Sequence
 
 from smolctl.errors import CheckFailed, UserError
+from smolctl.train.loader import HostBatch, Prefetcher
 from smolctl.recipe import apply_overrides, load_toml, validate
 from smolctl.shards import atomic_write_json, lineage_ref
-from smolctl.train.config import BatchPlan, TrainRecipe, check_keys, derive_batch
+from smolctl.train.config import BatchPlan, TrainRecipe, check_keys, derive_batch, resolve_layout
 from smolctl.train.run import EVENTS, FINAL, RUN_FILE, model_folder
 
 PREEMPTED_EXIT = 75  # sysexits' EX_TEMPFAIL: saved and stopped on request; recipes/slurm/pretrain.sbatch requeues
@@ -62,6 +63,8 @@ class TrainResult:
     plan: dict
     speed: dict
     events: list[dict] = field(default_factory=list)
+    peak_memory: int | None = None
+    """Bytes the CUDA caching allocator handed out at most on this rank (None on CPU)."""
     nothing_to_do: bool = False
     """`--resume auto` found the run finished: nothing trained, final/ left as it was."""
     preempted: str | None = None
@@ -78,13 +81,17 @@ class Trainer:
         self.recipe, self.run_dir, self.stage, self.show = recipe, Path(run_dir), stage, show
         self._replace_run = False
         self.dist = init_distributed()
-        self.plan: BatchPlan = derive_batch(recipe.training, recipe.schedule, self.dist.world_size)
+        self.layout = resolve_layout(recipe, self.dist.world_size)
+        self.plan: BatchPlan = derive_batch(recipe.training, recipe.schedule, self.dist.world_size, self.layout)
+        # TP ranks of one group read the same rows: the data is split over data-parallel ranks only
+        self.dp_rank = self.dist.rank // self.layout.tp
         self.finished: dict | None = None  # the final/ manifest when --resume auto finds nothing left to do
         self.resume_from = self._resume_point(resume, overwrite)
         self.init_from = str(Path(init_from).resolve()) if init_from and self.resume_from is None and not self.finished else None
         self.init_kind: str | None = None
         self.keep_optimizer = keep_optimizer
         self._validate_inputs()
+        self.prefetch = Prefetcher(self._host_batch)
 
     # ---- setup: every check before any compute ----------------------------------------------------------------
 
@@ -123,6 +130,8 @@ class Trainer:
         from smolctl.train.checkpoint import check_model_folder, check_same_identity, run_identity
         from smolctl.train.loader import PackedStream, validation_batches
         from smolctl.train.model import build_config
+        from smolctl.train.model import check_attention
+        from smolctl.train.parallel import tp_plan
         from smolctl.train.trackers import require_trackers
 
         recipe = self.recipe
@@ -146,6 +155,8 @@ class Trainer:
                             f"set model.vocab_size >= {data_vocab} or leave it unset")
         self.config = build_config(recipe.model, vocab_size=self.vocab_size, seq_len=recipe.training.seq_len,
                                    eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id)
+        tp_plan(self.config, self.layout.tp)
+        check_attention(recipe.training.attention, self.dist.device)
         self.val_batches = []
         if recipe.data.validation:
             self.val_batches = validation_batches(recipe.data.validation, seq_len=recipe.training.seq_len,
@@ -165,27 +176,34 @@ class Trainer:
         from smolctl.infra.flops import training_flops_per_token
         from smolctl.train.checkpoint import KIND_CHECKPOINT, CheckpointManager, check_model_shapes
         from smolctl.train.distributed import load_full_state_dict, wrap_model
+        from smolctl.train.loss import CausalLMLoss
         from smolctl.train.model import build_model, count_parameters, parameter_groups, read_weights
 
-        recipe, dist = self.recipe, self.dist
-        self.model = build_model(self.config, device=dist.device, attention=recipe.training.attention, seed=recipe.training.seed)
+        recipe, dist, training = self.recipe, self.dist, self.recipe.training
+        self.precision = training.precision
+        if self.precision == "auto":
+            self.precision = "bf16" if dist.device.startswith("cuda") else "fp32"
+        self.model = build_model(self.config, device=dist.device, attention=training.attention, seed=training.seed)
         self.parameters = count_parameters(self.model)["total"]
         if self.init_from and self.init_kind != KIND_CHECKPOINT:
             load_full_state_dict(self.model, read_weights(Path(self.init_from), self.model), dist)
         dcp_source = self.resume_from or (self.init_from if self.init_kind == KIND_CHECKPOINT else None)
         if dcp_source:
             check_model_shapes(Path(dcp_source), self.model)  # DCP loads them after wrapping, at any world size
-        if recipe.training.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
-        self.wrapped = wrap_model(self.model, dist, shard=recipe.training.shard)
-        self.forward = torch.compile(self.wrapped) if recipe.training.compile else self.wrapped
+        loss_model = CausalLMLoss(self.model, chunk_tokens=training.loss_chunk_tokens,
+                                  flatten_rows=training.attention == "flash_attention_2")
+        self.wrapped = wrap_model(loss_model, dist, self.layout, activation_checkpointing=training.activation_checkpointing,
+                                  compile=training.compile, bf16=self.precision == "bf16")
         opt = recipe.optimizer
-        self.optimizer = torch.optim.AdamW(parameter_groups(self.model, opt), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps)
-        self.precision = recipe.training.precision
-        if self.precision == "auto":
-            self.precision = "bf16" if dist.device.startswith("cuda") else "fp32"
-        self.flops_per_token = training_flops_per_token(self.config, recipe.training.seq_len)
-        self.checkpoints = CheckpointManager(self.run_dir, model=self.wrapped, optimizer=self.optimizer, dist=dist,
+        self.optimizer = torch.optim.AdamW(parameter_groups(self.model, opt), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                                           fused=dist.device.startswith("cuda"))
+        # FSDP's mixed-precision policy already computes in bf16; autocast is for the unsharded paths
+        self.autocast = self.precision == "bf16" and not dist.fsdp
+        self.flops_per_token = training_flops_per_token(self.config, training.seq_len)
+        # Checkpoints hold the inner Hugging Face model (its parameters sharded in place by TP / FSDP2), not the
+        # loss wrapper or DDP: their keys are the plain model's, so `smolctl export` and from_pretrained read them
+        # and a checkpoint of one layout (tp, dp, world size) loads into any other.
+        self.checkpoints = CheckpointManager(self.run_dir, model=self.model, optimizer=self.optimizer, dist=dist,
                                              keep=recipe.checkpoint.keep, async_save=recipe.checkpoint.async_save,
                                              export_interval=recipe.checkpoint.export_interval,
                                              write_model_files=self._write_model_files, inputs=self._inputs)
@@ -196,14 +214,16 @@ class Trainer:
         """Model, optimizer, RNG and loop state from a checkpoint saved at any world size."""
         from smolctl.train.loader import DataPosition
 
+        self.prefetch.reset()  # the stream is about to rewind: no batch may be drawn from the old position
         state = self.checkpoints.load(checkpoint)
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.stream.position = DataPosition.from_state(state["data"])
+        self.data_position = self.stream.position.state_dict()
         self.guards.load_state_dict(state["guards"])
         self.parent = state["parent"]
 
     def _trainer_state(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.stream.position.state_dict(),
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.data_position,
                 "guards": self.guards.state_dict(), "parent": self.parent}
 
     def _inputs(self) -> list[dict]:
@@ -229,7 +249,8 @@ class Trainer:
     def _write_final(self) -> None:
         from smolctl.train.checkpoint import save_model_folder
 
-        save_model_folder(self.run_dir / FINAL, model=self.model, wrapped=self.wrapped, tokenizer=self.tokenizer,
+        # the inner model gathers to the plain Hugging Face names (the loss wrapper would prefix them with `lm.`)
+        save_model_folder(self.run_dir / FINAL, model=self.model, wrapped=self.model, tokenizer=self.tokenizer,
                           dist=self.dist, inputs=self._inputs(), parent=self.parent, fields=self._manifest_fields())
 
     # ---- the loop ----------------------------------------------------------------------------------------------
@@ -241,6 +262,7 @@ class Trainer:
         self.guards = Guards(self.recipe.guards)
         self.step, self.tokens_seen, self.parent = 0, 0, self.init_from
         self.last_loss: float | None = None
+        self.data_position = self.stream.position.state_dict()
         if self.resume_from is not None:
             self._restore(self.resume_from)
         elif self.init_kind == KIND_CHECKPOINT:
@@ -254,51 +276,65 @@ class Trainer:
             (self.run_dir / EVENTS).touch()  # the run layout has it even when nothing happened
         self.dist.barrier()
 
-    def _forward_backward(self) -> tuple[float, float, int, float]:
-        """Forward and backward over the global batch, gradients clipped; the caller decides whether to apply them.
-        Returns (loss, grad norm, batch number, seconds spent waiting for data)."""
+    def _host_batch(self, step: int) -> HostBatch:
+        """This rank's rows of the step's global batch with labels, as (pinned) CPU tensors; runs on the prefetch
+        thread, so everything here is host work."""
         import torch
-        import torch.nn.functional as F
+
+        from smolctl.train.loader import check_rows_start_documents, fill_padding_positions, make_labels
+
+        plan = self.plan
+        number, ids, positions = self.stream.next_batch(step, global_batch=plan.global_batch, rank=self.dp_rank,
+                                                        world_size=plan.data_parallel)
+        if int(ids.max()) >= self.vocab_size:
+            raise UserError(self.stream.paths[0], f"holds token id {int(ids.max())} but the vocabulary has {self.vocab_size} rows",
+                            "re-pack with the recipe's tokenizer or raise model.vocab_size")
+        if self.recipe.training.attention == "flash_attention_2" and plan.micro_batch > 1:
+            check_rows_start_documents(positions)
+        tensors = [torch.from_numpy(a) for a in (ids, fill_padding_positions(positions), make_labels(ids, positions))]
+        if self.dist.device.startswith("cuda"):
+            tensors = [t.pin_memory() for t in tensors]
+        return HostBatch(number, *tensors, position=self.stream.position.state_dict(), drawn=self.stream.last_drawn)
+
+    def _forward_backward(self):
+        """Forward and backward over the global batch, gradients clipped; the caller decides whether to apply them.
+        Returns (loss, grad norm) as device tensors, the batch number and the seconds spent waiting for data."""
+        import torch
 
         from smolctl.train.distributed import gradient_sync
-        from smolctl.train.loader import IGNORE_INDEX, fill_padding_positions, make_labels
+        from smolctl.train.loader import IGNORE_INDEX
+        from smolctl.train.parallel import clip_grad_norm_
         from smolctl.train.schedule import learning_rate
 
         started = time.perf_counter()
         plan, device = self.plan, self.dist.device
-        batch, ids, positions = self.stream.next_batch(self.step, global_batch=plan.global_batch, rank=self.dist.rank,
-                                                       world_size=self.dist.world_size)
-        if int(ids.max()) >= self.vocab_size:
-            raise UserError(self.stream.paths[0], f"holds token id {int(ids.max())} but the vocabulary has {self.vocab_size} rows",
-                            "re-pack with the recipe's tokenizer or raise model.vocab_size")
-        labels = torch.from_numpy(make_labels(ids, positions)).to(device, non_blocking=True)
-        ids = torch.from_numpy(ids).to(device, non_blocking=True)
-        positions = torch.from_numpy(fill_padding_positions(positions)).to(device, non_blocking=True)
+        host = self.prefetch.get(self.step)
+        self.data_position, self.batch_drawn = host.position, host.drawn
+        ids, positions, labels = (t.to(device, non_blocking=True) for t in (host.input_ids, host.position_ids, host.labels))
         data_done = time.perf_counter()
 
         lr = learning_rate(self.step, peak=self.recipe.optimizer.lr, schedule=self.recipe.schedule, total_steps=plan.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        # Sum of token losses / tokens in the whole global batch: every token weighs the same whatever the
-        # world size or accumulation (DDP/FSDP average gradients over ranks, hence the × world_size).
+        # Sum of token losses / tokens in the whole global batch: every token weighs the same whatever the layout or
+        # accumulation. Sums run over the whole world: the tp ranks of a group count the same tokens and losses, so
+        # both sums carry the same factor tp and their ratio is exact; DDP/FSDP average gradients over the
+        # data-parallel ranks, hence the × world_size (= dp × tp, the tp cancelling the one in `targets`).
         targets = self.dist.sum((labels != IGNORE_INDEX).sum().to(torch.float64)).clamp(min=1)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.precision == "bf16" else nullcontext()
+        autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if self.autocast else nullcontext()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for micro in range(plan.grad_accum):
             rows = slice(micro * plan.micro_batch, (micro + 1) * plan.micro_batch)
             with gradient_sync(self.wrapped, self.dist, micro == plan.grad_accum - 1), autocast:
-                logits = self.forward(input_ids=ids[rows], position_ids=positions[rows], use_cache=False).logits  # (B, T, V)
-                part = F.cross_entropy(logits.flatten(0, 1).float(), labels[rows].flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-                if batch in self.recipe.guards.inject_nan_batches:
+                part = self.wrapped(ids[rows], positions[rows], labels[rows])
+                if host.number in self.recipe.guards.inject_nan_batches:
                     part = part * float("nan")
                 (part * self.dist.world_size / targets.float()).backward()
             loss_sum += part.detach().double()
-        loss = (self.dist.sum(loss_sum) / targets).item()
-        clip = self.recipe.optimizer.grad_clip or float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        loss = self.dist.sum(loss_sum) / targets
+        norm = clip_grad_norm_(self.model.parameters(), self.recipe.optimizer.grad_clip or float("inf"))
         self._last_lr = lr
-        return loss, norm, batch, data_done - started
+        return loss, norm, host.number, data_done - started
 
     def _rollback(self, bad_batches: list[int], first_bad_step: int) -> None:
         """Back to the last checkpoint saved before the incident's first bad step (a later one may hold its updates,
@@ -324,23 +360,24 @@ class Trainer:
 
     def _evaluate(self) -> float | None:
         import torch
-        import torch.nn.functional as F
 
         from smolctl.train.loader import IGNORE_INDEX, fill_padding_positions, make_labels
 
         if not self.val_batches:
             return None
         self.model.eval()
-        total, count = 0.0, 0
-        with torch.no_grad():
+        device = self.dist.device
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        count = 0
+        autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if self.autocast else nullcontext()
+        with torch.no_grad(), autocast:
             for ids, positions in self.val_batches:
-                labels = torch.from_numpy(make_labels(ids, positions)).to(self.dist.device)
-                logits = self.model(input_ids=torch.from_numpy(ids).to(self.dist.device), use_cache=False,
-                                    position_ids=torch.from_numpy(fill_padding_positions(positions)).to(self.dist.device)).logits
-                total += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum").item()
+                labels = make_labels(ids, positions)
+                total += self.wrapped(torch.from_numpy(ids).to(device), torch.from_numpy(fill_padding_positions(positions)).to(device),
+                                      torch.from_numpy(labels).to(device)).double()
                 count += int((labels != IGNORE_INDEX).sum())
         self.model.train()
-        loss = total / max(1, count)
+        loss = total.item() / max(1, count)
         self.monitor.validation(self.step, loss)
         return loss
 
@@ -358,6 +395,8 @@ class Trainer:
         return {sig: signal.signal(sig, request_stop) for sig in PREEMPTION_SIGNALS}
 
     def _result(self, val_loss: float | None, losses: list[float], *, stopped: bool) -> TrainResult:
+        import torch
+
         from smolctl.train.checkpoint import complete_checkpoints
 
         return TrainResult(
@@ -368,7 +407,8 @@ class Trainer:
             skipped_steps=self.guards.skipped, spikes=self.guards.spikes, rollbacks=self.guards.rollbacks,
             checkpoints=[str(p) for p in complete_checkpoints(self.run_dir)],
             plan={**asdict(self.plan), "tokens_per_step": self.plan.tokens_per_step}, speed=self.monitor.totals(),
-            events=self.monitor.events, preempted=self.stop_signal if stopped else None)
+            events=self.monitor.events, preempted=self.stop_signal if stopped else None,
+            peak_memory=torch.cuda.max_memory_allocated() if self.dist.device.startswith("cuda") else None)
 
     def _nothing_to_do(self) -> TrainResult:
         """`--resume auto` on a finished run: report it from final/'s manifest, touch nothing."""
@@ -385,6 +425,8 @@ class Trainer:
             plan={**asdict(self.plan), "tokens_per_step": self.plan.tokens_per_step}, speed=idle_totals(), nothing_to_do=True)
 
     def run(self) -> TrainResult:
+        import torch
+
         from smolctl.train.monitor import Monitor, peak_flops
         from smolctl.train.trackers import open_tracker
 
@@ -413,13 +455,16 @@ class Trainer:
                     started = time.perf_counter()
                     with self.monitor.profiled(self.step + 1):
                         loss, norm, batch, data_s = self._forward_backward()
+                        # the step's one host sync: the guards judge every step's loss and norm before the update
+                        loss, norm = torch.stack([loss.float(), norm.float().to(loss.device)]).tolist()
                         verdict = self.guards.observe(self.step + 1, batch, loss, norm)
                         if verdict.apply_update:
                             self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
                     compute_s = time.perf_counter() - started - data_s
                     if verdict.event:
-                        self.monitor.event({**verdict.event, "rows": self.stream.rows_of_last_batch()})
+                        # the stream is a batch ahead (prefetch): the rows are those of the batch just judged
+                        self.monitor.event({**verdict.event, "rows": self.stream.rows_of(self.batch_drawn)})
                     if verdict.level_shift:
                         self.monitor.event(verdict.level_shift)
                     if verdict.rollback:
@@ -474,4 +519,5 @@ def train(recipe_path: str | Path, run_dir: str | Path, *, overrides: Sequence[s
     try:
         return trainer.run()
     finally:
+        trainer.prefetch.close()
         trainer.dist.close()

@@ -183,7 +183,7 @@ def trainer_arguments(run: Path, recipe: PostTrainRecipe) -> dict[str, Any]:
         adam_beta2=optimizer.betas[1], adam_epsilon=optimizer.eps, weight_decay=optimizer.weight_decay,
         max_grad_norm=optimizer.grad_clip, seed=training.seed, data_seed=training.seed,
         bf16=use_bf16(training.precision), fp16=False, use_cpu=not torch.cuda.is_available(),
-        gradient_checkpointing=training.gradient_checkpointing, torch_compile=training.compile,
+        gradient_checkpointing=training.activation_checkpointing == "full", torch_compile=training.compile,
         logging_steps=recipe.logging.interval, save_strategy="steps" if interval else "no", save_steps=interval or 1,
         save_total_limit=None,  # RunCallback renames checkpoint-N to step-N and prunes, as pretrain does
         include_num_input_tokens_seen="all", disable_tqdm=True, dataloader_num_workers=0,
