@@ -782,9 +782,10 @@ def mix_command(
 # ---------------------------------------------------------------------------------------------------------------
 # Training: pretrain, midtrain, sft, dpo, ppo, grpo share these options, the recipe schema and the run layout
 
-RecipeArg = Annotated[Path, typer.Argument(metavar="RECIPE", help="TOML recipe (one schema for every training command: README, "
-                                           "\"One recipe schema\").", show_default=False)]
-RunArg = Annotated[Optional[Path], typer.Argument(metavar="RUN", help="Run folder: run.json, metrics.jsonl, events.jsonl, "
+RecipeArg = Annotated[Path, typer.Argument(metavar="RECIPE", help="TOML recipe: [model] [data] [optimizer] [schedule] "
+                                           "[training] ... (one schema for every training command: README, \"One recipe schema\").",
+                                           show_default=False)]
+RunArg = Annotated[Optional[Path], typer.Argument(metavar="[RUN]", help="Run folder: run.json, metrics.jsonl, events.jsonl, "
                                                   "checkpoints/step-N/, final/ (the HF model).", show_default=False)]
 FromOpt = Annotated[Optional[str], typer.Option("--from", metavar="PATH", help="Starting checkpoint: a model folder or a run folder "
                                                 "(its final/); overrides the recipe's model.from.")]

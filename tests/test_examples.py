@@ -40,6 +40,7 @@ from conftest import REPO
 
 # Examples that cannot run here, by their exact text (after `#` comments are dropped), with the reason.
 PUBLISHED_MIX = "the published mixture asks for trillions of tokens; recipes/demo-mix.toml runs the same schema here"
+REAL_SLURM = "submits job arrays and afterok chains: tests/test_slurm.py runs these scripts on a real local Slurm"
 FULL_SIZE_POSTTRAIN = "a full-size post-training recipe: needs GPUs (its tiny twin recipes/*-tiny.toml runs here)"
 SKIP = {
     "make demo": "the whole demo: tests/test_pipeline.py runs the same stages with fewer steps",
@@ -61,6 +62,12 @@ SKIP = {
         "needs 8 GPUs on NVLink",
     "torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --ops all_reduce,all_to_all --min-bytes 1M --max-bytes 8G":
         "needs 8 GPUs (8 GiB buffers)",
+    "DATA=data/sample OUT=run1/ TASKS=64 bash recipes/slurm/pipeline.sh": REAL_SLURM,
+    'OUTPUT=mix/ MIX_ARGS="--recipe recipes/demo-mix.toml" TASKS=64 bash recipes/slurm/mix.sbatch': REAL_SLURM,
+    "INPUT=mix/ OUTPUT=packed/ TOKENIZER=tok/ TASKS=64 bash recipes/slurm/pack.sbatch": REAL_SLURM,
+    'OUTPUT=/data/mix MIX_ARGS="--recipe recipes/smollm3-mix.toml --tokenizer /data/tokenizer" TASKS=64 '
+    "bash recipes/slurm/mix.sbatch": REAL_SLURM,
+    "INPUT=/data/mix OUTPUT=/data/packed TOKENIZER=/data/tokenizer TASKS=64 bash recipes/slurm/pack.sbatch": REAL_SLURM,
     "smolctl inspect demo-out/ppo --lineage":
         "needs the demo's post-training output; tests/test_pipeline.py checks this lineage from the final model",
 }

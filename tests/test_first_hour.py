@@ -57,7 +57,7 @@ def test_help_shows_brackets_and_usage_reads_as_values():
     from smolctl.cli import app
 
     pretrain = _help("pretrain")
-    assert "TOML recipe ([model] [data] [optimizer] [schedule] [training] ...)" in pretrain
+    assert "TOML recipe: [model] [data] [optimizer] [schedule] [training] ..." in pretrain
     assert "replacing the recipe's [data] paths/stages" in pretrain
     assert "Usage: smolctl pretrain [OPTIONS] RECIPE [RUN]" in pretrain
     assert "[[stages]]" in _help("mix") and "[rows, seq_len]" in _help("pack")
@@ -153,7 +153,7 @@ def test_post_training_leaves_no_model_card_beside_its_checkpoints(tmp_path, tok
 
     model = make_tiny_checkpoint(tokenizer_dir, tmp_path / "model")
     done = run_cli("sft", "recipes/sft-tiny.toml", tmp_path / "sft", "--from", model, "--set", "training.steps=1",
-                   "--set", "checkpoint.every=1", "--set", "sft.max_length=64", "--set", "training.warmup_steps=0")
+                   "--set", "checkpoint.interval=1", "--set", "sft.max_length=64", "--set", "schedule.warmup_steps=0")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert list((tmp_path / "sft" / "checkpoints").glob("checkpoint-*")), "a checkpoint was saved"
+    assert list((tmp_path / "sft" / "checkpoints").glob("step-*")), "a checkpoint was saved"
     assert not list((tmp_path / "sft").rglob("README.md"))
