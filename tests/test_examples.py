@@ -47,8 +47,8 @@ SKIP = {
     "make test": "the test suite itself",
     "cp completions/_smolctl ~/.zfunc/ && autoload -U compinit && compinit": "installs into the user's zsh setup",
     "cp completions/smolctl.fish ~/.config/fish/completions/": "installs into the user's fish setup",
-    "srun ... torchrun ... -m smolctl pretrain recipes/smollm3.toml runs/smollm3 --resume auto":
-        "elided form of recipes/slurm/pretrain.sbatch, whose own example runs",
+    "accelerate launch -m smolctl pretrain RECIPE RUN":
+        "the process count comes from the user's accelerate config; the torchrun examples dry-run the same command",
     "... --set dpo.loss_type=sigmoid --set dpo.beta=0.1": "continues the line above it",
     "smolctl mix /data/smollm3-mix --recipe recipes/smollm3-mix.toml --set sources.web.path=/data/web "
     "--set sources.code.path=/data/code --set sources.math.path=/data/math": PUBLISHED_MIX,

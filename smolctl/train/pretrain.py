@@ -25,7 +25,7 @@ from smolctl.train.loader import HostBatch, Prefetcher
 from smolctl.recipe import apply_overrides, load_toml, validate
 from smolctl.shards import atomic_write_json, lineage_ref
 from smolctl.train.config import BatchPlan, TrainRecipe, check_keys, derive_batch, resolve_layout
-from smolctl.train.run import EVENTS, FINAL, RUN_FILE, model_folder
+from smolctl.train.run import EVENTS, FINAL, RUN_FILE, holds_run_files, model_folder
 
 PREEMPTED_EXIT = 75  # sysexits' EX_TEMPFAIL: saved and stopped on request; recipes/slurm/pretrain.sbatch requeues
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -107,7 +107,7 @@ class Trainer:
                 return None
             if checkpoints:
                 return checkpoints[-1]
-            if self.run_dir.is_dir() and any(self.run_dir.iterdir()) and not (self.run_dir / RUN_FILE).is_file() and not overwrite:
+            if holds_run_files(self.run_dir) and not (self.run_dir / RUN_FILE).is_file() and not overwrite:
                 raise UserError(self.run_dir, "holds files that are not a smolctl run", "choose another run folder or pass --overwrite")
             return None
         if resume != "none":
@@ -116,7 +116,7 @@ class Trainer:
                 raise UserError("--resume", f"{path} is not a complete checkpoint of {self.run_dir}",
                                 "pass auto, none, or one of RUN/checkpoints/step-NNNNNNN")
             return path
-        if self.run_dir.is_dir() and any(self.run_dir.iterdir()) and not overwrite:
+        if holds_run_files(self.run_dir) and not overwrite:
             if checkpoints:
                 raise UserError(self.run_dir, "already holds a run",
                                 "pass --resume auto to continue it, or --overwrite to start again")

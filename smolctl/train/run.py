@@ -24,6 +24,16 @@ from pathlib import Path
 from smolctl.errors import UserError
 from smolctl.shards import MANIFEST_NAME, atomic_write_json, check_output_path, read_manifest
 
+# What recipes/slurm/pretrain.sbatch creates in RUN before the trainer starts (NCCL's flight-recorder dumps):
+# a run folder holding only these is still a new run folder.
+LAUNCHER_ENTRIES = frozenset({"nccl-trace"})
+
+
+def holds_run_files(run: Path) -> bool:
+    """Whether the folder holds anything besides what the launcher put there."""
+    return run.is_dir() and any(entry.name not in LAUNCHER_ENTRIES for entry in run.iterdir())
+
+
 RUN_FILE = "run.json"
 METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
@@ -101,7 +111,7 @@ def plan_start(run: Path, resume: str, overwrite: bool, steps: int) -> RunStart:
     if run.exists() and not run.is_dir():
         raise UserError(run, "exists and is a file, not a folder", "choose a run folder path")
     # Under torchrun rank 0 judges what the folder held before it started writing the run into it.
-    holds_files = is_main_process() and run.is_dir() and any(run.iterdir())
+    holds_files = is_main_process() and holds_run_files(run)
     if resume == "none":
         if holds_files and not overwrite:
             raise UserError(run, "already holds a run", "pass --resume auto to continue it, or --overwrite to start over")
