@@ -29,6 +29,9 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from smolctl.units import format_bytes as human_bytes  # noqa: F401  (one formatter: units.py)
+from smolctl.units import format_count as human_count  # noqa: F401
+
 console = Console(stderr=True, highlight=False)  # progress, logs, warnings, errors
 results = Console(highlight=False)  # what a command found or made: stdout
 
@@ -104,22 +107,6 @@ def progress(enabled: bool = True) -> Iterator[Progress]:
     finally:
         if bar.live.is_started:
             bar.stop()
-
-
-def human_count(n: float) -> str:
-    for unit in ("", "K", "M", "B", "T"):
-        if abs(n) < 1000:
-            return f"{n:.0f}{unit}" if unit == "" else f"{n:.3g}{unit}"
-        n /= 1000
-    return f"{n:.3g}P"
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
 
 
 def human_duration(seconds: float) -> str:

@@ -1,4 +1,11 @@
-"""The two ways a command ends early: the user's input is wrong (exit 2) or a check failed (exit 1)."""
+"""The ways a command ends early: the user's input is wrong (exit 2), a check failed (exit 1), Ctrl-C (130), or the
+file system refused a write (exit 2, named by `environment_error`)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
 
 
 class UserError(Exception):
@@ -25,3 +32,25 @@ class Interrupted(Exception):
     """Ctrl-C during a long command: one line saying what was kept and how to continue, exit code 130."""
 
     exit_code = 130
+
+
+# The file system refusing a write is the user's environment, not a bug: name the file and what to do.
+ENVIRONMENT_ERRNOS = {
+    errno.ENOSPC: "free some space (or point the output elsewhere) and run again; earlier outputs are intact",
+    errno.EDQUOT: "free some quota (or point the output elsewhere) and run again; earlier outputs are intact",
+    errno.EACCES: "check the permissions of that path",
+    errno.EROFS: "the file system is read-only; write the output elsewhere",
+}
+
+
+def environment_error(exc: BaseException) -> str | None:
+    """`PATH: No space left on device — free some space ...` when `exc` is the file system refusing (full disk or
+    quota, permissions, read-only), else None."""
+    # Rust-backed libraries (tokenizers, safetensors) report OS errors as plain exceptions: "(os error 28)".
+    number = exc.errno if isinstance(exc, OSError) else None
+    if number is None and (match := re.search(r"\(os error (\d+)\)", str(exc))):
+        number = int(match.group(1))
+    if number not in ENVIRONMENT_ERRNOS:
+        return None
+    where = getattr(exc, "filename", None) or "output"
+    return f"{where}: {os.strerror(number)} — {ENVIRONMENT_ERRNOS[number]}"

@@ -17,7 +17,6 @@ import glob as globlib
 import hashlib
 import json
 import os
-import re
 import shutil
 import sys
 import time
@@ -143,19 +142,6 @@ def schema_to_dict(schema: pa.Schema) -> dict[str, str]:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Output folders
-
-
-def parse_shard_size(text: str) -> tuple[int | None, int | None]:
-    """'256MB' / '1GiB' → a byte limit; '50000' / '50000rows' → a row limit. Returns (bytes, rows)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    units = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "k": 1e3, "m": 1e6, "g": 1e9}
-    if match:
-        number, unit = float(match.group(1)), match.group(2).lower()
-        if number > 0 and unit in ("", "rows", "row"):
-            return None, int(number)
-        if number > 0 and unit in units:
-            return int(number * units[unit]), None
-    raise UserError("--shard-size", f"cannot parse {text!r}", "use a size like 256MB or a row count like 100000rows")
 
 
 class OutputFolder:

@@ -86,3 +86,15 @@ def test_verify_exits_1_on_a_flipped_byte(tmp_path, sample):
 def test_completions_are_in_sync_with_the_cli():
     for name, text in completion_scripts().items():
         assert (REPO / "completions" / name).read_text() == text, f"regenerate with `make completions` ({name})"
+
+
+@pytest.mark.parametrize("shell, env", [
+    ("bash", {"COMP_WORDS": "smolctl ded", "COMP_CWORD": "1"}),
+    ("zsh", {"_TYPER_COMPLETE_ARGS": "smolctl ded"}),
+    ("fish", {"_TYPER_COMPLETE_ARGS": "smolctl ded", "_TYPER_COMPLETE_FISH_ACTION": "get-args"}),
+])
+def test_each_completion_script_is_answered_by_the_cli(shell, env):
+    """The scripts call smolctl back with these variables (see completions/): Typer must still answer them."""
+    assert f"_SMOLCTL_COMPLETE=complete_{shell}" in "".join(completion_scripts().values())
+    result = run_cli(env={"_SMOLCTL_COMPLETE": f"complete_{shell}", **env})
+    assert result.returncode == 0 and "dedup" in result.stdout and "mix" not in result.stdout, result

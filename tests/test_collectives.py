@@ -17,7 +17,7 @@ import torch
 from smolctl.cli import main
 from smolctl.errors import UserError
 from smolctl.infra.collectives import (DTYPES, OPS, BenchReport, OpResult, PatternTiles, SizeResult, bandwidths,
-                                       build_config, expected_segments, input_segments, message_sizes, parse_bytes,
+                                       build_config, expected_segments, input_segments, message_sizes,
                                        pattern_tables)
 from smolctl.infra.multinode import Link, link_schedule, ring_shifts, summarize
 
@@ -36,12 +36,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_busbw_uses_the_nccl_tests_factors(op, world, busbw):
     algbw, bus = bandwidths(op, 1_000_000_000, 0.01, world)  # 1 GB in 10 ms
     assert algbw == pytest.approx(100.0) and bus == pytest.approx(busbw)
-
-
-@pytest.mark.parametrize("text, size", [("8", 8), ("1K", 1024), ("64k", 65536), ("1M", 2**20), ("8G", 8 * 2**30),
-                                        ("1MiB", 2**20), ("512KB", 512 * 1024), ("0.5G", 2**29)])
-def test_sizes_are_powers_of_1024_like_nccl_tests(text, size):
-    assert parse_bytes(text, "--max-bytes") == size
 
 
 def test_chunked_ops_round_to_whole_elements_per_rank():

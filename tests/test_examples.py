@@ -105,7 +105,7 @@ PLACEHOLDERS = {
 # Sizes that would take too long here; the example is otherwise run as written.
 SUBSTITUTIONS = {
     "TASKS=64": "TASKS=2",  # 64 array tasks, one process each, over a 2-shard sample
-    "--tokens 2B": "--tokens 100K",  # the sample corpus holds about a million tokens
+    "--tokens 2G": "--tokens 100K",  # the sample corpus holds about a million tokens
 }
 # Paths examples read that the workspace provides: a repository path to link, or a function making the folder.
 def _corpus(folder: Path) -> None:

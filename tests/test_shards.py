@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -24,7 +23,6 @@ from smolctl.shards import (
     PackedWriter,
     open_documents,
     open_packed,
-    parse_shard_size,
     read_manifest,
     schema_to_dict,
     verify_checksums,
@@ -235,10 +233,3 @@ def test_manifest_is_written_last_and_names_its_inputs(tmp_path):
     chain = lineage_chain(tmp_path / "second")
     assert [e["depth"] for e in chain] == [0, 1] and chain[1]["status"] == "ok"
 
-
-def test_parse_shard_size():
-    assert parse_shard_size("256MB") == (256_000_000, None)
-    assert parse_shard_size("1GiB") == (2**30, None)
-    assert parse_shard_size("5000rows") == (None, 5000)
-    with pytest.raises(UserError):
-        parse_shard_size("lots")

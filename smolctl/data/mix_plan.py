@@ -6,6 +6,7 @@ Everything here is checked before any data is read; `smolctl.data.mix` carries t
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import zlib
@@ -19,6 +20,7 @@ import pyarrow.compute as pc
 
 from smolctl.errors import UserError
 from smolctl.recipe import Section, load_recipe
+from smolctl.units import parse_bytes, parse_count
 
 BUDGET_KINDS = ("tokens", "bytes", "documents")
 STAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -104,18 +106,6 @@ class MixPlan:
         return "tokens" if self.tokenizer else "bytes"
 
 
-def parse_amount(text: str, flag: str) -> int:
-    """'2.5M' → 2_500_000; '1GB' / '1GiB' for bytes. Suffixes are decimal (K, M, B or G, T) or binary (KiB...)."""
-    units = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-    match = re.fullmatch(r"\s*([0-9_]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if match and match.group(2).lower() in units:
-        value = float(match.group(1).replace("_", "")) * units[match.group(2).lower()]
-        if value >= 1:
-            return int(value)
-    raise UserError(flag, f"cannot parse {text!r} as an amount", "write e.g. 1000000, 2.5M or 8B")
-
-
 def parse_source(text: str) -> tuple[str, str, float]:
     """'web=data/web:0.7' → ('web', 'data/web', 0.7). The weight follows the last ':' (paths may hold ':')."""
     name, sep, rest = text.partition("=")
@@ -142,8 +132,10 @@ def normalise(weights: dict[str, float], where: str, sources: dict[str, str]) ->
 
 
 def plan_from_flags(sources: list[str], *, tokens: str | None = None, bytes_: str | None = None,
-                    documents: str | None = None, tokenizer: str | None = None, seed: int = 0,
-                    max_repeat: float = 1.0, text_column: str = "text", shuffle_buffer: int = 20_000) -> MixPlan:
+                    documents: str | None = None, tokenizer: str | None = None, seed: int | None = None,
+                    max_repeat: float | None = None, text_column: str | None = None,
+                    shuffle_buffer: int | None = None) -> MixPlan:
+    """A one-stage plan from --source NAME=PATH:WEIGHT flags; options left None take MixPlan's defaults."""
     parsed = [parse_source(text) for text in sources]
     if not parsed:
         raise UserError("--source", "no sources given", "pass --source NAME=PATH:WEIGHT (repeat it) or --recipe")
@@ -156,14 +148,25 @@ def plan_from_flags(sources: list[str], *, tokens: str | None = None, bytes_: st
         raise UserError("--tokens/--bytes/--documents", "more than one budget given", "pass only one")
     kind, amount = next(iter(budgets.items()), (None, None))
     weights = normalise({name: weight for name, _, weight in parsed}, "--source", paths)
-    stage = Stage("mix", weights, weights, parse_amount(amount, f"--{kind}") if amount else None, kind)
-    plan = MixPlan(paths, [stage], tokenizer, seed, max_repeat, text_column, shuffle_buffer, staged=False)
+    parse = parse_bytes if kind == "bytes" else parse_count  # tokens and documents are counts
+    stage = Stage("mix", weights, weights, parse(amount, f"--{kind}") if amount else None, kind)
+    given = {"seed": seed, "max_repeat": max_repeat, "text_column": text_column, "shuffle_buffer": shuffle_buffer}
+    plan = MixPlan(paths, [stage], tokenizer, staged=False, **{key: value for key, value in given.items()
+                                                                 if value is not None})
     check_plan(plan)
     return plan
 
 
-def plan_from_recipe(path: str | Path, overrides: list[str] = ()) -> MixPlan:
-    recipe = load_recipe(MixRecipe, path, overrides)
+def plan_from_recipe(path: str | Path, overrides: list[str] = (), *, tokenizer: str | None = None,
+                     seed: int | None = None, max_repeat: float | None = None, text_column: str | None = None,
+                     shuffle_buffer: int | None = None) -> MixPlan:
+    """A plan from a recipe; an option given (not None) overrides the recipe's key, even when it equals the
+    default (`--shuffle-buffer 20000` against a recipe's 5000 is 20000)."""
+    given = {"tokenizer": tokenizer, "seed": seed, "max_repeat": max_repeat, "text_column": text_column,
+             "shuffle_buffer": shuffle_buffer}
+    # json.dumps writes a valid TOML string or number, read back as any --set value is
+    options = [f"{key}={json.dumps(value)}" for key, value in given.items() if value is not None]
+    recipe = load_recipe(MixRecipe, path, [*overrides, *options])
     sources = {name: section.path for name, section in recipe.sources.items()}
     if not sources:
         raise UserError(path, "sources: no sources", "add [sources.NAME] tables with a path")

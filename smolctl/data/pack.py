@@ -39,9 +39,9 @@ from smolctl.shards import (
     OutputFolder,
     lineage_ref,
     open_documents,
-    parse_shard_size,
     read_manifest,
 )
+from smolctl.units import parse_shard_size
 
 STRATEGIES = ("bfd", "concat")
 LONG_DOCS = ("split", "truncate")

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Iterator
 import numpy as np
 
 from smolctl.data.packing import BfdPacker, ConcatPacker, PackStats, Rows, TokenBatch
-from smolctl.shards import OutputFolder, PackedWriter, parse_shard_size
+from smolctl.shards import OutputFolder, PackedWriter
+from smolctl.units import parse_shard_size
 
 if TYPE_CHECKING:
     from smolctl.data.pack import PackConfig

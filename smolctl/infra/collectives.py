@@ -16,12 +16,12 @@ from __future__ import annotations
 import functools
 import math
 import os
-import re
 import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 from smolctl.errors import UserError
+from smolctl.units import parse_nccl_bytes
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 LAUNCH_HINT = ("launch one process per GPU with torchrun: `torchrun --nproc_per_node 8 -m smolctl benchmark-nccl "
@@ -58,15 +58,6 @@ def bandwidths(op: str, size_bytes: int, seconds: float, world: int) -> tuple[fl
     """(algbw, busbw) in GB/s (1e9 bytes/s, as nccl-tests prints them)."""
     algbw = size_bytes / seconds / 1e9
     return algbw, algbw * bus_factor(op, world)
-
-
-def parse_bytes(text: str, flag: str) -> int:
-    """'8', '64K', '1M', '8G', '1MiB', '512KB' → bytes; K/M/G are powers of 1024 as in nccl-tests' -b/-e."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", str(text), flags=re.IGNORECASE)
-    if not match or float(match.group(1)) <= 0:
-        raise UserError(flag, f"cannot read the size {text!r}", "use bytes like 8, 64K, 1M or 8G (powers of 1024)")
-    scale = 1024 ** "_kmgt".index(match.group(2).lower() or "_")
-    return int(float(match.group(1)) * scale)
 
 
 @dataclass(frozen=True)
@@ -127,8 +118,8 @@ def build_config(*, ops: str, min_bytes: str, max_bytes: str | None, factor: flo
     dtype_name = None if dtype is None else DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
     if dtype_name is not None and dtype_name not in DTYPES:
         raise UserError("--dtype", f"unknown dtype {dtype!r}", f"choose from {', '.join(DTYPES)}")
-    low = parse_bytes(min_bytes, "--min-bytes")
-    high = None if max_bytes is None else parse_bytes(max_bytes, "--max-bytes")
+    low = parse_nccl_bytes(min_bytes, "--min-bytes")
+    high = None if max_bytes is None else parse_nccl_bytes(max_bytes, "--max-bytes")
     if high is not None and low > high:
         raise UserError("--min-bytes", f"{min_bytes} is larger than --max-bytes {max_bytes}",
                         "give a --min-bytes no larger than --max-bytes")

@@ -8,30 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from smolctl.errors import UserError
 from smolctl.infra.memory import ATTENTIONS, GPUS, OPTIMIZER_BYTES, PRECISIONS, RECOMPUTES
-
-_SUFFIXES = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15}
-
-
-def parse_count(text: str | int | float, where: str) -> int:
-    """'11.2T', '100B', '5e9', '2_359_296' → an integer count."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
-    else:
-        match = re.fullmatch(r"\s*([0-9][0-9_]*\.?[0-9_]*(?:[eE][+-]?[0-9]+)?)\s*([KMBGTP]?)\s*", str(text), re.I)
-        if not match:
-            raise UserError(where, f"{text!r} is not a count", "write e.g. 11.2T, 100B, 350M or 5e9")
-        value = float(match.group(1).replace("_", "")) * _SUFFIXES[match.group(2).upper()]
-    if not math.isfinite(value) or value <= 0:
-        raise UserError(where, f"{text!r} must be a positive count", "write e.g. 11.2T, 100B or 5e9")
-    return int(round(value))
-
+from smolctl.units import parse_count
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
@@ -164,6 +147,25 @@ def _trainer_values(parallel: dict, training: dict) -> dict[str, Any]:
     if "activation_checkpointing" in training:
         values["recompute"] = _RECIPE_RECOMPUTE.get(training["activation_checkpointing"], "none")
     return values
+
+
+def recipe_or_model(subject: str, model: str | None = None) -> tuple[str | None, str | None]:
+    """What estimate's positional SUBJECT is, as (recipe, model): a file holding TOML is a recipe; a preset name, a
+    config.json or a model folder is a model. Decided by what the path holds, not by its name."""
+    if model is not None:
+        raise UserError("estimate", f"got both {subject!r} and --model {model}",
+                        "pass one (flags override the recipe's values)")
+    path = Path(subject)
+    if path.is_dir() or (path.is_file() and path.suffix == ".json"):
+        return None, subject
+    if path.is_file():
+        from smolctl.recipe import load_toml
+
+        load_toml(path)  # a TOML recipe, or one line saying why it is not
+        return subject, None
+    if "/" in subject or path.suffix:
+        raise UserError(subject, "no such file or folder", "pass a recipe (.toml), a config.json or a model folder")
+    return None, subject  # a preset name: resolve_config names the known ones when it is not one
 
 
 def plan_from_sources(*, recipe: str | None = None, overrides: list[str] | None = None,

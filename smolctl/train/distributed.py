@@ -63,12 +63,17 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def rank_from_env() -> int:
+    """This process's rank as torchrun and accelerate launch set it (0 when run alone)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def init_distributed() -> Dist:
     """Read RANK / WORLD_SIZE / LOCAL_RANK (set by torchrun and accelerate launch) and join the process group."""
     import torch
 
     world = world_size_from_env()
-    rank = int(os.environ.get("RANK", "0"))
+    rank = rank_from_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):

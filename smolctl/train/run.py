@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from smolctl.errors import UserError
 from smolctl.shards import MANIFEST_NAME, atomic_write_json, check_output_path, read_manifest
+from smolctl.train.distributed import rank_from_env
 
 # What recipes/slurm/pretrain.sbatch creates in RUN before the trainer starts (NCCL's flight-recorder dumps):
 # a run folder holding only these is still a new run folder.
@@ -74,7 +74,7 @@ def model_folder(path: Path) -> Path:
 
 
 def is_main_process() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
+    return rank_from_env() == 0
 
 
 def append_jsonl(path: Path, record: dict) -> None:

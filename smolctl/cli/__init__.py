@@ -1,0 +1,71 @@
+"""The smolctl command line: the only package that knows Typer. Each command parses its arguments, calls one
+module, and renders the result (on stdout: rich tables, or one JSON object with --json; progress on stderr).
+
+One module per family, each command beside its renderer: data (train-tokenizer, dedup, mix, pack), train
+(pretrain, midtrain, export, report), posttrain (sft, dpo, ppo, grpo, generate, merge), cluster (estimate,
+benchmark-nccl, stress-gpu) and inspect; options several commands share live in options.py."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import typer
+
+from smolctl.cli import cluster, data, inspect, posttrain, train  # noqa: F401  (each registers its commands)
+from smolctl.cli.app import Command, app
+from smolctl.console import error_line
+from smolctl.errors import CheckFailed, Interrupted, UserError, environment_error
+
+# `smolctl --help` lists the commands in pipeline order, grouped by what they work on.
+PIPELINE_ORDER = {
+    "Data": ["train-tokenizer", "dedup", "mix", "pack"],
+    "Training": ["pretrain", "midtrain", "export", "sft", "dpo", "ppo", "grpo", "generate", "merge", "report"],
+    "Cluster": ["estimate", "benchmark-nccl", "stress-gpu"],
+    "Any folder": ["inspect"],
+}
+_position = {name: i for i, name in enumerate(n for names in PIPELINE_ORDER.values() for n in names)}
+for _command in app.registered_commands:
+    _command.cls = Command
+    _command.rich_help_panel = next(panel for panel, names in PIPELINE_ORDER.items() if _command.name in names)
+app.registered_commands.sort(key=lambda command: _position[command.name])
+
+
+def _report_unexpected(exc: Exception) -> int:
+    if (line := environment_error(exc)) is not None:
+        error_line("error", line)
+        return 2
+    error_line("internal error", f"{type(exc).__name__}: {exc} — please report it; SMOLCTL_DEBUG=1 shows the traceback")
+    return 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI: user mistakes are one line and exit 2, failed checks exit 1, bugs exit 1 with a hint."""
+    debug = os.environ.get("SMOLCTL_DEBUG") == "1"
+    try:
+        code = app(args=argv, prog_name="smolctl", standalone_mode=False)
+    except Interrupted as exc:
+        error_line("interrupted", str(exc))
+        code = exc.exit_code
+    except typer.TyperException as exc:  # a usage error found while parsing: Typer prints it with the usage line
+        exc.show()
+        code = exc.exit_code
+    except UserError as exc:
+        if debug:
+            traceback.print_exc()
+        error_line("error", exc.line())
+        code = exc.exit_code
+    except CheckFailed as exc:
+        if debug:
+            traceback.print_exc()
+        error_line("failed", str(exc))
+        code = exc.exit_code
+    except (KeyboardInterrupt, typer.Abort):  # Ctrl-C elsewhere: outputs are written atomically, nothing half-made
+        error_line("interrupted", "nothing half-written was left behind — run the command again")
+        code = 130
+    except Exception as exc:  # the file system refusing a write, or a bug in smolctl
+        if debug:
+            traceback.print_exc()
+        code = _report_unexpected(exc)
+    sys.exit(code if isinstance(code, int) else 0)

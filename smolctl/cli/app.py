@@ -1,0 +1,101 @@
+"""The Typer app every command registers on, with help that reads as written (see `_ReadableHelp`)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from typer.core import TyperCommand, TyperGroup
+
+from smolctl import __version__
+from smolctl.console import console
+
+PIPELINE = """\
+[bold]smolctl[/] — train small language models the SmolLM3 way, one composable stage at a time.
+
+  [bold]data[/]      train-tokenizer → dedup → mix → pack        (parquet folders → packed safetensors)
+  [bold]train[/]     pretrain → midtrain → sft → dpo → ppo|grpo  (HF model folders, resumable; report RUN)
+            generate (completions, preference pairs) · merge (MergeKit: linear, soups, SLERP, TIES)
+  [bold]cluster[/]   estimate · benchmark-nccl · stress-gpu     (size the run, validate the machines)
+  [bold]any[/]       inspect PATH                               (what a folder holds, its lineage, checksums)
+
+Every stage reads the previous stage's output folder and writes one with a manifest.json.
+Run `smolctl COMMAND --help` for examples; `make demo` runs the whole pipeline on the sample corpus.
+"""
+
+
+class _ReadableHelp:
+    """Help that reads as written. Docstrings and argument/option help are plain text, so `[model]` or
+    `[rows, seq_len]` are shown, not taken for Rich markup (epilogs keep their markup: `[bold]Examples[/]`).
+    Usage lines and option columns read as values: `smolctl pretrain [OPTIONS] RECIPE [RUN]` (Typer writes
+    required arguments as `{recipe}`), no `<bool>` after a flag, `--set <str>` for a repeatable option."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.help = escape(self.help) if self.help else self.help
+        for param in self.params:
+            if getattr(param, "help", None):
+                param.help = escape(param.help)
+
+    def collect_usage_pieces(self, ctx):
+        pieces = super().collect_usage_pieces(ctx)  # [OPTIONS], one piece per argument, a group's COMMAND
+        arguments = [param for param in self.get_params(ctx) if param.param_type_name == "argument"]
+        start = 1 if self.options_metavar else 0
+        return pieces[:start] + [self._usage_name(param) for param in arguments] + pieces[start + len(arguments):]
+
+    @staticmethod
+    def _usage_name(argument) -> str:
+        if argument.metavar:  # written out by the command, e.g. "[RECIPE] OUTPUT"
+            return argument.metavar
+        name = argument.name.upper() + ("..." if argument.nargs != 1 else "")
+        return name if argument.required else f"[{name}]"
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for param in params:
+            if param.param_type_name != "option" or param.metavar is not None:
+                continue
+            if param.is_flag:
+                param.metavar = ""
+            elif param.multiple and (label := param.display_type_rich(ctx) or "").startswith("<list["):
+                param.metavar = "<" + label[len("<list["):-len("]>")] + ">"
+        return params
+
+
+class Command(_ReadableHelp, TyperCommand):
+    pass
+
+
+class Group(_ReadableHelp, TyperGroup):
+    pass
+
+
+app = typer.Typer(
+    name="smolctl",
+    cls=Group,
+    help="Train small language models the SmolLM3 way, one composable stage at a time. Run with no arguments "
+    "for the pipeline at a glance.",
+    rich_markup_mode="rich",
+    no_args_is_help=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"smolctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback(invoke_without_command=True)
+def root(
+    ctx: typer.Context,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    if ctx.invoked_subcommand is None:
+        console.print(PIPELINE)
+        typer.echo(ctx.get_help(), err=True)

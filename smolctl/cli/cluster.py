@@ -1,0 +1,457 @@
+"""Cluster commands: estimate (size a run before it starts), benchmark-nccl and stress-gpu (validate machines)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+from rich.markup import escape
+
+from smolctl.cli.app import app
+from smolctl.cli.common import quiet_on_other_ranks
+from smolctl.cli.options import JsonOpt, SetOpt
+from smolctl.console import (
+    console,
+    emit_json,
+    human_bytes,
+    human_count,
+    human_duration,
+    key_values,
+    progress,
+    show,
+    styled,
+    table,
+)
+from smolctl.errors import CheckFailed, UserError
+from smolctl.units import COUNT_HELP, NCCL_HELP
+from smolctl.train.distributed import rank_from_env
+
+
+@app.command("estimate", epilog="""[bold]Examples[/]
+
+  smolctl estimate recipes/smollm3.toml --gpus 384 --tp 2 --tokens 11.2T     the published SmolLM3 run
+
+  smolctl estimate --model smollm3-3b --seq-len 4096 --micro-batch 3 --gpus 384 --gpu h100 --tp 2 --zero 1
+  --tokens 11.2T --mfu 0.30 --price-per-gpu-hour 2.5
+
+  smolctl estimate --model llama3-8b --gpus 64 --gpu a100-80 --tokens 1T --find     what fits: layouts, micro batch
+
+  smolctl estimate --model llama3-405b --gpus 16384 --tp 8 --pp 16 --zero 1 --seq-len 8192 --recompute full
+  --global-batch-tokens 16777216 --tokens 15.6T --mfu 0.38          Llama 3 405B: ~33M GPU-hours (Meta: 30.84M)
+
+  smolctl estimate --model smollm3-3b --inference --context 8192 --batch 8 --compare-attention     serving memory
+
+  smolctl estimate recipes/smollm3-tiny.toml --validate                       estimate vs measured, side by side
+
+  smolctl estimate path/to/model-folder --tokens 1T --target-days 14 --json     any HF config
+""")
+def estimate_command(
+    recipe: Optional[str] = typer.Argument(None, help="A pretrain recipe (.toml), or a model as --model takes it."),
+    model: Optional[str] = typer.Option(None, "--model", help="Preset (smollm3-3b, llama3-8b, ...) or a config.json / model folder."),
+    overrides: SetOpt = None,
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence (default: the recipe's, else 4096)."),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Sequences per GPU per forward (default: the recipe's, else 1)."),
+    global_batch_tokens: Optional[str] = typer.Option(None, "--global-batch-tokens", help=f"Tokens per optimizer step, e.g. 2359296 or 2.36M ({COUNT_HELP})."),
+    tokens: Optional[str] = typer.Option(None, "--tokens", help=f"Training tokens: 11.2T, 100G, 5e9 ({COUNT_HELP})."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="GPUs in the run (default: global batch ÷ micro batch × tp·pp·cp)."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="h100 (default), h200, a100-80, a100-40, l40s, b200, mi300x, ..."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor parallel size (with sequence parallelism)."),
+    pp: Optional[int] = typer.Option(None, "--pp", help="Pipeline stages (1F1B schedule)."),
+    cp: Optional[int] = typer.Option(None, "--cp", help="Context parallel size (splits the sequence)."),
+    zero: Optional[int] = typer.Option(None, "--zero", help="ZeRO stage 0-3 over data parallel (recipe shard=true: 3)."),
+    dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="With --zero 3: shard over this many data-parallel ranks, replicate over the rest (HSDP)."),
+    recompute: Optional[str] = typer.Option(None, "--recompute", help="none | selective | full activation recomputation."),
+    attention: Optional[str] = typer.Option(None, "--attention", help="flash | sdpa | eager."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="bf16 (bf16 weights + fp32 master) | amp (fp32 weights, bf16 autocast) | fp32."),
+    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw | adamw8bit | sgd."),
+    mfu: Optional[float] = typer.Option(None, "--mfu", help="Achieved model FLOPs utilisation (default 0.30)."),
+    price: Optional[float] = typer.Option(None, "--price-per-gpu-hour", help="Cost of one GPU-hour, for the total."),
+    target_days: Optional[float] = typer.Option(None, "--target-days", help="Also report the GPUs needed to finish in this many days."),
+    tf32: Optional[bool] = typer.Option(None, "--tf32", help="fp32 matmuls run as TF32 on tensor cores (off in PyTorch unless enabled)."),
+    checkpoint_gbps: Optional[float] = typer.Option(None, "--checkpoint-gbps", help="Checkpoint write bandwidth per node, GB/s (default 1)."),
+    checkpoint_hours: Optional[float] = typer.Option(None, "--checkpoint-hours", help="Hours between checkpoints (default: Young/Daly's optimum)."),
+    sync_checkpoint: bool = typer.Option(False, "--sync-checkpoint", help="Training waits for each checkpoint write (default: async, waits only for the copy to host memory)."),
+    overhead: Optional[float] = typer.Option(None, "--overhead", help="Use this wall-clock overhead factor instead of the computed one."),
+    find: bool = typer.Option(False, "--find", help="Also search the layouts and the largest micro batch that fit."),
+    framework: Optional[str] = typer.Option(None, "--framework", help="What --find proposes: smolctl (tp × FSDP2/HSDP, the trainer's layouts; default) or megatron (tp, pp, cp, ZeRO)."),
+    require_fit: bool = typer.Option(False, "--require-fit", help="Exit 1 when the run does not fit the GPU."),
+    inference_mode: bool = typer.Option(False, "--inference", help="Size serving instead: weights, KV cache, activations, decode tokens/s."),
+    context: int = typer.Option(8192, "--context", help="--inference: tokens per sequence in the KV cache."),
+    batch: int = typer.Option(1, "--batch", help="--inference: sequences decoded together."),
+    kv_dtype: str = typer.Option("bf16", "--kv-dtype", help="--inference: bf16 or fp8 KV cache."),
+    compare_attention: bool = typer.Option(False, "--compare-attention", help="--inference: the same model with multi-head attention beside it."),
+    validate: bool = typer.Option(False, "--validate", help="Run a (scaled-down) copy here and print estimate vs measured."),
+    json_out: JsonOpt = False,
+) -> None:
+    """Parameters, memory per GPU, FLOPs, time and cost of a training run; --find what fits; --validate against
+    a measured forward + backward."""
+    from smolctl.infra.estimate import (
+        InferencePlan,
+        estimate,
+        estimate_inference,
+        transformers_config,
+    )
+    from smolctl.infra.plan import plan_from_sources, recipe_or_model
+
+    if recipe is not None:
+        recipe, model = recipe_or_model(recipe, model)
+    flags = dict(model=model, seq_len=seq_len, micro_batch=micro_batch, global_batch_tokens=global_batch_tokens,
+                 tokens=tokens, gpus=gpus, gpu=gpu, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=dp_shard, recompute=recompute,
+                 attention=attention, precision=precision, optimizer=optimizer, mfu=mfu, price_per_gpu_hour=price,
+                 target_days=target_days, checkpoint_gbps=checkpoint_gbps, checkpoint_hours=checkpoint_hours,
+                 overhead=overhead, tf32=tf32, framework=framework, async_checkpoint=False if sync_checkpoint else None)
+    plan = plan_from_sources(recipe=recipe, overrides=overrides, flags=flags)
+    if inference_mode:
+        served = estimate_inference(plan, InferencePlan(context, batch, kv_dtype.lower(), compare_attention))
+        emit_json(served) if json_out else _render_inference(served)
+        if require_fit and not served["inference"]["model"]["fits"]:
+            raise CheckFailed(f"estimate: {served['model']['name']} does not fit {plan.gpu} for inference at "
+                              f"batch {batch} × {context} tokens")
+        return
+    result = estimate(plan, find=find)
+    if validate:
+        from smolctl.infra.measure import validate as run_validation
+
+        with console.status("validating: forward + backward on this machine", spinner="dots"):
+            result["validate"] = run_validation(plan, transformers_config(plan))
+    if json_out:
+        emit_json(result)
+    else:
+        _render_estimate(result)
+    if require_fit and not result["memory"]["fits"]:
+        raise CheckFailed(f"estimate: does not fit {plan.gpu} ({result['memory']['total'] / 2**30:.1f} GiB per GPU)")
+
+
+def _render_headlines(r: dict) -> None:
+    for line in r["headlines"]:
+        colour = "red" if line["level"] == "error" else "yellow"
+        show(styled(f"[bold {colour}]{line['level']}:[/] {escape(line['text'])}"), soft_wrap=True)
+
+
+def _render_estimate(r: dict) -> None:
+
+    m, lay, mem, comp = r["model"], r["layout"], r["memory"], r["compute"]
+    act = mem["activations_detail"]
+    p = m["params"]
+    show(key_values(f"model: {m['name']} ({m['model_type']})", [
+        ("parameters", f"{human_count(p['total'])} ({p['total']:,}; closed form "
+                       f"{'n/a' if p['closed_form'] is None else format(p['closed_form'], ',')})"),
+        ("embedding / LM head", f"{human_count(p['embedding'])} / {'tied' if m['tied'] else human_count(p['lm_head'])}"),
+        ("non-embedding / per layer", f"{human_count(p['non_embedding'])} / {human_count(p['per_layer'])}"),
+        ("shape", f"{m['layers']} layers, hidden {m['hidden']}, FFN {m['ffn']}, {m['heads']} heads "
+                  f"({m['kv_heads']} KV) × {m['head_dim']}, vocab {m['vocab']}"),
+    ]))
+    _render_headlines(r)
+    show(key_values("layout", [
+        ("GPUs", f"{lay['gpus']} × {lay['gpu']} = tp {lay['tp']} × pp {lay['pp']} × cp {lay['cp']} × dp {lay['dp']}"
+                 + (f" (FSDP2 shard {lay['dp_shard']} × replicate {lay['dp'] // lay['dp_shard']})" if lay["dp_shard"] else "")),
+        ("batch", f"micro {lay['micro_batch']} × {lay['seq_len']} tokens, accumulation {lay['gradient_accumulation']}, "
+                  f"global {human_count(lay['global_batch_tokens'])} tokens/step"),
+        ("training", f"{lay['precision']}, {lay['optimizer']}, ZeRO-{lay['zero']}, recompute {lay['recompute']}, "
+                     f"{lay['attention']} attention"),
+    ]))
+    rows = [(name, human_bytes(mem[key]), f"{mem[key] / mem['capacity']:.1%}") for name, key in [
+        ("weights", "weights"), ("gradients", "grads"), ("fp32 master weights", "master"),
+        ("optimizer states", "optimizer"), ("ZeRO-3 gather buffers", "gather"),
+        (f"activations: {human_bytes(act['per_layer'])}/layer, head {human_bytes(act['head'])}", "activations"),
+        ("logits gradient (transient)", "logits_grad"), ("allocator headroom", "allocator_headroom"),
+        ("CUDA context + NCCL", "runtime_reserved")] if mem[key]]
+    verdict = "[green]fits[/]" if mem["fits"] else "[red]does not fit[/]"
+    rows.append((styled(f"total — {verdict} {escape(mem['gpu'])}"), human_bytes(mem["total"]), f"{mem['total'] / mem['capacity']:.1%}"))
+    stage = "" if mem["stage"] == "all" else f", {mem['stage']} pipeline stage"
+    show(table(f"memory per GPU ({human_bytes(mem['capacity'])}{stage})", ["", "bytes", "of GPU"], rows))
+    _render_compute(comp, lay["mfu"])
+    for note in [comp["overhead"]["why"], *r["notes"]]:
+        show(styled(f"[dim]note:[/] {escape(note)}"), soft_wrap=False)
+    if "find" in r:
+        _render_find(r["find"], lay)
+    if "validate" in r:
+        _render_validation(r["validate"])
+
+
+def _render_compute(comp: dict, mfu: float) -> None:
+
+    t = comp["time"]
+    facts = [
+        ("FLOPs per token", f"{comp['flops_per_token']:.3e} = 6N {comp['six_n']:.3e} + attention "
+                            f"{comp['attention_flops_per_token']:.3e}"),
+        ("tokens / total FLOPs", f"{human_count(comp['tokens'])} / {comp['total_flops']:.3e}"),
+        ("throughput", f"{comp['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU at MFU {mfu:.0%}; "
+                       f"{comp['step_seconds']:.2f} s/step, {comp['steps']:,} steps"),
+        ("compute time", human_duration(comp["compute_time"]["seconds"])),
+        ("overhead", f"× {comp['overhead']['factor']:.3f} ({comp['overhead']['effective_training_time']:.1%} of "
+                     "the wall-clock time trains)"),
+        ("time", f"{human_duration(t['seconds'])} = {t['hours']:,.1f} h = {t['days']:.2f} days"),
+        ("GPU-hours", f"{comp['gpu_hours']:,.0f}" + (f"  cost {comp['cost']:,.0f}" if comp["cost"] else "")),
+        ("checkpoint", f"{human_bytes(comp['checkpoint']['bytes'])} (model only "
+                       f"{human_bytes(comp['checkpoint']['model_bytes'])}) every "
+                       f"{human_duration(comp['checkpoint']['interval_seconds'])}: "
+                       + (f"{comp['checkpoint']['stall_seconds']:.2g} s stall, then " if comp['checkpoint']['async'] else "")
+                       + f"{comp['checkpoint']['write_seconds']:.1f} s to write at "
+                       f"{comp['checkpoint']['gbps_per_node']:g} GB/s per node"),
+    ]
+    if comp.get("gpus_for_target"):
+        target = comp["gpus_for_target"]
+        facts.append((f"GPUs for {target['days']:g} days", f"{target['gpus']}"))
+    if comp["pipeline_bubble"]:
+        facts.append(("pipeline bubble", f"{comp['pipeline_bubble']:.1%} of each step (inside the MFU)"))
+    show(key_values("compute and time", facts))
+
+
+def _render_find(found: dict, lay: dict) -> None:
+
+    show(styled(f"largest micro batch that fits this layout: [bold]{found['largest_micro_batch'] or 'none'}[/]"))
+    if found["framework"] == "smolctl":
+        columns = ["tp", "dp shard (FSDP2)", "dp replicate", "recompute", "accumulation", "total", "free"]
+        rows = [(x["tp"], x["dp_shard"], x["dp_replicate"], x["recompute"], x["gradient_accumulation"],
+                 human_bytes(x["total"]), human_bytes(x["free"])) for x in found["layouts"]]
+    else:
+        columns = ["tp", "pp", "cp", "dp", "zero", "recompute", "accumulation", "total", "free"]
+        rows = [(x["tp"], x["pp"], x["cp"], x["dp"], x["zero"], x["recompute"], x["gradient_accumulation"],
+                 human_bytes(x["total"]), human_bytes(x["free"])) for x in found["layouts"]]
+    show(table(f"{found['framework']} layouts that fit {lay['gpus']} × {lay['gpu']} at micro batch "
+               f"{lay['micro_batch']} and global batch {found['global_batch_tokens']:,} tokens, fastest first",
+               columns, rows or [("none fit",) + ("",) * (len(columns) - 1)]))
+    skipped = found["skipped"]
+    show(styled(f"[dim]left out: {skipped['batch']} layout(s) whose data parallel × micro batch does not divide "
+                f"the global batch, {skipped['pipeline']} pipeline(s) with fewer micro batches than stages[/]"),
+         soft_wrap=True)
+
+
+def _render_inference(r: dict) -> None:
+
+    inf = r["inference"]
+    sides = [("this model", inf["model"])] + ([("multi-head attention", inf["multi_head"])] if "multi_head" in inf else [])
+    rows = [("KV heads", *(str(x["kv_heads"]) for _, x in sides)),
+            ("weights (bf16)", *(human_bytes(x["weights"]) for _, x in sides)),
+            (f"KV cache per token ({inf['kv_dtype']})", *(human_bytes(x["kv_per_token"]) for _, x in sides)),
+            (f"KV cache per sequence ({inf['context']:,} tokens)", *(human_bytes(x["kv_per_sequence"]) for _, x in sides)),
+            (f"KV cache for the batch ({inf['batch']})", *(human_bytes(x["kv_cache"]) for _, x in sides)),
+            ("prefill activations", *(human_bytes(x["activations"]) for _, x in sides)),
+            ("CUDA context + workspaces", *(human_bytes(x["runtime_reserved"]) for _, x in sides)),
+            ("total", *(styled(f"{human_bytes(x['total'])} — " + ("[green]fits[/]" if x["fits"] else "[red]does not fit[/]"))
+                        for _, x in sides)),
+            (f"largest batch at {inf['context']:,} tokens", *(str(x["max_batch"]) for _, x in sides)),
+            (f"longest context at batch {inf['batch']}", *(f"{x['max_context']:,}" for _, x in sides)),
+            (f"decode bound ({inf['model']['memory_tbps']:g} TB/s)",
+             *(f"{x['decode_tokens_per_second']:,.0f} tokens/s ({x['decode_tokens_per_second_per_sequence']:,.0f} per "
+               "sequence)" for _, x in sides))]
+    gpus = f"{inf['tp']} × {inf['gpu']}" if inf["tp"] > 1 else inf["gpu"]
+    show(table(f"inference: {r['model']['name']} on {gpus} (per GPU)", ["", *(name for name, _ in sides)], rows))
+    show(styled("[dim]note: decoding reads every weight and the batch's KV cache once per token, so memory "
+                "bandwidth bounds tokens/s; real servers reach 60–80% of it[/]"), soft_wrap=True)
+
+
+def _render_validation(v: dict) -> None:
+
+    def fmt(row: dict, value: float) -> str:
+        return {"bytes": human_bytes, "count": "{:,}".format}.get(row["unit"], "{:.4e}".format)(value)
+
+    show(table(f"validate on {v['device']}: {v['ran']}, micro batch {v['micro_batch']} × {v['seq_len']}",
+               ["", "estimate", "measured", "estimate/measured"],
+               [(row["what"], fmt(row, row["estimate"]), fmt(row, row["measured"]),
+                 f"{row['estimate'] / row['measured']:.3f}") for row in v["rows"]]))
+
+
+
+@app.command("benchmark-nccl", epilog="""[bold]Examples[/]
+
+  torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --expect-busbw all_reduce=350,all_to_all=40
+
+  torchrun --nproc_per_node 2 -m smolctl benchmark-nccl --max-bytes 1M --iters 5 --warmup 1    (CPU, gloo)
+
+  torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --ops all_reduce,all_to_all --min-bytes 1M --max-bytes 8G
+
+  sbatch --nodes 4 recipes/slurm/benchmark-nccl.sbatch    (multi-node: intra vs inter-node, slowest host and link)
+""")
+def benchmark_nccl_command(
+    ops: str = typer.Option("all_reduce,all_gather,reduce_scatter,all_to_all,broadcast,send_recv", "--ops",
+                            help="Comma-separated ops (or 'all')."),
+    min_bytes: str = typer.Option("8", "--min-bytes", help=f"Smallest message ({NCCL_HELP})."),
+    max_bytes: Optional[str] = typer.Option(None, "--max-bytes", help="Largest message (default: 8G with NCCL, 64M with gloo; same units as --min-bytes)."),
+    factor: float = typer.Option(2.0, "--factor", help="Size multiplier between steps (nccl-tests -f)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16, fp16, fp32, fp64 or int32 (default: bf16 with NCCL, fp32 with gloo)."),
+    iters: int = typer.Option(20, "--iters", help="Timed calls per size."),
+    warmup: int = typer.Option(5, "--warmup", help="Untimed calls per size before timing."),
+    backend: str = typer.Option("auto", "--backend", help="auto (nccl when GPUs are visible, else gloo), nccl or gloo."),
+    expect_busbw: Optional[str] = typer.Option(None, "--expect-busbw", help="GB/s the busbw at the largest size must reach, per op (all_reduce=350,all_to_all=40) or one number for all; exit 1 below it."),
+    json_out: JsonOpt = False,
+) -> None:
+    """Collective bandwidth like nccl-tests (time, algbw, busbw, #wrong per size) for every op, under torchrun."""
+    from smolctl.infra.collectives import (
+        build_config,
+        launch_environment,
+        run_benchmark,
+    )
+
+    rank = rank_from_env()
+    try:
+        config = build_config(ops=ops, min_bytes=min_bytes, max_bytes=max_bytes, factor=factor, dtype=dtype,
+                              iters=iters, warmup=warmup, backend=backend, expect_busbw=expect_busbw)
+        launch_environment()
+        with progress(rank == 0 and not json_out) as bar:
+            task = bar.add_task("benchmark-nccl", total=None, rate="")
+            report = run_benchmark(config, on_plan=lambda total: bar.update(task, total=total),
+                                   on_size=lambda op, size: bar.update(task, advance=1, rate=f"{op} {human_bytes(size)}"))
+    except UserError as exc:
+        quiet_on_other_ranks(exc)
+    if rank == 0:
+        emit_json(report.to_dict()) if json_out else _render_nccl(report)
+    if not report.passed:
+        quiet_on_other_ranks(CheckFailed(_nccl_failure(report)))
+
+
+def _nccl_failure(report) -> str:
+    problems = [f"{report.wrong} wrong element(s)"] if report.wrong else []
+    problems += [f"{r.op} busbw {r.peak.busbw:.2f} GB/s < {report.expect_busbw[r.op]:g}" if r.peak else f"{r.op}: no size ran"
+                 for r in report.below_expectation()]
+    return "benchmark-nccl: " + "; ".join(problems)
+
+
+def _render_nccl(report) -> None:
+
+    topo = report.topology
+    facts = [("world size", topo["world_size"]), ("nodes", topo["nodes"]),
+             ("GPUs per node" if topo["backend"] == "nccl" else "ranks per node", topo["ranks_per_node"]),
+             ("hosts", ", ".join(topo["hosts"][:4]) + (" …" if len(topo["hosts"]) > 4 else "")),
+             ("device", topo["device"]), ("backend", topo["backend"]), ("torch", topo["torch"]),
+             ("NCCL", topo["nccl"] or "-"),
+             ("NCCL_* env", "\n".join(f"{k}={v}" for k, v in topo["nccl_env"].items()) or "(none set)")]
+    if topo["env_mismatch"]:
+        facts.append((styled("[red]differs across ranks[/]"), ", ".join(topo["env_mismatch"])))
+    show(key_values("benchmark-nccl", facts))
+    # nccl-tests' own layout, so that its users read it at once (and plain text never gets truncated)
+    head = f"{'size':>12} {'count':>12} {'type':>9} {'redop':>6} {'root':>5} {'time':>10} {'algbw':>8} {'busbw':>8} {'#wrong':>7}"
+    units = f"{'(B)':>12} {'(elements)':>12} {'':>9} {'':>6} {'':>5} {'(us)':>10} {'(GB/s)':>8} {'(GB/s)':>8} {'':>7}"
+    for result in report.results:
+        placement = "in-place" if result.op in ("all_reduce", "broadcast") else "out-of-place"
+        lines = [f"# {result.op}: {topo['world_size']} ranks, {topo['backend']}, {placement}", "#" + head[1:],
+                 "#" + units[1:]]
+        lines += [f"{r.size:>12} {r.count:>12} {r.type:>9} {r.redop:>6} {r.root:>5} {r.time_us:>10.2f} "
+                  f"{r.algbw:>8.2f} {r.busbw:>8.2f} {r.wrong:>7}" for r in result.rows]
+        lines.append(f"# {result.op} avg bus bandwidth: {result.avg_busbw:.3f} GB/s\n")
+        show("\n".join(lines), soft_wrap=True)
+    if report.multinode:
+        _render_multinode(report.multinode, topo)
+    show(f"# Out of bounds values : {report.wrong} {'OK' if not report.wrong else 'FAILED'}")
+    show(f"# Avg bus bandwidth    : {report.avg_busbw:.3f} GB/s (all ops, all sizes)")
+    below = {r.op for r in report.below_expectation()}
+    for result in report.results:
+        if result.op in report.expect_busbw:
+            verdict = "[red]FAIL[/]" if result.op in below else "[green]PASS[/]"
+            peak = f"{result.peak.busbw:.2f} GB/s at {human_bytes(result.peak.size)}" if result.peak else "no size ran"
+            show(styled(f"{verdict} {result.op}: busbw {peak} (expected ≥ {report.expect_busbw[result.op]:g})"))
+
+
+def _render_multinode(split: dict, topo: dict) -> None:
+
+    def gbps(value) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    rows = [(name.replace("_", "-"), split[name]["groups"], split[name]["ranks_per_group"],
+             gbps(split[name]["busbw_min"]), gbps(split[name]["busbw_median"]),
+             f"{split[name]['slowest']['name']}" if split[name]["slowest"] else "-")
+            for name in ("intra_node", "inter_node")]
+    show(table(f"all_reduce at {human_bytes(split['size'])}: inside vs across nodes",
+               ["scope", "groups", "ranks/group", "busbw min (GB/s)", "busbw median (GB/s)", "slowest"], rows))
+    links = split["links"]
+    if links:
+        slow = links["slowest"]
+        show(f"one-way transfers to the same local rank {', '.join(map(str, links['shifts']))} node(s) on "
+                      f"({links['count']} links, {human_bytes(split['size'])}): median send "
+                      f"{links['send_busbw_median']:.2f} GB/s, receive {links['recv_busbw_median']:.2f} GB/s; slowest "
+                      f"link rank {slow['from_rank']} ({slow['from_host']}) → rank {slow['to_rank']} "
+                      f"({slow['to_host']}) at {slow['busbw']:.2f} GB/s (send {slow['send_busbw']:.2f}, receive "
+                      f"{slow['recv_busbw']:.2f})", soft_wrap=True)
+        show("hosts by their links' median busbw, slowest first: " + ", ".join(
+            f"{h['host']} {h['busbw_median']:.2f} GB/s ({h['links']} links)" for h in links["slowest_hosts"]),
+            soft_wrap=True)
+    ranks: dict[str, list[int]] = {}
+    for rank, host in enumerate(topo["rank_hosts"]):
+        ranks.setdefault(host, []).append(rank)
+    show("rank → host: " + "; ".join(f"{host} {_rank_ranges(found)}" for host, found in ranks.items()),
+         soft_wrap=True)
+
+
+def _rank_ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 3, 8] → '0-3,8'."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+
+
+
+@app.command("stress-gpu", epilog="""[bold]Examples[/]
+
+  smolctl stress-gpu                                   60 s on every GPU: bf16 8192² matmuls, all results checked
+
+  smolctl stress-gpu --duration 10m --expect-tflops 600 --json     H100: also fail a GPU below 600 TFLOPS
+
+  smolctl stress-gpu --duration 3s --devices cpu       the tool itself on the CPU (fp32 512²), no GPU needed
+""")
+def stress_gpu_command(
+    duration: str = typer.Option("60", "--duration", help="Seconds, or 30s, 5m, 1h."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (default: bf16 on GPUs, fp32 on CPU)."),
+    size: Optional[int] = typer.Option(None, "--size", help="n of the n×n matmuls (default: 8192 on GPUs, 512 on CPU)."),
+    memory_fraction: float = typer.Option(0.9, "--memory-fraction", help="Share of each GPU's memory to fill and pattern-test, in (0, 1)."),
+    tolerance: float = typer.Option(0.10, "--tolerance", help="A device more than this fraction slower than the best fails."),
+    expect_tflops: Optional[float] = typer.Option(None, "--expect-tflops", help="Fail a device whose median TFLOPS is below this."),
+    expect_gpus: Optional[int] = typer.Option(None, "--expect-gpus", help="Fail when torch sees fewer GPUs (default with --devices all: what nvidia-smi lists)."),
+    devices: str = typer.Option("all", "--devices", help="all (fails when torch sees no GPU), GPU indices like 0,1, or cpu."),
+    launch: str = typer.Option("auto", "--launch", help="process per device, thread, or auto (processes for GPUs)."),
+    json_out: JsonOpt = False,
+) -> None:
+    """Burn every GPU with checked matmuls and a memory pattern test; OK/FAULTY per device like gpu-burn."""
+    from smolctl.infra.stress import build_config, run_stress
+
+    config = build_config(duration=duration, dtype=dtype, size=size, memory_fraction=memory_fraction,
+                          tolerance=tolerance, devices=devices, expect_tflops=expect_tflops,
+                          expect_gpus=expect_gpus, launch=launch)
+
+    def tick(elapsed: float, reports) -> None:
+        latest = " · ".join(f"{r.device} {r.tflops[-1]:.3g}" for r in reports if r.tflops)
+        bar.update(task, completed=min(elapsed, config.duration_s), rate=f"TFLOPS {latest}" if latest else "setting up")
+
+    with progress(not json_out) as bar:
+        task = bar.add_task(f"stress {config.dtype} {config.size}²", total=config.duration_s, rate="")
+        reports = run_stress(config, on_tick=tick)
+    if json_out:
+        emit_json({"config": config.__dict__, "devices": [r.to_dict() for r in reports]})
+    else:
+        _render_stress(config, reports)
+    faulty = [r for r in reports if r.verdict != "OK"]
+    if faulty:
+        raise CheckFailed("stress-gpu: " + "; ".join(f"{r.device} FAULTY ({', '.join(r.reasons)})" for r in faulty))
+
+
+def _render_stress(config, reports) -> None:
+
+    def number(value, fmt: str = ".3g") -> str:
+        return "-" if value is None else format(value, fmt)
+
+    rows = [(r.device, f"{number(r.tflops_min)} / {number(r.tflops_median)}", r.mismatches,
+             (r.result_hash or "-")[:12], r.memory_errors,
+             number(r.telemetry.get("max_temp_c"), "d"), ", ".join(r.telemetry.get("throttle") or []) or "-",
+             styled("[green]OK[/]" if r.verdict == "OK" else "[red]FAULTY[/]")) for r in reports]
+    names = ", ".join(dict.fromkeys(r.name for r in reports if r.name)) or "?"
+    show(table(f"stress-gpu: {names}, {config.dtype} {config.size}² matmuls, {config.duration_s:g}s",
+               ["device", "TFLOPS min / median", "mismatches", "product sha256", "memory errors", "max °C",
+                "throttling", "result"], rows))
+    for r in reports:
+        show(styled(f"{r.device}: {r.matmuls} matmuls checked, {human_bytes(r.memory_tested_bytes)} pattern-tested "
+                    f"in {r.pattern_passes} passes" + (f" — [red]{escape('; '.join(r.reasons))}[/]" if r.reasons else "")
+                    + (f" [yellow]warning: {escape('; '.join(r.warnings))}[/]" if r.warnings else "")), soft_wrap=True)
+    ok = sum(r.verdict == "OK" for r in reports)
+    floor = f", below --expect-tflops {config.expect_tflops:g}" if config.expect_tflops else ""
+    show(f"{ok}/{len(reports)} device(s) OK (FAULTY: any mismatch, a product differing from the other "
+         f"devices', a memory error, hardware throttling, row remapping, ECC or Xid errors, a degraded "
+         f"PCIe link, or median TFLOPS more than {config.tolerance:.0%} below the best device{floor})", soft_wrap=True)
+    if unchecked := [r.device for r in reports if "missing" in r.telemetry]:
+        show(styled(f"[yellow]telemetry missing on {escape(', '.join(unchecked))}:[/] "
+                    f"{escape(str(reports[0].telemetry.get('missing', '')))}"
+                    " — throttling, ECC, row remapping, Xid and PCIe were not checked"), soft_wrap=True)
+
