@@ -406,7 +406,7 @@ def stress_gpu_command(
     json_out: JsonOpt = False,
 ) -> None:
     """Burn every GPU with checked matmuls and a memory pattern test; OK/FAULTY per device like gpu-burn."""
-    from smolctl.infra.stress import build_config, run_stress
+    from smolctl.infra.stress import StressRun, build_config, run_stress
 
     config = build_config(duration=duration, dtype=dtype, size=size, memory_fraction=memory_fraction,
                           tolerance=tolerance, devices=devices, expect_tflops=expect_tflops,
@@ -418,17 +418,18 @@ def stress_gpu_command(
 
     with progress(not json_out) as bar:
         task = bar.add_task(f"stress {config.dtype} {config.size}²", total=config.duration_s, rate="")
-        reports = run_stress(config, on_tick=tick)
+        found = StressRun(config, run_stress(config, on_tick=tick))
     if json_out:
-        emit_json({"config": config.__dict__, "devices": [r.to_dict() for r in reports]})
+        emit_json(found.to_dict())
     else:
-        _render_stress(config, reports)
-    faulty = [r for r in reports if r.verdict != "OK"]
+        _render_stress(found)
+    faulty = [r for r in found.devices if r.verdict != "OK"]
     if faulty:
         raise CheckFailed("stress-gpu: " + "; ".join(f"{r.device} FAULTY ({', '.join(r.reasons)})" for r in faulty))
 
 
-def _render_stress(config, reports) -> None:
+def _render_stress(found) -> None:
+    config, reports = found.config, found.devices
 
     def number(value, fmt: str = ".3g") -> str:
         return "-" if value is None else format(value, fmt)

@@ -62,7 +62,7 @@ def train_tokenizer_command(
                                  on_start=lambda total: bar.update(task, total=total, visible=True),
                                  on_batch=lambda n: bar.advance(task, n))
     if json_out:
-        emit_json(result.__dict__)
+        emit_json(result.to_dict())
         return
     sampled = f" (sampled from {human_count(result.corpus_documents)})" if result.corpus_documents is not None else ""
     show(key_values("train-tokenizer", [
@@ -135,7 +135,7 @@ def dedup_command(
         result = run(config, stage=stage, tasks=tasks, task_id=task_id,
                      workers=workers or len(os.sched_getaffinity(0)), report=_stage_progress(bar))
     if json_out:
-        emit_json(result.__dict__)
+        emit_json(result.to_dict())
         return
     _render_dedup(result, tasks, task_id)
 

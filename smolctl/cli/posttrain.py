@@ -67,7 +67,7 @@ def _post_train(stage: str, run_stage, recipe: Path, run: Optional[Path], from_:
     if rank != 0:
         return
     if json_out:
-        emit_json(result.__dict__)
+        emit_json(result.to_dict())
         return
     if result.nothing_to_do:
         console.print(f"nothing to do: {result.run} finished at step {result.steps}; {result.final} is unchanged "
@@ -275,7 +275,7 @@ def merge_command(
     with console.status(f"merging {len(recipe.models)} model entries ({recipe.method})", spinner="dots"):
         result = run_merge(recipe, output, where=where, overwrite=overwrite)
     if json_out:
-        emit_json(result.__dict__)
+        emit_json(result.to_dict())
         return
     show(table(f"merge ({result.method}) → {result.output}  ({human_count(result.parameters)} parameters, "
                f"{result.seconds:.1f}s)", ["parent", "weight", "density"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -39,6 +40,7 @@ from smolctl.console import (
     table,
 )
 from smolctl.errors import CheckFailed, Interrupted, UserError
+from smolctl.results import Result
 from smolctl.train.distributed import rank_from_env
 
 
@@ -93,15 +95,27 @@ def export_command(
     from smolctl.train.checkpoint import export_checkpoint
 
     manifest = export_checkpoint(checkpoint, output, overwrite=overwrite)
+    exported = Exported(str(output), str(checkpoint), manifest.get("step"), [s["name"] for s in manifest["shards"]],
+                        sum(s["bytes"] for s in manifest["shards"]))
     if json_out:
-        emit_json({"output": str(output), "checkpoint": str(checkpoint), "step": manifest.get("step"),
-                   "shards": [s["name"] for s in manifest["shards"]], "bytes": sum(s["bytes"] for s in manifest["shards"])})
+        emit_json(exported.to_dict())
         return
-    show(key_values(f"export {output}", [
-        ("from", f"{checkpoint} (step {manifest.get('step')})"),
-        ("weights", f"{len(manifest['shards'])} safetensors file(s), {sum(s['bytes'] for s in manifest['shards']):,} bytes"),
-        ("load", f"AutoModelForCausalLM.from_pretrained({str(output)!r})"),
+    show(key_values(f"export {exported.output}", [
+        ("from", f"{exported.checkpoint} (step {exported.step})"),
+        ("weights", f"{len(exported.shards)} safetensors file(s), {exported.bytes:,} bytes"),
+        ("load", f"AutoModelForCausalLM.from_pretrained({exported.output!r})"),
     ]))
+
+
+@dataclass
+class Exported(Result):
+    """What `smolctl export` wrote: the Hugging Face folder, from which checkpoint, and its safetensors files."""
+
+    output: str
+    checkpoint: str
+    step: int | None
+    shards: list[str]
+    bytes: int
 
 
 def _train_command(stage: str, recipe: Path, run: Path | None, *, data, overrides, resume: str, dry_run: bool,
@@ -125,7 +139,7 @@ def _train_command(stage: str, recipe: Path, run: Path | None, *, data, override
     except (UserError, CheckFailed, Interrupted) as exc:
         quiet_on_other_ranks(exc)
     if rank == 0:
-        emit_json(outcome.__dict__) if json_out else _render_train(outcome)
+        emit_json(outcome.to_dict()) if json_out else _render_train(outcome)
     if outcome.preempted:
         from smolctl.train.pretrain import PREEMPTED_EXIT
 
@@ -206,7 +220,7 @@ def report_command(
     json_out: JsonOpt = False,
 ) -> None:
     """A run in the playbook's terms: loss/lr/grad-norm/throughput plots, KPIs against targets, and a diagnosis."""
-    from smolctl.train.report import build_reports
+    from smolctl.train.report import Reports, build_reports
 
     reports = build_reports(runs)
     if html is not None:
@@ -214,13 +228,14 @@ def report_command(
         from smolctl.train.report_views import html_report
 
         atomic_write_bytes(html, html_report(reports).encode())
+    made = Reports(reports, str(html) if html is not None else None)
     if json_out:
-        emit_json({"runs": [r.to_dict() for r in reports], "html": str(html) if html else None})
+        emit_json(made.to_dict())
     else:
-        _render_report(reports, html)
+        _render_report(made)
 
 
-def _render_report(reports, html_path: Path | None) -> None:
+def _render_report(made) -> None:
     from smolctl.train.report_views import (
         legend,
         plotted_metrics,
@@ -229,6 +244,7 @@ def _render_report(reports, html_path: Path | None) -> None:
         when,
     )
 
+    reports, html_path = made.runs, made.html
     colors = {"pass": "green", "warn": "yellow", "n/a": "dim"}
     for report in reports:
         s = report.summary

@@ -34,6 +34,7 @@ from smolctl.data.dedup_stages import (Report, bucket_unit, check_unique_ids, co
                                       signature_unit)
 from smolctl.data.minhash import HASHING_VERSION, MinHashParams
 from smolctl.errors import UserError
+from smolctl.results import Result
 from smolctl.shards import KIND_DOCUMENTS, DatasetWriter, DocumentSource, OutputFolder, open_documents, schema_to_dict
 
 STAGES = ("signatures", "buckets", "components", "filter")
@@ -67,7 +68,7 @@ class DedupConfig:
 
 
 @dataclass
-class DedupResult:
+class DedupResult(Result):
     output: str
     stage: str
     finished: bool

@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from smolctl.errors import UserError
+from smolctl.results import Result
 from smolctl.shards import OutputFolder, check_output_path, open_documents
 
 DOCUMENT_END = "<|endoftext|>"
@@ -47,7 +48,7 @@ CHATML_TEMPLATE = (
 
 
 @dataclass
-class TokenizerTrainResult:
+class TokenizerTrainResult(Result):
     output: str
     vocab_size: int
     documents: int

@@ -31,6 +31,7 @@ from typing import Callable
 
 from smolctl.errors import CheckFailed, UserError
 from smolctl.infra.telemetry import health_findings, nvidia_smi_gpus, open_telemetry, why_no_gpu
+from smolctl.results import Result
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
@@ -164,6 +165,17 @@ class DeviceReport:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "tflops_min": self.tflops_min, "tflops_median": self.tflops_median}
+
+
+@dataclass
+class StressRun(Result):
+    """What `smolctl stress-gpu` found: the settings it ran with and one report per device."""
+
+    config: StressConfig
+    devices: list[DeviceReport]
+
+    def to_dict(self) -> dict:
+        return {"config": asdict(self.config), "devices": [device.to_dict() for device in self.devices]}
 
 
 def _hash_outliers(reports: list[DeviceReport]) -> dict[str, str]:

@@ -27,6 +27,7 @@ from pydantic import Field
 
 from smolctl.errors import UserError
 from smolctl.recipe import Section, apply_overrides, load_recipe, validate
+from smolctl.results import Result
 from smolctl.shards import KIND_MODEL, OutputFolder, check_output_path, lineage_ref, read_manifest
 
 METHODS = ("linear", "slerp", "ties", "dare_ties")
@@ -246,7 +247,7 @@ def has_tokenizer(folder: Path) -> bool:
 
 
 @dataclass
-class MergeResult:
+class MergeResult(Result):
     output: str
     method: str
     parents: list[dict]

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 from smolctl.errors import CheckFailed, UserError
+from smolctl.results import Result
 from smolctl.train.loader import HostBatch, Prefetcher
 from smolctl.recipe import apply_overrides, load_toml, validate
 from smolctl.shards import atomic_write_json, lineage_ref
@@ -44,7 +45,7 @@ def load_train_recipe(path: str | Path, overrides: Sequence[str] = (), data: Seq
 
 
 @dataclass
-class TrainResult:
+class TrainResult(Result):
     run: str
     stage: str
     final: str

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from smolctl.errors import UserError
+from smolctl.results import Result
 
 # The playbook's targets.
 MFU_TARGET = 0.45
@@ -75,6 +76,17 @@ class RunReport:
         out = {"run": self.run, "stage": self.stage, "summary": self.summary, "kpis": [asdict(k) for k in self.kpis],
                "findings": [asdict(f) for f in self.findings]}
         return {**out, "series": self.series} if with_series else out
+
+
+@dataclass
+class Reports(Result):
+    """What `smolctl report` made: one report per run, and the HTML file when one was written."""
+
+    runs: list[RunReport]
+    html: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"runs": [run.to_dict() for run in self.runs], "html": self.html}
 
 
 def build_reports(runs: list[str | Path]) -> list[RunReport]:

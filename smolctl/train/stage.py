@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from smolctl.data.tokenizer import IM_END, load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import UserError
+from smolctl.results import Result
 from smolctl.shards import KIND_MODEL, OutputFolder, lineage_ref, read_manifest
 from smolctl.train.config import PeftSection, PostTrainRecipe, global_batch_and_accumulation
 from smolctl.train.run import (
@@ -286,7 +287,7 @@ def train_quietly(trainer, resume_from: Path | None) -> None:
 
 
 @dataclass
-class StageResult:
+class StageResult(Result):
     """What a post-training run did; the CLI renders it as a table or JSON."""
 
     stage: str
