@@ -7,8 +7,8 @@ import json
 import re
 
 import pytest
-
 from conftest import run_cli
+
 from smolctl.errors import UserError
 from smolctl.units import (
     BYTES_HELP,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 from rich.markup import escape
 
@@ -23,8 +21,8 @@ from smolctl.console import (
     table,
 )
 from smolctl.errors import CheckFailed, UserError
-from smolctl.units import COUNT_HELP, NCCL_HELP
 from smolctl.train.distributed import rank_from_env
+from smolctl.units import COUNT_HELP, NCCL_HELP
 
 
 @app.command("estimate", epilog="""[bold]Examples[/]
@@ -46,34 +44,34 @@ from smolctl.train.distributed import rank_from_env
   smolctl estimate path/to/model-folder --tokens 1T --target-days 14 --json     any HF config
 """)
 def estimate_command(
-    recipe: Optional[str] = typer.Argument(None, help="A pretrain recipe (.toml), or a model as --model takes it."),
-    model: Optional[str] = typer.Option(None, "--model", help="Preset (smollm3-3b, llama3-8b, ...) or a config.json / model folder."),
+    recipe: str | None = typer.Argument(None, help="A pretrain recipe (.toml), or a model as --model takes it."),
+    model: str | None = typer.Option(None, "--model", help="Preset (smollm3-3b, llama3-8b, ...) or a config.json / model folder."),
     overrides: SetOpt = None,
-    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="Tokens per sequence (default: the recipe's, else 4096)."),
-    micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="Sequences per GPU per forward (default: the recipe's, else 1)."),
-    global_batch_tokens: Optional[str] = typer.Option(None, "--global-batch-tokens", help=f"Tokens per optimizer step, e.g. 2359296 or 2.36M ({COUNT_HELP})."),
-    tokens: Optional[str] = typer.Option(None, "--tokens", help=f"Training tokens: 11.2T, 100G, 5e9 ({COUNT_HELP})."),
-    gpus: Optional[int] = typer.Option(None, "--gpus", help="GPUs in the run (default: global batch ÷ micro batch × tp·pp·cp)."),
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="h100 (default), h200, a100-80, a100-40, l40s, b200, mi300x, ..."),
-    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor parallel size (with sequence parallelism)."),
-    pp: Optional[int] = typer.Option(None, "--pp", help="Pipeline stages (1F1B schedule)."),
-    cp: Optional[int] = typer.Option(None, "--cp", help="Context parallel size (splits the sequence)."),
-    zero: Optional[int] = typer.Option(None, "--zero", help="ZeRO stage 0-3 over data parallel (recipe shard=true: 3)."),
-    dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="With --zero 3: shard over this many data-parallel ranks, replicate over the rest (HSDP)."),
-    recompute: Optional[str] = typer.Option(None, "--recompute", help="none | selective | full activation recomputation."),
-    attention: Optional[str] = typer.Option(None, "--attention", help="flash | sdpa | eager."),
-    precision: Optional[str] = typer.Option(None, "--precision", help="bf16 (bf16 weights + fp32 master) | amp (fp32 weights, bf16 autocast) | fp32."),
-    optimizer: Optional[str] = typer.Option(None, "--optimizer", help="adamw | adamw8bit | sgd."),
-    mfu: Optional[float] = typer.Option(None, "--mfu", help="Achieved model FLOPs utilisation (default 0.30)."),
-    price: Optional[float] = typer.Option(None, "--price-per-gpu-hour", help="Cost of one GPU-hour, for the total."),
-    target_days: Optional[float] = typer.Option(None, "--target-days", help="Also report the GPUs needed to finish in this many days."),
-    tf32: Optional[bool] = typer.Option(None, "--tf32", help="fp32 matmuls run as TF32 on tensor cores (off in PyTorch unless enabled)."),
-    checkpoint_gbps: Optional[float] = typer.Option(None, "--checkpoint-gbps", help="Checkpoint write bandwidth per node, GB/s (default 1)."),
-    checkpoint_hours: Optional[float] = typer.Option(None, "--checkpoint-hours", help="Hours between checkpoints (default: Young/Daly's optimum)."),
+    seq_len: int | None = typer.Option(None, "--seq-len", help="Tokens per sequence (default: the recipe's, else 4096)."),
+    micro_batch: int | None = typer.Option(None, "--micro-batch", help="Sequences per GPU per forward (default: the recipe's, else 1)."),
+    global_batch_tokens: str | None = typer.Option(None, "--global-batch-tokens", help=f"Tokens per optimizer step, e.g. 2359296 or 2.36M ({COUNT_HELP})."),
+    tokens: str | None = typer.Option(None, "--tokens", help=f"Training tokens: 11.2T, 100G, 5e9 ({COUNT_HELP})."),
+    gpus: int | None = typer.Option(None, "--gpus", help="GPUs in the run (default: global batch ÷ micro batch × tp·pp·cp)."),
+    gpu: str | None = typer.Option(None, "--gpu", help="h100 (default), h200, a100-80, a100-40, l40s, b200, mi300x, ..."),
+    tp: int | None = typer.Option(None, "--tp", help="Tensor parallel size (with sequence parallelism)."),
+    pp: int | None = typer.Option(None, "--pp", help="Pipeline stages (1F1B schedule)."),
+    cp: int | None = typer.Option(None, "--cp", help="Context parallel size (splits the sequence)."),
+    zero: int | None = typer.Option(None, "--zero", help="ZeRO stage 0-3 over data parallel (recipe shard=true: 3)."),
+    dp_shard: int | None = typer.Option(None, "--dp-shard", help="With --zero 3: shard over this many data-parallel ranks, replicate over the rest (HSDP)."),
+    recompute: str | None = typer.Option(None, "--recompute", help="none | selective | full activation recomputation."),
+    attention: str | None = typer.Option(None, "--attention", help="flash | sdpa | eager."),
+    precision: str | None = typer.Option(None, "--precision", help="bf16 (bf16 weights + fp32 master) | amp (fp32 weights, bf16 autocast) | fp32."),
+    optimizer: str | None = typer.Option(None, "--optimizer", help="adamw | adamw8bit | sgd."),
+    mfu: float | None = typer.Option(None, "--mfu", help="Achieved model FLOPs utilisation (default 0.30)."),
+    price: float | None = typer.Option(None, "--price-per-gpu-hour", help="Cost of one GPU-hour, for the total."),
+    target_days: float | None = typer.Option(None, "--target-days", help="Also report the GPUs needed to finish in this many days."),
+    tf32: bool | None = typer.Option(None, "--tf32", help="fp32 matmuls run as TF32 on tensor cores (off in PyTorch unless enabled)."),
+    checkpoint_gbps: float | None = typer.Option(None, "--checkpoint-gbps", help="Checkpoint write bandwidth per node, GB/s (default 1)."),
+    checkpoint_hours: float | None = typer.Option(None, "--checkpoint-hours", help="Hours between checkpoints (default: Young/Daly's optimum)."),
     sync_checkpoint: bool = typer.Option(False, "--sync-checkpoint", help="Training waits for each checkpoint write (default: async, waits only for the copy to host memory)."),
-    overhead: Optional[float] = typer.Option(None, "--overhead", help="Use this wall-clock overhead factor instead of the computed one."),
+    overhead: float | None = typer.Option(None, "--overhead", help="Use this wall-clock overhead factor instead of the computed one."),
     find: bool = typer.Option(False, "--find", help="Also search the layouts and the largest micro batch that fit."),
-    framework: Optional[str] = typer.Option(None, "--framework", help="What --find proposes: smolctl (tp × FSDP2/HSDP, the trainer's layouts; default) or megatron (tp, pp, cp, ZeRO)."),
+    framework: str | None = typer.Option(None, "--framework", help="What --find proposes: smolctl (tp × FSDP2/HSDP, the trainer's layouts; default) or megatron (tp, pp, cp, ZeRO)."),
     require_fit: bool = typer.Option(False, "--require-fit", help="Exit 1 when the run does not fit the GPU."),
     inference_mode: bool = typer.Option(False, "--inference", help="Size serving instead: weights, KV cache, activations, decode tokens/s."),
     context: int = typer.Option(8192, "--context", help="--inference: tokens per sequence in the KV cache."),
@@ -95,11 +93,11 @@ def estimate_command(
 
     if recipe is not None:
         recipe, model = recipe_or_model(recipe, model)
-    flags = dict(model=model, seq_len=seq_len, micro_batch=micro_batch, global_batch_tokens=global_batch_tokens,
-                 tokens=tokens, gpus=gpus, gpu=gpu, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=dp_shard, recompute=recompute,
-                 attention=attention, precision=precision, optimizer=optimizer, mfu=mfu, price_per_gpu_hour=price,
-                 target_days=target_days, checkpoint_gbps=checkpoint_gbps, checkpoint_hours=checkpoint_hours,
-                 overhead=overhead, tf32=tf32, framework=framework, async_checkpoint=False if sync_checkpoint else None)
+    flags = {"model": model, "seq_len": seq_len, "micro_batch": micro_batch, "global_batch_tokens": global_batch_tokens,
+                 "tokens": tokens, "gpus": gpus, "gpu": gpu, "tp": tp, "pp": pp, "cp": cp, "zero": zero, "dp_shard": dp_shard, "recompute": recompute,
+                 "attention": attention, "precision": precision, "optimizer": optimizer, "mfu": mfu, "price_per_gpu_hour": price,
+                 "target_days": target_days, "checkpoint_gbps": checkpoint_gbps, "checkpoint_hours": checkpoint_hours,
+                 "overhead": overhead, "tf32": tf32, "framework": framework, "async_checkpoint": False if sync_checkpoint else None}
     plan = plan_from_sources(recipe=recipe, overrides=overrides, flags=flags)
     if inference_mode:
         served = estimate_inference(plan, InferencePlan(context, batch, kv_dtype.lower(), compare_attention))
@@ -268,13 +266,13 @@ def benchmark_nccl_command(
     ops: str = typer.Option("all_reduce,all_gather,reduce_scatter,all_to_all,broadcast,send_recv", "--ops",
                             help="Comma-separated ops (or 'all')."),
     min_bytes: str = typer.Option("8", "--min-bytes", help=f"Smallest message ({NCCL_HELP})."),
-    max_bytes: Optional[str] = typer.Option(None, "--max-bytes", help="Largest message (default: 8G with NCCL, 64M with gloo; same units as --min-bytes)."),
+    max_bytes: str | None = typer.Option(None, "--max-bytes", help="Largest message (default: 8G with NCCL, 64M with gloo; same units as --min-bytes)."),
     factor: float = typer.Option(2.0, "--factor", help="Size multiplier between steps (nccl-tests -f)."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16, fp16, fp32, fp64 or int32 (default: bf16 with NCCL, fp32 with gloo)."),
+    dtype: str | None = typer.Option(None, "--dtype", help="bf16, fp16, fp32, fp64 or int32 (default: bf16 with NCCL, fp32 with gloo)."),
     iters: int = typer.Option(20, "--iters", help="Timed calls per size."),
     warmup: int = typer.Option(5, "--warmup", help="Untimed calls per size before timing."),
     backend: str = typer.Option("auto", "--backend", help="auto (nccl when GPUs are visible, else gloo), nccl or gloo."),
-    expect_busbw: Optional[str] = typer.Option(None, "--expect-busbw", help="GB/s the busbw at the largest size must reach, per op (all_reduce=350,all_to_all=40) or one number for all; exit 1 below it."),
+    expect_busbw: str | None = typer.Option(None, "--expect-busbw", help="GB/s the busbw at the largest size must reach, per op (all_reduce=350,all_to_all=40) or one number for all; exit 1 below it."),
     json_out: JsonOpt = False,
 ) -> None:
     """Collective bandwidth like nccl-tests (time, algbw, busbw, #wrong per size) for every op, under torchrun."""
@@ -395,12 +393,12 @@ def _rank_ranges(ranks: list[int]) -> str:
 """)
 def stress_gpu_command(
     duration: str = typer.Option("60", "--duration", help="Seconds, or 30s, 5m, 1h."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (default: bf16 on GPUs, fp32 on CPU)."),
-    size: Optional[int] = typer.Option(None, "--size", help="n of the n×n matmuls (default: 8192 on GPUs, 512 on CPU)."),
+    dtype: str | None = typer.Option(None, "--dtype", help="bf16, fp16 or fp32 (default: bf16 on GPUs, fp32 on CPU)."),
+    size: int | None = typer.Option(None, "--size", help="n of the n×n matmuls (default: 8192 on GPUs, 512 on CPU)."),
     memory_fraction: float = typer.Option(0.9, "--memory-fraction", help="Share of each GPU's memory to fill and pattern-test, in (0, 1)."),
     tolerance: float = typer.Option(0.10, "--tolerance", help="A device more than this fraction slower than the best fails."),
-    expect_tflops: Optional[float] = typer.Option(None, "--expect-tflops", help="Fail a device whose median TFLOPS is below this."),
-    expect_gpus: Optional[int] = typer.Option(None, "--expect-gpus", help="Fail when torch sees fewer GPUs (default with --devices all: what nvidia-smi lists)."),
+    expect_tflops: float | None = typer.Option(None, "--expect-tflops", help="Fail a device whose median TFLOPS is below this."),
+    expect_gpus: int | None = typer.Option(None, "--expect-gpus", help="Fail when torch sees fewer GPUs (default with --devices all: what nvidia-smi lists)."),
     devices: str = typer.Option("all", "--devices", help="all (fails when torch sees no GPU), GPU indices like 0,1, or cpu."),
     launch: str = typer.Option("auto", "--launch", help="process per device, thread, or auto (processes for GPUs)."),
     json_out: JsonOpt = False,

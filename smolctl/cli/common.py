@@ -3,9 +3,10 @@ torchrun (every rank raises the same error; rank 0 says it once)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, NoReturn, Optional
+from typing import NoReturn
 
 import typer
 
@@ -47,7 +48,7 @@ def quiet_on_other_ranks(exc: Exception) -> NoReturn:
     raise exc
 
 
-def require_run(run: Optional[Path], stage: str, recipe: Path) -> Path:
+def require_run(run: Path | None, stage: str, recipe: Path) -> Path:
     if run is None:
         raise UserError("RUN", "is required to train", f"e.g. smolctl {stage} {recipe} runs/my-run")
     return run

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -39,10 +38,10 @@ def train_tokenizer_command(
     vocab_size: int = typer.Option(8192, "--vocab-size", help="Vocabulary size, special tokens included."),
     text_column: TextColumnOpt = "text",
     min_frequency: int = typer.Option(2, "--min-frequency", help="Merges rarer than this are not learned."),
-    sample_documents: Optional[str] = typer.Option(None, "--sample-documents", help="Train on a seeded uniform "
+    sample_documents: str | None = typer.Option(None, "--sample-documents", help="Train on a seeded uniform "
                                                    "sample of this many documents, e.g. 1M (streamed: any corpus size; "
                                                    f"{COUNT_HELP})."),
-    sample_bytes: Optional[str] = typer.Option(None, "--sample-bytes", help="Train on a seeded uniform sample of "
+    sample_bytes: str | None = typer.Option(None, "--sample-bytes", help="Train on a seeded uniform sample of "
                                                "this much text, e.g. 2GB (with --sample-documents: both limits; "
                                                f"{BYTES_HELP})."),
     seed: int = typer.Option(0, "--seed", help="Seeds the sample."),
@@ -93,25 +92,25 @@ def dedup_command(
     use_minhash: bool = typer.Option(False, "--minhash", help="Also remove near duplicates (MinHash LSH, verified); "
                                      "the parameters below default to smolctl.data.minhash.MinHashParams' and the "
                                      "summary prints the ones used."),
-    threshold: Optional[float] = typer.Option(None, "--threshold", help="Jaccard of the shingle sets at or above "
+    threshold: float | None = typer.Option(None, "--threshold", help="Jaccard of the shingle sets at or above "
                                               "which documents are duplicates."),
-    num_perm: Optional[int] = typer.Option(None, "--num-perm", help="Signature length."),
-    bands: Optional[int] = typer.Option(None, "--bands", help="LSH bands (bands x rows = num-perm) "
+    num_perm: int | None = typer.Option(None, "--num-perm", help="Signature length."),
+    bands: int | None = typer.Option(None, "--bands", help="LSH bands (bands x rows = num-perm) "
                                         "(default: derived from the threshold, leaning to recall)."),
-    rows: Optional[int] = typer.Option(None, "--rows", help="Signature values per band."),
-    ngram: Optional[int] = typer.Option(None, "--ngram", help="Shingle length in words or characters."),
-    shingle: Optional[str] = typer.Option(None, "--shingle", help="word, or char for languages written without "
+    rows: int | None = typer.Option(None, "--rows", help="Signature values per band."),
+    ngram: int | None = typer.Option(None, "--ngram", help="Shingle length in words or characters."),
+    shingle: str | None = typer.Option(None, "--shingle", help="word, or char for languages written without "
                                           "spaces."),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Check candidates by exact Jaccard (grey zone "
                                 "only); --no-verify trusts the signature estimate."),
     text_column: TextColumnOpt = "text",
-    id_column: Optional[str] = typer.Option(None, "--id-column", help="Column of unique ids (default: id if "
+    id_column: str | None = typer.Option(None, "--id-column", help="Column of unique ids (default: id if "
                                             "present, else shard:row)."),
-    against: Optional[str] = typer.Option(None, "--against", help="Reference dataset: drop INPUT documents that "
+    against: str | None = typer.Option(None, "--against", help="Reference dataset: drop INPUT documents that "
                                           "duplicate it; the reference is never changed."),
     keep: str = typer.Option("first", "--keep", help="Survivor of each cluster: first (input order) or longest."),
-    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Processes (default: the CPUs available)."),
-    stage: Optional[str] = typer.Option(None, "--stage", help="Run one stage only: signatures, buckets, "
+    workers: int | None = typer.Option(None, "--workers", min=1, help="Processes (default: the CPUs available)."),
+    stage: str | None = typer.Option(None, "--stage", help="Run one stage only: signatures, buckets, "
                                         "components or filter (Slurm arrays); default: all stages."),
     tasks: int = typer.Option(1, "--tasks", help="Array size for --stage (units are split round-robin)."),
     task_id: TaskIdOpt = 0,
@@ -208,28 +207,28 @@ def _render_dedup(result, tasks: int, task_id: int) -> None:
 """)
 def mix_command(
     output: Path = typer.Argument(..., help="Dataset folder to write; with a recipe, one subfolder per stage."),
-    source: Optional[list[str]] = typer.Option(None, "--source", help="NAME=PATH:WEIGHT (repeat). PATH: any dataset "
+    source: list[str] | None = typer.Option(None, "--source", help="NAME=PATH:WEIGHT (repeat). PATH: any dataset "
                                                "folder, parquet file or glob; weights are normalised."),
-    recipe: Optional[Path] = typer.Option(None, "--recipe", help="TOML recipe with [sources.NAME] and [[stages]]."),
+    recipe: Path | None = typer.Option(None, "--recipe", help="TOML recipe with [sources.NAME] and [[stages]]."),
     overrides: SetOpt = None,
-    tokens: Optional[str] = typer.Option(None, "--tokens", help="Budget in tokens (needs --tokenizer), e.g. "
+    tokens: str | None = typer.Option(None, "--tokens", help="Budget in tokens (needs --tokenizer), e.g. "
                                         f"2.5M ({COUNT_HELP})."),
-    bytes_: Optional[str] = typer.Option(None, "--bytes", help="Budget in UTF-8 bytes of text, e.g. 100MB "
+    bytes_: str | None = typer.Option(None, "--bytes", help="Budget in UTF-8 bytes of text, e.g. 100MB "
                                         f"({BYTES_HELP})."),
-    documents: Optional[str] = typer.Option(None, "--documents", help="Budget in documents, e.g. 100K "
+    documents: str | None = typer.Option(None, "--documents", help="Budget in documents, e.g. 100K "
                                            f"({COUNT_HELP})."),
-    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Weigh by tokens with this tokenizer "
+    tokenizer: str | None = typer.Option(None, "--tokenizer", help="Weigh by tokens with this tokenizer "
                                             "(else by bytes)."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seeds sampling and shuffling (default 0)."),
-    max_repeat: Optional[float] = typer.Option(None, "--max-repeat", help="How many times a source may be used "
+    seed: int | None = typer.Option(None, "--seed", help="Seeds sampling and shuffling (default 0)."),
+    max_repeat: float | None = typer.Option(None, "--max-repeat", help="How many times a source may be used "
                                                "across all stages (default 1: each document at most once)."),
-    text_column: Optional[str] = typer.Option(None, "--text-column", help="Column holding the documents (default: "
+    text_column: str | None = typer.Option(None, "--text-column", help="Column holding the documents (default: "
                                               "text)."),
-    shuffle_buffer: Optional[int] = typer.Option(None, "--shuffle-buffer", help="Rows per shuffled block, bounds "
+    shuffle_buffer: int | None = typer.Option(None, "--shuffle-buffer", help="Rows per shuffled block, bounds "
                                                  "memory (default: 20000)."),
-    stage: Optional[str] = typer.Option(None, "--stage", help="Run one pass only, as Slurm array tasks: measure "
+    stage: str | None = typer.Option(None, "--stage", help="Run one pass only, as Slurm array tasks: measure "
                                         "(one unit per source shard), then write (one unit per output block)."),
-    tasks: Optional[int] = typer.Option(None, "--tasks", help="Array size for --stage (units are split round-robin)."),
+    tasks: int | None = typer.Option(None, "--tasks", help="Array size for --stage (units are split round-robin)."),
     task_id: TaskIdOpt = 0,
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
@@ -238,8 +237,8 @@ def mix_command(
     from smolctl.data.mix import prepare_mix
     from smolctl.data.mix_plan import plan_from_flags, plan_from_recipe
 
-    options = dict(tokenizer=tokenizer, seed=seed, max_repeat=max_repeat, text_column=text_column,
-                   shuffle_buffer=shuffle_buffer)
+    options = {"tokenizer": tokenizer, "seed": seed, "max_repeat": max_repeat, "text_column": text_column,
+                   "shuffle_buffer": shuffle_buffer}
     if recipe is not None:
         if source:
             raise UserError("--source", "cannot be combined with --recipe", "put the sources in the recipe, or "
@@ -313,7 +312,7 @@ def pack_command(
     seed: int = typer.Option(0, "--seed", help="Seeds the shuffle of each bfd buffer's rows."),
     format: str = typer.Option("safetensors", "--format", help="safetensors: packed rows for pretrain; datatrove: "
                                "nanotron/datatrove .ds token files (documents + EOS back to back, no packing)."),
-    tasks: Optional[int] = typer.Option(None, "--tasks", help="Run as one task of an array of this size: input "
+    tasks: int | None = typer.Option(None, "--tasks", help="Run as one task of an array of this size: input "
                                         "shards are split round-robin; the last task to finish writes OUTPUT."),
     task_id: TaskIdOpt = 0,
     overwrite: OverwriteOpt = False,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 from rich.markup import escape
 
@@ -28,7 +26,7 @@ def inspect_command(
     samples: int = typer.Option(3, "--samples", min=0, help="How many rows to show."),
     verify: bool = typer.Option(False, "--verify", help="Check every shard's size and sha256 against the manifest."),
     lineage: bool = typer.Option(False, "--lineage", help="Follow the inputs back to the raw data."),
-    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Decode packed rows with this tokenizer (default: the one recorded)."),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", help="Decode packed rows with this tokenizer (default: the one recorded)."),
     json_out: JsonOpt = False,
 ) -> None:
     """Show what a folder holds (kind, shards, rows/tokens, schema, lineage, sample rows) and verify checksums."""

@@ -4,14 +4,14 @@ reads `json_out: JsonOpt = False` and the flag means the same thing everywhere."
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object with the result on stdout.")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace OUTPUT if it already holds files.")]
 SetOpt = Annotated[
-    Optional[list[str]],
+    list[str] | None,
     typer.Option("--set", metavar="KEY=VALUE", help="Override a recipe key, e.g. --set training.steps=200 "
                  "(repeatable; values are TOML)."),
 ]
@@ -19,7 +19,7 @@ TextColumnOpt = Annotated[str, typer.Option("--text-column", help="Column holdin
 
 # Slurm arrays: the same command run as task N of M, each doing its share of the units
 TasksOpt = Annotated[
-    Optional[int],
+    int | None,
     typer.Option("--tasks", help="Run as one task of an array of this size: units are split round-robin; the task "
                  "that finishes the last unit writes OUTPUT."),
 ]
@@ -32,12 +32,12 @@ RecipeArg = Annotated[
                    "schema for every training command: README, \"One recipe schema\").", show_default=False),
 ]
 RunArg = Annotated[
-    Optional[Path],
+    Path | None,
     typer.Argument(metavar="[RUN]", help="Run folder: run.json, metrics.jsonl, events.jsonl, checkpoints/step-N/, "
                    "final/ (the HF model).", show_default=False),
 ]
 FromOpt = Annotated[
-    Optional[str],
+    str | None,
     typer.Option("--from", metavar="PATH", help="Starting checkpoint: a model folder or a run folder (its final/); "
                  "overrides the recipe's model.from."),
 ]
@@ -59,7 +59,7 @@ DryRunOpt = Annotated[
                  "estimate; build the model on the meta device; train nothing."),
 ]
 WorldSizeOpt = Annotated[
-    Optional[int],
+    int | None,
     typer.Option("--world-size", metavar="N", help="--dry-run only: plan for this many processes (default: "
                  "WORLD_SIZE or 1)."),
 ]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -38,8 +37,8 @@ from smolctl.errors import CheckFailed, Interrupted, UserError
 from smolctl.train.distributed import rank_from_env
 
 
-def _post_train(stage: str, run_stage, recipe: Path, run: Optional[Path], from_: Optional[str],
-                overrides: Optional[list[str]], resume: str, overwrite: bool, json_out: bool) -> None:
+def _post_train(stage: str, run_stage, recipe: Path, run: Path | None, from_: str | None,
+                overrides: list[str] | None, resume: str, overwrite: bool, json_out: bool) -> None:
     """Shared by sft, dpo, ppo and grpo: validate the recipe, train with a live bar, print the summary."""
 
     from smolctl.train.config import load_command_recipe
@@ -170,11 +169,11 @@ def grpo_command(recipe: RecipeArg, run: RunArg = None, from_: FromOpt = None, s
 def generate_command(
     prompts: str = typer.Argument(..., help="Dataset folder (or parquet file/glob) with a column of prompt strings."),
     output: Path = typer.Argument(..., help="Dataset folder to write (a rerun of a killed run continues it)."),
-    model: Optional[str] = typer.Option(None, "--model", help="Model or run folder to sample (not with --pairs)."),
+    model: str | None = typer.Option(None, "--model", help="Model or run folder to sample (not with --pairs)."),
     pairs: bool = typer.Option(False, "--pairs", help="Preference pairs: --chosen's answer vs --rejected's."),
-    chosen: Optional[str] = typer.Option(None, "--chosen", help="--pairs: the strong model (its answers are chosen)."),
-    rejected: Optional[str] = typer.Option(None, "--rejected", help="--pairs: the weak model (answers rejected)."),
-    rank_by: Optional[Path] = typer.Option(None, "--rank-by", help="Recipe whose [[rewards]] tables (as ppo/grpo "
+    chosen: str | None = typer.Option(None, "--chosen", help="--pairs: the strong model (its answers are chosen)."),
+    rejected: str | None = typer.Option(None, "--rejected", help="--pairs: the weak model (answers rejected)."),
+    rank_by: Path | None = typer.Option(None, "--rank-by", help="Recipe whose [[rewards]] tables (as ppo/grpo "
                                            "use) rank K completions: best chosen, worst rejected."),
     num_completions: int = typer.Option(1, "--num-completions", "-k", help="Completions per prompt."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Most tokens sampled per completion."),
@@ -182,7 +181,7 @@ def generate_command(
     top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling mass (SmolLM3 suggests 0.95)."),
     seed: int = typer.Option(0, "--seed", help="Seeds the sampling of every batch."),
     prompt_column: str = typer.Option("prompt", "--prompt-column", help="Column holding the prompts."),
-    limit: Optional[int] = typer.Option(None, "--limit", help="Use only the first N prompts."),
+    limit: int | None = typer.Option(None, "--limit", help="Use only the first N prompts."),
     batch_size: int = typer.Option(16, "--batch-size", help="Prompts per generate call."),
     shard_prompts: int = typer.Option(256, "--shard-prompts", help="Prompts per output shard (a killed run "
                                       "resumes from the last whole shard)."),
@@ -253,11 +252,11 @@ def merge_command(
     arguments: list[str] = typer.Argument(..., help="[RECIPE] OUTPUT: a TOML recipe (method, models, options) "
                                           "and the model folder to write; OUTPUT alone with --method/--model.",
                                           metavar="[RECIPE] OUTPUT"),
-    method: Optional[str] = typer.Option(None, "--method", help="linear, slerp, ties or dare_ties (without a "
+    method: str | None = typer.Option(None, "--method", help="linear, slerp, ties or dare_ties (without a "
                                          "recipe)."),
-    model: Optional[list[str]] = typer.Option(None, "--model", help="PATH[:WEIGHT] (repeat): a model folder or "
+    model: list[str] | None = typer.Option(None, "--model", help="PATH[:WEIGHT] (repeat): a model folder or "
                                               "a run folder (its final/). Linear without weights: a model soup."),
-    base: Optional[str] = typer.Option(None, "--base", help="ties, dare_ties: the model task vectors are taken "
+    base: str | None = typer.Option(None, "--base", help="ties, dare_ties: the model task vectors are taken "
                                        "against."),
     overrides: SetOpt = None,
     overwrite: OverwriteOpt = False,

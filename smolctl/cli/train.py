@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.markup import escape
@@ -216,7 +215,7 @@ def _render_train(r) -> None:
 """)
 def report_command(
     runs: list[Path] = typer.Argument(..., help="Run folders of any training command (they hold metrics.jsonl)."),
-    html: Optional[Path] = typer.Option(None, "--html", help="Also write one self-contained HTML file (plots inline, no network)."),
+    html: Path | None = typer.Option(None, "--html", help="Also write one self-contained HTML file (plots inline, no network)."),
     json_out: JsonOpt = False,
 ) -> None:
     """A run in the playbook's terms: loss/lr/grad-norm/throughput plots, KPIs against targets, and a diagnosis."""
