@@ -124,8 +124,8 @@ def smollm3_run() -> None:
     started = time.perf_counter()
     result = estimate(plan)
     seconds = time.perf_counter() - started
-    compute, memory = result["compute"], result["memory"]
-    accelerate_style = 16 * result["model"]["params"]["total"]
+    compute, memory = result.compute, result.memory
+    accelerate_style = 16 * result.model["params"]["total"]
     show("4. SmolLM3: 384 H100, tp 2, ZeRO-1, micro batch 3 × 4096, 11.2T tokens, MFU 30%", ["", "value"], [
         ["FLOPs/token (6N + attention)", f"{compute['flops_per_token']:.4e}"],
         ["compute days at 30% MFU", f"{compute['compute_time']['days']:.2f}"],
@@ -134,7 +134,7 @@ def smollm3_run() -> None:
         ["reported days", "~24"],
         ["estimate / reported", f"{compute['time']['days'] / 24:.3f}"],
         ["6N·D only days (playbook rule of thumb)",
-         f"{6 * result['model']['params']['total'] * compute['tokens'] / (384 * 0.3 * 989.4e12) / 86400:.2f}"],
+         f"{6 * result.model['params']['total'] * compute['tokens'] / (384 * 0.3 * 989.4e12) / 86400:.2f}"],
         ["memory per GPU (ours, fits 80 GB)", f"{memory['total'] / GIB:.1f} GiB ({'fits' if memory['fits'] else 'no'})"],
         ["  of which activations", f"{memory['activations'] / GIB:.1f} GiB"],
         ["accelerate estimate-memory training (16 B/param, whole model, no activations)", f"{accelerate_style / GIB:.1f} GiB"],
@@ -182,7 +182,7 @@ def llama3_405b() -> None:
                         ("async, hourly", {"checkpoint_hours": 1.0}),
                         ("earlier model: 5 GB/s for the cluster, blocking, hourly",
                          {"checkpoint_gbps": 5 / 2048, "checkpoint_hours": 1.0, "async_checkpoint": False})]:
-        compute = estimate(plan_from_sources(flags={**LLAMA3_405B, **extra}))["compute"]
+        compute = estimate(plan_from_sources(flags={**LLAMA3_405B, **extra})).compute
         over = compute["overhead"]
         rows.append([name, f"{over['checkpoint_interval_seconds']:.0f} s", f"{over['checkpoint_fraction']:.2%}",
                      f"{over['failure_fraction']:.2%}", f"{over['effective_training_time']:.1%}",
@@ -200,7 +200,7 @@ def inference_kv() -> None:
     rows = []
     for context in (4096, 8192, 65536):
         served = estimate_inference(plan_from_sources(flags={"model": "smollm3-3b"}),
-                                    InferencePlan(context=context, compare_attention=True))["inference"]
+                                    InferencePlan(context=context, compare_attention=True)).inference
         formula = 2 * 36 * 4 * 128 * context * 2
         gqa, mha = served["model"], served["multi_head"]
         rows.append([context, f"{gqa['kv_per_sequence'] / 2**20:.0f}", f"{gqa['kv_per_sequence'] / formula:.4f}",

@@ -144,11 +144,11 @@ def test_smollm3_published_run_lands_near_24_days():
     plan = plan_from_sources(recipe=str(REPO / "recipes/smollm3.toml"),
                              flags={"gpus": 384, "gpu": "h100", "tp": 2, "tokens": "11.2T", "mfu": 0.30})
     result = estimate(plan)
-    days = result["compute"]["time"]["days"]
+    days = result.compute["time"]["days"]
     assert abs(days / 24 - 1) < 0.10
-    assert result["compute"]["six_n"] * 11.2e12 == pytest.approx(6 * 3.075e9 * 11.2e12, rel=0.01)
-    assert result["layout"]["gradient_accumulation"] == 1 and result["layout"]["dp"] == 192
-    assert result["memory"]["fits"] and result["memory"]["stage"] == "all"
+    assert result.compute["six_n"] * 11.2e12 == pytest.approx(6 * 3.075e9 * 11.2e12, rel=0.01)
+    assert result.layout["gradient_accumulation"] == 1 and result.layout["dp"] == 192
+    assert result.memory["fits"] and result.memory["stage"] == "all"
 
 
 def test_pipeline_stages_hold_the_embedding_first_and_the_head_last():
@@ -204,8 +204,8 @@ def test_kv_weights_are_replicated_when_tp_exceeds_the_kv_heads():
 
 
 def test_fp32_runs_at_the_plain_fp32_rate_unless_tf32_is_on():
-    flags = {"model": "smollm2-135m", "gpus": 8, "precision": "fp32", "tokens": "1B"}
-    plain, tf32 = (estimate(plan_from_sources(flags={**flags, "tf32": on}))["compute"] for on in (False, True))
+    flags = {"model": "smollm2-135m", "gpus": 8, "precision": "fp32", "tokens": "1G"}
+    plain, tf32 = (estimate(plan_from_sources(flags={**flags, "tf32": on})).compute for on in (False, True))
     assert plain["peak_flops_per_gpu"] == GPUS["h100"].fp32_tflops * 1e12
     assert tf32["peak_flops_per_gpu"] == GPUS["h100"].bf16_tflops * 1e12 / 2
     assert plain["compute_time"]["seconds"] / tf32["compute_time"]["seconds"] == pytest.approx(989.4 / 2 / 66.9)
@@ -234,40 +234,40 @@ def test_llama3_405b_reproduces_its_published_goodput_and_gpu_hours():
     # Meta's model card: 30.84M H100 GPU-hours; the Llama 3 paper: >90% effective training time on 16,384 H100s
     # at 38% MFU, 419 unexpected interruptions in 54 days
     result = estimate(plan_from_sources(flags=LLAMA3_405B))
-    compute = result["compute"]
+    compute = result.compute
     assert abs(compute["gpu_hours"] / 30.84e6 - 1) < 0.15, compute["gpu_hours"]
     assert compute["overhead"]["effective_training_time"] > 0.90
     assert compute["overhead"]["mtbf_hours"] == pytest.approx(24 / (FAILURES_PER_GPU_DAY * 16384))
     # the old model (one 5 GB/s store for the whole cluster, every write blocking, hourly) loses a quarter
     blocking = estimate(plan_from_sources(flags={**LLAMA3_405B, "checkpoint_gbps": 5 / 2048, "checkpoint_hours": 1.0,
-                                                 "async_checkpoint": False}))["compute"]["overhead"]
+                                                 "async_checkpoint": False})).compute["overhead"]
     assert blocking["effective_training_time"] < 0.75
 
 
 def test_the_checkpoint_interval_follows_young_daly_unless_given():
     base = {"model": "smollm3-3b", "gpus": 384, "tokens": "1T"}
-    fast = estimate(plan_from_sources(flags=base))["compute"]["overhead"]
+    fast = estimate(plan_from_sources(flags=base)).compute["overhead"]
     stall, mtbf = fast["checkpoint_stall_seconds"], fast["mtbf_hours"] * 3600
     assert fast["checkpoint_interval_seconds"] == pytest.approx(max((2 * stall * mtbf) ** 0.5,
                                                                     fast["checkpoint_write_seconds"]))
-    hourly = estimate(plan_from_sources(flags={**base, "checkpoint_hours": 1.0}))["compute"]["overhead"]
+    hourly = estimate(plan_from_sources(flags={**base, "checkpoint_hours": 1.0})).compute["overhead"]
     assert hourly["checkpoint_interval_seconds"] == 3600 and hourly["factor"] > fast["factor"]
-    blocking = estimate(plan_from_sources(flags={**base, "async_checkpoint": False}))["compute"]["overhead"]
+    blocking = estimate(plan_from_sources(flags={**base, "async_checkpoint": False})).compute["overhead"]
     assert blocking["checkpoint_stall_seconds"] == blocking["checkpoint_write_seconds"] > stall
-    twice = estimate(plan_from_sources(flags={**base, "gpus": 768}))["compute"]["overhead"]
+    twice = estimate(plan_from_sources(flags={**base, "gpus": 768})).compute["overhead"]
     assert twice["checkpoint_write_seconds"] == pytest.approx(fast["checkpoint_write_seconds"] / 2)  # per node
 
 
 def test_inference_kv_cache_of_smollm3_at_8k():
     plan = plan_from_sources(flags={"model": "smollm3-3b"})
-    result = estimate_inference(plan, InferencePlan(context=8192, batch=4, compare_attention=True))["inference"]
+    result = estimate_inference(plan, InferencePlan(context=8192, batch=4, compare_attention=True)).inference
     gqa, mha = result["model"], result["multi_head"]
     formula = 2 * 36 * 4 * 128 * 8192 * 2  # K and V × layers × KV heads × head dim × context × bf16
     assert abs(gqa["kv_per_sequence"] / formula - 1) < 0.01 and gqa["kv_cache"] == 4 * gqa["kv_per_sequence"]
     assert mha["kv_heads"] == 16 and mha["kv_per_sequence"] == pytest.approx(4 * gqa["kv_per_sequence"])
     assert mha["weights"] > gqa["weights"] and mha["max_batch"] < gqa["max_batch"]
     assert gqa["decode_tokens_per_second"] == pytest.approx(4 * 3.35e12 / (gqa["weights"] + gqa["kv_cache"]))
-    fp8 = estimate_inference(plan, InferencePlan(context=8192, kv_dtype="fp8"))["inference"]["model"]
+    fp8 = estimate_inference(plan, InferencePlan(context=8192, kv_dtype="fp8")).inference["model"]
     assert fp8["kv_per_sequence"] == pytest.approx(formula / 2)
     assert gqa["fits"] and gqa["total"] == pytest.approx(gqa["weights"] + gqa["kv_cache"] + gqa["activations"]
                                                          + gqa["runtime_reserved"])
@@ -296,10 +296,10 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
 
 def test_cli_json_for_a_preset(capsys):
     code, out, _ = run_cli(capsys, "estimate", "--model", "smollm3-3b", "--gpus", "8",
-                           "--tokens", "100B", "--price-per-gpu-hour", "2.5", "--target-days", "7", "--json")
+                           "--tokens", "100G", "--price-per-gpu-hour", "2.5", "--target-days", "7", "--json")
     result = json.loads(out)
     assert code == 0 and result["model"]["params"]["total"] == 3_075_098_624
-    compute = result["compute"]
+    compute = result.compute
     assert compute["cost"] == pytest.approx(compute["gpu_hours"] * 2.5)
     assert compute["time"]["hours"] == pytest.approx(compute["time"]["seconds"] / 3600)
     assert compute["gpus_for_target"]["gpus"] >= math.ceil(compute["time"]["days"] / 7 * 8 * 0.9)

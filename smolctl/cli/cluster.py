@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
 from rich.markup import escape
 
@@ -23,6 +25,9 @@ from smolctl.console import (
 from smolctl.errors import CheckFailed, UserError
 from smolctl.train.distributed import rank_from_env
 from smolctl.units import COUNT_HELP, NCCL_HELP
+
+if TYPE_CHECKING:  # the estimate module loads on first use, not with `smolctl --help`
+    from smolctl.infra.estimate import Estimate, ServingEstimate
 
 
 @app.command("estimate", epilog="""[bold]Examples[/]
@@ -101,9 +106,9 @@ def estimate_command(
     plan = plan_from_sources(recipe=recipe, overrides=overrides, flags=flags)
     if inference_mode:
         served = estimate_inference(plan, InferencePlan(context, batch, kv_dtype.lower(), compare_attention))
-        emit_json(served) if json_out else _render_inference(served)
-        if require_fit and not served["inference"]["model"]["fits"]:
-            raise CheckFailed(f"estimate: {served['model']['name']} does not fit {plan.gpu} for inference at "
+        emit_json(served.to_dict()) if json_out else _render_inference(served)
+        if require_fit and not served.inference["model"]["fits"]:
+            raise CheckFailed(f"estimate: {served.model['name']} does not fit {plan.gpu} for inference at "
                               f"batch {batch} × {context} tokens")
         return
     result = estimate(plan, find=find)
@@ -111,24 +116,23 @@ def estimate_command(
         from smolctl.infra.measure import validate as run_validation
 
         with console.status("validating: forward + backward on this machine", spinner="dots"):
-            result["validate"] = run_validation(plan, transformers_config(plan))
+            result.validate = run_validation(plan, transformers_config(plan))
     if json_out:
-        emit_json(result)
+        emit_json(result.to_dict())
     else:
         _render_estimate(result)
-    if require_fit and not result["memory"]["fits"]:
-        raise CheckFailed(f"estimate: does not fit {plan.gpu} ({result['memory']['total'] / 2**30:.1f} GiB per GPU)")
+    if require_fit and not result.memory["fits"]:
+        raise CheckFailed(f"estimate: does not fit {plan.gpu} ({result.memory['total'] / 2**30:.1f} GiB per GPU)")
 
 
-def _render_headlines(r: dict) -> None:
-    for line in r["headlines"]:
+def _render_headlines(r: Estimate) -> None:
+    for line in r.headlines:
         colour = "red" if line["level"] == "error" else "yellow"
         show(styled(f"[bold {colour}]{line['level']}:[/] {escape(line['text'])}"), soft_wrap=True)
 
 
-def _render_estimate(r: dict) -> None:
-
-    m, lay, mem, comp = r["model"], r["layout"], r["memory"], r["compute"]
+def _render_estimate(r: Estimate) -> None:
+    m, lay, mem, comp = r.model, r.layout, r.memory, r.compute
     act = mem["activations_detail"]
     p = m["params"]
     show(key_values(f"model: {m['name']} ({m['model_type']})", [
@@ -159,12 +163,12 @@ def _render_estimate(r: dict) -> None:
     stage = "" if mem["stage"] == "all" else f", {mem['stage']} pipeline stage"
     show(table(f"memory per GPU ({human_bytes(mem['capacity'])}{stage})", ["", "bytes", "of GPU"], rows))
     _render_compute(comp, lay["mfu"])
-    for note in [comp["overhead"]["why"], *r["notes"]]:
+    for note in [comp["overhead"]["why"], *r.notes]:
         show(styled(f"[dim]note:[/] {escape(note)}"), soft_wrap=False)
-    if "find" in r:
-        _render_find(r["find"], lay)
-    if "validate" in r:
-        _render_validation(r["validate"])
+    if r.find is not None:
+        _render_find(r.find, lay)
+    if r.validate is not None:
+        _render_validation(r.validate)
 
 
 def _render_compute(comp: dict, mfu: float) -> None:
@@ -216,9 +220,9 @@ def _render_find(found: dict, lay: dict) -> None:
          soft_wrap=True)
 
 
-def _render_inference(r: dict) -> None:
+def _render_inference(r: ServingEstimate) -> None:
 
-    inf = r["inference"]
+    inf = r.inference
     sides = [("this model", inf["model"])] + ([("multi-head attention", inf["multi_head"])] if "multi_head" in inf else [])
     rows = [("KV heads", *(str(x["kv_heads"]) for _, x in sides)),
             ("weights (bf16)", *(human_bytes(x["weights"]) for _, x in sides)),
@@ -235,7 +239,7 @@ def _render_inference(r: dict) -> None:
              *(f"{x['decode_tokens_per_second']:,.0f} tokens/s ({x['decode_tokens_per_second_per_sequence']:,.0f} per "
                "sequence)" for _, x in sides))]
     gpus = f"{inf['tp']} × {inf['gpu']}" if inf["tp"] > 1 else inf["gpu"]
-    show(table(f"inference: {r['model']['name']} on {gpus} (per GPU)", ["", *(name for name, _ in sides)], rows))
+    show(table(f"inference: {r.model['name']} on {gpus} (per GPU)", ["", *(name for name, _ in sides)], rows))
     show(styled("[dim]note: decoding reads every weight and the batch's KV cache once per token, so memory "
                 "bandwidth bounds tokens/s; real servers reach 60–80% of it[/]"), soft_wrap=True)
 

@@ -10,7 +10,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from itertools import product
 from pathlib import Path
@@ -19,6 +19,7 @@ from types import SimpleNamespace
 from smolctl import __version__
 
 from smolctl.errors import UserError
+from smolctl.results import Result
 from smolctl.shards import atomic_write_json
 from smolctl.infra.flops import attention_flops_per_token, training_flops_per_token
 from smolctl.infra.inference import InferencePlan, check_inference, inference
@@ -316,7 +317,36 @@ def _headlines(plan: Plan, held: dict, batch_tokens: int) -> list[dict]:
     return lines
 
 
-def estimate(plan: Plan, *, find: bool = False) -> dict:
+@dataclass
+class Estimate(Result):
+    """A training run sized: its model, layout, memory per GPU, compute and time, with what --find and --validate
+    add when asked."""
+
+    source: str | None
+    model: dict
+    headlines: list[dict]
+    layout: dict
+    memory: dict
+    compute: dict
+    notes: list[str]
+    find: dict | None = None
+    validate: dict | None = None
+
+    def to_dict(self) -> dict:
+        return {key: value for key, value in asdict(self).items()
+                if value is not None or key not in ("find", "validate")}
+
+
+@dataclass
+class ServingEstimate(Result):
+    """A model served on the plan's GPU type: weights, KV cache, activations and decode speed (`--inference`)."""
+
+    source: str | None
+    model: dict
+    inference: dict
+
+
+def estimate(plan: Plan, *, find: bool = False) -> Estimate:
     config, shape = load_model(plan)
     check_model_layout(plan, shape.heads, shape.kv_heads, shape.layers)
     batch_tokens, accumulate = accumulation(plan)
@@ -342,30 +372,32 @@ def estimate(plan: Plan, *, find: bool = False) -> dict:
     if loss_bytes > 0.15 * held["capacity"]:
         notes.append(f"the loss over {shape.vocab} vocabulary entries holds {loss_bytes / 2**30:.1f} GiB (fp32 "
                      "log-softmax and its gradients): a chunked/fused cross-entropy (e.g. Liger's) avoids most of it")
-    result = {
-        "source": plan.source,
-        "model": {"name": plan.model if isinstance(plan.model, str) else plan.model.get("architecture", "?"),
-                  **shape.to_dict()},
-        "headlines": _headlines(plan, held, batch_tokens),
-        "layout": {"gpus": plan.gpus, "gpu": plan.gpu, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp,
+    result = Estimate(
+        source=plan.source,
+        model={"name": plan.model if isinstance(plan.model, str) else plan.model.get("architecture", "?"),
+               **shape.to_dict()},
+        headlines=_headlines(plan, held, batch_tokens),
+        layout={"gpus": plan.gpus, "gpu": plan.gpu, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp,
                    "dp": data_parallel(plan), "dp_shard": plan.dp_shard, "zero": plan.zero, "recompute": plan.recompute,
                    "attention": plan.attention, "precision": plan.precision, "optimizer": plan.optimizer,
                    "seq_len": plan.seq_len, "micro_batch": plan.micro_batch, "gradient_accumulation": accumulate,
                    "global_batch_tokens": batch_tokens, "mfu": plan.mfu, "tf32": plan.tf32},
-        "memory": held,
-        "compute": compute(plan, config, shape),
-        "notes": notes,
-    }
+        memory=held,
+        compute=compute(plan, config, shape),
+        notes=notes,
+    )
     if find:
-        result["find"] = {"largest_micro_batch": largest_micro_batch(plan, shape), **smallest_layouts(plan, shape)}
+        result.find = {"largest_micro_batch": largest_micro_batch(plan, shape), **smallest_layouts(plan, shape)}
     return result
 
 
-def estimate_inference(plan: Plan, serving: InferencePlan) -> dict:
+def estimate_inference(plan: Plan, serving: InferencePlan) -> ServingEstimate:
     """Weights, KV cache, activations and decode speed of serving the plan's model on its GPU type (tp GPUs)."""
     _, shape = load_model(plan)
     check_model_layout(replace(plan, pp=1), shape.heads, shape.kv_heads, shape.layers)
-    return {"source": plan.source,
-            "model": {"name": plan.model if isinstance(plan.model, str) else plan.model.get("architecture", "?"),
-                      **shape.to_dict()},
-            "inference": inference(shape, plan.gpu, check_inference(serving), tp=plan.tp)}
+    return ServingEstimate(
+        source=plan.source,
+        model={"name": plan.model if isinstance(plan.model, str) else plan.model.get("architecture", "?"),
+               **shape.to_dict()},
+        inference=inference(shape, plan.gpu, check_inference(serving), tp=plan.tp),
+    )
