@@ -488,10 +488,10 @@ def test_dry_run_names_a_layout_that_fits_when_the_recipe_does_not():
 
     recipe = load_train_recipe(REPO / "recipes/smollm3.toml", ["training.micro_batch=6", "training.global_batch_tokens=4718592"])
     plan = dry_run(recipe, world_size=384)
-    assert not plan["memory"]["fits"]
-    layouts = plan["would_fit"]["layouts"]
-    assert layouts and all(o["total"] < plan["memory"]["capacity"] for o in layouts)
-    assert 1 <= plan["would_fit"]["largest_micro_batch"] < 6
+    assert not plan.memory["fits"]
+    layouts = plan.would_fit["layouts"]
+    assert layouts and all(o["total"] < plan.memory["capacity"] for o in layouts)
+    assert 1 <= plan.would_fit["largest_micro_batch"] < 6
 
 
 def test_long_context_recipe_runs_both_published_stages():
@@ -500,9 +500,9 @@ def test_long_context_recipe_runs_both_published_stages():
     path = REPO / "recipes/smollm3-long-context.toml"
     first = dry_run(load_train_recipe(path), world_size=48)
     second = dry_run(load_train_recipe(path, ["training.seq_len=65536", "model.rope_theta=5e6", "parallel.tp=4"]), world_size=48)
-    assert first["recipe"]["model"]["rope_theta"] == 1.5e6 and second["recipe"]["model"]["rope_theta"] == 5e6
-    assert first["total_tokens"] == pytest.approx(50e9, rel=0.01) and second["total_tokens"] == pytest.approx(50e9, rel=0.01)
-    assert first["memory"]["fits"] and second["memory"]["fits"]
+    assert first.recipe["model"]["rope_theta"] == 1.5e6 and second.recipe["model"]["rope_theta"] == 5e6
+    assert first.total_tokens == pytest.approx(50e9, rel=0.01) and second.total_tokens == pytest.approx(50e9, rel=0.01)
+    assert first.memory["fits"] and second.memory["fits"]
 
 
 def test_pretrain_sbatch_forwards_usr1_and_requeues_after_the_save(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.markup import escape
@@ -41,6 +42,9 @@ from smolctl.console import (
 from smolctl.errors import CheckFailed, Interrupted, UserError
 from smolctl.results import Result
 from smolctl.train.distributed import rank_from_env
+
+if TYPE_CHECKING:  # loads with the command that needs it, not with `smolctl --help`
+    from smolctl.train.dryrun import DryRun
 
 
 @app.command("pretrain", epilog="""[bold]Examples[/]
@@ -129,7 +133,7 @@ def _train_command(stage: str, recipe: Path, run: Path | None, *, data, override
             from smolctl.train.dryrun import dry_run as plan_run
 
             result = plan_run(load_train_recipe(recipe, overrides, data, stage), world_size=world_size or world_size_from_env(), gpu=gpu)
-            emit_json(result) if json_out else _render_dry_run(recipe, result)
+            emit_json(result.to_dict()) if json_out else _render_dry_run(recipe, result)
             return
         with resume_hint_on_interrupt(stage, recipe, run):
             outcome = train(recipe, require_run(run, stage, recipe), overrides=overrides, data=data, stage=stage,
@@ -145,35 +149,35 @@ def _train_command(stage: str, recipe: Path, run: Path | None, *, data, override
         raise typer.Exit(PREEMPTED_EXIT)  # recipes/slurm/pretrain.sbatch requeues the job on this code
 
 
-def _render_dry_run(recipe: Path, r: dict) -> None:
+def _render_dry_run(recipe: Path, r: DryRun) -> None:
 
-    model, training = r["recipe"]["model"], r["recipe"]["training"]
-    mem, layout = r["memory"], r["layout"]
+    model, training = r.recipe["model"], r.recipe["training"]
+    mem, layout = r.memory, r.layout
     fsdp = layout["dp_shard"] > 1
     rows = [
         ("model", f"{model['architecture']}: {model['num_hidden_layers']} layers, hidden {model['hidden_size']}, "
                   f"FFN {model['intermediate_size']}, {model['num_attention_heads']} heads / {model['num_key_value_heads'] or model['num_attention_heads']} KV, "
-                  f"vocab {r['vocab_size']:,}, rope θ {model['rope_theta']:g}"),
-        ("parameters", f"{human_count(r['parameters'])} ({r['parameters']:,}; {human_count(r['non_embedding_parameters'])} non-embedding)"),
-        ("layout", f"world {r['world_size']} = tp {layout['tp']} × dp {r['data_parallel']} (dp_replicate {layout['dp_replicate']} × "
+                  f"vocab {r.vocab_size:,}, rope θ {model['rope_theta']:g}"),
+        ("parameters", f"{human_count(r.parameters)} ({r.parameters:,}; {human_count(r.non_embedding_parameters)} non-embedding)"),
+        ("layout", f"world {r.world_size} = tp {layout['tp']} × dp {r.data_parallel} (dp_replicate {layout['dp_replicate']} × "
                    f"dp_shard {layout['dp_shard']}){'; FSDP2 over dp' if fsdp else ''}"),
-        ("batch", f"{r['global_batch']} sequences × {training['seq_len']} = {r['tokens_per_step']:,} tokens/step; micro batch "
-                  f"{r['micro_batch']} × dp {r['data_parallel']} × accumulation {r['grad_accum']}"),
-        ("budget", f"{r['steps']:,} steps = {human_count(r['total_tokens'])} tokens, {r['total_flops']:.3g} FLOPs "
-                   f"({r['flops_per_token']:.3g} per token)"),
+        ("batch", f"{r.global_batch} sequences × {training['seq_len']} = {r.tokens_per_step:,} tokens/step; micro batch "
+                  f"{r.micro_batch} × dp {r.data_parallel} × accumulation {r.grad_accum}"),
+        ("budget", f"{r.steps:,} steps = {human_count(r.total_tokens)} tokens, {r.total_flops:.3g} FLOPs "
+                   f"({r.flops_per_token:.3g} per token)"),
         ("memory / GPU", f"{human_bytes(mem['total'])} of {human_bytes(mem['capacity'])} on {mem['gpu']}: "
                          f"{'fits' if mem['fits'] else 'does NOT fit'} ({human_bytes(mem['activations'])} activations, "
                          f"checkpointing {training['activation_checkpointing']}; same model as `smolctl estimate`)"),
-        ("time", f"{r['estimate']['gpu_hours']:,.0f} {r['estimate']['gpu']} GPU-hours at {r['estimate']['assumed_mfu']:.0%} MFU"
-                 f" = {r['estimate']['days']:,.1f} days on {r['world_size']}"),
+        ("time", f"{r.estimate['gpu_hours']:,.0f} {r.estimate['gpu']} GPU-hours at {r.estimate['assumed_mfu']:.0%} MFU"
+                 f" = {r.estimate['days']:,.1f} days on {r.world_size}"),
     ]
-    if "would_fit" in r:
-        options = [f"micro_batch {r['would_fit']['largest_micro_batch']}"] if r["would_fit"]["largest_micro_batch"] else []
+    if r.would_fit is not None:
+        options = [f"micro_batch {r.would_fit['largest_micro_batch']}"] if r.would_fit["largest_micro_batch"] else []
         options += [", ".join(f"{k} = {str(v).lower()}" for k, v in o.items() if k != "total") + f" ({human_bytes(o['total'])})"
-                    for o in r["would_fit"]["layouts"]]
+                    for o in r.would_fit["layouts"]]
         rows.append(("would fit", "\n".join(options) or "nothing on this many GPUs: add GPUs or pick a larger one (--gpu)"))
     show(key_values(f"{recipe} (dry run: nothing trained, model built on the meta device)", rows))
-    show(table("data", ["folder", "status"], r["data"].items(), justify="left"))
+    show(table("data", ["folder", "status"], r.data.items(), justify="left"))
     show(styled("resolved recipe: [bold]--json[/] prints it in full"))
 
 

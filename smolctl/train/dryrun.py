@@ -8,10 +8,11 @@ same function on the same plan, so the two commands agree), without touching any
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from smolctl.errors import UserError
+from smolctl.results import Result
 from smolctl.shards import KIND_PACKED, read_manifest
 from smolctl.train.config import Layout, TrainRecipe, derive_batch, resolve_layout
 
@@ -71,7 +72,36 @@ def _runnable_layouts(plan, shape) -> list[dict]:
     return list(found.values())[:3]
 
 
-def dry_run(recipe: TrainRecipe, *, world_size: int, gpu: str = "h100") -> dict:
+@dataclass
+class DryRun(Result):
+    """What `pretrain --dry-run` found without training: the resolved recipe, the batch arithmetic, memory per GPU,
+    the time estimate and each data folder's status; `would_fit` when the recipe does not fit."""
+
+    recipe: dict
+    parameters: int
+    non_embedding_parameters: int
+    vocab_size: int
+    world_size: int
+    layout: dict
+    data_parallel: int
+    micro_batch: int
+    global_batch: int
+    grad_accum: int
+    tokens_per_step: int
+    steps: int
+    total_tokens: int
+    flops_per_token: float
+    total_flops: float
+    memory: dict
+    estimate: dict
+    data: dict[str, str]
+    would_fit: dict | None = None
+
+    def to_dict(self) -> dict:
+        return {key: value for key, value in asdict(self).items() if value is not None or key != "would_fit"}
+
+
+def dry_run(recipe: TrainRecipe, *, world_size: int, gpu: str = "h100") -> DryRun:
     from smolctl.infra.estimate import compute, largest_micro_batch, load_model, memory
     from smolctl.infra.memory import GPUS
     from smolctl.train.model import build_config, build_model, count_parameters
@@ -91,20 +121,20 @@ def dry_run(recipe: TrainRecipe, *, world_size: int, gpu: str = "h100") -> dict:
     held = memory(sizing, shape)
     timing = compute(sizing, model_config, shape)
     total_tokens = plan.steps * plan.tokens_per_step
-    result = {
-        "recipe": json.loads(recipe.model_dump_json()),
-        "parameters": counts["total"], "non_embedding_parameters": counts["non_embedding"], "vocab_size": vocab,
-        "world_size": world_size, "layout": asdict(layout), "data_parallel": plan.data_parallel,
-        "micro_batch": plan.micro_batch, "global_batch": plan.global_batch,
-        "grad_accum": plan.grad_accum, "tokens_per_step": plan.tokens_per_step, "steps": plan.steps,
-        "total_tokens": total_tokens, "flops_per_token": timing["flops_per_token"],
-        "total_flops": timing["flops_per_token"] * total_tokens,
-        "memory": held,
-        "estimate": {"gpu": gpu, "assumed_mfu": sizing.mfu, "gpu_hours": timing["gpu_hours"], "days": timing["time"]["days"]},
-        "data": {path: _data_status(path, training.seq_len) for path in recipe.data.all_paths()
-                 + ([recipe.data.validation] if recipe.data.validation else [])},
-    }
+    result = DryRun(
+        recipe=json.loads(recipe.model_dump_json()),
+        parameters=counts["total"], non_embedding_parameters=counts["non_embedding"], vocab_size=vocab,
+        world_size=world_size, layout=asdict(layout), data_parallel=plan.data_parallel,
+        micro_batch=plan.micro_batch, global_batch=plan.global_batch,
+        grad_accum=plan.grad_accum, tokens_per_step=plan.tokens_per_step, steps=plan.steps,
+        total_tokens=total_tokens, flops_per_token=timing["flops_per_token"],
+        total_flops=timing["flops_per_token"] * total_tokens,
+        memory=held,
+        estimate={"gpu": gpu, "assumed_mfu": sizing.mfu, "gpu_hours": timing["gpu_hours"], "days": timing["time"]["days"]},
+        data={path: _data_status(path, training.seq_len) for path in recipe.data.all_paths()
+              + ([recipe.data.validation] if recipe.data.validation else [])},
+    )
     if not held["fits"]:
-        result["would_fit"] = {"largest_micro_batch": largest_micro_batch(sizing, shape),
+        result.would_fit = {"largest_micro_batch": largest_micro_batch(sizing, shape),
                                "layouts": _runnable_layouts(sizing, shape)}
     return result
