@@ -10,7 +10,7 @@ import typer
 
 from smolctl.cli.app import app
 from smolctl.cli.common import render_array_task
-from smolctl.cli.options import JsonOpt, OverwriteOpt, SetOpt, TaskIdOpt, TextColumnOpt
+from smolctl.cli.options import JsonOpt, OverwriteOpt, SetOpt, TaskIdOpt, TasksOpt, TextColumnOpt
 from smolctl.console import (
     emit_json,
     human_count,
@@ -112,7 +112,7 @@ def dedup_command(
     workers: int | None = typer.Option(None, "--workers", min=1, help="Processes (default: the CPUs available)."),
     stage: str | None = typer.Option(None, "--stage", help="Run one stage only: signatures, buckets, "
                                         "components or filter (Slurm arrays); default: all stages."),
-    tasks: int = typer.Option(1, "--tasks", help="Array size for --stage (units are split round-robin)."),
+    tasks: TasksOpt = None,
     task_id: TaskIdOpt = 0,
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
@@ -131,12 +131,12 @@ def dedup_command(
     config = DedupConfig(input=input, output=str(output), exact=exact, minhash=params, verify=verify,
                          text_column=text_column, id_column=id_column, against=against, keep=keep, overwrite=overwrite)
     with progress(not json_out) as bar:
-        result = run(config, stage=stage, tasks=tasks, task_id=task_id,
+        result = run(config, stage=stage, tasks=tasks or 1, task_id=task_id,
                      workers=workers or len(os.sched_getaffinity(0)), report=_stage_progress(bar))
     if json_out:
         emit_json(result.to_dict())
         return
-    _render_dedup(result, tasks, task_id)
+    _render_dedup(result, tasks or 1, task_id)
 
 
 def _stage_progress(bar):
@@ -228,7 +228,7 @@ def mix_command(
                                                  "memory (default: 20000)."),
     stage: str | None = typer.Option(None, "--stage", help="Run one pass only, as Slurm array tasks: measure "
                                         "(one unit per source shard), then write (one unit per output block)."),
-    tasks: int | None = typer.Option(None, "--tasks", help="Array size for --stage (units are split round-robin)."),
+    tasks: TasksOpt = None,
     task_id: TaskIdOpt = 0,
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
@@ -312,8 +312,7 @@ def pack_command(
     seed: int = typer.Option(0, "--seed", help="Seeds the shuffle of each bfd buffer's rows."),
     format: str = typer.Option("safetensors", "--format", help="safetensors: packed rows for pretrain; datatrove: "
                                "nanotron/datatrove .ds token files (documents + EOS back to back, no packing)."),
-    tasks: int | None = typer.Option(None, "--tasks", help="Run as one task of an array of this size: input "
-                                        "shards are split round-robin; the last task to finish writes OUTPUT."),
+    tasks: TasksOpt = None,
     task_id: TaskIdOpt = 0,
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,

@@ -20,8 +20,8 @@ TextColumnOpt = Annotated[str, typer.Option("--text-column", help="Column holdin
 # Slurm arrays: the same command run as task N of M, each doing its share of the units
 TasksOpt = Annotated[
     int | None,
-    typer.Option("--tasks", help="Run as one task of an array of this size: units are split round-robin; the task "
-                 "that finishes the last unit writes OUTPUT."),
+    typer.Option("--tasks", help="Run as one task of a Slurm array of this size (with dedup and mix: of one "
+                 "--stage): units are split round-robin; the task that finishes the last unit writes OUTPUT."),
 ]
 TaskIdOpt = Annotated[int, typer.Option("--task-id", help="This task's index in 0..tasks-1 ($SLURM_ARRAY_TASK_ID).")]
 
