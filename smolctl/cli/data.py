@@ -237,8 +237,9 @@ def mix_command(
     from smolctl.data.mix import prepare_mix
     from smolctl.data.mix_plan import plan_from_flags, plan_from_recipe
 
+    # None: not given; given options override the recipe's keys (merged in mix_plan)
     options = {"tokenizer": tokenizer, "seed": seed, "max_repeat": max_repeat, "text_column": text_column,
-                   "shuffle_buffer": shuffle_buffer}
+               "shuffle_buffer": shuffle_buffer}
     if recipe is not None:
         if source:
             raise UserError("--source", "cannot be combined with --recipe", "put the sources in the recipe, or "
