@@ -299,7 +299,7 @@ def test_cli_json_for_a_preset(capsys):
                            "--tokens", "100G", "--price-per-gpu-hour", "2.5", "--target-days", "7", "--json")
     result = json.loads(out)
     assert code == 0 and result["model"]["params"]["total"] == 3_075_098_624
-    compute = result.compute
+    compute = result["compute"]
     assert compute["cost"] == pytest.approx(compute["gpu_hours"] * 2.5)
     assert compute["time"]["hours"] == pytest.approx(compute["time"]["seconds"] / 3600)
     assert compute["gpus_for_target"]["gpus"] >= math.ceil(compute["time"]["days"] / 7 * 8 * 0.9)
