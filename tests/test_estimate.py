@@ -310,7 +310,7 @@ def test_cli_json_for_a_preset(capsys):
     (["--model", "smollm3-3b", "--gpu", "v100"], "known: h100"),
     (["--model", "smollm3-3b", "--gpus", "6", "--tp", "4"], "cannot hold tp 4"),
     (["--model", "smollm3-3b", "--gpus", "6", "--tp", "3"], "does not divide the 16 attention heads"),
-    (["--model", "smollm3-3b", "--tokens", "many"], "is not a count"),
+    (["--model", "smollm3-3b", "--tokens", "many"], "cannot read 'many' as an amount"),
     (["--model", "smollm3-3b", "--recompute", "some"], "known: none, selective, full"),
     (["--model", "smollm3-3b", "--checkpoint-gbps", "0"], "--checkpoint-gbps: must be positive"),
     (["--model", "smollm3-3b", "--pp", "40"], "40 pipeline stages for 36 layers"),
