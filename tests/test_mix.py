@@ -209,7 +209,7 @@ def test_parse_source_splits_on_the_last_colon():
     (["web=data/sample/nowhere:1"], {}, "no such file or folder"),
     (["chat=data/sample/chat:1"], {}, "has no column 'text'"),
     (["web=data/sample/web:1"], {"tokens": "1M"}, "a budget in tokens needs a tokenizer"),
-    (["web=data/sample/web:1"], {"bytes_": "lots"}, "cannot parse 'lots'"),
+    (["web=data/sample/web:1"], {"bytes_": "lots"}, "cannot read 'lots' as an amount"),
     (["web=data/sample/web:1", "web=data/sample/code:1"], {}, "a source name is used twice"),
     (["web=data/sample/web:1"], {"max_repeat": 0}, "is not a positive number"),
     ([], {}, "no sources given"),
