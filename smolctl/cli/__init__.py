@@ -2,8 +2,8 @@
 module, and renders the result (on stdout: rich tables, or one JSON object with --json; progress on stderr).
 
 One module per family, each command beside its renderer: data (train-tokenizer, dedup, mix, pack), train
-(pretrain, midtrain, export, report), posttrain (sft, dpo, ppo, grpo, generate, merge), cluster (estimate,
-benchmark-nccl, stress-gpu) and inspect; options several commands share live in options.py."""
+(pretrain, midtrain, export, report), posttrain (sft, dpo, ppo, grpo, generate, merge), estimate, cluster
+(benchmark-nccl, stress-gpu) and inspect; options several commands share live in options.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import traceback
 
 import typer
 
-from smolctl.cli import cluster, data, inspect, posttrain, train  # noqa: F401  (each registers its commands)
+from smolctl.cli import cluster, data, estimate, inspect, posttrain, train  # noqa: F401  (each registers its commands)
 from smolctl.cli.app import Command, app
 from smolctl.console import error_line
 from smolctl.errors import CheckFailed, Interrupted, UserError, environment_error
