@@ -385,7 +385,8 @@ def benchmark_nccl_command(
 ) -> None:
     """Collective bandwidth like nccl-tests (time, algbw, busbw, #wrong per size) for every op, under torchrun."""
     from smolctl.console import human_bytes
-    from smolctl.infra.collectives import build_config, launch_environment, run_benchmark
+    from smolctl.infra.collective_runner import run_benchmark
+    from smolctl.infra.collectives import build_config, launch_environment
 
     rank = int(os.environ.get("RANK", "0"))
     try:
