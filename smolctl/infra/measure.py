@@ -208,22 +208,22 @@ def measure_gpu_peak(config, *, micro_batch: int, seq_len: int, precision: str, 
     return {"max_memory_allocated": torch.cuda.max_memory_allocated(), "device": torch.cuda.get_device_name()}
 
 
-def _run_size(plan, config) -> tuple[Any, int, int, str]:
-    """The config, micro batch and sequence length to run: as planned when that is small, else a scaled-down copy
+def _run_size(scenario, config) -> tuple[Any, int, int, str]:
+    """The config, micro batch and sequence length to run: as given when that is small, else a scaled-down copy
     (the formulas are per-token and per-layer, so a small copy of the same architecture checks them)."""
     from smolctl.infra.flops import matmul_params_closed_form
 
-    seq_len = min(plan.seq_len, 256)
-    micro_batch = max(1, min(plan.micro_batch, 1024 // seq_len))
-    if matmul_params_closed_form(config) <= 20_000_000 and seq_len == plan.seq_len:
-        return config, micro_batch, seq_len, "the model as planned"
+    seq_len = min(scenario.seq_len, 256)
+    micro_batch = max(1, min(scenario.micro_batch, 1024 // seq_len))
+    if matmul_params_closed_form(config) <= 20_000_000 and seq_len == scenario.seq_len:
+        return config, micro_batch, seq_len, "the model as given"
     small = scaled_down(config)
     what = (f"scaled-down copy: {small.num_hidden_layers} layers, hidden {small.hidden_size}, "
             f"{small.num_attention_heads}/{small.num_key_value_heads} heads, vocab {small.vocab_size}")
     return small, micro_batch, seq_len, what
 
 
-def validate(plan, config) -> dict[str, Any]:
+def validate(scenario, config) -> dict[str, Any]:
     """Estimate vs measurement, side by side, for FLOPs, parameters and activations of every recompute mode; on
     a GPU also the peak allocated memory of a training step."""
     import torch
@@ -232,7 +232,7 @@ def validate(plan, config) -> dict[str, Any]:
     from smolctl.infra.memory import activations, logits_grad_bytes, state_bytes
     from smolctl.infra.model_shape import measure_shape
 
-    small, micro_batch, seq_len, what = _run_size(plan, config)
+    small, micro_batch, seq_len, what = _run_size(scenario, config)
     shape = measure_shape(small)
     tokens = micro_batch * seq_len
     real = build_model(small, precision="fp32", attention="sdpa", recompute="none")
@@ -245,28 +245,28 @@ def validate(plan, config) -> dict[str, Any]:
     rows.append({"what": "FLOPs forward+backward (FlopCounterMode)", "unit": "flops",
                  "estimate": training_flops_per_token(small, seq_len, shape.params.matmul) * tokens,
                  "measured": measure_flops(small, micro_batch=micro_batch, seq_len=seq_len)})
-    modes = [(plan.attention, "none"), ("eager", "none"), ("eager", "selective"), (plan.attention, "full")]
-    if (plan.attention, plan.recompute) not in modes:
-        modes.append((plan.attention, plan.recompute))
-    precision = PRECISIONS[plan.precision]
+    modes = [(scenario.attention, "none"), ("eager", "none"), ("eager", "selective"), (scenario.attention, "full")]
+    if (scenario.attention, scenario.recompute) not in modes:
+        modes.append((scenario.attention, scenario.recompute))
+    precision = PRECISIONS[scenario.precision]
     for attention, recompute in modes:
         estimated = activations(shape, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
                                 attention=attention, recompute=recompute).peak(shape.layers)
-        measured = measure_activations(small, micro_batch=micro_batch, seq_len=seq_len, precision=plan.precision,
+        measured = measure_activations(small, micro_batch=micro_batch, seq_len=seq_len, precision=scenario.precision,
                                        attention=attention, recompute=recompute)
-        rows.append({"what": f"activations {plan.precision} {attention} recompute={recompute} (saved tensors)",
+        rows.append({"what": f"activations {scenario.precision} {attention} recompute={recompute} (saved tensors)",
                      "estimate": estimated, "measured": measured, "unit": "bytes"})
     result = {"ran": what, "micro_batch": micro_batch, "seq_len": seq_len, "rows": rows, "device": "cpu"}
     if torch.cuda.is_available():
         # Plain torch AdamW keeps no fp32 master copy of bf16 weights, so the GPU step runs amp (fp32 weights).
-        gpu_precision = "amp" if plan.precision == "bf16" else plan.precision
-        optimizer = "sgd" if plan.optimizer == "sgd" else "adamw"
+        gpu_precision = "amp" if scenario.precision == "bf16" else scenario.precision
+        optimizer = "sgd" if scenario.optimizer == "sgd" else "adamw"
         measured = measure_gpu_peak(small, micro_batch=micro_batch, seq_len=seq_len, precision=gpu_precision,
-                                    attention=plan.attention, recompute=plan.recompute, optimizer=optimizer)
+                                    attention=scenario.attention, recompute=scenario.recompute, optimizer=optimizer)
         states = state_bytes(shape.params.total, shape.params.per_layer, precision=PRECISIONS[gpu_precision],
                              optimizer=optimizer, zero=0, shard=1, tp=1)
         act = activations(shape, micro_batch=micro_batch, seq_len=seq_len, precision=PRECISIONS[gpu_precision],
-                          attention=plan.attention, recompute=plan.recompute)
+                          attention=scenario.attention, recompute=scenario.recompute)
         estimated = states.total + act.peak(shape.layers) + logits_grad_bytes(shape, micro_batch=micro_batch,
                                                                              seq_len=seq_len, tp=1, cp=1)
         rows.append({"what": f"GPU peak allocated {gpu_precision} (torch.cuda.max_memory_allocated)",

@@ -1,6 +1,6 @@
 """`--dry-run`: the resolved recipe, the exact parameter count (model built on the meta device, nothing
 allocated), the parallel layout and batch arithmetic, and memory / time from `smolctl estimate`'s model (the
-same function on the same plan, so the two commands agree), without touching any data.
+same function on the same scenario, so the two commands agree), without touching any data.
 
     smolctl pretrain recipes/smollm3.toml --dry-run --world-size 384 --gpu h100
 """
@@ -42,9 +42,8 @@ def _vocab_size(recipe: TrainRecipe) -> int:
     return len(load_tokenizer(spec))
 
 
-def estimate_plan(recipe: TrainRecipe, *, vocab: int, world_size: int, gpu: str, layout: Layout):
-    """The `smolctl estimate` plan of this recipe on this layout: what `estimate RECIPE --gpus N` would size."""
-    from smolctl.infra.plan import _recipe_values, check_plan, Plan
+def estimate_scenario(recipe: TrainRecipe, *, vocab: int, world_size: int, gpu: str, layout: Layout) -> TrainingScenario:
+    """The `smolctl estimate` scenario of this recipe on this layout: what `estimate RECIPE --gpus N` would size."""
 
     raw = {section: {k: v for k, v in table.items() if v is not None} if isinstance(table, dict) else table
            for section, table in json.loads(recipe.model_dump_json()).items()}
@@ -53,16 +52,16 @@ def estimate_plan(recipe: TrainRecipe, *, vocab: int, world_size: int, gpu: str,
     values.update(gpus=world_size, gpu=gpu, tp=layout.tp, source="recipe", dp_shard=layout.dp_shard)
     if layout.dp_shard == 1:  # replicas only (DDP, or TP without FSDP): nothing sharded over data-parallel ranks
         values.update(zero=0, dp_shard=None)
-    return check_plan(Plan(**values))
+    return check_scenario(TrainingScenario(**values))
 
 
-def _runnable_layouts(plan, shape) -> list[dict]:
+def _runnable_layouts(scenario: TrainingScenario, shape) -> list[dict]:
     """estimate's layouts that fit (its smolctl framework: tp × FSDP2/HSDP data parallel), as recipe keys."""
     from smolctl.infra.estimate import smallest_layouts
 
     recompute = {"none": "none", "full": "full"}
     found: dict[tuple, dict] = {}
-    for option in smallest_layouts(replace(plan, framework="smolctl"), shape, top=20)["layouts"]:
+    for option in smallest_layouts(replace(scenario, framework="smolctl"), shape, top=20)["layouts"]:
         if option["pp"] == 1 and option["cp"] == 1 and option["recompute"] in recompute:
             keys = {"parallel.tp": option["tp"], "parallel.dp_shard": option["dp_shard"],
                     "parallel.dp_replicate": option["dp_replicate"], "training.shard": option["zero"] == 3,
@@ -86,7 +85,7 @@ def dry_run(recipe: TrainRecipe, *, world_size: int, gpu: str = "h100") -> dict:
     config = build_config(recipe.model, vocab_size=vocab, seq_len=training.seq_len, eos_id=None, pad_id=None)
     tp_plan(config, layout.tp)
     counts = count_parameters(build_model(config, device="meta", attention=training.attention))
-    sizing = estimate_plan(recipe, vocab=vocab, world_size=world_size, gpu=gpu, layout=layout)
+    sizing = estimate_scenario(recipe, vocab=vocab, world_size=world_size, gpu=gpu, layout=layout)
     model_config, shape = load_model(sizing)
     held = memory(sizing, shape)
     timing = compute(sizing, model_config, shape)

@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 from smolctl.errors import UserError
 from smolctl.shards import KIND_DOCUMENTS, OutputFolder, check_output_path, lineage_ref, open_documents, schema_to_dict
 from smolctl.train.rewards import CompositeReward
-from smolctl.train.stage import check_start, chat_stop_ids
+from smolctl.train.posttrain_run import check_start, chat_stop_ids
 
 PLAN_FILE = ".generate-plan.json"
 BACKENDS = ("auto", "transformers", "vllm")
@@ -369,7 +369,7 @@ def run_generate(job: GenerateJob, on_progress: Callable[[int, int, float], None
     plan = {"mode": job.mode, "backend": backend, "inputs": inputs, "sampling": asdict(job.sampling),
             "prompt_column": job.prompt_column, "limit": job.limit, "batch_size": job.batch_size,
             "shard_prompts": job.shard_prompts, "reward_recipe": job.reward_recipe}
-    from smolctl.train.stage import quiet_offline
+    from smolctl.train.posttrain_run import quiet_offline
 
     quiet_offline()
     folder = OutputFolder(job.output, kind=KIND_DOCUMENTS, overwrite=job.overwrite, inputs=inputs, resumable=True)

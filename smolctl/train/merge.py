@@ -311,7 +311,7 @@ def run_merge(recipe: MergeRecipe, output: str | Path, *, where: str, overwrite:
     import torch
 
     from smolctl.data.tokenizer import load_tokenizer, tokenizer_fingerprint
-    from smolctl.train.stage import quiet_offline
+    from smolctl.train.posttrain_run import quiet_offline
 
     quiet_offline()
     config = mergekit.config.MergeConfiguration.model_validate(mergekit_config(recipe, parents, base))

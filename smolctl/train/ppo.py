@@ -21,7 +21,7 @@ from smolctl.shards import DocumentSource, open_documents
 from smolctl.train.config import GrpoRecipe, PpoRecipe, PromptDataSection
 from smolctl.train.rewards import CompositeReward
 from smolctl.train.run import RunStart
-from smolctl.train.stage import StageResult, StepHook, check_start, finished_result, open_run, quiet_offline, world_size
+from smolctl.train.posttrain_run import PostTrainResult, StepHook, check_start, finished_result, open_run, quiet_offline, world_size
 
 # ---------------------------------------------------------------------------------------------------------------
 # The math, on [batch, tokens] tensors with a 0/1 mask of the completion tokens
@@ -191,7 +191,7 @@ def prepare(stage: str, recipe: PpoRecipe | GrpoRecipe, run: str | Path, start: 
 
 
 def run_ppo(recipe: PpoRecipe, run: str | Path, *, start: str | None = None, resume: str = "none",
-            overwrite: bool = False, on_step: StepHook | None = None) -> StageResult:
+            overwrite: bool = False, on_step: StepHook | None = None) -> PostTrainResult:
     """Train the starting checkpoint on the recipe's rewards with smolctl's PPO (one process)."""
     if world_size() > 1:
         raise UserError("ppo", "smolctl's own PPO runs in one process",

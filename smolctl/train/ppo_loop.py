@@ -28,8 +28,8 @@ from smolctl.train.ppo import (
 from smolctl.train.rewards import log_completions
 from smolctl.train.run import EVENTS, FINAL, METRICS, append_jsonl, checkpoint_dir, prune_checkpoints
 from smolctl.train.schedule import lambda_scheduler
-from smolctl.train.stage import (
-    StageResult, StepHook, apply_peft, chat_stop_ids, final_metrics, load_start, parameter_counts, save_final, use_bf16,
+from smolctl.train.posttrain_run import (
+    PostTrainResult, StepHook, apply_peft, chat_stop_ids, final_metrics, load_start, parameter_counts, save_final, use_bf16,
 )
 from smolctl.train.trackers import open_tracker
 
@@ -112,7 +112,7 @@ class PpoLoop:
 
     # -- the loop -------------------------------------------------------------------------------------------
 
-    def train(self) -> StageResult:
+    def train(self) -> PostTrainResult:
         started = time.perf_counter()
         interval = self.recipe.checkpoint.interval
         while self.step < self.training.steps:
@@ -146,7 +146,7 @@ class PpoLoop:
                              stats={**{k.replace("/", "_"): v for k, v in metrics.items()}, **data, "steps": self.step,
                                     "seconds": round(seconds, 2)})
         resumed = self.setup.start.resume_from
-        return StageResult("ppo", str(self.setup.run), str(self.setup.run / FINAL), str(self.setup.parent), self.step,
+        return PostTrainResult("ppo", str(self.setup.run), str(self.setup.run / FINAL), str(self.setup.parent), self.step,
                            seconds, str(resumed) if resumed else None, self.parameters, metrics, data,
                            str(adapter) if adapter else None)
 

@@ -286,7 +286,7 @@ def train_quietly(trainer, resume_from: Path | None) -> None:
 
 
 @dataclass
-class StageResult:
+class PostTrainResult:
     """What a post-training run did; the CLI renders it as a table or JSON."""
 
     stage: str
@@ -309,12 +309,12 @@ class StageResult:
     """--resume auto found the run finished: final/ is as it was."""
 
 
-def finished_result(stage: str, run: Path, start: RunStart) -> StageResult:
+def finished_result(stage: str, run: Path, start: RunStart) -> PostTrainResult:
     """The result of a finished run, read back from its final/ manifest (nothing is trained or written)."""
     manifest = start.finished or {}
     stats = dict(manifest.get("stats", {}))
     steps, seconds = int(stats.pop("steps", 0)), float(stats.pop("seconds", 0.0))
-    return StageResult(stage, str(run), str(run / FINAL), manifest.get("parent", ""), steps, seconds, None,
+    return PostTrainResult(stage, str(run), str(run / FINAL), manifest.get("parent", ""), steps, seconds, None,
                        manifest.get("parameters", {}), stats, {}, str(run / ADAPTER) if (run / ADAPTER).is_dir() else None,
                        nothing_to_do=True)
 
@@ -372,7 +372,7 @@ def final_metrics(history: list[dict], keys: tuple[str, ...], window: int = 5) -
 
 
 def finish_trl(stage: str, trainer, callback, run: Path, parent: Path, data_inputs: list[dict], data: dict,
-               start: RunStart, parameters: dict, metrics: Callable[[list[dict]], dict]) -> StageResult:
+               start: RunStart, parameters: dict, metrics: Callable[[list[dict]], dict]) -> PostTrainResult:
     """Train a prepared TRL trainer, save RUN/final collectively and return the result."""
     started = time.perf_counter()
     train_quietly(trainer, start.resume_from)
@@ -382,7 +382,7 @@ def finish_trl(stage: str, trainer, callback, run: Path, parent: Path, data_inpu
                          stage=stage, parameters=parameters, accelerator=trainer.accelerator,
                          stats={**{k.replace("/", "_"): v for k, v in summary.items()}, **data,
                                 "steps": trainer.state.global_step, "seconds": round(seconds, 2)})
-    return StageResult(stage, str(run), str(run / FINAL), str(parent), trainer.state.global_step, seconds,
+    return PostTrainResult(stage, str(run), str(run / FINAL), str(parent), trainer.state.global_step, seconds,
                        str(start.resume_from) if start.resume_from else None, parameters, summary, data,
                        str(adapter) if adapter else None)
 
