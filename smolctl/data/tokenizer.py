@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 from urllib.parse import urlparse
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from smolctl.errors import UserError
 from smolctl.shards import OutputFolder, check_output_path, open_documents
@@ -107,8 +108,7 @@ def train_tokenizer(input_path: str, output: str, *, vocab_size: int, text_colum
                     sample_bytes: int | None = None, seed: int = 0, on_start=None, on_batch=None) -> TokenizerTrainResult:
     """Train on the text column, streaming, or on a seeded sample of it (`sample_documents` / `sample_bytes`).
     `on_start(total_documents)` is called once the inputs are checked, `on_batch(documents)` as they are read."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # seconds to import; only training and loading need it
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise UserError("--vocab-size", f"{vocab_size} is too small", f"use at least {256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens)")
@@ -177,6 +177,7 @@ def hub_unreachable(timeout_s: float = 3.0) -> str | None:
     """Why the Hub cannot be asked (HF_HUB_OFFLINE, or its host not answering within `timeout_s`), or None.
 
     Asked before a hub id is resolved: offline, huggingface_hub would otherwise retry for ~45 s before failing."""
+    # huggingface_hub reads HF_HUB_OFFLINE once, when first imported: imported late, it sees quiet_offline()'s value
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:

@@ -24,7 +24,8 @@ from smolctl.infra.flops import attention_flops_per_token, training_flops_per_to
 from smolctl.infra.inference import InferenceScenario, check_inference, inference
 from smolctl.infra.memory import (ALLOCATOR_HEADROOM, GIB, GPUS, OPTIMIZER_BYTES, PRECISIONS, RUNTIME_RESERVED_GIB,
                                   TF32_SPEED, activations, logits_grad_bytes, stage_params, state_bytes)
-from smolctl.infra.model_shape import ModelShape, ParamCounts, config_from_dict, measure_shape, resolve_config
+from smolctl.infra.model_shape import (PRESETS, ModelShape, ParamCounts, config_from_dict, measure_shape,
+                                       resolve_config)
 from smolctl.infra.scenario import TrainingScenario, accumulation, check_model_layout, data_parallel
 
 # Llama 3 (Meta, 2024): 419 unexpected interruptions in 54 days on 16,384 H100s.
@@ -46,8 +47,6 @@ def _shape_cache_path(model: dict | str) -> Path | None:
     code costs seconds on a login node, while the measurement itself takes milliseconds: a repeat estimate of the
     same model reads the cache instead. The key covers the model table (or preset / config.json content) and the
     transformers and smolctl versions."""
-    from smolctl.infra.model_shape import PRESETS
-
     if isinstance(model, dict):
         described = json.dumps(model, sort_keys=True, default=str)
     elif model in PRESETS:

@@ -21,8 +21,11 @@ import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from smolctl.infra.memory import PRECISIONS
-from smolctl.infra.model_shape import config_from_dict
+from smolctl.infra.flops import head_dim as head_dim_of
+from smolctl.infra.flops import kv_heads as kv_heads_of
+from smolctl.infra.flops import matmul_params_closed_form, training_flops_per_token
+from smolctl.infra.memory import PRECISIONS, activations, logits_grad_bytes, state_bytes
+from smolctl.infra.model_shape import config_from_dict, measure_shape
 
 _RECOMPUTED_EAGER = "smolctl_recomputed_eager"
 
@@ -80,8 +83,6 @@ class SavedTensorMeter:
 def scaled_down(config, *, layers: int = 4, head_dim: int = 16, max_kv_heads: int = 2, vocab: int = 2048):
     """A small copy of `config` with the same architecture, GQA ratio, FFN/hidden ratio and flags (NoPE, q/k
     norms, biases, tying), so the formulas are checked on the same kinds of tensors, in seconds on a CPU."""
-    from smolctl.infra.flops import head_dim as head_dim_of, kv_heads as kv_heads_of
-
     raw = config.to_dict()
     group = config.num_attention_heads // kv_heads_of(config)
     kv = min(kv_heads_of(config), max_kv_heads)
@@ -211,8 +212,6 @@ def measure_gpu_peak(config, *, micro_batch: int, seq_len: int, precision: str, 
 def _run_size(scenario, config) -> tuple[Any, int, int, str]:
     """The config, micro batch and sequence length to run: as given when that is small, else a scaled-down copy
     (the formulas are per-token and per-layer, so a small copy of the same architecture checks them)."""
-    from smolctl.infra.flops import matmul_params_closed_form
-
     seq_len = min(scenario.seq_len, 256)
     micro_batch = max(1, min(scenario.micro_batch, 1024 // seq_len))
     if matmul_params_closed_form(config) <= 20_000_000 and seq_len == scenario.seq_len:
@@ -227,10 +226,6 @@ def validate(scenario, config) -> dict[str, Any]:
     """Estimate vs measurement, side by side, for FLOPs, parameters and activations of every recompute mode; on
     a GPU also the peak allocated memory of a training step."""
     import torch
-
-    from smolctl.infra.flops import training_flops_per_token
-    from smolctl.infra.memory import activations, logits_grad_bytes, state_bytes
-    from smolctl.infra.model_shape import measure_shape
 
     small, micro_batch, seq_len, what = _run_size(scenario, config)
     shape = measure_shape(small)

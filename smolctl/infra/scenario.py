@@ -15,6 +15,7 @@ from typing import Any
 
 from smolctl.errors import UserError
 from smolctl.infra.memory import ATTENTIONS, GPUS, OPTIMIZER_BYTES, PRECISIONS, RECOMPUTES
+from smolctl.recipe import apply_overrides, load_toml
 
 _SUFFIXES = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15}
 
@@ -114,7 +115,7 @@ def _vocab_from_data(recipe: dict) -> int | None:
     return None
 
 
-def _recipe_values(recipe: dict, path: str) -> dict[str, Any]:
+def recipe_values(recipe: dict, path: str) -> dict[str, Any]:
     model = dict(recipe.get("model") or {})
     if not model:
         raise UserError(path, "has no [model] table", "pass a pretrain recipe (recipes/smollm3.toml) or use --model")
@@ -169,11 +170,9 @@ def _trainer_values(parallel: dict, training: dict) -> dict[str, Any]:
 def scenario_from_sources(*, recipe: str | None = None, overrides: list[str] | None = None,
                       flags: dict[str, Any] | None = None) -> TrainingScenario:
     """Recipe values first, then every flag that was given (None means not given)."""
-    from smolctl.recipe import apply_overrides, load_toml
-
     values: dict[str, Any] = {}
     if recipe is not None:
-        values = _recipe_values(apply_overrides(load_toml(recipe), overrides or []), recipe)
+        values = recipe_values(apply_overrides(load_toml(recipe), overrides or []), recipe)
         values["source"] = recipe
     elif overrides:
         raise UserError("--set", "overrides a recipe", "pass RECIPE.toml, or use the flags directly")

@@ -10,6 +10,8 @@ import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+from smolctl.train.parallel import build_mesh, parallelize
+
 
 @dataclass
 class Dist:
@@ -84,8 +86,6 @@ def init_distributed() -> Dist:
 def wrap_model(wrapped, dist: Dist, layout, *, activation_checkpointing: str, compile: bool, bf16: bool):
     """Parallelise `wrapped` (a CausalLMLoss) over `layout`: TP + FSDP2 through smolctl.train.parallel, or DDP when
     the layout only replicates (tp 1, dp_shard 1) — one all-reduce of gradients, no parameter gathers."""
-    from smolctl.train.parallel import build_mesh, parallelize
-
     replicate_only = layout.tp == 1 and layout.dp_shard == 1
     mesh = build_mesh(layout, dist.device.split(":")[0]) if dist.active and not replicate_only else None
     parallelize(wrapped, mesh=mesh, layout=layout, activation_checkpointing=activation_checkpointing, compile=compile,

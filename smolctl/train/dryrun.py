@@ -11,9 +11,16 @@ import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import UserError
+from smolctl.infra.estimate import compute, largest_micro_batch, load_model, memory, smallest_layouts
+from smolctl.infra.memory import GPUS
+from smolctl.infra.scenario import TrainingScenario, recipe_values, check_scenario
 from smolctl.shards import KIND_PACKED, read_manifest
 from smolctl.train.config import Layout, TrainRecipe, derive_batch, resolve_layout
+from smolctl.train.model import build_config, build_model, count_parameters
+from smolctl.train.parallel import tp_plan
+
 
 def _data_status(path: str, seq_len: int) -> str:
     folder = Path(path)
@@ -30,8 +37,6 @@ def _data_status(path: str, seq_len: int) -> str:
 def _vocab_size(recipe: TrainRecipe) -> int:
     if recipe.model.vocab_size:
         return recipe.model.vocab_size
-    from smolctl.data.tokenizer import load_tokenizer
-
     spec = recipe.model.tokenizer
     if spec is None:
         manifests = [read_manifest(Path(p)) for p in recipe.data.all_paths() if Path(p).is_dir()]
@@ -48,7 +53,7 @@ def estimate_scenario(recipe: TrainRecipe, *, vocab: int, world_size: int, gpu: 
     raw = {section: {k: v for k, v in table.items() if v is not None} if isinstance(table, dict) else table
            for section, table in json.loads(recipe.model_dump_json()).items()}
     raw["model"]["vocab_size"] = vocab
-    values = _recipe_values(raw, "recipe")
+    values = recipe_values(raw, "recipe")
     values.update(gpus=world_size, gpu=gpu, tp=layout.tp, source="recipe", dp_shard=layout.dp_shard)
     if layout.dp_shard == 1:  # replicas only (DDP, or TP without FSDP): nothing sharded over data-parallel ranks
         values.update(zero=0, dp_shard=None)
@@ -57,8 +62,6 @@ def estimate_scenario(recipe: TrainRecipe, *, vocab: int, world_size: int, gpu: 
 
 def _runnable_layouts(scenario: TrainingScenario, shape) -> list[dict]:
     """estimate's layouts that fit (its smolctl framework: tp × FSDP2/HSDP data parallel), as recipe keys."""
-    from smolctl.infra.estimate import smallest_layouts
-
     recompute = {"none": "none", "full": "full"}
     found: dict[tuple, dict] = {}
     for option in smallest_layouts(replace(scenario, framework="smolctl"), shape, top=20)["layouts"]:
@@ -71,11 +74,6 @@ def _runnable_layouts(scenario: TrainingScenario, shape) -> list[dict]:
 
 
 def dry_run(recipe: TrainRecipe, *, world_size: int, gpu: str = "h100") -> dict:
-    from smolctl.infra.estimate import compute, largest_micro_batch, load_model, memory
-    from smolctl.infra.memory import GPUS
-    from smolctl.train.model import build_config, build_model, count_parameters
-    from smolctl.train.parallel import tp_plan
-
     if gpu not in GPUS:
         raise UserError("--gpu", f"{gpu!r} is not known", f"known: {', '.join(GPUS)}")
     training = recipe.training

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,8 +77,6 @@ def memory_use(device: str) -> dict:
         index = torch.device(device)
         peak = torch.cuda.max_memory_reserved(index)
         return {"memory_peak_bytes": peak, "memory_share": peak / torch.cuda.get_device_properties(index).total_memory}
-    import resource
-
     return {"memory_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux reports KiB
 
 

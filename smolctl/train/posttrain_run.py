@@ -23,8 +23,10 @@ from smolctl.shards import KIND_MODEL, OutputFolder, lineage_ref, read_manifest
 from smolctl.train.config import PeftSection, PostTrainRecipe, global_batch_and_accumulation
 from smolctl.train.run import (
     ADAPTER, CHECKPOINTS, EVENTS, FINAL, METRICS, RunStart, append_jsonl, begin_run, checkpoint_dir, model_folder,
-    plan_start, prune_checkpoints,
+    decide_start, prune_checkpoints,
 )
+from smolctl.train.schedule import lambda_scheduler
+from smolctl.train.trackers import require_trackers, trainer_reporting
 
 StepHook = Callable[[int, int, dict], None]
 """Called after every optimizer step with (step, total steps, latest logged metrics)."""
@@ -171,8 +173,6 @@ def trainer_arguments(run: Path, recipe: PostTrainRecipe) -> dict[str, Any]:
     the recipe's trackers (logging.report_to, offline)."""
     import torch
 
-    from smolctl.train.trackers import trainer_reporting
-
     training, optimizer = recipe.training, recipe.optimizer
     _, grad_accum = global_batch_and_accumulation(training, world_size())
     interval = recipe.checkpoint.interval
@@ -196,8 +196,6 @@ def trainer_arguments(run: Path, recipe: PostTrainRecipe) -> dict[str, Any]:
 
 def scheduled(trainer_class: type, recipe: PostTrainRecipe) -> type:
     """The trainer class with smolctl's schedule (smolctl.train.schedule) as its lr scheduler."""
-    from smolctl.train.schedule import lambda_scheduler
-
     class Scheduled(trainer_class):
         def create_model_card(self, *args, **kwargs):
             """No README.md model card in RUN/checkpoints: RUN/final/manifest.json is the model's record."""
@@ -344,7 +342,7 @@ def save_final(run: Path, model, tokenizer, *, parent: Path, data_inputs: list[d
         state_dict = None
     model.generation_config.eos_token_id = chat_stop_ids(tokenizer)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    # plan_start already refused an existing final/ unless --overwrite or --resume said to replace it.
+    # decide_start already refused an existing final/ unless --overwrite or --resume said to replace it.
     with OutputFolder(run / FINAL, kind=KIND_MODEL, overwrite=True, inputs=[*data_inputs, lineage_ref(parent)]) as folder:
         model.save_pretrained(str(folder.staging), state_dict=state_dict)
         tokenizer.save_pretrained(str(folder.staging))
@@ -390,10 +388,8 @@ def finish_trl(stage: str, trainer, callback, run: Path, parent: Path, data_inpu
 
 def open_run(stage: str, recipe: PostTrainRecipe, run: Path, parent: Path, resume: str, overwrite: bool) -> RunStart:
     """Decide fresh start, resume or nothing to do, and record the run; call it once the cheap checks passed."""
-    from smolctl.train.trackers import require_trackers
-
     check_sharding(recipe)
     require_trackers(recipe.logging.report_to)
-    start = plan_start(run, resume, overwrite, int(recipe.training.steps))
+    start = decide_start(run, resume, overwrite, int(recipe.training.steps))
     begin_run(run, stage, recipe.model_dump(mode="json", by_alias=True), parent, start)
     return start
