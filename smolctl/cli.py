@@ -138,7 +138,7 @@ def train_tokenizer_command(
     json_out: bool = JSON_OPTION,
 ) -> None:
     """Train a byte-level BPE tokenizer with ChatML chat template and special tokens for document end and padding."""
-    from smolctl.data.mix_plan import parse_amount
+    from smolctl.data.mix_schedule import parse_amount
     from smolctl.data.tokenizer import train_tokenizer
 
     documents = parse_amount(sample_documents, "--sample-documents") if sample_documents is not None else None
@@ -728,7 +728,7 @@ def mix_command(
 ) -> None:
     """Mix document sources by weight (tokens or bytes) in stages, with repetition limits and a seeded shuffle."""
     from smolctl.data.mix import prepare_mix
-    from smolctl.data.mix_plan import plan_from_flags, plan_from_recipe
+    from smolctl.data.mix_schedule import schedule_from_flags, schedule_from_recipe
 
     if recipe is not None:
         if source:
@@ -745,11 +745,11 @@ def mix_command(
                                     ("shuffle_buffer", shuffle_buffer if shuffle_buffer != 20_000 else None),
                                     ("text_column", text_column if text_column != "text" else None))
                  if value is not None]
-        plan = plan_from_recipe(recipe, [*(overrides or []), *extra])
+        plan = schedule_from_recipe(recipe, [*(overrides or []), *extra])
     else:
         if overrides:
             raise UserError("--set", "overrides a recipe", "pass --recipe, or set options directly")
-        plan = plan_from_flags(source or [], tokens=tokens, bytes_=bytes_, documents=documents, tokenizer=tokenizer,
+        plan = schedule_from_flags(source or [], tokens=tokens, bytes_=bytes_, documents=documents, tokenizer=tokenizer,
                                seed=seed or 0, max_repeat=1.0 if max_repeat is None else max_repeat,
                                text_column=text_column, shuffle_buffer=shuffle_buffer)
     job = prepare_mix(plan, output, overwrite=overwrite)
@@ -1343,8 +1343,8 @@ def estimate_command(
 ) -> None:
     """Parameters, memory per GPU, FLOPs, time and cost of a training run; --find what fits; --validate against
     a measured forward + backward."""
-    from smolctl.infra.estimate import InferencePlan, estimate, estimate_inference, transformers_config
-    from smolctl.infra.plan import plan_from_sources
+    from smolctl.infra.estimate import InferenceScenario, estimate, estimate_inference, transformers_config
+    from smolctl.infra.scenario import scenario_from_sources
 
     if recipe is not None and model is not None:
         raise UserError("estimate", "got both RECIPE and --model", "pass one (flags override the recipe's values)")
@@ -1355,9 +1355,9 @@ def estimate_command(
                  attention=attention, precision=precision, optimizer=optimizer, mfu=mfu, price_per_gpu_hour=price,
                  target_days=target_days, checkpoint_gbps=checkpoint_gbps, checkpoint_hours=checkpoint_hours,
                  overhead=overhead, tf32=tf32, framework=framework, async_checkpoint=False if sync_checkpoint else None)
-    plan = plan_from_sources(recipe=recipe, overrides=overrides, flags=flags)
+    plan = scenario_from_sources(recipe=recipe, overrides=overrides, flags=flags)
     if inference_mode:
-        served = estimate_inference(plan, InferencePlan(context, batch, kv_dtype.lower(), compare_attention))
+        served = estimate_inference(plan, InferenceScenario(context, batch, kv_dtype.lower(), compare_attention))
         emit_json(served) if json_out else _render_inference(served)
         if require_fit and not served["inference"]["model"]["fits"]:
             raise CheckFailed(f"estimate: {served['model']['name']} does not fit {plan.gpu} for inference at "

@@ -13,13 +13,13 @@ import pytest
 
 from conftest import run_cli
 from smolctl.data.mix import prepare_mix
-from smolctl.data.mix_plan import parse_source, plan_from_flags, plan_from_recipe
+from smolctl.data.mix_schedule import parse_source, schedule_from_flags, schedule_from_recipe
 from smolctl.errors import UserError
 from smolctl.shards import open_documents, read_manifest
 
 
 def mix(sources: list[str], output: Path, **options):
-    return prepare_mix(plan_from_flags(sources, **options), output).run()
+    return prepare_mix(schedule_from_flags(sources, **options), output).run()
 
 
 def read_rows(folder: Path) -> pa.Table:
@@ -117,7 +117,7 @@ bytes = 300_000
 weights = { web = 80, code = 20, math = 0 }
 end_weights = { web = 20, code = 40, math = 40 }
 """)
-    result = prepare_mix(plan_from_recipe(recipe), tmp_path / "out").run()
+    result = prepare_mix(schedule_from_recipe(recipe), tmp_path / "out").run()
     stable, decay = (read_rows(tmp_path / "out" / name) for name in ("stable", "decay"))
     for name, target in byte_shares(stable).items():
         assert abs(target - {"web": 0.6, "code": 0.3, "math": 0.1}[name]) < 0.01
@@ -156,7 +156,7 @@ name = "second"
 documents = 200
 weights = { math = 1 }
 """)
-    prepare_mix(plan_from_recipe(recipe), tmp_path / "mix").run()
+    prepare_mix(schedule_from_recipe(recipe), tmp_path / "mix").run()
     result = pack(str(tmp_path / "mix"), tmp_path / "packed", tokenizer_spec=str(tokenizer_dir),
                   config=PackConfig(seq_len=128, strategy="concat"))
     packed = open_packed(tmp_path / "packed")
@@ -186,7 +186,7 @@ name = "two"
 documents = 100
 weights = {{ web = 1, extra = 1 }}
 """)
-    result = prepare_mix(plan_from_recipe(recipe), tmp_path / "out").run()
+    result = prepare_mix(schedule_from_recipe(recipe), tmp_path / "out").run()
     one = result.stages[0].sources
     assert [s.end_weight for s in one] == [0.5, 0.5] and one[1].target_weight == pytest.approx(0.25)
     rows = read_rows(tmp_path / "out" / "two")
@@ -216,7 +216,7 @@ def test_parse_source_splits_on_the_last_colon():
 ])
 def test_bad_flags(sources, options, message):
     with pytest.raises(UserError, match=message):
-        prepare_mix(plan_from_flags(sources, **options), "unused-output")
+        prepare_mix(schedule_from_flags(sources, **options), "unused-output")
 
 
 def test_bad_recipes(sample, tmp_path):
@@ -235,13 +235,13 @@ weights = { web = 1 }
     ]
     for body, message in cases:
         with pytest.raises(UserError, match=message):
-            plan_from_recipe(write_recipe(tmp_path / "r.toml", sample, body))
+            schedule_from_recipe(write_recipe(tmp_path / "r.toml", sample, body))
 
 
 def test_schema_clash_is_an_error(sample, tmp_path):
     pq.write_table(pa.table({"text": ["x"], "origin": [1]}), tmp_path / "other.parquet")
     with pytest.raises(UserError, match="column 'origin' is int64 but string"):
-        prepare_mix(plan_from_flags([f"web={sample}/web:1", f"other={tmp_path}/other.parquet:1"]), tmp_path / "out")
+        prepare_mix(schedule_from_flags([f"web={sample}/web:1", f"other={tmp_path}/other.parquet:1"]), tmp_path / "out")
 
 
 def test_cli_recipe_with_overrides_then_pack(sample, tokenizer_dir, tmp_path):
@@ -298,7 +298,7 @@ def curriculum_mix(sample: Path, tmp: Path, order: str, name: str, seed: int = 5
     recipe = tmp / f"{name}.toml"
     recipe.write_text(CURRICULUM.format(web=scored_copy(sample, "web", tmp), code=scored_copy(sample, "code", tmp),
                                         order=order).replace("seed = 5", f"seed = {seed}"))
-    prepare_mix(plan_from_recipe(recipe), tmp / name).run()
+    prepare_mix(schedule_from_recipe(recipe), tmp / name).run()
     return tmp / name
 
 
@@ -354,5 +354,5 @@ def test_bad_curriculum_orders(sample, tmp_path, order, message):
     recipe.write_text(CURRICULUM.format(web=scored_copy(sample, "web", tmp_path), code=scored_copy(sample, "code", tmp_path),
                                         order=order))
     with pytest.raises(UserError, match=message):
-        prepare_mix(plan_from_recipe(recipe), tmp_path / "out")
+        prepare_mix(schedule_from_recipe(recipe), tmp_path / "out")
     assert not (tmp_path / "out").exists()

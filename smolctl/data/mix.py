@@ -23,7 +23,7 @@ Both passes are units of work (smolctl/data/array_tasks.py): `measure` has one u
 one per output block (smolctl/data/mix_blocks.py finds a block's rows on its own). A plain run does them all in
 order; `--stage measure|write --tasks N --task-id I` does a share as one task of a Slurm array, and whichever
 call writes the last block assembles OUTPUT. The bytes are the same for any split. A curriculum stage
-(`order = "ascending:SCORE"`, see mix_plan.py) sorts each source's whole slice by score, so it is one writing
+(`order = "ascending:SCORE"`, see mix_schedule.py) sorts each source's whole slice by score, so it is one writing
 unit (its blocks sorted by score instead of shuffled).
 """
 
@@ -43,7 +43,7 @@ from smolctl.data.array_tasks import (FINGERPRINT_KEY, AlreadyCommitted, WorkAre
                                       link_or_copy, task_units, unless_committed)
 from smolctl.data.mix_blocks import (BINS, SOURCE_COLUMN, row_bins, save_arrays, slice_pieces, source_key, write_block,
                                      write_curriculum)
-from smolctl.data.mix_plan import MixPlan, Stage, check_order_columns
+from smolctl.data.mix_schedule import MixSchedule, Stage, check_order_columns
 from smolctl.errors import UserError
 from smolctl.shards import KIND_DOCUMENTS, DocumentSource, OutputFolder, atomic_write_json, open_documents, schema_to_dict
 
@@ -150,7 +150,7 @@ def walk_units(cumulative: np.ndarray, boundary: int) -> int:
     return epoch * int(cumulative[-1]) + int(cumulative[index])
 
 
-def allocate(plan: MixPlan, profiles: dict[str, SourceProfile]) -> list[list[SourceReport]]:
+def allocate(plan: MixSchedule, profiles: dict[str, SourceProfile]) -> list[list[SourceReport]]:
     """Each stage's per-source slices. Raises a UserError for a weight that needs more than max_repeat."""
     cumulative = {n: np.concatenate([[0], np.cumsum(p.units)]) for n, p in profiles.items()}
     position = {name: 0 for name in profiles}  # global bin boundary reached by earlier stages
@@ -194,7 +194,7 @@ def allocate(plan: MixPlan, profiles: dict[str, SourceProfile]) -> list[list[Sou
     return allocations
 
 
-def check_room(plan: MixPlan, stage: Stage, profile: SourceProfile, share: float, total: float, room: float) -> None:
+def check_room(plan: MixSchedule, stage: Stage, profile: SourceProfile, share: float, total: float, room: float) -> None:
     need = share * total
     if need <= room * (1 + 1e-9):
         return
@@ -275,7 +275,7 @@ class MixResult:
 class MixJob:
     """A validated mix (sources opened, schemas unified, tokenizer loaded): see `prepare_mix`."""
 
-    plan: MixPlan
+    plan: MixSchedule
     output: Path
     overwrite: bool
     sources: dict[str, DocumentSource]
@@ -462,7 +462,7 @@ def totals(stages: list[StageReport], unit: str) -> dict:
     return {unit: sum(s.units for s in stages), "documents": sum(s.documents for s in stages)}
 
 
-def prepare_mix(plan: MixPlan, output: str | Path, *, overwrite: bool = False) -> MixJob:
+def prepare_mix(plan: MixSchedule, output: str | Path, *, overwrite: bool = False) -> MixJob:
     """Open and check every source, unify their schemas, load the tokenizer: before any work. The output folder
     is checked by `MixJob.run` (an array task may find it already committed by its own run)."""
     used = [name for name in plan.sources if any(stage.share(name) > 0 for stage in plan.stages)]

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from smolctl.data.mix_plan import ORDER_COLUMN, MixPlan, Stage, ascending_stream, block_order
+from smolctl.data.mix_schedule import ORDER_COLUMN, MixSchedule, Stage, ascending_stream, block_order
 from smolctl.errors import UserError
 from smolctl.shards import sha256_file
 
@@ -154,7 +154,7 @@ def slice_rows(source, key: int, pieces: list[list[int]], begin: int, end: int) 
     return tables
 
 
-def slice_pieces(plan: MixPlan, stage_index: int, ranges: list, key: int, file_documents: list[np.ndarray]) -> list[list[int]]:
+def slice_pieces(plan: MixSchedule, stage_index: int, ranges: list, key: int, file_documents: list[np.ndarray]) -> list[list[int]]:
     """A source's slice as [pass, lo, hi, file, rows] runs in reading order: each bin range one pass, the files of
     a pass in a seeded order, the rows of a file in the range in file order."""
     cumulative = [np.concatenate([[0], np.cumsum(documents)]) for documents in file_documents]
@@ -168,7 +168,7 @@ def slice_pieces(plan: MixPlan, stage_index: int, ranges: list, key: int, file_d
     return pieces
 
 
-def write_block(plan: MixPlan, schema: pa.Schema, sources: dict, allocation: dict, stage_index: int, block: int,
+def write_block(plan: MixSchedule, schema: pa.Schema, sources: dict, allocation: dict, stage_index: int, block: int,
                 folder: Path, unit: int) -> list[dict]:
     """One output block: its rows from every source, in merged order, shuffled; written as one parquet shard."""
     stage = plan.stages[stage_index]
@@ -191,9 +191,9 @@ def write_block(plan: MixPlan, schema: pa.Schema, sources: dict, allocation: dic
     return [write_shard(pa.concat_tables(tables).take(pa.array(order[shuffle])), folder / f"{unit:05d}.parquet")]
 
 
-def write_curriculum(plan: MixPlan, schema: pa.Schema, sources: dict, allocation: dict, stage_index: int,
+def write_curriculum(plan: MixSchedule, schema: pa.Schema, sources: dict, allocation: dict, stage_index: int,
                      sizes: Callable[[pa.Array], np.ndarray], folder: Path, unit: int) -> list[dict]:
-    """A curriculum stage as one unit: each source's whole slice sorted by score (mix_plan.ascending_stream),
+    """A curriculum stage as one unit: each source's whole slice sorted by score (mix_schedule.ascending_stream),
     merged by due point, each block sorted by score; one shard per block."""
     stage = plan.stages[stage_index]
     streams = []

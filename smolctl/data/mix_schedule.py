@@ -1,7 +1,7 @@
-"""The plan of a `smolctl mix`: sources, stages, weights and budgets, from command-line flags or a TOML recipe,
+"""The schedule of a `smolctl mix`: sources, stages, weights and budgets, from command-line flags or a TOML recipe,
 and the order of a stage's rows (a seeded shuffle, or a curriculum from easy to hard).
 
-Everything here is checked before any data is read; `smolctl.data.mix` carries the plan out.
+Everything here is checked before any data is read; `smolctl.data.mix` carries it out.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class Stage:
 
 
 @dataclass
-class MixPlan:
+class MixSchedule:
     sources: dict[str, str]
     stages: list[Stage]
     tokenizer: str | None = None
@@ -141,9 +141,9 @@ def normalise(weights: dict[str, float], where: str, sources: dict[str, str]) ->
     return {name: weights.get(name, 0.0) / total for name in sources}
 
 
-def plan_from_flags(sources: list[str], *, tokens: str | None = None, bytes_: str | None = None,
+def schedule_from_flags(sources: list[str], *, tokens: str | None = None, bytes_: str | None = None,
                     documents: str | None = None, tokenizer: str | None = None, seed: int = 0,
-                    max_repeat: float = 1.0, text_column: str = "text", shuffle_buffer: int = 20_000) -> MixPlan:
+                    max_repeat: float = 1.0, text_column: str = "text", shuffle_buffer: int = 20_000) -> MixSchedule:
     parsed = [parse_source(text) for text in sources]
     if not parsed:
         raise UserError("--source", "no sources given", "pass --source NAME=PATH:WEIGHT (repeat it) or --recipe")
@@ -157,12 +157,12 @@ def plan_from_flags(sources: list[str], *, tokens: str | None = None, bytes_: st
     kind, amount = next(iter(budgets.items()), (None, None))
     weights = normalise({name: weight for name, _, weight in parsed}, "--source", paths)
     stage = Stage("mix", weights, weights, parse_amount(amount, f"--{kind}") if amount else None, kind)
-    plan = MixPlan(paths, [stage], tokenizer, seed, max_repeat, text_column, shuffle_buffer, staged=False)
-    check_plan(plan)
-    return plan
+    schedule = MixSchedule(paths, [stage], tokenizer, seed, max_repeat, text_column, shuffle_buffer, staged=False)
+    check_schedule(schedule)
+    return schedule
 
 
-def plan_from_recipe(path: str | Path, overrides: list[str] = ()) -> MixPlan:
+def schedule_from_recipe(path: str | Path, overrides: list[str] = ()) -> MixSchedule:
     recipe = load_recipe(MixRecipe, path, overrides)
     sources = {name: section.path for name, section in recipe.sources.items()}
     if not sources:
@@ -186,31 +186,31 @@ def plan_from_recipe(path: str | Path, overrides: list[str] = ()) -> MixPlan:
         if amount is not None and amount < 1:
             raise UserError(where, f"{kind} = {amount}", "budgets are positive")
         stages.append(Stage(section.name, start, end, amount, kind, section.order))
-    plan = MixPlan(sources, stages, recipe.tokenizer, recipe.seed, recipe.max_repeat, recipe.text_column,
+    schedule = MixSchedule(sources, stages, recipe.tokenizer, recipe.seed, recipe.max_repeat, recipe.text_column,
                    recipe.shuffle_buffer, staged=True)
-    check_plan(plan)
-    return plan
+    check_schedule(schedule)
+    return schedule
 
 
-def check_plan(plan: MixPlan) -> None:
-    if not (plan.max_repeat > 0 and math.isfinite(plan.max_repeat)):
-        raise UserError("--max-repeat", f"{plan.max_repeat} is not a positive number", "use e.g. 1 (each document at most once) or 4")
-    if plan.shuffle_buffer < 1:
-        raise UserError("shuffle_buffer", f"{plan.shuffle_buffer} rows", "use a positive row count")
-    names = [stage.name for stage in plan.stages]
+def check_schedule(schedule: MixSchedule) -> None:
+    if not (schedule.max_repeat > 0 and math.isfinite(schedule.max_repeat)):
+        raise UserError("--max-repeat", f"{schedule.max_repeat} is not a positive number", "use e.g. 1 (each document at most once) or 4")
+    if schedule.shuffle_buffer < 1:
+        raise UserError("shuffle_buffer", f"{schedule.shuffle_buffer} rows", "use a positive row count")
+    names = [stage.name for stage in schedule.stages]
     for name in names:
         if not STAGE_NAME.fullmatch(name):
             raise UserError(f"stage {name!r}", "is not a usable folder name", "use letters, digits, '.', '_' and '-'")
     if len(set(names)) != len(names):
         raise UserError("stages", f"a stage name is used twice ({', '.join(names)})", "give each stage its own name")
-    for stage in plan.stages:
+    for stage in schedule.stages:
         kind, colon, key = stage.order.partition(":")
         if stage.order != "shuffle" and (kind != "ascending" or not colon or not key):
             raise UserError(f"stage {stage.name!r}: order", f"{stage.order!r} is not an order",
                             'use "shuffle", "ascending:length", "ascending:compression" or "ascending:COLUMN"')
-        if stage.budget_kind == "tokens" and not plan.tokenizer:
+        if stage.budget_kind == "tokens" and not schedule.tokenizer:
             raise UserError(f"stage {stage.name!r}", "a budget in tokens needs a tokenizer", "pass --tokenizer (or set tokenizer in the recipe), or give the budget in bytes")
-        if stage.budget_kind == "bytes" and plan.tokenizer:
+        if stage.budget_kind == "bytes" and schedule.tokenizer:
             raise UserError(f"stage {stage.name!r}", "with a tokenizer, weights are fractions of tokens, so a budget in bytes is ambiguous",
                             "give the budget in tokens or documents")
 
@@ -227,9 +227,9 @@ def check_plan(plan: MixPlan) -> None:
 # gives up the weights along it). Sorting holds one source's slice of the stage in memory.
 
 
-def check_order_columns(plan: MixPlan, schemas: dict[str, pa.Schema]) -> None:
+def check_order_columns(schedule: MixSchedule, schemas: dict[str, pa.Schema]) -> None:
     """Every source a curriculum stage uses has its score column, as numbers."""
-    for stage in plan.stages:
+    for stage in schedule.stages:
         key = stage.ascending_by
         if key is None or key in ORDER_PROXIES:
             continue
