@@ -44,7 +44,7 @@ CONFIG_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "h
 
 def _shape_cache_path(model: dict | str) -> Path | None:
     """Where the meta-device measurement of this exact model is kept. Importing torch and transformers' modeling
-    code costs seconds on a login node, while the measurement itself takes milliseconds: a repeat estimate of the
+    code is nearly all of a first estimate's time (benchmarks/RESULTS.md, "estimate"): a repeat estimate of the
     same model reads the cache instead. The key covers the model table (or preset / config.json content) and the
     transformers and smolctl versions."""
     if isinstance(model, dict):
