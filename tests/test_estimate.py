@@ -165,7 +165,7 @@ def test_smollm3_published_run_lands_near_24_days():
 def test_pipeline_stages_hold_the_embedding_first_and_the_head_last():
     scenario = scenario_from_sources(flags={"model": "llama3-8b", "gpus": 8, "pp": 4, "micro_batch": 1,
                                     "global_batch_tokens": 16 * 2048, "seq_len": 2048})
-    config, shape = load_model(scenario)
+    _, shape = load_model(scenario)
     one_stage = memory(scenario_from_sources(flags={"model": "llama3-8b", "gpus": 8, "seq_len": 2048}), shape)
     result = memory(scenario, shape)
     assert result["stage"] in ("first", "last")
@@ -176,7 +176,7 @@ def test_pipeline_stages_hold_the_embedding_first_and_the_head_last():
 def test_find_returns_the_largest_micro_batch_and_layouts_that_fit():
     scenario = scenario_from_sources(flags={"model": "smollm3-3b", "gpus": 16, "gpu": "a100-40", "seq_len": 4096, "zero": 1, "recompute": "full",
                                     "precision": "bf16"})
-    config, shape = load_model(scenario)
+    _, shape = load_model(scenario)
     from dataclasses import replace
 
     best = largest_micro_batch(scenario, shape)

@@ -9,6 +9,7 @@ the failure to run time and hides that a shared piece belongs lower down), and s
 from __future__ import annotations
 
 import ast
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -124,7 +125,7 @@ def describe_cycle(component: list[str], graph: dict[str, dict[str, int]]) -> st
         if step == start or step in seen:
             break
         seen.add(step)
-    hops = [f"{b} ({a.rpartition('.')[2]}.py line {graph[a][b]})" for a, b in zip(path, path[1:])]
+    hops = [f"{b} ({a.rpartition('.')[2]}.py line {graph[a][b]})" for a, b in itertools.pairwise(path)]
     return " → ".join([path[0], *hops])
 
 

@@ -88,12 +88,12 @@ def scaled_down(config, *, layers: int = 4, head_dim: int = 16, max_kv_heads: in
     kv = min(kv_heads_of(config), max_kv_heads)
     heads = kv * group
     hidden_per_head = config.hidden_size / (config.num_attention_heads * head_dim_of(config))
-    hidden = max(16, int(round(heads * head_dim * hidden_per_head / 8)) * 8)
+    hidden = max(16, round(heads * head_dim * hidden_per_head / 8) * 8)
     for derived in ("no_rope_layers", "layer_types", "max_window_layers", "head_dim"):
         raw.pop(derived, None)
     raw.update(num_hidden_layers=min(config.num_hidden_layers, layers), num_attention_heads=heads,
                num_key_value_heads=kv, hidden_size=hidden, vocab_size=min(config.vocab_size, vocab),
-               intermediate_size=max(8, int(round(hidden * config.intermediate_size / config.hidden_size))))
+               intermediate_size=max(8, round(hidden * config.intermediate_size / config.hidden_size)))
     if getattr(config, "head_dim", None) and hidden_per_head != 1:
         raw["head_dim"] = head_dim
     return config_from_dict(raw, "scaled-down copy")
@@ -101,7 +101,6 @@ def scaled_down(config, *, layers: int = 4, head_dim: int = 16, max_kv_heads: in
 
 def _register_recomputed_eager(model) -> None:
     """An attention implementation that checkpoints the model's own eager attention core."""
-    import torch
     from torch.utils.checkpoint import checkpoint
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask

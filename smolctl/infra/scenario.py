@@ -31,7 +31,7 @@ def parse_count(text: str | int | float, where: str) -> int:
         value = float(match.group(1).replace("_", "")) * _SUFFIXES[match.group(2).upper()]
     if not math.isfinite(value) or value <= 0:
         raise UserError(where, f"{text!r} must be a positive count", "write e.g. 11.2T, 100B or 5e9")
-    return int(round(value))
+    return round(value)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -206,7 +206,7 @@ def tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 - safe_open's handle is not iterable
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
     return shapes
 

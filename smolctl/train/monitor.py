@@ -83,14 +83,15 @@ def memory_use(device: str) -> dict:
 class Monitor:
     def __init__(self, run_dir: Path, *, title: str, enabled: bool, total_steps: int, start_step: int, flops_per_token: float,
                  peak: float | None, world_size: int, interval: int, show: bool, device: str = "cpu",
-                 profile_interval: int = 0, tracker: Tracker = NoTracker()):
+                 profile_interval: int = 0, tracker: Tracker | None = None):
         self.enabled, self.title, self.device = enabled, title, device
         self.total_steps, self.start_step = total_steps, start_step
         self.flops_per_token, self.peak, self.world_size = flops_per_token, peak, world_size
         self.interval = interval
-        # Collectives exist only with more than one process; every rank profiles the same steps (they wait on each other).
+        # Collectives exist only with more than one process; every rank profiles the same steps (they wait on each
+        # other).
         self.profile_interval = profile_interval if world_size > 1 else 0
-        self.tracker = tracker
+        self.tracker = tracker if tracker is not None else NoTracker()
         self.show = show and enabled
         self.metrics_path = Path(run_dir) / "metrics.jsonl"
         self.events_path = Path(run_dir) / "events.jsonl"
@@ -179,9 +180,9 @@ class Monitor:
     def _line(self, r: dict) -> str:
         speed = f"MFU {r['mfu']:.1%}" if r["mfu"] is not None else flops_text(r["flops_per_s"])
         remaining = (self.total_steps - r["step"]) * self._seconds_per_step()
-        return (f"step {r['step']:>{len(str(self.total_steps))}}/{self.total_steps} │ loss {r['loss']:.4f} │ lr {r['lr']:.2e} │ "
-                f"gnorm {r['grad_norm']:.2f} │ {human_count(r['tokens_per_s'])} tok/s │ data {r['data_wait']:.1%} │ {speed} │ "
-                f"eta {human_duration(remaining)}")
+        return (f"step {r['step']:>{len(str(self.total_steps))}}/{self.total_steps} │ loss {r['loss']:.4f} │ "
+                f"lr {r['lr']:.2e} │ gnorm {r['grad_norm']:.2f} │ {human_count(r['tokens_per_s'])} tok/s │ "
+                f"data {r['data_wait']:.1%} │ {speed} │ eta {human_duration(remaining)}")
 
     def _seconds_per_step(self) -> float:
         return (self._totals["data"] + self._totals["compute"]) / max(1, self._totals["steps"])
@@ -195,7 +196,8 @@ class Monitor:
             self.tracker.log({"val/loss": loss}, step)
 
     def rewind(self, step: int) -> None:
-        """After a rollback the steps past `step` run again: their metrics lines go (events stay: they are the record)."""
+        """After a rollback the steps past `step` run again: their metrics lines go (events stay: they are the
+        record)."""
         if self.enabled:
             _drop_lines_after(self.metrics_path, step)
             self._bar.update(self._task, completed=step)
