@@ -113,18 +113,28 @@ def strongly_connected(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 
 
 def describe_cycle(component: list[str], graph: dict[str, dict[str, int]]) -> str:
-    """One concrete loop through the component, with the line of each import: a → b (line 12) → a (line 40)."""
-    members = set(component)
-    start = component[0]
-    path, seen = [start], {start}
-    while True:
-        here = path[-1]
-        following = sorted(t for t in graph[here] if t in members)
-        step = start if start in following and len(path) > 1 else next((t for t in following if t not in seen), start)
-        path.append(step)
-        if step == start or step in seen:
-            break
-        seen.add(step)
+    """The shortest loop from the component's first module back to it, with the line of each import:
+    a → b (a.py line 12) → a (b.py line 40). A breadth-first search inside the component always finds one."""
+    members, start = set(component), component[0]
+    parent: dict[str, str] = {}
+    frontier, end = [start], None
+    while end is None:
+        following = []
+        for here in frontier:
+            for target in sorted(t for t in graph[here] if t in members):
+                if target == start:
+                    end = here
+                    break
+                if target not in parent:
+                    parent[target] = here
+                    following.append(target)
+            if end is not None:
+                break
+        frontier = following
+    chain = [end]  # end imports start; walk the search's parents back from end to start
+    while chain[-1] != start:
+        chain.append(parent[chain[-1]])
+    path = [*reversed(chain), start]
     hops = [f"{b} ({a.rpartition('.')[2]}.py line {graph[a][b]})" for a, b in itertools.pairwise(path)]
     return " → ".join([path[0], *hops])
 
@@ -148,7 +158,11 @@ def test_the_graph_reader_sees_function_local_relative_and_type_checking_imports
     assert graph["smolctl.infra.runner"] == {"smolctl.infra.report": 2, "smolctl.errors": 3, "smolctl.infra.stress": 5}
     assert graph["smolctl.infra.report"] == {"smolctl.infra.runner": 2}
     assert graph["smolctl.infra.stress"] == {"smolctl.infra.runner": 1}  # a submodule named after `import`
-    assert strongly_connected(graph) == [["smolctl.infra.report", "smolctl.infra.runner", "smolctl.infra.stress"]]
+    cycles = strongly_connected(graph)
+    assert cycles == [["smolctl.infra.report", "smolctl.infra.runner", "smolctl.infra.stress"]]
+    assert describe_cycle(cycles[0], graph) == (
+        "smolctl.infra.report → smolctl.infra.runner (report.py line 2) → smolctl.infra.report (runner.py line 2)"
+    )
 
 
 def test_no_import_cycles():
