@@ -370,10 +370,10 @@ class MixJob:
         for name, source in self.sources.items():
             mine = [per_file[u] for u, (owner, _) in enumerate(self.measure_units) if owner == name]
             units, documents = sum(m["units"] for m in mine), sum(m["documents"] for m in mine)
-            if "sample_bytes" in mine[0]:  # units are bytes: estimate the tokens from the sample's tokens per byte
+            if "sample_bytes" in mine[0]:  # units are bytes outside the sample: estimate their tokens from it
                 calibrations[name] = calibrate(name, int(documents.sum()), np.concatenate([m["sample_bytes"] for m in mine]),
                                                np.concatenate([m["sample_tokens"] for m in mine]))
-                units = calibrations[name].bin_tokens(units, sum(m["nonempty"] for m in mine))
+                units = calibrations[name].estimate(units, sum(m["nonempty"] for m in mine)) + sum(m["sampled"] for m in mine)
             profiles[name] = SourceProfile(name, source, source_key(self.plan.seed, name), units, documents)
         reports = allocate(self.plan, profiles)
         pieces = [{r.name: slice_pieces(self.plan, index, r.ranges, profiles[r.name].key,
