@@ -93,8 +93,8 @@ def test_sample_estimate_reaches_the_token_shares_pack_counts_within_half_a_poin
     from smolctl.data.pack import PackConfig, pack
 
     sources = [f"web={sample}/web:6", f"code={sample}/code:2.5", f"math={sample}/math:1.5"]
-    options = dict(tokens="400K", tokenizer=str(tokenizer_dir), max_repeat=3, shuffle_buffer=1000,
-                   token_estimate="sample", token_sample=600)
+    options = {"tokens": "400K", "tokenizer": str(tokenizer_dir), "max_repeat": 3, "shuffle_buffer": 1000,
+               "token_estimate": "sample", "token_sample": 600}
     job = prepare_mix(plan_from_flags(sources, **options), tmp_path / "out")
     job.backend = counting = CountingBackend(job.backend)
     result = job.run()
