@@ -85,12 +85,13 @@ def measure_file(source, file_index: int, key: int, text_column: str, backend, s
         texts = batch.column(0)
         if estimating:
             picked = in_sample(sample[0], sample[1], rows)
-            sizes = np.where(picked, 0, text_bytes(texts))
-            nonempty += np.bincount(bins, weights=sizes > 0, minlength=BINS).astype(np.int64)
+            sizes = text_bytes(texts)
             tokens = text_tokens(texts.filter(pa.array(picked)), backend)
             sampled += np.bincount(bins[picked], weights=np.where(tokens > 0, tokens + 1, 0), minlength=BINS).astype(np.int64)
-            sampled_bytes.append(text_bytes(texts.filter(pa.array(picked))))
+            sampled_bytes.append(sizes[picked])
             sampled_tokens.append(tokens)
+            sizes[picked] = 0  # counted exactly above: `units` and `nonempty` hold only what is left to estimate
+            nonempty += np.bincount(bins, weights=sizes > 0, minlength=BINS).astype(np.int64)
         else:
             sizes = document_sizes(texts, backend)
         units += np.bincount(bins, weights=sizes, minlength=BINS).astype(np.int64)
@@ -139,7 +140,7 @@ class TokenCalibration:
     def sizes(self, texts: pa.Array) -> np.ndarray:
         """Each document's estimated tokens, EOS included (0 for an empty one)."""
         sizes = text_bytes(texts)
-        return self.estimate(sizes, sizes > 0)
+        return self.estimate(sizes, (sizes > 0).astype(np.int64))
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "bytes_per_token": self.bytes_per_token, "source_documents": self.source_documents,
