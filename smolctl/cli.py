@@ -714,6 +714,12 @@ def mix_command(
     documents: Optional[str] = typer.Option(None, "--documents", help="Budget in documents, e.g. 100K."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Weigh by tokens with this tokenizer "
                                             "(else by bytes)."),
+    token_estimate: Optional[str] = typer.Option(None, "--token-estimate", metavar="auto|sample|exact", help="How "
+                                                 "tokens are counted. exact: tokenize every document. sample: tokenize "
+                                                 "a seeded sample of ~10,000 documents per source (recipe key "
+                                                 "token_sample), calibrate its bytes per token, estimate the rest from "
+                                                 "UTF-8 bytes. auto (default): sample a source of more than 100,000 "
+                                                 "documents, count smaller ones exactly."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seeds sampling and shuffling (default 0)."),
     max_repeat: Optional[float] = typer.Option(None, "--max-repeat", help="How many times a source may be used "
                                                "across all stages (default 1: each document at most once)."),
@@ -742,6 +748,7 @@ def mix_command(
         # Options given with a recipe override its keys; json.dumps writes a valid TOML string or number.
         extra = [f"{key}={json.dumps(value)}"
                  for key, value in (("seed", seed), ("max_repeat", max_repeat), ("tokenizer", tokenizer),
+                                    ("token_estimate", token_estimate),
                                     ("shuffle_buffer", shuffle_buffer if shuffle_buffer != 20_000 else None),
                                     ("text_column", text_column if text_column != "text" else None))
                  if value is not None]
@@ -751,7 +758,8 @@ def mix_command(
             raise UserError("--set", "overrides a recipe", "pass --recipe, or set options directly")
         plan = schedule_from_flags(source or [], tokens=tokens, bytes_=bytes_, documents=documents, tokenizer=tokenizer,
                                seed=seed or 0, max_repeat=1.0 if max_repeat is None else max_repeat,
-                               text_column=text_column, shuffle_buffer=shuffle_buffer)
+                               text_column=text_column, shuffle_buffer=shuffle_buffer,
+                               token_estimate=token_estimate or "auto")
     job = prepare_mix(plan, output, overwrite=overwrite)
     with progress(not json_out) as bar:
         measuring = bar.add_task(f"measuring sources ({plan.unit})", total=job.total_rows, rate="", visible=False)
@@ -775,6 +783,10 @@ def mix_command(
                      else f"{s.target_weight:.3f}", f"{s.achieved_weight:.3f}", human_count(s.units),
                      human_count(s.documents), f"{s.repeat:.2f}x", f"{s.cumulative_repeat:.2f}x"]
                     for s in report.sources)))
+    for name, estimate in (result.token_estimates or {}).items():
+        if estimate["mode"] == "sample":
+            show(f"{name}: tokens estimated at {estimate['bytes_per_token']:.3f} bytes/token, calibrated on "
+                 f"{estimate['sample_documents']:,} sampled documents (split-half error {estimate['holdout_error'] or 0:.2%})")
     show(styled(f"weights are fractions of [bold]{result.unit}[/]"
                 + ("" if result.unit == "tokens" else " (pass --tokenizer to weigh by tokens)")
                 + f"; seed {result.seed}, max repeat {result.max_repeat:g}; {result.seconds:.1f}s"))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -41,13 +42,17 @@ def source_key(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}\0{name}".encode()).digest()[:8], "little")
 
 
-def row_bins(key: int, rows: np.ndarray) -> np.ndarray:
-    """A bin in [0, BINS) for each global row index: splitmix64 of (row, key), top bits. Pure, vectorised."""
+def row_hash(key: int, rows: np.ndarray) -> np.ndarray:
+    """A uniform 64-bit hash of each global row index: splitmix64 of (row, key). Pure, vectorised."""
     z = (rows.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(key)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z ^= z >> np.uint64(31)
-    return (z >> np.uint64(64 - BIN_BITS)).astype(np.int64)
+    return z ^ (z >> np.uint64(31))
+
+
+def row_bins(key: int, rows: np.ndarray) -> np.ndarray:
+    """A bin in [0, BINS) for each global row index: the top bits of its hash."""
+    return (row_hash(key, rows) >> np.uint64(64 - BIN_BITS)).astype(np.int64)
 
 
 def conform(batch: pa.RecordBatch, schema: pa.Schema, name: str) -> pa.Table:
@@ -192,9 +197,10 @@ def write_block(plan: MixSchedule, schema: pa.Schema, sources: dict, allocation:
 
 
 def write_curriculum(plan: MixSchedule, schema: pa.Schema, sources: dict, allocation: dict, stage_index: int,
-                     sizes: Callable[[pa.Array], np.ndarray], folder: Path, unit: int) -> list[dict]:
+                     sizes: Callable[[str, pa.Array], np.ndarray], folder: Path, unit: int) -> list[dict]:
     """A curriculum stage as one unit: each source's whole slice sorted by score (mix_schedule.ascending_stream),
-    merged by due point, each block sorted by score; one shard per block."""
+    merged by due point, each block sorted by score; one shard per block. `sizes(source, texts)` sizes the
+    documents in the mix's unit."""
     stage = plan.stages[stage_index]
     streams = []
     for report in [r for r in allocation["reports"][stage_index] if r.documents]:
@@ -203,7 +209,8 @@ def write_curriculum(plan: MixSchedule, schema: pa.Schema, sources: dict, alloca
                                 for t in slice_rows(sources[report.name], key, pieces, 0, report.documents))
         order = SliceOrder(stage, report.name, report.documents)
         streams.append(ascending_stream(iter([(rows, order.due(np.arange(report.documents)))]), stage,
-                                        plan.text_column, sizes, lambda progress, name=report.name: due_points(stage, name, progress)))
+                                        plan.text_column, partial(sizes, report.name),
+                                        lambda progress, name=report.name: due_points(stage, name, progress)))
     return [write_shard(block, folder / f"{unit:05d}-{index:05d}.parquet")
             for index, block in enumerate(merged_blocks(streams, plan.shuffle_buffer, plan.seed, stage_index))]
 

@@ -21,6 +21,13 @@ from smolctl.errors import UserError
 from smolctl.recipe import Section, load_recipe
 
 BUDGET_KINDS = ("tokens", "bytes", "documents")
+TOKEN_ESTIMATES = ("auto", "sample", "exact")
+"""How a source's tokens are counted (with a tokenizer): `exact` tokenizes every document; `sample` tokenizes a
+seeded sample of about `token_sample` documents, calibrates the source's tokens per UTF-8 byte on it and estimates
+every document from its byte length; `auto` samples a source of more than SAMPLE_ABOVE x token_sample documents
+(the sample is under a tenth of it) and counts smaller sources exactly (their full pass costs little)."""
+SAMPLE_ABOVE = 10
+DEFAULT_TOKEN_SAMPLE = 10_000
 STAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 ORDER_PROXIES = ("length", "compression")
 """Built-in difficulty scores: UTF-8 bytes of the text, and zlib-compressed bytes / raw bytes (repetitive,
@@ -58,6 +65,10 @@ class MixRecipe(Section):
     """How many times each source may be used across all stages together."""
     tokenizer: str | None = None
     """Weigh by tokens with this tokenizer (folder or hub id); without one, weights are fractions of bytes."""
+    token_estimate: str = "auto"
+    """auto, sample or exact: how each source's tokens are counted (see TOKEN_ESTIMATES)."""
+    token_sample: int = DEFAULT_TOKEN_SAMPLE
+    """Documents per source tokenized to calibrate its bytes per token in `sample` mode."""
     text_column: str = "text"
     shuffle_buffer: int = 20_000
     """Rows per shuffled output block."""
@@ -98,6 +109,17 @@ class MixSchedule:
     shuffle_buffer: int = 20_000
     staged: bool = True
     """True: each stage goes to OUTPUT/<stage>/ under a top-level manifest; False: OUTPUT is the one stage."""
+    token_estimate: str = "auto"
+    token_sample: int = DEFAULT_TOKEN_SAMPLE
+
+    def sample_fraction(self, documents: int) -> float | None:
+        """The fraction of a source of `documents` rows whose tokens calibrate its estimate; None: count every
+        document's tokens (exact mode, or no tokenizer)."""
+        if not self.tokenizer or self.token_estimate == "exact":
+            return None
+        if self.token_estimate == "auto" and documents <= SAMPLE_ABOVE * self.token_sample:
+            return None
+        return min(1.0, self.token_sample / max(1, documents))
 
     @property
     def unit(self) -> str:
@@ -143,7 +165,8 @@ def normalise(weights: dict[str, float], where: str, sources: dict[str, str]) ->
 
 def schedule_from_flags(sources: list[str], *, tokens: str | None = None, bytes_: str | None = None,
                     documents: str | None = None, tokenizer: str | None = None, seed: int = 0,
-                    max_repeat: float = 1.0, text_column: str = "text", shuffle_buffer: int = 20_000) -> MixSchedule:
+                    max_repeat: float = 1.0, text_column: str = "text", shuffle_buffer: int = 20_000,
+                    token_estimate: str = "auto", token_sample: int = DEFAULT_TOKEN_SAMPLE) -> MixSchedule:
     parsed = [parse_source(text) for text in sources]
     if not parsed:
         raise UserError("--source", "no sources given", "pass --source NAME=PATH:WEIGHT (repeat it) or --recipe")
@@ -157,9 +180,10 @@ def schedule_from_flags(sources: list[str], *, tokens: str | None = None, bytes_
     kind, amount = next(iter(budgets.items()), (None, None))
     weights = normalise({name: weight for name, _, weight in parsed}, "--source", paths)
     stage = Stage("mix", weights, weights, parse_amount(amount, f"--{kind}") if amount else None, kind)
-    schedule = MixSchedule(paths, [stage], tokenizer, seed, max_repeat, text_column, shuffle_buffer, staged=False)
-    check_schedule(schedule)
-    return schedule
+    plan = MixSchedule(paths, [stage], tokenizer, seed, max_repeat, text_column, shuffle_buffer, staged=False,
+                   token_estimate=token_estimate, token_sample=token_sample)
+    check_schedule(plan)
+    return plan
 
 
 def schedule_from_recipe(path: str | Path, overrides: list[str] = ()) -> MixSchedule:
@@ -186,31 +210,39 @@ def schedule_from_recipe(path: str | Path, overrides: list[str] = ()) -> MixSche
         if amount is not None and amount < 1:
             raise UserError(where, f"{kind} = {amount}", "budgets are positive")
         stages.append(Stage(section.name, start, end, amount, kind, section.order))
-    schedule = MixSchedule(sources, stages, recipe.tokenizer, recipe.seed, recipe.max_repeat, recipe.text_column,
-                   recipe.shuffle_buffer, staged=True)
-    check_schedule(schedule)
-    return schedule
+    plan = MixSchedule(sources, stages, recipe.tokenizer, recipe.seed, recipe.max_repeat, recipe.text_column,
+                   recipe.shuffle_buffer, staged=True, token_estimate=recipe.token_estimate,
+                   token_sample=recipe.token_sample)
+    check_schedule(plan)
+    return plan
 
 
-def check_schedule(schedule: MixSchedule) -> None:
-    if not (schedule.max_repeat > 0 and math.isfinite(schedule.max_repeat)):
-        raise UserError("--max-repeat", f"{schedule.max_repeat} is not a positive number", "use e.g. 1 (each document at most once) or 4")
-    if schedule.shuffle_buffer < 1:
-        raise UserError("shuffle_buffer", f"{schedule.shuffle_buffer} rows", "use a positive row count")
-    names = [stage.name for stage in schedule.stages]
+def check_schedule(plan: MixSchedule) -> None:
+    if not (plan.max_repeat > 0 and math.isfinite(plan.max_repeat)):
+        raise UserError("--max-repeat", f"{plan.max_repeat} is not a positive number", "use e.g. 1 (each document at most once) or 4")
+    if plan.shuffle_buffer < 1:
+        raise UserError("shuffle_buffer", f"{plan.shuffle_buffer} rows", "use a positive row count")
+    if plan.token_estimate not in TOKEN_ESTIMATES:
+        raise UserError("--token-estimate", f"unknown mode {plan.token_estimate!r}", f"use one of {', '.join(TOKEN_ESTIMATES)}")
+    if plan.token_estimate != "auto" and not plan.tokenizer:
+        raise UserError("--token-estimate", f"{plan.token_estimate} counts tokens, and no tokenizer is given",
+                        "pass --tokenizer (or set tokenizer in the recipe), or leave --token-estimate out to weigh by bytes")
+    if plan.token_sample < 1:
+        raise UserError("token_sample", f"{plan.token_sample} documents", "sample a positive number of documents per source")
+    names = [stage.name for stage in plan.stages]
     for name in names:
         if not STAGE_NAME.fullmatch(name):
             raise UserError(f"stage {name!r}", "is not a usable folder name", "use letters, digits, '.', '_' and '-'")
     if len(set(names)) != len(names):
         raise UserError("stages", f"a stage name is used twice ({', '.join(names)})", "give each stage its own name")
-    for stage in schedule.stages:
+    for stage in plan.stages:
         kind, colon, key = stage.order.partition(":")
         if stage.order != "shuffle" and (kind != "ascending" or not colon or not key):
             raise UserError(f"stage {stage.name!r}: order", f"{stage.order!r} is not an order",
                             'use "shuffle", "ascending:length", "ascending:compression" or "ascending:COLUMN"')
-        if stage.budget_kind == "tokens" and not schedule.tokenizer:
+        if stage.budget_kind == "tokens" and not plan.tokenizer:
             raise UserError(f"stage {stage.name!r}", "a budget in tokens needs a tokenizer", "pass --tokenizer (or set tokenizer in the recipe), or give the budget in bytes")
-        if stage.budget_kind == "bytes" and schedule.tokenizer:
+        if stage.budget_kind == "bytes" and plan.tokenizer:
             raise UserError(f"stage {stage.name!r}", "with a tokenizer, weights are fractions of tokens, so a budget in bytes is ambiguous",
                             "give the budget in tokens or documents")
 
@@ -227,9 +259,9 @@ def check_schedule(schedule: MixSchedule) -> None:
 # gives up the weights along it). Sorting holds one source's slice of the stage in memory.
 
 
-def check_order_columns(schedule: MixSchedule, schemas: dict[str, pa.Schema]) -> None:
+def check_order_columns(plan: MixSchedule, schemas: dict[str, pa.Schema]) -> None:
     """Every source a curriculum stage uses has its score column, as numbers."""
-    for stage in schedule.stages:
+    for stage in plan.stages:
         key = stage.ascending_by
         if key is None or key in ORDER_PROXIES:
             continue
