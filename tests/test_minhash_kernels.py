@@ -174,6 +174,16 @@ def test_intersections_count_common_members(kernels):
     assert common.tolist() == want
 
 
+def test_intersections_of_random_sets_of_every_size(kernels):
+    rng = np.random.default_rng(8)
+    sets = [np.unique(rng.integers(0, 3 * size + 1, size, dtype=np.uint64)) for size in rng.integers(0, 300, 60)]
+    values, bounds = np.concatenate(sets), np.concatenate([[0], np.cumsum([len(s) for s in sets])]).astype(np.int64)
+    left, right = rng.integers(0, len(sets), 500), rng.integers(0, len(sets), 500)
+    common = np.empty(len(left), np.int64)
+    kernels.intersections(values, bounds, left, right, common)
+    assert common.tolist() == [len(set(sets[a].tolist()) & set(sets[b].tolist())) for a, b in zip(left, right)]
+
+
 def test_kernels_refuse_buffers_that_do_not_fit(kernels):
     exact, room, counts = np.empty((2, 2), np.uint64), np.empty(8, np.uint64), np.empty(2, np.int64)
     for starts, ends in (([0, 5], [5, 3]), ([0, 3], [4, 9]), ([-1, 0], [2, 2])):  # backwards, across both buffers, negative

@@ -267,18 +267,25 @@ def intersections(values, bounds, left, right, out) -> None:
 
 
 def _common_members(values: np.ndarray, bounds: np.ndarray, sizes: np.ndarray, left: np.ndarray, right: np.ndarray):
-    """Per pair, the members of both sets: each set is unique, so a value twice within a pair is common."""
-    sides = np.concatenate([left, right])
-    counts = sizes[sides]
-    pair = np.repeat(np.tile(np.arange(len(left)), 2), counts)
-    member = (
-        np.repeat(bounds[sides], counts) + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    )
-    pooled = values[member]
-    order = np.lexsort((pooled, pair))
-    pair, pooled = pair[order], pooled[order]
-    twice = (pair[1:] == pair[:-1]) & (pooled[1:] == pooled[:-1])
-    return np.bincount(pair[1:][twice], minlength=len(left))
+    """Per pair, how many members of its smaller set the larger one holds: a binary search in the larger set,
+    run for every member of every pair at once (the sets are sorted and unique)."""
+    small = np.where(sizes[left] <= sizes[right], left, right)
+    large = left + right - small
+    counts = sizes[small]
+    pair = np.repeat(np.arange(len(left)), counts)
+    member = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    wanted = values[bounds[small][pair] + member]
+    low, end = bounds[large][pair], bounds[large + 1][pair]
+    high = end.copy()
+    # Lower bound: after these halvings low is the first position of the larger set not below the member.
+    for _ in range(int(sizes.max(initial=0)).bit_length()):
+        middle = (low + high) >> 1
+        searching = low < high
+        below = searching & (values[np.minimum(middle, len(values) - 1)] < wanted)
+        low = np.where(below, middle + 1, low)
+        high = np.where(searching & ~below, middle, high)
+    found = (low < end) & (values[np.minimum(low, len(values) - 1)] == wanted)
+    return np.bincount(pair[found], minlength=len(left))
 
 
 def agreements(signatures, perms: int, left, right, out) -> None:
