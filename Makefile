@@ -16,6 +16,8 @@ $(BIN)/smolctl: pyproject.toml setup.py smolctl/data/_minhash.c
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIN)
 	echo "$(TORCH_PIN)" > $(VENV)/constraints.txt
+	# A kernel built before the stable-ABI switch would shadow the new _minhash.abi3.so (Python prefers it).
+	rm -f smolctl/data/_minhash.cpython-*.so
 	$(BIN)/python -m pip install -q -c $(VENV)/constraints.txt -e '.[test]'
 	touch $(BIN)/smolctl
 
@@ -38,4 +40,4 @@ completions: install
 	$(BIN)/python -m smolctl.completions completions
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache build dist
+	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache build dist smolctl/data/_minhash*.so
