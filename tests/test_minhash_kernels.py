@@ -1,11 +1,14 @@
-"""The C kernels of smolctl/data/_minhash.c against plain-Python statements of what they compute, bit for bit,
-on the awkward cases: empty and whitespace-only documents, punctuation-only tokens, upper-case ASCII, non-ASCII
-bytes, every separator the tokeniser knows, tokens of thousands of bytes, arrays sliced at an offset,
-documents shorter than the n-gram, and malformed buffers."""
+"""The C kernels of smolctl/data/_minhash.c, and their numpy fallback (smolctl/data/minhash_fallback.py, for installs
+without a compiler), against plain-Python statements of what they compute, bit for bit, on the awkward cases: empty
+and whitespace-only documents, punctuation-only tokens, upper-case ASCII, non-ASCII bytes, every separator the
+tokeniser knows, tokens of thousands of bytes, arrays sliced at an offset, documents shorter than the n-gram, and
+malformed buffers."""
 
 from __future__ import annotations
 
+import functools
 import random
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -13,18 +16,36 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from smolctl.data import _minhash, minhash
+from smolctl.data import minhash, minhash_fallback
 from conftest import SAMPLE
+
+try:
+    from smolctl.data import _minhash
+except ImportError:  # built without a compiler: only the fallback can be tested
+    _minhash = None
 
 MASK = (1 << 64) - 1
 RADIX = 0x100000001B3
 SPACES = b"\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f "
 
 
+@pytest.fixture(params=["c", "numpy"])
+def kernels(request, monkeypatch):
+    """The kernels every smolctl module calls, for the length of one test: the C extension or the numpy fallback."""
+    chosen = _minhash if request.param == "c" else minhash_fallback
+    if chosen is None:
+        pytest.skip("the C extension is not built")
+    for module in list(sys.modules.values()):
+        if module.__name__.startswith("smolctl.") and getattr(module, "_minhash", None) in (_minhash, minhash_fallback):
+            monkeypatch.setattr(module, "_minhash", chosen)
+    return chosen
+
+
 def is_word_byte(b: int) -> bool:
     return b >= 128 or chr(b).isalnum() or b == ord("_")
 
 
+@functools.cache  # a token of megabytes is often its own word
 def span_hash(data: bytes) -> int:
     """8-byte little-endian chunks of the lower-cased bytes (the last zero-padded) times R^(8m + 1), summed,
     then finished with the length."""
@@ -41,6 +62,7 @@ def mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
+@functools.cache  # each text is checked against both kernels
 def reference_tokens(text: str) -> tuple[list[int], list[int]]:
     """Token and word hashes of one document's normalised text: tokens split on ASCII whitespace, words trimmed
     of the bytes that are neither ASCII whitespace nor word bytes (ASCII punctuation and control characters)."""
@@ -50,9 +72,10 @@ def reference_tokens(text: str) -> tuple[list[int], list[int]]:
     tokens, words = [], []
     for token in (t for t in raw.split(b" ") if t):
         tokens.append(span_hash(token))
-        inside = [i for i, b in enumerate(token) if is_word_byte(b)]
-        if inside:
-            words.append(span_hash(token[inside[0]:inside[-1] + 1]))
+        first = next((i for i, b in enumerate(token) if is_word_byte(b)), None)
+        if first is not None:
+            last = next(i for i in reversed(range(len(token))) if is_word_byte(token[i]))
+            words.append(span_hash(token[first:last + 1]))
     return tokens, words
 
 
@@ -62,7 +85,7 @@ AWKWARD = ["", "   ", "\t\n", "a", "...", "Hello, World!", "(x) [y] {z}", "UPPER
            "a" * 5000, "," + "b" * 4100 + ",", " lead", "trail ", "x y z w v u t"]
 
 
-def test_tokenize_matches_the_python_definition():
+def test_tokenize_matches_the_python_definition(kernels):
     sample = pq.read_table(sorted((SAMPLE / "web").glob("part-*.parquet"))[0], columns=["text"]).column(0).to_pylist()
     texts = AWKWARD + sample[:40]
     for array in (pa.array(texts, pa.string()), pa.array(texts, pa.large_string()), pa.array(["pad"] + texts).slice(1)):
@@ -84,7 +107,7 @@ def check_against_reference(tokens: minhash.Tokens, texts: list[str]) -> None:
         assert tokens.words[tokens.word_offsets[i]:tokens.word_offsets[i + 1]].tolist() == want_words, repr(text[:40])
 
 
-def test_tokenize_matches_the_python_definition_on_random_byte_soup():
+def test_tokenize_matches_the_python_definition_on_random_byte_soup(kernels):
     """Random documents over an alphabet of every byte class, with runs long enough to cross the kernel's
     8-byte chunks at every alignment (tokens of 7, 8, 9, 16 bytes, space runs of 8 and more)."""
     rng = random.Random(5)
@@ -94,13 +117,13 @@ def test_tokenize_matches_the_python_definition_on_random_byte_soup():
     check_against_reference(minhash.tokenize(pa.array(texts)), texts)
 
 
-def test_tokenize_treats_null_documents_as_empty():
+def test_tokenize_treats_null_documents_as_empty(kernels):
     tokens = minhash.tokenize(pa.array(["a b", None, "c", ""]))
     assert np.diff(tokens.word_offsets).tolist() == [2, 0, 1, 0]
     assert np.array_equal(tokens.exact[1], tokens.exact[3])
 
 
-def test_shingles_match_the_python_definition():
+def test_shingles_match_the_python_definition(kernels):
     rng = random.Random(3)
     counts = [0, 1, 2, 4, 5, 6, 30, 0, 3]
     tokens = np.array([rng.getrandbits(64) for _ in range(sum(counts))], np.uint64)
@@ -115,7 +138,7 @@ def test_shingles_match_the_python_definition():
             assert hashes[shingle_offsets[i]:shingle_offsets[i + 1]].tolist() == want
 
 
-def test_signatures_are_the_minimum_over_shingles_of_each_permutation():
+def test_signatures_are_the_minimum_over_shingles_of_each_permutation(kernels):
     rng = np.random.default_rng(4)
     counts = [3, 0, 1, 50, 7]
     shingles = rng.integers(0, 2**63, sum(counts), dtype=np.uint64) * np.uint64(2) + np.uint64(1)
@@ -129,7 +152,7 @@ def test_signatures_are_the_minimum_over_shingles_of_each_permutation():
         assert np.array_equal(sigs[i], want)
 
 
-def test_estimates_count_equal_signature_values():
+def test_estimates_count_equal_signature_values(kernels):
     sigs = np.random.default_rng(7).integers(0, 4, (6, 100)).astype(np.uint32)
     left, right = np.array([0, 1, 5, 3]), np.array([2, 1, 0, 4])
     want = [(sigs[a] == sigs[b]).mean() for a, b in zip(left, right)]
@@ -138,7 +161,7 @@ def test_estimates_count_equal_signature_values():
         minhash.estimate_jaccard(sigs, np.array([6]), np.array([0]))
 
 
-def test_intersections_count_common_members():
+def test_intersections_count_common_members(kernels):
     sets = [np.array(s, np.uint64) for s in ([1, 3, 5, 7], [], [3, 4, 5], [2**63 + 1, 2**64 - 1], [2**64 - 1], [7])]
     values, bounds = np.concatenate(sets), np.concatenate([[0], np.cumsum([len(s) for s in sets])]).astype(np.int64)
     left, right = np.array([0, 0, 1, 3, 5, 1]), np.array([2, 1, 1, 4, 0, 3])
@@ -147,22 +170,32 @@ def test_intersections_count_common_members():
     union = sizes[left] + sizes[right] - np.array(want)
     assert minhash.jaccard_many(values, bounds, left, right).tolist() == [w / u if u else 1.0 for w, u in zip(want, union)]
     common = np.empty(len(left), np.int64)
-    _minhash.intersections(values, bounds, left, right, common)
+    kernels.intersections(values, bounds, left, right, common)
     assert common.tolist() == want
 
 
-def test_kernels_refuse_buffers_that_do_not_fit():
+def test_intersections_of_random_sets_of_every_size(kernels):
+    rng = np.random.default_rng(8)
+    sets = [np.unique(rng.integers(0, 3 * size + 1, size, dtype=np.uint64)) for size in rng.integers(0, 300, 60)]
+    values, bounds = np.concatenate(sets), np.concatenate([[0], np.cumsum([len(s) for s in sets])]).astype(np.int64)
+    left, right = rng.integers(0, len(sets), 500), rng.integers(0, len(sets), 500)
+    common = np.empty(len(left), np.int64)
+    kernels.intersections(values, bounds, left, right, common)
+    assert common.tolist() == [len(set(sets[a].tolist()) & set(sets[b].tolist())) for a, b in zip(left, right)]
+
+
+def test_kernels_refuse_buffers_that_do_not_fit(kernels):
     exact, room, counts = np.empty((2, 2), np.uint64), np.empty(8, np.uint64), np.empty(2, np.int64)
     for starts, ends in (([0, 5], [5, 3]), ([0, 3], [4, 9]), ([-1, 0], [2, 2])):  # backwards, across both buffers, negative
         with pytest.raises(ValueError, match="inside data, or inside extra"):
-            _minhash.tokenize(b"hello", b"abcd", np.array(starts, np.int64), np.array(ends, np.int64), exact, room, counts)
+            kernels.tokenize(b"hello", b"abcd", np.array(starts, np.int64), np.array(ends, np.int64), exact, room, counts)
     with pytest.raises(ValueError, match="too small"):
-        _minhash.tokenize(b"a b c d", b"", np.array([0], np.int64), np.array([7], np.int64), np.empty((1, 2), np.uint64),
+        kernels.tokenize(b"a b c d", b"", np.array([0], np.int64), np.array([7], np.int64), np.empty((1, 2), np.uint64),
                           np.empty(2, np.uint64), np.empty(1, np.int64))
     with pytest.raises(ValueError, match="do not fit"):
-        _minhash.signatures(np.zeros(3, np.uint64), np.array([0, 4], np.int64), np.ones(4, np.uint32), np.empty(4, np.uint32))
+        kernels.signatures(np.zeros(3, np.uint64), np.array([0, 4], np.int64), np.ones(4, np.uint32), np.empty(4, np.uint32))
     with pytest.raises(ValueError, match="do not fit"):
-        _minhash.intersections(np.zeros(2, np.uint64), np.array([0, 2], np.int64), np.array([0]), np.array([1]), np.empty(1, np.int64))
+        kernels.intersections(np.zeros(2, np.uint64), np.array([0, 2], np.int64), np.array([0]), np.array([1]), np.empty(1, np.int64))
 
 
 def test_characters_outside_the_changing_class_are_left_alone_by_normalisation():
@@ -192,7 +225,7 @@ def test_sorted_unique_is_np_unique():
         assert np.array_equal(got, want) and np.array_equal(inverse, want_inverse)
 
 
-def test_a_token_of_megabytes_is_hashed_in_one_linear_pass():
+def test_a_token_of_megabytes_is_hashed_in_one_linear_pass(kernels):
     """Minified code and base64 blobs hold tokens of megabytes: the chunk multipliers are a running product,
     so such a token costs a pass, not a quadratic recomputation of powers."""
     texts = ["Q" * 2_000_001 + " tail", "(" + "z" * 300_000 + ")"]

@@ -23,8 +23,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from smolctl.data import _minhash
 from smolctl.errors import UserError
+
+try:
+    from smolctl.data import _minhash
+except ImportError:  # installed where no C compiler was found: the same kernels in numpy, slower
+    from smolctl.data import minhash_fallback as _minhash
+
+    _minhash.warn_slow()
 
 # Bumped whenever a hash definition changes: a dedup work area made under another version is not resumed.
 HASHING_VERSION = 2
