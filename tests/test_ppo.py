@@ -14,12 +14,13 @@ from torch.utils._pytree import tree_flatten
 from smolctl.errors import UserError
 from smolctl.train.config import load_command_recipe
 from smolctl.train.grpo import run_grpo
-from smolctl.train.ppo import (
-    clipped_policy_loss, clipped_value_loss, completion_mask, explained_variance, gae, prepare, run_ppo,
-    token_logprobs, whiten,
-)
+from smolctl.train.ppo import run_ppo
 from smolctl.train.ppo_loop import PpoLoop
+from smolctl.train.ppo_math import (
+    clipped_policy_loss, clipped_value_loss, completion_mask, explained_variance, gae, token_logprobs, whiten,
+)
 from smolctl.train.rewards import CompositeReward, RewardSection, group_diversity
+from smolctl.train.rl_setup import prepare
 from tiny_checkpoint import make_tiny_checkpoint
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -375,7 +376,7 @@ def test_kl_is_zero_at_step_zero_and_the_critic_learns(tiny_model, tmp_path):
     loop = ppo_loop(tiny_model, tmp_path, [
         "ppo.kl_coef=0.1", "ppo.critic_lr=1e-2", "ppo.critic_warmup_steps=100", "ppo.vf_clip=100", "ppo.epochs=4",
         "ppo.batch_size=8", "ppo.minibatch_size=4", "training.micro_batch=4"])
-    batch = loop.rollout(loop.next_prompts())
+    batch = loop.rollout(loop.next_prompts(), 0)
     assert abs(batch["rollout_stats"]["kl"]) < 1e-6 and torch.equal(batch["old_logprobs"], batch["ref_logprobs"])
     assert batch["rollout_stats"]["explained_variance"] == pytest.approx(0.0, abs=1e-6)   # a fresh critic says 0
     policy_before = {n: p.clone() for n, p in loop.model.policy.named_parameters()}
