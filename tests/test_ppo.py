@@ -280,9 +280,6 @@ def rewards_logged(run) -> list[float]:
     return [r["reward"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "reward" in r]
 
 
-RUNNERS = {"ppo": run_ppo, "grpo": run_grpo}
-
-
 @pytest.fixture(scope="module")
 def stubborn_model(tiny_model, tmp_path_factory):
     """The tiny model with a generation_config that would change sampling (greedy-ish: top_k 1, temperature 0.3);
@@ -390,22 +387,27 @@ def test_kl_is_zero_at_step_zero_and_the_critic_learns(tiny_model, tmp_path):
     assert all(torch.equal(p, policy_before[n]) for n, p in loop.model.policy.named_parameters())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
-def test_mean_reward_rises_on_a_learnable_toy_reward(algorithm, tiny_model, tmp_path):
-    recipe = load_command_recipe(algorithm, toy_recipe(tmp_path, algorithm=algorithm),
-                                 ["logging.completions_interval=7"])
-    result = RUNNERS[algorithm](recipe, tmp_path / "run", start=str(tiny_model))
-    logged = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
-    assert {line["step"] for line in logged} == {7, 14} and "task" in logged[0]["rewards"]
-    rewards = rewards_logged(tmp_path / "run")
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > first + 0.1, f"{algorithm} did not learn: {first:.3f} → {last:.3f} ({rewards})"
-    assert result.metrics["reward_last"] == pytest.approx(last)
+def check_finished_run(run, result, tiny_model, completions_steps: set[int]) -> None:
+    """completions.jsonl every completions_interval steps, the summary's reward trend and components, final/'s
+    manifest and lineage."""
+    logged = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert {line["step"] for line in logged} == completions_steps and "task" in logged[0]["rewards"]
+    rewards = rewards_logged(run)
+    assert result.metrics["reward_last"] == pytest.approx(sum(rewards[-5:]) / 5)
     assert "rewards/task" in result.metrics          # the summary shows each reward component
-    manifest = json.loads((tmp_path / "run" / "final" / "manifest.json").read_text())
+    manifest = json.loads((run / "final" / "manifest.json").read_text())
     assert manifest["kind"] == "model" and manifest["parent"] == str(tiny_model.resolve())
     assert [ref["kind"] for ref in manifest["inputs"]] == ["documents", "model"]
+
+
+@pytest.mark.slow
+def test_grpo_mean_reward_rises_on_a_learnable_toy_reward(tiny_model, tmp_path):
+    recipe = load_command_recipe("grpo", toy_recipe(tmp_path, algorithm="grpo"), ["logging.completions_interval=7"])
+    result = run_grpo(recipe, tmp_path / "run", start=str(tiny_model))
+    rewards = rewards_logged(tmp_path / "run")
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.1, f"grpo did not learn: {first:.3f} → {last:.3f} ({rewards})"
+    check_finished_run(tmp_path / "run", result, tiny_model, {7, 14})
 
 
 def test_nan_rewards_are_counted_and_skipped(tiny_model, tmp_path):
@@ -487,11 +489,13 @@ def test_a_reward_for_the_first_token_rises(tiny_model, tmp_path):
     whitened advantages are shifted one token later (the first token then earns nothing: the reward stays ~0.4) or
     negated (GAE with the wrong sign: it falls towards 0)."""
     recipe = load_command_recipe("ppo", position_recipe(tmp_path, "batch_size = 32", "minibatch_size = 16", "epochs = 4"),
-                                 ["optimizer.lr=1e-2", "training.steps=12", "checkpoint.interval=100"])
-    run_ppo(recipe, tmp_path / "run", start=str(tiny_model))
+                                 ["optimizer.lr=1e-2", "training.steps=12", "checkpoint.interval=100",
+                                  "logging.completions_interval=6"])
+    result = run_ppo(recipe, tmp_path / "run", start=str(tiny_model))
     rewards = rewards_logged(tmp_path / "run")
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert first < 0.5 and last > first + 0.35, f"{first:.3f} → {last:.3f} ({rewards})"
+    check_finished_run(tmp_path / "run", result, tiny_model, {6, 12})
 
 
 COMPARED = ("reward", "completion_length", "kl", "policy_loss", "value_loss", "entropy", "clipfrac", "grad_norm",

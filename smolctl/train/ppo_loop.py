@@ -306,10 +306,10 @@ class PpoLoop:
         """Per-completion means over the whole batch (every process's kept completions), in one reduction."""
         kept = keep.double()
         sums = [(scores * kept).sum(), kl.sum(1).sum(), mask.sum(), kept.sum()]
-        for values in components.values():
-            finite = torch.tensor(values, dtype=torch.float64, device=self.device).nan_to_num(posinf=math.nan)
-            counted = kept * torch.isfinite(finite)
-            sums += [(finite.nan_to_num() * counted).sum(), counted.sum()]
+        for values in components.values():  # a component's mean over the kept completions where it is finite
+            component = torch.tensor(values, dtype=torch.float64, device=self.device)
+            counted = kept * torch.isfinite(component)
+            sums += [torch.where(counted > 0, component, 0.0).sum(), counted.sum()]
         totals = self.dist.sum(torch.stack([s.double() for s in sums])).tolist()
         count = totals[3]
         means = {"reward": totals[0] / count, "kl": totals[1] / count, "completion_length": totals[2] / count}
