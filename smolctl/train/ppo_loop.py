@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from transformers import GenerationConfig
 
 from smolctl.errors import UserError
 from smolctl.train.config import PpoRecipe
@@ -141,7 +142,8 @@ class PpoLoop:
         self.generation = self.generation_config()
         opt = recipe.optimizer
         critic = list(self.model.value_head.parameters())
-        policy_params = [p for n, p in self.model.named_parameters() if p.requires_grad and not n.startswith("value_head.")]
+        policy_params = [p for n, p in self.model.named_parameters()
+                         if p.requires_grad and not n.startswith("value_head.")]
         self.optimizer = torch.optim.AdamW(
             [{"params": policy_params, "lr": opt.lr},
              {"params": critic, "lr": self.cfg.critic_learning_rate(opt.lr), "weight_decay": 0.0}],
@@ -221,8 +223,6 @@ class PpoLoop:
         """Sampling exactly as the recipe says: whatever the checkpoint's generation_config carries (top_k, a low
         temperature, greedy decoding) would otherwise fill every field left unset, and the rollout's
         log-probabilities would no longer be those of the distribution that sampled."""
-        from transformers import GenerationConfig
-
         config = GenerationConfig(
             do_sample=True, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=0, min_p=None,
             max_new_tokens=self.cfg.max_new_tokens, eos_token_id=self.stop_ids,
