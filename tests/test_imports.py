@@ -21,8 +21,6 @@ PACKAGE = Path(__file__).resolve().parent.parent / "smolctl"
 # Cycles other helpers are cutting on their own branches; the coordinator removes each entry when that branch
 # merges (the test fails on an entry whose cycle is gone, so a stale allowance cannot linger).
 KNOWN_CYCLES = {
-    # s2-rl (issue 16): PPO math apart from the PPO loop
-    frozenset({"smolctl.train.ppo", "smolctl.train.ppo_loop"}),
     # s2-dedup (issue 23 item 3): dedup's plan in a module of its own (dedup_stages names it under TYPE_CHECKING)
     frozenset({"smolctl.data.dedup", "smolctl.data.dedup_stages"}),
     # s2-pack (issue 23 item 1, issue 19's pack naming): pack_sinks names pack.PackConfig under TYPE_CHECKING; the

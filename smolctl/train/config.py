@@ -345,6 +345,10 @@ class PpoSection(Section):
     scoring_micro_batch: int | None = Field(None, gt=0)
     """Completions per forward when scoring a rollout (old and reference log-probabilities, values).
     Default: training.micro_batch."""
+    generation_micro_batch: int | None = Field(None, gt=0)
+    """Prompts per `generate` call (bounds the KV cache). Each call samples from its own seed (training.seed, the
+    step, the call's first prompt in the step's batch), so when it divides batch_size / processes a rollout is the
+    same whatever the number of processes sharing it. Default: the process's whole share of batch_size."""
 
     def critic_learning_rate(self, policy_lr: float) -> float:
         return self.critic_lr if self.critic_lr is not None else max(10 * policy_lr, 1e-4)

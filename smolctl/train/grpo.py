@@ -14,8 +14,8 @@ from pathlib import Path
 
 from smolctl.errors import UserError
 from smolctl.train.config import GrpoRecipe, global_batch_and_accumulation
-from smolctl.train.ppo import as_chat, prepare, reward_trend
 from smolctl.train.rewards import log_completions
+from smolctl.train.rl_setup import as_chat, prepare, reward_trend
 from smolctl.train.posttrain_run import (
     PostTrainResult, StepHook, apply_peft, chat_stop_ids, final_metrics, finish_trl, finished_result, load_start,
     parameter_counts, quiet_offline, run_callback, scheduled, trainer_arguments, world_size,
