@@ -14,7 +14,7 @@ import pytest
 
 from conftest import run_cli
 from smolctl.data.pack import PackConfig, pack
-from smolctl.data.packing import best_fit_decreasing
+from smolctl.data.pack_rows import best_fit_decreasing
 from smolctl.errors import UserError
 from smolctl.shards import open_documents, open_packed, read_manifest
 

@@ -6,7 +6,7 @@
 
 Reads any documents input in batches, tokenises each batch with the Rust batch encoder (in this process, or in
 `--workers` processes), appends EOS to every document, hands the token batches to a packer
-(`smolctl.data.packing`) and writes its rows as safetensors shards with the packed-folder manifest that
+(`smolctl.data.pack_rows`) and writes its rows as safetensors shards with the packed-folder manifest that
 `pretrain` and `inspect` read; or, with `--format datatrove`, writes the token stream as datatrove/nanotron
 `.ds` files.
 
@@ -32,7 +32,7 @@ import numpy as np
 from smolctl.data.array_tasks import (FINGERPRINT_KEY, AlreadyCommitted, WorkArea, check_task, digest, file_identity,
                                       link_or_copy, task_units, unless_committed)
 from smolctl.data.pack_sinks import DatatroveSink, RowSink, manifest_fields
-from smolctl.data.packing import PackStats, TokenBatch
+from smolctl.data.pack_rows import PackStats, TokenBatch
 from smolctl.errors import UserError
 from smolctl.shards import (
     KIND_PACKED,
