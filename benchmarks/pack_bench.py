@@ -12,7 +12,7 @@ shards, manifest). Both run with RAYON_NUM_THREADS = --threads and TOKENIZERS_PA
 
 The corpus is real, mixed-length text found on any Linux machine: the sample corpus, the plain-text and gzipped
 documentation under /usr/share/doc and Python sources of the virtual environment, cut at blank lines into
-documents of at most ~2,000 characters (web-page sized), in a fixed order.
+documents of at most ~1,000 characters (~24k documents at 20 MB), in a fixed order.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from smolctl.data.pack_rows import BfdPacker, PackStats, TokenBatch  # noqa: E40
 from smolctl.shards import open_documents  # noqa: E402
 
 MAX_FILE_CHARS = 100_000
-DOCUMENT_CHARS = 2_000
+DOCUMENT_CHARS = 1_000
 RAW_PASS = """
 import sys
 import pyarrow.parquet as pq
