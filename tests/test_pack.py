@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -12,9 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 from smolctl.data.pack import PackConfig, pack
 from smolctl.data.pack_rows import best_fit_decreasing
+from smolctl.data.tokenizer import load_rust_tokenizer, load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import UserError
 from smolctl.shards import open_documents, open_packed, read_manifest
 
@@ -349,3 +355,53 @@ def test_output_bytes_are_unchanged(sample, tokenizer_dir, tmp_path, name):
         pack(str(sample / folder), tmp_path / "tasks", tokenizer_spec=str(tokenizer_dir),
              config=PackConfig(**options), tasks=2, task_id=task_id)
     assert output_digests(tmp_path / "tasks") == GOLDEN[name]
+
+
+def test_pack_starts_without_transformers(sample, tokenizer_dir, tmp_path):
+    """A `train-tokenizer` folder is read straight from tokenizer.json: transformers and torch (seconds of start-up)
+    are never imported by a pack, and the manifest names the tokenizer as transformers would."""
+    from transformers import AutoTokenizer
+
+    script = (f"import sys; from smolctl.data.pack import PackConfig, pack; "
+              f"pack({str(sample / 'math')!r}, {str(tmp_path / 'packed')!r}, tokenizer_spec={str(tokenizer_dir)!r}, "
+              f"config=PackConfig(seq_len=64)); print(sorted({{'transformers', 'torch', 'pandas'}} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    loaded = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    record = read_manifest(tmp_path / "packed")["tokenizer"]
+    assert record["fingerprint"] == tokenizer_fingerprint(loaded) and record["vocab_size"] == len(loaded)
+    assert (record["eos_token_id"], record["pad_token_id"]) == (loaded.eos_token_id, loaded.pad_token_id)
+
+
+def test_a_tokenizer_folder_with_more_settings_goes_through_transformers(tokenizer_dir, tmp_path):
+    """Settings transformers acts on (here: add a BOS token, a new special token) are not read by hand."""
+    folder = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(bos_token="<|bos|>", add_bos_token=True, extra_special_tokens=["<|im_start|>", "<|tool|>"])
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    loaded = load_tokenizer(folder)
+    rust = load_rust_tokenizer(folder)
+    assert rust.vocab_size == len(loaded) == len(load_tokenizer(tokenizer_dir)) + 2  # <|bos|> and <|tool|> added
+    assert rust.fingerprint == tokenizer_fingerprint(loaded) != load_rust_tokenizer(tokenizer_dir).fingerprint
+
+
+def test_a_shard_failing_mid_run_leaves_nothing_and_no_threads(sample, tokenizer_dir, tmp_path):
+    """The second input file is corrupt inside a column chunk: the error surfaces while the first file's rows are
+    being packed on the packing thread, the run leaves nothing behind and every thread it started has ended."""
+    inputs = tmp_path / "docs"
+    inputs.mkdir()
+    table = pq.read_table(sample / "web" / "part-00000.parquet", columns=["text"])
+    pq.write_table(table.slice(0, 400), inputs / "part-00000.parquet", row_group_size=100)
+    pq.write_table(table.slice(400), inputs / "part-00001.parquet", row_group_size=100)
+    broken = bytearray((inputs / "part-00001.parquet").read_bytes())
+    broken[len(broken) // 2:len(broken) // 2 + 4000] = bytes(4000)
+    (inputs / "part-00001.parquet").write_bytes(bytes(broken))
+    threads = threading.active_count()
+    with pytest.raises(UserError, match="part-00001.parquet"):
+        pack(str(inputs), tmp_path / "packed", tokenizer_spec=str(tokenizer_dir),
+             config=PackConfig(seq_len=128, batch_documents=20))
+    assert not (tmp_path / "packed").exists() and not (tmp_path / ".packed.partial").exists()
+    assert threading.active_count() == threads

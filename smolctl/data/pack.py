@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -226,11 +227,12 @@ class PackJob:
             if on_progress:
                 on_progress(read, len(batch.ids))
 
-        with ThreadPoolExecutor(1, thread_name_prefix="pack") as packer:
+        batches = tokenised_batches(self.source, self.tokenizer, config.text_column, config.batch_documents,
+                                    config.workers, units)
+        with ThreadPoolExecutor(1, thread_name_prefix="pack") as packer, closing(batches):
             waiting: deque = deque()
             try:
-                for unit, batch, read, empty in tokenised_batches(self.source, self.tokenizer, config.text_column,
-                                                                  config.batch_documents, config.workers, units):
+                for unit, batch, read, empty in batches:
                     waiting.append(packer.submit(add, unit, batch, read, empty))
                     while len(waiting) > PACK_QUEUE_BATCHES or (waiting and waiting[0].done()):
                         waiting.popleft().result()  # raises what the packing thread raised
