@@ -4,6 +4,8 @@ padding at seq_len 2048/4096/8192.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/pack_bench.py                 # ~20 MB, ~24k documents
     PYTHONPATH=$PWD .venv/bin/python benchmarks/pack_bench.py --mb 8 --rounds 3 --end-to-end-only
+    mkdir /tmp/before && git archive 4c26c8b | tar -x -C /tmp/before     # pack before issue 23, side by side:
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/pack_bench.py --end-to-end-only --rounds 3 --baseline /tmp/before
 
 The raw pass is the floor `pack` is measured against: a fresh `python` that imports pyarrow and tokenizers,
 loads tokenizer.json, reads the parquet in batches of 1,000 documents and calls `Tokenizer.encode_batch_fast` on
@@ -103,7 +105,7 @@ def timed(command: list[str], env: dict) -> tuple[float, float, str]:
     """Wall and CPU seconds (the process and its threads) of one fresh process, and its stdout."""
     before = os.times()
     started = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800, check=False)
     wall = time.perf_counter() - started
     after = os.times()
     if done.returncode:
@@ -112,32 +114,39 @@ def timed(command: list[str], env: dict) -> tuple[float, float, str]:
     return wall, cpu, done.stdout
 
 
-def end_to_end(work: Path, rounds: int, threads: int, seq_len: int) -> list[list]:
+def end_to_end(work: Path, rounds: int, threads: int, seq_len: int, baseline: Path | None) -> list[list]:
     env = {**os.environ, "RAYON_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "true",
            "PYTHONPATH": str(REPO)}
     raw = [sys.executable, "-c", RAW_PASS, str(work / "corpus.parquet"), str(work / "tok" / "tokenizer.json")]
     pack = [sys.executable, "-m", "smolctl", "pack", str(work / "corpus.parquet"), str(work / "packed"),
             "--tokenizer", str(work / "tok"), "--seq-len", str(seq_len), "--overwrite", "--json"]
-    runs: dict[str, list[tuple[float, float]]] = {"raw": [], "pack": []}
-    ratios = []
-    for round_ in range(rounds):  # alternate which goes first: the load on a shared machine drifts
-        order = ("raw", "pack") if round_ % 2 == 0 else ("pack", "raw")
-        for name in order:
-            wall, cpu, out = timed(raw if name == "raw" else pack, env)
+    commands = {"raw": (raw, env), "pack": (pack, env)}
+    if baseline:  # the same command from another source tree (e.g. `git archive` of the commit before a change)
+        commands["baseline"] = (pack, {**env, "PYTHONPATH": str(baseline)})
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
+    ratios: dict[str, list[float]] = {name: [] for name in commands}
+    for round_ in range(rounds):  # rotate which goes first: the load on a shared machine drifts
+        names = list(commands)
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            wall, cpu, out = timed(*commands[name])
             runs[name].append((wall, cpu))
             if name == "raw":
                 raw_tokens = int(out)
-        ratios.append(runs["pack"][-1][0] / runs["raw"][-1][0])
-        print(f"round {round_ + 1}: raw {runs['raw'][-1][0]:.2f} s, pack {runs['pack'][-1][0]:.2f} s, "
-              f"pack / raw {ratios[-1]:.3f}", flush=True)
-    median = {name: (statistics.median(w for w, _ in values), statistics.median(c for _, c in values))
-              for name, values in runs.items()}
-    print(f"raw pass: {raw_tokens / 1e6:.2f} M tokens (no EOS); median ratio pack / raw (wall) "
-          f"{statistics.median(ratios):.3f}")
-    return [["raw `encode_batch_fast` pass (token counts only), baseline", f"{median['raw'][0]:.2f}",
-             f"{median['raw'][1]:.2f}", "1.000"],
-            [f"`smolctl pack --seq-len {seq_len}` (bfd, safetensors + manifest)", f"{median['pack'][0]:.2f}",
-             f"{median['pack'][1]:.2f}", f"{statistics.median(ratios):.3f}"]]
+        for name in commands:
+            ratios[name].append(runs[name][-1][0] / runs["raw"][-1][0])
+        print(f"round {round_ + 1}: " + ", ".join(f"{name} {runs[name][-1][0]:.2f} s wall {runs[name][-1][1]:.2f} s "
+                                                  f"CPU ({ratios[name][-1]:.3f})" for name in commands), flush=True)
+    print(f"raw pass: {raw_tokens / 1e6:.2f} M tokens (no EOS)")
+    labels = {"raw": "raw `encode_batch_fast` pass (token counts only), baseline",
+              "pack": f"`smolctl pack --seq-len {seq_len}` (bfd, safetensors + manifest)",
+              "baseline": f"`smolctl pack --seq-len {seq_len}` from {baseline}"}
+    rows = []
+    for name in commands:
+        cpu_ratio = statistics.median(c / r for (_, c), (_, r) in zip(runs[name], runs["raw"]))
+        rows.append([labels[name], f"{statistics.median(w for w, _ in runs[name]):.2f}",
+                     f"{statistics.median(c for _, c in runs[name]):.2f}", f"{statistics.median(ratios[name]):.3f}",
+                     f"{cpu_ratio:.3f}"])
+    return rows
 
 
 def smolctl_pack_arrays(batch: TokenBatch, seq_len: int, buffer_tokens: int) -> PackStats:
@@ -236,6 +245,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--end-to-end-only", action="store_true", help="Skip the packing-step and padding tables.")
+    parser.add_argument("--baseline", type=Path, help="Also time pack from this source tree (its PYTHONPATH).")
     parser.add_argument("--work", type=Path, help="Keep the corpus and tokenizer here (reused when present).")
     args = parser.parse_args()
 
@@ -247,9 +257,9 @@ def main() -> None:
         texts = build_corpus(work, args.mb, args.vocab_size)
     print(f"corpus: {len(texts):,} documents, {sum(map(len, texts)) / 1e6:.1f} M characters, vocab "
           f"{args.vocab_size}, {args.threads} tokenizer threads, {args.rounds} interleaved rounds\n", flush=True)
-    print(markdown("Whole process, median of the rounds (ratio: the median of each round's pack / raw wall time)",
-                   ["what", "wall s", "CPU s", "pack / raw (wall)"], end_to_end(work, args.rounds, args.threads,
-                                                                                args.seq_len)))
+    print(markdown("Whole process, medians over the rounds (ratios: the median of each round's time / raw time)",
+                   ["what", "wall s", "CPU s", "/ raw (wall)", "/ raw (CPU)"],
+                   end_to_end(work, args.rounds, args.threads, args.seq_len, args.baseline)))
     if not args.end_to_end_only:
         packing_step(work, texts, 3)
     if not args.work:

@@ -265,6 +265,7 @@ GOLDEN_CONFIGS = {
     "web-bfd-2048-seed": ("web", dict(seq_len=2048, seed=7, shard_size="1MB")),
     "math-datatrove": ("math", dict(seq_len=64, format="datatrove", shard_size="40KB", batch_documents=50)),
 }
+ARRAY_CHECKED = ("code-bfd-300-small-buffer-rows", "math-datatrove")  # test_array_tasks covers any split
 MACHINE_FIELDS = ("created_at", "command", "inputs", "work_fingerprint")
 
 
@@ -351,6 +352,8 @@ def test_output_bytes_are_unchanged(sample, tokenizer_dir, tmp_path, name):
                   config=PackConfig(**options))
     assert result.tokenizer["fingerprint"] == GOLDEN_TOKENIZER
     assert output_digests(tmp_path / "plain") == GOLDEN[name]
+    if name not in ARRAY_CHECKED:
+        return
     for task_id in (1, 0):  # as a two-task array, in reverse order: the same bytes
         pack(str(sample / folder), tmp_path / "tasks", tokenizer_spec=str(tokenizer_dir),
              config=PackConfig(**options), tasks=2, task_id=task_id)

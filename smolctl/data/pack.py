@@ -4,11 +4,13 @@
 
     smolctl pack mix/ packed/ --tokenizer tok/ --seq-len 4096 --tasks 64 --task-id $SLURM_ARRAY_TASK_ID
 
-Reads any documents input in batches, tokenises each batch with the Rust batch encoder (in this process, or in
-`--workers` processes), appends EOS to every document, hands the token batches to a packer
-(`smolctl.data.pack_rows`) and writes its rows as safetensors shards with the packed-folder manifest that
-`pretrain` and `inspect` read; or, with `--format datatrove`, writes the token stream as datatrove/nanotron
-`.ds` files.
+Three stages overlap: this thread reads batches of documents and hands them to the Rust batch encoder
+(`smolctl.data.pack_tokens`: two calls in flight on the tokenizer's threads, or `--workers` processes), which
+appends EOS to every document; a packing thread takes the token batches in order, lays them into rows
+(`smolctl.data.pack_rows`) and writes them (`smolctl.data.pack_sinks`) as safetensors shards with the
+packed-folder manifest that `pretrain` and `inspect` read, or, with `--format datatrove`, as datatrove/nanotron
+`.ds` token files. A folder from `train-tokenizer` is loaded from its tokenizer.json alone, so a pack never
+imports transformers or torch.
 
 The unit of work is one input shard: it is packed on its own (no row holds documents of two shards, so no row
 mixes two stages of a mix either) into OUTPUT/_work/pack/<unit>/ and marked done (smolctl/data/array_tasks.py).
