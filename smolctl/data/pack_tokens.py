@@ -91,8 +91,9 @@ def in_order(futures: Iterable[tuple[int, Future]], window: int) -> Iterator[tup
         yield tag, future.result()
 
 
-def tokenised_batches(source, tokenizer, text_column: str, batch_documents: int, workers: int,
-                      units: list[int]) -> Iterator[tuple[int, TokenBatch, int, int]]:
+def tokenised_batches(
+    source, tokenizer, text_column: str, batch_documents: int, workers: int, units: list[int]
+) -> Iterator[tuple[int, TokenBatch, int, int]]:
     """(unit, token batch with EOS, documents read, empty documents dropped) for the units in input order."""
     texts = document_texts(source, text_column, batch_documents, units)
     executor, window = encoder(tokenizer, workers)
@@ -110,5 +111,6 @@ def encoder(tokenizer, workers: int) -> tuple[Executor, int]:
     if workers == 1:
         return ThreadPoolExecutor(ENCODER_CALLS_IN_FLIGHT, thread_name_prefix="encode"), ENCODER_CALLS_IN_FLIGHT + 1
     context = multiprocessing.get_context("spawn")  # fork after Rust threads have started can deadlock
-    return ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                               initargs=(tokenizer.backend.to_str(),)), 2 * workers
+    return ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_init_worker, initargs=(tokenizer.backend.to_str(),)
+    ), 2 * workers
