@@ -237,11 +237,10 @@ class RustTokenizer:
     pad_token_id: int | None
     vocab_size: int
     """`len(tokenizer)` in transformers: the vocabulary with the added tokens."""
-    name_or_path: str
 
     @property
     def fingerprint(self) -> str:
-        return hashlib.sha256(self.backend.to_str().encode()).hexdigest()[:16]
+        return backend_fingerprint(self.backend)
 
 
 def load_rust_tokenizer(spec: str | Path) -> RustTokenizer:
@@ -251,8 +250,7 @@ def load_rust_tokenizer(spec: str | Path) -> RustTokenizer:
     if plain is not None:
         return plain
     tokenizer = load_tokenizer(spec)
-    return RustTokenizer(tokenizer.backend_tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, len(tokenizer),
-                         str(spec))
+    return RustTokenizer(tokenizer.backend_tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, len(tokenizer))
 
 
 def _plain_tokenizer(path: Path) -> RustTokenizer | None:
@@ -274,13 +272,17 @@ def _plain_tokenizer(path: Path) -> RustTokenizer | None:
             or not all(isinstance(token, str) and token in special for token in named if token is not None)):
         return None
     eos, pad = (backend.token_to_id(config[key]) if config.get(key) else None for key in ("eos_token", "pad_token"))
-    return RustTokenizer(backend, eos, pad, backend.get_vocab_size(with_added_tokens=True), str(path))
+    return RustTokenizer(backend, eos, pad, backend.get_vocab_size(with_added_tokens=True))
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """A short hash of the tokenizer's vocabulary and rules: equal fingerprints tokenise text identically."""
-    canonical = tokenizer.backend_tokenizer.to_str()
-    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    return backend_fingerprint(tokenizer.backend_tokenizer)
+
+
+def backend_fingerprint(backend) -> str:
+    """`tokenizer_fingerprint` of a bare `tokenizers.Tokenizer`."""
+    return hashlib.sha256(backend.to_str().encode()).hexdigest()[:16]
 
 
 def document_end_id(tokenizer) -> int:
