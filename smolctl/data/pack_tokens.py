@@ -19,6 +19,7 @@ from itertools import chain
 import numpy as np
 
 from smolctl.data.pack_rows import TokenBatch
+from smolctl.data.tokenizer import RustTokenizer
 
 ENCODER_CALLS_IN_FLIGHT = 2
 """Batches being encoded at once in this process: one to keep the Rust threads busy, one to overlap."""
@@ -73,7 +74,7 @@ def document_texts(source, text_column: str, batch_documents: int, units: list[i
     for unit in units:
         for batch in source.iter_file_batches(unit, columns=[text_column], batch_size=batch_documents):
             texts = batch.column(0).to_pylist()
-            # Not pyarrow's fill_null: a string scalar imports pandas (~0.5 CPU-s), and nulls are rare.
+            # Not pyarrow's fill_null: its string scalar imports pandas (start-up the raw pass does not pay).
             yield unit, texts if not batch.column(0).null_count else [t if t is not None else "" for t in texts]
 
 
@@ -92,7 +93,7 @@ def in_order(futures: Iterable[tuple[int, Future]], window: int) -> Iterator[tup
 
 
 def tokenised_batches(
-    source, tokenizer, text_column: str, batch_documents: int, workers: int, units: list[int]
+    source, tokenizer: RustTokenizer, text_column: str, batch_documents: int, workers: int, units: list[int]
 ) -> Iterator[tuple[int, TokenBatch, int, int]]:
     """(unit, token batch with EOS, documents read, empty documents dropped) for the units in input order."""
     texts = document_texts(source, text_column, batch_documents, units)
@@ -106,7 +107,7 @@ def tokenised_batches(
         executor.shutdown(wait=True, cancel_futures=True)
 
 
-def encoder(tokenizer, workers: int) -> tuple[Executor, int]:
+def encoder(tokenizer: RustTokenizer, workers: int) -> tuple[Executor, int]:
     """Where batches are encoded (threads of this process, or `workers` processes) and how many ahead."""
     if workers == 1:
         return ThreadPoolExecutor(ENCODER_CALLS_IN_FLIGHT, thread_name_prefix="encode"), ENCODER_CALLS_IN_FLIGHT + 1
