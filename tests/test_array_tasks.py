@@ -72,11 +72,11 @@ def test_a_pack_task_killed_mid_unit_resumes_to_the_same_bytes(four_shards, toke
     run_pack(four_shards, tmp_path / "plain", tokenizer_dir)
     original, calls = pack_module.UnitPacking.add, []
 
-    def dies_on_the_third_batch(self, batch):
+    def dies_on_the_third_batch(self, *batch):
         calls.append(self.unit)
         if len(calls) == 3:
             raise KeyboardInterrupt  # a kill between batches: shards of the unit already written, no marker
-        return original(self, batch)
+        return original(self, *batch)
 
     monkeypatch.setattr(pack_module.UnitPacking, "add", dies_on_the_third_batch)
     with pytest.raises(KeyboardInterrupt):

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
-from smolctl.data.packing import BfdPacker, ConcatPacker, PackStats, Rows, TokenBatch
+from smolctl.data.pack_rows import BfdPacker, ConcatPacker, PackStats, Rows, TokenBatch
 from smolctl.shards import OutputFolder, PackedWriter, parse_shard_size
 
 if TYPE_CHECKING:
