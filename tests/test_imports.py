@@ -23,9 +23,6 @@ PACKAGE = Path(__file__).resolve().parent.parent / "smolctl"
 KNOWN_CYCLES = {
     # s2-dedup (issue 23 item 3): dedup's plan in a module of its own (dedup_stages names it under TYPE_CHECKING)
     frozenset({"smolctl.data.dedup", "smolctl.data.dedup_stages"}),
-    # s2-pack (issue 23 item 1, issue 19's pack naming): pack_sinks names pack.PackConfig under TYPE_CHECKING; the
-    # config belongs below both (e.g. beside packing.py's packers)
-    frozenset({"smolctl.data.pack", "smolctl.data.pack_sinks"}),
 }
 
 

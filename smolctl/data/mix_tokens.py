@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from smolctl.data.mix_blocks import BINS, row_bins, row_hash, source_key
+from smolctl.data.pack_tokens import encode_texts
 from smolctl.errors import UserError
 
 Arrays = dict[str, np.ndarray]
@@ -39,8 +40,6 @@ def text_bytes(texts: pa.Array) -> np.ndarray:
 
 def text_tokens(texts: pa.Array, backend) -> np.ndarray:
     """Token ids of each document without the EOS `pack` appends (0 for an empty one)."""
-    from smolctl.data.pack import encode_texts
-
     return encode_texts(backend, [t if t is not None else "" for t in texts.to_pylist()]).lengths
 
 
