@@ -172,7 +172,7 @@ def ground_truth(corpus: list[str], threshold: float) -> dict:
 
 def run_smolctl(corpus: Path, work: Path, threshold: float) -> list[int]:
     from smolctl.data.dedup import DedupConfig, run
-    from smolctl.data.minhash import MinHashParams
+    from smolctl.data.minhash.params import MinHashParams
 
     run(DedupConfig(input=str(corpus), output=str(work / "out"), minhash=MinHashParams.for_threshold(threshold)), workers=1)
     report = pq.read_table(work / "out" / "duplicates" / "part-00000.parquet", columns=["id"])

@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from smolctl.data import minhash
+from smolctl.data.minhash import arrays, kernels, normalization, params, shingles
 from smolctl.data.dedup import DedupConfig, run
-from smolctl.data.minhash import MinHashParams
+from smolctl.data.minhash.params import MinHashParams
 from smolctl.errors import UserError
 from conftest import SAMPLE, run_cli
 
@@ -103,32 +103,32 @@ def test_shingle_hashes_reproduce_python_shingles_and_jaccard():
     texts = sample_table().column("text").to_pylist()[:150] + [
         "", "   ", "one two", "Ünïcode café — naïve résumé, ok?", "a b c d e", "x " * 40,
         "==== Heading ==== (((nested))) words!!! -------- end... \"quoted\" don't e.g., ---x--- ~~~~~~~~~~~~"]
-    sets = minhash.shingle_sets([minhash.normalize(t) for t in texts], 5, "word")
+    sets = shingles.shingle_sets([normalization.normalize(t) for t in texts], 5, "word")
     for text, hashed in zip(texts, sets):
         assert len(hashed) == len(reference_shingles(text))
     values, bounds = np.concatenate(sets), np.concatenate([[0], np.cumsum([len(x) for x in sets])])
     left, right = np.arange(len(sets)), np.roll(np.arange(len(sets)), 1)
-    assert np.allclose(minhash.jaccard_many(values, bounds, left, right), [minhash.jaccard(sets[i], sets[j]) for i, j in zip(left, right)])
+    assert np.allclose(kernels.jaccard_many(values, bounds, left, right), [shingles.jaccard(sets[i], sets[j]) for i, j in zip(left, right)])
     rng = random.Random(1)
     for _ in range(40):
         i, j = rng.randrange(150), rng.randrange(150)
         near = edit_words(texts[i], rng.choice([0.02, 0.1, 0.3]), rng)
-        hashed = minhash.shingle_sets([minhash.normalize(texts[i]), minhash.normalize(near), minhash.normalize(texts[j])])
-        assert minhash.jaccard(hashed[0], hashed[1]) == pytest.approx(reference_jaccard(texts[i], near))
-        assert minhash.jaccard(hashed[0], hashed[2]) == pytest.approx(reference_jaccard(texts[i], texts[j]))
+        hashed = shingles.shingle_sets([normalization.normalize(texts[i]), normalization.normalize(near), normalization.normalize(texts[j])])
+        assert shingles.jaccard(hashed[0], hashed[1]) == pytest.approx(reference_jaccard(texts[i], near))
+        assert shingles.jaccard(hashed[0], hashed[2]) == pytest.approx(reference_jaccard(texts[i], texts[j]))
 
 
 def test_bulk_normalisation_matches_the_per_text_one():
     texts = ["Plain ASCII, Text!", None, "Straße ＡＢＣ ﬁne", "ÉCOLE\u2028next", "", "MiXeD ünïcödé"]
-    expected = [minhash.normalize(t) if t is not None else "" for t in texts]
-    assert minhash.normalize_array(pa.array(texts)).to_pylist() == expected
+    expected = [normalization.normalize(t) if t is not None else "" for t in texts]
+    assert normalization.normalize_array(pa.array(texts)).to_pylist() == expected
     assert expected[2] == "strasse abc fine" and expected[3] == "école next"
 
 
 def test_char_shingles_work_without_spaces():
     texts = ["机器学习是人工智能的一个分支领域研究", "机器学习是人工智能的一个分支领域研究。", "今天天气很好我们去公园散步吧"]
-    sets = minhash.shingle_sets([minhash.normalize(t) for t in texts], 3, "char")
-    assert minhash.jaccard(sets[0], sets[1]) == 1.0 and minhash.jaccard(sets[0], sets[2]) == 0.0
+    sets = shingles.shingle_sets([normalization.normalize(t) for t in texts], 3, "char")
+    assert shingles.jaccard(sets[0], sets[1]) == 1.0 and shingles.jaccard(sets[0], sets[2]) == 0.0
     assert len(sets[0]) == len(texts[0]) - 2
 
 
@@ -137,18 +137,18 @@ def test_signature_estimates_have_the_spread_of_ideal_minhash():
     rng = random.Random(2)
     base = [t for t in texts if len(t.split()) > 100][:300]
     edited = [edit_words(t, rng.uniform(0.0, 0.3), rng) for t in base]
-    normalized = [minhash.normalize(t) for t in base + edited]
-    sigs = minhash.signatures(*minhash.shingle_hashes(normalized, 5), PARAMS.permutations())
-    sets = minhash.shingle_sets(normalized)
-    truth = np.array([minhash.jaccard(sets[i], sets[i + len(base)]) for i in range(len(base))])
-    error = minhash.estimate_jaccard(sigs, np.arange(len(base)), np.arange(len(base), 2 * len(base))) - truth
+    normalized = [normalization.normalize(t) for t in base + edited]
+    sigs = kernels.signatures(*shingles.shingle_hashes(normalized, 5), PARAMS.permutations())
+    sets = shingles.shingle_sets(normalized)
+    truth = np.array([shingles.jaccard(sets[i], sets[i + len(base)]) for i in range(len(base))])
+    error = kernels.estimate_jaccard(sigs, np.arange(len(base)), np.arange(len(base), 2 * len(base))) - truth
     ideal = np.sqrt(np.mean(truth * (1 - truth) / PARAMS.num_perm))  # binomial spread of a perfect MinHash
     assert abs(error.mean()) < 0.01 and np.sqrt(np.mean(error**2)) < 1.25 * ideal
 
 
 def test_bands_lean_to_recall_and_are_validated():
     assert (PARAMS.bands, PARAMS.rows) == (20, 5)
-    assert minhash.band_collision_probability(0.8, 20, 5) > 0.999 > minhash.band_collision_probability(0.8, 9, 12) + 0.4
+    assert params.band_collision_probability(0.8, 20, 5) > 0.999 > params.band_collision_probability(0.8, 9, 12) + 0.4
     with pytest.raises(UserError, match="not --num-perm"):
         MinHashParams.for_threshold(0.8, 100, 9, 12)
     for bad in (0.0, 1.0, 1.5):
@@ -158,11 +158,11 @@ def test_bands_lean_to_recall_and_are_validated():
 
 def test_union_find_is_order_free_and_labels_by_smallest_node():
     u, v = np.array([5, 9, 2, 7, 3]), np.array([9, 2, 20, 8, 4])
-    nodes, root = minhash.connected_components(u, v)
+    nodes, root = arrays.connected_components(u, v)
     labels = dict(zip(nodes.tolist(), root.tolist()))
     assert labels == {2: 2, 5: 2, 9: 2, 20: 2, 7: 7, 8: 7, 3: 3, 4: 3}
     perm = np.random.default_rng(0).permutation(len(u))
-    assert np.array_equal(minhash.connected_components(v[perm], u[perm])[1], root)
+    assert np.array_equal(arrays.connected_components(v[perm], u[perm])[1], root)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -245,8 +245,8 @@ def test_staged_markers_skip_finished_tasks_and_a_rerun_resumes(planted, tmp_pat
 def test_a_work_area_hashed_by_another_version_is_not_resumed(planted, tmp_path, monkeypatch):
     out = tmp_path / "out"
     dedup(planted["input"], out, stage="signatures", tasks=2, task_id=0)
-    import smolctl.data.dedup as dedup_module
-    monkeypatch.setattr(dedup_module, "HASHING_VERSION", dedup_module.HASHING_VERSION + 1)
+    import smolctl.data.dedup_plan as dedup_plan
+    monkeypatch.setattr(dedup_plan, "HASHING_VERSION", dedup_plan.HASHING_VERSION + 1)
     with pytest.raises(UserError, match="other inputs or settings"):
         dedup(planted["input"], out, stage="signatures", tasks=2, task_id=1)
 
