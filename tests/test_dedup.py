@@ -418,3 +418,18 @@ def test_outputs_are_byte_identical_to_the_recorded_ones(planted, tmp_path):
         if pa.__version__ != PINNED_PYARROW:
             digests, expected = digests["removed ids"], expected["removed ids"]
         assert digests == expected, name
+
+
+def test_the_dedup_command_imports_only_what_it_needs(tmp_path):
+    """Start-up is most of a small run's time: no pandas (pyarrow imports it on its first pa.array or Python
+    scalar, which dedup avoids), no pyarrow.dataset, no training stack."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "smolctl", "dedup", str(SAMPLE / "math"),
+                           str(tmp_path / "out"), "--minhash", "--workers", "1", "--json"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "smolctl.data.dedup" in imported
+    assert not imported & {"pandas", "pyarrow.dataset", "torch", "transformers", "trl", "datasets"}

@@ -31,7 +31,8 @@ import pyarrow.parquet as pq
 
 from smolctl.data.array_tasks import FINGERPRINT_KEY, AlreadyCommitted, check_task, digest, link_or_copy, task_units, unless_committed
 from smolctl.data.dedup_plan import STAGES, DedupConfig, DedupPlan, Report, plan
-from smolctl.data.dedup_stages import bucket_unit, check_unique_ids, components_unit, filter_unit, id_chunks, signature_unit
+from smolctl.data.dedup_stages import (bucket_unit, check_unique_ids, components_unit, filter_unit, id_chunks, read_parquet,
+                                      signature_unit)
 from smolctl.errors import UserError
 from smolctl.shards import KIND_DOCUMENTS, DatasetWriter, OutputFolder, schema_to_dict
 
@@ -78,7 +79,7 @@ def assemble(plan_: DedupPlan, stats: dict) -> dict:
                 name = f"part-{len(folder.shards):05d}.parquet"
                 link_or_copy(piece, folder.file(name))
                 folder.add_shard(name, pq.read_metadata(folder.file(name)).num_rows)
-        removed = pq.read_table(plan_.work / "components" / "removed.parquet").drop_columns(["index"])
+        removed = read_parquet(plan_.work / "components" / "removed.parquet").drop_columns(["index"])
         with OutputFolder(folder.file("duplicates"), kind=KIND_DOCUMENTS, inputs=[]) as report_folder:
             writer = DatasetWriter(report_folder, schema=DUPLICATES_SCHEMA)
             writer.write(removed.cast(DUPLICATES_SCHEMA))

@@ -21,6 +21,7 @@ from smolctl.data.minhash.lsh import band_keys, bucket_pairs
 from smolctl.data.minhash.params import settle_margin
 from smolctl.data.minhash.shingles import sets_from_hashes, shingle_hashes
 from smolctl.data.minhash.arrays import connected_components, sorted_unique
+from smolctl.arrow_arrays import from_numpy, strings, to_numpy_filled
 from smolctl.errors import UserError
 from smolctl.shards import atomic_write_bytes
 
@@ -47,15 +48,16 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
         if id_column:
             ids = pc.cast(batch.column(id_column), pa.string())
         else:
-            ids = pa.array([f"{shard_name}:{r}" for r in range(row, row + len(texts))], pa.string())
-        columns_out = {"id": ids, "null": pc.is_null(texts), "bytes": pc.fill_null(pc.binary_length(texts), 0).cast(pa.int64())}
+            ids = strings([f"{shard_name}:{r}" for r in range(row, row + len(texts))])
+        columns_out = {"id": ids, "null": pc.is_null(texts),
+                       "bytes": from_numpy(to_numpy_filled(pc.binary_length(texts)).astype(np.int64))}
         if plan_.config.keep == "longest":  # counting characters is a pass over every byte: only when asked
-            columns_out["chars"] = pc.fill_null(pc.utf8_length(texts), 0).cast(pa.int64())
+            columns_out["chars"] = from_numpy(to_numpy_filled(pc.utf8_length(texts)).astype(np.int64))
         # Tokens give the exact hashes and the word shingles; character shingles make their own.
         tokens = tokenize(texts) if plan_.config.exact or (params and params.shingle == "word") else None
         if plan_.config.exact:
             exact = tokens.exact
-            columns_out["exact_hi"], columns_out["exact_lo"] = exact[:, 0], exact[:, 1]
+            columns_out["exact_hi"], columns_out["exact_lo"] = from_numpy(exact[:, 0]), from_numpy(exact[:, 1])
             exact_parts.append(exact)
         if params:
             shingles, offsets = shingle_hashes(texts, params.ngram, params.shingle, tokens)
@@ -129,13 +131,13 @@ def bucket_unit(plan_: DedupPlan, band: int, report: Report) -> dict:
 def components_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     config, n_input = plan_.config, plan_.source.num_rows
     columns = ["id", "null"] + (["chars"] if config.keep == "longest" else []) + (["exact_hi", "exact_lo"] if config.exact else []) + (["signature"] if config.minhash else [])
-    table = pa.concat_tables(pq.read_table(plan_.work / "signatures" / f"{u:05d}.parquet", columns=columns)
+    table = pa.concat_tables(read_parquet(plan_.work / "signatures" / f"{u:05d}.parquet", columns)
                              for u in range(len(plan_.units)))
     ids = table.column("id")
     check_unique_ids(ids.slice(0, n_input), config.input, plan_.id_column)
-    null = np.asarray(table.column("null"))
+    null = to_numpy_filled(table.column("null"))
     edges = [np.zeros((0, 2), np.int64)]
-    exact = np.stack([np.asarray(table.column("exact_hi")), np.asarray(table.column("exact_lo"))], 1) if config.exact else None
+    exact = np.stack([to_numpy_filled(table.column("exact_hi")), to_numpy_filled(table.column("exact_lo"))], 1) if config.exact else None
     representative = np.arange(len(null))
     if exact is not None:
         edges.append(exact_edges(exact, null, n_input))
@@ -147,7 +149,7 @@ def components_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
         accepted, stats = verify_pairs(plan_, pairs, sigs, report, representative)
         edges.append(accepted)
     edges = np.concatenate(edges)
-    chars = np.asarray(table.column("chars")) if config.keep == "longest" else None
+    chars = to_numpy_filled(table.column("chars")) if config.keep == "longest" else None
     removed = choose_kept(edges, n_input, chars, config.keep)
     report_table = removal_report(removed, ids, exact, sigs)
     _write_table(plan_.work / "components" / "removed.parquet", report_table)
@@ -158,7 +160,7 @@ def components_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
 
 
 def _input_bytes(plan_: DedupPlan) -> int:
-    return sum(int(pc.sum(pq.read_table(plan_.work / "signatures" / f"{u:05d}.parquet", columns=["bytes"]).column(0)).as_py() or 0)
+    return sum(int(to_numpy_filled(read_parquet(plan_.work / "signatures" / f"{u:05d}.parquet", ["bytes"]).column(0)).sum())
                for u in range(len(plan_.source.files)))
 
 
@@ -169,9 +171,9 @@ def check_unique_ids(ids: pa.ChunkedArray, where: str, id_column: str | None) ->
     if nulls:
         raise UserError(where, f"column '{id_column}' has {nulls} null id(s)", "give every document an id, or pass --id-column")
     counts = pc.value_counts(ids)
-    repeated = pc.filter(counts, pc.greater(counts.field("counts"), 1))
+    repeated = np.flatnonzero(to_numpy_filled(counts.field("counts")) > 1)
     if len(repeated):
-        first = repeated[0].as_py()
+        first = counts[int(repeated[0])].as_py()
         raise UserError(where, f"column '{id_column}' holds {len(repeated)} repeated id(s), e.g. {first['values']!r} x{first['counts']}",
                         "make ids unique (or pass --id-column with a unique column)")
 
@@ -288,10 +290,11 @@ def removal_report(removed: np.ndarray, ids: pa.ChunkedArray, exact: np.ndarray 
         similarity = np.where(same_text, 1.0, estimate_jaccard(sigs, doc, kept))
     else:
         similarity = np.ones(len(doc))
-    return pa.table({"index": pa.array(doc, pa.int64()), "id": ids.take(pa.array(doc, pa.int64())),
-                     "duplicate_of": ids.take(pa.array(kept, pa.int64())), "cluster": pa.array(cluster, pa.int64()),
-                     "reason": pa.array(np.where(same_text, "exact", "minhash").tolist(), pa.string()),
-                     "jaccard": pa.array(similarity, pa.float32())})
+    doc, kept = from_numpy(doc.astype(np.int64)), from_numpy(kept.astype(np.int64))
+    return pa.table({"index": doc, "id": ids.take(doc), "duplicate_of": ids.take(kept),
+                     "cluster": from_numpy(cluster.astype(np.int64)),
+                     "reason": strings(np.where(same_text, "exact", "minhash").tolist()),
+                     "jaccard": from_numpy(similarity.astype(np.float32))})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -300,7 +303,7 @@ def removal_report(removed: np.ndarray, ids: pa.ChunkedArray, exact: np.ndarray 
 
 def filter_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     start = sum(plan_.source.file_rows[:unit])
-    removed = np.asarray(pq.read_table(plan_.work / "components" / "removed.parquet", columns=["index"]).column(0))
+    removed = to_numpy_filled(read_parquet(plan_.work / "components" / "removed.parquet", ["index"]).column(0))
     local = removed[(removed >= start) & (removed < start + plan_.source.file_rows[unit])] - start
     path = plan_.work / "filter" / f"{unit:05d}.parquet"
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -313,7 +316,7 @@ def filter_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
             # Dictionary encoding is only ever a wasted attempt on a column of documents.
             writer = writer or pq.ParquetWriter(tmp, batch.schema, compression="zstd",
                                                 use_dictionary=[n for n in batch.schema.names if n != plan_.config.text_column])
-            writer.write_batch(batch.filter(pa.array(mask)))
+            writer.write_batch(batch.filter(from_numpy(mask)))
             kept += int(mask.sum())
         report("filter", batch.num_rows)
     if writer is not None:
@@ -332,6 +335,11 @@ def _write_table(path: Path, table: pa.Table) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     pq.write_table(table, tmp, compression="none", use_dictionary=False)
     os.replace(tmp, path)
+
+
+def read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table:
+    """A whole parquet file, in this thread (pq.read_table goes through pyarrow.dataset, a slow import)."""
+    return pq.ParquetFile(path).read(columns, use_threads=False)
 
 
 def _band_row(path: Path, band: int, bands: int, rows: int) -> np.ndarray:

@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from smolctl.arrow_arrays import from_numpy, to_numpy_filled
 from smolctl.data import _minhash
 from smolctl.data.minhash.arrays import odd_constants, offsets_from_counts
 from smolctl.data.minhash.normalization import changing_characters, normalize, plain_strings
@@ -52,15 +53,15 @@ def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
     data = texts.buffers()[2] if texts.buffers()[2] is not None else pa.py_buffer(b"")
     starts, ends = offsets[:-1].copy(), offsets[1:].copy()
     if texts.null_count:
-        empty = np.asarray(texts.is_null(), dtype=bool)
+        empty = to_numpy_filled(texts.is_null())
         ends[empty] = starts[empty]
     extra = b""
-    others = np.flatnonzero(~np.asarray(pc.fill_null(pc.string_is_ascii(texts), True), dtype=bool))
+    others = np.flatnonzero(~to_numpy_filled(pc.string_is_ascii(texts), fill=True))
     if len(others):
-        changing = pc.match_substring_regex(texts.take(pa.array(others)), changing_characters())
-        others = others[np.asarray(changing, dtype=bool)]
+        changing = pc.match_substring_regex(texts.take(from_numpy(others)), changing_characters())
+        others = others[to_numpy_filled(changing)]
     if len(others):
-        folded = [normalize(t).encode() for t in texts.take(pa.array(others)).to_pylist()]
+        folded = [normalize(t).encode() for t in texts.take(from_numpy(others)).to_pylist()]
         extra = b"".join(folded)
         # Positions from len(data) on address the second buffer.
         ends[others] = data.size + np.cumsum([len(f) for f in folded], dtype=np.int64)
