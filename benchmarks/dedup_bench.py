@@ -15,10 +15,10 @@
    CPU seconds, ratios against rensa within each round, peak RSS, precision / recall / F1 of the removed set,
    documents removed without any true duplicate, and clusters of distinct documents emptied entirely.
 
-smolctl runs as its CLI (`python -m smolctl dedup CORPUS OUT --minhash --workers 1`). rensa and datasketch run
-the way their READMEs show (RMinHashDeduplicator(threshold, num_perm=128, use_lsh=True).add_pairs; MinHash.bulk
-+ MinHashLSH, query then insert), fed the same word 5-gram shingles, from the same normalisation, as the ground
-truth, and write the kept documents as smolctl does (zstd parquet).
+smolctl runs as its CLI (`python -m smolctl dedup CORPUS OUT --minhash --workers 1`). rensa runs exactly as its
+README shows (RMinHashDeduplicator(threshold, num_perm=128, use_lsh=True).add_pairs of (key, text.split())), and
+once more fed the ground truth's word 5-gram shingles; datasketch as its README shows (MinHash.bulk + MinHashLSH,
+query then insert) on those shingles. All write the kept documents as smolctl does (zstd parquet).
 """
 
 from __future__ import annotations
@@ -183,9 +183,9 @@ def smolctl_removed(work: Path) -> list[int]:
     return [int(i[1:]) for i in report.column(0).to_pylist()]
 
 
-def run_rensa(corpus: Path, work: Path, threshold: float) -> list[int]:
-    """rensa as its README shows (RMinHashDeduplicator with LSH, add_pairs of (key, tokens)), given the same word
-    5-gram shingles as the ground truth rather than single words, so that it is scored on the same similarity."""
+def run_rensa(corpus: Path, work: Path, threshold: float, tokens=str.split) -> list[int]:
+    """rensa exactly as its README shows: RMinHashDeduplicator(threshold, num_perm=128, use_lsh=True) and add_pairs
+    of (key, text.split()), the kept documents written out (zstd, as smolctl writes them)."""
     from rensa import RMinHashDeduplicator
 
     deduplicator, removed, doc = RMinHashDeduplicator(threshold=threshold, num_perm=128, use_lsh=True), [], 0
@@ -193,12 +193,17 @@ def run_rensa(corpus: Path, work: Path, threshold: float) -> list[int]:
     for path in sorted(corpus.glob("part-*.parquet")):
         table = pq.read_table(path)
         texts, first = table.column("text").to_pylist(), doc
-        keep = deduplicator.add_pairs((str(first + i), [" ".join(s) for s in shingles(t)]) for i, t in enumerate(texts))
+        keep = deduplicator.add_pairs((str(first + i), tokens(t)) for i, t in enumerate(texts))
         removed += [first + i for i, kept in enumerate(keep) if not kept]
         doc += len(texts)
-        # End to end like the others: the kept documents are written out (zstd, as smolctl writes them).
         pq.write_table(table.filter(pa.array(keep)), work / "kept" / path.name, compression="zstd")
     return removed
+
+
+def run_rensa_shingles(corpus: Path, work: Path, threshold: float) -> list[int]:
+    """rensa as above, given the ground truth's word 5-gram shingles instead of single words, so that it is
+    scored on the same similarity (the shingling is Python, as a user would write it)."""
+    return run_rensa(corpus, work, threshold, tokens=lambda text: [" ".join(s) for s in shingles(text)])
 
 
 def run_datasketch(corpus: Path, work: Path, threshold: float) -> list[int]:
@@ -224,9 +229,10 @@ def run_datasketch(corpus: Path, work: Path, threshold: float) -> list[int]:
     return removed
 
 
-METHODS = {"rensa": run_rensa, "datasketch": run_datasketch}
+METHODS = {"rensa": run_rensa, "rensa-shingles": run_rensa_shingles, "datasketch": run_datasketch}
 LABELS = {"smolctl": "smolctl dedup --minhash (CLI, defaults: 20 x 5 bands, verified)",
-          "rensa": "rensa RMinHashDeduplicator (128 perm, LSH)",
+          "rensa": "rensa RMinHashDeduplicator (128 perm, LSH), words as its README (text.split())",
+          "rensa-shingles": "rensa RMinHashDeduplicator, fed the word 5-gram shingles",
           "datasketch": "datasketch MinHash.bulk + MinHashLSH (128 perm)"}
 
 
@@ -321,7 +327,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--docs", type=int, default=25000)
     parser.add_argument("--threshold", type=float, default=0.8)
-    parser.add_argument("--methods", default="smolctl,rensa,datasketch")
+    parser.add_argument("--methods", default="smolctl,rensa,rensa-shingles,datasketch")
     parser.add_argument("--repeat", type=int, default=5, help="Rounds (each runs every method once, interleaved).")
     parser.add_argument("--cpu", type=int, default=0, help="The one CPU every method is pinned to.")
     parser.add_argument("--scale", type=int, help="Only measure smolctl's time and memory on this many synthetic documents.")
