@@ -28,6 +28,7 @@ def bucket_pairs(keys: np.ndarray, docs: np.ndarray) -> np.ndarray:
     each member's pairs with its next MAX_BUCKET_PAIRS_SPAN neighbours in document order plus a pair with the
     bucket's first document, enough to connect a true cluster while staying linear in its size.
     """
+    keys, docs = _shared_keys(keys, docs)
     if len(docs) < 2:
         return np.zeros(0, np.uint64)
     order = np.argsort(keys)  # unstable: the vectorised sort, several times faster than a stable one
@@ -55,3 +56,16 @@ def bucket_pairs(keys: np.ndarray, docs: np.ndarray) -> np.ndarray:
         members = np.concatenate([docs[s + 1:s + n] for s, n in zip(first_of_group[large], sizes[large])])
         pieces.append((heads << np.uint64(32)) | members)
     return sorted_unique(np.concatenate(pieces))
+
+
+def _shared_keys(keys: np.ndarray, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The (keys, docs) whose key another document shares: the only ones that pair. Nearly every key of a band is
+    unique, so one sort of the keys alone (no indices to carry) and a lookup leave few documents to arrange."""
+    ordered = np.sort(keys)
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    if not len(repeated):
+        return keys[:0], docs[:0]
+    shared = sorted_unique(repeated)
+    found = np.minimum(np.searchsorted(shared, keys), len(shared) - 1)
+    member = shared[found] == keys
+    return keys[member], docs[member]
