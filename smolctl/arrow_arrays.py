@@ -8,7 +8,7 @@ buffers, which never asks.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -28,7 +28,9 @@ def strings(texts: Sequence[str]) -> pa.StringArray:
     encoded = [t.encode() for t in texts]
     offsets = np.zeros(len(encoded) + 1, np.int32)
     np.cumsum([len(e) for e in encoded], out=offsets[1:])
-    return pa.Array.from_buffers(pa.string(), len(encoded), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))])
+    return pa.Array.from_buffers(
+        pa.string(), len(encoded), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))]
+    )
 
 
 def to_numpy_filled(values: pa.Array | pa.ChunkedArray, fill: int | bool = 0) -> np.ndarray:

@@ -4,9 +4,9 @@ area. The run (smolctl/data/dedup.py) and the stages' units (dedup_stages.py) bo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 from smolctl.data.array_tasks import WorkArea, file_identity
 from smolctl.data.minhash.params import HASHING_VERSION, MinHashParams
@@ -39,7 +39,6 @@ class DedupConfig:
     keep: str = "first"
     """Which document of a cluster survives: the first in input order, or the longest (ties: first)."""
     overwrite: bool = False
-
 
 
 @dataclass
@@ -77,9 +76,12 @@ class DedupPlan:
 
 
 def fingerprint(config: DedupConfig, source: DocumentSource, reference: DocumentSource | None) -> dict:
-    return {"config": {k: v for k, v in asdict(config).items() if k not in ("overwrite", "output")},
-            "input_files": file_identity(source.files), "reference_files": file_identity(reference.files) if reference else [],
-            "hashing": HASHING_VERSION}
+    return {
+        "config": {k: v for k, v in asdict(config).items() if k not in ("overwrite", "output")},
+        "input_files": file_identity(source.files),
+        "reference_files": file_identity(reference.files) if reference else [],
+        "hashing": HASHING_VERSION,
+    }
 
 
 def plan(config: DedupConfig) -> DedupPlan:
@@ -101,8 +103,11 @@ def plan(config: DedupConfig) -> DedupPlan:
             raise UserError("--against", "is the input itself", "pass a different reference dataset")
     total = source.num_rows + (reference.num_rows if reference else 0)
     if total >= 2**32:
-        raise UserError(config.input, f"{total:,} documents: candidate pairs index documents with 32 bits",
-                        "split the corpus and chain runs with --against")
+        raise UserError(
+            config.input,
+            f"{total:,} documents: candidate pairs index documents with 32 bits",
+            "split the corpus and chain runs with --against",
+        )
     area = WorkArea(Path(config.output), STAGES, fingerprint(config, source, reference))
     return DedupPlan(config, source, reference, id_column, area)
 

@@ -48,7 +48,7 @@ def connected_components(u: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.n
     so no cycle can form), then jumps pointers until every node points at its root.
     """
     nodes, inverse = sorted_unique(np.concatenate([u, v]), return_inverse=True)
-    a, b = inverse[:len(u)], inverse[len(u):]
+    a, b = inverse[: len(u)], inverse[len(u) :]
     parent = np.arange(len(nodes))
     while True:
         ra, rb = parent[a], parent[b]

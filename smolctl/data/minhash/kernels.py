@@ -3,8 +3,8 @@ set intersections and signature agreements over whole batches. Every buffer is a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -49,7 +49,9 @@ def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
     """
     texts = plain_strings(texts)
     width = np.int64 if pa.types.is_large_string(texts.type) else np.int32
-    offsets = np.frombuffer(texts.buffers()[1], dtype=width)[texts.offset:texts.offset + len(texts) + 1].astype(np.int64)
+    offsets = np.frombuffer(texts.buffers()[1], dtype=width)[texts.offset : texts.offset + len(texts) + 1].astype(
+        np.int64
+    )
     data = texts.buffers()[2] if texts.buffers()[2] is not None else pa.py_buffer(b"")
     starts, ends = offsets[:-1].copy(), offsets[1:].copy()
     if texts.null_count:
@@ -68,7 +70,11 @@ def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
         starts[others] = np.concatenate([[data.size], ends[others][:-1]])
     # A word takes at least one byte and a separator: a document of n bytes has at most (n + 1) // 2 of them.
     room = (int((ends - starts).sum()) + len(texts)) // 2 + 1
-    exact, word_hashes, word_counts = np.empty((len(texts), 2), np.uint64), np.empty(room, np.uint64), np.empty(len(texts), np.int64)
+    exact, word_hashes, word_counts = (
+        np.empty((len(texts), 2), np.uint64),
+        np.empty(room, np.uint64),
+        np.empty(len(texts), np.int64),
+    )
     words = _minhash.tokenize(data, extra, starts, ends, exact, word_hashes, word_counts)
     return Tokens(exact, word_hashes[:words], offsets_from_counts(word_counts))
 
@@ -79,8 +85,13 @@ def ngrams(tokens: np.ndarray, offsets: np.ndarray, ngram: int) -> tuple[np.ndar
     tokens."""
     out = np.empty(len(tokens), np.uint64)
     counts = np.empty(len(offsets) - 1, np.int64)
-    total = _minhash.shingles(np.ascontiguousarray(tokens, np.uint64), np.ascontiguousarray(offsets, np.int64),
-                              NGRAM_WEIGHTS[np.arange(ngram) % len(NGRAM_WEIGHTS)], out, counts)
+    total = _minhash.shingles(
+        np.ascontiguousarray(tokens, np.uint64),
+        np.ascontiguousarray(offsets, np.int64),
+        NGRAM_WEIGHTS[np.arange(ngram) % len(NGRAM_WEIGHTS)],
+        out,
+        counts,
+    )
     return out[:total], offsets_from_counts(counts)
 
 
@@ -88,8 +99,12 @@ def signatures(shingles: np.ndarray, offsets: np.ndarray, multipliers: np.ndarra
     """(docs, num_perm) uint32 MinHash signatures: value p of document i is the minimum over its shingles s of
     multipliers[p] * (s >> 32) mod 2^32; a document without shingles gets all 0xFFFFFFFF (_minhash.c)."""
     out = np.empty((len(offsets) - 1, len(multipliers)), dtype=np.uint32)
-    _minhash.signatures(np.ascontiguousarray(shingles, np.uint64), np.ascontiguousarray(offsets, np.int64),
-                        np.ascontiguousarray(multipliers, np.uint32), out)
+    _minhash.signatures(
+        np.ascontiguousarray(shingles, np.uint64),
+        np.ascontiguousarray(offsets, np.int64),
+        np.ascontiguousarray(multipliers, np.uint32),
+        out,
+    )
     return out
 
 
@@ -98,7 +113,9 @@ def jaccard_many(values: np.ndarray, bounds: np.ndarray, left: np.ndarray, right
     unique): one merge of the two sorted sets per pair (_minhash.c); two empty sets are identical."""
     left, right = np.ascontiguousarray(left, np.int64), np.ascontiguousarray(right, np.int64)
     common = np.empty(len(left), np.int64)
-    _minhash.intersections(np.ascontiguousarray(values, np.uint64), np.ascontiguousarray(bounds, np.int64), left, right, common)
+    _minhash.intersections(
+        np.ascontiguousarray(values, np.uint64), np.ascontiguousarray(bounds, np.int64), left, right, common
+    )
     sizes = np.diff(bounds)
     union = sizes[left] + sizes[right] - common
     return np.where(union > 0, common / np.maximum(union, 1), 1.0)

@@ -53,7 +53,7 @@ def bucket_pairs(keys: np.ndarray, docs: np.ndarray) -> np.ndarray:
     large = sizes > MAX_BUCKET_PAIRS_SPAN + 1
     if large.any():
         heads = np.repeat(docs[first_of_group[large]], sizes[large] - 1)
-        members = np.concatenate([docs[s + 1:s + n] for s, n in zip(first_of_group[large], sizes[large])])
+        members = np.concatenate([docs[s + 1 : s + n] for s, n in zip(first_of_group[large], sizes[large])])
         pieces.append((heads << np.uint64(32)) | members)
     return sorted_unique(np.concatenate(pieces))
 

@@ -1,7 +1,7 @@
 """MinHash parameters: what decides which documents are near duplicates, validated, and the band choice.
 
-    from smolctl.data.minhash.params import MinHashParams
-    MinHashParams.for_threshold(0.8)   # 100 permutations as 20 bands x 5 rows, word 5-grams
+from smolctl.data.minhash.params import MinHashParams
+MinHashParams.for_threshold(0.8)   # 100 permutations as 20 bands x 5 rows, word 5-grams
 """
 
 from __future__ import annotations
@@ -67,24 +67,45 @@ class MinHashParams:
     """Seeds the permutations; documents are only comparable under the same seed."""
 
     @classmethod
-    def for_threshold(cls, threshold: float = 0.8, num_perm: int = 100, bands: int | None = None,
-                      rows: int | None = None, ngram: int = 5, shingle: str = "word", seed: int = 1) -> "MinHashParams":
+    def for_threshold(
+        cls,
+        threshold: float = 0.8,
+        num_perm: int = 100,
+        bands: int | None = None,
+        rows: int | None = None,
+        ngram: int = 5,
+        shingle: str = "word",
+        seed: int = 1,
+    ) -> MinHashParams:
         """Validated parameters; bands/rows derived from the threshold unless both are given."""
         if not 0.0 < threshold < 1.0:
             raise UserError("--threshold", f"{threshold} is outside (0, 1)", "use a Jaccard threshold such as 0.8")
         if num_perm < 1 or num_perm > 4096:
-            raise UserError("--num-perm", f"{num_perm} is out of range", "use between 1 and 4096 permutations (100 is a good default)")
+            raise UserError(
+                "--num-perm",
+                f"{num_perm} is out of range",
+                "use between 1 and 4096 permutations (100 is a good default)",
+            )
         if ngram < 1:
-            raise UserError("--ngram", f"{ngram} must be at least 1", "use e.g. 5 (word shingles) or 5 to 9 (character shingles)")
+            raise UserError(
+                "--ngram", f"{ngram} must be at least 1", "use e.g. 5 (word shingles) or 5 to 9 (character shingles)"
+            )
         if shingle not in SHINGLE_KINDS:
             raise UserError("--shingle", f"unknown shingle kind {shingle!r}", "use word or char")
         if (bands is None) != (rows is None):
-            raise UserError("--bands/--rows", "only one of the two is given", "give both, or neither to derive them from --threshold")
+            raise UserError(
+                "--bands/--rows",
+                "only one of the two is given",
+                "give both, or neither to derive them from --threshold",
+            )
         if bands is None:
             bands, rows = choose_bands(threshold, num_perm)
         if bands < 1 or rows < 1 or bands * rows != num_perm:
-            raise UserError("--bands/--rows", f"{bands} bands x {rows} rows = {bands * rows}, not --num-perm {num_perm}",
-                            f"choose bands x rows = {num_perm}, or omit both to derive them from --threshold")
+            raise UserError(
+                "--bands/--rows",
+                f"{bands} bands x {rows} rows = {bands * rows}, not --num-perm {num_perm}",
+                f"choose bands x rows = {num_perm}, or omit both to derive them from --threshold",
+            )
         return cls(threshold, num_perm, bands, rows, ngram, shingle, seed)
 
     def permutations(self) -> np.ndarray:

@@ -3,7 +3,7 @@ verification compares, and the plain statement the signatures approximate."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -30,8 +30,9 @@ def char_tokens(texts: Sequence[str] | pa.Array) -> tuple[np.ndarray, np.ndarray
     return mix64(joined), np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
 
-def shingle_hashes(texts: Sequence[str] | pa.Array, ngram: int = 5, shingle: str = "word",
-                   tokens: Tokens | None = None) -> tuple[np.ndarray, np.ndarray]:
+def shingle_hashes(
+    texts: Sequence[str] | pa.Array, ngram: int = 5, shingle: str = "word", tokens: Tokens | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(hashes, offsets) of the n-gram shingles of each document's normalised text (duplicates included; a min
     does not mind); `tokens` = tokenize(texts) when the caller has it already.
 
@@ -47,7 +48,7 @@ def shingle_hashes(texts: Sequence[str] | pa.Array, ngram: int = 5, shingle: str
 def shingle_sets(texts: Sequence[str] | pa.Array, ngram: int = 5, shingle: str = "word") -> list[np.ndarray]:
     """Each document's shingle set as sorted unique uint64: what exact Jaccard verification compares."""
     values, bounds = sets_from_hashes(*shingle_hashes(texts, ngram, shingle))
-    return [values[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
+    return [values[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
 
 
 def sets_from_hashes(hashes: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -61,7 +62,9 @@ def sets_from_hashes(hashes: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarra
     for first in range(0, len(counts), SET_SORT_DOCS):
         last = min(first + SET_SORT_DOCS, len(counts))
         local = np.repeat(np.arange(last - first, dtype=np.uint64), counts[first:last])
-        keys = (local << np.uint64(64 - SET_DOC_BITS)) | (hashes[offsets[first]:offsets[last]] >> np.uint64(SET_DOC_BITS))
+        keys = (local << np.uint64(64 - SET_DOC_BITS)) | (
+            hashes[offsets[first] : offsets[last]] >> np.uint64(SET_DOC_BITS)
+        )
         keys.sort()
         keys = keys[np.concatenate([[True], keys[1:] != keys[:-1]])] if len(keys) else keys
         values.append(keys << np.uint64(SET_DOC_BITS))
