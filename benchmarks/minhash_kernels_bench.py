@@ -19,7 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from smolctl.data import minhash, minhash_fallback
+from smolctl.data import minhash_fallback
+from smolctl.data.minhash import kernels, params, shingles
 
 REPO = Path(__file__).resolve().parent.parent
 PAIRS = 200_000
@@ -44,12 +45,12 @@ def one_round(texts: pa.Array, best: dict[str, float]) -> None:
         best[name] = min(best.get(name, float("inf")), time.process_time() - started)
         return result
 
-    tokens = timed("tokenize", minhash.tokenize, texts)
-    shingles = timed("shingles", minhash.ngrams, tokens.words, tokens.word_offsets, 5)
-    signatures = timed("signatures", minhash.signatures, *shingles, minhash.MinHashParams().permutations())
-    sets = minhash.sets_from_hashes(*shingles)  # sorting the sets is numpy's work, not a kernel's: untimed
-    timed("intersections", minhash.jaccard_many, *sets, left, right)
-    timed("agreements", minhash.estimate_jaccard, signatures, left, right)
+    tokens = timed("tokenize", kernels.tokenize, texts)
+    shingles = timed("shingles", kernels.ngrams, tokens.words, tokens.word_offsets, 5)
+    signatures = timed("signatures", kernels.signatures, *shingles, params.MinHashParams().permutations())
+    sets = shingles.sets_from_hashes(*shingles)  # sorting the sets is numpy's work, not a kernel's: untimed
+    timed("intersections", kernels.jaccard_many, *sets, left, right)
+    timed("agreements", kernels.estimate_jaccard, signatures, left, right)
 
 
 def main() -> None:
@@ -59,13 +60,13 @@ def main() -> None:
     parser.add_argument("--kernels", choices=["both", "c", "numpy"], default="both")
     args = parser.parse_args()
     texts = sample_texts(args.copies)
-    sides = {"c": minhash._minhash, "numpy": minhash_fallback}
+    sides = {"c": kernels._minhash, "numpy": minhash_fallback}
     if args.kernels != "both":
         sides = {args.kernels: sides[args.kernels]}
     best: dict[str, dict[str, float]] = {side: {} for side in sides}
     for _ in range(args.repeat):
         for side, kernels in sides.items():
-            minhash._minhash = kernels
+            kernels._minhash = kernels
             one_round(texts, best[side])
     megabytes = sum(len(t.encode()) for t in texts.to_pylist()) / 1e6
     print(

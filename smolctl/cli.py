@@ -539,7 +539,7 @@ def dedup_command(
 ) -> None:
     """Remove exact and near-duplicate documents; the same result on one core, many, or a Slurm array."""
     from smolctl.data.dedup import DedupConfig, run
-    from smolctl.data.minhash import MinHashParams
+    from smolctl.data.minhash.params import MinHashParams
 
     given = {"--threshold": threshold, "--num-perm": num_perm, "--bands": bands, "--rows": rows, "--ngram": ngram,
              "--shingle": shingle}

@@ -18,14 +18,6 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "smolctl"
 
-# Cycles other helpers are cutting on their own branches; the coordinator removes each entry when that branch
-# merges (the test fails on an entry whose cycle is gone, so a stale allowance cannot linger).
-KNOWN_CYCLES = {
-    # s2-dedup (issue 23 item 3): dedup's plan in a module of its own (dedup_stages names it under TYPE_CHECKING)
-    frozenset({"smolctl.data.dedup", "smolctl.data.dedup_stages"}),
-}
-
-
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -164,12 +156,8 @@ def test_no_import_cycles():
     graph = import_graph()
     assert len(graph) > 40, "the walk found too few modules: is PACKAGE the source folder?"
     cycles = strongly_connected(graph)
-    unexpected = [describe_cycle(c, graph) for c in cycles if frozenset(c) not in KNOWN_CYCLES]
-    assert not unexpected, "import cycles (move the shared piece down into a module both can import):\n" + "\n".join(
-        unexpected
-    )
-    stale = [sorted(known) for known in KNOWN_CYCLES if list(sorted(known)) not in cycles]
-    assert not stale, f"these cycles are gone: remove them from KNOWN_CYCLES: {stale}"
+    found = [describe_cycle(c, graph) for c in cycles]
+    assert not found, "import cycles (move the shared piece down into a module both can import):\n" + "\n".join(found)
 
 
 HEAVY = ("torch", "transformers", "trl", "peft", "mergekit")
