@@ -364,7 +364,10 @@ class Trainer:
 
         if not unjudged:
             return None
+        synced = time.perf_counter()
         values = torch.stack([trained.values for trained in unjudged]).tolist()
+        # A GPU runs behind the host until this sync: the wait is compute of the steps judged (timed on the last one)
+        unjudged[-1].compute_s += time.perf_counter() - synced
         for trained, (loss, norm) in zip(unjudged, values):
             verdict = self.guards.observe(trained.step, trained.batch, loss, norm)
             if verdict.event:
