@@ -1,8 +1,9 @@
 """How long a checkpoint holds the training loop: `dcp.async_save` against `dcp.save`, for a ~300M-parameter SmolLM3
 with its AdamW state, on CPU, through smolctl's own CheckpointManager and in the loop's order: save, the next
 step's forward and backward (the async save copies the state meanwhile), wait for that copy, optimizer step. The
-async save's "held" time is that step's wall time minus the same step without a save (so the copy's contention
-with the compute counts too); sync and async saves alternate, round by round. Then the SmolLM3 recipe's
+async save holds the loop for its call plus the wait before the optimizer step; the step's slowdown against a step
+without a save (the copy contending with the compute for cores and memory bandwidth) is reported beside it. Sync
+and async saves alternate, round by round. Then the SmolLM3 recipe's
 checkpoint seconds per 1,000 steps as `smolctl estimate` sees it.
 
     PYTHONPATH=. python benchmarks/checkpoint_bench.py [--layers 16] [--repeats 3] [--tokens 256] [--dir /tmp/ckpt-bench]
@@ -70,7 +71,8 @@ def main() -> None:
     parameters = sum(p.numel() for p in model.parameters())
     root = Path(tempfile.mkdtemp(dir=args.dir))
     results: dict[str, list[float]] = {"sync_blocking_s": [], "async_blocking_s": [], "async_save_call_s": [],
-                                       "async_staging_wait_s": [], "async_total_s": [], "step_s": []}
+                                       "async_staging_wait_s": [], "async_step_slowdown_s": [], "async_total_s": [],
+                                       "step_s": []}
     managers = {mode: CheckpointManager(root / mode, model=model, optimizer=optimizer, dist=Dist(), keep=1,
                                         async_save=mode == "async", export_interval=0,
                                         write_model_files=lambda folder: None, inputs=list)
@@ -88,8 +90,9 @@ def main() -> None:
             call = manager.save(repeat + 1, train_state={}, fields={}, blocking=False)
             step, waited = train_step(model, optimizer, manager, args.tokens)
             manager.wait()
-            row = {"sync_blocking_s": sync_held, "async_blocking_s": call + step - baseline, "async_save_call_s": call,
-                   "async_staging_wait_s": waited, "async_total_s": time.perf_counter() - started}
+            row = {"sync_blocking_s": sync_held, "async_blocking_s": call + waited, "async_save_call_s": call,
+                   "async_staging_wait_s": waited, "async_step_slowdown_s": step - waited - baseline,
+                   "async_total_s": time.perf_counter() - started}
             print(f"round {repeat}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), file=sys.stderr, flush=True)
             if repeat == 0:
                 first_async = row

@@ -172,6 +172,14 @@ num_key_value_heads = 2
 [data]
 paths = ["{packed}"]
 
+[optimizer]
+lr = 1e-2
+
+[schedule]
+kind = "wsd"
+warmup_steps = 2
+decay_fraction = 0.2
+
 [training]
 steps = 30
 seq_len = 64
