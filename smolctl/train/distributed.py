@@ -46,13 +46,17 @@ class Dist:
             dist.all_reduce(value, op=dist.ReduceOp.SUM)
         return value
 
-    def any(self, flag: bool) -> bool:
-        """True on every rank when `flag` is true on at least one (e.g. a signal that reached only some ranks)."""
+    def any(self, flag: bool, group=None) -> bool:
+        """True on every rank when `flag` is true on at least one (e.g. a signal that reached only some ranks).
+        On a gloo `group` the flag stays on the host: no device sync."""
         if not self.active:
             return flag
         import torch
+        import torch.distributed as dist
 
-        return bool(self.sum(torch.tensor([int(flag)], device=self.device)).item())
+        value = torch.tensor([int(flag)], device="cpu" if group is not None else self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+        return bool(value.item())
 
     def close(self) -> None:
         if self.active:

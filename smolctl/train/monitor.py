@@ -135,6 +135,12 @@ class Monitor:
             seconds = time.perf_counter() - started
         self._comm_share = min(1.0, collective_seconds(prof.events(), on_gpu) / max(seconds, 1e-9))
 
+    def checkpoint_held(self, seconds: float) -> None:
+        """Seconds an asynchronous save held the loop after `checkpointing()` returned (its copy of the state
+        finishing before the next optimizer step): checkpoint time, not another checkpoint."""
+        for bucket in (self._window, self._totals):
+            bucket["checkpoint"] += seconds
+
     @contextmanager
     def checkpointing(self) -> Iterator[None]:
         """Around a blocking checkpoint save: its seconds go on the next metrics line (the playbook's budget is
