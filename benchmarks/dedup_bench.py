@@ -1,6 +1,7 @@
-"""Near-duplicate removal, smolctl vs datasketch (vs datatrove), one core each, against exact ground truth.
+"""Near-duplicate removal, smolctl vs rensa and datasketch, each a whole process on one CPU, against exact ground truth.
 
-    .venv/bin/python benchmarks/dedup_bench.py --docs 20000
+    .venv/bin/python benchmarks/dedup_bench.py --docs 25000 --repeat 5 --cpu 0
+    .venv/bin/python benchmarks/dedup_bench.py --scale 1000000 --scale-corpus /tmp/dedup-1m --repeat 2
 
 1. Corpus: the sample corpus plus /usr/share/doc texts (real prose, licences, changelogs: natural near
    duplicates included), cut into ~1.2 KB documents; 15% of them get a planted copy with random word edits
@@ -9,14 +10,15 @@
 2. Ground truth: the exact Jaccard of every pair of documents sharing a word 5-gram (a sparse product of the
    document x shingle matrix), pairs at or above the threshold joined into clusters; all but the first document
    of each cluster should go.
-3. Each method runs in its own process pinned to one CPU, end to end from the parquet shards (reading, hashing,
-   indexing, deciding, writing the kept documents): docs/s, MB/s, peak RSS,
-   precision / recall / F1 of the removed set, documents removed without any true duplicate, and clusters of
-   distinct documents emptied entirely.
+3. Each method runs as a fresh process pinned to the same CPU, end to end from the parquet shards (start-up and
+   imports, reading, hashing, indexing, deciding, writing the kept documents), in interleaved rounds: wall and
+   CPU seconds, ratios against rensa within each round, peak RSS, precision / recall / F1 of the removed set,
+   documents removed without any true duplicate, and clusters of distinct documents emptied entirely.
 
-datasketch is used the documented way: MinHash.bulk over the 5-gram shingles, MinHashLSH(threshold, 128
-permutations), query then insert. datatrove (optional: pip install datatrove) runs its 4-stage MinHash pipeline
-with default settings and a whitespace word tokenizer (its English tokenizer needs spaCy).
+smolctl runs as its CLI (`python -m smolctl dedup CORPUS OUT --minhash --workers 1`). rensa runs exactly as its
+README shows (RMinHashDeduplicator(threshold, num_perm=128, use_lsh=True).add_pairs of (key, text.split())), and
+once more fed the ground truth's word 5-gram shingles; datasketch as its README shows (MinHash.bulk + MinHashLSH,
+query then insert) on those shingles. All write the kept documents as smolctl does (zstd parquet).
 """
 
 from __future__ import annotations
@@ -167,19 +169,45 @@ def ground_truth(corpus: list[str], threshold: float) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Methods (each runs in its own pinned process)
+# Methods: each runs as a whole process of its own (start-up and imports included), pinned to one CPU
 
 
-def run_smolctl(corpus: Path, work: Path, threshold: float) -> list[int]:
-    from smolctl.data.dedup import DedupConfig, run
-    from smolctl.data.minhash import MinHashParams
+def smolctl_command(corpus: Path, work: Path, threshold: float) -> list[str]:
+    """The CLI as a user types it."""
+    return [sys.executable, "-m", "smolctl", "dedup", str(corpus), str(work / "out"), "--minhash", "--threshold",
+            str(threshold), "--workers", "1", "--json"]
 
-    run(DedupConfig(input=str(corpus), output=str(work / "out"), minhash=MinHashParams.for_threshold(threshold)), workers=1)
+
+def smolctl_removed(work: Path) -> list[int]:
     report = pq.read_table(work / "out" / "duplicates" / "part-00000.parquet", columns=["id"])
     return [int(i[1:]) for i in report.column(0).to_pylist()]
 
 
+def run_rensa(corpus: Path, work: Path, threshold: float, tokens=str.split) -> list[int]:
+    """rensa exactly as its README shows: RMinHashDeduplicator(threshold, num_perm=128, use_lsh=True) and add_pairs
+    of (key, text.split()), the kept documents written out (zstd, as smolctl writes them)."""
+    from rensa import RMinHashDeduplicator
+
+    deduplicator, removed, doc = RMinHashDeduplicator(threshold=threshold, num_perm=128, use_lsh=True), [], 0
+    (work / "kept").mkdir()
+    for path in sorted(corpus.glob("part-*.parquet")):
+        table = pq.read_table(path)
+        texts, first = table.column("text").to_pylist(), doc
+        keep = deduplicator.add_pairs((str(first + i), tokens(t)) for i, t in enumerate(texts))
+        removed += [first + i for i, kept in enumerate(keep) if not kept]
+        doc += len(texts)
+        pq.write_table(table.filter(pa.array(keep)), work / "kept" / path.name, compression="zstd")
+    return removed
+
+
+def run_rensa_shingles(corpus: Path, work: Path, threshold: float) -> list[int]:
+    """rensa as above, given the ground truth's word 5-gram shingles instead of single words, so that it is
+    scored on the same similarity (the shingling is Python, as a user would write it)."""
+    return run_rensa(corpus, work, threshold, tokens=lambda text: [" ".join(s) for s in shingles(text)])
+
+
 def run_datasketch(corpus: Path, work: Path, threshold: float) -> list[int]:
+    """datasketch as its README shows: MinHash.bulk over the shingles, MinHashLSH, query then insert."""
     from datasketch import MinHash, MinHashLSH
 
     lsh, removed, doc = MinHashLSH(threshold=threshold, num_perm=128), [], 0
@@ -195,71 +223,54 @@ def run_datasketch(corpus: Path, work: Path, threshold: float) -> list[int]:
                 else:
                     lsh.insert(doc, signature)
                 doc += 1
-        # End to end like the others: the kept documents are written out (zstd, as smolctl writes them).
         keep = np.ones(len(texts), bool)
         keep[[d - first for d in removed if d >= first]] = False
         pq.write_table(table.filter(pa.array(keep)), work / "kept" / path.name, compression="zstd")
     return removed
 
 
-def run_datatrove(corpus: Path, work: Path, threshold: float) -> list[int]:
-    from datatrove.executor import LocalPipelineExecutor
-    from datatrove.pipeline.dedup import MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter, MinhashDedupSignature
-    from datatrove.pipeline.dedup.minhash import MinhashConfig
-    from datatrove.pipeline.readers import ParquetReader
-    from datatrove.pipeline.writers import JsonlWriter
-    from datatrove.utils.word_tokenizers import WordTokenizer
-
-    class Whitespace(WordTokenizer):
-        def word_tokenize(self, text):
-            return text.split()
-
-        def sent_tokenize(self, text):
-            return [text]
-
-        def span_tokenize(self, text):
-            return [(m.start(), m.end()) for m in re.finditer(r"\S+", text)]
-
-    import xxhash
-    from datatrove.utils.hashes import xxhash as datatrove_xxhash
-
-    # datatrove 0.10.1 hashes str with xxhash, which xxhash 4 refuses; encoding first keeps its default hash.
-    datatrove_xxhash.xxhash64 = lambda data: xxhash.xxh64_intdigest(data.encode() if isinstance(data, str) else data)
-    config = MinhashConfig()
-    reader = lambda: ParquetReader(str(corpus), text_key="text", id_key="id", glob_pattern="part-*.parquet")  # noqa: E731
-    stages = [
-        ([reader(), MinhashDedupSignature(str(work / "sigs"), config=config, language=Whitespace())], 1),
-        ([MinhashDedupBuckets(str(work / "sigs"), str(work / "buckets"), config=config)], config.num_buckets),
-        ([MinhashDedupCluster(str(work / "buckets"), str(work / "remove"), config=config)], 1),
-        ([reader(), MinhashDedupFilter(str(work / "remove"), exclusion_writer=JsonlWriter(str(work / "removed"), compression=None)),
-          JsonlWriter(str(work / "kept"), compression=None)], 1),
-    ]
-    for index, (pipeline, tasks) in enumerate(stages):
-        LocalPipelineExecutor(pipeline=pipeline, tasks=tasks, workers=1, logging_dir=str(work / f"logs{index}")).run()
-    removed = []
-    for path in (work / "removed").glob("*.jsonl"):
-        removed += [int(json.loads(line)["id"][1:]) for line in path.read_text().splitlines()]
-    return sorted(removed)
+METHODS = {"rensa": run_rensa, "rensa-shingles": run_rensa_shingles, "datasketch": run_datasketch}
+LABELS = {"smolctl": "smolctl dedup --minhash (CLI, defaults: 20 x 5 bands, verified)",
+          "rensa": "rensa RMinHashDeduplicator (128 perm, LSH), words as its README (text.split())",
+          "rensa-shingles": "rensa RMinHashDeduplicator, fed the word 5-gram shingles",
+          "datasketch": "datasketch MinHash.bulk + MinHashLSH (128 perm)"}
 
 
-METHODS = {"smolctl": run_smolctl, "datasketch": run_datasketch, "datatrove": run_datatrove}
+def prepare(folder: Path, docs: int, threshold: float) -> None:
+    """Write the corpus's shards and its ground truth (truth.json beside them)."""
+    corpus = build_corpus(folder, docs)
+    truth = ground_truth(corpus, threshold)
+    facts = {"documents": len(corpus), "megabytes": sum(len(t.encode()) for t in corpus) / 1e6, "pairs": truth["pairs"],
+             "remove": sorted(truth["remove"]), "has_duplicate": sorted(truth["has_duplicate"]),
+             "clusters": [sorted(c) for c in truth["clusters"]]}
+    (folder / "truth.json").write_text(json.dumps(facts, default=int))
 
 
-def child(method: str, corpus: Path, threshold: float) -> None:
-    os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
-    # Imports are not throughput: load each method's modules (and pandas, which pyarrow.compute pulls in on first
-    # use) before the clock starts.
-    import pandas  # noqa: F401
+def child(method: str, corpus: Path, work: Path, threshold: float) -> None:
+    removed = METHODS[method](corpus, work, threshold)
+    (work / "removed.json").write_text(json.dumps(removed))
 
-    {"smolctl": lambda: __import__("smolctl.data.dedup"), "datasketch": lambda: __import__("datasketch"),
-     "datatrove": lambda: __import__("datatrove.pipeline.dedup")}[method]()
+
+def run_whole_process(method: str, corpus: Path, threshold: float, cpu: int) -> dict:
+    """One run of a method as a fresh process pinned to `cpu`: wall and CPU seconds of the whole process (start-up
+    and imports included), its peak RSS, and the documents it removed."""
     with tempfile.TemporaryDirectory() as tmp:
-        started, cpu_started = time.perf_counter(), time.process_time()
-        removed = METHODS[method](corpus, Path(tmp), threshold)
-        seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
-    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over exec, so it would report the parent's peak.
-    peak_kib = int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
-    print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "removed": removed, "max_rss_mib": peak_kib / 1024}))
+        work = Path(tmp)
+        command = (smolctl_command(corpus, work, threshold) if method == "smolctl" else
+                   [sys.executable, __file__, "--child", method, "--corpus", str(corpus), "--work", str(work),
+                    "--threshold", str(threshold)])
+        started = time.perf_counter()
+        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+        stderr = process.stderr.read()
+        _, status, usage = os.wait4(process.pid, 0)
+        seconds = time.perf_counter() - started
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode != 0:
+            sys.exit(f"{method} failed:\n{stderr.decode()[-3000:]}")
+        removed = smolctl_removed(work) if method == "smolctl" else json.loads((work / "removed.json").read_text())
+    return {"seconds": seconds, "cpu_seconds": usage.ru_utime + usage.ru_stime, "max_rss_mib": usage.ru_maxrss / 1024,
+            "removed": removed}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -277,100 +288,103 @@ def score(removed: list[int], truth: dict) -> dict:
             "emptied": sum(all(d in removed_set for d in c) for c in truth["clusters"])}
 
 
-def scaled_run(docs: int, threshold: float) -> None:
-    """Memory at scale: `docs` synthetic ~1 KB documents (Zipf-distributed words of the real corpus, 5% planted
-    near copies), deduplicated by smolctl on one core; prints time and peak RSS (VmHWM)."""
+def write_scaled_corpus(folder: Path, docs: int) -> None:
+    """`docs` synthetic ~1 KB documents: Zipf-distributed words of the real corpus, 5% planted near copies."""
     rng = np.random.default_rng(0)
     vocabulary = sorted({w for t in cut_documents(source_texts()[:3000]) for w in t.split()})
     weights = 1.0 / np.arange(1, len(vocabulary) + 1)
     weights /= weights.sum()
+    folder.mkdir(parents=True)
+    shard_docs = 100_000
+    for shard in range(0, docs, shard_docs):
+        count = min(shard_docs, docs - shard)
+        words = rng.choice(len(vocabulary), size=(count, 160), p=weights)
+        texts = [" ".join(vocabulary[w] for w in row) for row in words]
+        for i in rng.choice(count - 1, size=count // 20, replace=False):
+            edited = texts[i].split(" ")
+            edited[rng.integers(len(edited))] = "zq"
+            texts[i + 1] = " ".join(edited)
+        pq.write_table(pa.table({"id": [f"d{shard + i}" for i in range(count)], "text": texts}),
+                       folder / f"part-{shard // shard_docs:05d}.parquet")
+
+
+def scaled_run(docs: int, threshold: float, cpu: int, repeat: int, corpus: Path | None) -> None:
+    """smolctl alone on `docs` synthetic documents, whole process on one core: time and peak RSS. `corpus` keeps
+    the generated documents between invocations (generating a million takes longer than deduplicating them)."""
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "corpus"
-        folder.mkdir()
-        shard_docs = 100_000
-        for shard in range(0, docs, shard_docs):
-            count = min(shard_docs, docs - shard)
-            words = rng.choice(len(vocabulary), size=(count, 160), p=weights)
-            texts = [" ".join(vocabulary[w] for w in row) for row in words]
-            for i in rng.choice(count - 1, size=count // 20, replace=False):
-                edited = texts[i].split(" ")
-                edited[rng.integers(len(edited))] = "zq"
-                texts[i + 1] = " ".join(edited)
-            pq.write_table(pa.table({"id": [f"d{shard + i}" for i in range(count)], "text": texts}),
-                           folder / f"part-{shard // shard_docs:05d}.parquet")
+        folder = corpus or Path(tmp) / "corpus"
+        if not folder.exists():
+            write_scaled_corpus(folder, docs)
         megabytes = sum(p.stat().st_size for p in folder.iterdir()) / 1e6
-        done = subprocess.run([sys.executable, __file__, "--child", "smolctl", "--corpus", str(folder),
-                               "--threshold", str(threshold)], capture_output=True, text=True, cwd=REPO)
-        if done.returncode != 0:
-            sys.exit(done.stderr[-3000:])
-        result = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"scaled run: {docs:,} documents ({megabytes:.0f} MB of parquet), smolctl on one core: "
-          f"{result['seconds']:.0f}s ({docs / result['seconds']:,.0f} docs/s), peak RSS {result['max_rss_mib']:.0f} MiB, "
-          f"{len(result['removed']):,} removed")
+        for _ in range(repeat):
+            result = run_whole_process("smolctl", folder, threshold, cpu)
+            print(f"scaled run: {docs:,} documents ({megabytes:.0f} MB of parquet), smolctl whole process on CPU {cpu}: "
+                  f"{result['seconds']:.1f} s wall, {result['cpu_seconds']:.1f} s CPU ({docs / result['seconds']:,.0f} docs/s), "
+                  f"peak RSS {result['max_rss_mib']:.0f} MiB, {len(result['removed']):,} removed", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--docs", type=int, default=20000)
+    parser.add_argument("--docs", type=int, default=25000)
     parser.add_argument("--threshold", type=float, default=0.8)
-    parser.add_argument("--methods", default="smolctl,datasketch,datatrove")
-    parser.add_argument("--repeat", type=int, default=3, help="Rounds (each runs every method once); the fastest run of each method is reported.")
+    parser.add_argument("--methods", default="smolctl,rensa,rensa-shingles,datasketch")
+    parser.add_argument("--repeat", type=int, default=5, help="Rounds (each runs every method once, interleaved).")
+    parser.add_argument("--cpu", type=int, default=0, help="The one CPU every method is pinned to.")
     parser.add_argument("--scale", type=int, help="Only measure smolctl's time and memory on this many synthetic documents.")
+    parser.add_argument("--scale-corpus", type=Path, help="Folder to keep the --scale documents in (made if missing).")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--corpus", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.corpus, args.threshold)
+        child(args.child, args.corpus, args.work, args.threshold)
         return
     if args.scale:
-        scaled_run(args.scale, args.threshold)
+        scaled_run(args.scale, args.threshold, args.cpu, args.repeat, args.scale_corpus)
         return
+    if args.prepare:
+        prepare(args.corpus, args.docs, args.threshold)
+        return
+    methods = args.methods.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         corpus_dir = Path(tmp) / "corpus"
-        corpus = build_corpus(corpus_dir, args.docs)
-        megabytes = sum(len(t.encode()) for t in corpus) / 1e6
-        truth = ground_truth(corpus, args.threshold)
-        print(f"corpus: {len(corpus)} documents, {megabytes:.1f} MB, {megabytes * 1e6 / len(corpus):.0f} B/doc; "
-              f"ground truth: {truth['pairs']} pairs >= {args.threshold}, {len(truth['remove'])} documents to remove",
+        # In a process of its own: a child's peak RSS starts from its parent's (Linux carries it over fork and
+        # exec), so this process stays small while the methods run.
+        subprocess.run([sys.executable, __file__, "--prepare", "--corpus", str(corpus_dir), "--docs", str(args.docs),
+                        "--threshold", str(args.threshold)], check=True)
+        facts = json.loads((corpus_dir / "truth.json").read_text())
+        truth = {"remove": set(facts["remove"]), "has_duplicate": set(facts["has_duplicate"]), "clusters": facts["clusters"]}
+        documents, megabytes = facts["documents"], facts["megabytes"]
+        print(f"corpus: {documents} documents, {megabytes:.1f} MB, {megabytes * 1e6 / documents:.0f} B/doc; "
+              f"ground truth: {facts['pairs']} pairs >= {args.threshold}, {len(truth['remove'])} documents to remove",
               flush=True)
-        methods = []
-        for method in args.methods.split(","):
-            if method == "datatrove":
-                try:
-                    import datatrove  # noqa: F401
-                except ImportError:
-                    print("datatrove: not installed (pip install datatrove), skipped")
-                    continue
-            methods.append(method)
-        # Rounds interleave the methods (A B A B, not A A B B), so that a change in the machine's speed during
+        # Rounds interleave the methods (A B C A B C, not A A B B), so that a change in the machine's speed during
         # the run (shared machines drift by 10-30% within minutes) reaches every method alike.
         runs: dict[str, list[dict]] = {m: [] for m in methods}
-        for _ in range(args.repeat):
+        for round_ in range(args.repeat):
             for method in methods:
-                done = subprocess.run([sys.executable, __file__, "--child", method, "--corpus", str(corpus_dir),
-                                       "--threshold", str(args.threshold)], capture_output=True, text=True, cwd=REPO)
-                if done.returncode != 0:
-                    sys.exit(f"{method} failed:\n{done.stderr[-3000:]}")
-                runs[method].append(json.loads(done.stdout.strip().splitlines()[-1]))
-                print(f"  {method}: {runs[method][-1]['seconds']:.2f}s", flush=True)
-        rows = []
-        for method in methods:
-            best = min(runs[method], key=lambda r: r["seconds"])
-            rows.append({"method": method, "seconds": best["seconds"], "cpu_seconds": min(r["cpu_seconds"] for r in runs[method]),
-                         "docs_per_s": len(corpus) / best["seconds"],
-                         "mb_per_s": megabytes / best["seconds"], "max_rss_mib": max(r["max_rss_mib"] for r in runs[method]),
-                         **score(best["removed"], truth)})
-    baseline = next((r for r in rows if r["method"] == "datasketch"), rows[0])
-    print(f"\nload average during the runs: {os.getloadavg()[0]:.1f} (on {os.cpu_count()} CPUs)")
-    header = ("| method | wall s | CPU s | docs/s | MB/s | vs datasketch (wall) | vs datasketch (CPU) | peak RSS | removed "
-              "| precision | recall | F1 | removed w/o duplicate | clusters emptied |")
+                runs[method].append(run_whole_process(method, corpus_dir, args.threshold, args.cpu))
+            print(f"  round {round_ + 1}: " + ", ".join(f"{m} {runs[m][-1]['seconds']:.2f} s ({runs[m][-1]['cpu_seconds']:.2f} s CPU)"
+                                                         for m in methods), flush=True)
+    baseline = "rensa" if "rensa" in methods else methods[0]
+    print(f"\nload average after the runs: {os.getloadavg()[0]:.1f} (on {os.cpu_count()} CPUs)")
+    header = ("| method | wall s (median) | CPU s (median) | docs/s | vs rensa, wall (median of rounds) | vs rensa, CPU "
+              "| peak RSS | removed | precision | recall | F1 | removed w/o duplicate | clusters emptied |")
     print("\n" + header)
     print("|" + "---|" * (header.count("|") - 1))
-    for r in rows:
-        print(f"| {r['method']} | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} | {r['docs_per_s']:,.0f} | {r['mb_per_s']:.2f} | "
-              f"{r['docs_per_s'] / baseline['docs_per_s']:.1f}x | {baseline['cpu_seconds'] / r['cpu_seconds']:.1f}x | "
-              f"{r['max_rss_mib']:.0f} MiB | {r['removed']} | "
-              f"{r['precision']:.4f} | {r['recall']:.4f} | {r['f1']:.4f} | {r['no_duplicate']} | {r['emptied']} |")
+    for method in methods:
+        wall = float(np.median([r["seconds"] for r in runs[method]]))
+        cpu = float(np.median([r["cpu_seconds"] for r in runs[method]]))
+        # Ratios within each round (the runs side by side), then their median.
+        wall_ratio = np.median([b["seconds"] / r["seconds"] for r, b in zip(runs[method], runs[baseline])])
+        cpu_ratio = np.median([b["cpu_seconds"] / r["cpu_seconds"] for r, b in zip(runs[method], runs[baseline])])
+        quality = score(runs[method][0]["removed"], truth)
+        same = all(sorted(r["removed"]) == sorted(runs[method][0]["removed"]) for r in runs[method])
+        print(f"| {LABELS[method]} | {wall:.2f} | {cpu:.2f} | {documents / wall:,.0f} | {wall_ratio:.2f}x | {cpu_ratio:.2f}x | "
+              f"{max(r['max_rss_mib'] for r in runs[method]):.0f} MiB | {quality['removed']}{'' if same else ' (varies)'} | "
+              f"{quality['precision']:.4f} | {quality['recall']:.4f} | {quality['f1']:.4f} | {quality['no_duplicate']} | "
+              f"{quality['emptied']} |")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from smolctl.infra.flops import training_flops_per_token  # noqa: E402
 from smolctl.infra.measure import measure_activations, measure_flops, scaled_down  # noqa: E402
 from smolctl.infra.memory import GIB, PRECISIONS, activations  # noqa: E402
 from smolctl.infra.model_shape import config_from_dict, measure_shape, resolve_config  # noqa: E402
-from smolctl.infra.plan import plan_from_sources  # noqa: E402
+from smolctl.infra.scenario import scenario_from_sources  # noqa: E402
 
 console = Console(width=150)
 PUBLISHED = {"smollm3-3b": 3.08e9, "smollm2-135m": 135e6, "smollm2-360m": 362e6, "smollm2-1.7b": 1.71e9,
@@ -119,10 +119,10 @@ def activation_rows() -> None:
 
 
 def smollm3_run() -> None:
-    plan = plan_from_sources(recipe="recipes/smollm3.toml",
+    scenario = scenario_from_sources(recipe="recipes/smollm3.toml",
                              flags={"gpus": 384, "gpu": "h100", "tp": 2, "zero": 1, "tokens": "11.2T", "mfu": 0.30})
     started = time.perf_counter()
-    result = estimate(plan)
+    result = estimate(scenario)
     seconds = time.perf_counter() - started
     compute, memory = result.compute, result.memory
     accelerate_style = 16 * result.model["params"]["total"]
@@ -182,7 +182,7 @@ def llama3_405b() -> None:
                         ("async, hourly", {"checkpoint_hours": 1.0}),
                         ("earlier model: 5 GB/s for the cluster, blocking, hourly",
                          {"checkpoint_gbps": 5 / 2048, "checkpoint_hours": 1.0, "async_checkpoint": False})]:
-        compute = estimate(plan_from_sources(flags={**LLAMA3_405B, **extra})).compute
+        compute = estimate(scenario_from_sources(flags={**LLAMA3_405B, **extra})).compute
         over = compute["overhead"]
         rows.append([name, f"{over['checkpoint_interval_seconds']:.0f} s", f"{over['checkpoint_fraction']:.2%}",
                      f"{over['failure_fraction']:.2%}", f"{over['effective_training_time']:.1%}",
@@ -195,12 +195,12 @@ def llama3_405b() -> None:
 
 def inference_kv() -> None:
     from smolctl.infra.estimate import estimate_inference
-    from smolctl.infra.inference import InferencePlan
+    from smolctl.infra.inference import InferenceScenario
 
     rows = []
     for context in (4096, 8192, 65536):
-        served = estimate_inference(plan_from_sources(flags={"model": "smollm3-3b"}),
-                                    InferencePlan(context=context, compare_attention=True)).inference
+        served = estimate_inference(scenario_from_sources(flags={"model": "smollm3-3b"}),
+                                     InferenceScenario(context=context, compare_attention=True)).inference
         formula = 2 * 36 * 4 * 128 * context * 2
         gqa, mha = served["model"], served["multi_head"]
         rows.append([context, f"{gqa['kv_per_sequence'] / 2**20:.0f}", f"{gqa['kv_per_sequence'] / formula:.4f}",

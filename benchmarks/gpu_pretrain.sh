@@ -5,7 +5,8 @@
 # Variants: eager; torch.compile per decoder layer; compile + selective checkpointing at a larger micro batch;
 # and, with 2+ GPUs, FSDP2 (bf16 parameters, fp32 reductions) under torchrun. The sample corpus is packed at seq
 # 4096 with a small local tokenizer; model.vocab_size = 128256 keeps the real LM head, so the compute is the 3B
-# model's. The dry run sizes each variant with `smolctl estimate`'s memory model for comparison.
+# model's. The dry run sizes each variant with `smolctl estimate`'s memory model for comparison. A metrics line
+# every 4 steps: the loop syncs with the GPU once per logging interval, as in a long run.
 set -euo pipefail
 OUT=${1:-gpu-bench}
 PY=${PYTHON:-.venv/bin/python}
@@ -18,7 +19,7 @@ GPUS=$("$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'; 
 [ -d "$OUT/packed" ] || "$PY" -m smolctl pack data/sample/web "$OUT/packed" --tokenizer "$OUT/tok" --seq-len 4096 --json > /dev/null
 
 COMMON=(--data "$OUT/packed" --set model.tokenizer="\"$OUT/tok\"" --set training.steps="$STEPS" --set parallel.tp=1
-        --set schedule.warmup_steps=2 --set schedule.decay_steps=2 --set checkpoint.interval=0 --set logging.interval=1)
+        --set schedule.warmup_steps=2 --set schedule.decay_steps=2 --set checkpoint.interval=0 --set logging.interval=4)
 run() {  # NAME PROCESSES, then --set overrides
   local name=$1 procs=$2; shift 2
   local launch=("$PY" -m smolctl)
@@ -39,11 +40,11 @@ fi
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-print(f"{'variant':<20} {'tokens/s/GPU':>12} {'MFU':>7} {'step s':>7} {'peak GiB':>9} {'dry run GiB':>12}  (steady state: steps after the 5th)")
+print(f"{'variant':<20} {'tokens/s/GPU':>12} {'MFU':>7} {'step s':>7} {'peak GiB':>9} {'dry run GiB':>12}  (steady state: steps after the 4th)")
 for result in sorted(out.glob("*.dry.json")):
     name = result.name.removesuffix(".dry.json")
     run, dry = json.loads((out / f"{name}.json").read_text()), json.loads(result.read_text())
-    lines = [json.loads(l) for l in (out / name / "metrics.jsonl").read_text().splitlines() if '"loss"' in l][5:]
+    lines = [json.loads(l) for l in (out / name / "metrics.jsonl").read_text().splitlines() if '"loss"' in l][1:]  # a line per 4 steps
     step_s = sum(l["step_s"] for l in lines) / len(lines)
     per_gpu = run["plan"]["tokens_per_step"] / step_s / run["plan"]["world_size"]
     mfu = sum(l["mfu"] or 0 for l in lines) / len(lines)

@@ -1,23 +1,30 @@
-"""Pack speed and waste, side by side in one run: `smolctl pack` against the raw `tokenizer(batch)` speed, the
-packing step alone against TRL's `pack_dataset` (bfd and bfd_split) on the same token ids, and padding at
-seq_len 2048/4096/8192 against padding every document to a full row.
+"""`smolctl pack` end to end against the raw Rust tokenizer pass over the same parquet, whole process each, in
+interleaved rounds with the same thread count; then the packing step alone against TRL's `pack_dataset`, and
+padding at seq_len 2048/4096/8192.
 
-    .venv/bin/python benchmarks/pack_bench.py            # ~20 MB of text, a few minutes on 2 cores
-    .venv/bin/python benchmarks/pack_bench.py --mb 8     # quicker
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/pack_bench.py                 # ~20 MB, ~24k documents
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/pack_bench.py --mb 8 --rounds 3 --end-to-end-only
+    mkdir /tmp/before && git archive 4c26c8b | tar -x -C /tmp/before     # pack before issue 23, side by side:
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/pack_bench.py --end-to-end-only --rounds 3 --baseline /tmp/before
 
-The corpus is real, mixed-length text found on any Linux machine: the sample corpus, the plain-text and
-gzipped documentation under /usr/share/doc, and Python sources from the virtual environment, one document per
-file, in a fixed order. Files over 100 KB are left out: web corpora have few documents that long, and a
-multi-megabyte changelog would time byte-level BPE on pathological "words" rather than packing. Speed runs are
-interleaved and the best wall and CPU time of each is kept (the machine may be shared).
+The raw pass is the floor `pack` is measured against: a fresh `python` that imports pyarrow and tokenizers,
+loads tokenizer.json, reads the parquet in batches of 1,000 documents and calls `Tokenizer.encode_batch_fast` on
+each, keeping only the token counts. `pack` is `python -m smolctl pack ... --seq-len 4096` (bfd, safetensors
+shards, manifest). Both run with RAYON_NUM_THREADS = --threads and TOKENIZERS_PARALLELISM=true.
+
+The corpus is real, mixed-length text found on any Linux machine: the sample corpus, the plain-text and gzipped
+documentation under /usr/share/doc and Python sources of the virtual environment, cut at blank lines into
+documents of at most ~1,000 characters (~24k documents at 20 MB), in a fixed order.
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
-import resource
+import os
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,11 +38,36 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from smolctl.data.pack import PackConfig, pack  # noqa: E402
-from smolctl.data.packing import BfdPacker, PackStats, TokenBatch  # noqa: E402
+from smolctl.data.pack_rows import BfdPacker, PackStats, TokenBatch  # noqa: E402
 from smolctl.shards import open_documents  # noqa: E402
 
-MAX_DOCUMENT_CHARS = 100_000
+MAX_FILE_CHARS = 100_000
+DOCUMENT_CHARS = 1_000
+RAW_PASS = """
+import sys
+import pyarrow.parquet as pq
+from tokenizers import Tokenizer
+
+tokenizer = Tokenizer.from_file(sys.argv[2])
+tokens = 0
+for batch in pq.ParquetFile(sys.argv[1]).iter_batches(batch_size=1000, columns=["text"]):
+    texts = [t or "" for t in batch.column(0).to_pylist()]
+    tokens += sum(len(e) for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False))
+print(tokens)
+"""
+
+
+def documents_of(text: str) -> list[str]:
+    """A file's text cut at blank lines into documents of at most ~DOCUMENT_CHARS characters."""
+    out, current = [], ""
+    for paragraph in text.split("\n\n"):
+        if current and len(current) + len(paragraph) > DOCUMENT_CHARS:
+            out.append(current)
+            current = ""
+        current = f"{current}\n\n{paragraph}" if current else paragraph
+    if current.strip():
+        out.append(current)
+    return out
 
 
 def corpus_texts(megabytes: float) -> list[str]:
@@ -45,7 +77,7 @@ def corpus_texts(megabytes: float) -> list[str]:
             texts += batch.column(0).to_pylist()
     budget = megabytes * 1e6 - sum(map(len, texts))
     files = sorted(p for p in Path("/usr/share/doc").rglob("*") if p.is_file() and p.suffix in (".gz", ".txt", ".md", ".rst", ""))
-    files += sorted((REPO / ".venv" / "lib").rglob("*.py"))
+    files += sorted(Path(sys.prefix, "lib").rglob("*.py"))
     for path in files:
         if budget <= 0:
             break
@@ -54,30 +86,67 @@ def corpus_texts(megabytes: float) -> list[str]:
             text = raw.decode("utf-8")
         except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile):
             continue
-        if text.strip() and len(text) <= MAX_DOCUMENT_CHARS:
-            texts.append(text)
+        if text.strip() and len(text) <= MAX_FILE_CHARS:
+            texts += documents_of(text)
             budget -= len(text)
     return texts
 
 
-def cpu_seconds() -> float:
-    """CPU time of this process and its finished children (the tokenizer's threads and --workers processes)."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+def build_corpus(work: Path, megabytes: float, vocab_size: int) -> list[str]:
+    from smolctl.data.tokenizer import train_tokenizer
+
+    texts = corpus_texts(megabytes)
+    pq.write_table(pa.table({"text": texts}), work / "corpus.parquet", row_group_size=2000)
+    train_tokenizer(str(REPO / "data" / "sample" / "web"), str(work / "tok"), vocab_size=vocab_size)
+    return texts
 
 
-def best_of(repeats: int, run) -> tuple[float, object]:
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        started = time.perf_counter()
-        result = run()
-        best = min(best, time.perf_counter() - started)
-    return best, result
+def timed(command: list[str], env: dict) -> tuple[float, float, str]:
+    """Wall and CPU seconds (the process and its threads) of one fresh process, and its stdout."""
+    before = os.times()
+    started = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    wall = time.perf_counter() - started
+    after = os.times()
+    if done.returncode:
+        raise SystemExit(f"{command[:4]} failed:\n{done.stderr[-2000:]}")
+    cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
+    return wall, cpu, done.stdout
 
 
-def padding_each_document(lengths: np.ndarray, seq_len: int) -> float:
-    rows = np.ceil(lengths / seq_len).sum()
-    return 1 - lengths.sum() / (rows * seq_len)
+def end_to_end(work: Path, rounds: int, threads: int, seq_len: int, baseline: Path | None) -> list[list]:
+    env = {**os.environ, "RAYON_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "true",
+           "PYTHONPATH": str(REPO)}
+    raw = [sys.executable, "-c", RAW_PASS, str(work / "corpus.parquet"), str(work / "tok" / "tokenizer.json")]
+    pack = [sys.executable, "-m", "smolctl", "pack", str(work / "corpus.parquet"), str(work / "packed"),
+            "--tokenizer", str(work / "tok"), "--seq-len", str(seq_len), "--overwrite", "--json"]
+    commands = {"raw": (raw, env), "pack": (pack, env)}
+    if baseline:  # the same command from another source tree (e.g. `git archive` of the commit before a change)
+        commands["baseline"] = (pack, {**env, "PYTHONPATH": str(baseline)})
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in commands}
+    ratios: dict[str, list[float]] = {name: [] for name in commands}
+    for round_ in range(rounds):  # rotate which goes first: the load on a shared machine drifts
+        names = list(commands)
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            wall, cpu, out = timed(*commands[name])
+            runs[name].append((wall, cpu))
+            if name == "raw":
+                raw_tokens = int(out)
+        for name in commands:
+            ratios[name].append(runs[name][-1][0] / runs["raw"][-1][0])
+        print(f"round {round_ + 1}: " + ", ".join(f"{name} {runs[name][-1][0]:.2f} s wall {runs[name][-1][1]:.2f} s "
+                                                  f"CPU ({ratios[name][-1]:.3f})" for name in commands), flush=True)
+    print(f"raw pass: {raw_tokens / 1e6:.2f} M tokens (no EOS)")
+    labels = {"raw": "raw `encode_batch_fast` pass (token counts only), baseline",
+              "pack": f"`smolctl pack --seq-len {seq_len}` (bfd, safetensors + manifest)",
+              "baseline": f"`smolctl pack --seq-len {seq_len}` from {baseline}"}
+    rows = []
+    for name in commands:
+        cpu_ratio = statistics.median(c / r for (_, c), (_, r) in zip(runs[name], runs["raw"]))
+        rows.append([labels[name], f"{statistics.median(w for w, _ in runs[name]):.2f}",
+                     f"{statistics.median(c for _, c in runs[name]):.2f}", f"{statistics.median(ratios[name]):.3f}",
+                     f"{cpu_ratio:.3f}"])
+    return rows
 
 
 def smolctl_pack_arrays(batch: TokenBatch, seq_len: int, buffer_tokens: int) -> PackStats:
@@ -106,83 +175,42 @@ def trl_packing(dataset, seq_len: int, strategy: str) -> tuple[int, int]:
     return len(packed), int(pc.sum(pc.list_value_length(packed.with_format("arrow")["input_ids"])).as_py())
 
 
+def best_of(repeats: int, run) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def padding_each_document(lengths: np.ndarray, seq_len: int) -> float:
+    rows = np.ceil(lengths / seq_len).sum()
+    return 1 - lengths.sum() / (rows * seq_len)
+
+
 def markdown(title: str, columns: list[str], rows: list[list]) -> str:
     out = [f"**{title}**", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(out) + "\n"
 
 
-def speed(args, work: Path, texts: list[str], tokenizer_class) -> tuple[list[list[int]], list[list]]:
-    """Interleaved runs of the raw tokenizer and of `pack` with 1 and 2 workers; best wall and CPU time of each."""
-
-    def raw_tokenizer():
-        fresh = tokenizer_class.from_pretrained(str(work / "tok"))  # a cold BPE cache, as `pack` starts with
-        started = time.perf_counter(), cpu_seconds()
-        out = []
-        for i in range(0, len(texts), 1000):
-            out += fresh(texts[i:i + 1000], add_special_tokens=False)["input_ids"]
-        return (time.perf_counter() - started[0], cpu_seconds() - started[1]), out
-
-    def smolctl_pack(workers: int):
-        started = time.perf_counter(), cpu_seconds()
-        pack(str(work / "corpus.parquet"), work / "packed", tokenizer_spec=str(work / "tok"), overwrite=True,
-             config=PackConfig(seq_len=4096, workers=workers))
-        return time.perf_counter() - started[0], cpu_seconds() - started[1]
-
-    runs: dict = {"raw": [], 1: [], 2: []}
-    for _ in range(args.repeats):
-        seconds, ids = raw_tokenizer()
-        runs["raw"].append(seconds)
-        for workers in (1, 2):
-            runs[workers].append(smolctl_pack(workers))
-    best = {key: (min(w for w, _ in values), min(c for _, c in values)) for key, values in runs.items()}
-    tokens = sum(len(doc) + 1 for doc in ids if doc)
-    raw_wall, raw_cpu = best["raw"]
-    rows = [["`tokenizer(batch)` (transformers, 1000 docs/call, ids only), baseline", f"{raw_wall:.2f}",
-             f"{raw_cpu:.2f}", f"{tokens / raw_wall / 1e6:.2f}", "1.00", "1.00"]]
-    for workers in (1, 2):
-        wall, cpu = best[workers]
-        rows.append([f"`smolctl pack` end to end (parquet → safetensors), bfd 4096, --workers {workers}",
-                     f"{wall:.2f}", f"{cpu:.2f}", f"{tokens / wall / 1e6:.2f}", f"{raw_wall / wall:.2f}",
-                     f"{raw_cpu / cpu:.2f}"])
-    return ids, rows
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mb", type=float, default=20.0, help="Megabytes of text.")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--vocab-size", type=int, default=8192)
-    args = parser.parse_args()
-
+def packing_step(work: Path, texts: list[str], repeats: int) -> None:
     from datasets import Dataset, disable_caching, disable_progress_bars
-    from transformers import AutoTokenizer
-
-    from smolctl.data.tokenizer import train_tokenizer
+    from tokenizers import Tokenizer
 
     disable_caching()
     disable_progress_bars()
-    work = Path(tempfile.mkdtemp(prefix="pack-bench-"))
-    texts = corpus_texts(args.mb)
-    pq.write_table(pa.table({"text": texts}), work / "corpus.parquet", row_group_size=2000)
-    train_tokenizer(str(REPO / "data" / "sample" / "web"), str(work / "tok"), vocab_size=args.vocab_size)
-    eos = AutoTokenizer.from_pretrained(str(work / "tok")).eos_token_id
-
-    ids, speed_rows = speed(args, work, texts, AutoTokenizer)
-    ids = [doc + [eos] for doc in ids if doc]
+    tokenizer = Tokenizer.from_file(str(work / "tok" / "tokenizer.json"))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    ids = [e.ids + [eos] for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False) if len(e)]
     tokens = sum(map(len, ids))
-    print(f"corpus: {len(texts):,} documents, {sum(map(len, texts)) / 1e6:.1f} M characters, {tokens / 1e6:.2f} M "
-          f"tokens (EOS included), vocab {args.vocab_size}; {args.repeats} interleaved repeats\n")
-    print(markdown("Tokenise + pack, end to end (higher tokens/s and ratios are better)",
-                   ["what", "wall s", "CPU s", "M tokens/s (wall)", "speed vs tokenizer (wall)",
-                    "speed vs tokenizer (CPU)"], speed_rows))
-
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     batch = TokenBatch(np.fromiter((t for d in ids for t in d), dtype=np.int32, count=tokens), lengths)
     dataset = Dataset.from_dict({"input_ids": ids})
-    ours, _ = best_of(args.repeats, lambda: smolctl_pack_arrays(batch, 4096, 8_000_000))
-    trl_bfd, _ = best_of(args.repeats, lambda: trl_packing(dataset, 4096, "bfd"))
-    trl_split, _ = best_of(args.repeats, lambda: trl_packing(dataset, 4096, "bfd_split"))
+    ours = best_of(repeats, lambda: smolctl_pack_arrays(batch, 4096, 8_000_000))
+    trl_bfd = best_of(repeats, lambda: trl_packing(dataset, 4096, "bfd"))
+    trl_split = best_of(repeats, lambda: trl_packing(dataset, 4096, "bfd_split"))
     print(markdown(f"Packing step alone, same {tokens / 1e6:.2f} M token ids, seq_len 4096 (lower seconds is better)",
                    ["what", "seconds", "M tokens/s", "speed vs TRL bfd"],
                    [["`trl.data_utils.pack_dataset(strategy=\"bfd\")` (truncates long documents)", f"{trl_bfd:.2f}",
@@ -191,7 +219,6 @@ def main() -> None:
                      f"{tokens / trl_split / 1e6:.1f}", f"{trl_bfd / trl_split:.2f}"],
                     ["smolctl bfd (split, 8M-token buffer, [rows, seq_len] ids + position ids)", f"{ours:.2f}",
                      f"{tokens / ours / 1e6:.1f}", f"{trl_bfd / ours:.2f}"]]))
-
     waste_rows = []
     for seq_len in (2048, 4096, 8192):
         small = smolctl_pack_arrays(batch, seq_len, 1_000_000)
@@ -208,7 +235,35 @@ def main() -> None:
     print(markdown("Padding fraction (padding / row slots, lower is better)",
                    ["seq_len", "lower bound (last row)", "pad each document", "TRL bfd", "TRL bfd_split",
                     "smolctl bfd, 1M-token buffer", "smolctl bfd, 8M-token buffer (default)"], waste_rows))
-    shutil.rmtree(work)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mb", type=float, default=20.0, help="Megabytes of text.")
+    parser.add_argument("--rounds", type=int, default=5, help="Interleaved rounds of raw pass and pack.")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="Tokenizer threads of both.")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--end-to-end-only", action="store_true", help="Skip the packing-step and padding tables.")
+    parser.add_argument("--baseline", type=Path, help="Also time pack from this source tree (its PYTHONPATH).")
+    parser.add_argument("--work", type=Path, help="Keep the corpus and tokenizer here (reused when present).")
+    args = parser.parse_args()
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="pack-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if (work / "corpus.parquet").exists() and (work / "tok").exists():
+        texts = pq.read_table(work / "corpus.parquet").column("text").to_pylist()
+    else:
+        texts = build_corpus(work, args.mb, args.vocab_size)
+    print(f"corpus: {len(texts):,} documents, {sum(map(len, texts)) / 1e6:.1f} M characters, vocab "
+          f"{args.vocab_size}, {args.threads} tokenizer threads, {args.rounds} interleaved rounds\n", flush=True)
+    print(markdown("Whole process, medians over the rounds (ratios: the median of each round's time / raw time)",
+                   ["what", "wall s", "CPU s", "/ raw (wall)", "/ raw (CPU)"],
+                   end_to_end(work, args.rounds, args.threads, args.seq_len, args.baseline)))
+    if not args.end_to_end_only:
+        packing_step(work, texts, 3)
+    if not args.work:
+        shutil.rmtree(work)
 
 
 if __name__ == "__main__":

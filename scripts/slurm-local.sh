@@ -63,6 +63,8 @@ MaxArraySize=10001
 # Fast turnaround for tests: jobs start within a second; finished jobs stay visible to scontrol for an hour.
 SchedulerParameters=sched_interval=1
 MessageTimeout=30
+# A requeued job waits cred_expire seconds before it may start again (120 by default): short for the requeue tests.
+AuthInfo=cred_expire=10
 KillWait=5
 MinJobAge=3600
 NodeName=$host CPUs=$cpus RealMemory=$memory_mb State=UNKNOWN

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import UserError
 from smolctl.shards import (
     KIND_DOCUMENTS,
@@ -49,8 +50,6 @@ def decode_packed_row(tokenizer, input_ids, position_ids) -> str:
 
 
 def _packed_samples(path: Path, count: int, tokenizer_spec: str | None, manifest: dict) -> list[dict]:
-    from smolctl.data.tokenizer import load_tokenizer
-
     source = open_packed(path)
     spec = tokenizer_spec or (manifest.get("tokenizer") or {}).get("path")
     tokenizer = load_tokenizer(spec) if spec else None

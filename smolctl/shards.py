@@ -27,6 +27,8 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
 
 from smolctl import __version__
 from smolctl.errors import UserError
@@ -339,8 +341,6 @@ class PackedWriter:
             self._flush(self.rows_per_shard)
 
     def _flush(self, rows: int) -> None:
-        from safetensors.numpy import save_file
-
         merged = {k: np.concatenate([p[k] for p in self._pending]) for k in self._pending[0]}
         tokens = np.concatenate(self._pending_tokens)
         head = {k: np.ascontiguousarray(v[:rows]) for k, v in merged.items()}
@@ -537,9 +537,6 @@ class PackedSource:
         return [int(s["rows"]) for s in self.manifest["shards"]]
 
     def load_shard(self, index: int) -> dict[str, np.ndarray]:
-        from safetensors import SafetensorError
-        from safetensors.numpy import load_file
-
         path = self.files[index]
         try:
             return load_file(str(path))

@@ -15,7 +15,7 @@ from conftest import run_cli
 from smolctl.data import mix as mix_module
 from smolctl.data import pack as pack_module
 from smolctl.data.mix import prepare_mix
-from smolctl.data.mix_plan import plan_from_recipe
+from smolctl.data.mix_schedule import schedule_from_recipe
 from smolctl.data.pack import PackConfig, prepare_pack
 from smolctl.errors import UserError
 from smolctl.shards import read_manifest
@@ -72,11 +72,11 @@ def test_a_pack_task_killed_mid_unit_resumes_to_the_same_bytes(four_shards, toke
     run_pack(four_shards, tmp_path / "plain", tokenizer_dir)
     original, calls = pack_module.UnitPacking.add, []
 
-    def dies_on_the_third_batch(self, batch):
+    def dies_on_the_third_batch(self, *batch):
         calls.append(self.unit)
         if len(calls) == 3:
             raise KeyboardInterrupt  # a kill between batches: shards of the unit already written, no marker
-        return original(self, batch)
+        return original(self, *batch)
 
     monkeypatch.setattr(pack_module.UnitPacking, "add", dies_on_the_third_batch)
     with pytest.raises(KeyboardInterrupt):
@@ -93,7 +93,7 @@ def run_mix(output: Path, **options):
     sample = MIX_RECIPE.parent.parent / "data" / "sample"
     paths = [f'sources.{name}.path="{sample / name}"' for name in ("web", "code", "math")]
     # The last stage a curriculum (one writing unit), the others shuffled (one unit per block).
-    plan = plan_from_recipe(MIX_RECIPE, ["shuffle_buffer=300", 'stages.2.order="ascending:length"', *paths])
+    plan = schedule_from_recipe(MIX_RECIPE, ["shuffle_buffer=300", 'stages.2.order="ascending:length"', *paths])
     return prepare_mix(plan, output).run(**options)
 
 

@@ -2,8 +2,8 @@
 resuming at another world size, and `smolctl export`.
 
 One uninterrupted 2-process FSDP2 run (8 steps, checkpoints at 4 and 8) is the reference every other run is held
-against: a run with one rank SIGKILLed resumes to bit-identical weights; its step-4 checkpoint continues on 1 (and
-4) processes along the same loss curve, and so does a tensor-parallel (tp 2) run's on one process; a DDP run
+against: a run with one rank SIGKILLed resumes to bit-identical weights; its step-4 checkpoint continues on 1 and on
+4 processes (4 oversubscribe a 2-core machine: gloo, one thread each, a tiny model) along the same loss curve, and so does a tensor-parallel (tp 2) run's on one process; a DDP run
 stopped by SIGUSR1 saves the step it is on and its resume neither repeats nor skips a step; the export of its last
 checkpoint equals the weights it gathered in memory for final/."""
 
@@ -128,8 +128,6 @@ def tensor_parallel(tmp_path_factory, recipe) -> tuple[Path, dict]:  # noqa: F81
 @pytest.mark.parametrize("source, processes", [("reference", 1), ("reference", 4), ("tensor_parallel", 1)],
                          ids=["fsdp-to-1", "fsdp-to-4", "tp2-to-1"])
 def test_a_two_process_checkpoint_continues_on_another_world_size(request, recipe, tmp_path, source, processes):  # noqa: F811
-    if processes > (os.cpu_count() or 1):
-        pytest.skip(f"{processes} processes need {processes} cores")
     saved = request.getfixturevalue(source)[0]
     run = tmp_path / "run"
     shutil.copytree(saved, run)

@@ -101,14 +101,14 @@ def test_each_completion_script_is_answered_by_the_cli(shell, env):
 
 
 def test_mix_options_given_override_the_recipe_even_at_their_default(tmp_path):
-    """--shuffle-buffer 20000 is 20000 with a recipe of 5000, although 20000 is also MixPlan's default."""
-    from smolctl.data.mix_plan import MixPlan, plan_from_recipe
+    """--shuffle-buffer 20000 is 20000 with a recipe of 5000, although 20000 is also MixSchedule's default."""
+    from smolctl.data.mix_schedule import MixSchedule, schedule_from_recipe
 
     recipe = tmp_path / "mix.toml"
     recipe.write_text((REPO / "recipes" / "demo-mix.toml").read_text()
                       .replace("seed = 1234\n", 'seed = 1234\nshuffle_buffer = 5000\ntext_column = "body"\n'))
-    assert MixPlan.__dataclass_fields__["shuffle_buffer"].default == 20_000
-    from_recipe = plan_from_recipe(recipe)
+    assert MixSchedule.__dataclass_fields__["shuffle_buffer"].default == 20_000
+    from_recipe = schedule_from_recipe(recipe)
     assert (from_recipe.shuffle_buffer, from_recipe.text_column, from_recipe.seed) == (5000, "body", 1234)
-    given = plan_from_recipe(recipe, shuffle_buffer=20_000, text_column="text", seed=0, max_repeat=1.0)
+    given = schedule_from_recipe(recipe, shuffle_buffer=20_000, text_column="text", seed=0, max_repeat=1.0)
     assert (given.shuffle_buffer, given.text_column, given.seed, given.max_repeat) == (20_000, "text", 0, 1.0)

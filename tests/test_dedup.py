@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from smolctl.data import minhash
+from smolctl.data.minhash import arrays, kernels, normalization, params, shingles
 from smolctl.data.dedup import DedupConfig, run
-from smolctl.data.minhash import MinHashParams
+from smolctl.data.minhash.params import MinHashParams
 from smolctl.errors import UserError
 from conftest import SAMPLE, run_cli
 
@@ -103,32 +103,32 @@ def test_shingle_hashes_reproduce_python_shingles_and_jaccard():
     texts = sample_table().column("text").to_pylist()[:150] + [
         "", "   ", "one two", "Ünïcode café — naïve résumé, ok?", "a b c d e", "x " * 40,
         "==== Heading ==== (((nested))) words!!! -------- end... \"quoted\" don't e.g., ---x--- ~~~~~~~~~~~~"]
-    sets = minhash.shingle_sets([minhash.normalize(t) for t in texts], 5, "word")
+    sets = shingles.shingle_sets([normalization.normalize(t) for t in texts], 5, "word")
     for text, hashed in zip(texts, sets):
         assert len(hashed) == len(reference_shingles(text))
     values, bounds = np.concatenate(sets), np.concatenate([[0], np.cumsum([len(x) for x in sets])])
     left, right = np.arange(len(sets)), np.roll(np.arange(len(sets)), 1)
-    assert np.allclose(minhash.jaccard_many(values, bounds, left, right), [minhash.jaccard(sets[i], sets[j]) for i, j in zip(left, right)])
+    assert np.allclose(kernels.jaccard_many(values, bounds, left, right), [shingles.jaccard(sets[i], sets[j]) for i, j in zip(left, right)])
     rng = random.Random(1)
     for _ in range(40):
         i, j = rng.randrange(150), rng.randrange(150)
         near = edit_words(texts[i], rng.choice([0.02, 0.1, 0.3]), rng)
-        hashed = minhash.shingle_sets([minhash.normalize(texts[i]), minhash.normalize(near), minhash.normalize(texts[j])])
-        assert minhash.jaccard(hashed[0], hashed[1]) == pytest.approx(reference_jaccard(texts[i], near))
-        assert minhash.jaccard(hashed[0], hashed[2]) == pytest.approx(reference_jaccard(texts[i], texts[j]))
+        hashed = shingles.shingle_sets([normalization.normalize(texts[i]), normalization.normalize(near), normalization.normalize(texts[j])])
+        assert shingles.jaccard(hashed[0], hashed[1]) == pytest.approx(reference_jaccard(texts[i], near))
+        assert shingles.jaccard(hashed[0], hashed[2]) == pytest.approx(reference_jaccard(texts[i], texts[j]))
 
 
 def test_bulk_normalisation_matches_the_per_text_one():
     texts = ["Plain ASCII, Text!", None, "Straße ＡＢＣ ﬁne", "ÉCOLE\u2028next", "", "MiXeD ünïcödé"]
-    expected = [minhash.normalize(t) if t is not None else "" for t in texts]
-    assert minhash.normalize_array(pa.array(texts)).to_pylist() == expected
+    expected = [normalization.normalize(t) if t is not None else "" for t in texts]
+    assert normalization.normalize_array(pa.array(texts)).to_pylist() == expected
     assert expected[2] == "strasse abc fine" and expected[3] == "école next"
 
 
 def test_char_shingles_work_without_spaces():
     texts = ["机器学习是人工智能的一个分支领域研究", "机器学习是人工智能的一个分支领域研究。", "今天天气很好我们去公园散步吧"]
-    sets = minhash.shingle_sets([minhash.normalize(t) for t in texts], 3, "char")
-    assert minhash.jaccard(sets[0], sets[1]) == 1.0 and minhash.jaccard(sets[0], sets[2]) == 0.0
+    sets = shingles.shingle_sets([normalization.normalize(t) for t in texts], 3, "char")
+    assert shingles.jaccard(sets[0], sets[1]) == 1.0 and shingles.jaccard(sets[0], sets[2]) == 0.0
     assert len(sets[0]) == len(texts[0]) - 2
 
 
@@ -137,18 +137,18 @@ def test_signature_estimates_have_the_spread_of_ideal_minhash():
     rng = random.Random(2)
     base = [t for t in texts if len(t.split()) > 100][:300]
     edited = [edit_words(t, rng.uniform(0.0, 0.3), rng) for t in base]
-    normalized = [minhash.normalize(t) for t in base + edited]
-    sigs = minhash.signatures(*minhash.shingle_hashes(normalized, 5), PARAMS.permutations())
-    sets = minhash.shingle_sets(normalized)
-    truth = np.array([minhash.jaccard(sets[i], sets[i + len(base)]) for i in range(len(base))])
-    error = minhash.estimate_jaccard(sigs, np.arange(len(base)), np.arange(len(base), 2 * len(base))) - truth
+    normalized = [normalization.normalize(t) for t in base + edited]
+    sigs = kernels.signatures(*shingles.shingle_hashes(normalized, 5), PARAMS.permutations())
+    sets = shingles.shingle_sets(normalized)
+    truth = np.array([shingles.jaccard(sets[i], sets[i + len(base)]) for i in range(len(base))])
+    error = kernels.estimate_jaccard(sigs, np.arange(len(base)), np.arange(len(base), 2 * len(base))) - truth
     ideal = np.sqrt(np.mean(truth * (1 - truth) / PARAMS.num_perm))  # binomial spread of a perfect MinHash
     assert abs(error.mean()) < 0.01 and np.sqrt(np.mean(error**2)) < 1.25 * ideal
 
 
 def test_bands_lean_to_recall_and_are_validated():
     assert (PARAMS.bands, PARAMS.rows) == (20, 5)
-    assert minhash.band_collision_probability(0.8, 20, 5) > 0.999 > minhash.band_collision_probability(0.8, 9, 12) + 0.4
+    assert params.band_collision_probability(0.8, 20, 5) > 0.999 > params.band_collision_probability(0.8, 9, 12) + 0.4
     with pytest.raises(UserError, match="not --num-perm"):
         MinHashParams.for_threshold(0.8, 100, 9, 12)
     for bad in (0.0, 1.0, 1.5):
@@ -158,11 +158,11 @@ def test_bands_lean_to_recall_and_are_validated():
 
 def test_union_find_is_order_free_and_labels_by_smallest_node():
     u, v = np.array([5, 9, 2, 7, 3]), np.array([9, 2, 20, 8, 4])
-    nodes, root = minhash.connected_components(u, v)
+    nodes, root = arrays.connected_components(u, v)
     labels = dict(zip(nodes.tolist(), root.tolist()))
     assert labels == {2: 2, 5: 2, 9: 2, 20: 2, 7: 7, 8: 7, 3: 3, 4: 3}
     perm = np.random.default_rng(0).permutation(len(u))
-    assert np.array_equal(minhash.connected_components(v[perm], u[perm])[1], root)
+    assert np.array_equal(arrays.connected_components(v[perm], u[perm])[1], root)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -245,8 +245,8 @@ def test_staged_markers_skip_finished_tasks_and_a_rerun_resumes(planted, tmp_pat
 def test_a_work_area_hashed_by_another_version_is_not_resumed(planted, tmp_path, monkeypatch):
     out = tmp_path / "out"
     dedup(planted["input"], out, stage="signatures", tasks=2, task_id=0)
-    import smolctl.data.dedup as dedup_module
-    monkeypatch.setattr(dedup_module, "HASHING_VERSION", dedup_module.HASHING_VERSION + 1)
+    import smolctl.data.dedup_plan as dedup_plan
+    monkeypatch.setattr(dedup_plan, "HASHING_VERSION", dedup_plan.HASHING_VERSION + 1)
     with pytest.raises(UserError, match="other inputs or settings"):
         dedup(planted["input"], out, stage="signatures", tasks=2, task_id=1)
 
@@ -333,3 +333,103 @@ def test_bad_inputs_are_one_line_errors_and_write_nothing(tmp_path):
         assert message in done.stderr and "Traceback" not in done.stderr, (argv, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
         assert not out.exists() and not list(tmp_path.glob(".out*")), argv
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Outputs pinned byte for byte: speed work must not change a single byte of what dedup writes
+
+
+def _output_digests(output: Path) -> dict:
+    """sha256 of every kept shard, of the duplicates report and of the removed ids (one per line, in report order)."""
+    import hashlib
+
+    manifest = json.loads((output / "manifest.json").read_text())
+    files = [s["name"] for s in manifest["shards"]] + ["duplicates/part-00000.parquet"]
+    digests = {name: hashlib.sha256((output / name).read_bytes()).hexdigest() for name in files}
+    removed = pq.read_table(output / "duplicates" / "part-00000.parquet", columns=["id"]).column(0).to_pylist()
+    digests["removed ids"] = hashlib.sha256("\n".join(removed).encode()).hexdigest()
+    return digests
+
+
+def _pinned_runs(planted: dict) -> dict:
+    """name -> (input, options) of the configurations whose outputs are pinned."""
+    web = SAMPLE / "web"
+    return {
+        "web exact": (web, {"minhash": None}),
+        "web minhash": (web, {}),
+        "code char shingles": (SAMPLE / "code", {"minhash": MinHashParams.for_threshold(0.7, ngram=7, shingle="char")}),
+        "planted minhash": (planted["input"], {}),
+        "planted longest unverified 0.7": (planted["input"], {"keep": "longest", "verify": False,
+                                                               "minhash": MinHashParams.for_threshold(0.7)}),
+        "web against planted": (web, {"against": str(planted["input"])}),
+    }
+
+
+# Recorded before the speed work of issue 23: any change to dedup that alters a byte of its output must say why and
+# re-record these. Parquet bytes also carry the writer's version, so a different pyarrow checks the removed ids only.
+PINNED_PYARROW = "26.0.1"
+PINNED_OUTPUTS = {
+    "web exact": {
+        "part-00000.parquet": "ba728f122d2c190b80be317dd11bff17203e6facdae99fbef4dd681d98d68f37",
+        "part-00001.parquet": "1b68562197bcd8a1551e967d4a4eca8d732ce34352a52c3e7ff3bbfd049f8b17",
+        "duplicates/part-00000.parquet": "9324d4d5351f4608b6d2c2cd79c4dd5d34c5a6c847dda6c71a833f82ced76c9a",
+        "removed ids": "8ed548799714ef9fce8fa1520a50a9580fbb72ee44173debc65889858687f693",
+    },
+    "web minhash": {
+        "part-00000.parquet": "bc1a7451f9ed64bc3e17dc4032e321ca65f196d632e8df2f9b451e07eb367346",
+        "part-00001.parquet": "54ccd496c52a8db705f1b7e54c6739e910d90189e66e58c8b21a3eb487fc089a",
+        "duplicates/part-00000.parquet": "08dd3ddd287648e1c7e5194d81871f1b465098e9a181110260fad3759febe29f",
+        "removed ids": "4f55d1a555585e466032d7235e45a51c27af327c4dfd491e97ad0e1f12c8388a",
+    },
+    "code char shingles": {
+        "part-00000.parquet": "8c7b7ea50a1b2a5c1c871f8e788e7d68595f13cc27349adb53dcbf074619b55e",
+        "part-00001.parquet": "7d42ff490285040eb51b51abd4a146ab9f35ee5aa4d9fa43a411173d6d2c0a42",
+        "duplicates/part-00000.parquet": "b32171d80cb98148ec1c1bfabacb9a8084422ab9bd88b655956f6190ce01489c",
+        "removed ids": "3589ed3d7764b60999bb916f07bb929fb7d2fc92cf3e737a646aab45417b9997",
+    },
+    "planted minhash": {
+        "part-00000.parquet": "7b9c61ed915c3c48c94f0e459df38cf5a635921044528371cda04174da1c3c11",
+        "part-00001.parquet": "7be6e6ced5b78253754d789a7a24ee62ad8a137fc81c07256f67602eb24bbf84",
+        "part-00002.parquet": "0d709541ca7cc15845375ed2c8fc48e9943edfacd5298f0be610d435c0fa4fa9",
+        "duplicates/part-00000.parquet": "5696fdc375d6fb6c27b61d9b04fb95630415d82d98522dff083edf8886e41e4c",
+        "removed ids": "106da46c87c69660cb0da1f5a3ee367cce2c0b3c6a18fcc6cc15663d7332f0d7",
+    },
+    "planted longest unverified 0.7": {
+        "part-00000.parquet": "3d9815eae9796506d7945cd0b6f1feaa5a03c5bd9678736fc0a4c18ad65076c4",
+        "part-00001.parquet": "ec075d42e81ad40151e14718a68aabb2e792a4817ef3bf66637495dcb6a48b1f",
+        "part-00002.parquet": "2b2f90319b585dabf924ca1736b91220a9e31e708e3ae03db7d339907261efbd",
+        "duplicates/part-00000.parquet": "09021c7b136c3c5c86c1e048bdea9185d9f2cdc1594d49684ab3651af10c8088",
+        "removed ids": "b8d6f9fc12e6899ca1901337d40f9c821a9066ada411d73a3740e5220252c9eb",
+    },
+    "web against planted": {
+        "part-00000.parquet": "5a7fee9923055ff36f78120f887407170fa7d1fba13772ec9cc367b928baa65b",
+        "part-00001.parquet": "54ccd496c52a8db705f1b7e54c6739e910d90189e66e58c8b21a3eb487fc089a",
+        "duplicates/part-00000.parquet": "fb54772b32b5ed64ee430a8c1f9c5b5116f21eefe583929eccfb9a7f26d514a5",
+        "removed ids": "6d835a0689a15e25e861375be985a31d792654973e0152ace1a6995446bda0d3",
+    },
+}
+
+
+def test_outputs_are_byte_identical_to_the_recorded_ones(planted, tmp_path):
+    for name, (source, options) in _pinned_runs(planted).items():
+        output = tmp_path / name.replace(" ", "-")
+        dedup(source, output, workers=1, **options)
+        digests, expected = _output_digests(output), PINNED_OUTPUTS[name]
+        if pa.__version__ != PINNED_PYARROW:
+            digests, expected = digests["removed ids"], expected["removed ids"]
+        assert digests == expected, name
+
+
+def test_the_dedup_command_imports_only_what_it_needs(tmp_path):
+    """Start-up is most of a small run's time: no pandas (pyarrow imports it on its first pa.array or Python
+    scalar, which dedup avoids), no pyarrow.dataset, no training stack."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "smolctl", "dedup", str(SAMPLE / "math"),
+                           str(tmp_path / "out"), "--minhash", "--workers", "1", "--json"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "smolctl.data.dedup" in imported
+    assert not imported & {"pandas", "pyarrow.dataset", "torch", "transformers", "trl", "datasets"}

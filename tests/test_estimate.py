@@ -16,10 +16,10 @@ from smolctl.infra.estimate import (FAILURES_PER_GPU_DAY, estimate, estimate_inf
                                     memory, smallest_layouts, transformers_config)
 from smolctl.infra.flops import matmul_params, training_flops_per_token
 from smolctl.infra.measure import build_model, measure_activations, measure_flops, scaled_down, validate
-from smolctl.infra.inference import InferencePlan
+from smolctl.infra.inference import InferenceScenario
 from smolctl.infra.memory import GIB, GPUS, PRECISIONS, activations, state_bytes
 from smolctl.infra.model_shape import config_from_dict, measure_shape, resolve_config
-from smolctl.infra.plan import plan_from_sources
+from smolctl.infra.scenario import scenario_from_sources
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -141,9 +141,9 @@ def test_tensor_and_context_parallel_split_what_they_should():
 
 
 def test_smollm3_published_run_lands_near_24_days():
-    plan = plan_from_sources(recipe=str(REPO / "recipes/smollm3.toml"),
+    scenario = scenario_from_sources(recipe=str(REPO / "recipes/smollm3.toml"),
                              flags={"gpus": 384, "gpu": "h100", "tp": 2, "tokens": "11.2T", "mfu": 0.30})
-    result = estimate(plan)
+    result = estimate(scenario)
     days = result.compute["time"]["days"]
     assert abs(days / 24 - 1) < 0.10
     assert result.compute["six_n"] * 11.2e12 == pytest.approx(6 * 3.075e9 * 11.2e12, rel=0.01)
@@ -152,27 +152,27 @@ def test_smollm3_published_run_lands_near_24_days():
 
 
 def test_pipeline_stages_hold_the_embedding_first_and_the_head_last():
-    plan = plan_from_sources(flags={"model": "llama3-8b", "gpus": 8, "pp": 4, "micro_batch": 1,
+    scenario = scenario_from_sources(flags={"model": "llama3-8b", "gpus": 8, "pp": 4, "micro_batch": 1,
                                     "global_batch_tokens": 16 * 2048, "seq_len": 2048})
-    config, shape = load_model(plan)
-    one_stage = memory(plan_from_sources(flags={"model": "llama3-8b", "gpus": 8, "seq_len": 2048}), shape)
-    result = memory(plan, shape)
+    _, shape = load_model(scenario)
+    one_stage = memory(scenario_from_sources(flags={"model": "llama3-8b", "gpus": 8, "seq_len": 2048}), shape)
+    result = memory(scenario, shape)
     assert result["stage"] in ("first", "last")
     assert result["weights"] < one_stage["weights"] / 3
     assert result["micro_batches_in_flight"] == 4
 
 
 def test_find_returns_the_largest_micro_batch_and_layouts_that_fit():
-    plan = plan_from_sources(flags={"model": "smollm3-3b", "gpus": 16, "gpu": "a100-40", "seq_len": 4096, "zero": 1, "recompute": "full",
+    scenario = scenario_from_sources(flags={"model": "smollm3-3b", "gpus": 16, "gpu": "a100-40", "seq_len": 4096, "zero": 1, "recompute": "full",
                                     "precision": "bf16"})
-    config, shape = load_model(plan)
+    _, shape = load_model(scenario)
     from dataclasses import replace
 
-    best = largest_micro_batch(plan, shape)
+    best = largest_micro_batch(scenario, shape)
     assert best is not None
-    assert memory(replace(plan, micro_batch=best), shape)["fits"]
-    assert not memory(replace(plan, micro_batch=best + 1 if best < 8 else best * 2), shape)["fits"]
-    found = smallest_layouts(plan, shape)
+    assert memory(replace(scenario, micro_batch=best), shape)["fits"]
+    assert not memory(replace(scenario, micro_batch=best + 1 if best < 8 else best * 2), shape)["fits"]
+    found = smallest_layouts(scenario, shape)
     layouts = found["layouts"]
     assert found["framework"] == "smolctl" and layouts
     for x in layouts:  # what `smolctl pretrain` runs: tp × FSDP2 shard × replicate, no pipeline or context parallel
@@ -183,10 +183,10 @@ def test_find_returns_the_largest_micro_batch_and_layouts_that_fit():
 def test_find_holds_the_global_batch_and_fills_every_pipeline():
     # 8 sequences per step on 16 GPUs: dp 16 (× micro batch 1) cannot hold it, and dp 8 with 2 stages would run
     # one micro batch through a 2-stage pipeline
-    plan = plan_from_sources(flags={"model": "smollm3-3b", "gpus": 16, "gpu": "a100-40", "seq_len": 4096,
+    scenario = scenario_from_sources(flags={"model": "smollm3-3b", "gpus": 16, "gpu": "a100-40", "seq_len": 4096,
                                     "global_batch_tokens": 8 * 4096, "framework": "megatron"})
-    _, shape = load_model(plan)
-    found = smallest_layouts(plan, shape, top=1000)
+    _, shape = load_model(scenario)
+    found = smallest_layouts(scenario, shape, top=1000)
     assert found["skipped"]["batch"] > 0 and found["skipped"]["pipeline"] > 0 and found["layouts"]
     for x in found["layouts"]:
         assert 8 % x["dp"] == 0 and x["gradient_accumulation"] == 8 // x["dp"] >= x["pp"]
@@ -195,9 +195,9 @@ def test_find_holds_the_global_batch_and_fills_every_pipeline():
 
 
 def test_kv_weights_are_replicated_when_tp_exceeds_the_kv_heads():
-    shape = load_model(plan_from_sources(flags={"model": "smollm3-3b", "gpus": 8}))[1]  # 4 KV heads
+    shape = load_model(scenario_from_sources(flags={"model": "smollm3-3b", "gpus": 8}))[1]  # 4 KV heads
     kv = shape.layers * 2 * shape.hidden * shape.kv_dim
-    weights = {tp: memory(plan_from_sources(flags={"model": "smollm3-3b", "gpus": 8, "tp": tp}), shape)["weights"]
+    weights = {tp: memory(scenario_from_sources(flags={"model": "smollm3-3b", "gpus": 8, "tp": tp}), shape)["weights"]
                for tp in (4, 8)}
     assert weights[4] == pytest.approx(shape.params.total / 4 * 2)
     assert weights[8] == pytest.approx(((shape.params.total - kv) / 8 + kv / 4) * 2)  # one whole KV head per rank
@@ -205,7 +205,7 @@ def test_kv_weights_are_replicated_when_tp_exceeds_the_kv_heads():
 
 def test_fp32_runs_at_the_plain_fp32_rate_unless_tf32_is_on():
     flags = {"model": "smollm2-135m", "gpus": 8, "precision": "fp32", "tokens": "1G"}
-    plain, tf32 = (estimate(plan_from_sources(flags={**flags, "tf32": on})).compute for on in (False, True))
+    plain, tf32 = (estimate(scenario_from_sources(flags={**flags, "tf32": on})).compute for on in (False, True))
     assert plain["peak_flops_per_gpu"] == GPUS["h100"].fp32_tflops * 1e12
     assert tf32["peak_flops_per_gpu"] == GPUS["h100"].bf16_tflops * 1e12 / 2
     assert plain["compute_time"]["seconds"] / tf32["compute_time"]["seconds"] == pytest.approx(989.4 / 2 / 66.9)
@@ -213,17 +213,17 @@ def test_fp32_runs_at_the_plain_fp32_rate_unless_tf32_is_on():
 
 def test_hsdp_shards_the_states_over_dp_shard_ranks_only():
     flags = {"model": "smollm3-3b", "gpus": 64, "zero": 3}
-    shape = load_model(plan_from_sources(flags=flags))[1]
-    fsdp, hsdp = (memory(plan_from_sources(flags={**flags, "dp_shard": shard}), shape) for shard in (None, 8))
+    shape = load_model(scenario_from_sources(flags=flags))[1]
+    fsdp, hsdp = (memory(scenario_from_sources(flags={**flags, "dp_shard": shard}), shape) for shard in (None, 8))
     assert hsdp["optimizer"] == pytest.approx(fsdp["optimizer"] * 8) and hsdp["weights"] == pytest.approx(fsdp["weights"] * 8)
     assert hsdp["gather"] == fsdp["gather"]
 
 
 def test_zero3_gathers_the_largest_unit_even_when_it_is_the_embedding():
-    plan = plan_from_sources(flags={"model": "smollm2-135m", "gpus": 8, "zero": 3})
-    shape = load_model(plan)[1]
+    scenario = scenario_from_sources(flags={"model": "smollm2-135m", "gpus": 8, "zero": 3})
+    shape = load_model(scenario)[1]
     assert shape.params.embedding > 5 * shape.params.per_layer  # 49k × 576 against one 3.5M-parameter layer
-    assert memory(plan, shape)["gather"] == pytest.approx(shape.params.embedding * (2 * 2 + 2))
+    assert memory(scenario, shape)["gather"] == pytest.approx(shape.params.embedding * (2 * 2 + 2))
 
 
 LLAMA3_405B = {"model": "llama3-405b", "gpus": 16384, "tp": 8, "pp": 16, "zero": 1, "seq_len": 8192,
@@ -233,41 +233,41 @@ LLAMA3_405B = {"model": "llama3-405b", "gpus": 16384, "tp": 8, "pp": 16, "zero":
 def test_llama3_405b_reproduces_its_published_goodput_and_gpu_hours():
     # Meta's model card: 30.84M H100 GPU-hours; the Llama 3 paper: >90% effective training time on 16,384 H100s
     # at 38% MFU, 419 unexpected interruptions in 54 days
-    result = estimate(plan_from_sources(flags=LLAMA3_405B))
+    result = estimate(scenario_from_sources(flags=LLAMA3_405B))
     compute = result.compute
     assert abs(compute["gpu_hours"] / 30.84e6 - 1) < 0.15, compute["gpu_hours"]
     assert compute["overhead"]["effective_training_time"] > 0.90
     assert compute["overhead"]["mtbf_hours"] == pytest.approx(24 / (FAILURES_PER_GPU_DAY * 16384))
     # the old model (one 5 GB/s store for the whole cluster, every write blocking, hourly) loses a quarter
-    blocking = estimate(plan_from_sources(flags={**LLAMA3_405B, "checkpoint_gbps": 5 / 2048, "checkpoint_hours": 1.0,
+    blocking = estimate(scenario_from_sources(flags={**LLAMA3_405B, "checkpoint_gbps": 5 / 2048, "checkpoint_hours": 1.0,
                                                  "async_checkpoint": False})).compute["overhead"]
     assert blocking["effective_training_time"] < 0.75
 
 
 def test_the_checkpoint_interval_follows_young_daly_unless_given():
     base = {"model": "smollm3-3b", "gpus": 384, "tokens": "1T"}
-    fast = estimate(plan_from_sources(flags=base)).compute["overhead"]
+    fast = estimate(scenario_from_sources(flags=base)).compute["overhead"]
     stall, mtbf = fast["checkpoint_stall_seconds"], fast["mtbf_hours"] * 3600
     assert fast["checkpoint_interval_seconds"] == pytest.approx(max((2 * stall * mtbf) ** 0.5,
                                                                     fast["checkpoint_write_seconds"]))
-    hourly = estimate(plan_from_sources(flags={**base, "checkpoint_hours": 1.0})).compute["overhead"]
+    hourly = estimate(scenario_from_sources(flags={**base, "checkpoint_hours": 1.0})).compute["overhead"]
     assert hourly["checkpoint_interval_seconds"] == 3600 and hourly["factor"] > fast["factor"]
-    blocking = estimate(plan_from_sources(flags={**base, "async_checkpoint": False})).compute["overhead"]
+    blocking = estimate(scenario_from_sources(flags={**base, "async_checkpoint": False})).compute["overhead"]
     assert blocking["checkpoint_stall_seconds"] == blocking["checkpoint_write_seconds"] > stall
-    twice = estimate(plan_from_sources(flags={**base, "gpus": 768})).compute["overhead"]
+    twice = estimate(scenario_from_sources(flags={**base, "gpus": 768})).compute["overhead"]
     assert twice["checkpoint_write_seconds"] == pytest.approx(fast["checkpoint_write_seconds"] / 2)  # per node
 
 
 def test_inference_kv_cache_of_smollm3_at_8k():
-    plan = plan_from_sources(flags={"model": "smollm3-3b"})
-    result = estimate_inference(plan, InferencePlan(context=8192, batch=4, compare_attention=True)).inference
+    scenario = scenario_from_sources(flags={"model": "smollm3-3b"})
+    result = estimate_inference(scenario, InferenceScenario(context=8192, batch=4, compare_attention=True)).inference
     gqa, mha = result["model"], result["multi_head"]
     formula = 2 * 36 * 4 * 128 * 8192 * 2  # K and V × layers × KV heads × head dim × context × bf16
     assert abs(gqa["kv_per_sequence"] / formula - 1) < 0.01 and gqa["kv_cache"] == 4 * gqa["kv_per_sequence"]
     assert mha["kv_heads"] == 16 and mha["kv_per_sequence"] == pytest.approx(4 * gqa["kv_per_sequence"])
     assert mha["weights"] > gqa["weights"] and mha["max_batch"] < gqa["max_batch"]
     assert gqa["decode_tokens_per_second"] == pytest.approx(4 * 3.35e12 / (gqa["weights"] + gqa["kv_cache"]))
-    fp8 = estimate_inference(plan, InferencePlan(context=8192, kv_dtype="fp8")).inference["model"]
+    fp8 = estimate_inference(scenario, InferenceScenario(context=8192, kv_dtype="fp8")).inference["model"]
     assert fp8["kv_per_sequence"] == pytest.approx(formula / 2)
     assert gqa["fits"] and gqa["total"] == pytest.approx(gqa["weights"] + gqa["kv_cache"] + gqa["activations"]
                                                          + gqa["runtime_reserved"])
@@ -279,9 +279,9 @@ def test_validate_on_the_tiny_recipe_agrees_with_measurement(tmp_path):
     (packed / "manifest.json").write_text(json.dumps({"kind": "packed", "tokenizer": {"vocab_size": 1024}}))
     recipe = tmp_path / "tiny.toml"
     recipe.write_text((REPO / "recipes/smollm3-tiny.toml").read_text().replace('"demo-out/packed"', f'"{packed}"'))
-    plan = plan_from_sources(recipe=str(recipe), overrides=["training.micro_batch=2", "training.global_batch=4"])
-    assert plan.model["vocab_size"] == 1024 and plan.precision == "amp" and plan.gpus == 2
-    report = validate(plan, transformers_config(plan))
+    scenario = scenario_from_sources(recipe=str(recipe), overrides=["training.micro_batch=2", "training.global_batch=4"])
+    assert scenario.model["vocab_size"] == 1024 and scenario.precision == "amp" and scenario.gpus == 2
+    report = validate(scenario, transformers_config(scenario))
     assert len(report["rows"]) >= 6
     for row in report["rows"]:
         assert abs(row["estimate"] / row["measured"] - 1) < 0.10, row

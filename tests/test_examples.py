@@ -1,6 +1,6 @@
-"""Every shell example a user is shown runs as written: the ```bash blocks of README.md, the commented examples at
-the top of recipes/*.toml and recipes/slurm/*.sbatch, and the examples in each command's --help. A broken example
-fails here, naming the file and line (or the command whose help shows it).
+"""Every shell example a user is shown runs as written: the ```bash blocks of README.md and docs/*.md, the commented
+examples at the top of recipes/*.toml and recipes/slurm/*.sbatch, and the examples in each command's --help. A broken
+example fails here, naming the file and line (or the command whose help shows it).
 
 How each example is checked (all in a scratch workspace that links recipes/, data/, completions/ and holds a
 `demo-out/` built by the demo's data stages, so `demo-out/...` paths mean what they mean after `make demo`):
@@ -45,6 +45,9 @@ FULL_SIZE_POSTTRAIN = "a full-size post-training recipe: needs GPUs (its tiny tw
 SKIP = {
     "make demo": "the whole demo: tests/test_pipeline.py runs the same stages with fewer steps",
     "make test": "the test suite itself",
+    "make wheel": "builds the wheel: tests/test_packaging.py builds one and installs it into a fresh venv",
+    "pip install .": "installs into the user's environment: tests/test_packaging.py installs the wheel into a fresh venv",
+    "pip install '.[merge,tensorboard]'": "installs into the user's environment (the extras' packages are in the test venv)",
     "cp completions/_smolctl ~/.zfunc/ && autoload -U compinit && compinit": "installs into the user's zsh setup",
     "cp completions/smolctl.fish ~/.config/fish/completions/": "installs into the user's fish setup",
     "accelerate launch -m smolctl pretrain RECIPE RUN":
@@ -172,21 +175,23 @@ def _clean(text: str) -> str:
 
 
 def readme_examples() -> list[tuple[str, str]]:
-    """Commands in ```bash blocks; `\\` continues a line, and so does an indented line (a wrapped synopsis)."""
+    """Commands in ```bash blocks of README.md and docs/*.md; `\\` continues a line, and so does an indented line
+    (a wrapped synopsis)."""
     found: list[tuple[str, str]] = []
-    inside, continued = False, False
-    for number, line in enumerate((REPO / "README.md").read_text().splitlines(), 1):
-        if line.startswith("```"):
-            inside, continued = line.strip() == "```bash", False
-            continue
-        if not inside or not line.strip() or line.lstrip().startswith("#"):
-            continued = False
-            continue
-        if (continued or line.startswith(" ")) and found:
-            found[-1] = (found[-1][0], found[-1][1] + " " + line.strip().rstrip("\\"))
-        else:
-            found.append((f"README.md:{number}", line.rstrip().rstrip("\\")))
-        continued = line.rstrip().endswith("\\")
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        inside, continued = False, False
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.startswith("```"):
+                inside, continued = line.strip() == "```bash", False
+                continue
+            if not inside or not line.strip() or line.lstrip().startswith("#"):
+                continued = False
+                continue
+            if (continued or line.startswith(" ")) and found:
+                found[-1] = (found[-1][0], found[-1][1] + " " + line.strip().rstrip("\\"))
+            else:
+                found.append((f"{path.relative_to(REPO)}:{number}", line.rstrip().rstrip("\\")))
+            continued = line.rstrip().endswith("\\")
     return found
 
 

@@ -1,11 +1,14 @@
-"""The C kernels of smolctl/data/_minhash.c against plain-Python statements of what they compute, bit for bit,
-on the awkward cases: empty and whitespace-only documents, punctuation-only tokens, upper-case ASCII, non-ASCII
-bytes, every separator the tokeniser knows, tokens of thousands of bytes, arrays sliced at an offset,
-documents shorter than the n-gram, and malformed buffers."""
+"""The C kernels of smolctl/data/_minhash.c, and their numpy fallback (smolctl/data/minhash_fallback.py, for installs
+without a compiler), against plain-Python statements of what they compute, bit for bit, on the awkward cases: empty
+and whitespace-only documents, punctuation-only tokens, upper-case ASCII, non-ASCII bytes, every separator the
+tokeniser knows, tokens of thousands of bytes, arrays sliced at an offset, documents shorter than the n-gram, and
+malformed buffers."""
 
 from __future__ import annotations
 
+import functools
 import random
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -13,18 +16,37 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from smolctl.data import _minhash, minhash
+from smolctl.data import minhash_fallback
+from smolctl.data.minhash import arrays, kernels, normalization, params
 from conftest import SAMPLE
+
+try:
+    from smolctl.data import _minhash
+except ImportError:  # built without a compiler: only the fallback can be tested
+    _minhash = None
 
 MASK = (1 << 64) - 1
 RADIX = 0x100000001B3
 SPACES = b"\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f "
 
 
+@pytest.fixture(params=["c", "numpy"])
+def kernel_impl(request, monkeypatch):
+    """The kernels every smolctl module calls, for the length of one test: the C extension or the numpy fallback."""
+    chosen = _minhash if request.param == "c" else minhash_fallback
+    if chosen is None:
+        pytest.skip("the C extension is not built")
+    for module in list(sys.modules.values()):
+        if module.__name__.startswith("smolctl.") and getattr(module, "_minhash", None) in (_minhash, minhash_fallback):
+            monkeypatch.setattr(module, "_minhash", chosen)
+    return chosen
+
+
 def is_word_byte(b: int) -> bool:
     return b >= 128 or chr(b).isalnum() or b == ord("_")
 
 
+@functools.cache  # a token of megabytes is often its own word
 def span_hash(data: bytes) -> int:
     """8-byte little-endian chunks of the lower-cased bytes (the last zero-padded) times R^(8m + 1), summed,
     then finished with the length."""
@@ -41,18 +63,20 @@ def mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
+@functools.cache  # each text is checked against both kernels
 def reference_tokens(text: str) -> tuple[list[int], list[int]]:
     """Token and word hashes of one document's normalised text: tokens split on ASCII whitespace, words trimmed
     of the bytes that are neither ASCII whitespace nor word bytes (ASCII punctuation and control characters)."""
-    raw = minhash.normalize(text).encode()
+    raw = normalization.normalize(text).encode()
     for space in SPACES:
         raw = raw.replace(bytes([space]), b" ")
     tokens, words = [], []
     for token in (t for t in raw.split(b" ") if t):
         tokens.append(span_hash(token))
-        inside = [i for i, b in enumerate(token) if is_word_byte(b)]
-        if inside:
-            words.append(span_hash(token[inside[0]:inside[-1] + 1]))
+        first = next((i for i, b in enumerate(token) if is_word_byte(b)), None)
+        if first is not None:
+            last = next(i for i in reversed(range(len(token))) if is_word_byte(token[i]))
+            words.append(span_hash(token[first:last + 1]))
     return tokens, words
 
 
@@ -62,11 +86,11 @@ AWKWARD = ["", "   ", "\t\n", "a", "...", "Hello, World!", "(x) [y] {z}", "UPPER
            "a" * 5000, "," + "b" * 4100 + ",", " lead", "trail ", "x y z w v u t"]
 
 
-def test_tokenize_matches_the_python_definition():
+def test_tokenize_matches_the_python_definition(kernel_impl):
     sample = pq.read_table(sorted((SAMPLE / "web").glob("part-*.parquet"))[0], columns=["text"]).column(0).to_pylist()
     texts = AWKWARD + sample[:40]
     for array in (pa.array(texts, pa.string()), pa.array(texts, pa.large_string()), pa.array(["pad"] + texts).slice(1)):
-        check_against_reference(minhash.tokenize(array), texts)
+        check_against_reference(kernels.tokenize(array), texts)
 
 
 def reference_exact(token_hashes: list[int]) -> list[int]:
@@ -77,37 +101,37 @@ def reference_exact(token_hashes: list[int]) -> list[int]:
     return out
 
 
-def check_against_reference(tokens: minhash.Tokens, texts: list[str]) -> None:
+def check_against_reference(tokens: kernels.Tokens, texts: list[str]) -> None:
     for i, text in enumerate(texts):
         want_tokens, want_words = reference_tokens(text)
         assert tokens.exact[i].tolist() == reference_exact(want_tokens), repr(text[:40])
         assert tokens.words[tokens.word_offsets[i]:tokens.word_offsets[i + 1]].tolist() == want_words, repr(text[:40])
 
 
-def test_tokenize_matches_the_python_definition_on_random_byte_soup():
+def test_tokenize_matches_the_python_definition_on_random_byte_soup(kernel_impl):
     """Random documents over an alphabet of every byte class, with runs long enough to cross the kernel's
     8-byte chunks at every alignment (tokens of 7, 8, 9, 16 bytes, space runs of 8 and more)."""
     rng = random.Random(5)
     alphabet = ["a", "B", "z", "_", "9", " ", " ", "\t", "\n", "\x1c", ",", "-", "(", "é", "机", "\x01"]
     texts = ["".join(rng.choice(alphabet) * rng.choice([1, 1, 1, 2, 7, 8, 9, 16]) for _ in range(rng.randrange(0, 30)))
              for _ in range(400)]
-    check_against_reference(minhash.tokenize(pa.array(texts)), texts)
+    check_against_reference(kernels.tokenize(pa.array(texts)), texts)
 
 
-def test_tokenize_treats_null_documents_as_empty():
-    tokens = minhash.tokenize(pa.array(["a b", None, "c", ""]))
+def test_tokenize_treats_null_documents_as_empty(kernel_impl):
+    tokens = kernels.tokenize(pa.array(["a b", None, "c", ""]))
     assert np.diff(tokens.word_offsets).tolist() == [2, 0, 1, 0]
     assert np.array_equal(tokens.exact[1], tokens.exact[3])
 
 
-def test_shingles_match_the_python_definition():
+def test_shingles_match_the_python_definition(kernel_impl):
     rng = random.Random(3)
     counts = [0, 1, 2, 4, 5, 6, 30, 0, 3]
     tokens = np.array([rng.getrandbits(64) for _ in range(sum(counts))], np.uint64)
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     for n in (1, 3, 5):
-        weights = [int(w) for w in minhash._NGRAM_WEIGHTS[:n]]
-        hashes, shingle_offsets = minhash.ngrams(tokens, offsets, n)
+        weights = [int(w) for w in kernels.NGRAM_WEIGHTS[:n]]
+        hashes, shingle_offsets = kernels.ngrams(tokens, offsets, n)
         for i in range(len(counts)):
             doc = [int(t) for t in tokens[offsets[i]:offsets[i + 1]]]
             starts = range(len(doc) - n + 1) if len(doc) >= n else ([0] if doc else [])
@@ -115,13 +139,13 @@ def test_shingles_match_the_python_definition():
             assert hashes[shingle_offsets[i]:shingle_offsets[i + 1]].tolist() == want
 
 
-def test_signatures_are_the_minimum_over_shingles_of_each_permutation():
+def test_signatures_are_the_minimum_over_shingles_of_each_permutation(kernel_impl):
     rng = np.random.default_rng(4)
     counts = [3, 0, 1, 50, 7]
     shingles = rng.integers(0, 2**63, sum(counts), dtype=np.uint64) * np.uint64(2) + np.uint64(1)
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    multipliers = minhash.MinHashParams().permutations()
-    sigs = minhash.signatures(shingles, offsets, multipliers)
+    multipliers = params.MinHashParams().permutations()
+    sigs = kernels.signatures(shingles, offsets, multipliers)
     keys = (shingles >> np.uint64(32)).astype(np.uint32)
     for i, count in enumerate(counts):
         want = (np.full(len(multipliers), 0xFFFFFFFF, np.uint32) if count == 0 else
@@ -129,40 +153,50 @@ def test_signatures_are_the_minimum_over_shingles_of_each_permutation():
         assert np.array_equal(sigs[i], want)
 
 
-def test_estimates_count_equal_signature_values():
+def test_estimates_count_equal_signature_values(kernel_impl):
     sigs = np.random.default_rng(7).integers(0, 4, (6, 100)).astype(np.uint32)
     left, right = np.array([0, 1, 5, 3]), np.array([2, 1, 0, 4])
     want = [(sigs[a] == sigs[b]).mean() for a, b in zip(left, right)]
-    assert minhash.estimate_jaccard(sigs, left, right).tolist() == want
+    assert kernels.estimate_jaccard(sigs, left, right).tolist() == want
     with pytest.raises(ValueError, match="do not fit"):
-        minhash.estimate_jaccard(sigs, np.array([6]), np.array([0]))
+        kernels.estimate_jaccard(sigs, np.array([6]), np.array([0]))
 
 
-def test_intersections_count_common_members():
+def test_intersections_count_common_members(kernel_impl):
     sets = [np.array(s, np.uint64) for s in ([1, 3, 5, 7], [], [3, 4, 5], [2**63 + 1, 2**64 - 1], [2**64 - 1], [7])]
     values, bounds = np.concatenate(sets), np.concatenate([[0], np.cumsum([len(s) for s in sets])]).astype(np.int64)
     left, right = np.array([0, 0, 1, 3, 5, 1]), np.array([2, 1, 1, 4, 0, 3])
     want = [len(set(sets[a].tolist()) & set(sets[b].tolist())) for a, b in zip(left, right)]
     sizes = np.diff(bounds)
     union = sizes[left] + sizes[right] - np.array(want)
-    assert minhash.jaccard_many(values, bounds, left, right).tolist() == [w / u if u else 1.0 for w, u in zip(want, union)]
+    assert kernels.jaccard_many(values, bounds, left, right).tolist() == [w / u if u else 1.0 for w, u in zip(want, union)]
     common = np.empty(len(left), np.int64)
-    _minhash.intersections(values, bounds, left, right, common)
+    kernel_impl.intersections(values, bounds, left, right, common)
     assert common.tolist() == want
 
 
-def test_kernels_refuse_buffers_that_do_not_fit():
+def test_intersections_of_random_sets_of_every_size(kernel_impl):
+    rng = np.random.default_rng(8)
+    sets = [np.unique(rng.integers(0, 3 * size + 1, size, dtype=np.uint64)) for size in rng.integers(0, 300, 60)]
+    values, bounds = np.concatenate(sets), np.concatenate([[0], np.cumsum([len(s) for s in sets])]).astype(np.int64)
+    left, right = rng.integers(0, len(sets), 500), rng.integers(0, len(sets), 500)
+    common = np.empty(len(left), np.int64)
+    kernel_impl.intersections(values, bounds, left, right, common)
+    assert common.tolist() == [len(set(sets[a].tolist()) & set(sets[b].tolist())) for a, b in zip(left, right)]
+
+
+def test_kernels_refuse_buffers_that_do_not_fit(kernel_impl):
     exact, room, counts = np.empty((2, 2), np.uint64), np.empty(8, np.uint64), np.empty(2, np.int64)
     for starts, ends in (([0, 5], [5, 3]), ([0, 3], [4, 9]), ([-1, 0], [2, 2])):  # backwards, across both buffers, negative
         with pytest.raises(ValueError, match="inside data, or inside extra"):
-            _minhash.tokenize(b"hello", b"abcd", np.array(starts, np.int64), np.array(ends, np.int64), exact, room, counts)
+            kernel_impl.tokenize(b"hello", b"abcd", np.array(starts, np.int64), np.array(ends, np.int64), exact, room, counts)
     with pytest.raises(ValueError, match="too small"):
-        _minhash.tokenize(b"a b c d", b"", np.array([0], np.int64), np.array([7], np.int64), np.empty((1, 2), np.uint64),
+        kernel_impl.tokenize(b"a b c d", b"", np.array([0], np.int64), np.array([7], np.int64), np.empty((1, 2), np.uint64),
                           np.empty(2, np.uint64), np.empty(1, np.int64))
     with pytest.raises(ValueError, match="do not fit"):
-        _minhash.signatures(np.zeros(3, np.uint64), np.array([0, 4], np.int64), np.ones(4, np.uint32), np.empty(4, np.uint32))
+        kernel_impl.signatures(np.zeros(3, np.uint64), np.array([0, 4], np.int64), np.ones(4, np.uint32), np.empty(4, np.uint32))
     with pytest.raises(ValueError, match="do not fit"):
-        _minhash.intersections(np.zeros(2, np.uint64), np.array([0, 2], np.int64), np.array([0]), np.array([1]), np.empty(1, np.int64))
+        kernel_impl.intersections(np.zeros(2, np.uint64), np.array([0, 2], np.int64), np.array([0]), np.array([1]), np.empty(1, np.int64))
 
 
 def test_characters_outside_the_changing_class_are_left_alone_by_normalisation():
@@ -170,30 +204,30 @@ def test_characters_outside_the_changing_class_are_left_alone_by_normalisation()
     every other character of planes 0-1 must come out of normalize() unchanged, alone, doubled, and after an
     ASCII letter it could compose with, and the class must catch what does change."""
     points = [chr(c) for c in range(0x80, 0x20000) if not 0xD800 <= c < 0xE000]
-    caught = np.asarray(pc.match_substring_regex(pa.array(points), minhash.changing_characters()), dtype=bool)
+    caught = np.asarray(pc.match_substring_regex(pa.array(points), normalization.changing_characters()), dtype=bool)
     kept = [c for c, hit in zip(points, caught) if not hit]
     assert len(kept) > 100_000
     for c in kept:
-        assert minhash.normalize(f"Ae{c}{c}x") == f"ae{c}{c}x", hex(ord(c))
+        assert normalization.normalize(f"Ae{c}{c}x") == f"ae{c}{c}x", hex(ord(c))
     # ... and what does change: case, compatibility forms, composing and reordering marks, spaces, jamo.
-    assert minhash.normalize("a\u0360\u0316") != "a\u0360\u0316"  # marks of different classes are reordered
+    assert normalization.normalize("a\u0360\u0316") != "a\u0360\u0316"  # marks of different classes are reordered
     for c in ("É", "ß", "\u00a0", "…", "ﬁ", "\u0301", "\u0360\u0316", "\u2028", "Ａ", "\u1161", "\U00020000"):
-        assert pc.match_substring_regex(pa.array([f"a{c}b"]), minhash.changing_characters())[0].as_py(), hex(ord(c))
+        assert pc.match_substring_regex(pa.array([f"a{c}b"]), normalization.changing_characters())[0].as_py(), hex(ord(c))
     for c in ("’", "“", "—", "é", "ñ", "机", "я"):
-        assert not pc.match_substring_regex(pa.array([c]), minhash.changing_characters())[0].as_py(), c
+        assert not pc.match_substring_regex(pa.array([c]), normalization.changing_characters())[0].as_py(), c
 
 
 def test_sorted_unique_is_np_unique():
     rng = np.random.default_rng(6)
     for values in (rng.integers(0, 50, 1000).astype(np.uint64), rng.integers(-5, 5, 37), np.zeros(0, np.int64), np.array([7])):
         want, want_inverse = np.unique(values, return_inverse=True)
-        assert np.array_equal(minhash.sorted_unique(values), want)
-        got, inverse = minhash.sorted_unique(values, return_inverse=True)
+        assert np.array_equal(arrays.sorted_unique(values), want)
+        got, inverse = arrays.sorted_unique(values, return_inverse=True)
         assert np.array_equal(got, want) and np.array_equal(inverse, want_inverse)
 
 
-def test_a_token_of_megabytes_is_hashed_in_one_linear_pass():
+def test_a_token_of_megabytes_is_hashed_in_one_linear_pass(kernel_impl):
     """Minified code and base64 blobs hold tokens of megabytes: the chunk multipliers are a running product,
     so such a token costs a pass, not a quadratic recomputation of powers."""
     texts = ["Q" * 2_000_001 + " tail", "(" + "z" * 300_000 + ")"]
-    check_against_reference(minhash.tokenize(pa.array(texts)), texts)
+    check_against_reference(kernels.tokenize(pa.array(texts)), texts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -13,13 +14,13 @@ import pytest
 
 from conftest import run_cli
 from smolctl.data.mix import prepare_mix
-from smolctl.data.mix_plan import parse_source, plan_from_flags, plan_from_recipe
+from smolctl.data.mix_schedule import MixSchedule, parse_source, schedule_from_flags, schedule_from_recipe
 from smolctl.errors import UserError
 from smolctl.shards import open_documents, read_manifest
 
 
 def mix(sources: list[str], output: Path, **options):
-    return prepare_mix(plan_from_flags(sources, **options), output).run()
+    return prepare_mix(schedule_from_flags(sources, **options), output).run()
 
 
 def read_rows(folder: Path) -> pa.Table:
@@ -61,6 +62,11 @@ def test_achieved_token_weights_are_within_one_percent(sample, tokenizer_dir, tm
     mix([f"web={sample}/web:6", f"code={sample}/code:2.5", f"math={sample}/math:1.5"], tmp_path / "out",
         tokens="400K", tokenizer=str(tokenizer_dir), max_repeat=3)
     rows = read_rows(tmp_path / "out")
+    # auto counts these small sources exactly, and exact mode writes the rows it wrote before sample mode existed
+    estimate = read_manifest(tmp_path / "out")["mix"]["token_estimate"]
+    assert estimate["requested"] == "auto" and {s["mode"] for s in estimate["sources"].values()} == {"exact"}
+    order = "\n".join(f"{s} {i}" for s, i in zip(rows["source"].to_pylist(), rows["id"].to_pylist()))
+    assert hashlib.sha256(order.encode()).hexdigest() == "7180a375c9c4b325fd98c255090478ded84ee69a84a16b05bbf651afea85a2b6"
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     counts = np.array([len(ids) + 1 if ids else 0 for ids in tokenizer(rows["text"].to_pylist(),
                                                                        add_special_tokens=False)["input_ids"]])
@@ -68,6 +74,71 @@ def test_achieved_token_weights_are_within_one_percent(sample, tokenizer_dir, tm
     assert counts.sum() == pytest.approx(400_000, rel=0.01)
     for name, target in {"web": 0.6, "code": 0.25, "math": 0.15}.items():
         assert abs(counts[names == name].sum() / counts.sum() - target) < 0.01
+
+
+class CountingBackend:
+    """The Rust tokenizer, counting the documents it is asked to encode."""
+
+    def __init__(self, backend):
+        self.backend, self.documents = backend, 0
+
+    def encode_batch_fast(self, texts, **options):
+        self.documents += len(texts)
+        return self.backend.encode_batch_fast(texts, **options)
+
+
+def test_sample_estimate_reaches_the_token_shares_pack_counts_within_half_a_point(sample, tokenizer_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from smolctl.data.pack import PackConfig, pack
+
+    sources = [f"web={sample}/web:6", f"code={sample}/code:2.5", f"math={sample}/math:1.5"]
+    options = {"tokens": "400K", "tokenizer": str(tokenizer_dir), "max_repeat": 3, "shuffle_buffer": 1000,
+               "token_estimate": "sample", "token_sample": 600}
+    job = prepare_mix(schedule_from_flags(sources, **options), tmp_path / "out")
+    job.backend = counting = CountingBackend(job.backend)
+    result = job.run()
+    estimates = read_manifest(tmp_path / "out")["mix"]["token_estimate"]
+    assert estimates["requested"] == "sample" and result.token_estimates == estimates["sources"]
+    calibration = estimates["sources"]
+    # Only the sample was tokenized: about 600 of web's 1,851 documents, all of code (545) and math (237).
+    assert counting.documents == sum(c["sample_documents"] for c in calibration.values())
+    assert 450 < calibration["web"]["sample_documents"] < 750 and calibration["math"]["sample_documents"] == 237
+    # The shares as `pack` counts them: its total is the sum of the per-source counts of the same tokenizer.
+    packed = pack(str(tmp_path / "out"), tmp_path / "packed", tokenizer_spec=str(tokenizer_dir),
+                  config=PackConfig(seq_len=256, strategy="concat"))
+    rows = read_rows(tmp_path / "out")
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    counts = np.array([len(ids) + 1 if ids else 0 for ids in tokenizer(rows["text"].to_pylist(),
+                                                                       add_special_tokens=False)["input_ids"]])
+    assert counts.sum() == packed.stats.tokens
+    names = rows["source"].to_numpy(zero_copy_only=False)
+    for name, target in {"web": 0.6, "code": 0.25, "math": 0.15}.items():
+        assert abs(counts[names == name].sum() / counts.sum() - target) < 0.005, name
+    # The calibration is the sample's own ratio; math, sampled whole, has its true bytes per token and no error.
+    math = read_rows(sample / "math")["text"].to_pylist()
+    math_ids = sum(len(ids) for ids in tokenizer(math, add_special_tokens=False)["input_ids"])
+    assert calibration["math"]["bytes_per_token"] == pytest.approx(sum(len(t.encode()) for t in math) / math_ids)
+    assert calibration["math"]["relative_standard_error"] == 0.0
+    web = calibration["web"]
+    assert web["bytes_per_token"] == pytest.approx(web["sample_bytes"] / web["sample_tokens"])
+    assert 0 < web["relative_standard_error"] < 0.05 and 0 <= web["holdout_error"] < 0.1
+    # An array run (tasks in reverse order) writes the same bytes.
+    for stage in ("measure", "write"):
+        for task in reversed(range(3)):
+            prepare_mix(schedule_from_flags(sources, **options), tmp_path / "array").run(stage=stage, tasks=3, task_id=task)
+    shards = [[s["sha256"] for s in read_manifest(tmp_path / out)["shards"]] for out in ("out", "array")]
+    assert len(shards[0]) > 1 and shards[0] == shards[1]
+
+
+def test_auto_samples_only_large_sources():
+    plan = MixSchedule({}, [], tokenizer="tok", token_sample=1000)
+    assert plan.sample_fraction(10_000) is None and plan.sample_fraction(10_001) == pytest.approx(1000 / 10_001)
+    plan.token_estimate = "sample"
+    assert plan.sample_fraction(500) == 1.0 and plan.sample_fraction(4000) == 0.25
+    plan.token_estimate = "exact"
+    assert plan.sample_fraction(10**9) is None
+    assert MixSchedule({}, [], token_sample=1000).sample_fraction(10**9) is None  # no tokenizer: bytes
 
 
 def test_same_seed_same_bytes_and_sources_interleaved(sample, tmp_path):
@@ -117,7 +188,7 @@ bytes = 300_000
 weights = { web = 80, code = 20, math = 0 }
 end_weights = { web = 20, code = 40, math = 40 }
 """)
-    result = prepare_mix(plan_from_recipe(recipe), tmp_path / "out").run()
+    result = prepare_mix(schedule_from_recipe(recipe), tmp_path / "out").run()
     stable, decay = (read_rows(tmp_path / "out" / name) for name in ("stable", "decay"))
     for name, target in byte_shares(stable).items():
         assert abs(target - {"web": 0.6, "code": 0.3, "math": 0.1}[name]) < 0.01
@@ -156,7 +227,7 @@ name = "second"
 documents = 200
 weights = { math = 1 }
 """)
-    prepare_mix(plan_from_recipe(recipe), tmp_path / "mix").run()
+    prepare_mix(schedule_from_recipe(recipe), tmp_path / "mix").run()
     result = pack(str(tmp_path / "mix"), tmp_path / "packed", tokenizer_spec=str(tokenizer_dir),
                   config=PackConfig(seq_len=128, strategy="concat"))
     packed = open_packed(tmp_path / "packed")
@@ -186,7 +257,7 @@ name = "two"
 documents = 100
 weights = {{ web = 1, extra = 1 }}
 """)
-    result = prepare_mix(plan_from_recipe(recipe), tmp_path / "out").run()
+    result = prepare_mix(schedule_from_recipe(recipe), tmp_path / "out").run()
     one = result.stages[0].sources
     assert [s.end_weight for s in one] == [0.5, 0.5] and one[1].target_weight == pytest.approx(0.25)
     rows = read_rows(tmp_path / "out" / "two")
@@ -212,11 +283,14 @@ def test_parse_source_splits_on_the_last_colon():
     (["web=data/sample/web:1"], {"bytes_": "lots"}, "cannot read 'lots' as an amount"),
     (["web=data/sample/web:1", "web=data/sample/code:1"], {}, "a source name is used twice"),
     (["web=data/sample/web:1"], {"max_repeat": 0}, "is not a positive number"),
+    (["web=data/sample/web:1"], {"tokenizer": "tok", "token_estimate": "fast"}, "--token-estimate: unknown mode 'fast'"),
+    (["web=data/sample/web:1"], {"token_estimate": "sample"}, "sample counts tokens, and no tokenizer is given"),
+    (["web=data/sample/web:1"], {"tokenizer": "tok", "token_sample": 0}, "token_sample: 0 documents"),
     ([], {}, "no sources given"),
 ])
 def test_bad_flags(sources, options, message):
     with pytest.raises(UserError, match=message):
-        prepare_mix(plan_from_flags(sources, **options), "unused-output")
+        prepare_mix(schedule_from_flags(sources, **options), "unused-output")
 
 
 def test_bad_recipes(sample, tmp_path):
@@ -235,13 +309,13 @@ weights = { web = 1 }
     ]
     for body, message in cases:
         with pytest.raises(UserError, match=message):
-            plan_from_recipe(write_recipe(tmp_path / "r.toml", sample, body))
+            schedule_from_recipe(write_recipe(tmp_path / "r.toml", sample, body))
 
 
 def test_schema_clash_is_an_error(sample, tmp_path):
     pq.write_table(pa.table({"text": ["x"], "origin": [1]}), tmp_path / "other.parquet")
     with pytest.raises(UserError, match="column 'origin' is int64 but string"):
-        prepare_mix(plan_from_flags([f"web={sample}/web:1", f"other={tmp_path}/other.parquet:1"]), tmp_path / "out")
+        prepare_mix(schedule_from_flags([f"web={sample}/web:1", f"other={tmp_path}/other.parquet:1"]), tmp_path / "out")
 
 
 def test_cli_recipe_with_overrides_then_pack(sample, tokenizer_dir, tmp_path):
@@ -251,10 +325,16 @@ def test_cli_recipe_with_overrides_then_pack(sample, tokenizer_dir, tmp_path):
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["unit"] == "tokens" and [s["name"] for s in result["stages"]] == ["stage-1", "stage-2", "stage-3"]
+    assert result["token_estimates"] == {name: {"mode": "exact"} for name in ("web", "code", "math")}
     packed = run_cli("pack", out / "stage-1", tmp_path / "packed", "--tokenizer", tokenizer_dir, "--seq-len", "256")
     assert packed.returncode == 0, packed.stderr
     refused = run_cli("mix", tmp_path / "x", "--recipe", "recipes/demo-mix.toml", "--source", "web=a:1")
     assert refused.returncode == 2 and "cannot be combined with --recipe" in refused.stderr
+    assert not (tmp_path / "x").exists()
+    bad = run_cli("mix", tmp_path / "x", "--source", f"web={sample / 'web'}:1", "--tokenizer", tokenizer_dir,
+                  "--token-estimate", "fast")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: --token-estimate: unknown mode 'fast' — use one of auto, sample, exact"]
     assert not (tmp_path / "x").exists()
 
 
@@ -298,7 +378,7 @@ def curriculum_mix(sample: Path, tmp: Path, order: str, name: str, seed: int = 5
     recipe = tmp / f"{name}.toml"
     recipe.write_text(CURRICULUM.format(web=scored_copy(sample, "web", tmp), code=scored_copy(sample, "code", tmp),
                                         order=order).replace("seed = 5", f"seed = {seed}"))
-    prepare_mix(plan_from_recipe(recipe), tmp / name).run()
+    prepare_mix(schedule_from_recipe(recipe), tmp / name).run()
     return tmp / name
 
 
@@ -354,5 +434,5 @@ def test_bad_curriculum_orders(sample, tmp_path, order, message):
     recipe.write_text(CURRICULUM.format(web=scored_copy(sample, "web", tmp_path), code=scored_copy(sample, "code", tmp_path),
                                         order=order))
     with pytest.raises(UserError, match=message):
-        prepare_mix(plan_from_recipe(recipe), tmp_path / "out")
+        prepare_mix(schedule_from_recipe(recipe), tmp_path / "out")
     assert not (tmp_path / "out").exists()

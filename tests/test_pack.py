@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -11,9 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 from smolctl.data.pack import PackConfig, pack
-from smolctl.data.packing import best_fit_decreasing
+from smolctl.data.pack_rows import best_fit_decreasing
+from smolctl.data.tokenizer import load_rust_tokenizer, load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import UserError
 from smolctl.shards import open_documents, open_packed, read_manifest
 
@@ -242,3 +249,162 @@ def test_bad_inputs(sample, tokenizer_dir, tmp_path):
     with pytest.raises(UserError, match="holds no non-empty documents"):
         pack(str(tmp_path / "empty.parquet"), tmp_path / "c", tokenizer_spec=str(tokenizer_dir), config=config)
     assert not (tmp_path / "c").exists() and not (tmp_path / ".c.partial").exists()
+
+
+# The bytes `pack` wrote before its pipeline was made concurrent (issue 23): sha256 of every file of the output,
+# the manifest without the fields that name this machine's paths or the time. The tokenizer is conftest's
+# (2,048-token BPE on the sample web text); its fingerprint is checked first, so a tokenizers release that trains
+# differently fails as that, not as a packing change.
+GOLDEN_TOKENIZER = "c478286c7deec5e3"
+GOLDEN_CONFIGS = {
+    "web-bfd-256": ("web", dict(seq_len=256)),
+    "code-bfd-300-small-buffer-rows": ("code", dict(seq_len=300, buffer_tokens=40_000, shard_size="50rows")),
+    "math-truncate-64": ("math", dict(seq_len=64, long_docs="truncate", batch_documents=70)),
+    "math-concat-128": ("math", dict(seq_len=128, strategy="concat", batch_documents=50)),
+    "web-concat-truncate-512": ("web", dict(seq_len=512, strategy="concat", long_docs="truncate", seed=3)),
+    "web-bfd-2048-seed": ("web", dict(seq_len=2048, seed=7, shard_size="1MB")),
+    "math-datatrove": ("math", dict(seq_len=64, format="datatrove", shard_size="40KB", batch_documents=50)),
+}
+ARRAY_CHECKED = ("code-bfd-300-small-buffer-rows", "math-datatrove")  # test_array_tasks covers any split
+MACHINE_FIELDS = ("created_at", "command", "inputs", "work_fingerprint")
+
+
+def output_digests(folder: Path) -> dict[str, str]:
+    digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
+               if p.is_file() and p.suffix != ".metadata" and p.name != "manifest.json"}
+    for metadata in folder.glob("*.metadata"):  # its first line starts with the tokenizer's path
+        digests[metadata.name] = hashlib.sha256(metadata.read_bytes().split(b"|", 1)[1]).hexdigest()
+    manifest = {k: v for k, v in read_manifest(folder).items() if k not in MACHINE_FIELDS}
+    manifest["tokenizer"] = {k: v for k, v in manifest["tokenizer"].items() if k not in ("path", "name")}
+    digests["manifest.json"] = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+    return digests
+
+
+GOLDEN = {
+    "web-bfd-256": {
+        "manifest.json": "4e04e7452feaeb94f5e1ef2ebaae777a8c7041aeee324ae5e2742aa6d91d1097",
+        "part-00000.safetensors": "99fe7c48aa9e5851605d9150f5400f8eabedafefa0c75bb451b56d685664aed7",
+        "part-00001.safetensors": "6301ab6310bb2e91033b0aa875874423a68812afc95878a366868abe8adfbe7a",
+    },
+    "code-bfd-300-small-buffer-rows": {
+        "manifest.json": "18f9c967372a6afd1f1c12317caf590933aef50cb95f9be1a45a52fba6d6fda7",
+        "part-00000.safetensors": "9236647599ff055c6c3c045dbc237014153da7c1310d157c7c9e6e74dda5a671",
+        "part-00001.safetensors": "e50ed7fc599de70e63708e4ab5145f73decd03ce63852438e0bc54ff15630c3a",
+        "part-00002.safetensors": "0de46a1c02e69ec2255c163129be2e3850faff6aacaaee704233fb52f51b4621",
+        "part-00003.safetensors": "df2dfac8a5ed9cac286a31ab32508aad1edea27b331467f8752f0ee048362f4d",
+        "part-00004.safetensors": "baf9155464561a140acd527258b81213e63b1db285e54363a60c86d930cf722d",
+        "part-00005.safetensors": "88361011637c7d768add0021b803ce2e259c0ed9f920ca6e93ddcd0457faa816",
+        "part-00006.safetensors": "294bc11cc78f898ec1142b2a8b8ee63e6b605c9735bc78acd7c63bd2082f84f7",
+        "part-00007.safetensors": "60b798b5e18dd5310344e7725f4a5f143895f8e84ad6c2a8b9e5e7c7c18b2aeb",
+        "part-00008.safetensors": "f00ebb65d7fa4674321d08f667b28a64b0d598e45a7f31ccc047f8d330d5f275",
+        "part-00009.safetensors": "85194c0d20484026cf70471a8fb2a66b819d370b42d7545b6756fdd184c17a7e",
+        "part-00010.safetensors": "618cbc890a3e1bc7f034c06458f6dd1845b429a78365b840ebcdd2824b4c4e75",
+        "part-00011.safetensors": "8a55186056fc33aaa768a9a7d41aa4da5a110ced5bef575735cc40a30b8b55c4",
+        "part-00012.safetensors": "a83567a256ed81d074ebcfcd6b72ab4ab15051f22f962cb90bef911772aa12d1",
+        "part-00013.safetensors": "7780db10457e62aacb8b2912f088182d0b6a8ffbd6cbd19182a09308152089d9",
+        "part-00014.safetensors": "7e9c8756a25e1dd61cfeab40bf8254b41098f6080edb9f5897082882fea061d5",
+        "part-00015.safetensors": "ff0a65cfc3ed7e8577c714000217b68dbdb64e92dd1c8c0b8a58fb698d9f56c9",
+    },
+    "math-truncate-64": {
+        "manifest.json": "1932e9580faefe792888893a8a2653449119f505b09ae5168fbe6d89f0c594b1",
+        "part-00000.safetensors": "09d151ec892eda9e561900b03bdb309754b63451c6beec41adde23cccdc95a6b",
+        "part-00001.safetensors": "1346a23398874d9c03d44be4a8ee709fed32f93aa27ce79d1df310b7ff6a78bb",
+    },
+    "math-concat-128": {
+        "manifest.json": "bf2171865062342099289c24d9e984ffcf124f722821820b771726cc15f62a10",
+        "part-00000.safetensors": "fde46bb16efb08584c1aedc493ce2fcce9f84f112e6d1c04539c33d0a2e9ba2c",
+        "part-00001.safetensors": "f3e31023c127227186880c882c0a3b505e8d40653a736d1ae5bd08a142a7cefb",
+    },
+    "web-concat-truncate-512": {
+        "manifest.json": "9f7d4df71667923a82591e85aaf502758feb3faf6be386edf49cdaa85b223ed8",
+        "part-00000.safetensors": "eccd5a8b6f49d4343cede0d178949f189a86c130927ab4c2904b81a2970f9c7c",
+        "part-00001.safetensors": "a0d75ab06e59614547971abff63a85beeddfa780a96a1f472b3b90d6f9ad328c",
+    },
+    "web-bfd-2048-seed": {
+        "manifest.json": "ba19cd15a86b6cdeea4a14cb8c53e15659d48749880169df0ca74cae23258a30",
+        "part-00000.safetensors": "c7572cc9d5f3d45dd66d0ad49a02169d510e092e569afc1181892d53573e18e7",
+        "part-00001.safetensors": "1b206eb4a4699dd914993a69e4f57b6d86f3780c7ab913c1a0e43108307d5151",
+        "part-00002.safetensors": "fefa67ef20b9c0b79cd65bf0322735ce8253b2754be1219f0234657a0e534719",
+        "part-00003.safetensors": "ec810ae34ec0a948bac45e1026eb739f92e05648da79136d94b1e96d922777b8",
+    },
+    "math-datatrove": {
+        "manifest.json": "5f337506c0c03ae3cd6fc34b871488b24ae3c9faaede9a7d8da58479804100f4",
+        "part-00000.ds": "9601d7d9af7e92aad473aec55d2d9be0bd2f45063e1fb266cedc2b6f7b9becf0",
+        "part-00000.ds.index": "f85e8ebd9896e8a58aa791aaf6c04df75980665f5a834aeb8b1f561f179b4e5a",
+        "part-00000.ds.metadata": "e010ec6f46389131ec621f52d9ca835aedb000a4b2b0d6807f556bc8c8843d03",
+        "part-00001.ds": "9be153eb60f7f5738ceb02aadbd4fc3e793a78d9b8b4bbd301718b4d4833e196",
+        "part-00001.ds.index": "2ca0fae8abf8402d73a78e5aad9a3466a67ab95fd8591ece1d268d5e9cd31155",
+        "part-00001.ds.metadata": "0bf5e4b7d8c4bef826d2d1bf2aed98b8e424f18801808c6ea3de5e359d564bac",
+        "part-00002.ds": "3461588321d081e3477dae11d1cae49eaca03e03c593b812ec04e673ace0cc5b",
+        "part-00002.ds.index": "645fc20bc0beb7cf50bc3025e99d73874a8342c9bfcf35153af02188ecc4d24e",
+        "part-00002.ds.metadata": "612a44eb28cace4d66374b67b88fea53aa7ff7a350baaab2995f851fad3d115e",
+        "part-00003.ds": "eab55136b5e231752791df7548db95137b9c2a252040ab8f115745fb67cafcff",
+        "part-00003.ds.index": "9cd64923decdc899d35fa1c3a3a55db72069c4c95ae37f11c062075a68039328",
+        "part-00003.ds.metadata": "87207f108648b2124aef0efe8e5d1a85d40e45eccb12ec2a11dd9cedc5db8a69",
+    },
+}
+
+
+@pytest.mark.parametrize("name", GOLDEN_CONFIGS)
+def test_output_bytes_are_unchanged(sample, tokenizer_dir, tmp_path, name):
+    folder, options = GOLDEN_CONFIGS[name]
+    result = pack(str(sample / folder), tmp_path / "plain", tokenizer_spec=str(tokenizer_dir),
+                  config=PackConfig(**options))
+    assert result.tokenizer["fingerprint"] == GOLDEN_TOKENIZER
+    assert output_digests(tmp_path / "plain") == GOLDEN[name]
+    if name not in ARRAY_CHECKED:
+        return
+    for task_id in (1, 0):  # as a two-task array, in reverse order: the same bytes
+        pack(str(sample / folder), tmp_path / "tasks", tokenizer_spec=str(tokenizer_dir),
+             config=PackConfig(**options), tasks=2, task_id=task_id)
+    assert output_digests(tmp_path / "tasks") == GOLDEN[name]
+
+
+def test_pack_starts_without_transformers(sample, tokenizer_dir, tmp_path):
+    """A `train-tokenizer` folder is read straight from tokenizer.json: transformers and torch (seconds of start-up)
+    are never imported by a pack, and the manifest names the tokenizer as transformers would."""
+    from transformers import AutoTokenizer
+
+    script = (f"import sys; from smolctl.data.pack import PackConfig, pack; "
+              f"pack({str(sample / 'math')!r}, {str(tmp_path / 'packed')!r}, tokenizer_spec={str(tokenizer_dir)!r}, "
+              f"config=PackConfig(seq_len=64)); print(sorted({{'transformers', 'torch', 'pandas'}} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    loaded = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    record = read_manifest(tmp_path / "packed")["tokenizer"]
+    assert record["fingerprint"] == tokenizer_fingerprint(loaded) and record["vocab_size"] == len(loaded)
+    assert (record["eos_token_id"], record["pad_token_id"]) == (loaded.eos_token_id, loaded.pad_token_id)
+
+
+def test_a_tokenizer_folder_with_more_settings_goes_through_transformers(tokenizer_dir, tmp_path):
+    """Settings transformers acts on (here: add a BOS token, a new special token) are not read by hand."""
+    folder = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(bos_token="<|bos|>", add_bos_token=True, extra_special_tokens=["<|im_start|>", "<|tool|>"])
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    loaded = load_tokenizer(folder)
+    rust = load_rust_tokenizer(folder)
+    assert rust.vocab_size == len(loaded) == len(load_tokenizer(tokenizer_dir)) + 2  # <|bos|> and <|tool|> added
+    assert rust.fingerprint == tokenizer_fingerprint(loaded) != load_rust_tokenizer(tokenizer_dir).fingerprint
+
+
+def test_a_shard_failing_mid_run_leaves_nothing_and_no_threads(sample, tokenizer_dir, tmp_path):
+    """The second input file is corrupt inside a column chunk: the error surfaces while the first file's rows are
+    being packed on the packing thread, the run leaves nothing behind and every thread it started has ended."""
+    inputs = tmp_path / "docs"
+    inputs.mkdir()
+    table = pq.read_table(sample / "web" / "part-00000.parquet", columns=["text"])
+    pq.write_table(table.slice(0, 400), inputs / "part-00000.parquet", row_group_size=100)
+    pq.write_table(table.slice(400), inputs / "part-00001.parquet", row_group_size=100)
+    broken = bytearray((inputs / "part-00001.parquet").read_bytes())
+    broken[len(broken) // 2:len(broken) // 2 + 4000] = bytes(4000)
+    (inputs / "part-00001.parquet").write_bytes(bytes(broken))
+    threads = threading.active_count()
+    with pytest.raises(UserError, match="part-00001.parquet"):
+        pack(str(inputs), tmp_path / "packed", tokenizer_spec=str(tokenizer_dir),
+             config=PackConfig(seq_len=128, batch_documents=20))
+    assert not (tmp_path / "packed").exists() and not (tmp_path / ".packed.partial").exists()
+    assert threading.active_count() == threads

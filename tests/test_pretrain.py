@@ -255,18 +255,22 @@ def test_nan_burst_rolls_back_once_to_before_the_burst(recipe, tmp_path):
     import torch
 
     run = tmp_path / "run"
-    # batch 3: one NaN, skipped. Batches 7, 8, 9: a burst across the step-8 checkpoint → one rollback, to step 4
-    # (step-8 was saved inside the incident), skipping the three batches.
-    result = train(recipe, run, overrides=["guards.inject_nan_batches=[3, 7, 8, 9]", "guards.max_bad_steps=3"], show=False)
+    # The guards judge at logging points (every 5 steps) and before saves (every 4): a NaN inside an interval is
+    # still caught at its own step. Batch 3: one NaN, its update skipped on the device. Batches 7, 8, 9: a burst
+    # across the step-8 checkpoint, judged at steps 8 and 10 → one rollback, to step 4 (step-8 was saved inside
+    # the incident), skipping the three batches.
+    result = train(recipe, run, overrides=["guards.inject_nan_batches=[3, 7, 8, 9]", "guards.max_bad_steps=3",
+                                           "logging.interval=5"], show=False)
     assert (result.skipped_steps, result.rollbacks, result.steps) == (4, 1, 12)
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events] == ["nonfinite"] * 4 + ["rollback"]
+    assert [e["step"] for e in events] == [3, 7, 8, 9, 4] and [e["batch"] for e in events[:4]] == [3, 7, 8, 9]
     assert events[-1]["skipped_batches"] == [7, 8, 9] and events[-1]["to"].endswith("step-0000004")
     # each bad step names the packed rows of its global batch (8 sequences), for `smolctl report` to show
     assert all(sum(len(part["rows"]) for part in e["rows"]) == 8 for e in events[:4])
     assert events[0]["rows"][0]["shard"].endswith(".safetensors")
     assert all(torch.isfinite(t).all() for t in weights(run / "final").values())
-    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 13))
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [5, 10, 12]
 
 
 def test_a_level_shift_rebaselines_instead_of_looping():

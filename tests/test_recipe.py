@@ -54,7 +54,7 @@ def test_errors_name_the_key_path(tmp_path, text, message):
 
 
 def test_bad_override_syntax(tmp_path):
-    with pytest.raises(UserError, match="key.path=value"):
+    with pytest.raises(UserError, match=r"key\.path=value"):
         load_recipe(Recipe, _recipe(tmp_path, ""), ["training.steps"])
     with pytest.raises(UserError, match="index out of range"):
         load_recipe(Recipe, _recipe(tmp_path, "[[stages]]\nname = 'a'\n"), ["stages.3.name=x"])

@@ -4,6 +4,7 @@ Slurm is not running."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -157,3 +158,67 @@ def test_benchmark_nccl_sbatch_passes_on_gloo(slurm, tmp_path):
     report = (tmp_path / "nccl.out").read_text()
     assert set(states.values()) == {"COMPLETED"}, report[-3000:]
     assert "all_reduce" in report and "all_gather" in report and "gloo" in report
+
+
+PREEMPTED_RECIPE = """
+[model]
+architecture = "smollm3"
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+
+[data]
+paths = ["{packed}"]
+
+[optimizer]
+lr = 1e-2
+
+[schedule]
+kind = "wsd"
+warmup_steps = 2
+decay_fraction = 0.2
+
+[training]
+steps = 30
+seq_len = 64
+micro_batch = 2
+global_batch = 4
+
+[checkpoint]
+interval = 100                     # no checkpoint but the one the preemption asks for, and the last step's
+keep = 2
+
+[logging]
+interval = 1
+"""
+
+
+def test_pretrain_sbatch_saves_on_usr1_requeues_and_continues_at_the_saved_step(slurm, tokenizer_dir, tmp_path):
+    smolctl("pack", SAMPLE / "web", tmp_path / "packed", "--tokenizer", tokenizer_dir, "--seq-len", "64", cwd=tmp_path)
+    recipe = tmp_path / "tiny.toml"
+    recipe.write_text(PREEMPTED_RECIPE.replace("{packed}", str(tmp_path / "packed")))
+    run, log = tmp_path / "run", tmp_path / "pretrain.out"
+    job = submit(["sbatch", "--parsable", *ONE_NODE.split(), "--output", str(log), SLURM / "pretrain.sbatch", str(recipe),
+                  str(run)], slurm, tmp_path).strip()
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 3):  # mid-run: a few steps done
+        assert time.monotonic() < deadline and job_states(job, slurm)[job] in ("PENDING", "RUNNING"), log.read_text()[-3000:]
+        time.sleep(0.5)
+    before = metrics.read_text().splitlines()[:3]
+    # What Slurm does at --signal=B:USR1@180 before the time limit: USR1 to the batch shell, whose trap forwards it.
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True, timeout=30)
+    states = wait_for([job], slurm)
+    shown = subprocess.run(["scontrol", "-o", "show", "job", job], env=slurm, capture_output=True, text=True, timeout=30)
+    text = log.read_text()
+    assert states == {job: "COMPLETED"} and "Restarts=1" in shown.stdout, text[-3000:]
+    assert "requeueing" in text
+    saved = int(re.search(r"saved step (\d+); stopping", text).group(1))
+    assert 3 <= saved < 30 and sorted(p.name for p in (run / "checkpoints").glob("step-*")) == [f"step-{saved:07d}", "step-0000030"]
+    # every step once, in order, across the two runs: none repeated, none skipped; the first steps' lines are the
+    # first run's (a restart from scratch would have rewritten them)
+    lines = metrics.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(1, 31)) and lines[:3] == before
+    assert json.loads((run / "final" / "manifest.json").read_text())["step"] == 30

@@ -140,7 +140,7 @@ def test_sft_assistant_mask_covers_exactly_the_assistant_turns_of_a_patched_temp
 
 
 def test_dpo_preference_accuracy_and_margins_rise(tiny_model, tmp_path):  # noqa: F811
-    code, out, err = smolctl("dpo", REPO / "recipes/dpo-tiny.toml", tmp_path / "run", "--from", tiny_model, "--json",
+    code, _, err = smolctl("dpo", REPO / "recipes/dpo-tiny.toml", tmp_path / "run", "--from", tiny_model, "--json",
                              "--set", "training.steps=8", "--set", "data.limit=16", "--set", "dpo.max_length=64",
                              "--set", "checkpoint.interval=0")
     assert code == 0, err

@@ -47,11 +47,8 @@ def benchmark_nccl_command(
     json_out: JsonOpt = False,
 ) -> None:
     """Collective bandwidth like nccl-tests (time, algbw, busbw, #wrong per size) for every op, under torchrun."""
-    from smolctl.infra.collectives import (
-        build_config,
-        launch_environment,
-        run_benchmark,
-    )
+    from smolctl.infra.collective_runner import run_benchmark
+    from smolctl.infra.collectives import build_config, launch_environment
 
     rank = rank_from_env()
     try:

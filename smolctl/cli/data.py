@@ -119,7 +119,7 @@ def dedup_command(
 ) -> None:
     """Remove exact and near-duplicate documents; the same result on one core, many, or a Slurm array."""
     from smolctl.data.dedup import DedupConfig, run
-    from smolctl.data.minhash import MinHashParams
+    from smolctl.data.minhash.params import MinHashParams
 
     given = {"threshold": threshold, "num_perm": num_perm, "bands": bands, "rows": rows, "ngram": ngram,
              "shingle": shingle}
@@ -219,6 +219,14 @@ def mix_command(
                                            f"({COUNT_HELP})."),
     tokenizer: str | None = typer.Option(None, "--tokenizer", help="Weigh by tokens with this tokenizer "
                                             "(else by bytes)."),
+    # the numbers are mix_schedule's DEFAULT_TOKEN_SAMPLE and SAMPLE_ABOVE, written out: importing it costs pyarrow
+    token_estimate: str | None = typer.Option(None, "--token-estimate", metavar="auto|sample|exact", help="How "
+                                              "tokens are counted. exact: tokenize every document. sample: tokenize "
+                                              "a seeded sample of ~10,000 documents per source "
+                                              "(recipe key token_sample), calibrate its bytes per token, estimate the "
+                                              "rest from UTF-8 bytes. auto (default): sample a source of more than "
+                                              "100,000 documents, count smaller ones "
+                                              "exactly."),
     seed: int | None = typer.Option(None, "--seed", help="Seeds sampling and shuffling (default 0)."),
     max_repeat: float | None = typer.Option(None, "--max-repeat", help="How many times a source may be used "
                                                "across all stages (default 1: each document at most once)."),
@@ -235,11 +243,11 @@ def mix_command(
 ) -> None:
     """Mix document sources by weight (tokens or bytes) in stages, with repetition limits and a seeded shuffle."""
     from smolctl.data.mix import prepare_mix
-    from smolctl.data.mix_plan import plan_from_flags, plan_from_recipe
+    from smolctl.data.mix_schedule import schedule_from_flags, schedule_from_recipe
 
-    # None: not given; given options override the recipe's keys (merged in mix_plan)
+    # None: not given; given options override the recipe's keys (merged in mix_schedule)
     options = {"tokenizer": tokenizer, "seed": seed, "max_repeat": max_repeat, "text_column": text_column,
-               "shuffle_buffer": shuffle_buffer}
+               "shuffle_buffer": shuffle_buffer, "token_estimate": token_estimate}
     if recipe is not None:
         if source:
             raise UserError("--source", "cannot be combined with --recipe", "put the sources in the recipe, or "
@@ -247,11 +255,11 @@ def mix_command(
         if tokens or bytes_ or documents:
             raise UserError("--tokens/--bytes/--documents", "budgets of a recipe live in its stages",
                             "override them with --set stages.0.tokens=N")
-        plan = plan_from_recipe(recipe, overrides or [], **options)
+        plan = schedule_from_recipe(recipe, overrides or [], **options)
     else:
         if overrides:
             raise UserError("--set", "overrides a recipe", "pass --recipe, or set options directly")
-        plan = plan_from_flags(source or [], tokens=tokens, bytes_=bytes_, documents=documents, **options)
+        plan = schedule_from_flags(source or [], tokens=tokens, bytes_=bytes_, documents=documents, **options)
     job = prepare_mix(plan, output, overwrite=overwrite)
     with progress(not json_out) as bar:
         measuring = bar.add_task(f"measuring sources ({plan.unit})", total=job.total_rows, rate="", visible=False)
@@ -275,6 +283,10 @@ def mix_command(
                      else f"{s.target_weight:.3f}", f"{s.achieved_weight:.3f}", human_count(s.units),
                      human_count(s.documents), f"{s.repeat:.2f}x", f"{s.cumulative_repeat:.2f}x"]
                     for s in report.sources)))
+    for name, estimate in (result.token_estimates or {}).items():
+        if estimate["mode"] == "sample":
+            show(f"{name}: tokens estimated at {estimate['bytes_per_token']:.3f} bytes/token, calibrated on "
+                 f"{estimate['sample_documents']:,} sampled documents (split-half error {estimate['holdout_error'] or 0:.2%})")
     show(styled(f"weights are fractions of [bold]{result.unit}[/]"
                 + ("" if result.unit == "tokens" else " (pass --tokenizer to weigh by tokens)")
                 + f"; seed {result.seed}, max repeat {result.max_repeat:g}; {result.seconds:.1f}s"))

@@ -87,12 +87,12 @@ def estimate_command(
     """Parameters, memory per GPU, FLOPs, time and cost of a training run; --find what fits; --validate against
     a measured forward + backward."""
     from smolctl.infra.estimate import (
-        InferencePlan,
+        InferenceScenario,
         estimate,
         estimate_inference,
         transformers_config,
     )
-    from smolctl.infra.plan import plan_from_sources, recipe_or_model
+    from smolctl.infra.scenario import recipe_or_model, scenario_from_sources
 
     if recipe is not None:
         recipe, model = recipe_or_model(recipe, model)
@@ -101,26 +101,26 @@ def estimate_command(
                  "attention": attention, "precision": precision, "optimizer": optimizer, "mfu": mfu, "price_per_gpu_hour": price,
                  "target_days": target_days, "checkpoint_gbps": checkpoint_gbps, "checkpoint_hours": checkpoint_hours,
                  "overhead": overhead, "tf32": tf32, "framework": framework, "async_checkpoint": False if sync_checkpoint else None}
-    plan = plan_from_sources(recipe=recipe, overrides=overrides, flags=flags)
+    scenario = scenario_from_sources(recipe=recipe, overrides=overrides, flags=flags)
     if inference_mode:
-        served = estimate_inference(plan, InferencePlan(context, batch, kv_dtype.lower(), compare_attention))
+        served = estimate_inference(scenario, InferenceScenario(context, batch, kv_dtype.lower(), compare_attention))
         emit_json(served.to_dict()) if json_out else _render_inference(served)
         if require_fit and not served.inference["model"]["fits"]:
-            raise CheckFailed(f"estimate: {served.model['name']} does not fit {plan.gpu} for inference at "
+            raise CheckFailed(f"estimate: {served.model['name']} does not fit {scenario.gpu} for inference at "
                               f"batch {batch} × {context} tokens")
         return
-    result = estimate(plan, find=find)
+    result = estimate(scenario, find=find)
     if validate:
         from smolctl.infra.measure import validate as run_validation
 
         with console.status("validating: forward + backward on this machine", spinner="dots"):
-            result.validate = run_validation(plan, transformers_config(plan))
+            result.validate = run_validation(scenario, transformers_config(scenario))
     if json_out:
         emit_json(result.to_dict())
     else:
         _render_estimate(result)
     if require_fit and not result.memory["fits"]:
-        raise CheckFailed(f"estimate: does not fit {plan.gpu} ({result.memory['total'] / 2**30:.1f} GiB per GPU)")
+        raise CheckFailed(f"estimate: does not fit {scenario.gpu} ({result.memory['total'] / 2**30:.1f} GiB per GPU)")
 
 
 def _render_headlines(r: Estimate) -> None:

@@ -131,11 +131,13 @@ def dpo_command(recipe: RecipeArg, run: RunArg = None, from_: FromOpt = None, se
   smolctl ppo recipes/ppo-tiny.toml demo-out/ppo --from demo-out/dpo
 
   smolctl ppo recipes/smollm3-ppo.toml runs/ppo --from runs/apo --resume auto
+
+  torchrun --nproc_per_node 8 -m smolctl ppo recipes/smollm3-ppo.toml runs/ppo --from runs/apo
 """)
 def ppo_command(recipe: RecipeArg, run: RunArg = None, from_: FromOpt = None, set_: SetOpt = None,
                 resume: ResumeOpt = "none", overwrite: OverwriteRunOpt = False, json_out: JsonOpt = False) -> None:
     """PPO on composable rewards (task match, length penalty, n-gram diversity): value head, KL to the reference,
-    GAE, clipped losses; one process."""
+    GAE, clipped losses; data-parallel under torchrun (each process generates its share of ppo.batch_size)."""
     from smolctl.train.ppo import run_ppo
 
     _post_train("ppo", run_ppo, recipe, run, from_, set_, resume, overwrite, json_out)

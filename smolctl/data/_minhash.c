@@ -1,6 +1,6 @@
 /* The loops of MinHash dedup that touch every byte, token, shingle x permutation or set member, in C.
 
-   smolctl/data/minhash.py defines what is computed and does everything else in numpy; these functions only
+   smolctl/data/minhash/kernels.py defines what is computed and does everything else in numpy; these functions only
    fill arrays the caller allocates (no numpy C API: plain buffers), so that a batch of documents is hashed
    in one pass over its bytes instead of a dozen whole-array numpy passes and their temporaries.
 
@@ -405,7 +405,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_minhash", "MinHash kernels; see smolctl/data/minhash.py.", -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_minhash", "MinHash kernels; see smolctl/data/minhash/kernels.py.", -1, methods};
 
 PyMODINIT_FUNC PyInit__minhash(void) {
     init_tables();

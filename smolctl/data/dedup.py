@@ -9,7 +9,8 @@
 4. filter      (one unit per input shard): drop the removed rows; the task that completes the set assembles
                OUTPUT (kept documents + duplicates/ report + manifest) and commits it atomically
 
-This module plans, chains and assembles; the units themselves are in dedup_stages.py.
+This module chains the stages and assembles OUTPUT; the plan (settings, inputs, units) is in dedup_plan.py,
+the units themselves in dedup_stages.py.
 
 Intermediates live in OUTPUT/_work/<stage>/, each unit finished by an atomic `.done` marker
 (smolctl/data/array_tasks.py), so any split of units into Slurm array tasks (`--tasks N --task-id I`), a local
@@ -28,43 +29,18 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from smolctl.data.array_tasks import (FINGERPRINT_KEY, AlreadyCommitted, WorkArea, check_task, digest, file_identity,
-                                      link_or_copy, task_units, unless_committed)
-from smolctl.data.dedup_stages import (Report, bucket_unit, check_unique_ids, components_unit, filter_unit, id_chunks,
+from smolctl.data.array_tasks import FINGERPRINT_KEY, AlreadyCommitted, check_task, digest, link_or_copy, task_units, unless_committed
+from smolctl.data.dedup_plan import STAGES, DedupConfig, DedupPlan, Report, plan
+from smolctl.data.dedup_stages import (bucket_unit, check_unique_ids, components_unit, filter_unit, id_chunks, read_parquet,
                                       signature_unit)
-from smolctl.data.minhash import HASHING_VERSION, MinHashParams
 from smolctl.errors import UserError
 from smolctl.results import Result
-from smolctl.shards import KIND_DOCUMENTS, DatasetWriter, DocumentSource, OutputFolder, open_documents, schema_to_dict
+from smolctl.shards import KIND_DOCUMENTS, DatasetWriter, OutputFolder, schema_to_dict
 
-STAGES = ("signatures", "buckets", "components", "filter")
-KEEP_POLICIES = ("first", "longest")
 # Below this many documents a process pool costs more to start than it saves (the sample corpus runs in 1 s).
 POOL_MIN_DOCUMENTS = 20_000
 DUPLICATES_SCHEMA = pa.schema([("id", pa.string()), ("duplicate_of", pa.string()), ("cluster", pa.int64()),
                                ("reason", pa.string()), ("jaccard", pa.float32())])
-
-
-@dataclass(frozen=True)
-class DedupConfig:
-    """What to deduplicate and how; everything here is recorded in the work area and the output manifest."""
-
-    input: str
-    output: str
-    exact: bool = True
-    """Remove documents whose normalised text (NFKC, case-folded, whitespace collapsed) is identical."""
-    minhash: MinHashParams | None = None
-    """Near-duplicate removal parameters; None for exact dedup only."""
-    verify: bool = True
-    """Check candidate pairs by exact Jaccard of the shingle sets (estimate settles pairs far from the threshold)."""
-    text_column: str = "text"
-    id_column: str | None = None
-    """Id column; None means 'id' when present, else ids are `shard:row`."""
-    against: str | None = None
-    """Reference dataset: remove INPUT documents that duplicate any of its documents; it is never changed."""
-    keep: str = "first"
-    """Which document of a cluster survives: the first in input order, or the longest (ties: first)."""
-    overwrite: bool = False
 
 
 @dataclass
@@ -90,87 +66,10 @@ class DedupResult(Result):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The plan: validated inputs, units, work area
-
-
-@dataclass
-class Plan:
-    config: DedupConfig
-    source: DocumentSource
-    reference: DocumentSource | None
-    id_column: str | None
-    area: WorkArea
-
-    @property
-    def work(self) -> Path:
-        return self.area.root
-
-    @property
-    def units(self) -> list[tuple[DocumentSource, int]]:
-        """Signature units: every input shard, then every reference shard."""
-        units = [(self.source, i) for i in range(len(self.source.files))]
-        if self.reference is not None:
-            units += [(self.reference, i) for i in range(len(self.reference.files))]
-        return units
-
-    def unit_count(self, stage: str) -> int:
-        if stage == "signatures":
-            return len(self.units)
-        if stage == "buckets":
-            return self.config.minhash.bands if self.config.minhash else 0
-        return 1 if stage == "components" else len(self.source.files)
-
-    def marker(self, stage: str, unit: int) -> Path:
-        return self.area.marker(stage, unit)
-
-    def done(self, stage: str) -> bool:
-        return self.area.stage_done(stage, self.unit_count(stage))
-
-
-def fingerprint(config: DedupConfig, source: DocumentSource, reference: DocumentSource | None) -> dict:
-    return {"config": {k: v for k, v in asdict(config).items() if k not in ("overwrite", "output")},
-            "input_files": file_identity(source.files), "reference_files": file_identity(reference.files) if reference else [],
-            "hashing": HASHING_VERSION}
-
-
-def plan(config: DedupConfig) -> Plan:
-    """Check the inputs and settings a run needs; UserError on the first problem. The output is checked by
-    the caller (a task of a run already committed finds OUTPUT complete, which is not an error)."""
-    if not (config.exact or config.minhash):
-        raise UserError("dedup", "both exact and MinHash dedup are off", "drop --no-exact or add --minhash")
-    if config.keep not in KEEP_POLICIES:
-        raise UserError("--keep", f"unknown policy {config.keep!r}", "use first or longest")
-    source = open_documents(config.input)
-    if source.num_rows == 0:
-        raise UserError(config.input, "holds no documents", "pass a non-empty dataset")
-    id_column = _resolve_ids(source, config)
-    reference = None
-    if config.against is not None:
-        reference = open_documents(config.against)
-        reference.require(text=[config.text_column])
-        if Path(config.against).resolve() == Path(config.input).resolve():
-            raise UserError("--against", "is the input itself", "pass a different reference dataset")
-    total = source.num_rows + (reference.num_rows if reference else 0)
-    if total >= 2**32:
-        raise UserError(config.input, f"{total:,} documents: candidate pairs index documents with 32 bits",
-                        "split the corpus and chain runs with --against")
-    area = WorkArea(Path(config.output), STAGES, fingerprint(config, source, reference))
-    return Plan(config, source, reference, id_column, area)
-
-
-def _resolve_ids(source: DocumentSource, config: DedupConfig) -> str | None:
-    if config.id_column is not None:
-        source.require(config.id_column, text=[config.text_column], flags={config.id_column: "--id-column"})
-        return config.id_column
-    source.require(text=[config.text_column])
-    return "id" if "id" in source.columns else None
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Assembly of OUTPUT
 
 
-def assemble(plan_: Plan, stats: dict) -> dict:
+def assemble(plan_: DedupPlan, stats: dict) -> dict:
     """Link the filtered shards into a staging folder, write duplicates/ and the manifest, swap into place."""
     config = plan_.config
     inputs = plan_.source.lineage() + (plan_.reference.lineage() if plan_.reference else [])
@@ -181,7 +80,7 @@ def assemble(plan_: Plan, stats: dict) -> dict:
                 name = f"part-{len(folder.shards):05d}.parquet"
                 link_or_copy(piece, folder.file(name))
                 folder.add_shard(name, pq.read_metadata(folder.file(name)).num_rows)
-        removed = pq.read_table(plan_.work / "components" / "removed.parquet").drop_columns(["index"])
+        removed = read_parquet(plan_.work / "components" / "removed.parquet").drop_columns(["index"])
         with OutputFolder(folder.file("duplicates"), kind=KIND_DOCUMENTS, inputs=[]) as report_folder:
             writer = DatasetWriter(report_folder, schema=DUPLICATES_SCHEMA)
             writer.write(removed.cast(DUPLICATES_SCHEMA))
@@ -191,7 +90,7 @@ def assemble(plan_: Plan, stats: dict) -> dict:
                              **{FINGERPRINT_KEY: digest(plan_.area.fingerprint)})
 
 
-def _settings(plan_: Plan) -> dict:
+def _settings(plan_: DedupPlan) -> dict:
     config = plan_.config
     return {"exact": config.exact, "minhash": asdict(config.minhash) if config.minhash else None, "verify": config.verify,
             "keep": config.keep, "text_column": config.text_column, "id_column": plan_.id_column or "shard:row",
@@ -232,7 +131,7 @@ def run(config: DedupConfig, *, stage: str | None = None, tasks: int = 1, task_i
                            params=_settings(plan_))
 
 
-def _run_units(plan_: Plan, stage: str | None, tasks: int, task_id: int, workers: int, report: Report) -> DedupResult:
+def _run_units(plan_: DedupPlan, stage: str | None, tasks: int, task_id: int, workers: int, report: Report) -> DedupResult:
     config = plan_.config
     if stage is None:
         # Locally the ids are checked before anything is written; an array checks them in the components task.
@@ -268,7 +167,7 @@ def _run_units(plan_: Plan, stage: str | None, tasks: int, task_id: int, workers
     return result
 
 
-def _stage_total(plan_: Plan, stage: str, units: list[int]) -> int:
+def _stage_total(plan_: DedupPlan, stage: str, units: list[int]) -> int:
     """Progress units: documents for the shard stages, bands for buckets, nothing for components (verify has its own)."""
     if stage == "signatures":
         return sum(source.file_rows[i] for source, i in (plan_.units[u] for u in units))
@@ -277,7 +176,7 @@ def _stage_total(plan_: Plan, stage: str, units: list[int]) -> int:
     return len(units) if stage == "buckets" else 0
 
 
-def _final_stats(plan_: Plan) -> dict:
+def _final_stats(plan_: DedupPlan) -> dict:
     components = json.loads(plan_.marker("components", 0).read_text())
     kept = sum(json.loads(plan_.marker("filter", u).read_text())["kept"] for u in range(plan_.unit_count("filter")))
     keys = ("documents", "null_text", "exact_removed", "near_removed", "clusters", "candidate_pairs", "verified_pairs", "bytes")
@@ -295,7 +194,7 @@ class _Workers:
     def __init__(self, size: int):
         self.size, self.pool, self.queue = size, None, None
 
-    def run(self, plan_: Plan, stage: str, units: list[int], report: Report) -> None:
+    def run(self, plan_: DedupPlan, stage: str, units: list[int], report: Report) -> None:
         documents = plan_.source.num_rows + (plan_.reference.num_rows if plan_.reference else 0)
         if self.size <= 1 or len(units) <= 1 or documents < POOL_MIN_DOCUMENTS:
             for unit in units:
@@ -339,7 +238,7 @@ def _init_worker(queue) -> None:
     _WORKER_QUEUE = queue
 
 
-def _unit_in_worker(plan_: Plan, stage: str, unit: int) -> tuple | None:
+def _unit_in_worker(plan_: DedupPlan, stage: str, unit: int) -> tuple | None:
     """Run one unit in a pool process; a UserError comes back as its parts (it does not pickle as raised)."""
     try:
         plan_.area.mark_done(stage, unit, UNIT_RUNNERS[stage](plan_, unit, _report_to_parent))

@@ -9,25 +9,25 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from smolctl.data import minhash
+from smolctl.data.dedup_plan import DedupPlan, Report
+from smolctl.data.minhash.kernels import estimate_jaccard, jaccard_many, signatures, tokenize
+from smolctl.data.minhash.lsh import band_keys, bucket_pairs
+from smolctl.data.minhash.params import settle_margin
+from smolctl.data.minhash.shingles import sets_from_hashes, shingle_hashes
+from smolctl.data.minhash.arrays import connected_components, sorted_unique
+from smolctl.arrow_arrays import from_numpy, strings, to_numpy_filled
 from smolctl.errors import UserError
 from smolctl.shards import atomic_write_bytes
-
-if TYPE_CHECKING:
-    from smolctl.data.dedup import Plan
 
 BATCH_ROWS = 4096
 # Shards are read with threads=False: the stages run one process per core (--workers, array tasks), and
 # arrow's machine-wide thread pool would only contend with them.
-# report(stage, advance, total=None): progress of a stage; a total is announced once it is known.
-Report = Callable[..., None]
 NO_BUCKET = np.uint64(0)
 
 
@@ -35,39 +35,40 @@ NO_BUCKET = np.uint64(0)
 # Stage 1: signatures
 
 
-def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
+def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     source, file_index = plan_.units[unit]
     params = plan_.config.minhash
     id_column = plan_.id_column if source is plan_.source else ("id" if "id" in source.columns else None)
     columns = [plan_.config.text_column] + ([id_column] if id_column else [])
     shard_name = source.files[file_index].stem
-    tables, band_keys, shingle_parts, shingle_counts, exact_parts, row = [], [], [], [], [], 0
+    tables, key_parts, shingle_parts, shingle_counts, exact_parts, row = [], [], [], [], [], 0
     permutations = params.permutations() if params else None
     for batch in source.iter_file_batches(file_index, columns, BATCH_ROWS, threads=False):
         texts = batch.column(plan_.config.text_column)
         if id_column:
             ids = pc.cast(batch.column(id_column), pa.string())
         else:
-            ids = pa.array([f"{shard_name}:{r}" for r in range(row, row + len(texts))], pa.string())
-        columns_out = {"id": ids, "null": pc.is_null(texts), "bytes": pc.fill_null(pc.binary_length(texts), 0).cast(pa.int64())}
+            ids = strings([f"{shard_name}:{r}" for r in range(row, row + len(texts))])
+        columns_out = {"id": ids, "null": pc.is_null(texts),
+                       "bytes": from_numpy(to_numpy_filled(pc.binary_length(texts)).astype(np.int64))}
         if plan_.config.keep == "longest":  # counting characters is a pass over every byte: only when asked
-            columns_out["chars"] = pc.fill_null(pc.utf8_length(texts), 0).cast(pa.int64())
+            columns_out["chars"] = from_numpy(to_numpy_filled(pc.utf8_length(texts)).astype(np.int64))
         # Tokens give the exact hashes and the word shingles; character shingles make their own.
-        tokens = minhash.tokenize(texts) if plan_.config.exact or (params and params.shingle == "word") else None
+        tokens = tokenize(texts) if plan_.config.exact or (params and params.shingle == "word") else None
         if plan_.config.exact:
             exact = tokens.exact
-            columns_out["exact_hi"], columns_out["exact_lo"] = exact[:, 0], exact[:, 1]
+            columns_out["exact_hi"], columns_out["exact_lo"] = from_numpy(exact[:, 0]), from_numpy(exact[:, 1])
             exact_parts.append(exact)
         if params:
-            shingles, offsets = minhash.shingle_hashes(texts, params.ngram, params.shingle, tokens)
-            sigs = minhash.signatures(shingles, offsets, permutations)
-            keys = minhash.band_keys(sigs, params.bands, params.rows)
+            shingles, offsets = shingle_hashes(texts, params.ngram, params.shingle, tokens)
+            sigs = signatures(shingles, offsets, permutations)
+            keys = band_keys(sigs, params.bands, params.rows)
             keys[np.diff(offsets) == 0] = NO_BUCKET  # documents without shingles (empty, null) match nothing
             if plan_.config.verify:
                 # The 32 bits MinHash permutes are what verification compares: half the disk of the full hashes.
                 shingle_parts.append((shingles >> np.uint64(32)).astype(np.uint32))
                 shingle_counts.append(np.diff(offsets))
-            band_keys.append(keys)
+            key_parts.append(keys)
             columns_out["signature"] = pa.FixedSizeBinaryArray.from_buffers(
                 pa.binary(sigs.shape[1] * 4), len(sigs), [None, pa.py_buffer(np.ascontiguousarray(sigs))])
         tables.append(pa.table(columns_out))
@@ -83,7 +84,7 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
         ordered = exact[order]
         repeats[order[1:]] = (ordered[1:] == ordered[:-1]).all(axis=1)
     if params:
-        keys = np.concatenate(band_keys) if band_keys else np.zeros((0, params.bands), np.uint64)
+        keys = np.concatenate(key_parts) if key_parts else np.zeros((0, params.bands), np.uint64)
         keys[repeats] = NO_BUCKET
         # (bands, docs) raw little-endian uint64: each bucket task reads its band's row at a known offset, with
         # no header to parse (20 bands x every shard would parse thousands of .npy headers).
@@ -107,15 +108,15 @@ def signature_unit(plan_: Plan, unit: int, report: Report) -> dict:
 # Stage 2: buckets
 
 
-def bucket_unit(plan_: Plan, band: int, report: Report) -> dict:
+def bucket_unit(plan_: DedupPlan, band: int, report: Report) -> dict:
     keys, docs, start = [], [], 0
     for unit, (source, file_index) in enumerate(plan_.units):
-        band_keys = _band_row(plan_.work / "signatures" / f"{unit:05d}.bands", band, plan_.config.minhash.bands, source.file_rows[file_index])
-        matchable = band_keys != NO_BUCKET
-        keys.append(np.asarray(band_keys[matchable]))
-        docs.append(np.arange(start, start + len(band_keys), dtype=np.int64)[matchable])
-        start += len(band_keys)
-    pairs = minhash.bucket_pairs(np.concatenate(keys), np.concatenate(docs))
+        row_keys = _band_row(plan_.work / "signatures" / f"{unit:05d}.bands", band, plan_.config.minhash.bands, source.file_rows[file_index])
+        matchable = row_keys != NO_BUCKET
+        keys.append(np.asarray(row_keys[matchable]))
+        docs.append(np.arange(start, start + len(row_keys), dtype=np.int64)[matchable])
+        start += len(row_keys)
+    pairs = bucket_pairs(np.concatenate(keys), np.concatenate(docs))
     # Pairs inside the reference are never removed, so they need no verification (pairs are i < j).
     pairs = pairs[(pairs >> np.uint64(32)) < np.uint64(plan_.source.num_rows)]
     _atomic_save(plan_.work / "buckets" / f"{band:05d}.npy", pairs)
@@ -127,16 +128,16 @@ def bucket_unit(plan_: Plan, band: int, report: Report) -> dict:
 # Stage 3: components
 
 
-def components_unit(plan_: Plan, unit: int, report: Report) -> dict:
+def components_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     config, n_input = plan_.config, plan_.source.num_rows
     columns = ["id", "null"] + (["chars"] if config.keep == "longest" else []) + (["exact_hi", "exact_lo"] if config.exact else []) + (["signature"] if config.minhash else [])
-    table = pa.concat_tables(pq.read_table(plan_.work / "signatures" / f"{u:05d}.parquet", columns=columns)
+    table = pa.concat_tables(read_parquet(plan_.work / "signatures" / f"{u:05d}.parquet", columns)
                              for u in range(len(plan_.units)))
     ids = table.column("id")
     check_unique_ids(ids.slice(0, n_input), config.input, plan_.id_column)
-    null = np.asarray(table.column("null"))
+    null = to_numpy_filled(table.column("null"))
     edges = [np.zeros((0, 2), np.int64)]
-    exact = np.stack([np.asarray(table.column("exact_hi")), np.asarray(table.column("exact_lo"))], 1) if config.exact else None
+    exact = np.stack([to_numpy_filled(table.column("exact_hi")), to_numpy_filled(table.column("exact_lo"))], 1) if config.exact else None
     representative = np.arange(len(null))
     if exact is not None:
         edges.append(exact_edges(exact, null, n_input))
@@ -144,11 +145,11 @@ def components_unit(plan_: Plan, unit: int, report: Report) -> dict:
     sigs, stats = None, {"candidate_pairs": 0, "verified_pairs": 0}
     if config.minhash:
         sigs = _signature_matrix(table.column("signature"), config.minhash.num_perm)
-        pairs = minhash.sorted_unique(np.concatenate([np.load(plan_.work / "buckets" / f"{b:05d}.npy") for b in range(config.minhash.bands)]))
+        pairs = sorted_unique(np.concatenate([np.load(plan_.work / "buckets" / f"{b:05d}.npy") for b in range(config.minhash.bands)]))
         accepted, stats = verify_pairs(plan_, pairs, sigs, report, representative)
         edges.append(accepted)
     edges = np.concatenate(edges)
-    chars = np.asarray(table.column("chars")) if config.keep == "longest" else None
+    chars = to_numpy_filled(table.column("chars")) if config.keep == "longest" else None
     removed = choose_kept(edges, n_input, chars, config.keep)
     report_table = removal_report(removed, ids, exact, sigs)
     _write_table(plan_.work / "components" / "removed.parquet", report_table)
@@ -158,8 +159,8 @@ def components_unit(plan_: Plan, unit: int, report: Report) -> dict:
             "bytes": _input_bytes(plan_), **stats}
 
 
-def _input_bytes(plan_: Plan) -> int:
-    return sum(int(pc.sum(pq.read_table(plan_.work / "signatures" / f"{u:05d}.parquet", columns=["bytes"]).column(0)).as_py() or 0)
+def _input_bytes(plan_: DedupPlan) -> int:
+    return sum(int(to_numpy_filled(read_parquet(plan_.work / "signatures" / f"{u:05d}.parquet", ["bytes"]).column(0)).sum())
                for u in range(len(plan_.source.files)))
 
 
@@ -170,14 +171,14 @@ def check_unique_ids(ids: pa.ChunkedArray, where: str, id_column: str | None) ->
     if nulls:
         raise UserError(where, f"column '{id_column}' has {nulls} null id(s)", "give every document an id, or pass --id-column")
     counts = pc.value_counts(ids)
-    repeated = pc.filter(counts, pc.greater(counts.field("counts"), 1))
+    repeated = np.flatnonzero(to_numpy_filled(counts.field("counts")) > 1)
     if len(repeated):
-        first = repeated[0].as_py()
+        first = counts[int(repeated[0])].as_py()
         raise UserError(where, f"column '{id_column}' holds {len(repeated)} repeated id(s), e.g. {first['values']!r} x{first['counts']}",
                         "make ids unique (or pass --id-column with a unique column)")
 
 
-def id_chunks(plan_: Plan, file_index: int) -> list[pa.Array]:
+def id_chunks(plan_: DedupPlan, file_index: int) -> list[pa.Array]:
     return [pc.cast(batch.column(0), pa.string())
             for batch in plan_.source.iter_file_batches(file_index, [plan_.id_column], 65536, threads=False)]
 
@@ -203,7 +204,7 @@ def exact_edges(exact: np.ndarray, null: np.ndarray, n_input: int) -> np.ndarray
     return edges[(edges < n_input).any(axis=1)]
 
 
-def verify_pairs(plan_: Plan, pairs: np.ndarray, sigs: np.ndarray, report: Report,
+def verify_pairs(plan_: DedupPlan, pairs: np.ndarray, sigs: np.ndarray, report: Report,
                  representative: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
     """Accepted candidate pairs as (k, 2) edges: settled by the signature estimate far from the threshold,
     by the exact Jaccard of the shingle sets in between (or by the estimate alone without verification).
@@ -217,29 +218,29 @@ def verify_pairs(plan_: Plan, pairs: np.ndarray, sigs: np.ndarray, report: Repor
     if representative is not None and len(pairs):
         low = representative[(pairs >> np.uint64(32)).astype(np.int64)].astype(np.uint64)
         high = representative[(pairs & np.uint64(0xFFFFFFFF)).astype(np.int64)].astype(np.uint64)
-        pairs = minhash.sorted_unique((np.minimum(low, high) << np.uint64(32)) | np.maximum(low, high))
+        pairs = sorted_unique((np.minimum(low, high) << np.uint64(32)) | np.maximum(low, high))
         pairs = pairs[(pairs >> np.uint64(32)) != (pairs & np.uint64(0xFFFFFFFF))]
         report("verify", candidates - len(pairs))
     left = (pairs >> np.uint64(32)).astype(np.int64)
     right = (pairs & np.uint64(0xFFFFFFFF)).astype(np.int64)
-    estimate = minhash.estimate_jaccard(sigs, left, right)
+    estimate = estimate_jaccard(sigs, left, right)
     if not plan_.config.verify:
         accept = estimate >= params.threshold
         report("verify", len(pairs))
         return np.stack([left[accept], right[accept]], 1), {"candidate_pairs": candidates, "verified_pairs": 0}
-    margin = minhash.settle_margin(params.threshold, params.num_perm)
+    margin = settle_margin(params.threshold, params.num_perm)
     accept = estimate >= params.threshold + margin
     grey = np.flatnonzero((estimate > params.threshold - margin) & ~accept)
     report("verify", len(pairs) - len(grey))
-    docs = minhash.sorted_unique(np.concatenate([left[grey], right[grey]]))
+    docs = sorted_unique(np.concatenate([left[grey], right[grey]]))
     values, bounds = shingle_sets_of(plan_, docs)
-    similarity = minhash.jaccard_many(values, bounds, np.searchsorted(docs, left[grey]), np.searchsorted(docs, right[grey]))
+    similarity = jaccard_many(values, bounds, np.searchsorted(docs, left[grey]), np.searchsorted(docs, right[grey]))
     accept[grey] = similarity >= params.threshold
     report("verify", len(grey))
     return np.stack([left[accept], right[accept]], 1), {"candidate_pairs": candidates, "verified_pairs": len(grey)}
 
 
-def shingle_sets_of(plan_: Plan, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def shingle_sets_of(plan_: DedupPlan, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Shingle sets (values, bounds) of the given sorted global documents, in their order, from the shingle
     hashes the signatures stage kept (memory-mapped: only these documents' hashes are read)."""
     hashes, offsets, start = [], [np.zeros(1, np.int64)], 0
@@ -255,7 +256,7 @@ def shingle_sets_of(plan_: Plan, docs: np.ndarray) -> tuple[np.ndarray, np.ndarr
         index = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts - begin, counts)
         hashes.append(np.asarray(unit_hashes[index]).astype(np.uint64) << np.uint64(32))
         offsets.append(np.cumsum(counts) + offsets[-1][-1])
-    return minhash.sets_from_hashes(np.concatenate(hashes) if hashes else np.zeros(0, np.uint64), np.concatenate(offsets))
+    return sets_from_hashes(np.concatenate(hashes) if hashes else np.zeros(0, np.uint64), np.concatenate(offsets))
 
 
 def choose_kept(edges: np.ndarray, n_input: int, chars: np.ndarray | None, keep: str) -> np.ndarray:
@@ -266,7 +267,7 @@ def choose_kept(edges: np.ndarray, n_input: int, chars: np.ndarray | None, keep:
     """
     if len(edges) == 0:
         return np.zeros((0, 2), np.int64)
-    nodes, root = minhash.connected_components(edges[:, 0], edges[:, 1])
+    nodes, root = connected_components(edges[:, 0], edges[:, 1])
     is_input = nodes < n_input
     length_rank = np.where(is_input, -chars[nodes], 0) if keep == "longest" else np.zeros(len(nodes), np.int64)
     order = np.lexsort((nodes, length_rank, is_input, root))
@@ -283,25 +284,26 @@ def removal_report(removed: np.ndarray, ids: pa.ChunkedArray, exact: np.ndarray 
     Clusters are numbered by their kept document's position, so the numbers depend on the data only.
     """
     doc, kept = removed[:, 0], removed[:, 1]
-    _, cluster = minhash.sorted_unique(kept, return_inverse=True)
+    _, cluster = sorted_unique(kept, return_inverse=True)
     same_text = np.all(exact[doc] == exact[kept], axis=1) if exact is not None else np.zeros(len(doc), bool)
     if sigs is not None:
-        similarity = np.where(same_text, 1.0, minhash.estimate_jaccard(sigs, doc, kept))
+        similarity = np.where(same_text, 1.0, estimate_jaccard(sigs, doc, kept))
     else:
         similarity = np.ones(len(doc))
-    return pa.table({"index": pa.array(doc, pa.int64()), "id": ids.take(pa.array(doc, pa.int64())),
-                     "duplicate_of": ids.take(pa.array(kept, pa.int64())), "cluster": pa.array(cluster, pa.int64()),
-                     "reason": pa.array(np.where(same_text, "exact", "minhash").tolist(), pa.string()),
-                     "jaccard": pa.array(similarity, pa.float32())})
+    doc, kept = from_numpy(doc.astype(np.int64)), from_numpy(kept.astype(np.int64))
+    return pa.table({"index": doc, "id": ids.take(doc), "duplicate_of": ids.take(kept),
+                     "cluster": from_numpy(cluster.astype(np.int64)),
+                     "reason": strings(np.where(same_text, "exact", "minhash").tolist()),
+                     "jaccard": from_numpy(similarity.astype(np.float32))})
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Stage 4: filter
 
 
-def filter_unit(plan_: Plan, unit: int, report: Report) -> dict:
+def filter_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     start = sum(plan_.source.file_rows[:unit])
-    removed = np.asarray(pq.read_table(plan_.work / "components" / "removed.parquet", columns=["index"]).column(0))
+    removed = to_numpy_filled(read_parquet(plan_.work / "components" / "removed.parquet", ["index"]).column(0))
     local = removed[(removed >= start) & (removed < start + plan_.source.file_rows[unit])] - start
     path = plan_.work / "filter" / f"{unit:05d}.parquet"
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -314,7 +316,7 @@ def filter_unit(plan_: Plan, unit: int, report: Report) -> dict:
             # Dictionary encoding is only ever a wasted attempt on a column of documents.
             writer = writer or pq.ParquetWriter(tmp, batch.schema, compression="zstd",
                                                 use_dictionary=[n for n in batch.schema.names if n != plan_.config.text_column])
-            writer.write_batch(batch.filter(pa.array(mask)))
+            writer.write_batch(batch.filter(from_numpy(mask)))
             kept += int(mask.sum())
         report("filter", batch.num_rows)
     if writer is not None:
@@ -333,6 +335,11 @@ def _write_table(path: Path, table: pa.Table) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     pq.write_table(table, tmp, compression="none", use_dictionary=False)
     os.replace(tmp, path)
+
+
+def read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table:
+    """A whole parquet file, in this thread (pq.read_table goes through pyarrow.dataset, a slow import)."""
+    return pq.ParquetFile(path).read(columns, use_threads=False)
 
 
 def _band_row(path: Path, band: int, bands: int, rows: int) -> np.ndarray:

@@ -8,7 +8,8 @@ How it works, streaming each source once to measure it and once per stage that u
 2**16 bins per source, the shuffle buffer, and one batch per source; never a whole source):
 1. Measure. Every document gets a bin from a hash of (seed, source name, row index) and its size (tokens with
    EOS, as `pack` will count them, when a tokenizer is given; UTF-8 bytes otherwise) is added to that bin. The
-   bins order each source randomly; an "epoch" walks the bins 0..65535.
+   bins order each source randomly; an "epoch" walks the bins 0..65535. Tokens are counted exactly, or
+   estimated from bytes with the source's tokens per byte calibrated on a seeded sample (mix_tokens.py).
 2. Allocate. Each stage's budget is split by weight; each source's share is a slice of its endless, repeating
    walk through the bins, continuing where the previous stage stopped (so stages see fresh documents first).
    The slice ends at the bin boundary nearest the target, so achieved weights are exact to a bin (1/65536 of a
@@ -23,7 +24,7 @@ Both passes are units of work (smolctl/data/array_tasks.py): `measure` has one u
 one per output block (smolctl/data/mix_blocks.py finds a block's rows on its own). A plain run does them all in
 order; `--stage measure|write --tasks N --task-id I` does a share as one task of a Slurm array, and whichever
 call writes the last block assembles OUTPUT. The bytes are the same for any split. A curriculum stage
-(`order = "ascending:SCORE"`, see mix_plan.py) sorts each source's whole slice by score, so it is one writing
+(`order = "ascending:SCORE"`, see mix_schedule.py) sorts each source's whole slice by score, so it is one writing
 unit (its blocks sorted by score instead of shuffled).
 """
 
@@ -37,15 +38,15 @@ from typing import Callable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from smolctl.data.array_tasks import (FINGERPRINT_KEY, AlreadyCommitted, WorkArea, check_task, digest, file_identity,
                                       link_or_copy, task_units, unless_committed)
-from smolctl.data.mix_blocks import (BINS, SOURCE_COLUMN, row_bins, save_arrays, slice_pieces, source_key, write_block,
-                                     write_curriculum)
-from smolctl.data.mix_plan import MixPlan, Stage, check_order_columns
+from smolctl.data.mix_blocks import BINS, SOURCE_COLUMN, save_arrays, slice_pieces, source_key, write_block, write_curriculum
+from smolctl.data.mix_schedule import MixSchedule, Stage, check_order_columns
+from smolctl.data.mix_tokens import TokenCalibration, calibrate, document_sizes, measure_file, sample_key
 from smolctl.errors import UserError
-from smolctl.shards import KIND_DOCUMENTS, DocumentSource, OutputFolder, atomic_write_json, open_documents, schema_to_dict
+from smolctl.shards import (KIND_DOCUMENTS, DocumentSource, OutputFolder, atomic_write_json, open_documents, read_manifest,
+                            schema_to_dict)
 
 STAGES = ("measure", "write")
 
@@ -70,32 +71,6 @@ class SourceProfile:
     @property
     def total_documents(self) -> int:
         return int(self.documents.sum())
-
-
-def document_sizes(texts: pa.Array, backend) -> np.ndarray:
-    """Tokens (ids + the EOS `pack` appends; 0 for an empty document) or UTF-8 bytes of each document."""
-    if backend is None:
-        return pc.fill_null(pc.binary_length(texts), 0).to_numpy(zero_copy_only=False).astype(np.int64)
-    from smolctl.data.pack import encode_texts
-
-    lengths = encode_texts(backend, [t if t is not None else "" for t in texts.to_pylist()]).lengths
-    return np.where(lengths > 0, lengths + 1, 0)
-
-
-def measure_file(source: DocumentSource, file_index: int, key: int, text_column: str, backend,
-                 on_rows: Callable[[int], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(units, documents) per bin of one file of a source; rows are numbered across the whole source."""
-    units = np.zeros(BINS, dtype=np.int64)
-    documents = np.zeros(BINS, dtype=np.int64)
-    row = sum(source.file_rows[:file_index])
-    for batch in source.iter_file_batches(file_index, columns=[text_column], batch_size=4096, threads=False):
-        bins = row_bins(key, np.arange(row, row + batch.num_rows))
-        units += np.bincount(bins, weights=document_sizes(batch.column(0), backend), minlength=BINS).astype(np.int64)
-        documents += np.bincount(bins, minlength=BINS)
-        row += batch.num_rows
-        if on_rows:
-            on_rows(batch.num_rows)
-    return units, documents
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -150,7 +125,7 @@ def walk_units(cumulative: np.ndarray, boundary: int) -> int:
     return epoch * int(cumulative[-1]) + int(cumulative[index])
 
 
-def allocate(plan: MixPlan, profiles: dict[str, SourceProfile]) -> list[list[SourceReport]]:
+def allocate(plan: MixSchedule, profiles: dict[str, SourceProfile]) -> list[list[SourceReport]]:
     """Each stage's per-source slices. Raises a UserError for a weight that needs more than max_repeat."""
     cumulative = {n: np.concatenate([[0], np.cumsum(p.units)]) for n, p in profiles.items()}
     position = {name: 0 for name in profiles}  # global bin boundary reached by earlier stages
@@ -194,7 +169,7 @@ def allocate(plan: MixPlan, profiles: dict[str, SourceProfile]) -> list[list[Sou
     return allocations
 
 
-def check_room(plan: MixPlan, stage: Stage, profile: SourceProfile, share: float, total: float, room: float) -> None:
+def check_room(plan: MixSchedule, stage: Stage, profile: SourceProfile, share: float, total: float, room: float) -> None:
     need = share * total
     if need <= room * (1 + 1e-9):
         return
@@ -262,6 +237,9 @@ class MixResult:
     stage: str = "all"
     units_done: int = 0
     units_skipped: int = 0
+    token_estimates: dict[str, dict] | None = None
+    """How each source's tokens were counted ({"mode": "exact"} or its sample calibration); None without a
+    tokenizer."""
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -275,13 +253,15 @@ class MixResult:
 class MixJob:
     """A validated mix (sources opened, schemas unified, tokenizer loaded): see `prepare_mix`."""
 
-    plan: MixPlan
+    plan: MixSchedule
     output: Path
     overwrite: bool
     sources: dict[str, DocumentSource]
     schema: pa.Schema
     backend: object
     area: WorkArea
+    sample_fractions: dict[str, float | None]
+    """Per source, the fraction of rows tokenized to calibrate its token estimate; None: count exactly."""
 
     @property
     def total_rows(self) -> int:
@@ -337,6 +317,8 @@ class MixJob:
                 if stage_reports is None and not array_task:
                     raise self.area.busy_error()
                 result.finished, result.stages = stage_reports is not None, stage_reports or []
+                if result.finished and self.backend is not None:  # the work area is gone: read what was recorded
+                    result.token_estimates = read_manifest(self.output)["mix"]["token_estimate"]["sources"]
         except UserError:
             if not array_task:
                 self.area.discard()  # a plain run that fails leaves nothing behind
@@ -348,10 +330,12 @@ class MixJob:
         if stage == "measure":
             for unit in units:
                 name, file_index = self.measure_units[unit]
-                units_per_bin, documents = measure_file(self.sources[name], file_index, source_key(self.plan.seed, name),
-                                                        self.plan.text_column, self.backend, on_measure)
-                save_arrays(self.area.stage_dir("measure") / f"{unit:05d}.npz", units=units_per_bin, documents=documents)
-                self.area.mark_done("measure", unit, {"rows": int(documents.sum())})
+                fraction = self.sample_fractions[name]
+                sample = None if fraction is None else (sample_key(self.plan.seed, name), fraction)
+                measured = measure_file(self.sources[name], file_index, source_key(self.plan.seed, name),
+                                        self.plan.text_column, self.backend, sample, on_measure)
+                save_arrays(self.area.stage_dir("measure") / f"{unit:05d}.npz", **measured)
+                self.area.mark_done("measure", unit, {"rows": int(measured["documents"].sum())})
             return
         blocks, progress = self.blocks(), {}
         for unit in units:
@@ -362,7 +346,7 @@ class MixJob:
             folder = self.area.stage_dir("write")
             if block is None:
                 shards = write_curriculum(self.plan, self.schema, self.sources, self.allocation(), stage_index,
-                                          lambda texts: document_sizes(texts, self.backend), folder, unit)
+                                          self.sizes, folder, unit)
             else:
                 shards = write_block(self.plan, self.schema, self.sources, self.allocation(), stage_index, block, folder, unit)
             rows = sum(shard["rows"] for shard in shards)
@@ -379,19 +363,36 @@ class MixJob:
         if path.is_file():
             saved = json.loads(path.read_text())
             return {"reports": [[SourceReport(**{**r, "ranges": [tuple(x) for x in r["ranges"]]}) for r in stage]
-                                for stage in saved["reports"]], "pieces": saved["pieces"]}
+                                for stage in saved["reports"]], "pieces": saved["pieces"],
+                    "calibrations": {n: TokenCalibration(**c) for n, c in saved["calibrations"].items()}}
         per_file = [np.load(self.area.stage_dir("measure") / f"{unit:05d}.npz") for unit in range(len(self.measure_units))]
-        profiles = {}
+        profiles, calibrations = {}, {}
         for name, source in self.sources.items():
             mine = [per_file[u] for u, (owner, _) in enumerate(self.measure_units) if owner == name]
-            profiles[name] = SourceProfile(name, source, source_key(self.plan.seed, name),
-                                           sum(m["units"] for m in mine), sum(m["documents"] for m in mine))
+            units, documents = sum(m["units"] for m in mine), sum(m["documents"] for m in mine)
+            if "sample_bytes" in mine[0]:  # units are bytes outside the sample: estimate their tokens from it
+                calibrations[name] = calibrate(name, int(documents.sum()), np.concatenate([m["sample_bytes"] for m in mine]),
+                                               np.concatenate([m["sample_tokens"] for m in mine]))
+                units = calibrations[name].estimate(units, sum(m["nonempty"] for m in mine)) + sum(m["sampled"] for m in mine)
+            profiles[name] = SourceProfile(name, source, source_key(self.plan.seed, name), units, documents)
         reports = allocate(self.plan, profiles)
         pieces = [{r.name: slice_pieces(self.plan, index, r.ranges, profiles[r.name].key,
                                          [per_file[u]["documents"] for u, (owner, _) in enumerate(self.measure_units) if owner == r.name])
                    for r in stage_reports if r.ranges} for index, stage_reports in enumerate(reports)]
-        atomic_write_json(path, {"reports": [[asdict(r) for r in stage] for stage in reports], "pieces": pieces})
+        atomic_write_json(path, {"reports": [[asdict(r) for r in stage] for stage in reports], "pieces": pieces,
+                                 "calibrations": {n: asdict(c) for n, c in calibrations.items()}})
         return self.allocation()
+
+    def sizes(self, name: str, texts) -> np.ndarray:
+        """A source's document sizes in the mix's unit: estimated from bytes for a sampled source."""
+        calibration = self.allocation()["calibrations"].get(name)
+        return calibration.sizes(texts) if calibration else document_sizes(texts, self.backend)
+
+    def token_estimates(self) -> dict[str, dict] | None:
+        if self.backend is None:
+            return None
+        calibrations = self.allocation()["calibrations"]
+        return {name: calibrations[name].to_dict() if name in calibrations else {"mode": "exact"} for name in self.sources}
 
     def blocks(self) -> list[tuple[int, int | None]]:
         """(stage, block) of every writing unit: the stages in order, each stage's blocks in order; a curriculum
@@ -446,9 +447,13 @@ class MixJob:
         return MixResult(str(self.output), plan.unit, plan.seed, plan.max_repeat, stages, seconds, **fields)
 
     def _mix_field(self, stages: list[StageReport]) -> dict:
-        """The manifest's record of the mix: unit, seed, max_repeat, tokenizer and per stage and source numbers."""
+        """The manifest's record of the mix: unit, seed, max_repeat, tokenizer, how tokens were counted (the
+        requested mode and each source's calibration) and per stage and source numbers."""
         plan = self.plan
         return {"unit": plan.unit, "seed": plan.seed, "max_repeat": plan.max_repeat, "tokenizer": plan.tokenizer,
+                "token_estimate": None if self.backend is None else {"requested": plan.token_estimate,
+                                                                     "token_sample": plan.token_sample,
+                                                                     "sources": self.token_estimates()},
                 "stages": [stage_manifest(stage) for stage in stages]}
 
 
@@ -462,7 +467,7 @@ def totals(stages: list[StageReport], unit: str) -> dict:
     return {unit: sum(s.units for s in stages), "documents": sum(s.documents for s in stages)}
 
 
-def prepare_mix(plan: MixPlan, output: str | Path, *, overwrite: bool = False) -> MixJob:
+def prepare_mix(plan: MixSchedule, output: str | Path, *, overwrite: bool = False) -> MixJob:
     """Open and check every source, unify their schemas, load the tokenizer: before any work. The output folder
     is checked by `MixJob.run` (an array task may find it already committed by its own run)."""
     used = [name for name in plan.sources if any(stage.share(name) > 0 for stage in plan.stages)]
@@ -481,4 +486,5 @@ def prepare_mix(plan: MixPlan, output: str | Path, *, overwrite: bool = False) -
         backend, tokenizer = loaded.backend_tokenizer, tokenizer_fingerprint(loaded)
     fingerprint = {"plan": asdict(plan), "input_files": {name: file_identity(s.files) for name, s in sources.items()},
                    "tokenizer": tokenizer}
-    return MixJob(plan, Path(output), overwrite, sources, schema, backend, WorkArea(Path(output), STAGES, fingerprint))
+    return MixJob(plan, Path(output), overwrite, sources, schema, backend, WorkArea(Path(output), STAGES, fingerprint),
+                  {name: plan.sample_fraction(source.num_rows) for name, source in sources.items()})

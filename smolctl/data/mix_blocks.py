@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -28,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from smolctl.data.mix_plan import ORDER_COLUMN, MixPlan, Stage, ascending_stream, block_order
+from smolctl.data.mix_schedule import ORDER_COLUMN, MixSchedule, Stage, ascending_stream, block_order
 from smolctl.errors import UserError
 from smolctl.shards import sha256_file
 
@@ -41,13 +42,17 @@ def source_key(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}\0{name}".encode()).digest()[:8], "little")
 
 
-def row_bins(key: int, rows: np.ndarray) -> np.ndarray:
-    """A bin in [0, BINS) for each global row index: splitmix64 of (row, key), top bits. Pure, vectorised."""
+def row_hash(key: int, rows: np.ndarray) -> np.ndarray:
+    """A uniform 64-bit hash of each global row index: splitmix64 of (row, key). Pure, vectorised."""
     z = (rows.astype(np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(key)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z ^= z >> np.uint64(31)
-    return (z >> np.uint64(64 - BIN_BITS)).astype(np.int64)
+    return z ^ (z >> np.uint64(31))
+
+
+def row_bins(key: int, rows: np.ndarray) -> np.ndarray:
+    """A bin in [0, BINS) for each global row index: the top bits of its hash."""
+    return (row_hash(key, rows) >> np.uint64(64 - BIN_BITS)).astype(np.int64)
 
 
 def conform(batch: pa.RecordBatch, schema: pa.Schema, name: str) -> pa.Table:
@@ -154,7 +159,7 @@ def slice_rows(source, key: int, pieces: list[list[int]], begin: int, end: int) 
     return tables
 
 
-def slice_pieces(plan: MixPlan, stage_index: int, ranges: list, key: int, file_documents: list[np.ndarray]) -> list[list[int]]:
+def slice_pieces(plan: MixSchedule, stage_index: int, ranges: list, key: int, file_documents: list[np.ndarray]) -> list[list[int]]:
     """A source's slice as [pass, lo, hi, file, rows] runs in reading order: each bin range one pass, the files of
     a pass in a seeded order, the rows of a file in the range in file order."""
     cumulative = [np.concatenate([[0], np.cumsum(documents)]) for documents in file_documents]
@@ -168,7 +173,7 @@ def slice_pieces(plan: MixPlan, stage_index: int, ranges: list, key: int, file_d
     return pieces
 
 
-def write_block(plan: MixPlan, schema: pa.Schema, sources: dict, allocation: dict, stage_index: int, block: int,
+def write_block(plan: MixSchedule, schema: pa.Schema, sources: dict, allocation: dict, stage_index: int, block: int,
                 folder: Path, unit: int) -> list[dict]:
     """One output block: its rows from every source, in merged order, shuffled; written as one parquet shard."""
     stage = plan.stages[stage_index]
@@ -191,10 +196,11 @@ def write_block(plan: MixPlan, schema: pa.Schema, sources: dict, allocation: dic
     return [write_shard(pa.concat_tables(tables).take(pa.array(order[shuffle])), folder / f"{unit:05d}.parquet")]
 
 
-def write_curriculum(plan: MixPlan, schema: pa.Schema, sources: dict, allocation: dict, stage_index: int,
-                     sizes: Callable[[pa.Array], np.ndarray], folder: Path, unit: int) -> list[dict]:
-    """A curriculum stage as one unit: each source's whole slice sorted by score (mix_plan.ascending_stream),
-    merged by due point, each block sorted by score; one shard per block."""
+def write_curriculum(plan: MixSchedule, schema: pa.Schema, sources: dict, allocation: dict, stage_index: int,
+                     sizes: Callable[[str, pa.Array], np.ndarray], folder: Path, unit: int) -> list[dict]:
+    """A curriculum stage as one unit: each source's whole slice sorted by score (mix_schedule.ascending_stream),
+    merged by due point, each block sorted by score; one shard per block. `sizes(source, texts)` sizes the
+    documents in the mix's unit."""
     stage = plan.stages[stage_index]
     streams = []
     for report in [r for r in allocation["reports"][stage_index] if r.documents]:
@@ -203,7 +209,8 @@ def write_curriculum(plan: MixPlan, schema: pa.Schema, sources: dict, allocation
                                 for t in slice_rows(sources[report.name], key, pieces, 0, report.documents))
         order = SliceOrder(stage, report.name, report.documents)
         streams.append(ascending_stream(iter([(rows, order.due(np.arange(report.documents)))]), stage,
-                                        plan.text_column, sizes, lambda progress, name=report.name: due_points(stage, name, progress)))
+                                        plan.text_column, partial(sizes, report.name),
+                                        lambda progress, name=report.name: due_points(stage, name, progress)))
     return [write_shard(block, folder / f"{unit:05d}-{index:05d}.parquet")
             for index, block in enumerate(merged_blocks(streams, plan.shuffle_buffer, plan.seed, stage_index))]
 

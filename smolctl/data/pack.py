@@ -4,11 +4,13 @@
 
     smolctl pack mix/ packed/ --tokenizer tok/ --seq-len 4096 --tasks 64 --task-id $SLURM_ARRAY_TASK_ID
 
-Reads any documents input in batches, tokenises each batch with the Rust batch encoder (in this process, or in
-`--workers` processes), appends EOS to every document, hands the token batches to a packer
-(`smolctl.data.packing`) and writes its rows as safetensors shards with the packed-folder manifest that
-`pretrain` and `inspect` read; or, with `--format datatrove`, writes the token stream as datatrove/nanotron
-`.ds` files.
+Three stages overlap: this thread reads batches of documents and hands them to the Rust batch encoder
+(`smolctl.data.pack_tokens`: two calls in flight on the tokenizer's threads, or `--workers` processes), which
+appends EOS to every document; a packing thread takes the token batches in order, lays them into rows
+(`smolctl.data.pack_rows`) and writes them (`smolctl.data.pack_sinks`) as safetensors shards with the
+packed-folder manifest that `pretrain` and `inspect` read, or, with `--format datatrove`, as datatrove/nanotron
+`.ds` token files. A folder from `train-tokenizer` is loaded from its tokenizer.json alone, so a pack never
+imports transformers or torch.
 
 The unit of work is one input shard: it is packed on its own (no row holds documents of two shards, so no row
 mixes two stages of a mix either) into OUTPUT/_work/pack/<unit>/ and marked done (smolctl/data/array_tasks.py).
@@ -19,20 +21,21 @@ manifest, so the bytes are the same for any N and any order the tasks run in.
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import asdict, dataclass
-from itertools import chain
 from pathlib import Path
-from typing import Callable, Iterator
-
-import numpy as np
+from typing import Callable
 
 from smolctl.data.array_tasks import (FINGERPRINT_KEY, AlreadyCommitted, WorkArea, check_task, digest, file_identity,
                                       link_or_copy, task_units, unless_committed)
+from smolctl.data.pack_config import PackConfig
+from smolctl.data.pack_rows import PackStats, TokenBatch
 from smolctl.data.pack_sinks import DatatroveSink, RowSink, manifest_fields
-from smolctl.data.packing import PackStats, TokenBatch
+from smolctl.data.pack_tokens import tokenised_batches
+from smolctl.data.tokenizer import RustTokenizer, load_rust_tokenizer
 from smolctl.errors import UserError
 from smolctl.shards import (
     KIND_PACKED,
@@ -43,54 +46,11 @@ from smolctl.shards import (
 )
 from smolctl.units import parse_shard_size
 
-STRATEGIES = ("bfd", "concat")
-LONG_DOCS = ("split", "truncate")
-FORMATS = ("safetensors", "datatrove")
 KIND_TOKENS = "tokens"
 STAGE = "pack"
-
-
-@dataclass(kw_only=True)
-class PackConfig:
-    seq_len: int
-    """Tokens per row (the training context length)."""
-    strategy: str = "bfd"
-    """`bfd` (best-fit-decreasing, pads only the rest of a row) or `concat` (concatenate and cut, no padding)."""
-    long_docs: str = "split"
-    """Documents longer than seq_len: `split` into seq_len pieces (no token lost) or `truncate` to seq_len."""
-    text_column: str = "text"
-    workers: int = 1
-    """Tokeniser processes. 1 tokenises in this process (the Rust tokenizer still uses every core per batch)."""
-    batch_documents: int = 1000
-    """Documents per tokenizer call: large enough to amortise the call, small enough to stream."""
-    buffer_tokens: int = 8_000_000
-    """BFD packs this many tokens at a time (32 MB of int32 ids); a larger buffer leaves less padding."""
-    shard_size: str = "256MB"
-    seed: int = 0
-    """Seeds the shuffle of each BFD buffer's rows (same seed, same output)."""
-    format: str = "safetensors"
-    """`safetensors`: packed rows for `pretrain`; `datatrove`: nanotron/datatrove token files (no packing)."""
-
-    def validate(self) -> None:
-        if self.seq_len < 2:
-            raise UserError("--seq-len", f"{self.seq_len} is too short", "use at least 2 (typically 2048-8192)")
-        if self.strategy not in STRATEGIES:
-            raise UserError("--strategy", f"unknown strategy {self.strategy!r}", f"use one of {', '.join(STRATEGIES)}")
-        if self.long_docs not in LONG_DOCS:
-            raise UserError("--long-docs", f"unknown choice {self.long_docs!r}", f"use one of {', '.join(LONG_DOCS)}")
-        if self.format not in FORMATS:
-            raise UserError("--format", f"unknown format {self.format!r}", f"use one of {', '.join(FORMATS)}")
-        if self.workers < 1:
-            raise UserError("--workers", f"{self.workers} is not a worker count", "use 1 or more")
-        if self.buffer_tokens < self.seq_len:
-            raise UserError("--buffer-tokens", f"{self.buffer_tokens} is smaller than seq_len {self.seq_len}",
-                            "use a buffer of many rows (the default is 8M tokens)")
-
-    def rows_per_shard(self) -> int:
-        shard_bytes, shard_rows = parse_shard_size(self.shard_size)
-        if shard_rows:
-            return shard_rows
-        return max(1, shard_bytes // (2 * 4 * self.seq_len))  # input_ids + position_ids, int32 each
+PACK_QUEUE_BATCHES = 8
+"""Token batches waiting for the packing thread: the tokenizer runs ahead while a buffer is packed and written."""
+__all__ = ["PackConfig", "PackJob", "PackResult", "pack", "prepare_pack"]
 
 
 @dataclass
@@ -120,91 +80,20 @@ class PackResult:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Tokenising
-
-
-def encode_texts(backend, texts: list[str]) -> TokenBatch:
-    """Token ids of each text, no special tokens, via the Rust tokenizer's batch encoder (no offsets computed)."""
-    encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
-    ids = [encoding.ids for encoding in encodings]
-    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
-    return TokenBatch(flat, lengths)
-
-
-def append_document_end(batch: TokenBatch, eos_id: int) -> tuple[TokenBatch, int]:
-    """Drop empty documents and append EOS to the rest. Returns (batch, number of empty documents dropped)."""
-    keep = batch.lengths > 0
-    lengths = batch.lengths[keep] + 1
-    ends = np.cumsum(lengths) - 1
-    ids = np.empty(int(lengths.sum()), dtype=np.int32)
-    is_text = np.ones(len(ids), dtype=bool)
-    is_text[ends] = False
-    ids[is_text] = batch.ids
-    ids[ends] = eos_id
-    return TokenBatch(ids, lengths), int((~keep).sum())
-
-
-_worker_backend = None
-
-
-def _init_worker(tokenizer_json: str) -> None:
-    global _worker_backend
-    import os
-
-    # One Rust thread per worker process: the processes are the parallelism, threads would oversubscribe.
-    os.environ["RAYON_NUM_THREADS"] = "1"
-    from tokenizers import Tokenizer
-
-    _worker_backend = Tokenizer.from_str(tokenizer_json)
-
-
-def _encode_in_worker(item: tuple[int, list[str]]) -> tuple[int, TokenBatch]:
-    unit, texts = item
-    return unit, encode_texts(_worker_backend, texts)
-
-
-def tokenised_batches(source, tokenizer, config: PackConfig, units: list[int]) -> Iterator[tuple[int, int, TokenBatch]]:
-    """(unit, documents read, token batch) for the given units (input files) in order, tokenised here or by
-    `workers` processes."""
-    texts = ((unit, [t if t is not None else "" for t in batch.column(0).to_pylist()])
-             for unit in units
-             for batch in source.iter_file_batches(unit, columns=[config.text_column], batch_size=config.batch_documents))
-    if config.workers == 1:
-        backend = tokenizer.backend_tokenizer
-        for unit, chunk in texts:
-            yield unit, len(chunk), encode_texts(backend, chunk)
-        return
-    context = multiprocessing.get_context("spawn")  # fork after Rust threads have started can deadlock
-    with context.Pool(config.workers, initializer=_init_worker, initargs=(tokenizer.backend_tokenizer.to_str(),)) as pool:
-        # Pool.imap would read the whole input ahead into its task queue; a window of 2 batches per worker keeps
-        # memory bounded and the workers busy, and results still come back in input order.
-        in_flight: deque = deque()
-        for item in texts:
-            in_flight.append(pool.apply_async(_encode_in_worker, (item,)))
-            if len(in_flight) >= 2 * config.workers:
-                unit, batch = in_flight.popleft().get()
-                yield unit, len(batch.lengths), batch
-        while in_flight:
-            unit, batch = in_flight.popleft().get()
-            yield unit, len(batch.lengths), batch
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # The command
 
 
-def tokenizer_record(spec: str, tokenizer) -> dict:
+def tokenizer_record(spec: str, tokenizer: RustTokenizer) -> dict:
     """How the packed manifest names its tokenizer (the convention `pretrain` and `inspect` read)."""
-    from smolctl.data.tokenizer import document_end_id, tokenizer_fingerprint
-
     local = Path(spec).exists()
-    eos = document_end_id(tokenizer)
+    if tokenizer.eos_token_id is None:
+        raise UserError(spec, "has no end-of-sequence token", "use a tokenizer that defines eos_token")
+    eos = int(tokenizer.eos_token_id)
     return {
         "path": str(Path(spec).resolve()) if local else spec,
         "name": Path(spec).resolve().name if local else spec,
-        "fingerprint": tokenizer_fingerprint(tokenizer),
-        "vocab_size": len(tokenizer),
+        "fingerprint": tokenizer.fingerprint,
+        "vocab_size": tokenizer.vocab_size,
         "eos_token_id": eos,
         "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
     }
@@ -218,7 +107,7 @@ class PackJob:
     output: Path
     config: PackConfig
     source: object
-    tokenizer: object
+    tokenizer: RustTokenizer
     record: dict
     inputs: list[dict]
     overwrite: bool
@@ -279,18 +168,37 @@ class PackJob:
         return result
 
     def _pack_units(self, units: list[int], on_progress) -> None:
-        """Tokenise and pack the units in order, each into its own folder of the work area, then mark it done."""
-        current: UnitPacking | None = None
-        for unit, read, batch in tokenised_batches(self.source, self.tokenizer, self.config, units):
+        """Tokenise and pack the units in order, each into its own folder of the work area, then mark it done.
+
+        Packing and writing run on their own thread, in batch order, so the tokenizer never waits for them."""
+        config = self.config
+        state: dict[str, UnitPacking] = {}
+
+        def add(unit: int, batch: TokenBatch, read: int, empty: int) -> None:
+            current = state.get("unit")
             if current is None or current.unit != unit:
                 if current is not None:
                     current.finish()
-                current = UnitPacking(self, unit)
-            tokens = current.add(batch)
+                current = state["unit"] = UnitPacking(self, unit)
+            current.add(batch, empty)
             if on_progress:
-                on_progress(read, tokens)
-        if current is not None:
-            current.finish()
+                on_progress(read, len(batch.ids))
+
+        batches = tokenised_batches(self.source, self.tokenizer, config.text_column, config.batch_documents,
+                                    config.workers, units)
+        with ThreadPoolExecutor(1, thread_name_prefix="pack") as packer, closing(batches):
+            waiting: deque = deque()
+            try:
+                for unit, batch, read, empty in batches:
+                    waiting.append(packer.submit(add, unit, batch, read, empty))
+                    while len(waiting) > PACK_QUEUE_BATCHES or (waiting and waiting[0].done()):
+                        waiting.popleft().result()  # raises what the packing thread raised
+                while waiting:
+                    waiting.popleft().result()
+            finally:
+                packer.shutdown(wait=True, cancel_futures=True)
+        if "unit" in state:
+            state["unit"].finish()
         for unit in units:  # input files without rows still finish their unit
             if not self.area.is_done(STAGE, unit):
                 UnitPacking(self, unit).finish()
@@ -335,13 +243,11 @@ class UnitPacking:
         self.folder = OutputFolder(job.area.stage_dir(STAGE) / f"{unit:05d}", kind=kind, overwrite=True)
         self.sink = sink_type(self.folder, job.config, job.record, self.stats, unit)
 
-    def add(self, batch: TokenBatch) -> int:
-        """Pack a batch of tokenised documents; returns the tokens it adds (EOS included)."""
-        batch, empty = append_document_end(batch, self.job.record["eos_token_id"])
+    def add(self, batch: TokenBatch, empty: int) -> None:
+        """Pack a batch of tokenised documents (each ending in EOS; `empty` documents were dropped)."""
         self.stats.skipped_empty += empty
         self.stats.documents += len(batch.lengths)
         self.sink.add(batch)
-        return int(batch.lengths.sum())
 
     def finish(self) -> None:
         self.sink.close()
@@ -361,13 +267,11 @@ def prepare_pack(input_spec: str, output: str | Path, *, tokenizer_spec: str, co
                  overwrite: bool = False) -> PackJob:
     """Check everything a pack needs (options, input columns, tokenizer) before any work; the output folder is
     checked by `PackJob.run` (an array task may find it already committed by its own run)."""
-    from smolctl.data.tokenizer import load_tokenizer
-
     config.validate()
     config.rows_per_shard()
     source = open_documents(input_spec)
     source.require(text=[config.text_column])
-    tokenizer = load_tokenizer(tokenizer_spec)
+    tokenizer = load_rust_tokenizer(tokenizer_spec)
     record = tokenizer_record(tokenizer_spec, tokenizer)
     inputs = source.lineage() + ([lineage_ref(Path(tokenizer_spec))] if Path(tokenizer_spec).is_dir() else [])
     # --workers changes how fast, never what is written.

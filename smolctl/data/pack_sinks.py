@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 import numpy as np
 
-from smolctl.data.packing import BfdPacker, ConcatPacker, PackStats, Rows, TokenBatch
+from smolctl.data.pack_config import PackConfig
+from smolctl.data.pack_rows import BfdPacker, ConcatPacker, PackStats, Rows, TokenBatch
 from smolctl.shards import OutputFolder, PackedWriter
 from smolctl.units import parse_shard_size
-
-if TYPE_CHECKING:
-    from smolctl.data.pack import PackConfig
 
 DEFAULT_TOKEN_FILE_BYTES = 2**30  # token files roll by size; a --shard-size given in rows falls back to this
 

@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 from urllib.parse import urlparse
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from smolctl.errors import UserError
 from smolctl.results import Result
@@ -108,8 +109,7 @@ def train_tokenizer(input_path: str, output: str, *, vocab_size: int, text_colum
                     sample_bytes: int | None = None, seed: int = 0, on_start=None, on_batch=None) -> TokenizerTrainResult:
     """Train on the text column, streaming, or on a seeded sample of it (`sample_documents` / `sample_bytes`).
     `on_start(total_documents)` is called once the inputs are checked, `on_batch(documents)` as they are read."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # seconds to import; only training and loading need it
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise UserError("--vocab-size", f"{vocab_size} is too small", f"use at least {256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens)")
@@ -178,6 +178,7 @@ def hub_unreachable(timeout_s: float = 3.0) -> str | None:
     """Why the Hub cannot be asked (HF_HUB_OFFLINE, or its host not answering within `timeout_s`), or None.
 
     Asked before a hub id is resolved: offline, huggingface_hub would otherwise retry for ~45 s before failing."""
+    # huggingface_hub reads HF_HUB_OFFLINE once, when first imported: imported late, it sees quiet_offline()'s value
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
@@ -222,10 +223,68 @@ def load_tokenizer(spec: str | Path):
     return tokenizer
 
 
+# The tokenizer_config.json keys `train-tokenizer` writes. With only these, transformers loads tokenizer.json as it
+# is (nothing added, nothing rewired), so the Rust tokenizer alone gives the same ids, length and fingerprint.
+PLAIN_CONFIG_KEYS = {"backend", "eos_token", "pad_token", "extra_special_tokens", "model_max_length", "tokenizer_class"}
+PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+@dataclass(frozen=True)
+class RustTokenizer:
+    """The Rust tokenizer with the special-token ids and length transformers would give it (`pack` needs no more)."""
+
+    backend: object
+    """A `tokenizers.Tokenizer`."""
+    eos_token_id: int | None
+    pad_token_id: int | None
+    vocab_size: int
+    """`len(tokenizer)` in transformers: the vocabulary with the added tokens."""
+
+    @property
+    def fingerprint(self) -> str:
+        return backend_fingerprint(self.backend)
+
+
+def load_rust_tokenizer(spec: str | Path) -> RustTokenizer:
+    """A tokenizer folder written by `train-tokenizer` straight from tokenizer.json (transformers and torch take
+    seconds to import); any other folder or hub id through transformers, exactly as `load_tokenizer`."""
+    plain = _plain_tokenizer(Path(spec))
+    if plain is not None:
+        return plain
+    tokenizer = load_tokenizer(spec)
+    return RustTokenizer(tokenizer.backend_tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, len(tokenizer))
+
+
+def _plain_tokenizer(path: Path) -> RustTokenizer | None:
+    """The folder's tokenizer when transformers would take tokenizer.json unchanged, else None."""
+    from tokenizers import Tokenizer
+
+    if not (path.is_dir() and (path / "tokenizer.json").is_file()) or (path / "special_tokens_map.json").exists() \
+            or (path / "added_tokens.json").exists():
+        return None
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        backend = Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception:  # noqa: BLE001 (tokenizers raises plain Exception); transformers will report it properly
+        return None
+    extra = config.get("extra_special_tokens", [])
+    named = [config.get("eos_token"), config.get("pad_token"), *(extra if isinstance(extra, list) else [None])]
+    special = {token.content for token in backend.get_added_tokens_decoder().values() if token.special}
+    if (set(config) - PLAIN_CONFIG_KEYS or config.get("tokenizer_class") not in PLAIN_TOKENIZER_CLASSES
+            or not all(isinstance(token, str) and token in special for token in named if token is not None)):
+        return None
+    eos, pad = (backend.token_to_id(config[key]) if config.get(key) else None for key in ("eos_token", "pad_token"))
+    return RustTokenizer(backend, eos, pad, backend.get_vocab_size(with_added_tokens=True))
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """A short hash of the tokenizer's vocabulary and rules: equal fingerprints tokenise text identically."""
-    canonical = tokenizer.backend_tokenizer.to_str()
-    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    return backend_fingerprint(tokenizer.backend_tokenizer)
+
+
+def backend_fingerprint(backend) -> str:
+    """`tokenizer_fingerprint` of a bare `tokenizers.Tokenizer`."""
+    return hashlib.sha256(backend.to_str().encode()).hexdigest()[:16]
 
 
 def document_end_id(tokenizer) -> int:

@@ -1,5 +1,6 @@
-"""The collective side of benchmark-nccl: buffers, calls, timing and verification on one rank, and the
-multi-node probes. Every method is collective: all ranks call it in the same order."""
+"""The collective side of benchmark-nccl: joining the process group, buffers, calls, timing and verification on one
+rank, and the multi-node probes. Every Runner method is collective: all ranks call it in the same order.
+collectives.py holds what needs no process group (config, sizes, patterns, the report)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,21 @@ import socket
 import time
 from typing import Callable
 
-from smolctl.infra.collectives import (DTYPES, PatternTiles, SizeResult, bandwidths, expected_segments,
-                                       input_segments, pattern_tables)
+from smolctl.errors import UserError
+from smolctl.infra.collectives import (
+    DTYPES,
+    BenchConfig,
+    BenchReport,
+    OpResult,
+    PatternTiles,
+    SizeResult,
+    bandwidths,
+    expected_segments,
+    input_segments,
+    launch_environment,
+    message_sizes,
+    pattern_tables,
+)
 from smolctl.infra.multinode import Link, link_schedule, ring_shifts, summarize
 
 
@@ -178,3 +192,50 @@ class Runner:
                 links += [Link(shift, sender, receiver, per_rank[sender], per_rank[receiver])
                           for sender, receiver in pairs]
         return summarize(topology["rank_hosts"], seconds_of["intra"], seconds_of["inter"], links, size)
+
+
+def run_benchmark(config: BenchConfig, on_size: Callable[[str, int], None] | None = None,
+                  on_plan: Callable[[int], None] | None = None) -> BenchReport:
+    """Join the process group torchrun set up, run every op over every size, and return the same report on every
+    rank. `on_plan(total sizes)` and `on_size(op, bytes)` drive a progress bar."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world, local_rank = launch_environment()
+    backend = config.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise UserError("--backend", "nccl needs CUDA GPUs and none is visible", "use --backend gloo on CPU")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+    if backend == "nccl" and local_world > torch.cuda.device_count():
+        raise UserError("--nproc_per_node", f"{local_world} processes on this node but {torch.cuda.device_count()} "
+                        "GPU(s) visible; NCCL puts one rank on each GPU", "start one process per GPU")
+    dtype_name = config.dtype or ("bf16" if backend == "nccl" else "fp32")
+    max_bytes = config.max_bytes or (8 * 2**30 if backend == "nccl" else 64 * 2**20)
+    if config.min_bytes > max_bytes:
+        raise UserError("--min-bytes", f"{config.min_bytes} B is above the default --max-bytes {max_bytes} B",
+                        "give --max-bytes too")
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    try:
+        runner = Runner(rank, world, device, dtype_name, config.iters, config.warmup)
+        topology = runner.topology(backend, max_bytes)
+        sizes_by_op = [(op, message_sizes(op, config.min_bytes, max_bytes, config.factor, runner.elem_size, world))
+                       for op in config.ops]
+        if on_plan:
+            on_plan(sum(len(sizes) for _, sizes in sizes_by_op))
+        results = []
+        for op, sizes in sizes_by_op:
+            result = OpResult(op)
+            for size, count in sizes:
+                result.rows.append(runner.measure(op, size, count))
+                if on_size:
+                    on_size(op, size)
+            results.append(result)
+        multinode = runner.multinode(topology, max_bytes) if topology["nodes"] > 1 else None
+        return BenchReport(topology, results, config.expect_busbw, multinode)
+    finally:
+        dist.destroy_process_group()

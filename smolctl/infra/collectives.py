@@ -8,7 +8,7 @@ nccl-tests bus factor, then one verification call on a known pattern whose wrong
 ranks (#wrong). Multi-node runs add an intra- vs inter-node all_reduce split and rail-aligned one-way transfers
 between nodes over several ring shifts (infra/multinode.py names the slowest host and link). Every rank computes
 the same report; only rank 0 shows it. This module holds the arithmetic, the sizes, the verification patterns and
-the report; collective_runner.py does the collective calls.
+the report, and imports no torch; collective_runner.py joins the process group and does the collective calls.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import math
 import os
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 from smolctl.errors import UserError
 from smolctl.units import parse_nccl_bytes
@@ -346,52 +346,3 @@ class BenchReport:
                 "wrong": self.wrong, "avg_busbw": self.avg_busbw, "multinode": self.multinode,
                 "results": [{"op": r.op, "avg_busbw": r.avg_busbw, "rows": [asdict(row) for row in r.rows]}
                             for r in self.results]}
-
-
-def run_benchmark(config: BenchConfig, on_size: Callable[[str, int], None] | None = None,
-                  on_plan: Callable[[int], None] | None = None) -> BenchReport:
-    """Join the process group torchrun set up, run every op over every size, and return the same report on every
-    rank. `on_plan(total sizes)` and `on_size(op, bytes)` drive a progress bar."""
-    import torch
-    import torch.distributed as dist
-
-    from smolctl.infra.collective_runner import Runner
-
-    rank, world, local_rank = launch_environment()
-    backend = config.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise UserError("--backend", "nccl needs CUDA GPUs and none is visible", "use --backend gloo on CPU")
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
-    if backend == "nccl" and local_world > torch.cuda.device_count():
-        raise UserError("--nproc_per_node", f"{local_world} processes on this node but {torch.cuda.device_count()} "
-                        "GPU(s) visible; NCCL puts one rank on each GPU", "start one process per GPU")
-    dtype_name = config.dtype or ("bf16" if backend == "nccl" else "fp32")
-    max_bytes = config.max_bytes or (8 * 2**30 if backend == "nccl" else 64 * 2**20)
-    if config.min_bytes > max_bytes:
-        raise UserError("--min-bytes", f"{config.min_bytes} B is above the default --max-bytes {max_bytes} B",
-                        "give --max-bytes too")
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-    try:
-        runner = Runner(rank, world, device, dtype_name, config.iters, config.warmup)
-        topology = runner.topology(backend, max_bytes)
-        plans = [(op, message_sizes(op, config.min_bytes, max_bytes, config.factor, runner.elem_size, world))
-                 for op in config.ops]
-        if on_plan:
-            on_plan(sum(len(sizes) for _, sizes in plans))
-        results = []
-        for op, sizes in plans:
-            result = OpResult(op)
-            for size, count in sizes:
-                result.rows.append(runner.measure(op, size, count))
-                if on_size:
-                    on_size(op, size)
-            results.append(result)
-        multinode = runner.multinode(topology, max_bytes) if topology["nodes"] > 1 else None
-        return BenchReport(topology, results, config.expect_busbw, multinode)
-    finally:
-        dist.destroy_process_group()

@@ -22,11 +22,12 @@ from smolctl.errors import UserError
 from smolctl.results import Result
 from smolctl.shards import atomic_write_json
 from smolctl.infra.flops import attention_flops_per_token, training_flops_per_token
-from smolctl.infra.inference import InferencePlan, check_inference, inference
+from smolctl.infra.inference import InferenceScenario, check_inference, inference
 from smolctl.infra.memory import (ALLOCATOR_HEADROOM, GIB, GPUS, OPTIMIZER_BYTES, PRECISIONS, RUNTIME_RESERVED_GIB,
                                   TF32_SPEED, activations, logits_grad_bytes, stage_params, state_bytes)
-from smolctl.infra.model_shape import ModelShape, ParamCounts, config_from_dict, measure_shape, resolve_config
-from smolctl.infra.plan import Plan, accumulation, check_model_layout, data_parallel
+from smolctl.infra.model_shape import (PRESETS, ModelShape, ParamCounts, config_from_dict, measure_shape,
+                                       resolve_config)
+from smolctl.infra.scenario import TrainingScenario, accumulation, check_model_layout, data_parallel
 
 # Llama 3 (Meta, 2024): 419 unexpected interruptions in 54 days on 16,384 H100s.
 FAILURES_PER_GPU_DAY = 419 / (54 * 16384)
@@ -44,11 +45,9 @@ CONFIG_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "h
 
 def _shape_cache_path(model: dict | str) -> Path | None:
     """Where the meta-device measurement of this exact model is kept. Importing torch and transformers' modeling
-    code costs seconds on a login node, while the measurement itself takes milliseconds: a repeat estimate of the
+    code is nearly all of a first estimate's time (benchmarks/RESULTS.md, "estimate"): a repeat estimate of the
     same model reads the cache instead. The key covers the model table (or preset / config.json content) and the
     transformers and smolctl versions."""
-    from smolctl.infra.model_shape import PRESETS
-
     if isinstance(model, dict):
         described = json.dumps(model, sort_keys=True, default=str)
     elif model in PRESETS:
@@ -63,16 +62,16 @@ def _shape_cache_path(model: dict | str) -> Path | None:
     return root / "model-shapes" / f"{key}.json"
 
 
-def transformers_config(plan: Plan):
+def transformers_config(scenario: TrainingScenario):
     """The model's transformers config (imports transformers; --validate builds a real model from it)."""
-    if isinstance(plan.model, dict):
-        return config_from_dict(plan.model, f"{plan.source}: [model]")
-    return resolve_config(plan.model)
+    if isinstance(scenario.model, dict):
+        return config_from_dict(scenario.model, f"{scenario.source}: [model]")
+    return resolve_config(scenario.model)
 
 
-def load_model(plan: Plan):
+def load_model(scenario: TrainingScenario):
     """(config fields, shape measured on the meta device), from the cache when this model was measured before."""
-    cache = _shape_cache_path(plan.model)
+    cache = _shape_cache_path(scenario.model)
     if cache is not None and cache.is_file():
         try:
             cached = json.loads(cache.read_text())
@@ -80,7 +79,7 @@ def load_model(plan: Plan):
             return SimpleNamespace(**cached["config"]), shape
         except (ValueError, TypeError, KeyError):
             pass  # an unreadable or older cache entry is measured again
-    config = transformers_config(plan)
+    config = transformers_config(scenario)
     shape = measure_shape(config)
     fields = {name: getattr(config, name, None) for name in CONFIG_FIELDS}
     if cache is not None:
@@ -92,38 +91,38 @@ def load_model(plan: Plan):
     return SimpleNamespace(**fields), shape
 
 
-def memory(plan: Plan, shape: ModelShape) -> dict:
+def memory(scenario: TrainingScenario, shape: ModelShape) -> dict:
     """Bytes per GPU on the most loaded pipeline stage, and whether they fit the GPU."""
-    precision = PRECISIONS[plan.precision]
-    _, accumulate = accumulation(plan)
-    stage_layers = math.ceil(shape.layers / plan.pp)
-    in_flight = min(plan.pp, accumulate)  # 1F1B: the first stage holds pp micro batches' activations
-    act = activations(shape, micro_batch=plan.micro_batch, seq_len=plan.seq_len, precision=precision,
-                      attention=plan.attention, recompute=plan.recompute, layers=stage_layers, tp=plan.tp, cp=plan.cp,
-                      sequence_parallel=plan.sequence_parallel, loss_chunk_tokens=plan.loss_chunk_tokens)
-    shard = (plan.dp_shard or data_parallel(plan)) * plan.cp
+    precision = PRECISIONS[scenario.precision]
+    _, accumulate = accumulation(scenario)
+    stage_layers = math.ceil(shape.layers / scenario.pp)
+    in_flight = min(scenario.pp, accumulate)  # 1F1B: the first stage holds pp micro batches' activations
+    act = activations(shape, micro_batch=scenario.micro_batch, seq_len=scenario.seq_len, precision=precision,
+                      attention=scenario.attention, recompute=scenario.recompute, layers=stage_layers, tp=scenario.tp, cp=scenario.cp,
+                      sequence_parallel=scenario.sequence_parallel, loss_chunk_tokens=scenario.loss_chunk_tokens)
+    shard = (scenario.dp_shard or data_parallel(scenario)) * scenario.cp
     # ZeRO-3 / FSDP gathers one unit at a time: a decoder layer, or the embedding or LM head (their own units in
     # torchtitan's wrapping) when those are larger, as with a large vocabulary on a small model
     largest_unit = max(shape.params.per_layer, shape.params.embedding, shape.params.lm_head)
     kv_per_layer = 2 * shape.hidden * shape.kv_dim
     stages = []
-    for name, params, last in zip(("first", "last"), stage_params(shape, plan.pp), (plan.pp == 1, True)):
-        states = state_bytes(params, largest_unit, precision=precision, optimizer=plan.optimizer, zero=plan.zero,
-                             shard=shard, tp=plan.tp, kv_params=kv_per_layer * stage_layers, kv_heads=shape.kv_heads)
+    for name, params, last in zip(("first", "last"), stage_params(shape, scenario.pp), (scenario.pp == 1, True)):
+        states = state_bytes(params, largest_unit, precision=precision, optimizer=scenario.optimizer, zero=scenario.zero,
+                             shard=shard, tp=scenario.tp, kv_params=kv_per_layer * stage_layers, kv_heads=shape.kv_heads)
         held = in_flight if name == "first" else 1
         saved = held * (act.inputs + stage_layers * act.per_layer + act.weight_copies)
         saved += max(act.head if last else 0.0, act.recompute)
-        logits = logits_grad_bytes(shape, micro_batch=plan.micro_batch, seq_len=plan.seq_len, tp=plan.tp, cp=plan.cp,
-                                   sequence_parallel=plan.sequence_parallel,
-                                   loss_chunk_tokens=plan.loss_chunk_tokens) if last else 0.0
+        logits = logits_grad_bytes(shape, micro_batch=scenario.micro_batch, seq_len=scenario.seq_len, tp=scenario.tp, cp=scenario.cp,
+                                   sequence_parallel=scenario.sequence_parallel,
+                                   loss_chunk_tokens=scenario.loss_chunk_tokens) if last else 0.0
         allocated = states.total + saved + logits
         stages.append((allocated, name, states, saved, logits))
     allocated, stage, states, saved, logits = max(stages, key=lambda s: s[0])
     headroom = allocated * ALLOCATOR_HEADROOM
     total = allocated + headroom + RUNTIME_RESERVED_GIB * GIB
-    capacity = GPUS[plan.gpu].memory_gib * GIB
+    capacity = GPUS[scenario.gpu].memory_gib * GIB
     return {
-        "gpu": plan.gpu, "capacity": capacity, "stage": stage if plan.pp > 1 else "all",
+        "gpu": scenario.gpu, "capacity": capacity, "stage": stage if scenario.pp > 1 else "all",
         **asdict(states), "activations": saved,
         "activations_detail": act.to_dict(stage_layers), "micro_batches_in_flight": in_flight,
         "logits_grad": logits, "allocated": allocated, "allocator_headroom": headroom,
@@ -132,46 +131,46 @@ def memory(plan: Plan, shape: ModelShape) -> dict:
     }
 
 
-def peak_flops(plan: Plan) -> float:
-    gpu = GPUS[plan.gpu]
-    if plan.precision != "fp32":
+def peak_flops(scenario: TrainingScenario) -> float:
+    gpu = GPUS[scenario.gpu]
+    if scenario.precision != "fp32":
         return gpu.bf16_tflops * 1e12
-    return gpu.bf16_tflops * 1e12 * TF32_SPEED if plan.tf32 else gpu.fp32_tflops * 1e12
+    return gpu.bf16_tflops * 1e12 * TF32_SPEED if scenario.tf32 else gpu.fp32_tflops * 1e12
 
 
-def overhead(plan: Plan, checkpoint_bytes: float, staged_bytes_per_gpu: float) -> dict:
+def overhead(scenario: TrainingScenario, checkpoint_bytes: float, staged_bytes_per_gpu: float) -> dict:
     """The wall-clock factor on top of FLOPs ÷ (MFU × peak), and why. A run of compute time C, checkpointing
     every τ seconds with δ seconds of training stopped each time, failing every M seconds (mean time between
     failures of the whole job) and losing R (restart) + τ/2 (work since the last checkpoint) + w (an async write
     in flight) per failure, takes W = C·(1 + δ/τ) + (W / M)·(R + τ/2 + w), so W / C = (1 + δ/τ) / (1 − (R + τ/2
     + w) / M). τ defaults to Young/Daly's optimum √(2·δ·M), no shorter than the write itself."""
-    nodes = math.ceil(plan.gpus / GPUS_PER_NODE)
-    write = checkpoint_bytes / (plan.checkpoint_gbps * 1e9 * nodes)
-    stall = staged_bytes_per_gpu / (STAGING_GBPS * 1e9) if plan.async_checkpoint else write
-    in_flight = write if plan.async_checkpoint else 0.0
-    failures_per_day = FAILURES_PER_GPU_DAY * plan.gpus
+    nodes = math.ceil(scenario.gpus / GPUS_PER_NODE)
+    write = checkpoint_bytes / (scenario.checkpoint_gbps * 1e9 * nodes)
+    stall = staged_bytes_per_gpu / (STAGING_GBPS * 1e9) if scenario.async_checkpoint else write
+    in_flight = write if scenario.async_checkpoint else 0.0
+    failures_per_day = FAILURES_PER_GPU_DAY * scenario.gpus
     mtbf = 86400 / failures_per_day
-    interval = plan.checkpoint_hours * 3600 if plan.checkpoint_hours else max(math.sqrt(2 * stall * mtbf), write)
+    interval = scenario.checkpoint_hours * 3600 if scenario.checkpoint_hours else max(math.sqrt(2 * stall * mtbf), write)
     lost = RESTART_HOURS * 3600 + interval / 2 + in_flight
     if lost >= mtbf:
-        raise UserError("--gpus", f"{plan.gpus} GPUs fail every {mtbf / 60:.0f} min on average, less than the "
+        raise UserError("--gpus", f"{scenario.gpus} GPUs fail every {mtbf / 60:.0f} min on average, less than the "
                         f"{lost / 60:.0f} min each failure costs (restart, lost work)",
                         "checkpoint more often (--checkpoint-hours) or faster (--checkpoint-gbps), or use fewer GPUs")
     checkpoint, failure = stall / interval, lost / mtbf
     computed = (1 + checkpoint) / (1 - failure)
     how = (f"async: {stall:.2g} s to stage {staged_bytes_per_gpu / 1e9:.2g} GB per GPU to host memory, then "
-           f"{write:.0f} s to write" if plan.async_checkpoint else f"blocking: {write:.0f} s to write")
-    rule = "given" if plan.checkpoint_hours else "Young/Daly √(2·stall·MTBF)"
+           f"{write:.0f} s to write" if scenario.async_checkpoint else f"blocking: {write:.0f} s to write")
+    rule = "given" if scenario.checkpoint_hours else "Young/Daly √(2·stall·MTBF)"
     why = (f"--mfu is the steady-state MFU the training monitor measures, so data loading, gradient sync and pipeline "
            f"bubbles are already in it; on top: checkpoints {checkpoint:.2%} ({checkpoint_bytes / 1e9:,.0f} GB every "
-           f"{_minutes(interval)} ({rule}), {how} at {plan.checkpoint_gbps:g} GB/s per node × {nodes} nodes) "
+           f"{_minutes(interval)} ({rule}), {how} at {scenario.checkpoint_gbps:g} GB/s per node × {nodes} nodes) "
            f"and failure recovery {failure:.2%} ({failures_per_day:.2f} interruptions/day, one every "
            f"{mtbf / 3600:.1f} h at Llama 3's {FAILURES_PER_GPU_DAY:.1e} per GPU-day, each a "
            f"{RESTART_HOURS * 60:.0f} min restart plus {lost / 60 - RESTART_HOURS * 60:.1f} min of lost work): "
            f"{1 / computed:.1%} of the wall-clock time trains")
-    if plan.overhead is not None:
-        why = f"--overhead {plan.overhead:g} given (computed: {computed:.3f} — {why})"
-    factor = plan.overhead if plan.overhead is not None else computed
+    if scenario.overhead is not None:
+        why = f"--overhead {scenario.overhead:g} given (computed: {computed:.3f} — {why})"
+    factor = scenario.overhead if scenario.overhead is not None else computed
     return {"factor": factor, "effective_training_time": 1 / factor, "checkpoint_fraction": checkpoint,
             "failure_fraction": failure, "checkpoint_write_seconds": write, "checkpoint_stall_seconds": stall,
             "checkpoint_interval_seconds": interval, "mtbf_hours": mtbf / 3600, "why": why}
@@ -185,56 +184,56 @@ def _duration(seconds: float) -> dict:
     return {"seconds": seconds, "hours": seconds / 3600, "days": seconds / 86400}
 
 
-def compute(plan: Plan, config, shape: ModelShape) -> dict:
-    precision = PRECISIONS[plan.precision]
-    batch_tokens, accumulate = accumulation(plan)
-    tokens = plan.tokens or batch_tokens
-    per_token = training_flops_per_token(config, plan.seq_len, shape.params.matmul)
-    peak = peak_flops(plan)
-    per_gpu = plan.mfu * peak / per_token
-    seconds = tokens * per_token / (plan.gpus * plan.mfu * peak)
-    full_state = shape.params.total * (precision.param_bytes + precision.master_bytes + OPTIMIZER_BYTES[plan.optimizer])
+def compute(scenario: TrainingScenario, config, shape: ModelShape) -> dict:
+    precision = PRECISIONS[scenario.precision]
+    batch_tokens, accumulate = accumulation(scenario)
+    tokens = scenario.tokens or batch_tokens
+    per_token = training_flops_per_token(config, scenario.seq_len, shape.params.matmul)
+    peak = peak_flops(scenario)
+    per_gpu = scenario.mfu * peak / per_token
+    seconds = tokens * per_token / (scenario.gpus * scenario.mfu * peak)
+    full_state = shape.params.total * (precision.param_bytes + precision.master_bytes + OPTIMIZER_BYTES[scenario.optimizer])
     # DCP writes each replicated tensor once and balances the writes over the ranks, so every GPU stages its share
-    extra = overhead(plan, full_state, full_state / plan.gpus)
+    extra = overhead(scenario, full_state, full_state / scenario.gpus)
     wall = seconds * extra["factor"]
     result = {
         "flops_per_token": per_token, "six_n": 6.0 * shape.params.matmul,
-        "attention_flops_per_token": attention_flops_per_token(config, plan.seq_len),
+        "attention_flops_per_token": attention_flops_per_token(config, scenario.seq_len),
         "tokens": tokens, "total_flops": tokens * per_token, "peak_flops_per_gpu": peak,
         "global_batch_tokens": batch_tokens, "gradient_accumulation": accumulate,
-        "steps": math.ceil(tokens / batch_tokens), "step_seconds": batch_tokens / (per_gpu * plan.gpus),
-        "tokens_per_second_per_gpu": per_gpu, "tokens_per_second": per_gpu * plan.gpus,
+        "steps": math.ceil(tokens / batch_tokens), "step_seconds": batch_tokens / (per_gpu * scenario.gpus),
+        "tokens_per_second_per_gpu": per_gpu, "tokens_per_second": per_gpu * scenario.gpus,
         "compute_time": _duration(seconds), "overhead": extra, "time": _duration(wall),
-        "gpu_hours": plan.gpus * wall / 3600,
-        "cost": plan.gpus * wall / 3600 * plan.price_per_gpu_hour if plan.price_per_gpu_hour else None,
+        "gpu_hours": scenario.gpus * wall / 3600,
+        "cost": scenario.gpus * wall / 3600 * scenario.price_per_gpu_hour if scenario.price_per_gpu_hour else None,
         "checkpoint": {"bytes": full_state, "model_bytes": shape.params.total * 2,
-                       "write_seconds": extra["checkpoint_write_seconds"], "gbps_per_node": plan.checkpoint_gbps,
+                       "write_seconds": extra["checkpoint_write_seconds"], "gbps_per_node": scenario.checkpoint_gbps,
                        "stall_seconds": extra["checkpoint_stall_seconds"],
-                       "interval_seconds": extra["checkpoint_interval_seconds"], "async": plan.async_checkpoint},
-        "pipeline_bubble": (plan.pp - 1) / (accumulate + plan.pp - 1) if plan.pp > 1 else 0.0,
-        "recompute_flops_per_token": 2.0 * shape.params.matmul if plan.recompute == "full" else 0.0,
+                       "interval_seconds": extra["checkpoint_interval_seconds"], "async": scenario.async_checkpoint},
+        "pipeline_bubble": (scenario.pp - 1) / (accumulate + scenario.pp - 1) if scenario.pp > 1 else 0.0,
+        "recompute_flops_per_token": 2.0 * shape.params.matmul if scenario.recompute == "full" else 0.0,
     }
-    if plan.target_days:
-        gpus = tokens * per_token * extra["factor"] / (plan.target_days * 86400 * plan.mfu * peak)
-        result["gpus_for_target"] = {"days": plan.target_days,
-                                     "gpus": math.ceil(gpus / plan.model_parallel) * plan.model_parallel}
+    if scenario.target_days:
+        gpus = tokens * per_token * extra["factor"] / (scenario.target_days * 86400 * scenario.mfu * peak)
+        result["gpus_for_target"] = {"days": scenario.target_days,
+                                     "gpus": math.ceil(gpus / scenario.model_parallel) * scenario.model_parallel}
     return result
 
 
-def _fits(plan: Plan, shape: ModelShape) -> dict | None:
+def _fits(scenario: TrainingScenario, shape: ModelShape) -> dict | None:
     try:
-        check_model_layout(plan, shape.heads, shape.kv_heads, shape.layers)
+        check_model_layout(scenario, shape.heads, shape.kv_heads, shape.layers)
     except UserError:  # a layout the model cannot take is simply not a candidate
         return None
-    result = memory(plan, shape)
+    result = memory(scenario, shape)
     return result if result["fits"] else None
 
 
-def largest_micro_batch(plan: Plan, shape: ModelShape, limit: int = 1024) -> int | None:
+def largest_micro_batch(scenario: TrainingScenario, shape: ModelShape, limit: int = 1024) -> int | None:
     """Memory grows with the micro batch, so the first one that does not fit ends the search."""
     best = None
     size = 1
-    while size <= limit and _fits(replace(plan, micro_batch=size), shape):
+    while size <= limit and _fits(replace(scenario, micro_batch=size), shape):
         best, size = size, size + 1 if size < 8 else size * 2
     return best
 
@@ -242,41 +241,41 @@ def largest_micro_batch(plan: Plan, shape: ModelShape, limit: int = 1024) -> int
 _RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 2}
 
 
-def _candidates(plan: Plan):
+def _candidates(scenario: TrainingScenario):
     """Every layout --find considers. smolctl: what `smolctl pretrain` runs, tensor parallel × FSDP2 data parallel
     sharded over dp_shard ranks and replicated over the rest (HSDP; dp_shard 1 is plain DDP), no pipeline or
     context parallel. megatron: tp × pp × cp with ZeRO 0–3 over data parallel."""
-    recomputes = ("none", "selective", "full") if plan.attention == "eager" else ("none", "full")
-    if plan.framework == "smolctl":
+    recomputes = ("none", "selective", "full") if scenario.attention == "eager" else ("none", "full")
+    if scenario.framework == "smolctl":
         for tp, recompute in product((1, 2, 4, 8), recomputes):
-            if plan.gpus % tp:
+            if scenario.gpus % tp:
                 continue
-            dp = plan.gpus // tp
+            dp = scenario.gpus // tp
             for shard in sorted({d for d in (2**k for k in range(dp.bit_length())) if dp % d == 0} | {dp}):
-                yield replace(plan, tp=tp, pp=1, cp=1, zero=3 if shard > 1 else 0,
+                yield replace(scenario, tp=tp, pp=1, cp=1, zero=3 if shard > 1 else 0,
                               dp_shard=shard if shard > 1 else None, recompute=recompute)
         return
     for tp, pp, cp, zero, recompute in product((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8), (0, 1, 2, 3), recomputes):
-        if not plan.gpus % (tp * pp * cp) and not plan.seq_len % cp:
-            yield replace(plan, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=None, recompute=recompute)
+        if not scenario.gpus % (tp * pp * cp) and not scenario.seq_len % cp:
+            yield replace(scenario, tp=tp, pp=pp, cp=cp, zero=zero, dp_shard=None, recompute=recompute)
 
 
-def smallest_layouts(plan: Plan, shape: ModelShape, top: int = 5) -> dict:
-    """Layouts that fit at the plan's micro batch and global batch (held fixed: data parallel × micro batch must
+def smallest_layouts(scenario: TrainingScenario, shape: ModelShape, top: int = 5) -> dict:
+    """Layouts that fit at the scenario's micro batch and global batch (held fixed: data parallel × micro batch must
     divide it, and a pipeline needs at least as many micro batches as stages), fastest first: no recompute before
     selective before full (full recompute costs a third more FLOPs, more than intra-node TP costs), then the fewest
     model-parallel GPUs, then weights gathered inside a node before across nodes (HSDP), then ZeRO 0–2 before 3
     (ZeRO-1/2 move the same bytes as an all-reduce, ZeRO-3 half as much again), then TP before PP (bubbles)
     before CP, then the most free memory."""
-    batch_tokens = plan.global_batch_tokens or accumulation(plan)[0]  # the batch asked for, not a rounded one
-    sequences = batch_tokens // plan.seq_len
+    batch_tokens = scenario.global_batch_tokens or accumulation(scenario)[0]  # the batch asked for, not a rounded one
+    sequences = batch_tokens // scenario.seq_len
     found, skipped = [], {"batch": 0, "pipeline": 0}
-    for candidate in _candidates(replace(plan, global_batch_tokens=batch_tokens)):
+    for candidate in _candidates(replace(scenario, global_batch_tokens=batch_tokens)):
         dp = data_parallel(candidate)
-        if sequences % (dp * plan.micro_batch):
+        if sequences % (dp * scenario.micro_batch):
             skipped["batch"] += 1
             continue
-        accumulate = sequences // (dp * plan.micro_batch)
+        accumulate = sequences // (dp * scenario.micro_batch)
         if accumulate < candidate.pp:
             skipped["pipeline"] += 1
             continue
@@ -291,27 +290,27 @@ def smallest_layouts(plan: Plan, shape: ModelShape, top: int = 5) -> dict:
                            "dp_replicate": dp // shard if candidate.zero == 3 else dp, "zero": candidate.zero,
                            "recompute": candidate.recompute, "gradient_accumulation": accumulate,
                            "global_batch_tokens": batch_tokens, "total": result["total"], "free": result["free"]}))
-    return {"framework": plan.framework, "global_batch_tokens": batch_tokens, "skipped": skipped,
+    return {"framework": scenario.framework, "global_batch_tokens": batch_tokens, "skipped": skipped,
             "layouts": [layout for _, layout in sorted(found, key=lambda item: item[0])[:top]]}
 
 
-def _headlines(plan: Plan, held: dict, batch_tokens: int) -> list[dict]:
+def _headlines(scenario: TrainingScenario, held: dict, batch_tokens: int) -> list[dict]:
     """What the reader must not miss, above the tables: a run that does not fit, a global batch other than the
     one asked for, a time for one step when no token count was given."""
     lines = []
     if not held["fits"]:
-        lines.append({"level": "error", "text": f"does not fit {plan.gpu}: {held['total'] / GIB:.1f} GiB per GPU of "
+        lines.append({"level": "error", "text": f"does not fit {scenario.gpu}: {held['total'] / GIB:.1f} GiB per GPU of "
                       f"{held['capacity'] / GIB:.1f} — --find lists the layouts that do (or try --recompute full, a "
                       "larger --tp, a smaller --micro-batch)"})
-    if plan.global_batch_tokens and batch_tokens != plan.global_batch_tokens:
-        wanted = plan.global_batch_tokens // plan.seq_len
-        per_step = plan.micro_batch * data_parallel(plan)
-        lines.append({"level": "warning", "text": f"global batch changed from {plan.global_batch_tokens:,} to "
-                      f"{batch_tokens:,} tokens: {data_parallel(plan)} data-parallel ranks × micro batch "
-                      f"{plan.micro_batch} = {per_step} sequences per pass do not divide the {wanted} asked for, so "
-                      f"the step rounds up to {batch_tokens // plan.seq_len}; choose --gpus / --micro-batch so that "
+    if scenario.global_batch_tokens and batch_tokens != scenario.global_batch_tokens:
+        wanted = scenario.global_batch_tokens // scenario.seq_len
+        per_step = scenario.micro_batch * data_parallel(scenario)
+        lines.append({"level": "warning", "text": f"global batch changed from {scenario.global_batch_tokens:,} to "
+                      f"{batch_tokens:,} tokens: {data_parallel(scenario)} data-parallel ranks × micro batch "
+                      f"{scenario.micro_batch} = {per_step} sequences per pass do not divide the {wanted} asked for, so "
+                      f"the step rounds up to {batch_tokens // scenario.seq_len}; choose --gpus / --micro-batch so that "
                       f"dp × micro batch divides {wanted} (or --find)"})
-    if plan.tokens is None:
+    if scenario.tokens is None:
         lines.append({"level": "warning", "text": f"no --tokens: the time and cost below are for ONE optimizer step "
                       f"({batch_tokens:,} tokens); give the run's tokens, e.g. --tokens 1T"})
     return lines
@@ -339,65 +338,65 @@ class Estimate(Result):
 
 @dataclass
 class ServingEstimate(Result):
-    """A model served on the plan's GPU type: weights, KV cache, activations and decode speed (`--inference`)."""
+    """A model served on the scenario's GPU type: weights, KV cache, activations and decode speed (`--inference`)."""
 
     source: str | None
     model: dict
     inference: dict
 
 
-def estimate(plan: Plan, *, find: bool = False) -> Estimate:
-    config, shape = load_model(plan)
-    check_model_layout(plan, shape.heads, shape.kv_heads, shape.layers)
-    batch_tokens, accumulate = accumulation(plan)
-    notes = list(plan.notes)
+def estimate(scenario: TrainingScenario, *, find: bool = False) -> Estimate:
+    config, shape = load_model(scenario)
+    check_model_layout(scenario, shape.heads, shape.kv_heads, shape.layers)
+    batch_tokens, accumulate = accumulation(scenario)
+    notes = list(scenario.notes)
     if not shape.llama_like:
         notes.append(f"{shape.model_type} is not a Llama-family layer: activations are approximated with the "
                      "Llama formula; run --validate to measure them")
-    if plan.recompute == "selective" and plan.attention != "eager":
+    if scenario.recompute == "selective" and scenario.attention != "eager":
         notes.append("selective recompute = recompute the attention core, which flash/sdpa kernels already do: "
                      "same memory as none")
-    if plan.recompute == "full":
+    if scenario.recompute == "full":
         notes.append("full recompute runs each layer's forward twice (+2N FLOPs/token of hardware work); give the "
                      "MFU measured with it (MFU does not count recomputation)")
-    if plan.tp > shape.kv_heads:
-        notes.append(f"tp {plan.tp} > {shape.kv_heads} KV heads: each KV head is replicated on "
-                     f"{plan.tp // shape.kv_heads} ranks (its weights counted on each)")
-    if plan.precision == "fp32":
-        notes.append("fp32 matmuls at the TF32 tensor-core rate (--tf32)" if plan.tf32 else
-                     f"fp32 matmuls at the plain fp32 rate ({GPUS[plan.gpu].fp32_tflops:g} TFLOPS): PyTorch leaves "
+    if scenario.tp > shape.kv_heads:
+        notes.append(f"tp {scenario.tp} > {shape.kv_heads} KV heads: each KV head is replicated on "
+                     f"{scenario.tp // shape.kv_heads} ranks (its weights counted on each)")
+    if scenario.precision == "fp32":
+        notes.append("fp32 matmuls at the TF32 tensor-core rate (--tf32)" if scenario.tf32 else
+                     f"fp32 matmuls at the plain fp32 rate ({GPUS[scenario.gpu].fp32_tflops:g} TFLOPS): PyTorch leaves "
                      "TF32 off; with it on (torch.backends.cuda.matmul.allow_tf32) pass --tf32")
-    held = memory(plan, shape)
+    held = memory(scenario, shape)
     loss_bytes = held["activations_detail"]["head"] + held["logits_grad"]
     if loss_bytes > 0.15 * held["capacity"]:
         notes.append(f"the loss over {shape.vocab} vocabulary entries holds {loss_bytes / 2**30:.1f} GiB (fp32 "
                      "log-softmax and its gradients): a chunked/fused cross-entropy (e.g. Liger's) avoids most of it")
     result = Estimate(
-        source=plan.source,
-        model={"name": plan.model if isinstance(plan.model, str) else plan.model.get("architecture", "?"),
+        source=scenario.source,
+        model={"name": scenario.model if isinstance(scenario.model, str) else scenario.model.get("architecture", "?"),
                **shape.to_dict()},
-        headlines=_headlines(plan, held, batch_tokens),
-        layout={"gpus": plan.gpus, "gpu": plan.gpu, "tp": plan.tp, "pp": plan.pp, "cp": plan.cp,
-                   "dp": data_parallel(plan), "dp_shard": plan.dp_shard, "zero": plan.zero, "recompute": plan.recompute,
-                   "attention": plan.attention, "precision": plan.precision, "optimizer": plan.optimizer,
-                   "seq_len": plan.seq_len, "micro_batch": plan.micro_batch, "gradient_accumulation": accumulate,
-                   "global_batch_tokens": batch_tokens, "mfu": plan.mfu, "tf32": plan.tf32},
+        headlines=_headlines(scenario, held, batch_tokens),
+        layout={"gpus": scenario.gpus, "gpu": scenario.gpu, "tp": scenario.tp, "pp": scenario.pp, "cp": scenario.cp,
+                   "dp": data_parallel(scenario), "dp_shard": scenario.dp_shard, "zero": scenario.zero, "recompute": scenario.recompute,
+                   "attention": scenario.attention, "precision": scenario.precision, "optimizer": scenario.optimizer,
+                   "seq_len": scenario.seq_len, "micro_batch": scenario.micro_batch, "gradient_accumulation": accumulate,
+                   "global_batch_tokens": batch_tokens, "mfu": scenario.mfu, "tf32": scenario.tf32},
         memory=held,
-        compute=compute(plan, config, shape),
+        compute=compute(scenario, config, shape),
         notes=notes,
     )
     if find:
-        result.find = {"largest_micro_batch": largest_micro_batch(plan, shape), **smallest_layouts(plan, shape)}
+        result.find = {"largest_micro_batch": largest_micro_batch(scenario, shape), **smallest_layouts(scenario, shape)}
     return result
 
 
-def estimate_inference(plan: Plan, serving: InferencePlan) -> ServingEstimate:
-    """Weights, KV cache, activations and decode speed of serving the plan's model on its GPU type (tp GPUs)."""
-    _, shape = load_model(plan)
-    check_model_layout(replace(plan, pp=1), shape.heads, shape.kv_heads, shape.layers)
+def estimate_inference(scenario: TrainingScenario, serving: InferenceScenario) -> ServingEstimate:
+    """Weights, KV cache, activations and decode speed of serving the scenario's model on its GPU type (tp GPUs)."""
+    _, shape = load_model(scenario)
+    check_model_layout(replace(scenario, pp=1), shape.heads, shape.kv_heads, shape.layers)
     return ServingEstimate(
-        source=plan.source,
-        model={"name": plan.model if isinstance(plan.model, str) else plan.model.get("architecture", "?"),
+        source=scenario.source,
+        model={"name": scenario.model if isinstance(scenario.model, str) else scenario.model.get("architecture", "?"),
                **shape.to_dict()},
-        inference=inference(shape, plan.gpu, check_inference(serving), tp=plan.tp),
+        inference=inference(shape, scenario.gpu, check_inference(serving), tp=scenario.tp),
     )

@@ -24,7 +24,7 @@ COMPUTE_BYTES = 2
 
 
 @dataclass(frozen=True)
-class InferencePlan:
+class InferenceScenario:
     context: int = 8192
     """Tokens per sequence held in the KV cache (prompt + generated)."""
     batch: int = 1
@@ -34,14 +34,14 @@ class InferencePlan:
     """Also size the same model with multi-head attention (as many KV heads as query heads)."""
 
 
-def check_inference(plan: InferencePlan) -> InferencePlan:
-    if plan.context < 1:
-        raise UserError("--context", f"must be at least 1 token, got {plan.context}", "e.g. --context 8192")
-    if plan.batch < 1:
-        raise UserError("--batch", f"must be at least 1 sequence, got {plan.batch}", "e.g. --batch 8")
-    if plan.kv_dtype not in KV_DTYPES:
-        raise UserError("--kv-dtype", f"{plan.kv_dtype!r} is not known", f"known: {', '.join(KV_DTYPES)}")
-    return plan
+def check_inference(scenario: InferenceScenario) -> InferenceScenario:
+    if scenario.context < 1:
+        raise UserError("--context", f"must be at least 1 token, got {scenario.context}", "e.g. --context 8192")
+    if scenario.batch < 1:
+        raise UserError("--batch", f"must be at least 1 sequence, got {scenario.batch}", "e.g. --batch 8")
+    if scenario.kv_dtype not in KV_DTYPES:
+        raise UserError("--kv-dtype", f"{scenario.kv_dtype!r} is not known", f"known: {', '.join(KV_DTYPES)}")
+    return scenario
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: str, tp: int = 1) -> float:
@@ -56,22 +56,22 @@ def prefill_bytes_per_token(shape: ModelShape, tp: int = 1) -> float:
     return COMPUTE_BYTES * (3 * shape.ffn + 2 * shape.hidden + shape.q_dim + 2 * shape.kv_dim) / tp
 
 
-def sizing(shape: ModelShape, gpu_name: str, plan: InferencePlan, tp: int = 1) -> dict:
+def sizing(shape: ModelShape, gpu_name: str, scenario: InferenceScenario, tp: int = 1) -> dict:
     gpu = GPUS[gpu_name]
     capacity = gpu.memory_gib * GIB
     kv_params = shape.layers * 2 * shape.hidden * shape.kv_dim
     weights = tp_local_params(shape.params.total, kv_params, tp, shape.kv_heads) * WEIGHT_BYTES
-    per_token = kv_bytes_per_token(shape, plan.kv_dtype, tp)
-    per_sequence = per_token * plan.context
-    kv_cache = per_sequence * plan.batch
+    per_token = kv_bytes_per_token(shape, scenario.kv_dtype, tp)
+    per_sequence = per_token * scenario.context
+    kv_cache = per_sequence * scenario.batch
     # the prompt of every sequence in one forward, and the last position's fp32 logits (generation keeps only those)
-    logits = plan.batch * shape.vocab * 4 / tp
-    prefill = prefill_bytes_per_token(shape, tp) * plan.context * plan.batch + logits
+    logits = scenario.batch * shape.vocab * 4 / tp
+    prefill = prefill_bytes_per_token(shape, tp) * scenario.context * scenario.batch + logits
     reserved = RUNTIME_RESERVED_GIB * GIB
     total = weights + kv_cache + prefill + reserved
     spare = capacity - weights - reserved
-    per_sequence_total = per_sequence + prefill_bytes_per_token(shape, tp) * plan.context + shape.vocab * 4 / tp
-    per_token_total = plan.batch * (per_token + prefill_bytes_per_token(shape, tp))
+    per_sequence_total = per_sequence + prefill_bytes_per_token(shape, tp) * scenario.context + shape.vocab * 4 / tp
+    per_token_total = scenario.batch * (per_token + prefill_bytes_per_token(shape, tp))
     step_bytes = weights + kv_cache  # read once per decoded token
     bandwidth = gpu.memory_tbps * 1e12
     return {
@@ -81,7 +81,7 @@ def sizing(shape: ModelShape, gpu_name: str, plan: InferencePlan, tp: int = 1) -
         "fits": total <= capacity, "free": capacity - total,
         "max_batch": max(0, math.floor(spare / per_sequence_total)) if spare > 0 else 0,
         "max_context": max(0, math.floor((spare - logits) / per_token_total)) if spare > logits else 0,
-        "decode_tokens_per_second": plan.batch * bandwidth / step_bytes,
+        "decode_tokens_per_second": scenario.batch * bandwidth / step_bytes,
         "decode_tokens_per_second_per_sequence": bandwidth / step_bytes,
         "memory_tbps": gpu.memory_tbps,
     }
@@ -95,9 +95,9 @@ def multi_head(shape: ModelShape) -> ModelShape:
     return replace(shape, kv_heads=shape.heads, params=params)
 
 
-def inference(shape: ModelShape, gpu: str, plan: InferencePlan, tp: int = 1) -> dict:
-    result = {"gpu": gpu, "tp": tp, "context": plan.context, "batch": plan.batch, "kv_dtype": plan.kv_dtype,
-              "model": sizing(shape, gpu, plan, tp)}
-    if plan.compare_attention:
-        result["multi_head"] = sizing(multi_head(shape), gpu, plan, tp)
+def inference(shape: ModelShape, gpu: str, scenario: InferenceScenario, tp: int = 1) -> dict:
+    result = {"gpu": gpu, "tp": tp, "context": scenario.context, "batch": scenario.batch, "kv_dtype": scenario.kv_dtype,
+              "model": sizing(shape, gpu, scenario, tp)}
+    if scenario.compare_attention:
+        result["multi_head"] = sizing(multi_head(shape), gpu, scenario, tp)
     return result

@@ -21,8 +21,11 @@ import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
 
-from smolctl.infra.memory import PRECISIONS
-from smolctl.infra.model_shape import config_from_dict
+from smolctl.infra.flops import head_dim as head_dim_of
+from smolctl.infra.flops import kv_heads as kv_heads_of
+from smolctl.infra.flops import matmul_params_closed_form, training_flops_per_token
+from smolctl.infra.memory import PRECISIONS, activations, logits_grad_bytes, state_bytes
+from smolctl.infra.model_shape import config_from_dict, measure_shape
 
 _RECOMPUTED_EAGER = "smolctl_recomputed_eager"
 
@@ -80,19 +83,17 @@ class SavedTensorMeter:
 def scaled_down(config, *, layers: int = 4, head_dim: int = 16, max_kv_heads: int = 2, vocab: int = 2048):
     """A small copy of `config` with the same architecture, GQA ratio, FFN/hidden ratio and flags (NoPE, q/k
     norms, biases, tying), so the formulas are checked on the same kinds of tensors, in seconds on a CPU."""
-    from smolctl.infra.flops import head_dim as head_dim_of, kv_heads as kv_heads_of
-
     raw = config.to_dict()
     group = config.num_attention_heads // kv_heads_of(config)
     kv = min(kv_heads_of(config), max_kv_heads)
     heads = kv * group
     hidden_per_head = config.hidden_size / (config.num_attention_heads * head_dim_of(config))
-    hidden = max(16, int(round(heads * head_dim * hidden_per_head / 8)) * 8)
+    hidden = max(16, round(heads * head_dim * hidden_per_head / 8) * 8)
     for derived in ("no_rope_layers", "layer_types", "max_window_layers", "head_dim"):
         raw.pop(derived, None)
     raw.update(num_hidden_layers=min(config.num_hidden_layers, layers), num_attention_heads=heads,
                num_key_value_heads=kv, hidden_size=hidden, vocab_size=min(config.vocab_size, vocab),
-               intermediate_size=max(8, int(round(hidden * config.intermediate_size / config.hidden_size))))
+               intermediate_size=max(8, round(hidden * config.intermediate_size / config.hidden_size)))
     if getattr(config, "head_dim", None) and hidden_per_head != 1:
         raw["head_dim"] = head_dim
     return config_from_dict(raw, "scaled-down copy")
@@ -100,7 +101,6 @@ def scaled_down(config, *, layers: int = 4, head_dim: int = 16, max_kv_heads: in
 
 def _register_recomputed_eager(model) -> None:
     """An attention implementation that checkpoints the model's own eager attention core."""
-    import torch
     from torch.utils.checkpoint import checkpoint
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
@@ -208,31 +208,25 @@ def measure_gpu_peak(config, *, micro_batch: int, seq_len: int, precision: str, 
     return {"max_memory_allocated": torch.cuda.max_memory_allocated(), "device": torch.cuda.get_device_name()}
 
 
-def _run_size(plan, config) -> tuple[Any, int, int, str]:
-    """The config, micro batch and sequence length to run: as planned when that is small, else a scaled-down copy
+def _run_size(scenario, config) -> tuple[Any, int, int, str]:
+    """The config, micro batch and sequence length to run: as given when that is small, else a scaled-down copy
     (the formulas are per-token and per-layer, so a small copy of the same architecture checks them)."""
-    from smolctl.infra.flops import matmul_params_closed_form
-
-    seq_len = min(plan.seq_len, 256)
-    micro_batch = max(1, min(plan.micro_batch, 1024 // seq_len))
-    if matmul_params_closed_form(config) <= 20_000_000 and seq_len == plan.seq_len:
-        return config, micro_batch, seq_len, "the model as planned"
+    seq_len = min(scenario.seq_len, 256)
+    micro_batch = max(1, min(scenario.micro_batch, 1024 // seq_len))
+    if matmul_params_closed_form(config) <= 20_000_000 and seq_len == scenario.seq_len:
+        return config, micro_batch, seq_len, "the model as given"
     small = scaled_down(config)
     what = (f"scaled-down copy: {small.num_hidden_layers} layers, hidden {small.hidden_size}, "
             f"{small.num_attention_heads}/{small.num_key_value_heads} heads, vocab {small.vocab_size}")
     return small, micro_batch, seq_len, what
 
 
-def validate(plan, config) -> dict[str, Any]:
+def validate(scenario, config) -> dict[str, Any]:
     """Estimate vs measurement, side by side, for FLOPs, parameters and activations of every recompute mode; on
     a GPU also the peak allocated memory of a training step."""
     import torch
 
-    from smolctl.infra.flops import training_flops_per_token
-    from smolctl.infra.memory import activations, logits_grad_bytes, state_bytes
-    from smolctl.infra.model_shape import measure_shape
-
-    small, micro_batch, seq_len, what = _run_size(plan, config)
+    small, micro_batch, seq_len, what = _run_size(scenario, config)
     shape = measure_shape(small)
     tokens = micro_batch * seq_len
     real = build_model(small, precision="fp32", attention="sdpa", recompute="none")
@@ -245,28 +239,28 @@ def validate(plan, config) -> dict[str, Any]:
     rows.append({"what": "FLOPs forward+backward (FlopCounterMode)", "unit": "flops",
                  "estimate": training_flops_per_token(small, seq_len, shape.params.matmul) * tokens,
                  "measured": measure_flops(small, micro_batch=micro_batch, seq_len=seq_len)})
-    modes = [(plan.attention, "none"), ("eager", "none"), ("eager", "selective"), (plan.attention, "full")]
-    if (plan.attention, plan.recompute) not in modes:
-        modes.append((plan.attention, plan.recompute))
-    precision = PRECISIONS[plan.precision]
+    modes = [(scenario.attention, "none"), ("eager", "none"), ("eager", "selective"), (scenario.attention, "full")]
+    if (scenario.attention, scenario.recompute) not in modes:
+        modes.append((scenario.attention, scenario.recompute))
+    precision = PRECISIONS[scenario.precision]
     for attention, recompute in modes:
         estimated = activations(shape, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
                                 attention=attention, recompute=recompute).peak(shape.layers)
-        measured = measure_activations(small, micro_batch=micro_batch, seq_len=seq_len, precision=plan.precision,
+        measured = measure_activations(small, micro_batch=micro_batch, seq_len=seq_len, precision=scenario.precision,
                                        attention=attention, recompute=recompute)
-        rows.append({"what": f"activations {plan.precision} {attention} recompute={recompute} (saved tensors)",
+        rows.append({"what": f"activations {scenario.precision} {attention} recompute={recompute} (saved tensors)",
                      "estimate": estimated, "measured": measured, "unit": "bytes"})
     result = {"ran": what, "micro_batch": micro_batch, "seq_len": seq_len, "rows": rows, "device": "cpu"}
     if torch.cuda.is_available():
         # Plain torch AdamW keeps no fp32 master copy of bf16 weights, so the GPU step runs amp (fp32 weights).
-        gpu_precision = "amp" if plan.precision == "bf16" else plan.precision
-        optimizer = "sgd" if plan.optimizer == "sgd" else "adamw"
+        gpu_precision = "amp" if scenario.precision == "bf16" else scenario.precision
+        optimizer = "sgd" if scenario.optimizer == "sgd" else "adamw"
         measured = measure_gpu_peak(small, micro_batch=micro_batch, seq_len=seq_len, precision=gpu_precision,
-                                    attention=plan.attention, recompute=plan.recompute, optimizer=optimizer)
+                                    attention=scenario.attention, recompute=scenario.recompute, optimizer=optimizer)
         states = state_bytes(shape.params.total, shape.params.per_layer, precision=PRECISIONS[gpu_precision],
                              optimizer=optimizer, zero=0, shard=1, tp=1)
         act = activations(shape, micro_batch=micro_batch, seq_len=seq_len, precision=PRECISIONS[gpu_precision],
-                          attention=plan.attention, recompute=plan.recompute)
+                          attention=scenario.attention, recompute=scenario.recompute)
         estimated = states.total + act.peak(shape.layers) + logits_grad_bytes(shape, micro_batch=micro_batch,
                                                                              seq_len=seq_len, tp=1, cp=1)
         rows.append({"what": f"GPU peak allocated {gpu_precision} (torch.cuda.max_memory_allocated)",

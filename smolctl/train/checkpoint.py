@@ -12,10 +12,13 @@
 
 One format for one process, DDP and FSDP2: state dicts go through `torch.distributed.checkpoint.state_dict`, so
 DTensor shards are saved as such and DCP reshards them on load; the data order is a function of the step, so a
-run saved on 2 processes continues on 1 or 4. A save is staged to CPU memory and written by a background thread
-(`dcp.async_save`, at most one in flight); it becomes a checkpoint — manifest written, staging folder renamed,
-visible to `--resume auto` — only once every rank has finished writing, so a crash during a save leaves the
-previous checkpoint as the newest.
+run saved on 2 processes continues on 1 or 4. An asynchronous save (`dcp.async_save`, at most one in flight) copies
+the state into CPU buffers allocated once and reused by every later save (pinned on GPUs), on a background
+thread, while the loop runs the next forward and backward; the loop waits for that copy only before its next
+optimizer step (`wait_for_staging`), the first moment the state changes, as torchtitan does. Another thread then
+writes the files. A save becomes a checkpoint — manifest written, staging folder renamed, visible to
+`--resume auto` — only once every rank has finished writing, so a crash during a save leaves the previous
+checkpoint as the newest.
 """
 
 from __future__ import annotations
@@ -152,6 +155,7 @@ class CheckpointManager:
         # soon after still finds it; `_pending` is that thread's future.
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smolctl-checkpoint")
         self._pending: Future | None = None
+        self._staging: Future | None = None  # the copy of the save in flight into the stager's CPU buffers
         self._exporting: Future | None = None
         self._stager = None  # CPU buffers for async saves, allocated once and reused by every later save
         self.process_group = None
@@ -194,16 +198,30 @@ class CheckpointManager:
             if self._stager is None:
                 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-                # Pinned host memory makes the device-to-host copy fast on GPUs; on CPU it does not exist.
-                self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
-                                                            use_async_staging=False, use_non_blocking_copy=False))
-            # Returns once the state is copied to CPU memory; the previous save has finished, so its buffers are free.
-            written = dcp.async_save(self._state(), async_stager=self._stager, **options)
-            self._pending = self._committer.submit(self._commit_when_written, written, output, fields)
+                # Pinned host memory and a side stream make the device-to-host copy fast and off the compute stream
+                # on GPUs; on CPU neither exists. The copy runs on the stager's thread (use_async_staging).
+                on_gpu = torch.cuda.is_available()
+                self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
+                                                            use_async_staging=True, use_non_blocking_copy=on_gpu))
+            # Returns at once; the previous save has finished, so the buffers the copy reuses are free.
+            response = dcp.async_save(self._state(), async_stager=self._stager, **options)
+            self._staging = response.staging_completion
+            self._pending = self._committer.submit(self._commit_when_written, response.upload_completion, output, fields)
+        return time.perf_counter() - started
+
+    def wait_for_staging(self) -> float:
+        """Before anything changes the model or optimizer state (the optimizer step, a restore): wait until the
+        save in flight has copied it; returns the seconds waited."""
+        if self._staging is None:
+            return 0.0
+        started = time.perf_counter()
+        staging, self._staging = self._staging, None
+        staging.result()
         return time.perf_counter() - started
 
     def wait(self, *, barrier: bool = True) -> None:
         """Finish the save in flight (if any) and commit it; with `barrier`, every rank then sees it."""
+        self.wait_for_staging()
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()  # re-raises a failed write (disk full, ...) instead of hiding it

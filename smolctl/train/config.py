@@ -30,7 +30,8 @@ class ModelSection(Section):
 
     model_config = ConfigDict(populate_by_name=True)
     from_: str | None = Field(None, alias="from")
-    """Starting checkpoint of midtrain, sft, dpo, ppo, grpo: a model folder or a run folder (its final/); --from wins."""
+    """Starting checkpoint of midtrain, sft, dpo, ppo, grpo: a model folder or a run folder (its final/);
+    --from wins."""
     architecture: str = "smollm3"
     """A transformers `model_type` with a causal-LM head: smollm3, llama, qwen3, mistral, ..."""
     tokenizer: str | None = None
@@ -64,7 +65,8 @@ class ModelSection(Section):
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}")
         if self.num_key_value_heads and self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by num_key_value_heads {self.num_key_value_heads}")
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                             f"num_key_value_heads {self.num_key_value_heads}")
         return self
 
 
@@ -266,7 +268,8 @@ class ChatDataSection(Section):
     balance_by: str | None = None
     """Column naming each row's category (e.g. "task"): every category gets the same share of the rows."""
     balance: Literal["cap", "upsample"] = "cap"
-    """cap: trim every category to the smallest one's size; upsample: repeat rows of the smaller ones up to the largest."""
+    """cap: trim every category to the smallest one's size; upsample: repeat rows of the smaller ones up to the
+    largest."""
     limit: int | None = Field(None, gt=0)
     """Use at most this many rows (after balancing)."""
 
@@ -342,6 +345,10 @@ class PpoSection(Section):
     scoring_micro_batch: int | None = Field(None, gt=0)
     """Completions per forward when scoring a rollout (old and reference log-probabilities, values).
     Default: training.micro_batch."""
+    generation_micro_batch: int | None = Field(None, gt=0)
+    """Prompts per `generate` call (bounds the KV cache). Each call samples from its own seed (training.seed, the
+    step, the call's first prompt in the step's batch), so when it divides batch_size / processes a rollout is the
+    same whatever the number of processes sharing it. Default: the process's whole share of batch_size."""
 
     def critic_learning_rate(self, policy_lr: float) -> float:
         return self.critic_lr if self.critic_lr is not None else max(10 * policy_lr, 1e-4)

@@ -10,6 +10,8 @@ import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+from smolctl.train.parallel import build_mesh, parallelize
+
 
 @dataclass
 class Dist:
@@ -44,13 +46,17 @@ class Dist:
             dist.all_reduce(value, op=dist.ReduceOp.SUM)
         return value
 
-    def any(self, flag: bool) -> bool:
-        """True on every rank when `flag` is true on at least one (e.g. a signal that reached only some ranks)."""
+    def any(self, flag: bool, group=None) -> bool:
+        """True on every rank when `flag` is true on at least one (e.g. a signal that reached only some ranks).
+        On a gloo `group` the flag stays on the host: no device sync."""
         if not self.active:
             return flag
         import torch
+        import torch.distributed as dist
 
-        return bool(self.sum(torch.tensor([int(flag)], device=self.device)).item())
+        value = torch.tensor([int(flag)], device="cpu" if group is not None else self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+        return bool(value.item())
 
     def close(self) -> None:
         if self.active:
@@ -89,8 +95,6 @@ def init_distributed() -> Dist:
 def wrap_model(wrapped, dist: Dist, layout, *, activation_checkpointing: str, compile: bool, bf16: bool):
     """Parallelise `wrapped` (a CausalLMLoss) over `layout`: TP + FSDP2 through smolctl.train.parallel, or DDP when
     the layout only replicates (tp 1, dp_shard 1) — one all-reduce of gradients, no parameter gathers."""
-    from smolctl.train.parallel import build_mesh, parallelize
-
     replicate_only = layout.tp == 1 and layout.dp_shard == 1
     mesh = build_mesh(layout, dist.device.split(":")[0]) if dist.active and not replicate_only else None
     parallelize(wrapped, mesh=mesh, layout=layout, activation_checkpointing=activation_checkpointing, compile=compile,

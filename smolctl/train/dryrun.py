@@ -1,6 +1,6 @@
 """`--dry-run`: the resolved recipe, the exact parameter count (model built on the meta device, nothing
 allocated), the parallel layout and batch arithmetic, and memory / time from `smolctl estimate`'s model (the
-same function on the same plan, so the two commands agree), without touching any data.
+same function on the same scenario, so the two commands agree), without touching any data.
 
     smolctl pretrain recipes/smollm3.toml --dry-run --world-size 384 --gpu h100
 """
@@ -11,10 +11,17 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import UserError
+from smolctl.infra.estimate import compute, largest_micro_batch, load_model, memory, smallest_layouts
+from smolctl.infra.memory import GPUS
+from smolctl.infra.scenario import TrainingScenario, recipe_values, check_scenario
 from smolctl.results import Result
 from smolctl.shards import KIND_PACKED, read_manifest
 from smolctl.train.config import Layout, TrainRecipe, derive_batch, resolve_layout
+from smolctl.train.model import build_config, build_model, count_parameters
+from smolctl.train.parallel import tp_plan
+
 
 def _data_status(path: str, seq_len: int) -> str:
     folder = Path(path)
@@ -31,8 +38,6 @@ def _data_status(path: str, seq_len: int) -> str:
 def _vocab_size(recipe: TrainRecipe) -> int:
     if recipe.model.vocab_size:
         return recipe.model.vocab_size
-    from smolctl.data.tokenizer import load_tokenizer
-
     spec = recipe.model.tokenizer
     if spec is None:
         manifests = [read_manifest(Path(p)) for p in recipe.data.all_paths() if Path(p).is_dir()]
@@ -43,27 +48,24 @@ def _vocab_size(recipe: TrainRecipe) -> int:
     return len(load_tokenizer(spec))
 
 
-def estimate_plan(recipe: TrainRecipe, *, vocab: int, world_size: int, gpu: str, layout: Layout):
-    """The `smolctl estimate` plan of this recipe on this layout: what `estimate RECIPE --gpus N` would size."""
-    from smolctl.infra.plan import _recipe_values, check_plan, Plan
+def estimate_scenario(recipe: TrainRecipe, *, vocab: int, world_size: int, gpu: str, layout: Layout) -> TrainingScenario:
+    """The `smolctl estimate` scenario of this recipe on this layout: what `estimate RECIPE --gpus N` would size."""
 
     raw = {section: {k: v for k, v in table.items() if v is not None} if isinstance(table, dict) else table
            for section, table in json.loads(recipe.model_dump_json()).items()}
     raw["model"]["vocab_size"] = vocab
-    values = _recipe_values(raw, "recipe")
+    values = recipe_values(raw, "recipe")
     values.update(gpus=world_size, gpu=gpu, tp=layout.tp, source="recipe", dp_shard=layout.dp_shard)
     if layout.dp_shard == 1:  # replicas only (DDP, or TP without FSDP): nothing sharded over data-parallel ranks
         values.update(zero=0, dp_shard=None)
-    return check_plan(Plan(**values))
+    return check_scenario(TrainingScenario(**values))
 
 
-def _runnable_layouts(plan, shape) -> list[dict]:
+def _runnable_layouts(scenario: TrainingScenario, shape) -> list[dict]:
     """estimate's layouts that fit (its smolctl framework: tp × FSDP2/HSDP data parallel), as recipe keys."""
-    from smolctl.infra.estimate import smallest_layouts
-
     recompute = {"none": "none", "full": "full"}
     found: dict[tuple, dict] = {}
-    for option in smallest_layouts(replace(plan, framework="smolctl"), shape, top=20)["layouts"]:
+    for option in smallest_layouts(replace(scenario, framework="smolctl"), shape, top=20)["layouts"]:
         if option["pp"] == 1 and option["cp"] == 1 and option["recompute"] in recompute:
             keys = {"parallel.tp": option["tp"], "parallel.dp_shard": option["dp_shard"],
                     "parallel.dp_replicate": option["dp_replicate"], "training.shard": option["zero"] == 3,
@@ -102,11 +104,6 @@ class DryRun(Result):
 
 
 def dry_run(recipe: TrainRecipe, *, world_size: int, gpu: str = "h100") -> DryRun:
-    from smolctl.infra.estimate import compute, largest_micro_batch, load_model, memory
-    from smolctl.infra.memory import GPUS
-    from smolctl.train.model import build_config, build_model, count_parameters
-    from smolctl.train.parallel import tp_plan
-
     if gpu not in GPUS:
         raise UserError("--gpu", f"{gpu!r} is not known", f"known: {', '.join(GPUS)}")
     training = recipe.training
@@ -116,7 +113,7 @@ def dry_run(recipe: TrainRecipe, *, world_size: int, gpu: str = "h100") -> DryRu
     config = build_config(recipe.model, vocab_size=vocab, seq_len=training.seq_len, eos_id=None, pad_id=None)
     tp_plan(config, layout.tp)
     counts = count_parameters(build_model(config, device="meta", attention=training.attention))
-    sizing = estimate_plan(recipe, vocab=vocab, world_size=world_size, gpu=gpu, layout=layout)
+    sizing = estimate_scenario(recipe, vocab=vocab, world_size=world_size, gpu=gpu, layout=layout)
     model_config, shape = load_model(sizing)
     held = memory(sizing, shape)
     timing = compute(sizing, model_config, shape)

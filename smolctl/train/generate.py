@@ -22,6 +22,7 @@ equals an uninterrupted one on the same backend and device).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -33,12 +34,13 @@ from typing import Callable, Protocol
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import UserError
 from smolctl.shards import KIND_DOCUMENTS, OutputFolder, check_output_path, lineage_ref, open_documents, schema_to_dict
 from smolctl.train.rewards import CompositeReward
-from smolctl.train.stage import check_start, chat_stop_ids
+from smolctl.train.posttrain_run import chat_stop_ids, check_start, quiet_offline
 
-PLAN_FILE = ".generate-plan.json"
+SETTINGS_FILE = ".generate-settings.json"  # what a rerun must match to keep the finished shards
 BACKENDS = ("auto", "transformers", "vllm")
 
 
@@ -152,8 +154,6 @@ class TransformersSampler:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from smolctl.data.tokenizer import load_tokenizer
-
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if self.device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
         self.tokenizer = load_tokenizer(path)
@@ -199,8 +199,6 @@ class VllmSampler:
     def __init__(self, path: Path, memory_share: float):
         from vllm import LLM
 
-        from smolctl.data.tokenizer import load_tokenizer
-
         self.tokenizer = load_tokenizer(path)
         self.stop_ids = chat_stop_ids(self.tokenizer)
         self.llm = LLM(model=str(path), gpu_memory_utilization=memory_share, enable_prefix_caching=True)
@@ -219,8 +217,6 @@ class VllmSampler:
 def choose_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise UserError("--backend", f"{backend!r} is not one of {', '.join(BACKENDS)}", "use auto, transformers or vllm")
-    import importlib.util
-
     has_vllm = importlib.util.find_spec("vllm") is not None
     if backend == "vllm" and not has_vllm:
         raise UserError("--backend", "vllm is not installed", "pip install vllm on a GPU machine, or use --backend transformers")
@@ -331,20 +327,20 @@ def check_job(job: GenerateJob) -> None:
                         "pass e.g. --num-completions 4")
 
 
-def resume_state(folder: OutputFolder, plan: dict, shards: int) -> int:
-    """How many leading shards in the staging folder a rerun of the same plan keeps; anything else is removed."""
-    plan_path = folder.file(PLAN_FILE)
-    same = plan_path.is_file() and json.loads(plan_path.read_text()) == plan
+def resume_state(folder: OutputFolder, settings: dict, shards: int) -> int:
+    """How many leading shards in the staging folder a rerun with the same settings keeps; anything else is removed."""
+    settings_path = folder.file(SETTINGS_FILE)
+    same = settings_path.is_file() and json.loads(settings_path.read_text()) == settings
     done = 0
     while same and done < shards and folder.file(shard_name(done)).is_file():
         done += 1
-    for stale in folder.staging.iterdir():  # half-written temporaries, shards of another plan or past the gap
-        keep = stale.name == PLAN_FILE and same
+    for stale in folder.staging.iterdir():  # half-written temporaries, shards of other settings or past the gap
+        keep = stale.name == SETTINGS_FILE and same
         keep = keep or any(stale.name == shard_name(i) for i in range(done))
         if not keep:
             stale.unlink()
     if not same:
-        plan_path.write_text(json.dumps(plan))
+        settings_path.write_text(json.dumps(settings))
     return done
 
 
@@ -366,14 +362,12 @@ def run_generate(job: GenerateJob, on_progress: Callable[[int, int, float], None
     schema = SCHEMAS[job.mode]
     shards = math.ceil(len(prompts) / job.shard_prompts)
     inputs = [*source.lineage(), *[lineage_ref(m) for m in job.models]]
-    plan = {"mode": job.mode, "backend": backend, "inputs": inputs, "sampling": asdict(job.sampling),
+    settings = {"mode": job.mode, "backend": backend, "inputs": inputs, "sampling": asdict(job.sampling),
             "prompt_column": job.prompt_column, "limit": job.limit, "batch_size": job.batch_size,
             "shard_prompts": job.shard_prompts, "reward_recipe": job.reward_recipe}
-    from smolctl.train.stage import quiet_offline
-
     quiet_offline()
     folder = OutputFolder(job.output, kind=KIND_DOCUMENTS, overwrite=job.overwrite, inputs=inputs, resumable=True)
-    resumed = resume_state(folder, plan, shards)
+    resumed = resume_state(folder, settings, shards)
     samplers = [TransformersSampler(m) if backend == "transformers" else VllmSampler(m, 0.9 / len(job.models))
                 for m in job.models] if resumed < shards else []
     done, tokens = resumed * job.shard_prompts, 0
@@ -399,7 +393,7 @@ def run_generate(job: GenerateJob, on_progress: Callable[[int, int, float], None
             on_progress(hi, total, 0.0)
         folder.add_shard(shard_name(index), pq.read_metadata(folder.file(shard_name(index))).num_rows)
     sampling_seconds, seconds = time.perf_counter() - sampling_started, time.perf_counter() - started
-    folder.file(PLAN_FILE).unlink()
+    folder.file(SETTINGS_FILE).unlink()
     rows = sum(s["rows"] for s in folder.shards)
     tied = total - rows if job.mode == "ranked" else 0  # ranked writes one row per prompt it could rank
     result = GenerateResult(str(job.output), job.mode, backend, [str(m) for m in job.models], total, rows, shards,
@@ -408,5 +402,5 @@ def run_generate(job: GenerateJob, on_progress: Callable[[int, int, float], None
                   stats={"prompts": total, "completion_tokens": tokens, "dropped_tied": tied,
                          "resumed_shards": resumed, "sampling_seconds": round(sampling_seconds, 2),
                          "seconds": round(seconds, 2)},
-                  generate={**{k: v for k, v in plan.items() if k != "inputs"}, "models": result.models})
+                  generate={**{k: v for k, v in settings.items() if k != "inputs"}, "models": result.models})
     return result

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from smolctl.errors import UserError
 from smolctl.train.config import GrpoRecipe, global_batch_and_accumulation
-from smolctl.train.ppo import as_chat, prepare, reward_trend
 from smolctl.train.rewards import log_completions
-from smolctl.train.stage import (
-    StageResult, StepHook, apply_peft, chat_stop_ids, final_metrics, finish_trl, finished_result, load_start,
+from smolctl.train.rl_setup import as_chat, prepare, reward_trend
+from smolctl.train.posttrain_run import (
+    PostTrainResult, StepHook, apply_peft, chat_stop_ids, final_metrics, finish_trl, finished_result, load_start,
     parameter_counts, quiet_offline, run_callback, scheduled, trainer_arguments, world_size,
 )
 
@@ -45,7 +45,7 @@ def check_vllm() -> None:
 
 
 def run_grpo(recipe: GrpoRecipe, run: str | Path, *, start: str | None = None, resume: str = "none",
-             overwrite: bool = False, on_step: StepHook | None = None) -> StageResult:
+             overwrite: bool = False, on_step: StepHook | None = None) -> PostTrainResult:
     """Train the starting checkpoint on the recipe's rewards with TRL's GRPOTrainer and write RUN/final."""
     batch, accumulation = check_grpo_batch(recipe)
     if recipe.grpo.use_vllm:

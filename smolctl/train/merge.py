@@ -24,11 +24,14 @@ from pathlib import Path
 from typing import Iterator, Literal
 
 from pydantic import Field
+from safetensors import safe_open
 
+from smolctl.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import UserError
 from smolctl.recipe import Section, apply_overrides, load_recipe, validate
 from smolctl.results import Result
 from smolctl.shards import KIND_MODEL, OutputFolder, check_output_path, lineage_ref, read_manifest
+from smolctl.train.posttrain_run import quiet_offline
 
 METHODS = ("linear", "slerp", "ties", "dare_ties")
 # The [options] keys each method reads; any other key set in the recipe is a mistake worth naming.
@@ -201,20 +204,16 @@ def check_method(recipe: MergeRecipe, parents: list[Parent], base: Parent | None
 
 def tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes from the safetensors headers (nothing is loaded)."""
-    from safetensors import safe_open
-
     shapes = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 - safe_open's handle is not iterable
                 shapes[name] = tuple(handle.get_slice(name).get_shape())
     return shapes
 
 
 def check_compatible(folders: list[Path], where: str) -> None:
     """Same architecture (config model_type, tensor names and shapes) and the same vocabulary as the first."""
-    from smolctl.data.tokenizer import load_tokenizer, tokenizer_fingerprint
-
     first = folders[0]
     config = json.loads((first / "config.json").read_text())
     shapes = tensor_shapes(first)
@@ -310,9 +309,6 @@ def run_merge(recipe: MergeRecipe, output: str | Path, *, where: str, overwrite:
         raise UserError("merge", f"needs MergeKit ({exc.name} is not installed)",
                         "pip install 'smolctl[merge]' (or pip install mergekit)") from exc
     import torch
-
-    from smolctl.data.tokenizer import load_tokenizer, tokenizer_fingerprint
-    from smolctl.train.stage import quiet_offline
 
     quiet_offline()
     config = mergekit.config.MergeConfiguration.model_validate(mergekit_config(recipe, parents, base))

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib.util
 from pathlib import Path
 
 from smolctl.errors import UserError
@@ -66,8 +67,6 @@ def build_config(section: ModelSection, *, vocab_size: int, seq_len: int, eos_id
 
 def check_attention(attention: str, device: str) -> None:
     """flash_attention_2 needs a CUDA GPU and the flash-attn package; say so before the model is built."""
-    import importlib.util
-
     if attention == "flash_attention_2" and (not device.startswith("cuda") or importlib.util.find_spec("flash_attn") is None):
         raise UserError("training.attention", "flash_attention_2 needs a CUDA GPU and the flash-attn package",
                         'use attention = "sdpa" (it masks packed documents too), or install flash-attn on the GPU machine')

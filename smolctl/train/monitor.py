@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,22 +77,21 @@ def memory_use(device: str) -> dict:
         index = torch.device(device)
         peak = torch.cuda.max_memory_reserved(index)
         return {"memory_peak_bytes": peak, "memory_share": peak / torch.cuda.get_device_properties(index).total_memory}
-    import resource
-
     return {"memory_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux reports KiB
 
 
 class Monitor:
     def __init__(self, run_dir: Path, *, title: str, enabled: bool, total_steps: int, start_step: int, flops_per_token: float,
                  peak: float | None, world_size: int, interval: int, show: bool, device: str = "cpu",
-                 profile_interval: int = 0, tracker: Tracker = NoTracker()):
+                 profile_interval: int = 0, tracker: Tracker | None = None):
         self.enabled, self.title, self.device = enabled, title, device
         self.total_steps, self.start_step = total_steps, start_step
         self.flops_per_token, self.peak, self.world_size = flops_per_token, peak, world_size
         self.interval = interval
-        # Collectives exist only with more than one process; every rank profiles the same steps (they wait on each other).
+        # Collectives exist only with more than one process; every rank profiles the same steps (they wait on each
+        # other).
         self.profile_interval = profile_interval if world_size > 1 else 0
-        self.tracker = tracker
+        self.tracker = tracker if tracker is not None else NoTracker()
         self.show = show and enabled
         self.metrics_path = Path(run_dir) / "metrics.jsonl"
         self.events_path = Path(run_dir) / "events.jsonl"
@@ -134,6 +134,12 @@ class Monitor:
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - started
         self._comm_share = min(1.0, collective_seconds(prof.events(), on_gpu) / max(seconds, 1e-9))
+
+    def checkpoint_held(self, seconds: float) -> None:
+        """Seconds an asynchronous save held the loop after `checkpointing()` returned (its copy of the state
+        finishing before the next optimizer step): checkpoint time, not another checkpoint."""
+        for bucket in (self._window, self._totals):
+            bucket["checkpoint"] += seconds
 
     @contextmanager
     def checkpointing(self) -> Iterator[None]:
@@ -180,9 +186,9 @@ class Monitor:
     def _line(self, r: dict) -> str:
         speed = f"MFU {r['mfu']:.1%}" if r["mfu"] is not None else flops_text(r["flops_per_s"])
         remaining = (self.total_steps - r["step"]) * self._seconds_per_step()
-        return (f"step {r['step']:>{len(str(self.total_steps))}}/{self.total_steps} │ loss {r['loss']:.4f} │ lr {r['lr']:.2e} │ "
-                f"gnorm {r['grad_norm']:.2f} │ {human_count(r['tokens_per_s'])} tok/s │ data {r['data_wait']:.1%} │ {speed} │ "
-                f"eta {human_duration(remaining)}")
+        return (f"step {r['step']:>{len(str(self.total_steps))}}/{self.total_steps} │ loss {r['loss']:.4f} │ "
+                f"lr {r['lr']:.2e} │ gnorm {r['grad_norm']:.2f} │ {human_count(r['tokens_per_s'])} tok/s │ "
+                f"data {r['data_wait']:.1%} │ {speed} │ eta {human_duration(remaining)}")
 
     def _seconds_per_step(self) -> float:
         return (self._totals["data"] + self._totals["compute"]) / max(1, self._totals["steps"])
@@ -196,7 +202,8 @@ class Monitor:
             self.tracker.log({"val/loss": loss}, step)
 
     def rewind(self, step: int) -> None:
-        """After a rollback the steps past `step` run again: their metrics lines go (events stay: they are the record)."""
+        """After a rollback the steps past `step` run again: their metrics lines go (events stay: they are the
+        record)."""
         if self.enabled:
             _drop_lines_after(self.metrics_path, step)
             self._bar.update(self._task, completed=step)

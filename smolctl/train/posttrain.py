@@ -20,8 +20,8 @@ from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import UserError
 from smolctl.shards import DocumentSource, open_documents
 from smolctl.train.config import ChatDataSection, DpoRecipe, PreferenceDataSection, SftRecipe
-from smolctl.train.stage import (
-    StageResult, StepHook, apply_peft, check_start, final_metrics, finish_trl, finished_result, load_start, open_run,
+from smolctl.train.posttrain_run import (
+    PostTrainResult, StepHook, apply_peft, check_start, final_metrics, finish_trl, finished_result, load_start, open_run,
     parameter_counts, quiet_offline, require_chat_template, run_callback, scheduled, trainer_arguments, use_bf16,
 )
 
@@ -130,7 +130,7 @@ def _as_turns(row: dict) -> dict:
 
 
 def run_sft(recipe: SftRecipe, run: str | Path, *, start: str | None = None, resume: str = "none",
-            overwrite: bool = False, on_step: StepHook | None = None) -> StageResult:
+            overwrite: bool = False, on_step: StepHook | None = None) -> PostTrainResult:
     """Fine-tune the starting checkpoint on chat data with TRL's SFTTrainer and write RUN/final."""
     run = Path(run)
     parent = check_start(start or recipe.model.from_, "--from" if start else "model.from")
@@ -193,7 +193,7 @@ def check_sft_template(recipe: SftRecipe, parent: Path, source: DocumentSource, 
 
 
 def run_dpo(recipe: DpoRecipe, run: str | Path, *, start: str | None = None, resume: str = "none",
-            overwrite: bool = False, on_step: StepHook | None = None) -> StageResult:
+            overwrite: bool = False, on_step: StepHook | None = None) -> PostTrainResult:
     """Preference-optimise the starting checkpoint with TRL's DPOTrainer. The reference is the starting checkpoint:
     loaded a second time and passed explicitly (TRL would otherwise re-load it by hub id, which fails offline),
     or, with LoRA, the model with its adapter switched off (no second copy)."""

@@ -14,19 +14,40 @@ import json
 import math
 import shutil
 import signal
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from smolctl.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import CheckFailed, UserError
+from smolctl.infra.flops import training_flops_per_token
 from smolctl.results import Result
-from smolctl.train.loader import HostBatch, Prefetcher
 from smolctl.recipe import apply_overrides, load_toml, validate
-from smolctl.shards import atomic_write_json, lineage_ref
+from smolctl.shards import atomic_write_json, lineage_ref, read_manifest
+from smolctl.train.checkpoint import (
+    KIND_CHECKPOINT, CheckpointManager, check_model_folder, check_model_shapes, check_same_identity, checkpoint_step,
+    complete_checkpoints, run_identity, save_model_folder,
+)
 from smolctl.train.config import BatchPlan, TrainRecipe, check_keys, derive_batch, resolve_layout
+from smolctl.train.distributed import gradient_sync, init_distributed, load_full_state_dict, wrap_model
+from smolctl.train.guards import Guards, Verdict
+from smolctl.train.loader import (
+    IGNORE_INDEX, DataPosition, HostBatch, PackedStream, Prefetcher, check_rows_start_documents, fill_padding_positions,
+    make_labels, validation_batches,
+)
+from smolctl.train.model import build_config, build_model, check_attention, count_parameters, parameter_groups, read_weights
+from smolctl.train.monitor import Monitor, idle_totals, peak_flops
+from smolctl.train.parallel import clip_grad_norm_, tp_plan
 from smolctl.train.run import EVENTS, FINAL, RUN_FILE, holds_run_files, model_folder
+from smolctl.train.schedule import learning_rate
+from smolctl.train.trackers import open_tracker, require_trackers
+
+# torch (and smolctl.train.loss, which needs it) is imported by the methods that compute: it takes several times
+# longer to load than everything above together (`python -X importtime`), and recipe validation, `--dry-run` and
+# every bad-input error finish without it.
 
 PREEMPTED_EXIT = 75  # sysexits' EX_TEMPFAIL: saved and stopped on request; recipes/slurm/pretrain.sbatch requeues
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -72,12 +93,27 @@ class TrainResult(Result):
     """The signal (SIGUSR1 / SIGTERM) that stopped the run after a checkpoint at its current step."""
 
 
+@dataclass
+class TrainedStep:
+    """A step whose update is done but whose loss and gradient norm (`values`, on the device) the guards have not
+    judged yet: they are read back together at the next logging point."""
+
+    step: int
+    batch: int
+    drawn: list[tuple[int, int]]
+    """The packed rows of the step's global batch, named in a guard's event."""
+    values: object
+    """tensor([loss, grad norm]) on the training device."""
+    lr: float
+    data_s: float
+    compute_s: float
+
+
 class Trainer:
     """Owns the model, optimizer, data stream, guards and monitor of one run; `run()` is the loop."""
 
     def __init__(self, recipe: TrainRecipe, run_dir: Path, *, stage: str = "pretrain", resume: str = "none",
                  overwrite: bool = False, init_from: str | None = None, keep_optimizer: bool = False, show: bool = True):
-        from smolctl.train.distributed import init_distributed
 
         self.recipe, self.run_dir, self.stage, self.show = recipe, Path(run_dir), stage, show
         self._replace_run = False
@@ -97,8 +133,6 @@ class Trainer:
     # ---- setup: every check before any compute ----------------------------------------------------------------
 
     def _resume_point(self, resume: str, overwrite: bool) -> Path | None:
-        from smolctl.shards import read_manifest
-        from smolctl.train.checkpoint import complete_checkpoints
 
         checkpoints = complete_checkpoints(self.run_dir)
         if resume == "auto":
@@ -127,13 +161,6 @@ class Trainer:
         return None
 
     def _validate_inputs(self) -> None:
-        from smolctl.data.tokenizer import load_tokenizer, tokenizer_fingerprint
-        from smolctl.train.checkpoint import check_model_folder, check_same_identity, run_identity
-        from smolctl.train.loader import PackedStream, validation_batches
-        from smolctl.train.model import build_config
-        from smolctl.train.model import check_attention
-        from smolctl.train.parallel import tp_plan
-        from smolctl.train.trackers import require_trackers
 
         recipe = self.recipe
         if self.init_from:
@@ -166,7 +193,6 @@ class Trainer:
             require_trackers(recipe.logging.report_to)
         self.identity = run_identity(recipe)
         if self.resume_from is not None or self.finished is not None:
-            from smolctl.shards import read_manifest
 
             where = self.resume_from or self.run_dir / FINAL
             check_same_identity((read_manifest(where) or {}).get("identity"), self.identity, where, recipe)
@@ -174,11 +200,7 @@ class Trainer:
     def _build(self) -> None:
         import torch
 
-        from smolctl.infra.flops import training_flops_per_token
-        from smolctl.train.checkpoint import KIND_CHECKPOINT, CheckpointManager, check_model_shapes
-        from smolctl.train.distributed import load_full_state_dict, wrap_model
         from smolctl.train.loss import CausalLMLoss
-        from smolctl.train.model import build_model, count_parameters, parameter_groups, read_weights
 
         recipe, dist, training = self.recipe, self.dist, self.recipe.training
         self.precision = training.precision
@@ -197,7 +219,7 @@ class Trainer:
                                   compile=training.compile, bf16=self.precision == "bf16")
         opt = recipe.optimizer
         self.optimizer = torch.optim.AdamW(parameter_groups(self.model, opt), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-                                           fused=dist.device.startswith("cuda"))
+                                           fused=True)  # the fused kernel skips a non-finite step on the device
         # FSDP's mixed-precision policy already computes in bf16; autocast is for the unsharded paths
         self.autocast = self.precision == "bf16" and not dist.fsdp
         self.flops_per_token = training_flops_per_token(self.config, training.seq_len)
@@ -213,7 +235,6 @@ class Trainer:
 
     def _restore(self, checkpoint: Path) -> None:
         """Model, optimizer, RNG and loop state from a checkpoint saved at any world size."""
-        from smolctl.train.loader import DataPosition
 
         self.prefetch.reset()  # the stream is about to rewind: no batch may be drawn from the old position
         state = self.checkpoints.load(checkpoint)
@@ -248,7 +269,6 @@ class Trainer:
         return self.checkpoints.save(self.step, train_state=self._trainer_state(), fields=self._manifest_fields(), blocking=blocking)
 
     def _write_final(self) -> None:
-        from smolctl.train.checkpoint import save_model_folder
 
         # the inner model gathers to the plain Hugging Face names (the loss wrapper would prefix them with `lm.`)
         save_model_folder(self.run_dir / FINAL, model=self.model, wrapped=self.model, tokenizer=self.tokenizer,
@@ -257,8 +277,6 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        from smolctl.train.checkpoint import KIND_CHECKPOINT
-        from smolctl.train.guards import Guards
 
         self.guards = Guards(self.recipe.guards)
         self.step, self.tokens_seen, self.parent = 0, 0, self.init_from
@@ -282,8 +300,6 @@ class Trainer:
         thread, so everything here is host work."""
         import torch
 
-        from smolctl.train.loader import check_rows_start_documents, fill_padding_positions, make_labels
-
         plan = self.plan
         number, ids, positions = self.stream.next_batch(step, global_batch=plan.global_batch, rank=self.dp_rank,
                                                         world_size=plan.data_parallel)
@@ -301,11 +317,6 @@ class Trainer:
         """Forward and backward over the global batch, gradients clipped; the caller decides whether to apply them.
         Returns (loss, grad norm) as device tensors, the batch number and the seconds spent waiting for data."""
         import torch
-
-        from smolctl.train.distributed import gradient_sync
-        from smolctl.train.loader import IGNORE_INDEX
-        from smolctl.train.parallel import clip_grad_norm_
-        from smolctl.train.schedule import learning_rate
 
         started = time.perf_counter()
         plan, device = self.plan, self.dist.device
@@ -333,14 +344,49 @@ class Trainer:
                 (part * self.dist.world_size / targets.float()).backward()
             loss_sum += part.detach().double()
         loss = self.dist.sum(loss_sum) / targets
-        norm = clip_grad_norm_(self.model.parameters(), self.recipe.optimizer.grad_clip or float("inf"))
+        norm = clip_grad_norm_(self.model.parameters(), self.recipe.optimizer.grad_clip or float("inf")).to(device)
         self._last_lr = lr
         return loss, norm, host.number, data_done - started
+
+    def _update(self, loss, norm) -> None:
+        """The optimizer step, skipped on the device when the loss or gradient norm is not finite: AdamW's fused
+        kernel reads `found_inf` (as under a GradScaler) and leaves weights, moments and step count as they were,
+        so no host sync is needed to decide."""
+        import torch
+
+        nonfinite = ~(torch.isfinite(loss) & torch.isfinite(norm))
+        self.optimizer.found_inf = nonfinite.float()
+        self.optimizer.step()
+
+    def _judge(self, unjudged: list[TrainedStep], losses: list[float]) -> Verdict | None:
+        """The guards' verdicts on the steps trained since the last judgment, in order, from one host sync; logs
+        them. Returns the verdict that asks for a rollback (later steps are dropped: the rollback undoes them)."""
+        import torch
+
+        if not unjudged:
+            return None
+        synced = time.perf_counter()
+        values = torch.stack([trained.values for trained in unjudged]).tolist()
+        # A GPU runs behind the host until this sync: the wait is compute of the steps judged (timed on the last one)
+        unjudged[-1].compute_s += time.perf_counter() - synced
+        for trained, (loss, norm) in zip(unjudged, values):
+            verdict = self.guards.observe(trained.step, trained.batch, loss, norm)
+            if verdict.event:
+                self.monitor.event({**verdict.event, "rows": self.stream.rows_of(trained.drawn)})
+            if verdict.level_shift:
+                self.monitor.event(verdict.level_shift)
+            if verdict.rollback:
+                return verdict
+            if math.isfinite(loss):
+                losses.append(loss)
+                self.last_loss = loss
+            self.monitor.step(trained.step, loss=loss, lr=trained.lr, grad_norm=norm, tokens=self.plan.tokens_per_step,
+                              data_s=trained.data_s, compute_s=trained.compute_s, guards=self.guards.counts())
+        return None
 
     def _rollback(self, bad_batches: list[int], first_bad_step: int) -> None:
         """Back to the last checkpoint saved before the incident's first bad step (a later one may hold its updates,
         and is deleted), skipping the incident's batches from then on."""
-        from smolctl.train.checkpoint import checkpoint_step, complete_checkpoints
 
         self.checkpoints.wait()  # a save in flight is part of the choice, on every rank alike
         clean = [c for c in complete_checkpoints(self.run_dir) if checkpoint_step(c) < first_bad_step]
@@ -361,8 +407,6 @@ class Trainer:
 
     def _evaluate(self) -> float | None:
         import torch
-
-        from smolctl.train.loader import IGNORE_INDEX, fill_padding_positions, make_labels
 
         if not self.val_batches:
             return None
@@ -385,7 +429,6 @@ class Trainer:
     def _catch_preemption(self) -> dict:
         """SIGUSR1 / SIGTERM (Slurm's notice, torchrun forwarding it) only set a flag: the loop finishes its step,
         saves and stops. Returns the previous handlers (empty off the main thread, where Python cannot catch)."""
-        import threading
 
         if threading.current_thread() is not threading.main_thread():
             return {}
@@ -397,8 +440,6 @@ class Trainer:
 
     def _result(self, val_loss: float | None, losses: list[float], *, stopped: bool) -> TrainResult:
         import torch
-
-        from smolctl.train.checkpoint import complete_checkpoints
 
         return TrainResult(
             run=str(self.run_dir), stage=self.stage, final=str(self.run_dir / FINAL), steps=self.step,
@@ -413,8 +454,6 @@ class Trainer:
 
     def _nothing_to_do(self) -> TrainResult:
         """`--resume auto` on a finished run: report it from final/'s manifest, touch nothing."""
-        from smolctl.train.checkpoint import complete_checkpoints
-        from smolctl.train.monitor import idle_totals
 
         final = self.finished
         return TrainResult(
@@ -428,9 +467,6 @@ class Trainer:
     def run(self) -> TrainResult:
         import torch
 
-        from smolctl.train.monitor import Monitor, peak_flops
-        from smolctl.train.trackers import open_tracker
-
         if self.finished is not None:
             return self._nothing_to_do()
         self._build()
@@ -443,6 +479,7 @@ class Trainer:
                                tracker=open_tracker(self.run_dir, recipe.logging.report_to, enabled=self.dist.is_main,
                                                     resuming=self.resume_from is not None, config=json.loads(recipe.model_dump_json())))
         losses: list[float] = []
+        unjudged: list[TrainedStep] = []
         val_loss = None
         self.stop_signal: str | None = None
         stopped = False
@@ -456,33 +493,28 @@ class Trainer:
                     started = time.perf_counter()
                     with self.monitor.profiled(self.step + 1):
                         loss, norm, batch, data_s = self._forward_backward()
-                        # the step's one host sync: the guards judge every step's loss and norm before the update
-                        loss, norm = torch.stack([loss.float(), norm.float().to(loss.device)]).tolist()
-                        verdict = self.guards.observe(self.step + 1, batch, loss, norm)
-                        if verdict.apply_update:
-                            self.optimizer.step()
+                        held = self.checkpoints.wait_for_staging()  # the save in flight has copied what step() changes
+                        self._update(loss, norm)
                     self.optimizer.zero_grad(set_to_none=True)
-                    compute_s = time.perf_counter() - started - data_s
-                    if verdict.event:
-                        # the stream is a batch ahead (prefetch): the rows are those of the batch just judged
-                        self.monitor.event({**verdict.event, "rows": self.stream.rows_of(self.batch_drawn)})
-                    if verdict.level_shift:
-                        self.monitor.event(verdict.level_shift)
-                    if verdict.rollback:
-                        self._rollback(verdict.bad_batches, verdict.first_bad_step)
-                        continue
                     self.step += 1
                     self.tokens_seen += plan.tokens_per_step
-                    if math.isfinite(loss):
-                        losses.append(loss)
-                        self.last_loss = loss
-                    self.monitor.step(self.step, loss=loss, lr=self._last_lr, grad_norm=norm, tokens=plan.tokens_per_step,
-                                      data_s=data_s, compute_s=compute_s, guards=self.guards.counts())
-                    stopping = self.dist.any(self.stop_signal is not None)
+                    unjudged.append(TrainedStep(self.step, batch, self.batch_drawn, torch.stack([loss.float(), norm.float()]),
+                                                self._last_lr, data_s, time.perf_counter() - started - data_s - held))
+                    if held:
+                        self.monitor.checkpoint_held(held)
+                    stopping = self.dist.any(self.stop_signal is not None, group=self.checkpoints.process_group)
                     if stopping and self.stop_signal is None:
                         self.stop_signal = "a signal to another rank"
                     # The last step always gets a checkpoint: final/ can be rebuilt from it and the run extended.
                     due = self.step == plan.steps or (recipe.checkpoint.interval and self.step % recipe.checkpoint.interval == 0)
+                    # The steps are judged (one host sync) at each logging point, and before a save so that the
+                    # checkpoint's guards and loss include every step it holds.
+                    if due or stopping or self.step % recipe.logging.interval == 0:
+                        rollback = self._judge(unjudged, losses)
+                        unjudged.clear()
+                        if rollback is not None:
+                            self._rollback(rollback.bad_batches, rollback.first_bad_step)
+                            continue
                     if due or stopping:
                         with self.monitor.checkpointing():
                             self._save_checkpoint(blocking=stopping)

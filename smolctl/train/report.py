@@ -359,8 +359,10 @@ def _slowdown_cause(slow: list[dict], normal: list[dict]) -> tuple[str, str]:
     remedies = {
         "data loading": "the loader starved the GPU: prefetch more, add loader workers, check the storage or the "
                         "shards read at those steps",
-        "communication": "collectives grew: check the interconnect (smolctl benchmark-nccl) and look for a straggler node",
-        "compute": "the same work ran slower: a throttled or faulty device (smolctl stress-gpu), or other jobs on the node",
+        "communication": "collectives grew: check the interconnect (smolctl benchmark-nccl) and look for a "
+                         "straggler node",
+        "compute": "the same work ran slower: a throttled or faulty device (smolctl stress-gpu), or other jobs on "
+                   "the node",
     }
     grew = during[cause] - before[cause]
     return f"{cause} (+{grew * 1000:.0f} ms per step)", remedies[cause]

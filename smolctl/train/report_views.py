@@ -110,8 +110,9 @@ def html_report(reports: list[RunReport]) -> str:
         body.append(f"<h2 style='color:{COLORS[index % len(COLORS)]}'>{e(report.stage)} · {e(report.run)}</h2>")
         body.append("<table>" + "".join(f"<tr><th>{e(k)}</th><td>{e(_value(v))}</td></tr>" for k, v in report.summary.items()) + "</table>")
         body.append("<h3>KPIs</h3><table><tr><th>KPI</th><th>target</th><th>value</th><th>status</th><th>what to do</th></tr>")
-        body += [f"<tr><td>{e(k.name)}</td><td>{e(k.target)}</td><td>{e(k.shown)}</td><td class='{k.status.replace('/', '')}'>"
-                 f"{e(k.status)}</td><td>{e(k.advice)}</td></tr>" for k in report.kpis]
+        body += [f"<tr><td>{e(k.name)}</td><td>{e(k.target)}</td><td>{e(k.shown)}</td>"
+                 f"<td class='{k.status.replace('/', '')}'>{e(k.status)}</td><td>{e(k.advice)}</td></tr>"
+                 for k in report.kpis]
         body.append("</table><h3>Diagnosis</h3>")
         if not report.findings:
             body.append("<p>No spike, drift, plateau, slowdown or guard event.</p>")
@@ -161,7 +162,8 @@ def _value(value) -> str:
 _PAGE_HEAD = """<!doctype html><html><head><meta charset="utf-8"><title>smolctl report</title><style>
 body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222;background:#fff}
 h1{font-size:20px}h2{font-size:16px;margin-top:28px}h3{font-size:14px}
-table{border-collapse:collapse;margin:6px 0}td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
+table{border-collapse:collapse;margin:6px 0}
+td,th{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
 td.pass{background:#d9f2d9}td.warn{background:#ffe0b3}td.na{color:#888}
 .plots{display:flex;flex-wrap:wrap;gap:8px}svg{background:#fafafa;border:1px solid #eee}
 svg text{font:11px sans-serif;fill:#444}svg .title{font-weight:bold;fill:#222}

@@ -105,7 +105,7 @@ class RunStart:
     overwrite: bool = False
 
 
-def plan_start(run: Path, resume: str, overwrite: bool, steps: int) -> RunStart:
+def decide_start(run: Path, resume: str, overwrite: bool, steps: int) -> RunStart:
     """Check the run folder before any compute. `resume` is none, auto or a checkpoint folder."""
     run = Path(run)
     if run.exists() and not run.is_dir():

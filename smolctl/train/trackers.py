@@ -2,7 +2,9 @@
 Trackio, chosen by `logging.report_to` and offline by default, so a run on a cluster without network still records.
 
     smolctl pretrain recipes/smollm3-tiny.toml runs/tiny --set 'logging.report_to=["tensorboard", "trackio"]'
-    tensorboard --logdir runs/tiny/tensorboard      trackio show --project smolctl      wandb sync runs/tiny/wandb/offline-run-*
+    tensorboard --logdir runs/tiny/tensorboard
+    trackio show --project smolctl
+    wandb sync runs/tiny/wandb/offline-run-*
 
 Where each one writes: TensorBoard event files in RUN/tensorboard; wandb an offline run in RUN/wandb (WANDB_MODE
 defaults to offline; set WANDB_MODE=online to stream); Trackio its local store (TRACKIO_DIR, by default

@@ -24,8 +24,10 @@ from smolctl.shards import KIND_MODEL, OutputFolder, lineage_ref, read_manifest
 from smolctl.train.config import PeftSection, PostTrainRecipe, global_batch_and_accumulation
 from smolctl.train.run import (
     ADAPTER, CHECKPOINTS, EVENTS, FINAL, METRICS, RunStart, append_jsonl, begin_run, checkpoint_dir, model_folder,
-    plan_start, prune_checkpoints,
+    decide_start, prune_checkpoints,
 )
+from smolctl.train.schedule import lambda_scheduler
+from smolctl.train.trackers import require_trackers, trainer_reporting
 
 StepHook = Callable[[int, int, dict], None]
 """Called after every optimizer step with (step, total steps, latest logged metrics)."""
@@ -172,8 +174,6 @@ def trainer_arguments(run: Path, recipe: PostTrainRecipe) -> dict[str, Any]:
     the recipe's trackers (logging.report_to, offline)."""
     import torch
 
-    from smolctl.train.trackers import trainer_reporting
-
     training, optimizer = recipe.training, recipe.optimizer
     _, grad_accum = global_batch_and_accumulation(training, world_size())
     interval = recipe.checkpoint.interval
@@ -197,8 +197,6 @@ def trainer_arguments(run: Path, recipe: PostTrainRecipe) -> dict[str, Any]:
 
 def scheduled(trainer_class: type, recipe: PostTrainRecipe) -> type:
     """The trainer class with smolctl's schedule (smolctl.train.schedule) as its lr scheduler."""
-    from smolctl.train.schedule import lambda_scheduler
-
     class Scheduled(trainer_class):
         def create_model_card(self, *args, **kwargs):
             """No README.md model card in RUN/checkpoints: RUN/final/manifest.json is the model's record."""
@@ -287,7 +285,7 @@ def train_quietly(trainer, resume_from: Path | None) -> None:
 
 
 @dataclass
-class StageResult(Result):
+class PostTrainResult(Result):
     """What a post-training run did; the CLI renders it as a table or JSON."""
 
     stage: str
@@ -310,12 +308,12 @@ class StageResult(Result):
     """--resume auto found the run finished: final/ is as it was."""
 
 
-def finished_result(stage: str, run: Path, start: RunStart) -> StageResult:
+def finished_result(stage: str, run: Path, start: RunStart) -> PostTrainResult:
     """The result of a finished run, read back from its final/ manifest (nothing is trained or written)."""
     manifest = start.finished or {}
     stats = dict(manifest.get("stats", {}))
     steps, seconds = int(stats.pop("steps", 0)), float(stats.pop("seconds", 0.0))
-    return StageResult(stage, str(run), str(run / FINAL), manifest.get("parent", ""), steps, seconds, None,
+    return PostTrainResult(stage, str(run), str(run / FINAL), manifest.get("parent", ""), steps, seconds, None,
                        manifest.get("parameters", {}), stats, {}, str(run / ADAPTER) if (run / ADAPTER).is_dir() else None,
                        nothing_to_do=True)
 
@@ -345,7 +343,7 @@ def save_final(run: Path, model, tokenizer, *, parent: Path, data_inputs: list[d
         state_dict = None
     model.generation_config.eos_token_id = chat_stop_ids(tokenizer)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    # plan_start already refused an existing final/ unless --overwrite or --resume said to replace it.
+    # decide_start already refused an existing final/ unless --overwrite or --resume said to replace it.
     with OutputFolder(run / FINAL, kind=KIND_MODEL, overwrite=True, inputs=[*data_inputs, lineage_ref(parent)]) as folder:
         model.save_pretrained(str(folder.staging), state_dict=state_dict)
         tokenizer.save_pretrained(str(folder.staging))
@@ -373,7 +371,7 @@ def final_metrics(history: list[dict], keys: tuple[str, ...], window: int = 5) -
 
 
 def finish_trl(stage: str, trainer, callback, run: Path, parent: Path, data_inputs: list[dict], data: dict,
-               start: RunStart, parameters: dict, metrics: Callable[[list[dict]], dict]) -> StageResult:
+               start: RunStart, parameters: dict, metrics: Callable[[list[dict]], dict]) -> PostTrainResult:
     """Train a prepared TRL trainer, save RUN/final collectively and return the result."""
     started = time.perf_counter()
     train_quietly(trainer, start.resume_from)
@@ -383,7 +381,7 @@ def finish_trl(stage: str, trainer, callback, run: Path, parent: Path, data_inpu
                          stage=stage, parameters=parameters, accelerator=trainer.accelerator,
                          stats={**{k.replace("/", "_"): v for k, v in summary.items()}, **data,
                                 "steps": trainer.state.global_step, "seconds": round(seconds, 2)})
-    return StageResult(stage, str(run), str(run / FINAL), str(parent), trainer.state.global_step, seconds,
+    return PostTrainResult(stage, str(run), str(run / FINAL), str(parent), trainer.state.global_step, seconds,
                        str(start.resume_from) if start.resume_from else None, parameters, summary, data,
                        str(adapter) if adapter else None)
 
@@ -391,10 +389,8 @@ def finish_trl(stage: str, trainer, callback, run: Path, parent: Path, data_inpu
 
 def open_run(stage: str, recipe: PostTrainRecipe, run: Path, parent: Path, resume: str, overwrite: bool) -> RunStart:
     """Decide fresh start, resume or nothing to do, and record the run; call it once the cheap checks passed."""
-    from smolctl.train.trackers import require_trackers
-
     check_sharding(recipe)
     require_trackers(recipe.logging.report_to)
-    start = plan_start(run, resume, overwrite, int(recipe.training.steps))
+    start = decide_start(run, resume, overwrite, int(recipe.training.steps))
     begin_run(run, stage, recipe.model_dump(mode="json", by_alias=True), parent, start)
     return start

@@ -1,7 +1,7 @@
-"""The plan of a `smolctl mix`: sources, stages, weights and budgets, from command-line flags or a TOML recipe,
+"""The schedule of a `smolctl mix`: sources, stages, weights and budgets, from command-line flags or a TOML recipe,
 and the order of a stage's rows (a seeded shuffle, or a curriculum from easy to hard).
 
-Everything here is checked before any data is read; `smolctl.data.mix` carries the plan out.
+Everything here is checked before any data is read; `smolctl.data.mix` carries it out.
 """
 
 from __future__ import annotations
@@ -23,6 +23,13 @@ from smolctl.recipe import Section, load_recipe
 from smolctl.units import parse_bytes, parse_count
 
 BUDGET_KINDS = ("tokens", "bytes", "documents")
+TOKEN_ESTIMATES = ("auto", "sample", "exact")
+"""How a source's tokens are counted (with a tokenizer): `exact` tokenizes every document; `sample` tokenizes a
+seeded sample of about `token_sample` documents, calibrates the source's tokens per UTF-8 byte on it and estimates
+every document from its byte length; `auto` samples a source of more than SAMPLE_ABOVE x token_sample documents
+(the sample is under a tenth of it) and counts smaller sources exactly (their full pass costs little)."""
+SAMPLE_ABOVE = 10
+DEFAULT_TOKEN_SAMPLE = 10_000
 STAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 ORDER_PROXIES = ("length", "compression")
 """Built-in difficulty scores: UTF-8 bytes of the text, and zlib-compressed bytes / raw bytes (repetitive,
@@ -60,6 +67,10 @@ class MixRecipe(Section):
     """How many times each source may be used across all stages together."""
     tokenizer: str | None = None
     """Weigh by tokens with this tokenizer (folder or hub id); without one, weights are fractions of bytes."""
+    token_estimate: str = "auto"
+    """auto, sample or exact: how each source's tokens are counted (see TOKEN_ESTIMATES)."""
+    token_sample: int = DEFAULT_TOKEN_SAMPLE
+    """Documents per source tokenized to calibrate its bytes per token in `sample` mode."""
     text_column: str = "text"
     shuffle_buffer: int = 20_000
     """Rows per shuffled output block."""
@@ -90,7 +101,7 @@ class Stage:
 
 
 @dataclass
-class MixPlan:
+class MixSchedule:
     sources: dict[str, str]
     stages: list[Stage]
     tokenizer: str | None = None
@@ -100,6 +111,17 @@ class MixPlan:
     shuffle_buffer: int = 20_000
     staged: bool = True
     """True: each stage goes to OUTPUT/<stage>/ under a top-level manifest; False: OUTPUT is the one stage."""
+    token_estimate: str = "auto"
+    token_sample: int = DEFAULT_TOKEN_SAMPLE
+
+    def sample_fraction(self, documents: int) -> float | None:
+        """The fraction of a source of `documents` rows whose tokens calibrate its estimate; None: count every
+        document's tokens (exact mode, or no tokenizer)."""
+        if not self.tokenizer or self.token_estimate == "exact":
+            return None
+        if self.token_estimate == "auto" and documents <= SAMPLE_ABOVE * self.token_sample:
+            return None
+        return min(1.0, self.token_sample / max(1, documents))
 
     @property
     def unit(self) -> str:
@@ -131,11 +153,12 @@ def normalise(weights: dict[str, float], where: str, sources: dict[str, str]) ->
     return {name: weights.get(name, 0.0) / total for name in sources}
 
 
-def plan_from_flags(sources: list[str], *, tokens: str | None = None, bytes_: str | None = None,
-                    documents: str | None = None, tokenizer: str | None = None, seed: int | None = None,
-                    max_repeat: float | None = None, text_column: str | None = None,
-                    shuffle_buffer: int | None = None) -> MixPlan:
-    """A one-stage plan from --source NAME=PATH:WEIGHT flags; options left None take MixPlan's defaults."""
+def schedule_from_flags(sources: list[str], *, tokens: str | None = None, bytes_: str | None = None,
+                        documents: str | None = None, tokenizer: str | None = None, seed: int | None = None,
+                        max_repeat: float | None = None, text_column: str | None = None,
+                        shuffle_buffer: int | None = None, token_estimate: str | None = None,
+                        token_sample: int | None = None) -> MixSchedule:
+    """A one-stage schedule from --source NAME=PATH:WEIGHT flags; options left None take MixSchedule's defaults."""
     parsed = [parse_source(text) for text in sources]
     if not parsed:
         raise UserError("--source", "no sources given", "pass --source NAME=PATH:WEIGHT (repeat it) or --recipe")
@@ -150,20 +173,22 @@ def plan_from_flags(sources: list[str], *, tokens: str | None = None, bytes_: st
     weights = normalise({name: weight for name, _, weight in parsed}, "--source", paths)
     parse = parse_bytes if kind == "bytes" else parse_count  # tokens and documents are counts
     stage = Stage("mix", weights, weights, parse(amount, f"--{kind}") if amount else None, kind)
-    given = {"seed": seed, "max_repeat": max_repeat, "text_column": text_column, "shuffle_buffer": shuffle_buffer}
-    plan = MixPlan(paths, [stage], tokenizer, staged=False, **{key: value for key, value in given.items()
-                                                                 if value is not None})
-    check_plan(plan)
-    return plan
+    given = {"seed": seed, "max_repeat": max_repeat, "text_column": text_column, "shuffle_buffer": shuffle_buffer,
+             "token_estimate": token_estimate, "token_sample": token_sample}
+    schedule = MixSchedule(paths, [stage], tokenizer, staged=False, **{key: value for key, value in given.items()
+                                                                         if value is not None})
+    check_schedule(schedule)
+    return schedule
 
 
-def plan_from_recipe(path: str | Path, overrides: list[str] = (), *, tokenizer: str | None = None,
-                     seed: int | None = None, max_repeat: float | None = None, text_column: str | None = None,
-                     shuffle_buffer: int | None = None) -> MixPlan:
-    """A plan from a recipe; an option given (not None) overrides the recipe's key, even when it equals the
+def schedule_from_recipe(path: str | Path, overrides: list[str] = (), *, tokenizer: str | None = None,
+                         seed: int | None = None, max_repeat: float | None = None, text_column: str | None = None,
+                         shuffle_buffer: int | None = None, token_estimate: str | None = None,
+                         token_sample: int | None = None) -> MixSchedule:
+    """A schedule from a recipe; an option given (not None) overrides the recipe's key, even when it equals the
     default (`--shuffle-buffer 20000` against a recipe's 5000 is 20000)."""
     given = {"tokenizer": tokenizer, "seed": seed, "max_repeat": max_repeat, "text_column": text_column,
-             "shuffle_buffer": shuffle_buffer}
+             "shuffle_buffer": shuffle_buffer, "token_estimate": token_estimate, "token_sample": token_sample}
     # json.dumps writes a valid TOML string or number, read back as any --set value is
     options = [f"{key}={json.dumps(value)}" for key, value in given.items() if value is not None]
     recipe = load_recipe(MixRecipe, path, [*overrides, *options])
@@ -189,17 +214,25 @@ def plan_from_recipe(path: str | Path, overrides: list[str] = (), *, tokenizer: 
         if amount is not None and amount < 1:
             raise UserError(where, f"{kind} = {amount}", "budgets are positive")
         stages.append(Stage(section.name, start, end, amount, kind, section.order))
-    plan = MixPlan(sources, stages, recipe.tokenizer, recipe.seed, recipe.max_repeat, recipe.text_column,
-                   recipe.shuffle_buffer, staged=True)
-    check_plan(plan)
+    plan = MixSchedule(sources, stages, recipe.tokenizer, recipe.seed, recipe.max_repeat, recipe.text_column,
+                   recipe.shuffle_buffer, staged=True, token_estimate=recipe.token_estimate,
+                   token_sample=recipe.token_sample)
+    check_schedule(plan)
     return plan
 
 
-def check_plan(plan: MixPlan) -> None:
+def check_schedule(plan: MixSchedule) -> None:
     if not (plan.max_repeat > 0 and math.isfinite(plan.max_repeat)):
         raise UserError("--max-repeat", f"{plan.max_repeat} is not a positive number", "use e.g. 1 (each document at most once) or 4")
     if plan.shuffle_buffer < 1:
         raise UserError("shuffle_buffer", f"{plan.shuffle_buffer} rows", "use a positive row count")
+    if plan.token_estimate not in TOKEN_ESTIMATES:
+        raise UserError("--token-estimate", f"unknown mode {plan.token_estimate!r}", f"use one of {', '.join(TOKEN_ESTIMATES)}")
+    if plan.token_estimate != "auto" and not plan.tokenizer:
+        raise UserError("--token-estimate", f"{plan.token_estimate} counts tokens, and no tokenizer is given",
+                        "pass --tokenizer (or set tokenizer in the recipe), or leave --token-estimate out to weigh by bytes")
+    if plan.token_sample < 1:
+        raise UserError("token_sample", f"{plan.token_sample} documents", "sample a positive number of documents per source")
     names = [stage.name for stage in plan.stages]
     for name in names:
         if not STAGE_NAME.fullmatch(name):
@@ -230,7 +263,7 @@ def check_plan(plan: MixPlan) -> None:
 # gives up the weights along it). Sorting holds one source's slice of the stage in memory.
 
 
-def check_order_columns(plan: MixPlan, schemas: dict[str, pa.Schema]) -> None:
+def check_order_columns(plan: MixSchedule, schemas: dict[str, pa.Schema]) -> None:
     """Every source a curriculum stage uses has its score column, as numbers."""
     for stage in plan.stages:
         key = stage.ascending_by

@@ -1,7 +1,7 @@
 """The run `smolctl estimate` sizes: model, batch, precision, parallel layout and cluster, read from a pretrain
 recipe and/or flags (flags win), checked before anything is computed.
 
-    plan = plan_from_sources(recipe="recipes/smollm3.toml", flags={"gpus": 384, "tp": 2, "tokens": "11.2T"})
+    scenario = scenario_from_sources(recipe="recipes/smollm3.toml", flags={"gpus": 384, "tp": 2, "tokens": "11.2T"})
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ from typing import Any
 
 from smolctl.errors import UserError
 from smolctl.infra.memory import ATTENTIONS, GPUS, OPTIMIZER_BYTES, PRECISIONS, RECOMPUTES
+from smolctl.recipe import apply_overrides, load_toml
 from smolctl.units import parse_count
 
+
 @dataclass(frozen=True, kw_only=True)
-class Plan:
+class TrainingScenario:
     model: dict[str, Any] | str
     """A recipe [model] table, or a preset name / config.json path."""
     seq_len: int = 4096
@@ -69,7 +71,7 @@ class Plan:
         return self.tp * self.pp * self.cp
 
 
-# Recipe [training] keys → plan fields; values translated where the recipe speaks the trainer's language.
+# Recipe [training] keys → scenario fields; values translated where the recipe speaks the trainer's language.
 _RECIPE_PRECISION = {"auto": "amp", "bf16": "amp", "fp32": "fp32"}
 FRAMEWORKS = ("smolctl", "megatron")
 _RECIPE_ATTENTION = {"sdpa": "sdpa", "eager": "eager", "flash_attention_2": "flash", "flex_attention": "flash"}
@@ -97,7 +99,7 @@ def _vocab_from_data(recipe: dict) -> int | None:
     return None
 
 
-def _recipe_values(recipe: dict, path: str) -> dict[str, Any]:
+def recipe_values(recipe: dict, path: str) -> dict[str, Any]:
     model = dict(recipe.get("model") or {})
     if not model:
         raise UserError(path, "has no [model] table", "pass a pretrain recipe (recipes/smollm3.toml) or use --model")
@@ -159,8 +161,6 @@ def recipe_or_model(subject: str, model: str | None = None) -> tuple[str | None,
     if path.is_dir() or (path.is_file() and path.suffix == ".json"):
         return None, subject
     if path.is_file():
-        from smolctl.recipe import load_toml
-
         load_toml(path)  # a TOML recipe, or one line saying why it is not
         return subject, None
     if "/" in subject or path.suffix:
@@ -168,14 +168,12 @@ def recipe_or_model(subject: str, model: str | None = None) -> tuple[str | None,
     return None, subject  # a preset name: resolve_config names the known ones when it is not one
 
 
-def plan_from_sources(*, recipe: str | None = None, overrides: list[str] | None = None,
-                      flags: dict[str, Any] | None = None) -> Plan:
+def scenario_from_sources(*, recipe: str | None = None, overrides: list[str] | None = None,
+                          flags: dict[str, Any] | None = None) -> TrainingScenario:
     """Recipe values first, then every flag that was given (None means not given)."""
-    from smolctl.recipe import apply_overrides, load_toml
-
     values: dict[str, Any] = {}
     if recipe is not None:
-        values = _recipe_values(apply_overrides(load_toml(recipe), overrides or []), recipe)
+        values = recipe_values(apply_overrides(load_toml(recipe), overrides or []), recipe)
         values["source"] = recipe
     elif overrides:
         raise UserError("--set", "overrides a recipe", "pass RECIPE.toml, or use the flags directly")
@@ -187,8 +185,8 @@ def plan_from_sources(*, recipe: str | None = None, overrides: list[str] | None 
     for key in ("tokens", "global_batch_tokens"):
         if key in values:
             values[key] = parse_count(values[key], f"--{key.replace('_', '-')}")
-    known = {f.name for f in fields(Plan)}
-    return check_plan(Plan(**{k: v for k, v in values.items() if k in known}))
+    known = {f.name for f in fields(TrainingScenario)}
+    return check_scenario(TrainingScenario(**{k: v for k, v in values.items() if k in known}))
 
 
 def _choice(value: str, known, flag: str) -> None:
@@ -196,73 +194,73 @@ def _choice(value: str, known, flag: str) -> None:
         raise UserError(flag, f"{value!r} is not known", f"known: {', '.join(known)}")
 
 
-def check_plan(plan: Plan) -> Plan:
-    """Reject impossible plans with the flag to change; fill in the derived defaults."""
-    _choice(plan.gpu, GPUS, "--gpu")
-    _choice(plan.precision, PRECISIONS, "--precision")
-    _choice(plan.optimizer, OPTIMIZER_BYTES, "--optimizer")
-    _choice(plan.recompute, RECOMPUTES, "--recompute")
-    _choice(plan.attention, ATTENTIONS, "--attention")
-    _choice(plan.framework, FRAMEWORKS, "--framework")
+def check_scenario(scenario: TrainingScenario) -> TrainingScenario:
+    """Reject impossible scenarios with the flag to change; fill in the derived defaults."""
+    _choice(scenario.gpu, GPUS, "--gpu")
+    _choice(scenario.precision, PRECISIONS, "--precision")
+    _choice(scenario.optimizer, OPTIMIZER_BYTES, "--optimizer")
+    _choice(scenario.recompute, RECOMPUTES, "--recompute")
+    _choice(scenario.attention, ATTENTIONS, "--attention")
+    _choice(scenario.framework, FRAMEWORKS, "--framework")
     for name in ("seq_len", "micro_batch", "tp", "pp", "cp"):
-        if getattr(plan, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')}", f"must be at least 1, got {getattr(plan, name)}")
-    if plan.zero not in (0, 1, 2, 3):
-        raise UserError("--zero", f"must be 0, 1, 2 or 3, got {plan.zero}")
-    if not 0 < plan.mfu <= 1:
-        raise UserError("--mfu", f"must be in (0, 1], got {plan.mfu}", "typical: 0.3–0.5 on H100 for dense models")
+        if getattr(scenario, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')}", f"must be at least 1, got {getattr(scenario, name)}")
+    if scenario.zero not in (0, 1, 2, 3):
+        raise UserError("--zero", f"must be 0, 1, 2 or 3, got {scenario.zero}")
+    if not 0 < scenario.mfu <= 1:
+        raise UserError("--mfu", f"must be in (0, 1], got {scenario.mfu}", "typical: 0.3–0.5 on H100 for dense models")
     for name in ("checkpoint_gbps", "checkpoint_hours", "target_days", "overhead", "price_per_gpu_hour"):
-        value = getattr(plan, name)
+        value = getattr(scenario, name)
         if value is not None and not value > 0:
             raise UserError(f"--{name.replace('_', '-')}", f"must be positive, got {value}")
-    if plan.overhead is not None and plan.overhead < 1:
-        raise UserError("--overhead", f"is a factor on the compute time, at least 1, got {plan.overhead}",
+    if scenario.overhead is not None and scenario.overhead < 1:
+        raise UserError("--overhead", f"is a factor on the compute time, at least 1, got {scenario.overhead}",
                         "e.g. --overhead 1.2 for 20% on top")
-    if plan.seq_len % plan.cp:
-        raise UserError("--cp", f"{plan.cp} does not divide --seq-len {plan.seq_len}")
-    if plan.global_batch_tokens is not None and plan.global_batch_tokens % plan.seq_len:
-        raise UserError("--global-batch-tokens", f"{plan.global_batch_tokens} is not a whole number of "
-                        f"{plan.seq_len}-token sequences")
-    gpus = plan.gpus
+    if scenario.seq_len % scenario.cp:
+        raise UserError("--cp", f"{scenario.cp} does not divide --seq-len {scenario.seq_len}")
+    if scenario.global_batch_tokens is not None and scenario.global_batch_tokens % scenario.seq_len:
+        raise UserError("--global-batch-tokens", f"{scenario.global_batch_tokens} is not a whole number of "
+                        f"{scenario.seq_len}-token sequences")
+    gpus = scenario.gpus
     if gpus is None:
-        sequences = (plan.global_batch_tokens or plan.seq_len * plan.micro_batch) // plan.seq_len
-        data_parallel = sequences // plan.micro_batch if sequences % plan.micro_batch == 0 else 1
-        gpus = data_parallel * plan.model_parallel
-        plan = replace(plan, notes=plan.notes + (f"--gpus not given: {gpus} (global batch ÷ micro batch = "
+        sequences = (scenario.global_batch_tokens or scenario.seq_len * scenario.micro_batch) // scenario.seq_len
+        data_parallel = sequences // scenario.micro_batch if sequences % scenario.micro_batch == 0 else 1
+        gpus = data_parallel * scenario.model_parallel
+        scenario = replace(scenario, notes=scenario.notes + (f"--gpus not given: {gpus} (global batch ÷ micro batch = "
                                                  f"{data_parallel} data-parallel ranks × tp·pp·cp)",))
-    if gpus < 1 or gpus % plan.model_parallel:
-        raise UserError("--gpus", f"{gpus} GPUs cannot hold tp {plan.tp} × pp {plan.pp} × cp {plan.cp} = "
-                        f"{plan.model_parallel} (the layout must multiply to --gpus with a whole data-parallel size)",
-                        f"use a multiple of {plan.model_parallel} GPUs")
-    if plan.dp_shard is not None and plan.zero != 3:
-        raise UserError("--dp-shard", f"{plan.dp_shard} shards weights, gradients and optimizer states (FSDP2, "
-                        f"ZeRO-3), not ZeRO-{plan.zero}", "add --zero 3")
-    if plan.dp_shard is not None and (plan.dp_shard < 1 or (gpus // plan.model_parallel) % plan.dp_shard):
-        raise UserError("--dp-shard", f"{plan.dp_shard} does not divide the {gpus // plan.model_parallel} "
+    if gpus < 1 or gpus % scenario.model_parallel:
+        raise UserError("--gpus", f"{gpus} GPUs cannot hold tp {scenario.tp} × pp {scenario.pp} × cp {scenario.cp} = "
+                        f"{scenario.model_parallel} (the layout must multiply to --gpus with a whole data-parallel size)",
+                        f"use a multiple of {scenario.model_parallel} GPUs")
+    if scenario.dp_shard is not None and scenario.zero != 3:
+        raise UserError("--dp-shard", f"{scenario.dp_shard} shards weights, gradients and optimizer states (FSDP2, "
+                        f"ZeRO-3), not ZeRO-{scenario.zero}", "add --zero 3")
+    if scenario.dp_shard is not None and (scenario.dp_shard < 1 or (gpus // scenario.model_parallel) % scenario.dp_shard):
+        raise UserError("--dp-shard", f"{scenario.dp_shard} does not divide the {gpus // scenario.model_parallel} "
                         "data-parallel ranks", "use a divisor of the data-parallel size")
-    return replace(plan, gpus=gpus)
+    return replace(scenario, gpus=gpus)
 
 
-def check_model_layout(plan: Plan, heads: int, kv_heads: int, layers: int) -> None:
+def check_model_layout(scenario: TrainingScenario, heads: int, kv_heads: int, layers: int) -> None:
     """Layout checks that need the model: TP splits heads, PP splits layers."""
-    if heads % plan.tp:
-        raise UserError("--tp", f"{plan.tp} does not divide the {heads} attention heads",
+    if heads % scenario.tp:
+        raise UserError("--tp", f"{scenario.tp} does not divide the {heads} attention heads",
                         f"use a divisor of {heads}")
-    if kv_heads % plan.tp and plan.tp % kv_heads:
-        raise UserError("--tp", f"{plan.tp} neither divides nor is a multiple of the {kv_heads} key/value heads",
+    if kv_heads % scenario.tp and scenario.tp % kv_heads:
+        raise UserError("--tp", f"{scenario.tp} neither divides nor is a multiple of the {kv_heads} key/value heads",
                         f"use a divisor of {kv_heads}")
-    if plan.pp > layers:
-        raise UserError("--pp", f"{plan.pp} pipeline stages for {layers} layers", f"use at most {layers}")
+    if scenario.pp > layers:
+        raise UserError("--pp", f"{scenario.pp} pipeline stages for {layers} layers", f"use at most {layers}")
 
 
-def data_parallel(plan: Plan) -> int:
-    return plan.gpus // plan.model_parallel
+def data_parallel(scenario: TrainingScenario) -> int:
+    return scenario.gpus // scenario.model_parallel
 
 
-def accumulation(plan: Plan) -> tuple[int, int]:
+def accumulation(scenario: TrainingScenario) -> tuple[int, int]:
     """(global batch tokens, gradient accumulation steps). The global batch is rounded up to a whole number of
     micro batches on every data-parallel rank."""
-    per_step = plan.micro_batch * data_parallel(plan) * plan.seq_len
-    wanted = plan.global_batch_tokens or per_step
+    per_step = scenario.micro_batch * data_parallel(scenario) * scenario.seq_len
+    wanted = scenario.global_batch_tokens or per_step
     steps = max(1, math.ceil(wanted / per_step))
     return steps * per_step, steps

@@ -1,0 +1,84 @@
+"""CPU time of each MinHash kernel, the C extension against its numpy fallback, on the sample corpus repeated.
+
+    .venv/bin/python benchmarks/minhash_kernels_bench.py --copies 8 --repeat 5
+    .venv/bin/python benchmarks/minhash_kernels_bench.py --kernels c     # one side only, e.g. to compare two builds
+
+The kernels are called through smolctl.data.minhash as dedup calls them (tokenize, ngrams, signatures,
+jaccard_many, estimate_jaccard), on the web, code and math samples `--copies` times over, with 200,000 random
+pairs for the two pair kernels. Each kernel's best process CPU time over `--repeat` rounds is reported; the
+sides alternate round by round so that a loaded machine's drift reaches both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from smolctl.data import minhash_fallback
+from smolctl.data.minhash import kernels, params, shingles
+
+REPO = Path(__file__).resolve().parent.parent
+PAIRS = 200_000
+
+
+def sample_texts(copies: int) -> pa.Array:
+    texts = []
+    for name in ("web", "code", "math"):
+        for path in sorted((REPO / "data" / "sample" / name).glob("part-*.parquet")):
+            texts += pq.read_table(path, columns=["text"]).column(0).to_pylist()
+    return pa.array(texts * copies, pa.large_string())
+
+
+def one_round(texts: pa.Array, best: dict[str, float]) -> None:
+    """Every kernel once, through the module-level kernels minhash currently uses."""
+    rng = np.random.default_rng(0)
+    left, right = rng.integers(0, len(texts), PAIRS), rng.integers(0, len(texts), PAIRS)
+
+    def timed(name: str, function, *args):
+        started = time.process_time()
+        result = function(*args)
+        best[name] = min(best.get(name, float("inf")), time.process_time() - started)
+        return result
+
+    tokens = timed("tokenize", kernels.tokenize, texts)
+    shingles = timed("shingles", kernels.ngrams, tokens.words, tokens.word_offsets, 5)
+    signatures = timed("signatures", kernels.signatures, *shingles, params.MinHashParams().permutations())
+    sets = shingles.sets_from_hashes(*shingles)  # sorting the sets is numpy's work, not a kernel's: untimed
+    timed("intersections", kernels.jaccard_many, *sets, left, right)
+    timed("agreements", kernels.estimate_jaccard, signatures, left, right)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--copies", type=int, default=8, help="How many times the sample corpus is repeated.")
+    parser.add_argument("--repeat", type=int, default=5, help="Rounds; each kernel's fastest is reported.")
+    parser.add_argument("--kernels", choices=["both", "c", "numpy"], default="both")
+    args = parser.parse_args()
+    texts = sample_texts(args.copies)
+    sides = {"c": kernels._minhash, "numpy": minhash_fallback}
+    if args.kernels != "both":
+        sides = {args.kernels: sides[args.kernels]}
+    best: dict[str, dict[str, float]] = {side: {} for side in sides}
+    for _ in range(args.repeat):
+        for side, kernels in sides.items():
+            kernels._minhash = kernels
+            one_round(texts, best[side])
+    megabytes = sum(len(t.encode()) for t in texts.to_pylist()) / 1e6
+    print(
+        f"{len(texts):,} documents, {megabytes:.1f} MB; C kernels from {Path(sides.get('c', minhash_fallback).__file__).name}"
+    )
+    print("| kernel | " + " | ".join(f"{side} ms" for side in sides) + (" | numpy / c |" if len(sides) == 2 else " |"))
+    print("|---" * (len(sides) + 1 + (len(sides) == 2)) + "|")
+    for name in best[next(iter(sides))]:
+        cells = [f"{best[side][name] * 1000:.1f}" for side in sides]
+        ratio = [f"{best['numpy'][name] / best['c'][name]:.1f}x"] if len(sides) == 2 else []
+        print(f"| {name} | " + " | ".join(cells + ratio) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Arrow arrays built from numpy and Python values without pyarrow's pandas probe.
+
+pyarrow.array() and pyarrow.scalar() (and every compute call given a plain Python value) first ask whether
+pandas is installed and import it to find out, which costs a command that never touches pandas more start-up
+than everything else it imports (see benchmarks/RESULTS.md, dedup). These build the same arrays from their
+buffers, which never asks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+
+def from_numpy(values: np.ndarray) -> pa.Array:
+    """A 1-D numpy array of numbers or bools as an arrow array without nulls (numbers share the memory)."""
+    if values.dtype == np.bool_:
+        bits = np.packbits(values, bitorder="little")
+        return pa.Array.from_buffers(pa.bool_(), len(values), [None, pa.py_buffer(bits)])
+    values = np.ascontiguousarray(values)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
+
+
+def strings(texts: Sequence[str]) -> pa.StringArray:
+    """Python strings as an arrow string array."""
+    encoded = [t.encode() for t in texts]
+    offsets = np.zeros(len(encoded) + 1, np.int32)
+    np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    return pa.Array.from_buffers(
+        pa.string(), len(encoded), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))]
+    )
+
+
+def to_numpy_filled(values: pa.Array | pa.ChunkedArray, fill: int | bool = 0) -> np.ndarray:
+    """An arrow array of numbers or bools (or a chunked one) as a numpy copy, nulls replaced by `fill`."""
+    if isinstance(values, pa.ChunkedArray):
+        chunks = [to_numpy_filled(chunk, fill) for chunk in values.chunks]
+        return np.concatenate(chunks) if chunks else np.zeros(0, values.type.to_pandas_dtype())
+    start, stop = values.offset, values.offset + len(values)
+    if pa.types.is_boolean(values.type):
+        out = _bits(values.buffers()[1], start, stop).astype(bool)
+    else:
+        out = np.frombuffer(values.buffers()[1], dtype=values.type.to_pandas_dtype())[start:stop].copy()
+    if values.null_count:
+        out[_bits(values.buffers()[0], start, stop) == 0] = fill
+    return out
+
+
+def _bits(buffer: pa.Buffer, start: int, stop: int) -> np.ndarray:
+    """Bits start..stop of an arrow bitmap (least significant bit first) as 0/1 bytes."""
+    return np.unpackbits(np.frombuffer(buffer, np.uint8), bitorder="little", count=stop)[start:stop]

@@ -1,0 +1,120 @@
+"""A dedup run's plan: its settings (DedupConfig), the validated inputs, the units of each stage and the work
+area. The run (smolctl/data/dedup.py) and the stages' units (dedup_stages.py) both build on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from smolctl.data.array_tasks import WorkArea, file_identity
+from smolctl.data.minhash.params import HASHING_VERSION, MinHashParams
+from smolctl.errors import UserError
+from smolctl.shards import DocumentSource, open_documents
+
+STAGES = ("signatures", "buckets", "components", "filter")
+KEEP_POLICIES = ("first", "longest")
+# report(stage, advance, total=None): progress of a stage; a total is announced once it is known.
+Report = Callable[..., None]
+
+
+@dataclass(frozen=True)
+class DedupConfig:
+    """What to deduplicate and how; everything here is recorded in the work area and the output manifest."""
+
+    input: str
+    output: str
+    exact: bool = True
+    """Remove documents whose normalised text (NFKC, case-folded, whitespace collapsed) is identical."""
+    minhash: MinHashParams | None = None
+    """Near-duplicate removal parameters; None for exact dedup only."""
+    verify: bool = True
+    """Check candidate pairs by exact Jaccard of the shingle sets (estimate settles pairs far from the threshold)."""
+    text_column: str = "text"
+    id_column: str | None = None
+    """Id column; None means 'id' when present, else ids are `shard:row`."""
+    against: str | None = None
+    """Reference dataset: remove INPUT documents that duplicate any of its documents; it is never changed."""
+    keep: str = "first"
+    """Which document of a cluster survives: the first in input order, or the longest (ties: first)."""
+    overwrite: bool = False
+
+
+@dataclass
+class DedupPlan:
+    config: DedupConfig
+    source: DocumentSource
+    reference: DocumentSource | None
+    id_column: str | None
+    area: WorkArea
+
+    @property
+    def work(self) -> Path:
+        return self.area.root
+
+    @property
+    def units(self) -> list[tuple[DocumentSource, int]]:
+        """Signature units: every input shard, then every reference shard."""
+        units = [(self.source, i) for i in range(len(self.source.files))]
+        if self.reference is not None:
+            units += [(self.reference, i) for i in range(len(self.reference.files))]
+        return units
+
+    def unit_count(self, stage: str) -> int:
+        if stage == "signatures":
+            return len(self.units)
+        if stage == "buckets":
+            return self.config.minhash.bands if self.config.minhash else 0
+        return 1 if stage == "components" else len(self.source.files)
+
+    def marker(self, stage: str, unit: int) -> Path:
+        return self.area.marker(stage, unit)
+
+    def done(self, stage: str) -> bool:
+        return self.area.stage_done(stage, self.unit_count(stage))
+
+
+def fingerprint(config: DedupConfig, source: DocumentSource, reference: DocumentSource | None) -> dict:
+    return {
+        "config": {k: v for k, v in asdict(config).items() if k not in ("overwrite", "output")},
+        "input_files": file_identity(source.files),
+        "reference_files": file_identity(reference.files) if reference else [],
+        "hashing": HASHING_VERSION,
+    }
+
+
+def plan(config: DedupConfig) -> DedupPlan:
+    """Check the inputs and settings a run needs; UserError on the first problem. The output is checked by
+    the caller (a task of a run already committed finds OUTPUT complete, which is not an error)."""
+    if not (config.exact or config.minhash):
+        raise UserError("dedup", "both exact and MinHash dedup are off", "drop --no-exact or add --minhash")
+    if config.keep not in KEEP_POLICIES:
+        raise UserError("--keep", f"unknown policy {config.keep!r}", "use first or longest")
+    source = open_documents(config.input)
+    if source.num_rows == 0:
+        raise UserError(config.input, "holds no documents", "pass a non-empty dataset")
+    id_column = _resolve_ids(source, config)
+    reference = None
+    if config.against is not None:
+        reference = open_documents(config.against)
+        reference.require(text=[config.text_column])
+        if Path(config.against).resolve() == Path(config.input).resolve():
+            raise UserError("--against", "is the input itself", "pass a different reference dataset")
+    total = source.num_rows + (reference.num_rows if reference else 0)
+    if total >= 2**32:
+        raise UserError(
+            config.input,
+            f"{total:,} documents: candidate pairs index documents with 32 bits",
+            "split the corpus and chain runs with --against",
+        )
+    area = WorkArea(Path(config.output), STAGES, fingerprint(config, source, reference))
+    return DedupPlan(config, source, reference, id_column, area)
+
+
+def _resolve_ids(source: DocumentSource, config: DedupConfig) -> str | None:
+    if config.id_column is not None:
+        source.require(config.id_column, text=[config.text_column], flags={config.id_column: "--id-column"})
+        return config.id_column
+    source.require(text=[config.text_column])
+    return "id" if "id" in source.columns else None

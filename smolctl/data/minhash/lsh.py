@@ -1,0 +1,71 @@
+"""Locality-sensitive hashing over signatures: one key per band, and the candidate pairs of documents that
+share a band's key."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from smolctl.data.minhash.arrays import mix64, sorted_unique
+from smolctl.data.minhash.kernels import NGRAM_WEIGHTS
+
+# A band bucket larger than this yields pairs only between near neighbours in document order plus a star from
+# its first member: a bucket of k documents would otherwise cost k²/2 verifications.
+MAX_BUCKET_PAIRS_SPAN = 64
+
+
+def band_keys(sigs: np.ndarray, bands: int, rows: int) -> np.ndarray:
+    """(docs, bands) uint64: one key per band of `rows` signature values; equal keys = same bucket."""
+    keys = np.zeros((len(sigs), bands), dtype=np.uint64)
+    for r in range(rows):
+        keys += sigs[:, r::rows][:, :bands].astype(np.uint64) * NGRAM_WEIGHTS[r % len(NGRAM_WEIGHTS)]
+    return mix64(keys)
+
+
+def bucket_pairs(keys: np.ndarray, docs: np.ndarray) -> np.ndarray:
+    """Candidate pairs (i < j, as i << 32 | j) among documents sharing a key of one band, sorted and unique.
+
+    Buckets of up to MAX_BUCKET_PAIRS_SPAN documents give all their pairs; larger ones (templated pages) give
+    each member's pairs with its next MAX_BUCKET_PAIRS_SPAN neighbours in document order plus a pair with the
+    bucket's first document, enough to connect a true cluster while staying linear in its size.
+    """
+    keys, docs = _shared_keys(keys, docs)
+    if len(docs) < 2:
+        return np.zeros(0, np.uint64)
+    order = np.argsort(keys)  # unstable: the vectorised sort, several times faster than a stable one
+    keys, docs = keys[order], docs[order].astype(np.uint64)
+    # Members of a bucket in document order: only buckets of two or more (few) need sorting again.
+    repeated = np.flatnonzero(keys[1:] == keys[:-1])
+    if len(repeated):
+        in_bucket = np.zeros(len(keys), bool)
+        in_bucket[repeated] = in_bucket[repeated + 1] = True
+        members = np.flatnonzero(in_bucket)
+        docs[members] = docs[members][np.lexsort((docs[members], keys[members]))]
+    first_of_group = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
+    sizes = np.diff(np.concatenate([first_of_group, [len(docs)]]))
+    # Member at position p of a bucket of n pairs with the next min(n - 1 - p, span) members, all in one go.
+    position = np.arange(len(docs)) - np.repeat(first_of_group, sizes)
+    ahead = np.minimum(np.repeat(sizes, sizes) - 1 - position, MAX_BUCKET_PAIRS_SPAN)
+    member = np.flatnonzero(ahead > 0)
+    counts = ahead[member]
+    near = np.repeat(member, counts)
+    step = np.arange(len(near)) - np.repeat(np.cumsum(counts) - counts, counts) + 1
+    pieces = [(docs[near] << np.uint64(32)) | docs[near + step]]
+    large = sizes > MAX_BUCKET_PAIRS_SPAN + 1
+    if large.any():
+        heads = np.repeat(docs[first_of_group[large]], sizes[large] - 1)
+        members = np.concatenate([docs[s + 1 : s + n] for s, n in zip(first_of_group[large], sizes[large])])
+        pieces.append((heads << np.uint64(32)) | members)
+    return sorted_unique(np.concatenate(pieces))
+
+
+def _shared_keys(keys: np.ndarray, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The (keys, docs) whose key another document shares: the only ones that pair. Nearly every key of a band is
+    unique, so one sort of the keys alone (no indices to carry) and a lookup leave few documents to arrange."""
+    ordered = np.sort(keys)
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    if not len(repeated):
+        return keys[:0], docs[:0]
+    shared = sorted_unique(repeated)
+    found = np.minimum(np.searchsorted(shared, keys), len(shared) - 1)
+    member = shared[found] == keys
+    return keys[member], docs[member]

@@ -1,0 +1,85 @@
+"""Unicode normalisation of documents: NFKC and case folding, and which documents need more than ASCII
+lower-casing (the tokeniser lower-cases ASCII as it reads; only the others go through Python)."""
+
+from __future__ import annotations
+
+import functools
+import unicodedata
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+_OTHER_SPACES = {0x85: " ", 0x1680: " ", 0x2028: " ", 0x2029: " "}
+_OTHER_SPACES_TEXT = [chr(c) for c in _OTHER_SPACES]
+
+
+def normalize(text: str) -> str:
+    """Unicode NFKC and case folding. Whitespace runs are collapsed by tokenisation: documents are compared as
+    their sequences of whitespace-separated tokens (exact dedup) or of words (shingles)."""
+    folded = unicodedata.normalize("NFKC", text).casefold()
+    # The tokeniser splits on ASCII whitespace; these are the only other str.split() separators NFKC leaves.
+    if folded.isascii() or not any(space in folded for space in _OTHER_SPACES_TEXT):
+        return folded
+    return folded.translate(_OTHER_SPACES)
+
+
+def normalize_array(texts: pa.Array | pa.ChunkedArray) -> pa.LargeStringArray:
+    """normalize() over an arrow array of texts (nulls become ''): NFKC and case folding are plain ASCII
+    lower-casing on ASCII text, which arrow does in bulk; only the other texts go through Python."""
+    texts = pc.ascii_lower(pc.fill_null(plain_strings(texts).cast(pa.large_string()), ""))
+    is_ascii = np.asarray(pc.string_is_ascii(texts), dtype=bool)
+    if is_ascii.all():
+        return texts
+    others = np.flatnonzero(~is_ascii)
+    folded = pa.array([normalize(t) for t in texts.take(pa.array(others)).to_pylist()], pa.large_string())
+    return pc.replace_with_mask(texts, pa.array(~is_ascii), folded)
+
+
+def plain_strings(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> pa.Array:
+    """A string or large_string arrow array (offsets and one data buffer) of any texts."""
+    if isinstance(texts, pa.ChunkedArray):
+        texts = texts.combine_chunks()
+    elif not isinstance(texts, pa.Array):
+        texts = pa.array(list(texts), pa.large_string())
+    if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
+        texts = texts.cast(pa.large_string())
+    return texts
+
+
+@functools.cache
+def changing_characters() -> str:
+    """An RE2 character class of the characters a document must hold for normalize() to do more than
+    lower-case its ASCII letters: those that NFKC or case folding change, those that compose with or reorder
+    around their neighbours (combining marks, the second characters of canonical compositions, Hangul vowel
+    and final jamo), the extra spaces, and every character beyond plane 1 (not examined: rare, and always
+    safe to normalise). Derived from this Python's Unicode tables once per process."""
+    changing = set(_OTHER_SPACES) | set(range(0x1161, 0x1176)) | set(range(0x11A8, 0x11C3))
+    for block in range(0x80, 0x20000, 128):
+        if 0xD800 <= block < 0xE000:
+            continue  # surrogates: never in UTF-8 text
+        chars = np.arange(block, block + 128, dtype="<u4").tobytes().decode("utf-32-le")
+        changing.update(block + i for i, c in enumerate(chars) if unicodedata.combining(c))
+        # A block that case folding and NFKD leave alone as a whole holds no character either changes.
+        if chars.casefold() == chars and unicodedata.normalize("NFKD", chars) == chars:
+            continue
+        for i, c in enumerate(chars):
+            if c.casefold() != c:
+                changing.add(block + i)
+            decomposition = unicodedata.decomposition(c)
+            if not decomposition:
+                continue
+            if unicodedata.normalize("NFKC", c) != c:
+                changing.add(block + i)
+            parts = decomposition.split()
+            if not decomposition.startswith("<") and len(parts) == 2:
+                changing.add(int(parts[1], 16))  # may compose with the character before it
+    ranges: list[list[int]] = []
+    for c in sorted(changing):
+        if ranges and ranges[-1][1] == c - 1:
+            ranges[-1][1] = c
+        else:
+            ranges.append([c, c])
+    spans = "".join(f"\\x{{{a:x}}}" if a == b else f"\\x{{{a:x}}}-\\x{{{b:x}}}" for a, b in ranges)
+    return f"[{spans}\\x{{20000}}-\\x{{10ffff}}]"

@@ -1,0 +1,117 @@
+"""The tokenizing stage of `smolctl pack`: documents in, token batches (EOS appended) out, in input order.
+
+The Rust batch encoder releases the GIL, so Python can work beside it: while the tokenizer's threads encode
+one batch, the next is already submitted (two calls in flight share the Rust thread pool, so the long last
+documents of one batch do not leave the other threads idle), and the ids of a finished batch are turned into one
+numpy array. With `--workers N`, N single-threaded tokenizer processes take the batches instead.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from functools import partial
+from itertools import chain
+
+import numpy as np
+
+from smolctl.data.pack_rows import TokenBatch
+from smolctl.data.tokenizer import RustTokenizer
+
+ENCODER_CALLS_IN_FLIGHT = 2
+"""Batches being encoded at once in this process: one to keep the Rust threads busy, one to overlap."""
+
+
+def encode_texts(backend, texts: list[str]) -> TokenBatch:
+    """Token ids of each text, no special tokens, via the Rust tokenizer's batch encoder (no offsets computed)."""
+    encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
+    ids = [encoding.ids for encoding in encodings]
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
+    return TokenBatch(flat, lengths)
+
+
+def append_document_end(batch: TokenBatch, eos_id: int) -> tuple[TokenBatch, int]:
+    """Drop empty documents and append EOS to the rest. Returns (batch, number of empty documents dropped)."""
+    keep = batch.lengths > 0
+    lengths = batch.lengths[keep] + 1
+    ends = np.cumsum(lengths) - 1
+    ids = np.empty(int(lengths.sum()), dtype=np.int32)
+    is_text = np.ones(len(ids), dtype=bool)
+    is_text[ends] = False
+    ids[is_text] = batch.ids
+    ids[ends] = eos_id
+    return TokenBatch(ids, lengths), int((~keep).sum())
+
+
+def encode_documents(backend, texts: list[str], eos_id: int) -> tuple[TokenBatch, int, int]:
+    """(the non-empty documents' ids, each + EOS; documents read; empty documents dropped)."""
+    batch, empty = append_document_end(encode_texts(backend, texts), eos_id)
+    return batch, len(texts), empty
+
+
+_worker_backend = None
+
+
+def _init_worker(tokenizer_json: str) -> None:
+    global _worker_backend
+    # One Rust thread per worker process: the processes are the parallelism, threads would oversubscribe.
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    from tokenizers import Tokenizer
+
+    _worker_backend = Tokenizer.from_str(tokenizer_json)
+
+
+def _encode_in_worker(texts: list[str], eos_id: int) -> tuple[TokenBatch, int, int]:
+    return encode_documents(_worker_backend, texts, eos_id)
+
+
+def document_texts(source, text_column: str, batch_documents: int, units: list[int]) -> Iterator[tuple[int, list[str]]]:
+    """(unit, texts) in batches, units (input files) in order; a null text is an empty document."""
+    for unit in units:
+        for batch in source.iter_file_batches(unit, columns=[text_column], batch_size=batch_documents):
+            texts = batch.column(0).to_pylist()
+            # Not pyarrow's fill_null: its string scalar imports pandas (start-up the raw pass does not pay).
+            yield unit, texts if not batch.column(0).null_count else [t if t is not None else "" for t in texts]
+
+
+def in_order(futures: Iterable[tuple[int, Future]], window: int) -> Iterator[tuple[int, object]]:
+    """(tag, result) of each future in submission order, keeping at most `window` submitted ahead (memory stays
+    bounded however fast the input is read)."""
+    pending: deque = deque()
+    for item in futures:
+        pending.append(item)
+        if len(pending) >= window:
+            tag, future = pending.popleft()
+            yield tag, future.result()
+    while pending:
+        tag, future = pending.popleft()
+        yield tag, future.result()
+
+
+def tokenised_batches(
+    source, tokenizer: RustTokenizer, text_column: str, batch_documents: int, workers: int, units: list[int]
+) -> Iterator[tuple[int, TokenBatch, int, int]]:
+    """(unit, token batch with EOS, documents read, empty documents dropped) for the units in input order."""
+    texts = document_texts(source, text_column, batch_documents, units)
+    executor, window = encoder(tokenizer, workers)
+    encode = _encode_in_worker if workers > 1 else partial(encode_documents, tokenizer.backend)
+    try:
+        chunks = ((unit, executor.submit(encode, chunk, tokenizer.eos_token_id)) for unit, chunk in texts)
+        for unit, (batch, read, empty) in in_order(chunks, window):
+            yield unit, batch, read, empty
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
+
+
+def encoder(tokenizer: RustTokenizer, workers: int) -> tuple[Executor, int]:
+    """Where batches are encoded (threads of this process, or `workers` processes) and how many ahead."""
+    if workers == 1:
+        return ThreadPoolExecutor(ENCODER_CALLS_IN_FLIGHT, thread_name_prefix="encode"), ENCODER_CALLS_IN_FLIGHT + 1
+    context = multiprocessing.get_context("spawn")  # fork after Rust threads have started can deadlock
+    return ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_init_worker, initargs=(tokenizer.backend.to_str(),)
+    ), 2 * workers

@@ -1,0 +1,69 @@
+"""What ppo and grpo share: the prompts, the composite reward, the checks that run before any model loads, and the
+reward trend that says whether training worked."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from smolctl.errors import UserError
+from smolctl.shards import DocumentSource, open_documents
+from smolctl.train.config import GrpoRecipe, PpoRecipe, PromptDataSection
+from smolctl.train.posttrain import require_columns
+from smolctl.train.rewards import CompositeReward
+from smolctl.train.run import RunStart
+from smolctl.train.posttrain_run import check_start, open_run
+
+
+def load_prompts(source: DocumentSource, data: PromptDataSection, needs_reference: bool) -> list[dict]:
+    """The dataset's rows, each with its reference under "reference" (None when the column is absent and not
+    needed): reward callables see every column."""
+    require_columns(source, [data.prompt_column], "set data.prompt_column, or pass a dataset of prompts")
+    if needs_reference and data.reference_column not in source.columns:
+        raise UserError(source.spec, f"has no column '{data.reference_column}' for the task reward (columns: "
+                        f"{', '.join(source.columns)})", "set data.reference_column, or use a regex/callable reward")
+    rows = []
+    for batch in source.iter_batches():
+        rows += batch.to_pylist()
+    if data.limit is not None:
+        rows = rows[:data.limit]
+    if not rows:
+        raise UserError(source.spec, "holds no prompts", "pass a non-empty dataset")
+    return [{**row, "prompt": row[data.prompt_column], "reference": row.get(data.reference_column)} for row in rows]
+
+
+def as_chat(prompt) -> list[dict]:
+    return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+
+@dataclass
+class Setup:
+    run: Path
+    parent: Path
+    source: DocumentSource
+    rows: list[dict]
+    """The dataset's rows, with "prompt" and "reference" whatever their columns are called."""
+    reward: CompositeReward
+    start: RunStart
+
+
+def prepare(stage: str, recipe: PpoRecipe | GrpoRecipe, run: str | Path, start: str | None, resume: str,
+            overwrite: bool) -> Setup:
+    """Every check that can fail, before any model loads: data, rewards (callables imported), run folder, resume."""
+    run = Path(run)
+    parent = check_start(start or recipe.model.from_, "--from" if start else "model.from")
+    source = open_documents(recipe.data.path)
+    reward = CompositeReward(recipe.rewards)
+    rows = load_prompts(source, recipe.data, reward.needs_reference)
+    begun = open_run(stage, recipe, run, parent, resume, overwrite)
+    return Setup(run, parent, source, rows, reward, begun)
+
+
+def reward_trend(rewards: list[float], window: int = 5) -> dict:
+    """Mean reward over the first and the last `window` steps: the number that says whether training worked."""
+    finite = [r for r in rewards if math.isfinite(r)]
+    if not finite:
+        return {}
+    return {"reward_first": sum(finite[:window]) / len(finite[:window]),
+            "reward_last": sum(finite[-window:]) / len(finite[-window:])}
