@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import UserError
+from smolctl.results import Result
 from smolctl.shards import (
     KIND_DOCUMENTS,
     KIND_MODEL,
@@ -108,19 +110,56 @@ def _verify_all(folders: list[Path]) -> list[str]:
     return problems
 
 
-def inspect_collection(root: Path, *, verify: bool) -> dict:
+@dataclass
+class Inspection(Result):
+    """What `smolctl inspect` found. A field is None where it does not apply to this kind of folder, and
+    `to_dict()` (what `--json` prints) leaves those keys out."""
+
+    path: str
+    kind: str | None
+    rows: int | None = None
+    tokens: int | None = None
+    shards: int | None = None
+    schema: dict | None = None
+    files: list[str] | None = None
+    """The first parquet files of a folder without a manifest."""
+    command: str | None = None
+    smolctl_version: str | None = None
+    created_at: str | None = None
+    inputs: list[str] | None = None
+    stats: dict | None = None
+    folders: list[dict] | None = None
+    """smolctl folders inside this one (a collection's whole content): path, kind and counts."""
+    seq_len: int | None = None
+    tokenizer: dict | str | None = None
+    strategy: str | None = None
+    parent: dict | str | None = None
+    samples: list[dict] | None = None
+    lineage: list[dict] | None = None
+    verified_folders: list[str] | None = None
+    problems: list[str] | None = None
+    verified: bool | None = None
+
+    def to_dict(self) -> dict:
+        return {key: value for key, value in asdict(self).items() if value is not None or key == "kind"}
+
+    def verify(self, folders: list[Path]) -> None:
+        self.verified_folders = [str(f) for f in folders]
+        self.problems = _verify_all(folders)
+        self.verified = not self.problems
+
+
+def inspect_collection(root: Path, *, verify: bool) -> Inspection:
     """A plain folder of smolctl folders (`demo-out/dedup` holds web/, code/, math/ and their duplicates/)."""
     folders = smolctl_folders_under(root)
-    result: dict = {"path": str(root), "kind": KIND_COLLECTION, "folders": [_summary(f, root) for f in folders]}
+    result = Inspection(path=str(root), kind=KIND_COLLECTION, folders=[_summary(f, root) for f in folders])
     if verify:
-        result["verified_folders"] = [str(f) for f in folders]
-        result["problems"] = _verify_all(folders)
-        result["verified"] = not result["problems"]
+        result.verify(folders)
     return result
 
 
 def inspect_path(path: str, *, samples: int = 3, verify: bool = False, lineage: bool = False,
-                 tokenizer: str | None = None) -> dict:
+                 tokenizer: str | None = None) -> Inspection:
     """Describe a dataset, packed, model or tokenizer folder, a folder of such folders, or a foreign parquet
     file/folder/glob."""
     target = Path(path)
@@ -133,20 +172,18 @@ def inspect_path(path: str, *, samples: int = 3, verify: bool = False, lineage: 
             raise UserError("--lineage", f"{path} holds several smolctl folders, each with its own lineage",
                             f"inspect one of them, e.g. {smolctl_folders_under(target, max_depth=1)[0]} --lineage")
         return inspect_collection(target, verify=verify)
-    result: dict = {"path": str(path), "kind": manifest["kind"] if manifest else None}
     if manifest is None:
-        source = open_documents(path)
-        result.update(kind="parquet (no manifest)", shards=len(source.files), rows=source.num_rows,
-                      schema=schema_to_dict(source.schema),
-                      files=[str(f) for f in source.files[:20]])
-        if samples:
-            result["samples"] = _document_samples(path, samples)
         if verify:
             raise UserError(path, "has no manifest.json to verify against", "only folders written by smolctl can be verified")
-        return result
+        source = open_documents(path)
+        return Inspection(path=str(path), kind="parquet (no manifest)", shards=len(source.files), rows=source.num_rows,
+                          schema=schema_to_dict(source.schema), files=[str(f) for f in source.files[:20]],
+                          samples=_document_samples(path, samples) if samples else None)
 
     nested = smolctl_folders_under(target)
-    result.update(
+    result = Inspection(
+        path=str(path),
+        kind=manifest["kind"],
         **_counts(manifest),
         schema=manifest.get("schema", {}),
         command=" ".join(manifest.get("command", [])),
@@ -155,21 +192,17 @@ def inspect_path(path: str, *, samples: int = 3, verify: bool = False, lineage: 
         inputs=[ref.get("path") for ref in manifest.get("inputs", [])],
         stats=manifest.get("stats", {}),
         folders=[_summary(folder, target) for folder in nested],
+        **{key: manifest[key] for key in ("seq_len", "tokenizer", "strategy", "parent") if key in manifest},
     )
-    for key in ("seq_len", "tokenizer", "strategy", "parent"):
-        if key in manifest:
-            result[key] = manifest[key]
     if samples and manifest["kind"] == KIND_DOCUMENTS:
-        result["samples"] = _document_samples(target, samples)
+        result.samples = _document_samples(target, samples)
     elif samples and manifest["kind"] == KIND_PACKED:
-        result["samples"] = _packed_samples(target, samples, tokenizer, manifest)
+        result.samples = _packed_samples(target, samples, tokenizer, manifest)
     if lineage:
-        result["lineage"] = lineage_chain(target)
+        result.lineage = lineage_chain(target)
     if verify:
         # a mix's stages are its own shards: hash each file once
         listed = {shard["name"] for shard in manifest.get("shards", [])}
         separate = [f for f in nested if not any(name.startswith(f"{f.relative_to(target)}/") for name in listed)]
-        result["verified_folders"] = [str(f) for f in [target, *separate]]
-        result["problems"] = _verify_all([target, *separate])
-        result["verified"] = not result["problems"]
+        result.verify([target, *separate])
     return result

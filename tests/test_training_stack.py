@@ -156,8 +156,8 @@ def test_dpo_preference_accuracy_and_margins_rise(tiny_model, tmp_path):  # noqa
 @pytest.mark.slow
 def test_two_process_post_training_saves_final_collectively_and_refuses_once(tiny_model, tmp_path):  # noqa: F811
     """Under torchrun every rank takes part in the final save (a sharded model is gathered before rank 0 writes):
-    final/ holds the trained weights, equal to the Trainer's own last checkpoint. PPO, single-process by design,
-    refuses once, not once per rank."""
+    final/ holds the trained weights, equal to the Trainer's own last checkpoint. PPO, data-parallel without
+    sharding, refuses training.shard once, not once per rank."""
     import subprocess
     import sys
 
@@ -175,6 +175,7 @@ def test_two_process_post_training_saves_final_collectively_and_refuses_once(tin
     assert final.keys() == last.keys() == base.keys()
     assert all(final[k].equal(last[k]) for k in final) and not all(final[k].equal(base[k]) for k in final)
 
-    refused = torchrun(*command_line("ppo", Path(), tiny_model, tmp_path / "ppo", "training.steps=1"))
+    refused = torchrun(*command_line("ppo", Path(), tiny_model, tmp_path / "ppo", "training.steps=1",
+                                     "training.shard=true"))
     assert refused.returncode != 0                                    # torchrun reports the failed rank
-    assert refused.stderr.count("error: ppo: smolctl's own PPO runs in one process") == 1, refused.stderr[-2000:]
+    assert refused.stderr.count("ppo runs data-parallel (DDP) without FSDP sharding") == 1, refused.stderr[-2000:]

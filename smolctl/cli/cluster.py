@@ -19,7 +19,7 @@ from smolctl.console import (
     table,
 )
 from smolctl.errors import CheckFailed, UserError
-from smolctl.train.distributed import rank_from_env
+from smolctl.launcher import rank_from_env
 from smolctl.units import NCCL_HELP
 
 

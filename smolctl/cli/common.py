@@ -12,7 +12,7 @@ import typer
 
 from smolctl.console import key_values, show
 from smolctl.errors import Interrupted, UserError
-from smolctl.train.distributed import rank_from_env
+from smolctl.launcher import rank_from_env
 
 
 def render_array_task(command: str, result, tasks: int | None, task_id: int) -> bool:

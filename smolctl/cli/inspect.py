@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
 from rich.markup import escape
 
@@ -9,6 +11,9 @@ from smolctl.cli.app import app
 from smolctl.cli.options import JsonOpt
 from smolctl.console import emit_json, human_count, key_values, show, styled, table
 from smolctl.errors import CheckFailed
+
+if TYPE_CHECKING:
+    from smolctl.inspect import Inspection  # the renderer's type; the module itself loads pyarrow
 
 
 @app.command("inspect", epilog="""[bold]Examples[/]
@@ -34,59 +39,60 @@ def inspect_command(
 
     result = inspect_path(path, samples=samples, verify=verify, lineage=lineage, tokenizer=tokenizer)
     if json_out:
-        emit_json(result)
+        emit_json(result.to_dict())
     else:
         _render_inspect(result)
-    if verify and not result.get("verified", True):
-        raise CheckFailed(f"{path}: {len(result['problems'])} shard(s) do not match the manifest")
+    if verify and result.verified is False:
+        raise CheckFailed(f"{path}: {len(result.problems)} shard(s) do not match the manifest")
 
 
-def _render_inspect(result: dict) -> None:
+def _render_inspect(result: Inspection) -> None:
     from smolctl.inspect import KIND_COLLECTION
 
-    counts = [(key, human_count(result[key]) if key != "shards" else result[key])
-              for key in ("rows", "tokens", "shards") if result.get(key) is not None]
-    if result["kind"] == KIND_COLLECTION:
-        show(table(f"{result['path']}: smolctl folders", ["folder", "kind", "rows", "tokens", "shards"],
+    counts = [(key, human_count(value) if key != "shards" else value)
+              for key, value in (("rows", result.rows), ("tokens", result.tokens), ("shards", result.shards))
+              if value is not None]
+    if result.kind == KIND_COLLECTION:
+        show(table(f"{result.path}: smolctl folders", ["folder", "kind", "rows", "tokens", "shards"],
                    [(f["path"], f["kind"], *(human_count(f[k]) if k in f and k != "shards" else f.get(k, "-")
-                                              for k in ("rows", "tokens", "shards"))) for f in result["folders"]]))
+                                              for k in ("rows", "tokens", "shards"))) for f in result.folders]))
         _render_verification(result)
         return
-    facts = [("kind", result["kind"]), *counts]
+    facts = [("kind", result.kind), *counts]
     for key in ("seq_len", "strategy", "command", "smolctl_version", "created_at"):
-        if result.get(key):
-            facts.append((key, result[key]))
-    if result.get("tokenizer"):
-        facts.append(("tokenizer", result["tokenizer"].get("path", result["tokenizer"])))
-    for key, value in (result.get("stats") or {}).items():
+        if getattr(result, key):
+            facts.append((key, getattr(result, key)))
+    if result.tokenizer:
+        tokenizer = result.tokenizer
+        facts.append(("tokenizer", tokenizer.get("path", tokenizer) if isinstance(tokenizer, dict) else tokenizer))
+    for key, value in (result.stats or {}).items():
         if not isinstance(value, (dict, list)):
             facts.append((key, value))
-    if result.get("inputs"):
-        facts.append(("inputs", "\n".join(result["inputs"])))
-    if result.get("folders"):
+    if result.inputs:
+        facts.append(("inputs", "\n".join(result.inputs)))
+    if result.folders:
         facts.append(("holds", "\n".join(f"{f['path']}/ ({f['kind']}"
                                          + "".join(f", {f[k]:,} {k}" for k in ("rows", "tokens") if k in f) + ")"
-                                         for f in result["folders"])))
-    show(key_values(result["path"], facts))
-    if result.get("schema"):
-        show(table("schema", ["column", "type"], result["schema"].items()))
-    if result.get("samples"):
-        columns = list(result["samples"][0].keys())
-        show(table("samples", columns, ([row[c] for c in columns] for row in result["samples"]), justify="left"))
-    if "lineage" in result:
+                                         for f in result.folders)))
+    show(key_values(result.path, facts))
+    if result.schema:
+        show(table("schema", ["column", "type"], result.schema.items()))
+    if result.samples:
+        columns = list(result.samples[0].keys())
+        show(table("samples", columns, ([row[c] for c in columns] for row in result.samples), justify="left"))
+    if result.lineage is not None:
         show(table("lineage", ["", "folder", "kind", "rows", "status"],
                    (("  " * e["depth"] + "└" if e["depth"] else "•", e["path"], e["kind"] or "-",
-                     e["rows"] if e["rows"] is not None else "-", e["status"]) for e in result["lineage"])))
+                     e["rows"] if e["rows"] is not None else "-", e["status"]) for e in result.lineage)))
     _render_verification(result)
 
 
-def _render_verification(result: dict) -> None:
-    if "problems" not in result:
+def _render_verification(result: Inspection) -> None:
+    if result.problems is None:
         return
-    for problem in result["problems"]:
+    for problem in result.problems:
         show(styled(f"[red]mismatch[/] {escape(problem)}"), soft_wrap=True)
-    if not result["problems"]:
-        folders = len(result["verified_folders"])
+    if not result.problems:
+        folders = len(result.verified_folders)
         show(styled(f"[green]verified[/]: every shard of {folders} folder{'s' if folders > 1 else ''} "
                     "matches its manifest"))
-

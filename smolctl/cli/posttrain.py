@@ -34,7 +34,7 @@ from smolctl.console import (
     table,
 )
 from smolctl.errors import CheckFailed, Interrupted, UserError
-from smolctl.train.distributed import rank_from_env
+from smolctl.launcher import rank_from_env
 
 
 def _post_train(stage: str, run_stage, recipe: Path, run: Path | None, from_: str | None,

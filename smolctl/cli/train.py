@@ -41,7 +41,7 @@ from smolctl.console import (
 )
 from smolctl.errors import CheckFailed, Interrupted, UserError
 from smolctl.results import Result
-from smolctl.train.distributed import rank_from_env
+from smolctl.launcher import rank_from_env
 
 if TYPE_CHECKING:  # loads with the command that needs it, not with `smolctl --help`
     from smolctl.train.dryrun import DryRun

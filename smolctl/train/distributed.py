@@ -10,6 +10,7 @@ import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+from smolctl.launcher import rank_from_env
 from smolctl.train.parallel import build_mesh, parallelize
 
 
@@ -67,11 +68,6 @@ class Dist:
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def rank_from_env() -> int:
-    """This process's rank as torchrun and accelerate launch set it (0 when run alone)."""
-    return int(os.environ.get("RANK", "0"))
 
 
 def init_distributed() -> Dist:

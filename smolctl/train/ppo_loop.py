@@ -394,7 +394,9 @@ class PpoLoop:
                 for index, chunk in enumerate(chunks):
                     with gradient_sync(self.replicated, self.dist, index == len(chunks) - 1):
                         losses = self.losses(batch, chunk, tokens, critic_only)
-                        (losses.pop("loss") * scale).backward()
+                        loss = losses.pop("loss")
+                        (loss * scale).backward()
+                        losses["loss"] = loss.detach()  # logged like every training command's loss
                     for key, value in losses.items():
                         totals[key] = totals.get(key, 0.0) + value
                 if critic_only:

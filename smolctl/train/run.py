@@ -22,7 +22,7 @@ from pathlib import Path
 
 from smolctl.errors import UserError
 from smolctl.shards import MANIFEST_NAME, atomic_write_json, check_output_path, read_manifest
-from smolctl.train.distributed import rank_from_env
+from smolctl.launcher import rank_from_env
 
 # What recipes/slurm/pretrain.sbatch creates in RUN before the trainer starts (NCCL's flight-recorder dumps):
 # a run folder holding only these is still a new run folder.
