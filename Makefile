@@ -29,7 +29,7 @@ demo: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
 # Built with the venv's setuptools (no build isolation), so it needs no network. Published wheels come from
 # cibuildwheel ([tool.cibuildwheel] in pyproject.toml), which also makes them manylinux.

@@ -31,8 +31,13 @@ def build(layers: int):
     from smolctl.train.config import ModelSection
     from smolctl.train.model import build_config, build_model
 
-    section = ModelSection(hidden_size=1024, intermediate_size=4096, num_hidden_layers=layers, num_attention_heads=16,
-                           num_key_value_heads=4)
+    section = ModelSection(
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+    )
     model = build_model(build_config(section, vocab_size=49_152, seq_len=2048, eos_id=0, pad_id=1), seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for parameter in model.parameters():
@@ -70,13 +75,29 @@ def main() -> None:
     model, optimizer = build(args.layers)
     parameters = sum(p.numel() for p in model.parameters())
     root = Path(tempfile.mkdtemp(dir=args.dir))
-    results: dict[str, list[float]] = {"sync_blocking_s": [], "async_blocking_s": [], "async_save_call_s": [],
-                                       "async_staging_wait_s": [], "async_step_slowdown_s": [], "async_total_s": [],
-                                       "step_s": []}
-    managers = {mode: CheckpointManager(root / mode, model=model, optimizer=optimizer, dist=Dist(), keep=1,
-                                        async_save=mode == "async", export_interval=0,
-                                        write_model_files=lambda folder: None, inputs=list)
-                for mode in ("sync", "async")}
+    results: dict[str, list[float]] = {
+        "sync_blocking_s": [],
+        "async_blocking_s": [],
+        "async_save_call_s": [],
+        "async_staging_wait_s": [],
+        "async_step_slowdown_s": [],
+        "async_total_s": [],
+        "step_s": [],
+    }
+    managers = {
+        mode: CheckpointManager(
+            root / mode,
+            model=model,
+            optimizer=optimizer,
+            dist=Dist(),
+            keep=1,
+            async_save=mode == "async",
+            export_interval=0,
+            write_model_files=lambda folder: None,
+            inputs=list,
+        )
+        for mode in ("sync", "async")
+    }
     first_async: dict[str, float] = {}
     try:
         train_step(model, optimizer, None, args.tokens)  # warm-up
@@ -90,9 +111,14 @@ def main() -> None:
             call = manager.save(repeat + 1, train_state={}, fields={}, blocking=False)
             step, waited = train_step(model, optimizer, manager, args.tokens)
             manager.wait()
-            row = {"sync_blocking_s": sync_held, "async_blocking_s": call + waited, "async_save_call_s": call,
-                   "async_staging_wait_s": waited, "async_step_slowdown_s": step - waited - baseline,
-                   "async_total_s": time.perf_counter() - started}
+            row = {
+                "sync_blocking_s": sync_held,
+                "async_blocking_s": call + waited,
+                "async_save_call_s": call,
+                "async_staging_wait_s": waited,
+                "async_step_slowdown_s": step - waited - baseline,
+                "async_total_s": time.perf_counter() - started,
+            }
             print(f"round {repeat}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), file=sys.stderr, flush=True)
             if repeat == 0:
                 first_async = row
@@ -105,22 +131,49 @@ def main() -> None:
             manager.close()
         shutil.rmtree(root, ignore_errors=True)
     summary = {k: statistics.median(v) for k, v in results.items()}
-    summary.update(parameters=parameters, checkpoint_bytes=size, rounds=args.repeats,
-                   async_share_of_sync=summary["async_blocking_s"] / summary["sync_blocking_s"],
-                   first_round=first_async, per_round={k: [round(x, 2) for x in v] for k, v in results.items()})
+    summary.update(
+        parameters=parameters,
+        checkpoint_bytes=size,
+        rounds=args.repeats,
+        async_share_of_sync=summary["async_blocking_s"] / summary["sync_blocking_s"],
+        first_round=first_async,
+        per_round={k: [round(x, 2) for x in v] for k, v in results.items()},
+    )
 
     # The SmolLM3 recipe at its published scale: the estimate's checkpoint size and write time, every interval.
-    estimate = json.loads(subprocess.run([sys.executable, "-m", "smolctl", "estimate", "recipes/smollm3.toml", "--gpus", "384",
-                                          "--tp", "2", "--tokens", "11.2T", "--json"], capture_output=True, text=True,
-                                         check=True).stdout)
+    estimate = json.loads(
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "smolctl",
+                "estimate",
+                "recipes/smollm3.toml",
+                "--gpus",
+                "384",
+                "--tp",
+                "2",
+                "--tokens",
+                "11.2T",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     from smolctl.recipe import load_toml
 
     interval = load_toml("recipes/smollm3.toml")["checkpoint"]["interval"]
     write_s = estimate["compute"]["checkpoint"]["write_seconds"]
-    summary["smollm3"] = {"interval": interval, "checkpoint_bytes": estimate["compute"]["checkpoint"]["bytes"],
-                          "sync_s_per_checkpoint": write_s, "sync_s_per_1000_steps": write_s * 1000 / interval,
-                          "async_s_per_1000_steps": write_s * summary["async_share_of_sync"] * 1000 / interval,
-                          "yardstick_s_per_1000_steps": 300}
+    summary["smollm3"] = {
+        "interval": interval,
+        "checkpoint_bytes": estimate["compute"]["checkpoint"]["bytes"],
+        "sync_s_per_checkpoint": write_s,
+        "sync_s_per_1000_steps": write_s * 1000 / interval,
+        "async_s_per_1000_steps": write_s * summary["async_share_of_sync"] * 1000 / interval,
+        "yardstick_s_per_1000_steps": 300,
+    }
     print(json.dumps(summary, indent=2))
 
 

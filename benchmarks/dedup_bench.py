@@ -52,7 +52,7 @@ def shingles(text: str) -> set[tuple[str, ...]]:
 
     tokens = unicodedata.normalize("NFKC", text).casefold().split()
     words = [w for w in (t.strip(ASCII_PUNCTUATION) for t in tokens) if w]
-    return {tuple(words[j:j + NGRAM]) for j in range(max(1, len(words) - NGRAM + 1))} if words else set()
+    return {tuple(words[j : j + NGRAM]) for j in range(max(1, len(words) - NGRAM + 1))} if words else set()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ def cut_documents(texts: list[str], target: int = 1200) -> list[str]:
         for paragraph in re.split(r"\n\s*\n", text):
             piece = f"{piece}\n\n{paragraph}" if piece else paragraph
             if len(piece) >= target:
-                docs.append(piece[:2 * target])
+                docs.append(piece[: 2 * target])
                 piece = ""
         if len(piece) >= 300:
             docs.append(piece)
@@ -108,7 +108,7 @@ def build_corpus(folder: Path, docs: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     pool = cut_documents(source_texts())
     rng.shuffle(pool)
-    base = pool[:int(docs / 1.18)]
+    base = pool[: int(docs / 1.18)]
     planted: list[tuple[int, str]] = []
     for i, text in enumerate(base):
         roll = rng.random()
@@ -164,8 +164,12 @@ def ground_truth(corpus: list[str], threshold: float) -> dict:
     members: dict[int, list[int]] = {}
     for doc in has_duplicate:
         members.setdefault(roots[doc], []).append(doc)
-    return {"remove": {d for d in has_duplicate if roots[d] != d}, "has_duplicate": has_duplicate,
-            "clusters": list(members.values()), "pairs": int(near.sum())}
+    return {
+        "remove": {d for d in has_duplicate if roots[d] != d},
+        "has_duplicate": has_duplicate,
+        "clusters": list(members.values()),
+        "pairs": int(near.sum()),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -174,8 +178,20 @@ def ground_truth(corpus: list[str], threshold: float) -> dict:
 
 def smolctl_command(corpus: Path, work: Path, threshold: float) -> list[str]:
     """The CLI as a user types it."""
-    return [sys.executable, "-m", "smolctl", "dedup", str(corpus), str(work / "out"), "--minhash", "--threshold",
-            str(threshold), "--workers", "1", "--json"]
+    return [
+        sys.executable,
+        "-m",
+        "smolctl",
+        "dedup",
+        str(corpus),
+        str(work / "out"),
+        "--minhash",
+        "--threshold",
+        str(threshold),
+        "--workers",
+        "1",
+        "--json",
+    ]
 
 
 def smolctl_removed(work: Path) -> list[int]:
@@ -216,7 +232,7 @@ def run_datasketch(corpus: Path, work: Path, threshold: float) -> list[int]:
         table = pq.read_table(path)
         texts, first = table.column("text").to_pylist(), doc
         for start in range(0, len(texts), 1000):
-            batch = [[" ".join(s).encode() for s in shingles(t)] for t in texts[start:start + 1000]]
+            batch = [[" ".join(s).encode() for s in shingles(t)] for t in texts[start : start + 1000]]
             for signature in MinHash.bulk(batch, num_perm=128):
                 if lsh.query(signature):
                     removed.append(doc)
@@ -230,19 +246,26 @@ def run_datasketch(corpus: Path, work: Path, threshold: float) -> list[int]:
 
 
 METHODS = {"rensa": run_rensa, "rensa-shingles": run_rensa_shingles, "datasketch": run_datasketch}
-LABELS = {"smolctl": "smolctl dedup --minhash (CLI, defaults: 20 x 5 bands, verified)",
-          "rensa": "rensa RMinHashDeduplicator (128 perm, LSH), words as its README (text.split())",
-          "rensa-shingles": "rensa RMinHashDeduplicator, fed the word 5-gram shingles",
-          "datasketch": "datasketch MinHash.bulk + MinHashLSH (128 perm)"}
+LABELS = {
+    "smolctl": "smolctl dedup --minhash (CLI, defaults: 20 x 5 bands, verified)",
+    "rensa": "rensa RMinHashDeduplicator (128 perm, LSH), words as its README (text.split())",
+    "rensa-shingles": "rensa RMinHashDeduplicator, fed the word 5-gram shingles",
+    "datasketch": "datasketch MinHash.bulk + MinHashLSH (128 perm)",
+}
 
 
 def prepare(folder: Path, docs: int, threshold: float) -> None:
     """Write the corpus's shards and its ground truth (truth.json beside them)."""
     corpus = build_corpus(folder, docs)
     truth = ground_truth(corpus, threshold)
-    facts = {"documents": len(corpus), "megabytes": sum(len(t.encode()) for t in corpus) / 1e6, "pairs": truth["pairs"],
-             "remove": sorted(truth["remove"]), "has_duplicate": sorted(truth["has_duplicate"]),
-             "clusters": [sorted(c) for c in truth["clusters"]]}
+    facts = {
+        "documents": len(corpus),
+        "megabytes": sum(len(t.encode()) for t in corpus) / 1e6,
+        "pairs": truth["pairs"],
+        "remove": sorted(truth["remove"]),
+        "has_duplicate": sorted(truth["has_duplicate"]),
+        "clusters": [sorted(c) for c in truth["clusters"]],
+    }
     (folder / "truth.json").write_text(json.dumps(facts, default=int))
 
 
@@ -256,12 +279,30 @@ def run_whole_process(method: str, corpus: Path, threshold: float, cpu: int) -> 
     and imports included), its peak RSS, and the documents it removed."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        command = (smolctl_command(corpus, work, threshold) if method == "smolctl" else
-                   [sys.executable, __file__, "--child", method, "--corpus", str(corpus), "--work", str(work),
-                    "--threshold", str(threshold)])
+        command = (
+            smolctl_command(corpus, work, threshold)
+            if method == "smolctl"
+            else [
+                sys.executable,
+                __file__,
+                "--child",
+                method,
+                "--corpus",
+                str(corpus),
+                "--work",
+                str(work),
+                "--threshold",
+                str(threshold),
+            ]
+        )
         started = time.perf_counter()
-        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                   preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=lambda: os.sched_setaffinity(0, {cpu}),
+        )
         stderr = process.stderr.read()
         _, status, usage = os.wait4(process.pid, 0)
         seconds = time.perf_counter() - started
@@ -269,8 +310,12 @@ def run_whole_process(method: str, corpus: Path, threshold: float, cpu: int) -> 
         if process.returncode != 0:
             sys.exit(f"{method} failed:\n{stderr.decode()[-3000:]}")
         removed = smolctl_removed(work) if method == "smolctl" else json.loads((work / "removed.json").read_text())
-    return {"seconds": seconds, "cpu_seconds": usage.ru_utime + usage.ru_stime, "max_rss_mib": usage.ru_maxrss / 1024,
-            "removed": removed}
+    return {
+        "seconds": seconds,
+        "cpu_seconds": usage.ru_utime + usage.ru_stime,
+        "max_rss_mib": usage.ru_maxrss / 1024,
+        "removed": removed,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -282,10 +327,14 @@ def score(removed: list[int], truth: dict) -> dict:
     hits = len(removed_set & truth["remove"])
     precision = hits / len(removed_set) if removed_set else 1.0
     recall = hits / len(truth["remove"]) if truth["remove"] else 1.0
-    return {"removed": len(removed_set), "precision": precision, "recall": recall,
-            "f1": 2 * precision * recall / (precision + recall) if precision + recall else 0.0,
-            "no_duplicate": len(removed_set - truth["has_duplicate"]),
-            "emptied": sum(all(d in removed_set for d in c) for c in truth["clusters"])}
+    return {
+        "removed": len(removed_set),
+        "precision": precision,
+        "recall": recall,
+        "f1": 2 * precision * recall / (precision + recall) if precision + recall else 0.0,
+        "no_duplicate": len(removed_set - truth["has_duplicate"]),
+        "emptied": sum(all(d in removed_set for d in c) for c in truth["clusters"]),
+    }
 
 
 def write_scaled_corpus(folder: Path, docs: int) -> None:
@@ -304,8 +353,10 @@ def write_scaled_corpus(folder: Path, docs: int) -> None:
             edited = texts[i].split(" ")
             edited[rng.integers(len(edited))] = "zq"
             texts[i + 1] = " ".join(edited)
-        pq.write_table(pa.table({"id": [f"d{shard + i}" for i in range(count)], "text": texts}),
-                       folder / f"part-{shard // shard_docs:05d}.parquet")
+        pq.write_table(
+            pa.table({"id": [f"d{shard + i}" for i in range(count)], "text": texts}),
+            folder / f"part-{shard // shard_docs:05d}.parquet",
+        )
 
 
 def scaled_run(docs: int, threshold: float, cpu: int, repeat: int, corpus: Path | None) -> None:
@@ -318,9 +369,12 @@ def scaled_run(docs: int, threshold: float, cpu: int, repeat: int, corpus: Path 
         megabytes = sum(p.stat().st_size for p in folder.iterdir()) / 1e6
         for _ in range(repeat):
             result = run_whole_process("smolctl", folder, threshold, cpu)
-            print(f"scaled run: {docs:,} documents ({megabytes:.0f} MB of parquet), smolctl whole process on CPU {cpu}: "
-                  f"{result['seconds']:.1f} s wall, {result['cpu_seconds']:.1f} s CPU ({docs / result['seconds']:,.0f} docs/s), "
-                  f"peak RSS {result['max_rss_mib']:.0f} MiB, {len(result['removed']):,} removed", flush=True)
+            print(
+                f"scaled run: {docs:,} documents ({megabytes:.0f} MB of parquet), smolctl whole process on CPU {cpu}: "
+                f"{result['seconds']:.1f} s wall, {result['cpu_seconds']:.1f} s CPU ({docs / result['seconds']:,.0f} docs/s), "
+                f"peak RSS {result['max_rss_mib']:.0f} MiB, {len(result['removed']):,} removed",
+                flush=True,
+            )
 
 
 def main() -> None:
@@ -330,7 +384,9 @@ def main() -> None:
     parser.add_argument("--methods", default="smolctl,rensa,rensa-shingles,datasketch")
     parser.add_argument("--repeat", type=int, default=5, help="Rounds (each runs every method once, interleaved).")
     parser.add_argument("--cpu", type=int, default=0, help="The one CPU every method is pinned to.")
-    parser.add_argument("--scale", type=int, help="Only measure smolctl's time and memory on this many synthetic documents.")
+    parser.add_argument(
+        "--scale", type=int, help="Only measure smolctl's time and memory on this many synthetic documents."
+    )
     parser.add_argument("--scale-corpus", type=Path, help="Folder to keep the --scale documents in (made if missing).")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
@@ -351,26 +407,51 @@ def main() -> None:
         corpus_dir = Path(tmp) / "corpus"
         # In a process of its own: a child's peak RSS starts from its parent's (Linux carries it over fork and
         # exec), so this process stays small while the methods run.
-        subprocess.run([sys.executable, __file__, "--prepare", "--corpus", str(corpus_dir), "--docs", str(args.docs),
-                        "--threshold", str(args.threshold)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--prepare",
+                "--corpus",
+                str(corpus_dir),
+                "--docs",
+                str(args.docs),
+                "--threshold",
+                str(args.threshold),
+            ],
+            check=True,
+        )
         facts = json.loads((corpus_dir / "truth.json").read_text())
-        truth = {"remove": set(facts["remove"]), "has_duplicate": set(facts["has_duplicate"]), "clusters": facts["clusters"]}
+        truth = {
+            "remove": set(facts["remove"]),
+            "has_duplicate": set(facts["has_duplicate"]),
+            "clusters": facts["clusters"],
+        }
         documents, megabytes = facts["documents"], facts["megabytes"]
-        print(f"corpus: {documents} documents, {megabytes:.1f} MB, {megabytes * 1e6 / documents:.0f} B/doc; "
-              f"ground truth: {facts['pairs']} pairs >= {args.threshold}, {len(truth['remove'])} documents to remove",
-              flush=True)
+        print(
+            f"corpus: {documents} documents, {megabytes:.1f} MB, {megabytes * 1e6 / documents:.0f} B/doc; "
+            f"ground truth: {facts['pairs']} pairs >= {args.threshold}, {len(truth['remove'])} documents to remove",
+            flush=True,
+        )
         # Rounds interleave the methods (A B C A B C, not A A B B), so that a change in the machine's speed during
         # the run (shared machines drift by 10-30% within minutes) reaches every method alike.
         runs: dict[str, list[dict]] = {m: [] for m in methods}
         for round_ in range(args.repeat):
             for method in methods:
                 runs[method].append(run_whole_process(method, corpus_dir, args.threshold, args.cpu))
-            print(f"  round {round_ + 1}: " + ", ".join(f"{m} {runs[m][-1]['seconds']:.2f} s ({runs[m][-1]['cpu_seconds']:.2f} s CPU)"
-                                                         for m in methods), flush=True)
+            print(
+                f"  round {round_ + 1}: "
+                + ", ".join(
+                    f"{m} {runs[m][-1]['seconds']:.2f} s ({runs[m][-1]['cpu_seconds']:.2f} s CPU)" for m in methods
+                ),
+                flush=True,
+            )
     baseline = "rensa" if "rensa" in methods else methods[0]
     print(f"\nload average after the runs: {os.getloadavg()[0]:.1f} (on {os.cpu_count()} CPUs)")
-    header = ("| method | wall s (median) | CPU s (median) | docs/s | vs rensa, wall (median of rounds) | vs rensa, CPU "
-              "| peak RSS | removed | precision | recall | F1 | removed w/o duplicate | clusters emptied |")
+    header = (
+        "| method | wall s (median) | CPU s (median) | docs/s | vs rensa, wall (median of rounds) | vs rensa, CPU "
+        "| peak RSS | removed | precision | recall | F1 | removed w/o duplicate | clusters emptied |"
+    )
     print("\n" + header)
     print("|" + "---|" * (header.count("|") - 1))
     for method in methods:
@@ -381,10 +462,12 @@ def main() -> None:
         cpu_ratio = np.median([b["cpu_seconds"] / r["cpu_seconds"] for r, b in zip(runs[method], runs[baseline])])
         quality = score(runs[method][0]["removed"], truth)
         same = all(sorted(r["removed"]) == sorted(runs[method][0]["removed"]) for r in runs[method])
-        print(f"| {LABELS[method]} | {wall:.2f} | {cpu:.2f} | {documents / wall:,.0f} | {wall_ratio:.2f}x | {cpu_ratio:.2f}x | "
-              f"{max(r['max_rss_mib'] for r in runs[method]):.0f} MiB | {quality['removed']}{'' if same else ' (varies)'} | "
-              f"{quality['precision']:.4f} | {quality['recall']:.4f} | {quality['f1']:.4f} | {quality['no_duplicate']} | "
-              f"{quality['emptied']} |")
+        print(
+            f"| {LABELS[method]} | {wall:.2f} | {cpu:.2f} | {documents / wall:,.0f} | {wall_ratio:.2f}x | {cpu_ratio:.2f}x | "
+            f"{max(r['max_rss_mib'] for r in runs[method]):.0f} MiB | {quality['removed']}{'' if same else ' (varies)'} | "
+            f"{quality['precision']:.4f} | {quality['recall']:.4f} | {quality['f1']:.4f} | {quality['no_duplicate']} | "
+            f"{quality['emptied']} |"
+        )
 
 
 if __name__ == "__main__":

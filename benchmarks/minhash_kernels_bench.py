@@ -20,7 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from smolctl.data import minhash_fallback
-from smolctl.data.minhash import kernels, params, shingles
+from smolctl.data.minhash import kernels, params
+from smolctl.data.minhash.shingles import sets_from_hashes
 
 REPO = Path(__file__).resolve().parent.parent
 PAIRS = 200_000
@@ -46,9 +47,9 @@ def one_round(texts: pa.Array, best: dict[str, float]) -> None:
         return result
 
     tokens = timed("tokenize", kernels.tokenize, texts)
-    shingles = timed("shingles", kernels.ngrams, tokens.words, tokens.word_offsets, 5)
-    signatures = timed("signatures", kernels.signatures, *shingles, params.MinHashParams().permutations())
-    sets = shingles.sets_from_hashes(*shingles)  # sorting the sets is numpy's work, not a kernel's: untimed
+    shingled = timed("shingles", kernels.ngrams, tokens.words, tokens.word_offsets, 5)
+    signatures = timed("signatures", kernels.signatures, *shingled, params.MinHashParams().permutations())
+    sets = sets_from_hashes(*shingled)  # sorting the sets is numpy's work, not a kernel's: untimed
     timed("intersections", kernels.jaccard_many, *sets, left, right)
     timed("agreements", kernels.estimate_jaccard, signatures, left, right)
 
@@ -65,8 +66,8 @@ def main() -> None:
         sides = {args.kernels: sides[args.kernels]}
     best: dict[str, dict[str, float]] = {side: {} for side in sides}
     for _ in range(args.repeat):
-        for side, kernels in sides.items():
-            kernels._minhash = kernels
+        for side, implementation in sides.items():
+            kernels._minhash = implementation
             one_round(texts, best[side])
     megabytes = sum(len(t.encode()) for t in texts.to_pylist()) / 1e6
     print(

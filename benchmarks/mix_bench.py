@@ -55,11 +55,17 @@ def read_text(path: Path) -> str | None:
 
 def source_files(name: str) -> list[Path]:
     if name == "prose":
-        return sorted(p for p in Path("/usr/share/doc").rglob("*") if p.is_file() and p.suffix in (".gz", ".txt", ".md", ""))
+        return sorted(
+            p for p in Path("/usr/share/doc").rglob("*") if p.is_file() and p.suffix in (".gz", ".txt", ".md", "")
+        )
     if name == "code":
         return sorted(Path(sys.prefix, "lib").rglob("*.py"))
     if name == "manual":
-        return sorted(p for section in ("man1", "man3", "man5", "man7", "man8") for p in Path("/usr/share/man", section).rglob("*.gz"))
+        return sorted(
+            p
+            for section in ("man1", "man3", "man5", "man7", "man8")
+            for p in Path("/usr/share/man", section).rglob("*.gz")
+        )
     languages = sorted(p for p in Path("/usr/share/man").iterdir() if not p.name.startswith("man"))
     return sorted(p for language in languages for p in language.rglob("*.gz"))
 
@@ -109,16 +115,33 @@ def run_mix(work: Path, mode: str, tokens: int, token_sample: int | None) -> tup
     its shards."""
     recipe = work / "mix.toml"
     weights = ", ".join(f"{name} = {weight}" for name, weight in WEIGHTS.items())
-    recipe.write_text("seed = 7\n" + "".join(f'[sources.{n}]\npath = "{work / "sources" / n}"\n' for n in WEIGHTS)
-                      + f'[[stages]]\nname = "main"\ntokens = {tokens}\nweights = {{ {weights} }}\n')
+    recipe.write_text(
+        "seed = 7\n"
+        + "".join(f'[sources.{n}]\npath = "{work / "sources" / n}"\n' for n in WEIGHTS)
+        + f'[[stages]]\nname = "main"\ntokens = {tokens}\nweights = {{ {weights} }}\n'
+    )
     output = work / f"out-{mode}"
-    command = [sys.executable, "-m", "smolctl", "mix", str(output), "--recipe", str(recipe), "--tokenizer",
-               str(work / "tok"), "--token-estimate", mode.split()[0], "--overwrite", "--json"]
+    command = [
+        sys.executable,
+        "-m",
+        "smolctl",
+        "mix",
+        str(output),
+        "--recipe",
+        str(recipe),
+        "--tokenizer",
+        str(work / "tok"),
+        "--token-estimate",
+        mode.split()[0],
+        "--overwrite",
+        "--json",
+    ]
     if token_sample:
         command += ["--set", f"token_sample={token_sample}"]
     cpu, started = children_cpu_seconds(), time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                          check=False)
+    done = subprocess.run(
+        command, capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, check=False
+    )
     seconds, cpu = time.perf_counter() - started, children_cpu_seconds() - cpu
     if done.returncode:
         sys.exit(f"mix failed:\n{done.stderr}")
@@ -141,8 +164,12 @@ def packed_shares(work: Path, mode: str) -> dict[str, float]:
         part = work / f"part-{mode}-{name}"
         part.mkdir()
         pq.write_table(table.filter(pc.equal(table["source"], name)), part / "part-00000.parquet")
-        result = pack(str(part), work / f"packed-{mode}-{name}", tokenizer_spec=str(work / "tok"),
-                      config=PackConfig(seq_len=2048, strategy="concat"))
+        result = pack(
+            str(part),
+            work / f"packed-{mode}-{name}",
+            tokenizer_spec=str(work / "tok"),
+            config=PackConfig(seq_len=2048, strategy="concat"),
+        )
         tokens[name] = result.stats.tokens
     return {name: count / sum(tokens.values()) for name, count in tokens.items()}
 
@@ -152,17 +179,32 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=6.0, help="Megabytes of text per source.")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--token-sample", type=int, nargs="+", default=[2000, 10_000],
-                        help="Documents per source to calibrate on, one sample run per value (10,000 is the default).")
-    parser.add_argument("--share-of-corpus", type=float, default=0.5, help="The mix's token budget, as a fraction "
-                        "of the corpus's tokens (guessed at 4 bytes per token).")
+    parser.add_argument(
+        "--token-sample",
+        type=int,
+        nargs="+",
+        default=[2000, 10_000],
+        help="Documents per source to calibrate on, one sample run per value (10,000 is the default).",
+    )
+    parser.add_argument(
+        "--share-of-corpus",
+        type=float,
+        default=0.5,
+        help="The mix's token budget, as a fraction of the corpus's tokens (guessed at 4 bytes per token).",
+    )
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="mix-bench-"))
     try:
         counts = build_corpus(work, args.mb, args.vocab_size)
-        corpus_bytes = {n: sum(len(t.encode()) for b in open_documents(work / "sources" / n).iter_batches()
-                               for t in b.column("text").to_pylist()) for n in WEIGHTS}
+        corpus_bytes = {
+            n: sum(
+                len(t.encode())
+                for b in open_documents(work / "sources" / n).iter_batches()
+                for t in b.column("text").to_pylist()
+            )
+            for n in WEIGHTS
+        }
         budget = int(sum(corpus_bytes.values()) / 4 * args.share_of_corpus)
         modes = {"exact": None, **{f"sample {size:,}": size for size in args.token_sample}}
         times: dict[str, list[float]] = {mode: [] for mode in modes}
@@ -182,26 +224,40 @@ def main() -> None:
         print("| source | documents | MB | tokens (EOS incl., exact) | bytes/token |\n|---|---|---|---|---|")
         for name in WEIGHTS:
             tokens = exact[name]["source_units"]
-            print(f"| {name} | {counts[name]:,} | {corpus_bytes[name] / 1e6:.1f} | {tokens / 1e6:.2f} M | "
-                  f"{corpus_bytes[name] / tokens:.2f} |")
+            print(
+                f"| {name} | {counts[name]:,} | {corpus_bytes[name] / 1e6:.1f} | {tokens / 1e6:.2f} M | "
+                f"{corpus_bytes[name] / tokens:.2f} |"
+            )
 
         shares = {mode: packed_shares(work, mode) for mode in modes}
         target = {name: weight / sum(WEIGHTS.values()) for name, weight in WEIGHTS.items()}
-        print("\n| mode | wall s, median (each round) | wall vs exact | CPU s, median (each round) | CPU vs exact | "
-              "max share error (points) |\n|---|---|---|---|---|---|")
+        print(
+            "\n| mode | wall s, median (each round) | wall vs exact | CPU s, median (each round) | CPU vs exact | "
+            "max share error (points) |\n|---|---|---|---|---|---|"
+        )
         for mode, runs in times.items():
             error = max(abs(shares[mode][n] - target[n]) for n in WEIGHTS) * 100
-            print(f"| {mode} | {statistics.median(runs):.2f} ({', '.join(f'{t:.1f}' for t in runs)}) | "
-                  f"{statistics.median(runs) / statistics.median(times['exact']):.2f} | "
-                  f"{statistics.median(cpu[mode]):.2f} ({', '.join(f'{t:.1f}' for t in cpu[mode])}) | "
-                  f"{statistics.median(cpu[mode]) / statistics.median(cpu['exact']):.2f} | {error:.3f} |")
-        print("\n| source | target | mode | share as pack counts | bytes/token (calibrated, EOS excl.) | sampled documents | "
-              "relative standard error | split-half error |\n|---|---|---|---|---|---|---|---|")
+            print(
+                f"| {mode} | {statistics.median(runs):.2f} ({', '.join(f'{t:.1f}' for t in runs)}) | "
+                f"{statistics.median(runs) / statistics.median(times['exact']):.2f} | "
+                f"{statistics.median(cpu[mode]):.2f} ({', '.join(f'{t:.1f}' for t in cpu[mode])}) | "
+                f"{statistics.median(cpu[mode]) / statistics.median(cpu['exact']):.2f} | {error:.3f} |"
+            )
+        print(
+            "\n| source | target | mode | share as pack counts | bytes/token (calibrated, EOS excl.) | sampled documents | "
+            "relative standard error | split-half error |\n|---|---|---|---|---|---|---|---|"
+        )
         for name in WEIGHTS:
             for mode in modes:
                 e = read_manifest(work / f"out-{mode}")["mix"]["token_estimate"]["sources"][name]
-                calibration = (f"{e['bytes_per_token']:.3f} | {e['sample_documents']:,} | {e['relative_standard_error']:.2%} | "
-                               f"{e['holdout_error']:.2%}") if e["mode"] == "sample" else "| | |"
+                calibration = (
+                    (
+                        f"{e['bytes_per_token']:.3f} | {e['sample_documents']:,} | {e['relative_standard_error']:.2%} | "
+                        f"{e['holdout_error']:.2%}"
+                    )
+                    if e["mode"] == "sample"
+                    else "| | |"
+                )
                 print(f"| {name} | {target[name]:.4f} | {mode} | {shares[mode][name]:.4f} | {calibration} |")
     finally:
         shutil.rmtree(work, ignore_errors=True)

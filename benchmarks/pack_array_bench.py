@@ -38,11 +38,26 @@ def run_array(corpus: Path, tokenizer: Path, output: Path, tasks: int, seq_len: 
     """Start every task of an array at once; returns (wall seconds of the array, each task's JSON summary)."""
     threads = max(1, (os.cpu_count() or 1) // tasks)
     env = {**os.environ, "RAYON_NUM_THREADS": str(threads), "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "smolctl", "pack", str(corpus), str(output), "--tokenizer", str(tokenizer),
-               "--seq-len", str(seq_len), "--tasks", str(tasks), "--json"]
+    command = [
+        sys.executable,
+        "-m",
+        "smolctl",
+        "pack",
+        str(corpus),
+        str(output),
+        "--tokenizer",
+        str(tokenizer),
+        "--seq-len",
+        str(seq_len),
+        "--tasks",
+        str(tasks),
+        "--json",
+    ]
     started = time.perf_counter()
-    running = [subprocess.Popen([*command, "--task-id", str(i)], env=env, stdout=subprocess.PIPE, text=True)
-               for i in range(tasks)]
+    running = [
+        subprocess.Popen([*command, "--task-id", str(i)], env=env, stdout=subprocess.PIPE, text=True)
+        for i in range(tasks)
+    ]
     results = [json.loads(p.communicate()[0]) for p in running]
     wall = time.perf_counter() - started
     assert all(p.returncode == 0 for p in running) and sum(r["finished"] for r in results) == 1
@@ -63,8 +78,10 @@ def main() -> None:
         corpus.mkdir()
         per_shard = -(-len(texts) // args.shards)
         for index in range(args.shards):
-            pq.write_table(pa.table({"text": texts[index * per_shard:(index + 1) * per_shard]}),
-                           corpus / f"part-{index:05d}.parquet")
+            pq.write_table(
+                pa.table({"text": texts[index * per_shard : (index + 1) * per_shard]}),
+                corpus / f"part-{index:05d}.parquet",
+            )
         train_tokenizer(str(REPO / "data" / "sample" / "web"), str(tmp / "tok"), vocab_size=8192)
         rows = []
         for tasks in (1, 2):
@@ -72,19 +89,27 @@ def main() -> None:
             tokens = max(r["stats"]["tokens"] for r in results if r["finished"])
             per_task = [r["tokens_per_second"] for r in results]
             rows.append((tasks, wall, tokens, per_task))
-        identical = all((tmp / "packed-1" / f.name).read_bytes() == f.read_bytes()
-                        for f in sorted((tmp / "packed-2").glob("*.safetensors")))
-    print(f"corpus: {len(texts):,} documents, {sum(map(len, texts)) / 1e6:.1f} M characters, {args.shards} shards; "
-          f"{os.cpu_count()} cores; outputs of 1 and 2 tasks byte-identical: {identical}\n")
+        identical = all(
+            (tmp / "packed-1" / f.name).read_bytes() == f.read_bytes()
+            for f in sorted((tmp / "packed-2").glob("*.safetensors"))
+        )
+    print(
+        f"corpus: {len(texts):,} documents, {sum(map(len, texts)) / 1e6:.1f} M characters, {args.shards} shards; "
+        f"{os.cpu_count()} cores; outputs of 1 and 2 tasks byte-identical: {identical}\n"
+    )
     print("| tasks | array wall s | M tokens | M tokens/s per task | M tokens/s, whole array |")
     print("|---|---|---|---|---|")
     for tasks, wall, tokens, per_task in rows:
-        print(f"| {tasks} | {wall:.1f} | {tokens / 1e6:.2f} | {' / '.join(f'{r / 1e6:.3f}' for r in per_task)} | "
-              f"{tokens / wall / 1e6:.3f} |")
+        print(
+            f"| {tasks} | {wall:.1f} | {tokens / 1e6:.2f} | {' / '.join(f'{r / 1e6:.3f}' for r in per_task)} | "
+            f"{tokens / wall / 1e6:.3f} |"
+        )
     per_task_rate = min(min(r[3]) for r in rows if r[0] == 2)
     days = SMOLLM3_TOKENS / (per_task_rate * args.project_tasks) / 86400
-    print(f"\nprojection: 11.2T tokens at the slowest 2-task rate ({per_task_rate / 1e6:.3f} M tokens/s per task, one "
-          f"core each) over {args.project_tasks} tasks: {days:.1f} days ({days * 24:.0f} h)")
+    print(
+        f"\nprojection: 11.2T tokens at the slowest 2-task rate ({per_task_rate / 1e6:.3f} M tokens/s per task, one "
+        f"core each) over {args.project_tasks} tasks: {days:.1f} days ({days * 24:.0f} h)"
+    )
 
 
 if __name__ == "__main__":

@@ -76,7 +76,9 @@ def corpus_texts(megabytes: float) -> list[str]:
         for batch in open_documents(REPO / "data" / "sample" / name).iter_batches(columns=["text"]):
             texts += batch.column(0).to_pylist()
     budget = megabytes * 1e6 - sum(map(len, texts))
-    files = sorted(p for p in Path("/usr/share/doc").rglob("*") if p.is_file() and p.suffix in (".gz", ".txt", ".md", ".rst", ""))
+    files = sorted(
+        p for p in Path("/usr/share/doc").rglob("*") if p.is_file() and p.suffix in (".gz", ".txt", ".md", ".rst", "")
+    )
     files += sorted(Path(sys.prefix, "lib").rglob("*.py"))
     for path in files:
         if budget <= 0:
@@ -115,11 +117,22 @@ def timed(command: list[str], env: dict) -> tuple[float, float, str]:
 
 
 def end_to_end(work: Path, rounds: int, threads: int, seq_len: int, baseline: Path | None) -> list[list]:
-    env = {**os.environ, "RAYON_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "true",
-           "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "RAYON_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "true", "PYTHONPATH": str(REPO)}
     raw = [sys.executable, "-c", RAW_PASS, str(work / "corpus.parquet"), str(work / "tok" / "tokenizer.json")]
-    pack = [sys.executable, "-m", "smolctl", "pack", str(work / "corpus.parquet"), str(work / "packed"),
-            "--tokenizer", str(work / "tok"), "--seq-len", str(seq_len), "--overwrite", "--json"]
+    pack = [
+        sys.executable,
+        "-m",
+        "smolctl",
+        "pack",
+        str(work / "corpus.parquet"),
+        str(work / "packed"),
+        "--tokenizer",
+        str(work / "tok"),
+        "--seq-len",
+        str(seq_len),
+        "--overwrite",
+        "--json",
+    ]
     commands = {"raw": (raw, env), "pack": (pack, env)}
     if baseline:  # the same command from another source tree (e.g. `git archive` of the commit before a change)
         commands["baseline"] = (pack, {**env, "PYTHONPATH": str(baseline)})
@@ -127,25 +140,39 @@ def end_to_end(work: Path, rounds: int, threads: int, seq_len: int, baseline: Pa
     ratios: dict[str, list[float]] = {name: [] for name in commands}
     for round_ in range(rounds):  # rotate which goes first: the load on a shared machine drifts
         names = list(commands)
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
             wall, cpu, out = timed(*commands[name])
             runs[name].append((wall, cpu))
             if name == "raw":
                 raw_tokens = int(out)
         for name in commands:
             ratios[name].append(runs[name][-1][0] / runs["raw"][-1][0])
-        print(f"round {round_ + 1}: " + ", ".join(f"{name} {runs[name][-1][0]:.2f} s wall {runs[name][-1][1]:.2f} s "
-                                                  f"CPU ({ratios[name][-1]:.3f})" for name in commands), flush=True)
+        print(
+            f"round {round_ + 1}: "
+            + ", ".join(
+                f"{name} {runs[name][-1][0]:.2f} s wall {runs[name][-1][1]:.2f} s CPU ({ratios[name][-1]:.3f})"
+                for name in commands
+            ),
+            flush=True,
+        )
     print(f"raw pass: {raw_tokens / 1e6:.2f} M tokens (no EOS)")
-    labels = {"raw": "raw `encode_batch_fast` pass (token counts only), baseline",
-              "pack": f"`smolctl pack --seq-len {seq_len}` (bfd, safetensors + manifest)",
-              "baseline": f"`smolctl pack --seq-len {seq_len}` from {baseline}"}
+    labels = {
+        "raw": "raw `encode_batch_fast` pass (token counts only), baseline",
+        "pack": f"`smolctl pack --seq-len {seq_len}` (bfd, safetensors + manifest)",
+        "baseline": f"`smolctl pack --seq-len {seq_len}` from {baseline}",
+    }
     rows = []
     for name in commands:
         cpu_ratio = statistics.median(c / r for (_, c), (_, r) in zip(runs[name], runs["raw"]))
-        rows.append([labels[name], f"{statistics.median(w for w, _ in runs[name]):.2f}",
-                     f"{statistics.median(c for _, c in runs[name]):.2f}", f"{statistics.median(ratios[name]):.3f}",
-                     f"{cpu_ratio:.3f}"])
+        rows.append(
+            [
+                labels[name],
+                f"{statistics.median(w for w, _ in runs[name]):.2f}",
+                f"{statistics.median(c for _, c in runs[name]):.2f}",
+                f"{statistics.median(ratios[name]):.3f}",
+                f"{cpu_ratio:.3f}",
+            ]
+        )
     return rows
 
 
@@ -155,8 +182,8 @@ def smolctl_pack_arrays(batch: TokenBatch, seq_len: int, buffer_tokens: int) -> 
     packer = BfdPacker(seq_len=seq_len, long_docs="split", buffer_tokens=buffer_tokens, seed=0, pad_id=0, stats=stats)
     starts = batch.starts
     for i in range(0, len(batch.lengths), 1000):  # streamed in tokenizer-sized batches, as `pack` does
-        lengths = batch.lengths[i:i + 1000]
-        chunk = TokenBatch(batch.ids[starts[i]:starts[i] + lengths.sum()], lengths)
+        lengths = batch.lengths[i : i + 1000]
+        chunk = TokenBatch(batch.ids[starts[i] : starts[i] + lengths.sum()], lengths)
         for rows in packer.add(chunk):
             stats.rows += len(rows.row_tokens)
             stats.tokens += int(rows.row_tokens.sum())
@@ -211,30 +238,64 @@ def packing_step(work: Path, texts: list[str], repeats: int) -> None:
     ours = best_of(repeats, lambda: smolctl_pack_arrays(batch, 4096, 8_000_000))
     trl_bfd = best_of(repeats, lambda: trl_packing(dataset, 4096, "bfd"))
     trl_split = best_of(repeats, lambda: trl_packing(dataset, 4096, "bfd_split"))
-    print(markdown(f"Packing step alone, same {tokens / 1e6:.2f} M token ids, seq_len 4096 (lower seconds is better)",
-                   ["what", "seconds", "M tokens/s", "speed vs TRL bfd"],
-                   [["`trl.data_utils.pack_dataset(strategy=\"bfd\")` (truncates long documents)", f"{trl_bfd:.2f}",
-                     f"{tokens / trl_bfd / 1e6:.1f}", "1.00"],
-                    ["`trl.data_utils.pack_dataset(strategy=\"bfd_split\")`", f"{trl_split:.2f}",
-                     f"{tokens / trl_split / 1e6:.1f}", f"{trl_bfd / trl_split:.2f}"],
-                    ["smolctl bfd (split, 8M-token buffer, [rows, seq_len] ids + position ids)", f"{ours:.2f}",
-                     f"{tokens / ours / 1e6:.1f}", f"{trl_bfd / ours:.2f}"]]))
+    print(
+        markdown(
+            f"Packing step alone, same {tokens / 1e6:.2f} M token ids, seq_len 4096 (lower seconds is better)",
+            ["what", "seconds", "M tokens/s", "speed vs TRL bfd"],
+            [
+                [
+                    '`trl.data_utils.pack_dataset(strategy="bfd")` (truncates long documents)',
+                    f"{trl_bfd:.2f}",
+                    f"{tokens / trl_bfd / 1e6:.1f}",
+                    "1.00",
+                ],
+                [
+                    '`trl.data_utils.pack_dataset(strategy="bfd_split")`',
+                    f"{trl_split:.2f}",
+                    f"{tokens / trl_split / 1e6:.1f}",
+                    f"{trl_bfd / trl_split:.2f}",
+                ],
+                [
+                    "smolctl bfd (split, 8M-token buffer, [rows, seq_len] ids + position ids)",
+                    f"{ours:.2f}",
+                    f"{tokens / ours / 1e6:.1f}",
+                    f"{trl_bfd / ours:.2f}",
+                ],
+            ],
+        )
+    )
     waste_rows = []
     for seq_len in (2048, 4096, 8192):
         small = smolctl_pack_arrays(batch, seq_len, 1_000_000)
         large = smolctl_pack_arrays(batch, seq_len, 8_000_000)
         rows_bfd, kept_bfd = trl_packing(dataset, seq_len, "bfd")
         rows_split, kept_split = trl_packing(dataset, seq_len, "bfd_split")
-        waste_rows.append([
-            seq_len, f"{(-tokens % seq_len) / (tokens - tokens % seq_len + seq_len):.3%}",
-            f"{padding_each_document(lengths, seq_len):.2%}",
-            f"{1 - kept_bfd / (rows_bfd * seq_len):.3%} (+{1 - kept_bfd / tokens:.1%} tokens truncated)",
-            f"{1 - kept_split / (rows_split * seq_len):.3%}",
-            f"{small.padding_fraction:.3%}", f"{large.padding_fraction:.3%}",
-        ])
-    print(markdown("Padding fraction (padding / row slots, lower is better)",
-                   ["seq_len", "lower bound (last row)", "pad each document", "TRL bfd", "TRL bfd_split",
-                    "smolctl bfd, 1M-token buffer", "smolctl bfd, 8M-token buffer (default)"], waste_rows))
+        waste_rows.append(
+            [
+                seq_len,
+                f"{(-tokens % seq_len) / (tokens - tokens % seq_len + seq_len):.3%}",
+                f"{padding_each_document(lengths, seq_len):.2%}",
+                f"{1 - kept_bfd / (rows_bfd * seq_len):.3%} (+{1 - kept_bfd / tokens:.1%} tokens truncated)",
+                f"{1 - kept_split / (rows_split * seq_len):.3%}",
+                f"{small.padding_fraction:.3%}",
+                f"{large.padding_fraction:.3%}",
+            ]
+        )
+    print(
+        markdown(
+            "Padding fraction (padding / row slots, lower is better)",
+            [
+                "seq_len",
+                "lower bound (last row)",
+                "pad each document",
+                "TRL bfd",
+                "TRL bfd_split",
+                "smolctl bfd, 1M-token buffer",
+                "smolctl bfd, 8M-token buffer (default)",
+            ],
+            waste_rows,
+        )
+    )
 
 
 def main() -> None:
@@ -255,11 +316,18 @@ def main() -> None:
         texts = pq.read_table(work / "corpus.parquet").column("text").to_pylist()
     else:
         texts = build_corpus(work, args.mb, args.vocab_size)
-    print(f"corpus: {len(texts):,} documents, {sum(map(len, texts)) / 1e6:.1f} M characters, vocab "
-          f"{args.vocab_size}, {args.threads} tokenizer threads, {args.rounds} interleaved rounds\n", flush=True)
-    print(markdown("Whole process, medians over the rounds (ratios: the median of each round's time / raw time)",
-                   ["what", "wall s", "CPU s", "/ raw (wall)", "/ raw (CPU)"],
-                   end_to_end(work, args.rounds, args.threads, args.seq_len, args.baseline)))
+    print(
+        f"corpus: {len(texts):,} documents, {sum(map(len, texts)) / 1e6:.1f} M characters, vocab "
+        f"{args.vocab_size}, {args.threads} tokenizer threads, {args.rounds} interleaved rounds\n",
+        flush=True,
+    )
+    print(
+        markdown(
+            "Whole process, medians over the rounds (ratios: the median of each round's time / raw time)",
+            ["what", "wall s", "CPU s", "/ raw (wall)", "/ raw (CPU)"],
+            end_to_end(work, args.rounds, args.threads, args.seq_len, args.baseline),
+        )
+    )
     if not args.end_to_end_only:
         packing_step(work, texts, 3)
     if not args.work:

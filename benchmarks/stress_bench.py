@@ -61,16 +61,37 @@ def main() -> None:
     worker = threading.Thread(target=lambda: plain.extend(plain_loop(device, dtype, n, args.seconds, window)))
     worker.start()
     worker.join()
-    config = StressConfig(duration_s=args.seconds, devices=(str(device),), dtype=dtype_name, size=n,
-                          memory_fraction=0.9, tolerance=0.1, sample_s=window, launch="process" if on_gpu else "thread")
+    config = StressConfig(
+        duration_s=args.seconds,
+        devices=(str(device),),
+        dtype=dtype_name,
+        size=n,
+        memory_fraction=0.9,
+        tolerance=0.1,
+        sample_s=window,
+        launch="process" if on_gpu else "thread",
+    )
     [report] = run_stress(config)
     name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
     baseline = statistics.median(plain)
-    rows = [("plain torch.matmul loop", f"{baseline:.4g}", f"{min(plain):.4g}", len(plain), "1.00", "-"),
-            ("smolctl stress-gpu", f"{report.tflops_median:.4g}", f"{report.tflops_min:.4g}", len(report.tflops),
-             f"{report.tflops_median / baseline:.2f}", f"{report.verdict} ({report.mismatches} mismatches)")]
-    show(table(f"{name}: {dtype_name} {n}² matmuls, {args.seconds:g}s each",
-               ["run", "TFLOPS median", "TFLOPS min", "windows", "ratio", "result"], rows))
+    rows = [
+        ("plain torch.matmul loop", f"{baseline:.4g}", f"{min(plain):.4g}", len(plain), "1.00", "-"),
+        (
+            "smolctl stress-gpu",
+            f"{report.tflops_median:.4g}",
+            f"{report.tflops_min:.4g}",
+            len(report.tflops),
+            f"{report.tflops_median / baseline:.2f}",
+            f"{report.verdict} ({report.mismatches} mismatches)",
+        ),
+    ]
+    show(
+        table(
+            f"{name}: {dtype_name} {n}² matmuls, {args.seconds:g}s each",
+            ["run", "TFLOPS median", "TFLOPS min", "windows", "ratio", "result"],
+            rows,
+        )
+    )
     if args.all_gpus and on_gpu:
         compare_launches(args.seconds, window, n, dtype_name)
 
@@ -80,16 +101,35 @@ def compare_launches(seconds: float, window: float, n: int, dtype_name: str) -> 
     devices = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
     rows, medians = [], {}
     for launch in ("process", "thread"):
-        config = StressConfig(duration_s=seconds, devices=devices, dtype=dtype_name, size=n, memory_fraction=0.5,
-                              tolerance=0.1, sample_s=window, launch=launch)
+        config = StressConfig(
+            duration_s=seconds,
+            devices=devices,
+            dtype=dtype_name,
+            size=n,
+            memory_fraction=0.5,
+            tolerance=0.1,
+            sample_s=window,
+            launch=launch,
+        )
         reports = run_stress(config)
         medians[launch] = statistics.median(r.tflops_median or 0.0 for r in reports)
-        rows.append((launch, len(devices), f"{medians[launch]:.4g}",
-                     f"{min(r.tflops_median or 0.0 for r in reports):.4g}",
-                     f"{medians[launch] / medians['process']:.3f}", " ".join(r.verdict for r in reports)))
-    show(table(f"stress-gpu on {len(devices)} GPU(s): one process vs one thread per GPU",
-               ["launch", "GPUs", "TFLOPS median of medians", "slowest device", "ratio to processes", "verdicts"],
-               rows))
+        rows.append(
+            (
+                launch,
+                len(devices),
+                f"{medians[launch]:.4g}",
+                f"{min(r.tflops_median or 0.0 for r in reports):.4g}",
+                f"{medians[launch] / medians['process']:.3f}",
+                " ".join(r.verdict for r in reports),
+            )
+        )
+    show(
+        table(
+            f"stress-gpu on {len(devices)} GPU(s): one process vs one thread per GPU",
+            ["launch", "GPUs", "TFLOPS median of medians", "slowest device", "ratio to processes", "verdicts"],
+            rows,
+        )
+    )
 
 
 if __name__ == "__main__":

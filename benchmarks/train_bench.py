@@ -61,16 +61,31 @@ def prepare(work: Path, args) -> Path:
     from smolctl.data.tokenizer import train_tokenizer
 
     train_tokenizer(str(REPO / "data/sample/web"), str(work / "tok"), vocab_size=args.vocab)
-    pack(str(REPO / "data/sample/web"), work / "packed", tokenizer_spec=str(work / "tok"), config=PackConfig(seq_len=args.seq_len))
+    pack(
+        str(REPO / "data/sample/web"),
+        work / "packed",
+        tokenizer_spec=str(work / "tok"),
+        config=PackConfig(seq_len=args.seq_len),
+    )
     for compile_flag in ("false", "true"):
-        (work / f"recipe-{compile_flag}.toml").write_text(RECIPE.format(
-            hidden=args.hidden, ffn=4 * args.hidden, layers=args.layers, packed=work / "packed", steps=args.steps,
-            seq_len=args.seq_len, micro_batch=args.micro_batch, global_batch=args.global_batch, compile=compile_flag))
+        (work / f"recipe-{compile_flag}.toml").write_text(
+            RECIPE.format(
+                hidden=args.hidden,
+                ffn=4 * args.hidden,
+                layers=args.layers,
+                packed=work / "packed",
+                steps=args.steps,
+                seq_len=args.seq_len,
+                micro_batch=args.micro_batch,
+                global_batch=args.global_batch,
+                compile=compile_flag,
+            )
+        )
     return work
 
 
 def steady_rate(step_end_times: list[float], tokens_per_step: int, warmup: int) -> float:
-    spans = [b - a for a, b in zip(step_end_times[warmup:], step_end_times[warmup + 1:])]
+    spans = [b - a for a, b in zip(step_end_times[warmup:], step_end_times[warmup + 1 :])]
     return tokens_per_step * len(spans) / sum(spans)
 
 
@@ -80,13 +95,17 @@ def worker_smolctl(work: Path, compile_flag: str, args) -> dict:
     run = work / f"run-smolctl-{compile_flag}"
     result = train(work / f"recipe-{compile_flag}.toml", run, overwrite=True, show=False)
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steady = lines[args.warmup:]
+    steady = lines[args.warmup :]
     data = sum(line["data_wait"] * line["step_s"] for line in steady)
     step_s = sum(line["step_s"] for line in steady)
-    wall = (steady[-1]["time"] - lines[args.warmup - 1]["time"])
+    wall = steady[-1]["time"] - lines[args.warmup - 1]["time"]
     # step_s covers data + forward/backward/optimizer; the rest of the wall time is the loop's own overhead
-    return {"tokens_per_s": steady_rate([line["time"] for line in lines], result.plan["tokens_per_step"], args.warmup),
-            "overhead": (wall - step_s + data) / wall, "data_share": data / wall, "final_loss": result.final_loss}
+    return {
+        "tokens_per_s": steady_rate([line["time"] for line in lines], result.plan["tokens_per_step"], args.warmup),
+        "overhead": (wall - step_s + data) / wall,
+        "data_share": data / wall,
+        "final_loss": result.final_loss,
+    }
 
 
 def worker_trainer(work: Path, args) -> dict:
@@ -103,14 +122,25 @@ def worker_trainer(work: Path, args) -> dict:
 
     recipe = load_train_recipe(work / "recipe-false.toml")
     tokenizer = load_tokenizer(work / "tok")
-    config = build_config(recipe.model, vocab_size=len(tokenizer), seq_len=args.seq_len,
-                          eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+    config = build_config(
+        recipe.model,
+        vocab_size=len(tokenizer),
+        seq_len=args.seq_len,
+        eos_id=tokenizer.eos_token_id,
+        pad_id=tokenizer.pad_token_id,
+    )
     model = build_model(config, seed=0)
     shard = open_packed(work / "packed").load_shard(0)
     ids, positions = shard["input_ids"].astype(np.int64), shard["position_ids"].astype(np.int64)
     labels = np.where((positions == 0) | (positions < 0), IGNORE_INDEX, ids)  # HF shifts labels inside the model
-    rows = [{"input_ids": torch.from_numpy(ids[i]), "position_ids": torch.from_numpy(fill_padding_positions(positions[i:i + 1])[0]),
-             "labels": torch.from_numpy(labels[i])} for i in range(len(ids))]
+    rows = [
+        {
+            "input_ids": torch.from_numpy(ids[i]),
+            "position_ids": torch.from_numpy(fill_padding_positions(positions[i : i + 1])[0]),
+            "labels": torch.from_numpy(labels[i]),
+        }
+        for i in range(len(ids))
+    ]
     step_ends: list[float] = []
 
     class Clock(TrainerCallback):
@@ -118,11 +148,25 @@ def worker_trainer(work: Path, args) -> dict:
             step_ends.append(time.time())
 
     training_args = TrainingArguments(
-        output_dir=str(work / "run-trainer"), max_steps=args.steps, per_device_train_batch_size=args.micro_batch,
-        gradient_accumulation_steps=args.global_batch // args.micro_batch, learning_rate=1e-3, weight_decay=0.1,
-        adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0, lr_scheduler_type="constant", optim="adamw_torch",
-        use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no", dataloader_num_workers=0, seed=0,
-        disable_tqdm=True)
+        output_dir=str(work / "run-trainer"),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=args.global_batch // args.micro_batch,
+        learning_rate=1e-3,
+        weight_decay=0.1,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        max_grad_norm=1.0,
+        lr_scheduler_type="constant",
+        optim="adamw_torch",
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=training_args, train_dataset=rows, callbacks=[Clock()])
     trainer.train()
     return {"tokens_per_s": steady_rate(step_ends, args.global_batch * args.seq_len, args.warmup)}
@@ -133,7 +177,9 @@ def export_baseline(ref: str, work: Path) -> Path:
     import io
     import tarfile
 
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, "smolctl"], capture_output=True, check=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", ref, "smolctl"], capture_output=True, check=True
+    ).stdout
     root = work / f"baseline-{ref.replace('/', '-')}"
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(root, filter="data")
@@ -145,7 +191,10 @@ def run_worker(variant: str, work: Path, args, pythonpath: Path | None = None) -
     import os
 
     command = [sys.executable, __file__, "--worker", variant, "--work", str(work), *sys.argv[1:]]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(pythonpath or REPO), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(pythonpath or REPO), os.environ.get("PYTHONPATH")])),
+    }
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
     if done.returncode != 0:
@@ -166,8 +215,11 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--baseline", default="main", help="Git ref whose smolctl is the previous loop.")
-    parser.add_argument("--variants", default="trainer,smolctl,smolctl-compile,baseline",
-                        help="Comma-separated subset to run (the first one is the reference column).")
+    parser.add_argument(
+        "--variants",
+        default="trainer,smolctl,smolctl-compile,baseline",
+        help="Comma-separated subset to run (the first one is the reference column).",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -188,16 +240,32 @@ def main() -> None:
         results = {}
         for variant in args.variants.split(","):
             if variant == "baseline":
-                results[f"smolctl@{args.baseline}"] = run_worker("smolctl", work, args, export_baseline(args.baseline, work))
+                results[f"smolctl@{args.baseline}"] = run_worker(
+                    "smolctl", work, args, export_baseline(args.baseline, work)
+                )
             else:
                 results[variant] = run_worker(variant, work, args)
     reference = next(iter(results))
     base = results[reference]["tokens_per_s"]
-    rows = [(name, f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base:.3f}×", human_bytes(r["peak_rss_bytes"]),
-             f"{r['overhead']:.2%}" if "overhead" in r else "-", f"{r['seconds']:.0f}s") for name, r in results.items()]
-    show(table(f"pretrain on CPU: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, seq {args.seq_len}, "
-               f"batch {args.global_batch} (micro {args.micro_batch}), {args.steps} steps ({args.warmup} warmup)",
-               ["variant", "tokens/s", f"vs {reference}", "peak RSS", "loop overhead", "wall"], rows))
+    rows = [
+        (
+            name,
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['tokens_per_s'] / base:.3f}×",
+            human_bytes(r["peak_rss_bytes"]),
+            f"{r['overhead']:.2%}" if "overhead" in r else "-",
+            f"{r['seconds']:.0f}s",
+        )
+        for name, r in results.items()
+    ]
+    show(
+        table(
+            f"pretrain on CPU: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, seq {args.seq_len}, "
+            f"batch {args.global_batch} (micro {args.micro_batch}), {args.steps} steps ({args.warmup} warmup)",
+            ["variant", "tokens/s", f"vs {reference}", "peak RSS", "loop overhead", "wall"],
+            rows,
+        )
+    )
     print(json.dumps(results))
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from smolctl.shards import KIND_DOCUMENTS, DatasetWriter, OutputFolder, schema_to_dict  # noqa: E402
+from smolctl.shards import KIND_DOCUMENTS, DatasetWriter, OutputFolder, schema_to_dict
 
 MIN_CHARS, MAX_CHARS = 200, 5000
 MATH_MODULES = {"statistics", "fractions", "_pydecimal", "random", "numbers", "decimal", "colorsys", "_pylong"}
@@ -72,12 +72,28 @@ def collect(root: Path) -> list[dict]:
         for qualname, node in iter_definitions(tree):
             doc = ast.get_docstring(node)
             if doc:
-                docs.append({"kind": "docstring", "module": module, "name": f"{module}.{qualname}", "text": doc,
-                             "math": is_math, "summary": first_paragraph(doc), "def": type(node).__name__})
+                docs.append(
+                    {
+                        "kind": "docstring",
+                        "module": module,
+                        "name": f"{module}.{qualname}",
+                        "text": doc,
+                        "math": is_math,
+                        "summary": first_paragraph(doc),
+                        "def": type(node).__name__,
+                    }
+                )
             segment = ast.get_source_segment(source, node)
             if segment and "." not in qualname:
-                docs.append({"kind": "code", "module": module, "name": f"{module}.{qualname}",
-                             "text": textwrap.dedent(segment), "math": is_math})
+                docs.append(
+                    {
+                        "kind": "code",
+                        "module": module,
+                        "name": f"{module}.{qualname}",
+                        "text": textwrap.dedent(segment),
+                        "math": is_math,
+                    }
+                )
     return docs
 
 
@@ -128,11 +144,17 @@ def chat_rows(defs: list[dict], rng: random.Random) -> list[dict]:
         short = doc["name"].rsplit(".", 1)[-1]
         what = "class" if doc["def"] == "ClassDef" else "function"
         values = {"name": doc["name"], "short": short, "module": doc["module"], "summary": doc["summary"], "what": what}
-        rows.append({"id": f"chat-{len(rows):05d}", "task": task, "messages": [
-            {"role": "system", "content": "You are a concise assistant for Python programmers."},
-            {"role": "user", "content": user.format(**values)},
-            {"role": "assistant", "content": answer.format(**values)},
-        ]})
+        rows.append(
+            {
+                "id": f"chat-{len(rows):05d}",
+                "task": task,
+                "messages": [
+                    {"role": "system", "content": "You are a concise assistant for Python programmers."},
+                    {"role": "user", "content": user.format(**values)},
+                    {"role": "assistant", "content": answer.format(**values)},
+                ],
+            }
+        )
     return rows
 
 
@@ -142,9 +164,14 @@ def preference_rows(defs: list[dict], rng: random.Random) -> list[dict]:
         other = rng.choice(defs)
         if other["summary"] == doc["summary"]:
             continue
-        rows.append({"id": f"pref-{len(rows):05d}", "prompt": f"Summarise what `{doc['name']}` does in one sentence.",
-                     "chosen": doc["summary"].split(". ")[0].rstrip(".") + ".",
-                     "rejected": other["summary"].split(". ")[0].rstrip(".") + "."})
+        rows.append(
+            {
+                "id": f"pref-{len(rows):05d}",
+                "prompt": f"Summarise what `{doc['name']}` does in one sentence.",
+                "chosen": doc["summary"].split(". ")[0].rstrip(".") + ".",
+                "rejected": other["summary"].split(". ")[0].rstrip(".") + ".",
+            }
+        )
     return rows
 
 
@@ -152,8 +179,13 @@ def prompt_rows(defs: list[dict]) -> list[dict]:
     rows = []
     for doc in defs:
         short = doc["name"].rsplit(".", 1)[-1]
-        rows.append({"id": f"prompt-{len(rows):05d}", "prompt": f"Which Python module provides `{short}`? Answer with the module name.",
-                     "reference": doc["module"]})
+        rows.append(
+            {
+                "id": f"prompt-{len(rows):05d}",
+                "prompt": f"Which Python module provides `{short}`? Answer with the module name.",
+                "reference": doc["module"],
+            }
+        )
     return rows
 
 

@@ -41,7 +41,11 @@ def describe(output: Path, out: Path) -> tuple[str, str, str]:
     for key in HIGHLIGHTS.get(manifest["kind"], ()):
         if stats.get(key) is not None:
             value = stats[key]
-            counts.append(f"{key.replace('_', ' ')} {value:.3g}" if isinstance(value, float) else f"{key.replace('_', ' ')} {value}")
+            counts.append(
+                f"{key.replace('_', ' ')} {value:.3g}"
+                if isinstance(value, float)
+                else f"{key.replace('_', ' ')} {value}"
+            )
     return manifest["kind"], inputs, ", ".join(counts) or "-"
 
 
@@ -55,7 +59,7 @@ def sample_generation(model_dir: Path, prompt: str) -> str:
     messages = [{"role": "user", "content": prompt}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**ids, max_new_tokens=40, do_sample=False, repetition_penalty=1.3, no_repeat_ngram_size=3)
-    return tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 def main(out: Path, final_model: str | None) -> None:
@@ -66,13 +70,21 @@ def main(out: Path, final_model: str | None) -> None:
         stage, output, seconds = line.split("\t")
         total += float(seconds)
         kind, inputs, counts = describe(Path(output), out)
-        rows.append((stage, inputs, short(output, out) if output != "-" else "-", kind, counts, f"{float(seconds):.1f}s"))
+        rows.append(
+            (stage, inputs, short(output, out) if output != "-" else "-", kind, counts, f"{float(seconds):.1f}s")
+        )
     rows.append(("total", "", "", "", "", f"{total:.1f}s"))
-    show(table("smolctl demo: every stage", ["stage", "inputs", "output", "kind", "counts", "time"], rows, justify="left"))
+    show(
+        table(
+            "smolctl demo: every stage", ["stage", "inputs", "output", "kind", "counts", "time"], rows, justify="left"
+        )
+    )
     if final_model:
         prompt = "What does `json.dumps` do?"
-        console.print(f"[bold]sample from {short(final_model, out)}[/] (a 1.5M-parameter model trained for minutes: "
-                      f"expect babble)\n  user: {prompt}\n  assistant: {sample_generation(Path(final_model), prompt)}")
+        console.print(
+            f"[bold]sample from {short(final_model, out)}[/] (a 1.5M-parameter model trained for minutes: "
+            f"expect babble)\n  user: {prompt}\n  assistant: {sample_generation(Path(final_model), prompt)}"
+        )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ compdef _smolctl_completion smolctl"""
 FISH = (
     'complete --command smolctl --no-files --arguments "(env _SMOLCTL_COMPLETE=complete_fish '
     '_TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) smolctl)" --condition "env '
-    '_SMOLCTL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) '
+    "_SMOLCTL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) "
     'smolctl"'
 )
 

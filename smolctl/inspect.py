@@ -158,8 +158,9 @@ def inspect_collection(root: Path, *, verify: bool) -> Inspection:
     return result
 
 
-def inspect_path(path: str, *, samples: int = 3, verify: bool = False, lineage: bool = False,
-                 tokenizer: str | None = None) -> Inspection:
+def inspect_path(
+    path: str, *, samples: int = 3, verify: bool = False, lineage: bool = False, tokenizer: str | None = None
+) -> Inspection:
     """Describe a dataset, packed, model or tokenizer folder, a folder of such folders, or a foreign parquet
     file/folder/glob."""
     target = Path(path)
@@ -169,16 +170,27 @@ def inspect_path(path: str, *, samples: int = 3, verify: bool = False, lineage: 
     manifest = read_manifest(target) if target.is_dir() else None
     if manifest is None and target.is_dir() and smolctl_folders_under(target, max_depth=1):
         if lineage:
-            raise UserError("--lineage", f"{path} holds several smolctl folders, each with its own lineage",
-                            f"inspect one of them, e.g. {smolctl_folders_under(target, max_depth=1)[0]} --lineage")
+            raise UserError(
+                "--lineage",
+                f"{path} holds several smolctl folders, each with its own lineage",
+                f"inspect one of them, e.g. {smolctl_folders_under(target, max_depth=1)[0]} --lineage",
+            )
         return inspect_collection(target, verify=verify)
     if manifest is None:
         if verify:
-            raise UserError(path, "has no manifest.json to verify against", "only folders written by smolctl can be verified")
+            raise UserError(
+                path, "has no manifest.json to verify against", "only folders written by smolctl can be verified"
+            )
         source = open_documents(path)
-        return Inspection(path=str(path), kind="parquet (no manifest)", shards=len(source.files), rows=source.num_rows,
-                          schema=schema_to_dict(source.schema), files=[str(f) for f in source.files[:20]],
-                          samples=_document_samples(path, samples) if samples else None)
+        return Inspection(
+            path=str(path),
+            kind="parquet (no manifest)",
+            shards=len(source.files),
+            rows=source.num_rows,
+            schema=schema_to_dict(source.schema),
+            files=[str(f) for f in source.files[:20]],
+            samples=_document_samples(path, samples) if samples else None,
+        )
 
     nested = smolctl_folders_under(target)
     result = Inspection(

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import difflib
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -62,7 +63,9 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
             else:
                 node = node.setdefault(part, {})
             if not isinstance(node, (dict, list)):
-                raise UserError("--set", f"{'.'.join(path[: i + 1])} is a value, not a table", "set a key inside a table")
+                raise UserError(
+                    "--set", f"{'.'.join(path[: i + 1])} is a value, not a table", "set a key inside a table"
+                )
         last = path[-1]
         if isinstance(node, list):
             node[_index(last, path, len(node))] = value
@@ -73,14 +76,25 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
 
 def _index(part: str, path: list[str], length: int) -> int:
     if not part.isdigit() or int(part) >= length:
-        raise UserError("--set", f"{'.'.join(path)}: index out of range (the list has {length} entries)", "use 0-based indices")
+        raise UserError(
+            "--set", f"{'.'.join(path)}: index out of range (the list has {length} entries)", "use 0-based indices"
+        )
     return int(part)
 
 
 _TYPE_NAMES = {
-    "int_type": "int", "int_parsing": "int", "float_type": "float", "float_parsing": "float", "string_type": "string",
-    "bool_type": "bool", "bool_parsing": "bool", "list_type": "list", "dict_type": "table", "model_type": "table",
-    "model_attributes_type": "table", "tuple_type": "list",
+    "int_type": "int",
+    "int_parsing": "int",
+    "float_type": "float",
+    "float_parsing": "float",
+    "string_type": "string",
+    "bool_type": "bool",
+    "bool_parsing": "bool",
+    "list_type": "list",
+    "dict_type": "table",
+    "model_type": "table",
+    "model_attributes_type": "table",
+    "tuple_type": "list",
 }
 
 

@@ -20,9 +20,10 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -149,8 +150,15 @@ def schema_to_dict(schema: pa.Schema) -> dict[str, str]:
 class OutputFolder:
     """A stage's output folder, written in a staging folder and swapped into place on commit."""
 
-    def __init__(self, path: str | Path, *, kind: str, overwrite: bool = False, inputs: Sequence[dict] = (),
-                 resumable: bool = False):
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        kind: str,
+        overwrite: bool = False,
+        inputs: Sequence[dict] = (),
+        resumable: bool = False,
+    ):
         """resumable=True keeps an existing staging folder (a stage that resumes by shard decides what in it to
         reuse) and keeps it when the stage fails, for the next run to continue."""
         self.path = Path(path)
@@ -166,14 +174,19 @@ class OutputFolder:
                 shutil.rmtree(self.staging)
             self.staging.mkdir(exist_ok=resumable)
         except OSError as exc:
-            raise UserError(self.path, f"cannot create the output folder: {exc.strerror or exc}",
-                            "check the path and its permissions") from exc
+            raise UserError(
+                self.path,
+                f"cannot create the output folder: {exc.strerror or exc}",
+                "check the path and its permissions",
+            ) from exc
 
     def file(self, name: str) -> Path:
         """Where a file of this output is written before the commit."""
         return self.staging / name
 
-    def add_shard(self, name: str, rows: int, tokens: int | None = None, sha256: str | None = None, **extra: Any) -> dict:
+    def add_shard(
+        self, name: str, rows: int, tokens: int | None = None, sha256: str | None = None, **extra: Any
+    ) -> dict:
         """Record a shard written into the staging folder; `sha256` when already known (a shard linked in from a
         work area, hashed when it was written)."""
         path = self.staging / name
@@ -216,13 +229,16 @@ class OutputFolder:
             if old.exists():
                 shutil.rmtree(old)
         except OSError as exc:
-            raise UserError(self.path, f"cannot move the finished output into place: {exc.strerror or exc}",
-                            f"the complete output is in {self.staging}") from exc
+            raise UserError(
+                self.path,
+                f"cannot move the finished output into place: {exc.strerror or exc}",
+                f"the complete output is in {self.staging}",
+            ) from exc
 
     def abort(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
 
-    def __enter__(self) -> "OutputFolder":
+    def __enter__(self) -> OutputFolder:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -236,7 +252,9 @@ def check_output_path(path: Path, overwrite: bool) -> None:
     if path.exists() and not path.is_dir():
         raise UserError(path, "exists and is a file, not a folder", "choose an output folder path")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
-        raise UserError(path, "already exists and is not empty", "pass --overwrite to replace it, or choose another folder")
+        raise UserError(
+            path, "already exists and is not empty", "pass --overwrite to replace it, or choose another folder"
+        )
     parent = path.parent if not path.exists() else path
     while not parent.exists():
         parent = parent.parent
@@ -247,9 +265,16 @@ def check_output_path(path: Path, overwrite: bool) -> None:
 class DatasetWriter:
     """Parquet shards that roll at a size or row limit, each written under a temporary name and renamed."""
 
-    def __init__(self, folder: OutputFolder, *, schema: pa.Schema | None = None,
-                 shard_bytes: int | None = DEFAULT_SHARD_BYTES, shard_rows: int | None = None,
-                 prefix: str = "part", compression: str = "zstd"):
+    def __init__(
+        self,
+        folder: OutputFolder,
+        *,
+        schema: pa.Schema | None = None,
+        shard_bytes: int | None = DEFAULT_SHARD_BYTES,
+        shard_rows: int | None = None,
+        prefix: str = "part",
+        compression: str = "zstd",
+    ):
         self.folder = folder
         self.schema = schema
         self.shard_bytes = shard_bytes
@@ -267,7 +292,9 @@ class DatasetWriter:
         try:
             self._writer = pq.ParquetWriter(self._tmp, self.schema, compression=self.compression)
         except OSError as exc:
-            raise UserError(self.folder.path, f"cannot write a shard: {exc}", "check free space and permissions") from exc
+            raise UserError(
+                self.folder.path, f"cannot write a shard: {exc}", "check free space and permissions"
+            ) from exc
         self._rows = self._bytes = 0
 
     def write(self, batch: pa.RecordBatch | pa.Table) -> None:
@@ -276,7 +303,11 @@ class DatasetWriter:
         if self.schema is None:
             self.schema = batch.schema
         elif batch.schema != self.schema:
-            batch = batch.cast(self.schema) if isinstance(batch, pa.Table) else pa.Table.from_batches([batch]).cast(self.schema)
+            batch = (
+                batch.cast(self.schema)
+                if isinstance(batch, pa.Table)
+                else pa.Table.from_batches([batch]).cast(self.schema)
+            )
         table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
         start = 0
         while start < table.num_rows:
@@ -292,14 +323,18 @@ class DatasetWriter:
             piece = table.slice(start, take)
             self._write_piece(piece)
             start += take
-            if (self.shard_rows and self._rows >= self.shard_rows) or (self.shard_bytes and self._bytes >= self.shard_bytes):
+            if (self.shard_rows and self._rows >= self.shard_rows) or (
+                self.shard_bytes and self._bytes >= self.shard_bytes
+            ):
                 self._close_shard()
 
     def _write_piece(self, piece: pa.Table) -> None:
         try:
             self._writer.write_table(piece)
         except OSError as exc:
-            raise UserError(self.folder.path, f"cannot write a shard: {exc}", "check free space and permissions") from exc
+            raise UserError(
+                self.folder.path, f"cannot write a shard: {exc}", "check free space and permissions"
+            ) from exc
         self._rows += piece.num_rows
         self._bytes += piece.nbytes
 
@@ -309,8 +344,10 @@ class DatasetWriter:
         try:
             self._writer.close()
         except OSError as exc:
-            raise UserError(self.folder.path, f"cannot write a shard: {exc}", "check free space and permissions") from exc
-        final = self._tmp.with_name(self._tmp.name[1:-len(".tmp")])
+            raise UserError(
+                self.folder.path, f"cannot write a shard: {exc}", "check free space and permissions"
+            ) from exc
+        final = self._tmp.with_name(self._tmp.name[1 : -len(".tmp")])
         os.replace(self._tmp, final)
         self.folder.add_shard(final.name, self._rows)
         self._writer = None
@@ -350,7 +387,9 @@ class PackedWriter:
             save_file(head, str(tmp))
         except OSError as exc:
             tmp.unlink(missing_ok=True)
-            raise UserError(self.folder.path, f"cannot write a shard: {exc}", "check free space and permissions") from exc
+            raise UserError(
+                self.folder.path, f"cannot write a shard: {exc}", "check free space and permissions"
+            ) from exc
         os.replace(tmp, self.folder.file(name))
         self.folder.add_shard(name, rows, tokens=int(tokens[:rows].sum()))
         self._pending_rows -= rows
@@ -393,7 +432,9 @@ def resolve_parquet_files(spec: str | Path) -> tuple[list[Path], dict | None, Pa
     if any(ch in text for ch in "*?[") and not Path(text).exists():
         files = sorted(Path(p) for p in globlib.glob(text, recursive=True) if Path(p).is_file())
         if not files:
-            raise UserError(text, "the pattern matches no files", "check the glob (quote it so the shell leaves it alone)")
+            raise UserError(
+                text, "the pattern matches no files", "check the glob (quote it so the shell leaves it alone)"
+            )
         return files, None, None
     path = Path(text)
     if not path.exists():
@@ -403,17 +444,25 @@ def resolve_parquet_files(spec: str | Path) -> tuple[list[Path], dict | None, Pa
     manifest = read_manifest(path)
     if manifest is not None:
         if manifest["kind"] != KIND_DOCUMENTS:
-            raise UserError(path, f"is a {manifest['kind']} folder, not a dataset (documents) folder",
-                            "pass a folder of parquet documents" + ("; packed folders feed pretrain" if manifest["kind"] == KIND_PACKED else ""))
+            raise UserError(
+                path,
+                f"is a {manifest['kind']} folder, not a dataset (documents) folder",
+                "pass a folder of parquet documents"
+                + ("; packed folders feed pretrain" if manifest["kind"] == KIND_PACKED else ""),
+            )
         files = check_listed_shards(path, manifest)
         if not files:
-            raise UserError(path, "holds no shards (its manifest lists none)", "re-run the stage with a non-empty input")
+            raise UserError(
+                path, "holds no shards (its manifest lists none)", "re-run the stage with a non-empty input"
+            )
         return files, manifest, path
     files = sorted(p for p in path.rglob("*.parquet") if p.is_file() and not _is_hidden(p, path))
     if not files:
         others = [p.name for p in path.iterdir() if not p.name.startswith(".")][:5]
         hint = f" (it holds {', '.join(others)})" if others else " (it is empty)"
-        raise UserError(path, f"holds no parquet files{hint}", "pass a folder of .parquet shards, a .parquet file or a glob")
+        raise UserError(
+            path, f"holds no parquet files{hint}", "pass a folder of .parquet shards, a .parquet file or a glob"
+        )
     return files, None, path
 
 
@@ -427,8 +476,11 @@ def check_listed_shards(folder: Path, manifest: dict) -> list[Path]:
             raise UserError(file, "is listed in the manifest but missing", "re-run the stage that wrote this folder")
         size = file.stat().st_size
         if "bytes" in shard and size != shard["bytes"]:
-            raise UserError(file, f"is {size} bytes but the manifest records {shard['bytes']} (changed or truncated)",
-                            "re-run the stage that wrote this folder; `smolctl inspect --verify` checks every shard")
+            raise UserError(
+                file,
+                f"is {size} bytes but the manifest records {shard['bytes']} (changed or truncated)",
+                "re-run the stage that wrote this folder; `smolctl inspect --verify` checks every shard",
+            )
         files.append(file)
     return files
 
@@ -459,8 +511,11 @@ class DocumentSource:
             if name not in self.schema.names:
                 flag = (flags or {}).get(name) or ("--text-column" if name in text else None)
                 where = f"pass one of them with {flag}" if flag else "pass one of them"
-                raise UserError(self.spec, f"has no column '{name}' (columns: {', '.join(self.schema.names)})",
-                                where if self.schema.names else "check the input")
+                raise UserError(
+                    self.spec,
+                    f"has no column '{name}' (columns: {', '.join(self.schema.names)})",
+                    where if self.schema.names else "check the input",
+                )
         for name in text:
             kind = self.schema.field(name).type
             if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
@@ -471,8 +526,9 @@ class DocumentSource:
             return [lineage_ref(self.folder, self.manifest)]
         return [{"path": str(Path(f).resolve()), "kind": None, "manifest_sha256": None} for f in self.files[:1000]]
 
-    def iter_file_batches(self, index: int, columns: Sequence[str] | None = None,
-                          batch_size: int = 8192, threads: bool = True) -> Iterator[pa.RecordBatch]:
+    def iter_file_batches(
+        self, index: int, columns: Sequence[str] | None = None, batch_size: int = 8192, threads: bool = True
+    ) -> Iterator[pa.RecordBatch]:
         """Batches of one file; threads=False decodes in this thread only (for callers that run one process
         per core, where arrow's thread pool, sized to the whole machine, would only contend with them)."""
         path = self.files[index]
@@ -484,8 +540,11 @@ class DocumentSource:
                     batch = batch.select(columns)
                 yield batch
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
-            raise UserError(path, f"cannot be read as parquet ({str(exc).splitlines()[0]})",
-                            "the file is corrupt or truncated; re-create it") from exc
+            raise UserError(
+                path,
+                f"cannot be read as parquet ({str(exc).splitlines()[0]})",
+                "the file is corrupt or truncated; re-create it",
+            ) from exc
 
     def iter_batches(self, columns: Sequence[str] | None = None, batch_size: int = 8192) -> Iterator[pa.RecordBatch]:
         for index in range(len(self.files)):
@@ -503,15 +562,25 @@ def open_documents(spec: str | Path) -> DocumentSource:
             meta = pq.read_metadata(path)
             file_schema = pq.read_schema(path)
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
-            raise UserError(path, f"cannot be read as parquet ({str(exc).splitlines()[0]})",
-                            "the file is corrupt or truncated; re-create it") from exc
+            raise UserError(
+                path,
+                f"cannot be read as parquet ({str(exc).splitlines()[0]})",
+                "the file is corrupt or truncated; re-create it",
+            ) from exc
         file_schema = file_schema.remove_metadata()
         if schema is None:
             schema = file_schema
         elif not file_schema.equals(schema):
-            mismatched = [n for n in schema.names if n not in file_schema.names or file_schema.field(n).type != schema.field(n).type]
-            raise UserError(path, f"has a different schema from {files[0].name} (columns {', '.join(mismatched) or 'extra'} differ)",
-                            "make all shards share one schema")
+            mismatched = [
+                n
+                for n in schema.names
+                if n not in file_schema.names or file_schema.field(n).type != schema.field(n).type
+            ]
+            raise UserError(
+                path,
+                f"has a different schema from {files[0].name} (columns {', '.join(mismatched) or 'extra'} differ)",
+                "make all shards share one schema",
+            )
         rows.append(meta.num_rows)
     return DocumentSource(str(spec), files, manifest, folder, schema, rows)
 
@@ -541,7 +610,9 @@ class PackedSource:
         try:
             return load_file(str(path))
         except (SafetensorError, OSError, ValueError) as exc:
-            raise UserError(path, f"cannot be read as safetensors ({exc})", "the shard is corrupt or truncated; re-run pack") from exc
+            raise UserError(
+                path, f"cannot be read as safetensors ({exc})", "the shard is corrupt or truncated; re-run pack"
+            ) from exc
 
 
 def open_packed(spec: str | Path) -> PackedSource:
@@ -567,7 +638,9 @@ def verify_checksums(folder: Path, manifest: dict | None = None) -> list[str]:
     folder = Path(folder)
     manifest = manifest or read_manifest(folder)
     if manifest is None:
-        raise UserError(folder, "has no manifest.json to verify against", "only folders written by smolctl can be verified")
+        raise UserError(
+            folder, "has no manifest.json to verify against", "only folders written by smolctl can be verified"
+        )
     problems = []
     for shard in manifest.get("shards", []):
         path = folder / shard["name"]

@@ -45,7 +45,7 @@ def _split(text: str | int | float, flag: str, example: str) -> tuple[float, str
 
 
 def _whole(value: float) -> int:
-    return int(round(value))
+    return round(value)
 
 
 def parse_count(text: str | int | float, flag: str) -> int:

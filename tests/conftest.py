@@ -13,11 +13,19 @@ REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "data" / "sample"
 
 
-def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess, as a user would."""
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "smolctl", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd or REPO, env=full_env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "smolctl", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd or REPO,
+        env=full_env,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="session")

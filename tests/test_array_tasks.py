@@ -10,8 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import run_cli
+
 from smolctl.data import mix as mix_module
 from smolctl.data import pack as pack_module
 from smolctl.data.mix import prepare_mix
@@ -25,8 +25,11 @@ MIX_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo-mix.toml
 
 def shard_bytes(folder: Path) -> dict[str, bytes]:
     """Every shard under a folder (stages included) by relative path, and the manifests' data-bearing fields."""
-    files = {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-             if p.is_file() and p.name != "manifest.json"}
+    files = {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != "manifest.json"
+    }
     for manifest in sorted(folder.rglob("manifest.json")):
         fields = {k: v for k, v in json.loads(manifest.read_text()).items() if k not in ("created_at", "command")}
         files[str(manifest.relative_to(folder))] = json.dumps(fields, sort_keys=True).encode()
@@ -45,16 +48,19 @@ def four_shards(sample, tmp_path_factory) -> Path:
 
 
 def run_pack(source: Path, output: Path, tokenizer_dir: Path, **options):
-    config = PackConfig(seq_len=128, batch_documents=64, buffer_tokens=4096, shard_size="40rows",
-                        **options.pop("config", {}))
+    config = PackConfig(
+        seq_len=128, batch_documents=64, buffer_tokens=4096, shard_size="40rows", **options.pop("config", {})
+    )
     return prepare_pack(str(source), output, tokenizer_spec=str(tokenizer_dir), config=config).run(**options)
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "datatrove"])
 def test_pack_tasks_in_any_order_give_the_bytes_of_one_run(four_shards, tokenizer_dir, tmp_path, fmt):
     plain = run_pack(four_shards, tmp_path / "plain", tokenizer_dir, config={"format": fmt})
-    results = [run_pack(four_shards, tmp_path / "tasks", tokenizer_dir, config={"format": fmt}, tasks=3, task_id=i)
-               for i in (2, 0, 1)]
+    results = [
+        run_pack(four_shards, tmp_path / "tasks", tokenizer_dir, config={"format": fmt}, tasks=3, task_id=i)
+        for i in (2, 0, 1)
+    ]
     assert [r.finished for r in results] == [False, False, True]
     assert [r.units_done for r in results] == [1, 2, 1]  # units 2 | 0, 3 | 1
     assert shard_bytes(tmp_path / "tasks") == shard_bytes(tmp_path / "plain")
@@ -100,7 +106,9 @@ def run_mix(output: Path, **options):
 def test_mix_tasks_in_any_order_give_the_bytes_of_one_run(tmp_path, monkeypatch):
     plain = run_mix(tmp_path / "plain")
     # ~1200, 500, 400 documents (budgets are met to a bin) in blocks of 300: several blocks per stage
-    assert [s.shards for s in plain.stages] == [-(-s.documents // 300) for s in plain.stages] and plain.stages[2].shards > 1
+    assert [s.shards for s in plain.stages] == [-(-s.documents // 300) for s in plain.stages] and plain.stages[
+        2
+    ].shards > 1
     with pytest.raises(UserError, match="the measure stage has not finished"):
         run_mix(tmp_path / "tasks", stage="write", tasks=3, task_id=0)
     original, calls = mix_module.write_block, []
@@ -136,8 +144,9 @@ def test_bad_task_arguments_are_one_line_errors(four_shards, tokenizer_dir, tmp_
     done = run_cli(*base[:-1], "256", "--tasks", "3", "--task-id", "0")
     assert done.returncode == 2 and "holds an unfinished run with other inputs or settings" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
-    done = run_cli("mix", tmp_path / "mix", "--recipe", MIX_RECIPE, "--stage", "write", "--tasks", "2",
-                   "--task-id", "0")
+    done = run_cli(
+        "mix", tmp_path / "mix", "--recipe", MIX_RECIPE, "--stage", "write", "--tasks", "2", "--task-id", "0"
+    )
     assert done.returncode == 2 and "the measure stage has not finished" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "mix").exists()
     with pytest.raises(UserError, match="add --stage measure"):

@@ -6,14 +6,13 @@ from __future__ import annotations
 import hashlib
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import SAMPLE, run_cli
 
 
@@ -28,15 +27,22 @@ class Case:
 def snapshot(folder: Path | None) -> dict[str, str] | None:
     if folder is None or not folder.exists():
         return None
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def corrupt_copy(src: Path, dst: Path, how: str) -> Path:
     shutil.copytree(src, dst)
     shard = sorted(p for p in dst.iterdir() if p.name.startswith("part-"))[0]
     data = shard.read_bytes()
-    shard.write_bytes(data[: len(data) // 2] if how == "truncate" else data[:100] + bytes(b ^ 0xFF for b in data[100:400]) + data[400:])
+    shard.write_bytes(
+        data[: len(data) // 2]
+        if how == "truncate"
+        else data[:100] + bytes(b ^ 0xFF for b in data[100:400]) + data[400:]
+    )
     return shard
 
 
@@ -52,9 +58,10 @@ _SHARED: dict[str, Path] = {}
 @pytest.fixture(scope="module", autouse=True)
 def shared_inputs(tokenizer_dir, tmp_path_factory):
     """A tokenizer, a packed folder and a tiny model checkpoint that the training cases start from."""
-    from smolctl.data.pack import PackConfig, pack
     from test_pretrain import TEST_RECIPE
     from tiny_checkpoint import make_tiny_checkpoint
+
+    from smolctl.data.pack import PackConfig, pack
 
     root = tmp_path_factory.mktemp("bad-inputs")
     _SHARED["tokenizer"] = tokenizer_dir
@@ -68,7 +75,12 @@ def shared_inputs(tokenizer_dir, tmp_path_factory):
     from smolctl.train.pretrain import train
 
     _SHARED["run"] = root / "run"  # a finished 2-step run with checkpoints at steps 1 and 2
-    train(_SHARED["recipe"], _SHARED["run"], overrides=["training.steps=2", "checkpoint.interval=1", "schedule.warmup_steps=0"], show=False)
+    train(
+        _SHARED["recipe"],
+        _SHARED["run"],
+        overrides=["training.steps=2", "checkpoint.interval=1", "schedule.warmup_steps=0"],
+        show=False,
+    )
     _SHARED["other-packed"] = root / "other-packed"
     pack(str(SAMPLE / "web"), _SHARED["other-packed"], tokenizer_spec=str(tokenizer_dir), config=PackConfig(seq_len=64))
 
@@ -140,104 +152,699 @@ def _existing_output(tmp: Path) -> Path:
 
 CASES = [
     Case("inspect: missing path", lambda t: (["inspect", t / "nope"], "no such file or folder", None)),
-    Case("inspect: empty folder", lambda t: ((t / "empty").mkdir(), ["inspect", t / "empty"], "holds no parquet files", None)[1:]),
-    Case("inspect: text file named .parquet", lambda t: ((t / "x.parquet").write_text("hi"), ["inspect", t / "x.parquet"], "x.parquet", None)[1:]),
-    Case("inspect: --lineage on a folder of smolctl folders", lambda t: (shutil.copytree(SAMPLE / "math", t / "all" / "math"), ["inspect", t / "all", "--lineage"], "--lineage: ", None)[1:]),
-    Case("inspect: truncated shard", lambda t: (["inspect", corrupt_copy(SAMPLE / "math", t / "m", "truncate")], "part-00000.parquet", None)),
-    Case("inspect: corrupt manifest json", lambda t: (shutil.copytree(SAMPLE / "math", t / "m"), (t / "m" / "manifest.json").write_text("{oops"),
-                                                    ["inspect", t / "m"], "manifest.json: is not valid JSON", None)[2:]),
-    Case("inspect: shard listed in manifest is missing", lambda t: (shutil.copytree(SAMPLE / "math", t / "m"), (t / "m" / "part-00001.parquet").unlink(),
-                                                                  ["inspect", t / "m"], "part-00001.parquet: is listed in the manifest but missing", None)[2:]),
-    Case("train-tokenizer: missing text column", lambda t: (["train-tokenizer", parquet_with(t, "a.parquet", {"body": ["x" * 50]}), t / "out"], "no column 'text' (columns: body)", t / "out")),
-    Case("train-tokenizer: text column of ints", lambda t: (["train-tokenizer", parquet_with(t, "a.parquet", {"text": [1, 2]}), t / "out"], "column 'text' holds int64, not text", t / "out")),
-    Case("train-tokenizer: zero vocab", lambda t: (["train-tokenizer", SAMPLE / "math", t / "out", "--vocab-size", "0"], "--vocab-size: 0 is too small", t / "out")),
-    Case("train-tokenizer: output exists", lambda t: (["train-tokenizer", SAMPLE / "math", _existing_output(t)], "already exists and is not empty", t / "existing")),
-    Case("train-tokenizer: output is a file", lambda t: ((t / "f").write_text("x"), ["train-tokenizer", SAMPLE / "math", t / "f"], "exists and is a file", t / "f")[1:]),
-    Case("train-tokenizer: glob matches nothing", lambda t: (["train-tokenizer", str(t / "*.parquet"), t / "out"], "the pattern matches no files", t / "out")),
+    Case(
+        "inspect: empty folder",
+        lambda t: ((t / "empty").mkdir(), ["inspect", t / "empty"], "holds no parquet files", None)[1:],
+    ),
+    Case(
+        "inspect: text file named .parquet",
+        lambda t: ((t / "x.parquet").write_text("hi"), ["inspect", t / "x.parquet"], "x.parquet", None)[1:],
+    ),
+    Case(
+        "inspect: --lineage on a folder of smolctl folders",
+        lambda t: (
+            shutil.copytree(SAMPLE / "math", t / "all" / "math"),
+            ["inspect", t / "all", "--lineage"],
+            "--lineage: ",
+            None,
+        )[1:],
+    ),
+    Case(
+        "inspect: truncated shard",
+        lambda t: (["inspect", corrupt_copy(SAMPLE / "math", t / "m", "truncate")], "part-00000.parquet", None),
+    ),
+    Case(
+        "inspect: corrupt manifest json",
+        lambda t: (
+            shutil.copytree(SAMPLE / "math", t / "m"),
+            (t / "m" / "manifest.json").write_text("{oops"),
+            ["inspect", t / "m"],
+            "manifest.json: is not valid JSON",
+            None,
+        )[2:],
+    ),
+    Case(
+        "inspect: shard listed in manifest is missing",
+        lambda t: (
+            shutil.copytree(SAMPLE / "math", t / "m"),
+            (t / "m" / "part-00001.parquet").unlink(),
+            ["inspect", t / "m"],
+            "part-00001.parquet: is listed in the manifest but missing",
+            None,
+        )[2:],
+    ),
+    Case(
+        "train-tokenizer: missing text column",
+        lambda t: (
+            ["train-tokenizer", parquet_with(t, "a.parquet", {"body": ["x" * 50]}), t / "out"],
+            "no column 'text' (columns: body)",
+            t / "out",
+        ),
+    ),
+    Case(
+        "train-tokenizer: text column of ints",
+        lambda t: (
+            ["train-tokenizer", parquet_with(t, "a.parquet", {"text": [1, 2]}), t / "out"],
+            "column 'text' holds int64, not text",
+            t / "out",
+        ),
+    ),
+    Case(
+        "train-tokenizer: zero vocab",
+        lambda t: (
+            ["train-tokenizer", SAMPLE / "math", t / "out", "--vocab-size", "0"],
+            "--vocab-size: 0 is too small",
+            t / "out",
+        ),
+    ),
+    Case(
+        "train-tokenizer: output exists",
+        lambda t: (
+            ["train-tokenizer", SAMPLE / "math", _existing_output(t)],
+            "already exists and is not empty",
+            t / "existing",
+        ),
+    ),
+    Case(
+        "train-tokenizer: output is a file",
+        lambda t: (
+            (t / "f").write_text("x"),
+            ["train-tokenizer", SAMPLE / "math", t / "f"],
+            "exists and is a file",
+            t / "f",
+        )[1:],
+    ),
+    Case(
+        "train-tokenizer: glob matches nothing",
+        lambda t: (["train-tokenizer", str(t / "*.parquet"), t / "out"], "the pattern matches no files", t / "out"),
+    ),
     # dedup
-    Case("dedup: threshold outside (0,1)", lambda t: (["dedup", SAMPLE / "math", t / "out", "--minhash", "--threshold", "1.5"], "--threshold", t / "out")),
-    Case("dedup: bands x rows != num-perm", lambda t: (["dedup", SAMPLE / "math", t / "out", "--minhash", "--num-perm", "100", "--bands", "9", "--rows", "12"], "--num-perm", t / "out")),
-    Case("dedup: duplicate ids", lambda t: (["dedup", parquet_with(t, "d.parquet", {"id": ["a", "b", "a"], "text": ["x y z"] * 3}), t / "out"], "'a'", t / "out")),
-    Case("dedup: task id out of range", lambda t: (["dedup", SAMPLE / "math", t / "out", "--minhash", "--stage", "signatures", "--tasks", "2", "--task-id", "5"], "--task-id", t / "out")),
-    Case("dedup: filter stage before its inputs", lambda t: (["dedup", SAMPLE / "math", t / "out", "--minhash", "--stage", "filter", "--tasks", "1", "--task-id", "0"], "has not finished", t / "out")),
-    Case("dedup: missing id column", lambda t: (["dedup", SAMPLE / "math", t / "out", "--id-column", "uuid"], "no column 'uuid' (columns: id, text, origin) — pass one of them with --id-column", t / "out")),
-    Case("dedup: missing text column", lambda t: (["dedup", SAMPLE / "math", t / "out", "--text-column", "body"], "no column 'body' (columns: id, text, origin) — pass one of them with --text-column", t / "out")),
+    Case(
+        "dedup: threshold outside (0,1)",
+        lambda t: (["dedup", SAMPLE / "math", t / "out", "--minhash", "--threshold", "1.5"], "--threshold", t / "out"),
+    ),
+    Case(
+        "dedup: bands x rows != num-perm",
+        lambda t: (
+            ["dedup", SAMPLE / "math", t / "out", "--minhash", "--num-perm", "100", "--bands", "9", "--rows", "12"],
+            "--num-perm",
+            t / "out",
+        ),
+    ),
+    Case(
+        "dedup: duplicate ids",
+        lambda t: (
+            ["dedup", parquet_with(t, "d.parquet", {"id": ["a", "b", "a"], "text": ["x y z"] * 3}), t / "out"],
+            "'a'",
+            t / "out",
+        ),
+    ),
+    Case(
+        "dedup: task id out of range",
+        lambda t: (
+            [
+                "dedup",
+                SAMPLE / "math",
+                t / "out",
+                "--minhash",
+                "--stage",
+                "signatures",
+                "--tasks",
+                "2",
+                "--task-id",
+                "5",
+            ],
+            "--task-id",
+            t / "out",
+        ),
+    ),
+    Case(
+        "dedup: filter stage before its inputs",
+        lambda t: (
+            ["dedup", SAMPLE / "math", t / "out", "--minhash", "--stage", "filter", "--tasks", "1", "--task-id", "0"],
+            "has not finished",
+            t / "out",
+        ),
+    ),
+    Case(
+        "dedup: missing id column",
+        lambda t: (
+            ["dedup", SAMPLE / "math", t / "out", "--id-column", "uuid"],
+            "no column 'uuid' (columns: id, text, origin) — pass one of them with --id-column",
+            t / "out",
+        ),
+    ),
+    Case(
+        "dedup: missing text column",
+        lambda t: (
+            ["dedup", SAMPLE / "math", t / "out", "--text-column", "body"],
+            "no column 'body' (columns: id, text, origin) — pass one of them with --text-column",
+            t / "out",
+        ),
+    ),
     # mix
-    Case("mix: weight does not parse", lambda t: (["mix", t / "out", "--source", f"web={SAMPLE / 'web'}:lots"], "lots", t / "out")),
-    Case("mix: weights sum to zero", lambda t: (["mix", t / "out", "--source", f"web={SAMPLE / 'web'}:0", "--source", f"code={SAMPLE / 'code'}:0"], "zero", t / "out")),
-    Case("mix: source path missing", lambda t: (["mix", t / "out", "--source", f"web={t / 'nowhere'}:1"], "nowhere", t / "out")),
-    Case("mix: recipe TOML syntax error", lambda t: (["mix", t / "out", "--recipe", write(t / "m.toml", "[[stages]\nname = 1\n")], "m.toml: is not valid TOML", t / "out")),
-    Case("mix: recipe unknown key", lambda t: (["mix", t / "out", "--recipe", write(t / "m.toml", "seeed = 3\n" + Path("recipes/demo-mix.toml").read_text())], "did you mean 'seed'", t / "out")),
-    Case("mix: negative budget", lambda t: (["mix", t / "out", "--source", f"web={SAMPLE / 'web'}:1", "--documents", "-5"], "-5", t / "out")),
+    Case(
+        "mix: weight does not parse",
+        lambda t: (["mix", t / "out", "--source", f"web={SAMPLE / 'web'}:lots"], "lots", t / "out"),
+    ),
+    Case(
+        "mix: weights sum to zero",
+        lambda t: (
+            ["mix", t / "out", "--source", f"web={SAMPLE / 'web'}:0", "--source", f"code={SAMPLE / 'code'}:0"],
+            "zero",
+            t / "out",
+        ),
+    ),
+    Case(
+        "mix: source path missing",
+        lambda t: (["mix", t / "out", "--source", f"web={t / 'nowhere'}:1"], "nowhere", t / "out"),
+    ),
+    Case(
+        "mix: recipe TOML syntax error",
+        lambda t: (
+            ["mix", t / "out", "--recipe", write(t / "m.toml", "[[stages]\nname = 1\n")],
+            "m.toml: is not valid TOML",
+            t / "out",
+        ),
+    ),
+    Case(
+        "mix: recipe unknown key",
+        lambda t: (
+            [
+                "mix",
+                t / "out",
+                "--recipe",
+                write(t / "m.toml", "seeed = 3\n" + Path("recipes/demo-mix.toml").read_text()),
+            ],
+            "did you mean 'seed'",
+            t / "out",
+        ),
+    ),
+    Case(
+        "mix: negative budget",
+        lambda t: (["mix", t / "out", "--source", f"web={SAMPLE / 'web'}:1", "--documents", "-5"], "-5", t / "out"),
+    ),
     # pack
-    Case("pack: seq-len below 2", lambda t: (["pack", SAMPLE / "math", t / "out", "--tokenizer", tok(), "--seq-len", "1"], "--seq-len", t / "out")),
-    Case("pack: tokenizer folder missing", lambda t: (["pack", SAMPLE / "math", t / "out", "--tokenizer", t / "no-tok", "--seq-len", "64"], "no-tok", t / "out")),
-    Case("pack: folder that is not a tokenizer", lambda t: (["pack", SAMPLE / "math", t / "out", "--tokenizer", SAMPLE / "math", "--seq-len", "64"], "not a tokenizer folder", t / "out")),
-    Case("pack: packed folder given as documents", lambda t: (["pack", packed(), t / "out", "--tokenizer", tok(), "--seq-len", "64"], "packed folder, not a dataset", t / "out")),
-    Case("pack: hub tokenizer id while offline", lambda t: (["pack", SAMPLE / "math", t / "out", "--tokenizer", "no-org/no-tok", "--seq-len", "64"], "the Hub is offline (HF_HUB_OFFLINE is set)", t / "out"),
-         env={"HF_HUB_OFFLINE": "1"}),
-    Case("pack: input without a text column", lambda t: (["pack", SAMPLE / "prompts", t / "out", "--tokenizer", tok(), "--seq-len", "64"], "no column 'text'", t / "out")),
+    Case(
+        "pack: seq-len below 2",
+        lambda t: (
+            ["pack", SAMPLE / "math", t / "out", "--tokenizer", tok(), "--seq-len", "1"],
+            "--seq-len",
+            t / "out",
+        ),
+    ),
+    Case(
+        "pack: tokenizer folder missing",
+        lambda t: (
+            ["pack", SAMPLE / "math", t / "out", "--tokenizer", t / "no-tok", "--seq-len", "64"],
+            "no-tok",
+            t / "out",
+        ),
+    ),
+    Case(
+        "pack: folder that is not a tokenizer",
+        lambda t: (
+            ["pack", SAMPLE / "math", t / "out", "--tokenizer", SAMPLE / "math", "--seq-len", "64"],
+            "not a tokenizer folder",
+            t / "out",
+        ),
+    ),
+    Case(
+        "pack: packed folder given as documents",
+        lambda t: (
+            ["pack", packed(), t / "out", "--tokenizer", tok(), "--seq-len", "64"],
+            "packed folder, not a dataset",
+            t / "out",
+        ),
+    ),
+    Case(
+        "pack: hub tokenizer id while offline",
+        lambda t: (
+            ["pack", SAMPLE / "math", t / "out", "--tokenizer", "no-org/no-tok", "--seq-len", "64"],
+            "the Hub is offline (HF_HUB_OFFLINE is set)",
+            t / "out",
+        ),
+        env={"HF_HUB_OFFLINE": "1"},
+    ),
+    Case(
+        "pack: input without a text column",
+        lambda t: (
+            ["pack", SAMPLE / "prompts", t / "out", "--tokenizer", tok(), "--seq-len", "64"],
+            "no column 'text'",
+            t / "out",
+        ),
+    ),
     # pretrain / midtrain
-    Case("pretrain: recipe typo", lambda t: (["pretrain", recipe(), t / "run", "--set", "training.micro_bach=2"], "did you mean 'micro_batch'", t / "run")),
-    Case("pretrain: wrong type", lambda t: (["pretrain", recipe(), t / "run", "--set", 'training.micro_batch="3"'], "training.micro_batch: expected int", t / "run")),
-    Case("pretrain: missing packed folder", lambda t: (["pretrain", recipe(), t / "run", "--data", t / "gone"], "gone", t / "run")),
-    Case("pretrain: documents folder where packed is needed", lambda t: (["pretrain", recipe(), t / "run", "--data", SAMPLE / "math"], "not a packed folder", t / "run")),
-    Case("pretrain: truncated packed shard", lambda t: (["pretrain", recipe(), t / "run", "--data", truncated_packed(t)], "part-00000.safetensors: is", t / "run")),
-    Case("pretrain: packed seq_len differs from the recipe", lambda t: (["pretrain", recipe(), t / "run", "--set", "training.seq_len=128"], "seq_len", t / "run")),
-    Case("pretrain: global batch not divisible", lambda t: (["pretrain", recipe(), t / "run", "--set", "training.global_batch=7"], "global_batch", t / "run")),
-    Case("pretrain: zero steps", lambda t: (["pretrain", recipe(), t / "run", "--set", "training.steps=0"], "training.steps", t / "run")),
-    Case("pretrain: negative learning rate", lambda t: (["pretrain", recipe(), t / "run", "--set", "optimizer.lr=-1.0"], "optimizer.lr", t / "run")),
-    Case("pretrain: tp does not divide the KV heads", lambda t: (["pretrain", recipe(), t / "run", "--set", "parallel.tp=4"], "parallel.tp: 4 does not divide model.num_key_value_heads = 2", t / "run")),
-    Case("pretrain: a world size the mesh cannot cover", lambda t: (["pretrain", recipe(), "--dry-run", "--world-size", "6", "--set", "parallel.tp=2", "--set", "parallel.dp_shard=2"], "parallel.dp_shard: 2 does not divide the 3 ranks", None)),
-    Case("pretrain: tp on an architecture without a TP plan", lambda t: (["pretrain", recipe(), "--dry-run", "--world-size", "2", "--set", "parallel.tp=2", "--set", 'model.architecture="falcon"'], "parallel.tp: falcon has no tensor-parallel plan", None)),
-    Case("pretrain: flash_attention_2 without a GPU", lambda t: (["pretrain", recipe(), t / "run", "--set", 'training.attention="flash_attention_2"'], "training.attention: flash_attention_2 needs a CUDA GPU", t / "run")),
-    Case("midtrain: --from missing", lambda t: (["midtrain", recipe(), t / "run", "--from", t / "nope"], "nope", t / "run")),
-    Case("midtrain: checkpoint with a missing weights file", lambda t: (["midtrain", recipe(), t / "run", "--from", model_missing_weights(t)], "model", t / "run")),
-    Case("pretrain: --resume of a save that never finished", lambda t: (["pretrain", recipe(), t / "run", "--resume", partial_checkpoint(t)], "is not a complete checkpoint", t / "run")),
-    Case("pretrain: --resume of another run's checkpoint", lambda t: (["pretrain", recipe(), t / "mine", "--resume", _SHARED["run"] / "checkpoints" / "step-0000001"], "is not a complete checkpoint of", t / "mine")),
-    Case("pretrain: --resume auto with another model", lambda t: (["pretrain", recipe(), run_copy(t, unfinished=True), "--resume", "auto", "--set", "training.steps=2", "--set", "model.hidden_size=64"], "model.hidden_size: differs from the run being resumed", t / "run")),
-    Case("pretrain: --resume auto on other data", lambda t: (["pretrain", recipe(), run_copy(t, unfinished=True), "--resume", "auto", "--set", "training.steps=2", "--data", _SHARED["other-packed"]], "holds other data than the folder the run was trained on", t / "run")),
-    Case("export: a save that never finished", lambda t: (["export", partial_checkpoint(t), t / "out"], "is not a complete checkpoint", t / "out")),
-    Case("export: a model folder, not a checkpoint", lambda t: (["export", _SHARED["run"] / "final", t / "out"], "is a model folder, not a training checkpoint", t / "out")),
-    Case("export: output exists", lambda t: (["export", _SHARED["run"] / "checkpoints" / "step-0000002", _existing_output(t)], "already exists and is not empty", t / "existing")),
+    Case(
+        "pretrain: recipe typo",
+        lambda t: (
+            ["pretrain", recipe(), t / "run", "--set", "training.micro_bach=2"],
+            "did you mean 'micro_batch'",
+            t / "run",
+        ),
+    ),
+    Case(
+        "pretrain: wrong type",
+        lambda t: (
+            ["pretrain", recipe(), t / "run", "--set", 'training.micro_batch="3"'],
+            "training.micro_batch: expected int",
+            t / "run",
+        ),
+    ),
+    Case(
+        "pretrain: missing packed folder",
+        lambda t: (["pretrain", recipe(), t / "run", "--data", t / "gone"], "gone", t / "run"),
+    ),
+    Case(
+        "pretrain: documents folder where packed is needed",
+        lambda t: (["pretrain", recipe(), t / "run", "--data", SAMPLE / "math"], "not a packed folder", t / "run"),
+    ),
+    Case(
+        "pretrain: truncated packed shard",
+        lambda t: (
+            ["pretrain", recipe(), t / "run", "--data", truncated_packed(t)],
+            "part-00000.safetensors: is",
+            t / "run",
+        ),
+    ),
+    Case(
+        "pretrain: packed seq_len differs from the recipe",
+        lambda t: (["pretrain", recipe(), t / "run", "--set", "training.seq_len=128"], "seq_len", t / "run"),
+    ),
+    Case(
+        "pretrain: global batch not divisible",
+        lambda t: (["pretrain", recipe(), t / "run", "--set", "training.global_batch=7"], "global_batch", t / "run"),
+    ),
+    Case(
+        "pretrain: zero steps",
+        lambda t: (["pretrain", recipe(), t / "run", "--set", "training.steps=0"], "training.steps", t / "run"),
+    ),
+    Case(
+        "pretrain: negative learning rate",
+        lambda t: (["pretrain", recipe(), t / "run", "--set", "optimizer.lr=-1.0"], "optimizer.lr", t / "run"),
+    ),
+    Case(
+        "pretrain: tp does not divide the KV heads",
+        lambda t: (
+            ["pretrain", recipe(), t / "run", "--set", "parallel.tp=4"],
+            "parallel.tp: 4 does not divide model.num_key_value_heads = 2",
+            t / "run",
+        ),
+    ),
+    Case(
+        "pretrain: a world size the mesh cannot cover",
+        lambda t: (
+            [
+                "pretrain",
+                recipe(),
+                "--dry-run",
+                "--world-size",
+                "6",
+                "--set",
+                "parallel.tp=2",
+                "--set",
+                "parallel.dp_shard=2",
+            ],
+            "parallel.dp_shard: 2 does not divide the 3 ranks",
+            None,
+        ),
+    ),
+    Case(
+        "pretrain: tp on an architecture without a TP plan",
+        lambda t: (
+            [
+                "pretrain",
+                recipe(),
+                "--dry-run",
+                "--world-size",
+                "2",
+                "--set",
+                "parallel.tp=2",
+                "--set",
+                'model.architecture="falcon"',
+            ],
+            "parallel.tp: falcon has no tensor-parallel plan",
+            None,
+        ),
+    ),
+    Case(
+        "pretrain: flash_attention_2 without a GPU",
+        lambda t: (
+            ["pretrain", recipe(), t / "run", "--set", 'training.attention="flash_attention_2"'],
+            "training.attention: flash_attention_2 needs a CUDA GPU",
+            t / "run",
+        ),
+    ),
+    Case(
+        "midtrain: --from missing",
+        lambda t: (["midtrain", recipe(), t / "run", "--from", t / "nope"], "nope", t / "run"),
+    ),
+    Case(
+        "midtrain: checkpoint with a missing weights file",
+        lambda t: (["midtrain", recipe(), t / "run", "--from", model_missing_weights(t)], "model", t / "run"),
+    ),
+    Case(
+        "pretrain: --resume of a save that never finished",
+        lambda t: (
+            ["pretrain", recipe(), t / "run", "--resume", partial_checkpoint(t)],
+            "is not a complete checkpoint",
+            t / "run",
+        ),
+    ),
+    Case(
+        "pretrain: --resume of another run's checkpoint",
+        lambda t: (
+            ["pretrain", recipe(), t / "mine", "--resume", _SHARED["run"] / "checkpoints" / "step-0000001"],
+            "is not a complete checkpoint of",
+            t / "mine",
+        ),
+    ),
+    Case(
+        "pretrain: --resume auto with another model",
+        lambda t: (
+            [
+                "pretrain",
+                recipe(),
+                run_copy(t, unfinished=True),
+                "--resume",
+                "auto",
+                "--set",
+                "training.steps=2",
+                "--set",
+                "model.hidden_size=64",
+            ],
+            "model.hidden_size: differs from the run being resumed",
+            t / "run",
+        ),
+    ),
+    Case(
+        "pretrain: --resume auto on other data",
+        lambda t: (
+            [
+                "pretrain",
+                recipe(),
+                run_copy(t, unfinished=True),
+                "--resume",
+                "auto",
+                "--set",
+                "training.steps=2",
+                "--data",
+                _SHARED["other-packed"],
+            ],
+            "holds other data than the folder the run was trained on",
+            t / "run",
+        ),
+    ),
+    Case(
+        "export: a save that never finished",
+        lambda t: (["export", partial_checkpoint(t), t / "out"], "is not a complete checkpoint", t / "out"),
+    ),
+    Case(
+        "export: a model folder, not a checkpoint",
+        lambda t: (
+            ["export", _SHARED["run"] / "final", t / "out"],
+            "is a model folder, not a training checkpoint",
+            t / "out",
+        ),
+    ),
+    Case(
+        "export: output exists",
+        lambda t: (
+            ["export", _SHARED["run"] / "checkpoints" / "step-0000002", _existing_output(t)],
+            "already exists and is not empty",
+            t / "existing",
+        ),
+    ),
     # sft / dpo / ppo
-    Case("sft: data without messages", lambda t: (["sft", "recipes/sft-tiny.toml", t / "run", "--from", model(), "--set", f'data.path="{SAMPLE / "math"}"'], "messages", t / "run")),
-    Case("sft: --from is not a model", lambda t: (["sft", "recipes/sft-tiny.toml", t / "run", "--from", SAMPLE / "math"], "math", t / "run")),
-    Case("dpo: data without chosen/rejected", lambda t: (["dpo", "recipes/dpo-tiny.toml", t / "run", "--from", model(), "--set", f'data.path="{SAMPLE / "chat"}"'], "chosen", t / "run")),
-    Case("ppo: reward callable that does not import", lambda t: (["ppo", "recipes/ppo-tiny.toml", t / "run", "--from", model(), "--set", 'rewards.0.match="callable"', "--set", 'rewards.0.function="nowhere_module:score"'], "nowhere_module", t / "run")),
-    Case("sft: a key that moved names its new place", lambda t: (["sft", "recipes/sft-tiny.toml", t / "run", "--from", model(), "--set", "checkpoint.every=5"], "checkpoint.every moved to checkpoint.interval", t / "run")),
-    Case("dpo: the old lr key names optimizer.lr", lambda t: (["dpo", "recipes/dpo-tiny.toml", t / "run", "--from", model(), "--set", "training.lr=1e-5"], "training.lr moved to optimizer.lr", t / "run")),
-    Case("pretrain: a table only post-training reads", lambda t: (["pretrain", recipe(), t / "run", "--set", "peft.r=8"], "[peft] is read by sft and dpo and ppo and grpo, not by pretrain", t / "run")),
-    Case("ppo: the old algorithm switch names smolctl grpo", lambda t: (["ppo", "recipes/ppo-tiny.toml", t / "run", "--from", model(), "--set", 'algorithm="grpo"'], "algorithm moved to its own command: smolctl grpo", t / "run")),
-    Case("grpo: completions per step not whole groups", lambda t: (["grpo", "recipes/grpo-tiny.toml", t / "run", "--from", model(), "--set", "grpo.num_generations=3"], "grpo.num_generations", t / "run")),
-    Case("sft: architecture keys in post-training", lambda t: (["sft", "recipes/sft-tiny.toml", t / "run", "--from", model(), "--set", "model.hidden_size=64"], "keeps the starting checkpoint's architecture", t / "run")),
-    Case("ppo: reward key its kind ignores", lambda t: (["ppo", "recipes/ppo-tiny.toml", t / "run", "--from", model(), "--set", 'rewards.1.function="m:f"'], "rewards[1]: function is only used", t / "run")),
+    Case(
+        "sft: data without messages",
+        lambda t: (
+            ["sft", "recipes/sft-tiny.toml", t / "run", "--from", model(), "--set", f'data.path="{SAMPLE / "math"}"'],
+            "messages",
+            t / "run",
+        ),
+    ),
+    Case(
+        "sft: --from is not a model",
+        lambda t: (["sft", "recipes/sft-tiny.toml", t / "run", "--from", SAMPLE / "math"], "math", t / "run"),
+    ),
+    Case(
+        "dpo: data without chosen/rejected",
+        lambda t: (
+            ["dpo", "recipes/dpo-tiny.toml", t / "run", "--from", model(), "--set", f'data.path="{SAMPLE / "chat"}"'],
+            "chosen",
+            t / "run",
+        ),
+    ),
+    Case(
+        "ppo: reward callable that does not import",
+        lambda t: (
+            [
+                "ppo",
+                "recipes/ppo-tiny.toml",
+                t / "run",
+                "--from",
+                model(),
+                "--set",
+                'rewards.0.match="callable"',
+                "--set",
+                'rewards.0.function="nowhere_module:score"',
+            ],
+            "nowhere_module",
+            t / "run",
+        ),
+    ),
+    Case(
+        "sft: a key that moved names its new place",
+        lambda t: (
+            ["sft", "recipes/sft-tiny.toml", t / "run", "--from", model(), "--set", "checkpoint.every=5"],
+            "checkpoint.every moved to checkpoint.interval",
+            t / "run",
+        ),
+    ),
+    Case(
+        "dpo: the old lr key names optimizer.lr",
+        lambda t: (
+            ["dpo", "recipes/dpo-tiny.toml", t / "run", "--from", model(), "--set", "training.lr=1e-5"],
+            "training.lr moved to optimizer.lr",
+            t / "run",
+        ),
+    ),
+    Case(
+        "pretrain: a table only post-training reads",
+        lambda t: (
+            ["pretrain", recipe(), t / "run", "--set", "peft.r=8"],
+            "[peft] is read by sft and dpo and ppo and grpo, not by pretrain",
+            t / "run",
+        ),
+    ),
+    Case(
+        "ppo: the old algorithm switch names smolctl grpo",
+        lambda t: (
+            ["ppo", "recipes/ppo-tiny.toml", t / "run", "--from", model(), "--set", 'algorithm="grpo"'],
+            "algorithm moved to its own command: smolctl grpo",
+            t / "run",
+        ),
+    ),
+    Case(
+        "grpo: completions per step not whole groups",
+        lambda t: (
+            ["grpo", "recipes/grpo-tiny.toml", t / "run", "--from", model(), "--set", "grpo.num_generations=3"],
+            "grpo.num_generations",
+            t / "run",
+        ),
+    ),
+    Case(
+        "sft: architecture keys in post-training",
+        lambda t: (
+            ["sft", "recipes/sft-tiny.toml", t / "run", "--from", model(), "--set", "model.hidden_size=64"],
+            "keeps the starting checkpoint's architecture",
+            t / "run",
+        ),
+    ),
+    Case(
+        "ppo: reward key its kind ignores",
+        lambda t: (
+            ["ppo", "recipes/ppo-tiny.toml", t / "run", "--from", model(), "--set", 'rewards.1.function="m:f"'],
+            "rewards[1]: function is only used",
+            t / "run",
+        ),
+    ),
     # merge / generate
-    Case("merge: missing parent", lambda t: (["merge", "--method", "linear", "--model", f"{model()}:0.5", "--model", f"{t / 'gone'}:0.5", t / "out"], "parent " + str(t / "gone") + " does not exist", t / "out")),
-    Case("merge: linear weights do not sum to 1", lambda t: (["merge", "--method", "linear", "--model", f"{model()}:0.9", "--model", f"{other('narrow')}:0.2", t / "out"], "sum to 1.1", t / "out")),
-    Case("merge: architectures differ", lambda t: (["merge", "--method", "linear", "--model", model(), "--model", other("narrow"), t / "out"], "differ in tensor", t / "out")),
-    Case("merge: vocabularies differ", lambda t: (["merge", "--method", "slerp", "--model", model(), "--model", other("big-vocab"), t / "out"], "vocabulary of 2112 tokens", t / "out")),
-    Case("merge: slerp of three models", lambda t: (["merge", "--method", "slerp", "--model", model(), "--model", other("narrow"), "--model", other("big-vocab"), t / "out"], "exactly two models, not 3", t / "out")),
-    Case("merge: option the method ignores", lambda t: (["merge", "--method", "linear", "--model", model(), "--model", other("narrow"), "--set", "options.t=0.5", t / "out"], "t is not used by linear", t / "out")),
-    Case("generate: --pairs without --rejected", lambda t: (["generate", SAMPLE / "prompts", t / "out", "--pairs", "--chosen", model()], "--pairs: takes --chosen STRONG and --rejected WEAK", t / "out")),
-    Case("generate: prompt column missing", lambda t: (["generate", SAMPLE / "prompts", t / "out", "--model", model(), "--prompt-column", "question"], "no column 'question'", t / "out")),
-    Case("generate: greedy with K completions", lambda t: (["generate", SAMPLE / "prompts", t / "out", "--model", model(), "--temperature", "0", "-k", "2"], "greedy", t / "out")),
-    Case("generate: --rank-by a recipe without rewards", lambda t: (["generate", SAMPLE / "prompts", t / "out", "--model", model(), "-k", "2", "--rank-by", "recipes/dpo-tiny.toml"], "has no rewards tables", t / "out")),
-    Case("generate: --rank-by with one completion", lambda t: (["generate", SAMPLE / "prompts", t / "out", "--model", model(), "--rank-by", "recipes/ppo-tiny.toml"], "at least 2 completions", t / "out")),
-    Case("generate: --model is a dataset", lambda t: (["generate", SAMPLE / "prompts", t / "out", "--model", SAMPLE / "math"], "math", t / "out")),
-    Case("mix: unknown stage order", lambda t: (["mix", t / "out", "--recipe", "recipes/demo-mix.toml", "--set", 'stages.0.order="hardest-first"'], "'hardest-first' is not an order", t / "out")),
+    Case(
+        "merge: missing parent",
+        lambda t: (
+            ["merge", "--method", "linear", "--model", f"{model()}:0.5", "--model", f"{t / 'gone'}:0.5", t / "out"],
+            "parent " + str(t / "gone") + " does not exist",
+            t / "out",
+        ),
+    ),
+    Case(
+        "merge: linear weights do not sum to 1",
+        lambda t: (
+            [
+                "merge",
+                "--method",
+                "linear",
+                "--model",
+                f"{model()}:0.9",
+                "--model",
+                f"{other('narrow')}:0.2",
+                t / "out",
+            ],
+            "sum to 1.1",
+            t / "out",
+        ),
+    ),
+    Case(
+        "merge: architectures differ",
+        lambda t: (
+            ["merge", "--method", "linear", "--model", model(), "--model", other("narrow"), t / "out"],
+            "differ in tensor",
+            t / "out",
+        ),
+    ),
+    Case(
+        "merge: vocabularies differ",
+        lambda t: (
+            ["merge", "--method", "slerp", "--model", model(), "--model", other("big-vocab"), t / "out"],
+            "vocabulary of 2112 tokens",
+            t / "out",
+        ),
+    ),
+    Case(
+        "merge: slerp of three models",
+        lambda t: (
+            [
+                "merge",
+                "--method",
+                "slerp",
+                "--model",
+                model(),
+                "--model",
+                other("narrow"),
+                "--model",
+                other("big-vocab"),
+                t / "out",
+            ],
+            "exactly two models, not 3",
+            t / "out",
+        ),
+    ),
+    Case(
+        "merge: option the method ignores",
+        lambda t: (
+            [
+                "merge",
+                "--method",
+                "linear",
+                "--model",
+                model(),
+                "--model",
+                other("narrow"),
+                "--set",
+                "options.t=0.5",
+                t / "out",
+            ],
+            "t is not used by linear",
+            t / "out",
+        ),
+    ),
+    Case(
+        "generate: --pairs without --rejected",
+        lambda t: (
+            ["generate", SAMPLE / "prompts", t / "out", "--pairs", "--chosen", model()],
+            "--pairs: takes --chosen STRONG and --rejected WEAK",
+            t / "out",
+        ),
+    ),
+    Case(
+        "generate: prompt column missing",
+        lambda t: (
+            ["generate", SAMPLE / "prompts", t / "out", "--model", model(), "--prompt-column", "question"],
+            "no column 'question'",
+            t / "out",
+        ),
+    ),
+    Case(
+        "generate: greedy with K completions",
+        lambda t: (
+            ["generate", SAMPLE / "prompts", t / "out", "--model", model(), "--temperature", "0", "-k", "2"],
+            "greedy",
+            t / "out",
+        ),
+    ),
+    Case(
+        "generate: --rank-by a recipe without rewards",
+        lambda t: (
+            [
+                "generate",
+                SAMPLE / "prompts",
+                t / "out",
+                "--model",
+                model(),
+                "-k",
+                "2",
+                "--rank-by",
+                "recipes/dpo-tiny.toml",
+            ],
+            "has no rewards tables",
+            t / "out",
+        ),
+    ),
+    Case(
+        "generate: --rank-by with one completion",
+        lambda t: (
+            ["generate", SAMPLE / "prompts", t / "out", "--model", model(), "--rank-by", "recipes/ppo-tiny.toml"],
+            "at least 2 completions",
+            t / "out",
+        ),
+    ),
+    Case(
+        "generate: --model is a dataset",
+        lambda t: (["generate", SAMPLE / "prompts", t / "out", "--model", SAMPLE / "math"], "math", t / "out"),
+    ),
+    Case(
+        "mix: unknown stage order",
+        lambda t: (
+            ["mix", t / "out", "--recipe", "recipes/demo-mix.toml", "--set", 'stages.0.order="hardest-first"'],
+            "'hardest-first' is not an order",
+            t / "out",
+        ),
+    ),
     # estimate / cluster checks
     Case("estimate: unknown model", lambda t: (["estimate", "--model", "gpt-17"], "smollm3-3b", None)),
     Case("estimate: unknown gpu", lambda t: (["estimate", "--model", "smollm3-3b", "--gpu", "h900"], "h100", None)),
-    Case("estimate: layout does not match --gpus", lambda t: (["estimate", "--model", "smollm3-3b", "--gpus", "10", "--tp", "4"], "--gpus", None)),
-    Case("estimate: TP does not divide the heads", lambda t: (["estimate", "--model", "smollm3-3b", "--gpus", "12", "--tp", "3"], "heads", None)),
-    Case("estimate: unparsable token count", lambda t: (["estimate", "--model", "smollm3-3b", "--tokens", "eleven"], "eleven", None)),
-    Case("stress-gpu: memory fraction outside (0,1)", lambda t: (["stress-gpu", "--memory-fraction", "1.5"], "--memory-fraction", None)),
+    Case(
+        "estimate: layout does not match --gpus",
+        lambda t: (["estimate", "--model", "smollm3-3b", "--gpus", "10", "--tp", "4"], "--gpus", None),
+    ),
+    Case(
+        "estimate: TP does not divide the heads",
+        lambda t: (["estimate", "--model", "smollm3-3b", "--gpus", "12", "--tp", "3"], "heads", None),
+    ),
+    Case(
+        "estimate: unparsable token count",
+        lambda t: (["estimate", "--model", "smollm3-3b", "--tokens", "eleven"], "eleven", None),
+    ),
+    Case(
+        "stress-gpu: memory fraction outside (0,1)",
+        lambda t: (["stress-gpu", "--memory-fraction", "1.5"], "--memory-fraction", None),
+    ),
     Case("stress-gpu: unknown dtype", lambda t: (["stress-gpu", "--dtype", "fp12"], "fp12", None)),
     Case("benchmark-nccl: one process", lambda t: (["benchmark-nccl"], "torchrun", None)),
-    Case("benchmark-nccl: threshold for an op not run", lambda t: (["benchmark-nccl", "--ops", "all_reduce", "--expect-busbw", "all_to_all=40"], "all_to_all", None)),
-    Case("estimate: unknown --find framework", lambda t: (["estimate", "--model", "smollm3-3b", "--framework", "deepspeed"], "--framework", None)),
-    Case("stress-gpu: --expect-tflops not a rate", lambda t: (["stress-gpu", "--expect-tflops", "0"], "--expect-tflops", None)),
+    Case(
+        "benchmark-nccl: threshold for an op not run",
+        lambda t: (["benchmark-nccl", "--ops", "all_reduce", "--expect-busbw", "all_to_all=40"], "all_to_all", None),
+    ),
+    Case(
+        "estimate: unknown --find framework",
+        lambda t: (["estimate", "--model", "smollm3-3b", "--framework", "deepspeed"], "--framework", None),
+    ),
+    Case(
+        "stress-gpu: --expect-tflops not a rate",
+        lambda t: (["stress-gpu", "--expect-tflops", "0"], "--expect-tflops", None),
+    ),
 ]
 
 
@@ -256,7 +863,9 @@ def test_bad_input(case: Case, tmp_path: Path):
 
 def _mount_tmpfs(path: Path, options: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode == 0
+    return (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode == 0
+    )
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import REPO
 from test_pretrain import packed, recipe  # noqa: F401  (fixtures)
 
@@ -30,11 +29,22 @@ QUICK = ["--set", "training.steps=8", "--set", "checkpoint.interval=4", "--set",
 
 
 def torchrun(processes: int, port: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(port),
-            "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "-m", "smolctl"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(processes),
+        "--master_port",
+        str(port),
+        "--signals-to-handle",
+        "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        "-m",
+        "smolctl",
+    ]
 
 
-def pretrain(launcher: list[str], recipe: Path, run: Path, *extra: str) -> list[str]:  # noqa: F811
+def pretrain(launcher: list[str], recipe: Path, run: Path, *extra: str) -> list[str]:
     return [*launcher, "pretrain", str(recipe), str(run), *QUICK, "--json", *extra]
 
 
@@ -93,7 +103,7 @@ def worker_pid(launcher_pid: int, rank: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, recipe) -> tuple[Path, dict]:  # noqa: F811
+def reference(tmp_path_factory, recipe) -> tuple[Path, dict]:
     run = tmp_path_factory.mktemp("reference") / "run"
     result = finish(pretrain(torchrun(2, 29631), recipe, run, "--set", "training.shard=true"))
     assert [Path(p).name for p in result["checkpoints"]] == ["step-0000004", "step-0000008"]
@@ -101,7 +111,7 @@ def reference(tmp_path_factory, recipe) -> tuple[Path, dict]:  # noqa: F811
     return run, result
 
 
-def test_a_killed_rank_then_resume_is_bit_identical(reference, recipe, tmp_path):  # noqa: F811
+def test_a_killed_rank_then_resume_is_bit_identical(reference, recipe, tmp_path):
     run = tmp_path / "run"
     command = pretrain(torchrun(2, 29632), recipe, run, "--set", "training.shard=true")
     victim = subprocess.Popen(command, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -119,15 +129,18 @@ def test_a_killed_rank_then_resume_is_bit_identical(reference, recipe, tmp_path)
 
 
 @pytest.fixture(scope="module")
-def tensor_parallel(tmp_path_factory, recipe) -> tuple[Path, dict]:  # noqa: F811
+def tensor_parallel(tmp_path_factory, recipe) -> tuple[Path, dict]:
     """The same run on 2 processes as one tensor-parallel group: its checkpoints hold DTensor shards split by tp."""
     run = tmp_path_factory.mktemp("tensor-parallel") / "run"
     return run, finish(pretrain(torchrun(2, 29635), recipe, run, "--set", "parallel.tp=2"))
 
 
-@pytest.mark.parametrize("source, processes", [("reference", 1), ("reference", 4), ("tensor_parallel", 1)],
-                         ids=["fsdp-to-1", "fsdp-to-4", "tp2-to-1"])
-def test_a_two_process_checkpoint_continues_on_another_world_size(request, recipe, tmp_path, source, processes):  # noqa: F811
+@pytest.mark.parametrize(
+    "source, processes",
+    [("reference", 1), ("reference", 4), ("tensor_parallel", 1)],
+    ids=["fsdp-to-1", "fsdp-to-4", "tp2-to-1"],
+)
+def test_a_two_process_checkpoint_continues_on_another_world_size(request, recipe, tmp_path, source, processes):
     saved = request.getfixturevalue(source)[0]
     run = tmp_path / "run"
     shutil.copytree(saved, run)
@@ -141,10 +154,12 @@ def test_a_two_process_checkpoint_continues_on_another_world_size(request, recip
     assert all(abs(got[step] - expected[step]) < 1e-4 for step in range(5, 9)), (got, expected)
 
 
-def test_sigusr1_saves_the_current_step_and_resume_neither_repeats_nor_skips(reference, recipe, tmp_path):  # noqa: F811
+def test_sigusr1_saves_the_current_step_and_resume_neither_repeats_nor_skips(reference, recipe, tmp_path):
     run = tmp_path / "run"
     command = pretrain(torchrun(2, 29634), recipe, run, "--set", "checkpoint.interval=100")  # DDP; no scheduled saves
-    launcher = subprocess.Popen(command, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        command, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     wait_for_step(launcher, run, 2)
     launcher.send_signal(signal.SIGUSR1)  # what the sbatch's trap forwards at the time limit
     stderr = launcher.communicate(timeout=300)[1]
@@ -162,9 +177,9 @@ def test_sigusr1_saves_the_current_step_and_resume_neither_repeats_nor_skips(ref
 
 
 def test_export_of_a_sharded_checkpoint_equals_the_gathered_weights(reference, tmp_path):
+    from conftest import run_cli
     from transformers import AutoModelForCausalLM
 
-    from conftest import run_cli
     from smolctl.shards import lineage_chain, read_manifest
 
     run = reference[0]
@@ -173,7 +188,9 @@ def test_export_of_a_sharded_checkpoint_equals_the_gathered_weights(reference, t
     assert done.returncode == 0, done.stderr
     assert identical(weights(out), weights(run / "final"))  # DCP shards streamed = FSDP2 full gather in memory
     model = AutoModelForCausalLM.from_pretrained(out)
-    assert np.array_equal(model.state_dict()["model.norm.weight"].numpy(), weights(run / "final")["model.norm.weight"].numpy())
+    assert np.array_equal(
+        model.state_dict()["model.norm.weight"].numpy(), weights(run / "final")["model.norm.weight"].numpy()
+    )
     manifest = read_manifest(out)
     assert manifest["kind"] == "model" and manifest["step"] == 8
     assert manifest["parent"] == str((run / "checkpoints" / "step-0000008").resolve())

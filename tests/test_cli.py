@@ -7,9 +7,9 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import REPO, run_cli
 
 from smolctl.completions import completion_scripts
-from conftest import REPO, run_cli
 
 
 def test_version_and_bare_command_show_the_pipeline():
@@ -88,11 +88,14 @@ def test_completions_are_in_sync_with_the_cli():
         assert (REPO / "completions" / name).read_text() == text, f"regenerate with `make completions` ({name})"
 
 
-@pytest.mark.parametrize("shell, env", [
-    ("bash", {"COMP_WORDS": "smolctl ded", "COMP_CWORD": "1"}),
-    ("zsh", {"_TYPER_COMPLETE_ARGS": "smolctl ded"}),
-    ("fish", {"_TYPER_COMPLETE_ARGS": "smolctl ded", "_TYPER_COMPLETE_FISH_ACTION": "get-args"}),
-])
+@pytest.mark.parametrize(
+    "shell, env",
+    [
+        ("bash", {"COMP_WORDS": "smolctl ded", "COMP_CWORD": "1"}),
+        ("zsh", {"_TYPER_COMPLETE_ARGS": "smolctl ded"}),
+        ("fish", {"_TYPER_COMPLETE_ARGS": "smolctl ded", "_TYPER_COMPLETE_FISH_ACTION": "get-args"}),
+    ],
+)
 def test_each_completion_script_is_answered_by_the_cli(shell, env):
     """The scripts call smolctl back with these variables (see completions/): Typer must still answer them."""
     assert f"_SMOLCTL_COMPLETE=complete_{shell}" in "".join(completion_scripts().values())
@@ -105,8 +108,11 @@ def test_mix_options_given_override_the_recipe_even_at_their_default(tmp_path):
     from smolctl.data.mix_schedule import MixSchedule, schedule_from_recipe
 
     recipe = tmp_path / "mix.toml"
-    recipe.write_text((REPO / "recipes" / "demo-mix.toml").read_text()
-                      .replace("seed = 1234\n", 'seed = 1234\nshuffle_buffer = 5000\ntext_column = "body"\n'))
+    recipe.write_text(
+        (REPO / "recipes" / "demo-mix.toml")
+        .read_text()
+        .replace("seed = 1234\n", 'seed = 1234\nshuffle_buffer = 5000\ntext_column = "body"\n')
+    )
     assert MixSchedule.__dataclass_fields__["shuffle_buffer"].default == 20_000
     from_recipe = schedule_from_recipe(recipe)
     assert (from_recipe.shuffle_buffer, from_recipe.text_column, from_recipe.seed) == (5000, "body", 1234)

@@ -16,23 +16,37 @@ import torch
 
 from smolctl.cli import main
 from smolctl.errors import UserError
-from smolctl.infra.collectives import (DTYPES, OPS, BenchReport, OpResult, PatternTiles, SizeResult, bandwidths,
-                                       build_config, expected_segments, input_segments, message_sizes,
-                                       pattern_tables)
+from smolctl.infra.collectives import (
+    DTYPES,
+    OPS,
+    BenchReport,
+    OpResult,
+    PatternTiles,
+    SizeResult,
+    bandwidths,
+    build_config,
+    expected_segments,
+    input_segments,
+    message_sizes,
+    pattern_tables,
+)
 from smolctl.infra.multinode import Link, link_schedule, ring_shifts, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("op, world, busbw", [
-    ("all_reduce", 8, 175.0),     # 2·(8-1)/8 = 1.75
-    ("all_reduce", 2, 100.0),     # 2·1/2 = 1
-    ("all_gather", 4, 75.0),      # (4-1)/4
-    ("reduce_scatter", 16, 93.75),
-    ("all_to_all", 8, 87.5),
-    ("broadcast", 8, 100.0),
-    ("send_recv", 8, 100.0),
-])
+@pytest.mark.parametrize(
+    "op, world, busbw",
+    [
+        ("all_reduce", 8, 175.0),  # 2·(8-1)/8 = 1.75
+        ("all_reduce", 2, 100.0),  # 2·1/2 = 1
+        ("all_gather", 4, 75.0),  # (4-1)/4
+        ("reduce_scatter", 16, 93.75),
+        ("all_to_all", 8, 87.5),
+        ("broadcast", 8, 100.0),
+        ("send_recv", 8, 100.0),
+    ],
+)
 def test_busbw_uses_the_nccl_tests_factors(op, world, busbw):
     algbw, bus = bandwidths(op, 1_000_000_000, 0.01, world)  # 1 GB in 10 ms
     assert algbw == pytest.approx(100.0) and bus == pytest.approx(busbw)
@@ -45,17 +59,35 @@ def test_chunked_ops_round_to_whole_elements_per_rank():
     assert message_sizes("reduce_scatter", 24, 100, 2, 4, 3) == [(24, 6), (48, 12), (96, 24)]
 
 
-@pytest.mark.parametrize("flags, flag", [
-    ({"ops": "all_reduce,allreduce"}, "--ops"), ({"dtype": "fp8"}, "--dtype"),
-    ({"min_bytes": "2M", "max_bytes": "1M"}, "--min-bytes"), ({"max_bytes": "lots"}, "--max-bytes"),
-    ({"factor": 1.0}, "--factor"), ({"backend": "mpi"}, "--backend"), ({"expect_busbw": 0.0}, "--expect-busbw"),
-    ({"expect_busbw": "all_reduce=fast"}, "--expect-busbw"), ({"ops": "all_reduce", "expect_busbw": "broadcast=5"},
-                                                              "--expect-busbw"),
-    ({"iters": 0}, "--iters"), ({"warmup": -1}, "--warmup"),
-])
+@pytest.mark.parametrize(
+    "flags, flag",
+    [
+        ({"ops": "all_reduce,allreduce"}, "--ops"),
+        ({"dtype": "fp8"}, "--dtype"),
+        ({"min_bytes": "2M", "max_bytes": "1M"}, "--min-bytes"),
+        ({"max_bytes": "lots"}, "--max-bytes"),
+        ({"factor": 1.0}, "--factor"),
+        ({"backend": "mpi"}, "--backend"),
+        ({"expect_busbw": 0.0}, "--expect-busbw"),
+        ({"expect_busbw": "all_reduce=fast"}, "--expect-busbw"),
+        ({"ops": "all_reduce", "expect_busbw": "broadcast=5"}, "--expect-busbw"),
+        ({"iters": 0}, "--iters"),
+        ({"warmup": -1}, "--warmup"),
+    ],
+)
 def test_bad_flags_name_the_flag(flags, flag):
-    arguments = {"ops": "all", "min_bytes": "8", "max_bytes": None, "factor": 2.0, "dtype": None, "iters": 2,
-                 "warmup": 1, "backend": "auto", "expect_busbw": None, **flags}
+    arguments = {
+        "ops": "all",
+        "min_bytes": "8",
+        "max_bytes": None,
+        "factor": 2.0,
+        "dtype": None,
+        "iters": 2,
+        "warmup": 1,
+        "backend": "auto",
+        "expect_busbw": None,
+        **flags,
+    }
     with pytest.raises(UserError, match=flag):
         build_config(**arguments)
 
@@ -66,11 +98,11 @@ def simulate(op: str, inputs: list[torch.Tensor], world: int, count: int) -> lis
     if op == "all_reduce":
         return [sum(inputs)] * world
     if op == "reduce_scatter":
-        return [sum(inputs)[r * chunk:(r + 1) * chunk] for r in range(world)]
+        return [sum(inputs)[r * chunk : (r + 1) * chunk] for r in range(world)]
     if op == "all_gather":
         return [torch.cat(inputs)] * world
     if op == "all_to_all":
-        return [torch.cat([inputs[j][r * chunk:(r + 1) * chunk] for j in range(world)]) for r in range(world)]
+        return [torch.cat([inputs[j][r * chunk : (r + 1) * chunk] for j in range(world)]) for r in range(world)]
     if op == "broadcast":
         return [inputs[0]] * world
     return [inputs[(r - 1) % world] for r in range(world)]  # send_recv
@@ -78,8 +110,10 @@ def simulate(op: str, inputs: list[torch.Tensor], world: int, count: int) -> lis
 
 def rank_tiles(world: int, dtype_name: str, chunk: int = 2**22) -> list[PatternTiles]:
     attr, _, limit = DTYPES[dtype_name]
-    return [PatternTiles(pattern_tables(world, limit, rank), getattr(torch, attr), "cpu", chunk=chunk)
-            for rank in range(world)]
+    return [
+        PatternTiles(pattern_tables(world, limit, rank), getattr(torch, attr), "cpu", chunk=chunk)
+        for rank in range(world)
+    ]
 
 
 @pytest.mark.parametrize("op, world", [(op, 3) for op in OPS] + [("all_reduce", 300), ("reduce_scatter", 300)])
@@ -103,7 +137,7 @@ def test_verification_counts_exactly_the_corrupted_elements(op, world):
         for change in (-1, 1):
             total = sum(inputs).double() + change * inputs[world // 2].double()
             chunk = count // world
-            received = (total if op == "all_reduce" else total[chunk:2 * chunk]).to(dtype)
+            received = (total if op == "all_reduce" else total[chunk : 2 * chunk]).to(dtype)
             assert int(tiles[1].count_wrong(received, expected_segments(op, 1, world, count))) > 0
 
 
@@ -126,7 +160,7 @@ def test_reduction_patterns_are_exact_at_every_world_size(dtype_name):
         # does (up to 1024 ranks; beyond, the tree alone keeps the test fast): exact either way
         level = summands.to(dtype)
         while len(level) > 1:
-            level = torch.cat([level[0::2][:len(level) // 2] + level[1::2], level[len(level) // 2 * 2:]])
+            level = torch.cat([level[0::2][: len(level) // 2] + level[1::2], level[len(level) // 2 * 2 :]])
         assert bool((level[0].double() == want).all()), (world, dtype_name)
         if world <= 1024:
             running = torch.zeros(want.numel(), dtype=dtype)
@@ -148,8 +182,17 @@ def test_data_from_the_wrong_rank_is_wrong():
 
 
 def report_of(peaks: dict[str, float], expect: str | None, ops=("all_reduce", "all_to_all")) -> BenchReport:
-    config = build_config(ops=",".join(ops), min_bytes="8", max_bytes=None, factor=2.0, dtype=None, iters=1, warmup=0,
-                          backend="auto", expect_busbw=expect)
+    config = build_config(
+        ops=",".join(ops),
+        min_bytes="8",
+        max_bytes=None,
+        factor=2.0,
+        dtype=None,
+        iters=1,
+        warmup=0,
+        backend="auto",
+        expect_busbw=expect,
+    )
     results = [OpResult(op, [SizeResult(2**30, 2**29, "bfloat16", "sum", -1, 1.0, 1.0, peaks[op], 0)]) for op in ops]
     return BenchReport({}, results, config.expect_busbw)
 
@@ -228,8 +271,14 @@ def test_without_torchrun_it_says_how_to_launch(capsys, monkeypatch):
 def torchrun(*args: str, cwd: Path = ROOT) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 BENCH = ["-m", "smolctl", "benchmark-nccl", "--max-bytes", "64K", "--iters", "2", "--warmup", "1", "--json"]
@@ -244,8 +293,14 @@ def test_two_processes_on_gloo_give_correct_results_and_nccl_tests_arithmetic():
     report = reports[0]
     assert report["topology"]["world_size"] == 2 and report["topology"]["backend"] == "gloo"
     assert report["wrong"] == 0 and [r["op"] for r in report["results"]] == list(OPS)
-    factors = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "all_to_all": 0.5, "broadcast": 1.0,
-               "send_recv": 1.0}  # at 2 ranks
+    factors = {
+        "all_reduce": 1.0,
+        "all_gather": 0.5,
+        "reduce_scatter": 0.5,
+        "all_to_all": 0.5,
+        "broadcast": 1.0,
+        "send_recv": 1.0,
+    }  # at 2 ranks
     for result in report["results"]:
         assert [row["size"] for row in result["rows"]] == [1024 * 2**k for k in range(7)]
         for row in result["rows"]:
@@ -265,11 +320,27 @@ def test_two_nodes_report_the_inter_node_split_and_the_slowest_link():
         port = str(probe.getsockname()[1])
     workers = []
     for node in (0, 1):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-               "WORLD_SIZE": "2", "RANK": str(node), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-               "GROUP_RANK": str(node)}
-        workers.append(subprocess.Popen([sys.executable, *BENCH, "--ops", "all_reduce"], cwd=ROOT, env=env,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "WORLD_SIZE": "2",
+            "RANK": str(node),
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+            "GROUP_RANK": str(node),
+        }
+        workers.append(
+            subprocess.Popen(
+                [sys.executable, *BENCH, "--ops", "all_reduce"],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outputs = [worker.communicate(timeout=120) for worker in workers]
     assert [worker.returncode for worker in workers] == [0, 0], outputs[0][1][-2000:]
     assert outputs[1][0] == ""  # rank 1 prints nothing

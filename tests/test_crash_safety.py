@@ -17,16 +17,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
-
 from conftest import REPO, SAMPLE
-from smolctl.shards import read_manifest, verify_checksums
 from test_dedup import sample_table, write_shards
 from test_posttrain import SFT_QUICK, tiny_model  # noqa: F401  (fixture)
 from test_pretrain import packed, recipe  # noqa: F401  (fixtures)
+
+from smolctl.shards import read_manifest, verify_checksums
 
 SEED = int(os.environ.get("SMOLCTL_CRASH_SEED", "20261202"))
 ENV = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
@@ -42,8 +42,9 @@ def run(command: list[str], log: Path) -> subprocess.CompletedProcess:
     return done
 
 
-def run_watching(command: list[str], progressed: Callable[[], bool], finished: Callable[[], bool],
-                 log: Path) -> tuple[dict | None, float]:
+def run_watching(
+    command: list[str], progressed: Callable[[], bool], finished: Callable[[], bool], log: Path
+) -> tuple[dict | None, float]:
     """The uninterrupted run: its JSON result (if any) and the time from its first visible progress to its
     committed output, which is the window the kill must land in."""
     with log.open("w") as stderr, (log.parent / f"{log.stem}.out").open("w+") as stdout:
@@ -60,16 +61,24 @@ def run_watching(command: list[str], progressed: Callable[[], bool], finished: C
     return (json.loads(lines[-1]) if lines and lines[-1].startswith("{") else None), window
 
 
-def kill_mid_run(command: list[str], progressed: Callable[[], bool], finished: Callable[[], bool],
-                 clean: Callable[[], None], rng: random.Random, window: float, log: Path) -> float:
+def kill_mid_run(
+    command: list[str],
+    progressed: Callable[[], bool],
+    finished: Callable[[], bool],
+    clean: Callable[[], None],
+    rng: random.Random,
+    window: float,
+    log: Path,
+) -> float:
     """SIGKILL the command's process group (workers included, as a node failure would) once `progressed()` holds
     plus a random delay within the measured working window. A run that got to `finished()` (its output
     committed) first is cleaned away and retried with half the window. Returns the delay that landed."""
     for _ in range(8):
         clean()
         with log.open("w") as stderr:
-            victim = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=stderr,
-                                      start_new_session=True)
+            victim = subprocess.Popen(
+                command, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True
+            )
         while victim.poll() is None and not progressed():
             time.sleep(0.002)
         delay = rng.uniform(0, window)
@@ -90,8 +99,11 @@ def kill_mid_run(command: list[str], progressed: Callable[[], bool], finished: C
 def visible_manifests(root: Path) -> list[Path]:
     """Folders under root that present themselves as finished outputs (staging `.X.partial` and work areas
     `_work` are hidden by name and not outputs)."""
-    return sorted(p.parent for p in root.rglob("manifest.json")
-                  if not any(part.startswith((".", "_")) for part in p.relative_to(root).parts))
+    return sorted(
+        p.parent
+        for p in root.rglob("manifest.json")
+        if not any(part.startswith((".", "_")) for part in p.relative_to(root).parts)
+    )
 
 
 def assert_nothing_half_done(root: Path) -> None:
@@ -101,8 +113,10 @@ def assert_nothing_half_done(root: Path) -> None:
 
 def shard_checksums(output: Path) -> dict[str, list[tuple[str, str]]]:
     """Every manifest's shards under `output` by relative folder: what must be equal between two runs."""
-    return {str(folder.relative_to(output)): [(s["name"], s["sha256"]) for s in read_manifest(folder)["shards"]]
-            for folder in visible_manifests(output)}
+    return {
+        str(folder.relative_to(output)): [(s["name"], s["sha256"]) for s in read_manifest(folder)["shards"]]
+        for folder in visible_manifests(output)
+    }
 
 
 def remover(*paths: Path) -> Callable[[], None]:
@@ -110,20 +124,33 @@ def remover(*paths: Path) -> Callable[[], None]:
         for path in paths:
             shutil.rmtree(path, ignore_errors=True)
             shutil.rmtree(path.parent / f".{path.name}.partial", ignore_errors=True)
+
     return clean
 
 
-def check_data_stage(tmp_path: Path, command: Callable[[Path], list[str]], progressed: Callable[[Path], bool],
-                     rng: random.Random) -> dict:
+def check_data_stage(
+    tmp_path: Path, command: Callable[[Path], list[str]], progressed: Callable[[Path], bool], rng: random.Random
+) -> dict:
     """Straight run, killed run, same command again; returns the killed-then-rerun output's checksums."""
     straight, crashed = tmp_path / "straight" / "out", tmp_path / "crashed" / "out"
-    _, window = run_watching(command(straight), lambda: progressed(straight),
-                             lambda: (straight / "manifest.json").is_file(), tmp_path / "straight.log")
+    _, window = run_watching(
+        command(straight),
+        lambda: progressed(straight),
+        lambda: (straight / "manifest.json").is_file(),
+        tmp_path / "straight.log",
+    )
     expected = shard_checksums(straight)
     assert expected and all(expected.values())
 
-    kill_mid_run(command(crashed), lambda: progressed(crashed), lambda: (crashed / "manifest.json").is_file(),
-                 remover(crashed), rng, window, tmp_path / "killed.log")
+    kill_mid_run(
+        command(crashed),
+        lambda: progressed(crashed),
+        lambda: (crashed / "manifest.json").is_file(),
+        remover(crashed),
+        rng,
+        window,
+        tmp_path / "killed.log",
+    )
     assert_nothing_half_done(crashed.parent)
     again = run(command(crashed), tmp_path / "rerun.log")
     assert again.returncode == 0, again.stderr[-2000:]
@@ -145,24 +172,44 @@ def staging(output: Path) -> Path:
 def test_dedup_killed_then_rerun(tmp_path, rng):
     source = write_shards(tmp_path / "input", sample_table("web").slice(0, 900), 6)
     expected = check_data_stage(
-        tmp_path, lambda out: cli("dedup", source, out, "--minhash", "--workers", "2"),
-        lambda out: (out / "_work").is_dir(), rng=rng)
+        tmp_path,
+        lambda out: cli("dedup", source, out, "--minhash", "--workers", "2"),
+        lambda out: (out / "_work").is_dir(),
+        rng=rng,
+    )
     assert set(expected) == {".", "duplicates"} and len(expected["."]) == 6
 
 
 def test_mix_killed_then_rerun(tmp_path, rng):
     sources = [f"--source={name}={SAMPLE / name}:{weight}" for name, weight in (("web", 6), ("code", 3), ("math", 1))]
     expected = check_data_stage(
-        tmp_path, lambda out: cli("mix", out, *sources, "--documents", "900", "--shuffle-buffer", "100", "--seed", "3"),
-        lambda out: staging(out).is_dir(), rng=rng)
+        tmp_path,
+        lambda out: cli("mix", out, *sources, "--documents", "900", "--shuffle-buffer", "100", "--seed", "3"),
+        lambda out: staging(out).is_dir(),
+        rng=rng,
+    )
     assert expected["."] and all(len(shards) > 0 for shards in expected.values())
 
 
 def test_pack_killed_then_rerun(tmp_path, tokenizer_dir, rng):
     expected = check_data_stage(
-        tmp_path, lambda out: cli("pack", SAMPLE / "web", out, "--tokenizer", tokenizer_dir, "--seq-len", "64",
-                                  "--shard-size", "400rows", "--buffer-tokens", "20000"),
-        lambda out: staging(out).is_dir(), rng=rng)
+        tmp_path,
+        lambda out: cli(
+            "pack",
+            SAMPLE / "web",
+            out,
+            "--tokenizer",
+            tokenizer_dir,
+            "--seq-len",
+            "64",
+            "--shard-size",
+            "400rows",
+            "--buffer-tokens",
+            "20000",
+        ),
+        lambda out: staging(out).is_dir(),
+        rng=rng,
+    )
     assert len(expected["."]) > 5
 
 
@@ -172,17 +219,28 @@ def model_checksum(folder: Path) -> str:
     return shard["sha256"]
 
 
-def check_training_stage(tmp_path: Path, command: Callable[[Path], list[str]], rng: random.Random,
-                         check_refusal: bool) -> tuple[dict, dict]:
+def check_training_stage(
+    tmp_path: Path, command: Callable[[Path], list[str]], rng: random.Random, check_refusal: bool
+) -> tuple[dict, dict]:
     """Straight run; killed run; (with check_refusal) the same command again, refused because the run folder holds
     a run; then `--resume auto`. Returns the two runs' JSON results."""
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    done, window = run_watching(command(straight), lambda: (straight / "metrics.jsonl").is_file(),
-                                lambda: (straight / "final" / "manifest.json").is_file(), tmp_path / "straight.log")
+    done, window = run_watching(
+        command(straight),
+        lambda: (straight / "metrics.jsonl").is_file(),
+        lambda: (straight / "final" / "manifest.json").is_file(),
+        tmp_path / "straight.log",
+    )
 
-    kill_mid_run(command(crashed), lambda: (crashed / "metrics.jsonl").is_file(),
-                 lambda: (crashed / "final" / "manifest.json").is_file(), remover(crashed), rng, window,
-                 tmp_path / "killed.log")
+    kill_mid_run(
+        command(crashed),
+        lambda: (crashed / "metrics.jsonl").is_file(),
+        lambda: (crashed / "final" / "manifest.json").is_file(),
+        remover(crashed),
+        rng,
+        window,
+        tmp_path / "killed.log",
+    )
     assert_nothing_half_done(crashed)
 
     if check_refusal:
@@ -195,17 +253,35 @@ def check_training_stage(tmp_path: Path, command: Callable[[Path], list[str]], r
     return done, json.loads(resumed.stdout)
 
 
-def test_pretrain_killed_then_resumed(tmp_path, recipe, rng):  # noqa: F811
+def test_pretrain_killed_then_resumed(tmp_path, recipe, rng):
     straight, resumed = check_training_stage(
-        tmp_path, lambda run_dir: cli("pretrain", recipe, run_dir, "--json", "--set", "training.steps=16",
-                                      "--set", "checkpoint.interval=3", "--set", "checkpoint.keep=2"),
-        rng=rng, check_refusal=True)
+        tmp_path,
+        lambda run_dir: cli(
+            "pretrain",
+            recipe,
+            run_dir,
+            "--json",
+            "--set",
+            "training.steps=16",
+            "--set",
+            "checkpoint.interval=3",
+            "--set",
+            "checkpoint.keep=2",
+        ),
+        rng=rng,
+        check_refusal=True,
+    )
     assert straight["steps"] == resumed["steps"] == 16
 
 
-def test_sft_killed_then_resumed(tmp_path, tiny_model, rng):  # noqa: F811
+def test_sft_killed_then_resumed(tmp_path, tiny_model, rng):
     quick = [*SFT_QUICK, "training.steps=6", "checkpoint.interval=2"]
     straight, resumed = check_training_stage(
-        tmp_path, lambda run_dir: cli("sft", "recipes/sft-tiny.toml", run_dir, "--from", tiny_model, "--json",
-                                      *(f"--set={o}" for o in quick)), rng=rng, check_refusal=False)
+        tmp_path,
+        lambda run_dir: cli(
+            "sft", "recipes/sft-tiny.toml", run_dir, "--from", tiny_model, "--json", *(f"--set={o}" for o in quick)
+        ),
+        rng=rng,
+        check_refusal=False,
+    )
     assert straight["steps"] == resumed["steps"] == 6

@@ -12,12 +12,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import SAMPLE, run_cli
 
-from smolctl.data.minhash import arrays, kernels, normalization, params, shingles
 from smolctl.data.dedup import DedupConfig, run
+from smolctl.data.minhash import arrays, kernels, normalization, params, shingles
 from smolctl.data.minhash.params import MinHashParams
 from smolctl.errors import UserError
-from conftest import SAMPLE, run_cli
 
 PARAMS = MinHashParams.for_threshold(0.8)
 ASCII_PUNCTUATION = "".join(chr(c) for c in range(33, 127) if not (chr(c).isalnum() or chr(c) == "_"))
@@ -32,7 +32,7 @@ def reference_shingles(text: str, n: int = 5) -> set[tuple[str, ...]]:
     whitespace-separated tokens of the NFKC case-folded text, stripped of leading and trailing ASCII punctuation)."""
     tokens = unicodedata.normalize("NFKC", text).casefold().split()
     words = [w for w in (t.strip(ASCII_PUNCTUATION) for t in tokens) if w]
-    return {tuple(words[j:j + n]) for j in range(max(1, len(words) - n + 1))} if words else set()
+    return {tuple(words[j : j + n]) for j in range(max(1, len(words) - n + 1))} if words else set()
 
 
 def reference_jaccard(a: str, b: str) -> float:
@@ -101,19 +101,30 @@ def read_output(output: Path) -> tuple[pa.Table, pa.Table]:
 
 def test_shingle_hashes_reproduce_python_shingles_and_jaccard():
     texts = sample_table().column("text").to_pylist()[:150] + [
-        "", "   ", "one two", "Ünïcode café — naïve résumé, ok?", "a b c d e", "x " * 40,
-        "==== Heading ==== (((nested))) words!!! -------- end... \"quoted\" don't e.g., ---x--- ~~~~~~~~~~~~"]
+        "",
+        "   ",
+        "one two",
+        "Ünïcode café — naïve résumé, ok?",
+        "a b c d e",
+        "x " * 40,
+        '==== Heading ==== (((nested))) words!!! -------- end... "quoted" don\'t e.g., ---x--- ~~~~~~~~~~~~',
+    ]
     sets = shingles.shingle_sets([normalization.normalize(t) for t in texts], 5, "word")
     for text, hashed in zip(texts, sets):
         assert len(hashed) == len(reference_shingles(text))
     values, bounds = np.concatenate(sets), np.concatenate([[0], np.cumsum([len(x) for x in sets])])
     left, right = np.arange(len(sets)), np.roll(np.arange(len(sets)), 1)
-    assert np.allclose(kernels.jaccard_many(values, bounds, left, right), [shingles.jaccard(sets[i], sets[j]) for i, j in zip(left, right)])
+    assert np.allclose(
+        kernels.jaccard_many(values, bounds, left, right),
+        [shingles.jaccard(sets[i], sets[j]) for i, j in zip(left, right)],
+    )
     rng = random.Random(1)
     for _ in range(40):
         i, j = rng.randrange(150), rng.randrange(150)
         near = edit_words(texts[i], rng.choice([0.02, 0.1, 0.3]), rng)
-        hashed = shingles.shingle_sets([normalization.normalize(texts[i]), normalization.normalize(near), normalization.normalize(texts[j])])
+        hashed = shingles.shingle_sets(
+            [normalization.normalize(texts[i]), normalization.normalize(near), normalization.normalize(texts[j])]
+        )
         assert shingles.jaccard(hashed[0], hashed[1]) == pytest.approx(reference_jaccard(texts[i], near))
         assert shingles.jaccard(hashed[0], hashed[2]) == pytest.approx(reference_jaccard(texts[i], texts[j]))
 
@@ -126,7 +137,11 @@ def test_bulk_normalisation_matches_the_per_text_one():
 
 
 def test_char_shingles_work_without_spaces():
-    texts = ["机器学习是人工智能的一个分支领域研究", "机器学习是人工智能的一个分支领域研究。", "今天天气很好我们去公园散步吧"]
+    texts = [
+        "机器学习是人工智能的一个分支领域研究",
+        "机器学习是人工智能的一个分支领域研究。",
+        "今天天气很好我们去公园散步吧",
+    ]
     sets = shingles.shingle_sets([normalization.normalize(t) for t in texts], 3, "char")
     assert shingles.jaccard(sets[0], sets[1]) == 1.0 and shingles.jaccard(sets[0], sets[2]) == 0.0
     assert len(sets[0]) == len(texts[0]) - 2
@@ -188,7 +203,11 @@ def test_planted_duplicates_removed_distinct_kept_and_accounted(planted, tmp_pat
     # Accounting, order and schema.
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     stats = manifest["stats"]
-    assert stats["documents"] == planted["table"].num_rows == stats["kept"] + stats["exact_removed"] + stats["near_removed"]
+    assert (
+        stats["documents"]
+        == planted["table"].num_rows
+        == stats["kept"] + stats["exact_removed"] + stats["near_removed"]
+    )
     assert kept.num_rows == stats["kept"] and report.num_rows == stats["exact_removed"] + stats["near_removed"]
     expected = [i for i in planted["table"].column("id").to_pylist() if i not in removed]
     assert kept.column("id").to_pylist() == expected and kept.schema.names == ["id", "text", "origin"]
@@ -246,6 +265,7 @@ def test_a_work_area_hashed_by_another_version_is_not_resumed(planted, tmp_path,
     out = tmp_path / "out"
     dedup(planted["input"], out, stage="signatures", tasks=2, task_id=0)
     import smolctl.data.dedup_plan as dedup_plan
+
     monkeypatch.setattr(dedup_plan, "HASHING_VERSION", dedup_plan.HASHING_VERSION + 1)
     with pytest.raises(UserError, match="other inputs or settings"):
         dedup(planted["input"], out, stage="signatures", tasks=2, task_id=1)
@@ -270,15 +290,21 @@ def test_against_reference_removes_what_it_holds_and_keeps_it(planted, tmp_path)
 
 def test_keep_longest_and_null_texts_passed_through(tmp_path):
     text = " ".join(f"word{i}" for i in range(60))
-    table = pa.table({"id": ["a", "b", "c", "d", "e"],
-                      "text": [text, text + " extra", None, "Other text entirely, short.", None]})
+    table = pa.table(
+        {"id": ["a", "b", "c", "d", "e"], "text": [text, text + " extra", None, "Other text entirely, short.", None]}
+    )
     src = tmp_path / "in.parquet"
     pq.write_table(table, src)
     result = dedup(src, tmp_path / "out", keep="longest", workers=1)
     kept, report = read_output(tmp_path / "out")
     assert kept.column("id").to_pylist() == ["b", "c", "d", "e"]
-    assert report.to_pylist()[0] | {"jaccard": None} == {"id": "a", "duplicate_of": "b", "cluster": 0,
-                                                          "reason": "minhash", "jaccard": None}
+    assert report.to_pylist()[0] | {"jaccard": None} == {
+        "id": "a",
+        "duplicate_of": "b",
+        "cluster": 0,
+        "reason": "minhash",
+        "jaccard": None,
+    }
     assert (result.null_text, result.documents, result.kept) == (2, 5, 4)
 
 
@@ -287,8 +313,9 @@ def test_ids_default_to_shard_and_row(tmp_path):
     write_shards(src, pa.table({"text": ["same text here", "other", "Same  TEXT here"]}), 1)
     dedup(src, tmp_path / "out", minhash=None, workers=1)
     _, report = read_output(tmp_path / "out")
-    assert report.to_pylist() == [{"id": "part-00000:2", "duplicate_of": "part-00000:0", "cluster": 0,
-                                   "reason": "exact", "jaccard": 1.0}]
+    assert report.to_pylist() == [
+        {"id": "part-00000:2", "duplicate_of": "part-00000:0", "cluster": 0, "reason": "exact", "jaccard": 1.0}
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -299,13 +326,17 @@ def test_cli_json_and_summary(tmp_path):
     done = run_cli("dedup", SAMPLE / "math", tmp_path / "math", "--minhash", "--workers", "1", "--json")
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert result["finished"] and result["documents"] == result["kept"] + result["exact_removed"] + result["near_removed"]
+    assert (
+        result["finished"] and result["documents"] == result["kept"] + result["exact_removed"] + result["near_removed"]
+    )
     done = run_cli("dedup", SAMPLE / "math", tmp_path / "math2", "--minhash", "--workers", "1")
     assert done.returncode == 0 and "near removed" in done.stdout and "docs/s" in done.stdout
 
 
 def _bad_inputs(tmp: Path) -> list[tuple[list, str]]:
-    pq.write_table(pa.table({"id": pa.array([], pa.string()), "text": pa.array([], pa.string())}), tmp / "empty.parquet")
+    pq.write_table(
+        pa.table({"id": pa.array([], pa.string()), "text": pa.array([], pa.string())}), tmp / "empty.parquet"
+    )
     pq.write_table(pa.table({"id": ["a", "a"], "text": ["x", "y"]}), tmp / "dupids.parquet")
     pq.write_table(pa.table({"id": ["a", "b"], "text": [1, 2]}), tmp / "ints.parquet")
     web = str(SAMPLE / "web")
@@ -359,8 +390,10 @@ def _pinned_runs(planted: dict) -> dict:
         "web minhash": (web, {}),
         "code char shingles": (SAMPLE / "code", {"minhash": MinHashParams.for_threshold(0.7, ngram=7, shingle="char")}),
         "planted minhash": (planted["input"], {}),
-        "planted longest unverified 0.7": (planted["input"], {"keep": "longest", "verify": False,
-                                                               "minhash": MinHashParams.for_threshold(0.7)}),
+        "planted longest unverified 0.7": (
+            planted["input"],
+            {"keep": "longest", "verify": False, "minhash": MinHashParams.for_threshold(0.7)},
+        ),
         "web against planted": (web, {"against": str(planted["input"])}),
     }
 
@@ -426,9 +459,25 @@ def test_the_dedup_command_imports_only_what_it_needs(tmp_path):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "smolctl", "dedup", str(SAMPLE / "math"),
-                           str(tmp_path / "out"), "--minhash", "--workers", "1", "--json"], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-m",
+            "smolctl",
+            "dedup",
+            str(SAMPLE / "math"),
+            str(tmp_path / "out"),
+            "--minhash",
+            "--workers",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
     assert "smolctl.data.dedup" in imported

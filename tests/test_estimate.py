@@ -11,12 +11,19 @@ from pathlib import Path
 import pytest
 
 from smolctl.cli import main
-from smolctl.errors import UserError
-from smolctl.infra.estimate import (FAILURES_PER_GPU_DAY, estimate, estimate_inference, largest_micro_batch, load_model,
-                                    memory, smallest_layouts, transformers_config)
+from smolctl.infra.estimate import (
+    FAILURES_PER_GPU_DAY,
+    estimate,
+    estimate_inference,
+    largest_micro_batch,
+    load_model,
+    memory,
+    smallest_layouts,
+    transformers_config,
+)
 from smolctl.infra.flops import matmul_params, training_flops_per_token
-from smolctl.infra.measure import build_model, measure_activations, measure_flops, scaled_down, validate
 from smolctl.infra.inference import InferenceScenario
+from smolctl.infra.measure import build_model, measure_activations, measure_flops, scaled_down, validate
 from smolctl.infra.memory import GIB, GPUS, PRECISIONS, activations, state_bytes
 from smolctl.infra.model_shape import config_from_dict, measure_shape, resolve_config
 from smolctl.infra.scenario import scenario_from_sources
@@ -25,17 +32,24 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def small(model_type: str, **extra):
-    base = dict(model_type=model_type, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, vocab_size=500)
+    base = dict(
+        model_type=model_type,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=500,
+    )
     return config_from_dict({**base, **extra}, "test")
 
 
 # Several architectures and the switches that change their parameter count or saved tensors.
 CONFIGS = {
-    "smollm3": lambda: scaled_down(resolve_config("smollm3-3b")),   # NoPE layer, tied, GQA 4:1
+    "smollm3": lambda: scaled_down(resolve_config("smollm3-3b")),  # NoPE layer, tied, GQA 4:1
     "llama-bias-untied": lambda: small("llama", attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
-    "qwen2": lambda: small("qwen2", num_key_value_heads=4),           # q/k/v biases, no GQA
-    "qwen3": lambda: scaled_down(resolve_config("qwen3-0.6b")),       # q/k norms, head_dim ≠ hidden/heads
+    "qwen2": lambda: small("qwen2", num_key_value_heads=4),  # q/k/v biases, no GQA
+    "qwen3": lambda: scaled_down(resolve_config("qwen3-0.6b")),  # q/k norms, head_dim ≠ hidden/heads
     "mistral": lambda: small("mistral", num_hidden_layers=3, hidden_size=96, num_attention_heads=6),
 }
 
@@ -67,13 +81,17 @@ def test_flops_of_a_non_llama_model_come_from_its_own_matmuls(tmp_path):
 def _gpt2_folder(tmp_path: Path) -> Path:
     folder = tmp_path / "gpt2-mini"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4,
-                                                    "vocab_size": 300, "n_positions": 64}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 300, "n_positions": 64}
+        )
+    )
     return folder
 
 
-@pytest.mark.parametrize("name,seq_len", [("smollm3", 64), ("smollm3", 160), ("llama-bias-untied", 96),
-                                          ("qwen3", 64), ("mistral", 128)])
+@pytest.mark.parametrize(
+    "name,seq_len", [("smollm3", 64), ("smollm3", 160), ("llama-bias-untied", 96), ("qwen3", 64), ("mistral", 128)]
+)
 def test_flops_per_token_within_3_percent_of_flop_counter(name, seq_len):
     config = CONFIGS[name]()
     measured = measure_flops(config, micro_batch=1, seq_len=seq_len)
@@ -85,34 +103,57 @@ def test_flops_per_token_within_3_percent_of_flop_counter(name, seq_len):
 # (config, precision, attention, recompute): each recompute mode on several configs and precisions. "selective"
 # checkpoints the eager attention core; with flash/sdpa it is "none" (the kernels already recompute it).
 ACTIVATION_CASES = [
-    ("smollm3", "bf16", "sdpa", "none"), ("smollm3", "bf16", "eager", "selective"), ("smollm3", "amp", "sdpa", "full"),
-    ("llama-bias-untied", "amp", "eager", "none"), ("llama-bias-untied", "fp32", "eager", "selective"),
-    ("llama-bias-untied", "bf16", "eager", "full"), ("qwen3", "fp32", "sdpa", "none"),
-    ("qwen3", "amp", "eager", "selective"), ("qwen3", "bf16", "sdpa", "full"), ("qwen2", "amp", "sdpa", "full"),
+    ("smollm3", "bf16", "sdpa", "none"),
+    ("smollm3", "bf16", "eager", "selective"),
+    ("smollm3", "amp", "sdpa", "full"),
+    ("llama-bias-untied", "amp", "eager", "none"),
+    ("llama-bias-untied", "fp32", "eager", "selective"),
+    ("llama-bias-untied", "bf16", "eager", "full"),
+    ("qwen3", "fp32", "sdpa", "none"),
+    ("qwen3", "amp", "eager", "selective"),
+    ("qwen3", "bf16", "sdpa", "full"),
+    ("qwen2", "amp", "sdpa", "full"),
 ]
 # Longer sequences, where recomputing the eager core during backward outgrows the loss's tensors at the end of
 # forward and sets the peak.
-LONG_CASES = [("smollm3", "bf16", "eager", "selective"), ("mistral", "amp", "eager", "selective"),
-              ("llama-bias-untied", "fp32", "eager", "full")]
+LONG_CASES = [
+    ("smollm3", "bf16", "eager", "selective"),
+    ("mistral", "amp", "eager", "selective"),
+    ("llama-bias-untied", "fp32", "eager", "full"),
+]
 
 
-@pytest.mark.parametrize("name,precision,attention,recompute,micro_batch,seq_len",
-                         [(*case, 2, 48) for case in ACTIVATION_CASES] + [(*case, 4, 384) for case in LONG_CASES])
-def test_activation_bytes_within_10_percent_of_saved_tensors(name, precision, attention, recompute, micro_batch,
-                                                              seq_len):
+@pytest.mark.parametrize(
+    "name,precision,attention,recompute,micro_batch,seq_len",
+    [(*case, 2, 48) for case in ACTIVATION_CASES] + [(*case, 4, 384) for case in LONG_CASES],
+)
+def test_activation_bytes_within_10_percent_of_saved_tensors(
+    name, precision, attention, recompute, micro_batch, seq_len
+):
     config = CONFIGS[name]()
     shape = measure_shape(config)
-    measured = measure_activations(config, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
-                                   attention=attention, recompute=recompute)
-    estimated = activations(shape, micro_batch=micro_batch, seq_len=seq_len, precision=PRECISIONS[precision],
-                            attention=attention, recompute=recompute).peak(shape.layers)
+    measured = measure_activations(
+        config, micro_batch=micro_batch, seq_len=seq_len, precision=precision, attention=attention, recompute=recompute
+    )
+    estimated = activations(
+        shape,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        precision=PRECISIONS[precision],
+        attention=attention,
+        recompute=recompute,
+    ).peak(shape.layers)
     assert abs(estimated / measured - 1) < 0.10, (estimated, measured)
 
 
 def test_recompute_modes_order_memory_as_they_should():
     shape = measure_shape(CONFIGS["smollm3"]())
-    peaks = {mode: activations(shape, micro_batch=4, seq_len=256, precision=PRECISIONS["bf16"], attention="eager",
-                               recompute=mode).peak(shape.layers) for mode in ("none", "selective", "full")}
+    peaks = {
+        mode: activations(
+            shape, micro_batch=4, seq_len=256, precision=PRECISIONS["bf16"], attention="eager", recompute=mode
+        ).peak(shape.layers)
+        for mode in ("none", "selective", "full")
+    }
     assert peaks["none"] > peaks["selective"] > peaks["full"]
 
 
@@ -141,8 +182,10 @@ def test_tensor_and_context_parallel_split_what_they_should():
 
 
 def test_smollm3_published_run_lands_near_24_days():
-    scenario = scenario_from_sources(recipe=str(REPO / "recipes/smollm3.toml"),
-                             flags={"gpus": 384, "gpu": "h100", "tp": 2, "tokens": "11.2T", "mfu": 0.30})
+    scenario = scenario_from_sources(
+        recipe=str(REPO / "recipes/smollm3.toml"),
+        flags={"gpus": 384, "gpu": "h100", "tp": 2, "tokens": "11.2T", "mfu": 0.30},
+    )
     result = estimate(scenario)
     days = result.compute["time"]["days"]
     assert abs(days / 24 - 1) < 0.10
@@ -152,8 +195,16 @@ def test_smollm3_published_run_lands_near_24_days():
 
 
 def test_pipeline_stages_hold_the_embedding_first_and_the_head_last():
-    scenario = scenario_from_sources(flags={"model": "llama3-8b", "gpus": 8, "pp": 4, "micro_batch": 1,
-                                    "global_batch_tokens": 16 * 2048, "seq_len": 2048})
+    scenario = scenario_from_sources(
+        flags={
+            "model": "llama3-8b",
+            "gpus": 8,
+            "pp": 4,
+            "micro_batch": 1,
+            "global_batch_tokens": 16 * 2048,
+            "seq_len": 2048,
+        }
+    )
     _, shape = load_model(scenario)
     one_stage = memory(scenario_from_sources(flags={"model": "llama3-8b", "gpus": 8, "seq_len": 2048}), shape)
     result = memory(scenario, shape)
@@ -163,8 +214,17 @@ def test_pipeline_stages_hold_the_embedding_first_and_the_head_last():
 
 
 def test_find_returns_the_largest_micro_batch_and_layouts_that_fit():
-    scenario = scenario_from_sources(flags={"model": "smollm3-3b", "gpus": 16, "gpu": "a100-40", "seq_len": 4096, "zero": 1, "recompute": "full",
-                                    "precision": "bf16"})
+    scenario = scenario_from_sources(
+        flags={
+            "model": "smollm3-3b",
+            "gpus": 16,
+            "gpu": "a100-40",
+            "seq_len": 4096,
+            "zero": 1,
+            "recompute": "full",
+            "precision": "bf16",
+        }
+    )
     _, shape = load_model(scenario)
     from dataclasses import replace
 
@@ -183,8 +243,16 @@ def test_find_returns_the_largest_micro_batch_and_layouts_that_fit():
 def test_find_holds_the_global_batch_and_fills_every_pipeline():
     # 8 sequences per step on 16 GPUs: dp 16 (× micro batch 1) cannot hold it, and dp 8 with 2 stages would run
     # one micro batch through a 2-stage pipeline
-    scenario = scenario_from_sources(flags={"model": "smollm3-3b", "gpus": 16, "gpu": "a100-40", "seq_len": 4096,
-                                    "global_batch_tokens": 8 * 4096, "framework": "megatron"})
+    scenario = scenario_from_sources(
+        flags={
+            "model": "smollm3-3b",
+            "gpus": 16,
+            "gpu": "a100-40",
+            "seq_len": 4096,
+            "global_batch_tokens": 8 * 4096,
+            "framework": "megatron",
+        }
+    )
     _, shape = load_model(scenario)
     found = smallest_layouts(scenario, shape, top=1000)
     assert found["skipped"]["batch"] > 0 and found["skipped"]["pipeline"] > 0 and found["layouts"]
@@ -197,8 +265,10 @@ def test_find_holds_the_global_batch_and_fills_every_pipeline():
 def test_kv_weights_are_replicated_when_tp_exceeds_the_kv_heads():
     shape = load_model(scenario_from_sources(flags={"model": "smollm3-3b", "gpus": 8}))[1]  # 4 KV heads
     kv = shape.layers * 2 * shape.hidden * shape.kv_dim
-    weights = {tp: memory(scenario_from_sources(flags={"model": "smollm3-3b", "gpus": 8, "tp": tp}), shape)["weights"]
-               for tp in (4, 8)}
+    weights = {
+        tp: memory(scenario_from_sources(flags={"model": "smollm3-3b", "gpus": 8, "tp": tp}), shape)["weights"]
+        for tp in (4, 8)
+    }
     assert weights[4] == pytest.approx(shape.params.total / 4 * 2)
     assert weights[8] == pytest.approx(((shape.params.total - kv) / 8 + kv / 4) * 2)  # one whole KV head per rank
 
@@ -215,7 +285,9 @@ def test_hsdp_shards_the_states_over_dp_shard_ranks_only():
     flags = {"model": "smollm3-3b", "gpus": 64, "zero": 3}
     shape = load_model(scenario_from_sources(flags=flags))[1]
     fsdp, hsdp = (memory(scenario_from_sources(flags={**flags, "dp_shard": shard}), shape) for shard in (None, 8))
-    assert hsdp["optimizer"] == pytest.approx(fsdp["optimizer"] * 8) and hsdp["weights"] == pytest.approx(fsdp["weights"] * 8)
+    assert hsdp["optimizer"] == pytest.approx(fsdp["optimizer"] * 8) and hsdp["weights"] == pytest.approx(
+        fsdp["weights"] * 8
+    )
     assert hsdp["gather"] == fsdp["gather"]
 
 
@@ -226,8 +298,18 @@ def test_zero3_gathers_the_largest_unit_even_when_it_is_the_embedding():
     assert memory(scenario, shape)["gather"] == pytest.approx(shape.params.embedding * (2 * 2 + 2))
 
 
-LLAMA3_405B = {"model": "llama3-405b", "gpus": 16384, "tp": 8, "pp": 16, "zero": 1, "seq_len": 8192,
-               "recompute": "full", "global_batch_tokens": 16 * 2**20, "tokens": "15.6T", "mfu": 0.38}
+LLAMA3_405B = {
+    "model": "llama3-405b",
+    "gpus": 16384,
+    "tp": 8,
+    "pp": 16,
+    "zero": 1,
+    "seq_len": 8192,
+    "recompute": "full",
+    "global_batch_tokens": 16 * 2**20,
+    "tokens": "15.6T",
+    "mfu": 0.38,
+}
 
 
 def test_llama3_405b_reproduces_its_published_goodput_and_gpu_hours():
@@ -239,8 +321,11 @@ def test_llama3_405b_reproduces_its_published_goodput_and_gpu_hours():
     assert compute["overhead"]["effective_training_time"] > 0.90
     assert compute["overhead"]["mtbf_hours"] == pytest.approx(24 / (FAILURES_PER_GPU_DAY * 16384))
     # the old model (one 5 GB/s store for the whole cluster, every write blocking, hourly) loses a quarter
-    blocking = estimate(scenario_from_sources(flags={**LLAMA3_405B, "checkpoint_gbps": 5 / 2048, "checkpoint_hours": 1.0,
-                                                 "async_checkpoint": False})).compute["overhead"]
+    blocking = estimate(
+        scenario_from_sources(
+            flags={**LLAMA3_405B, "checkpoint_gbps": 5 / 2048, "checkpoint_hours": 1.0, "async_checkpoint": False}
+        )
+    ).compute["overhead"]
     assert blocking["effective_training_time"] < 0.75
 
 
@@ -248,8 +333,9 @@ def test_the_checkpoint_interval_follows_young_daly_unless_given():
     base = {"model": "smollm3-3b", "gpus": 384, "tokens": "1T"}
     fast = estimate(scenario_from_sources(flags=base)).compute["overhead"]
     stall, mtbf = fast["checkpoint_stall_seconds"], fast["mtbf_hours"] * 3600
-    assert fast["checkpoint_interval_seconds"] == pytest.approx(max((2 * stall * mtbf) ** 0.5,
-                                                                    fast["checkpoint_write_seconds"]))
+    assert fast["checkpoint_interval_seconds"] == pytest.approx(
+        max((2 * stall * mtbf) ** 0.5, fast["checkpoint_write_seconds"])
+    )
     hourly = estimate(scenario_from_sources(flags={**base, "checkpoint_hours": 1.0})).compute["overhead"]
     assert hourly["checkpoint_interval_seconds"] == 3600 and hourly["factor"] > fast["factor"]
     blocking = estimate(scenario_from_sources(flags={**base, "async_checkpoint": False})).compute["overhead"]
@@ -269,8 +355,9 @@ def test_inference_kv_cache_of_smollm3_at_8k():
     assert gqa["decode_tokens_per_second"] == pytest.approx(4 * 3.35e12 / (gqa["weights"] + gqa["kv_cache"]))
     fp8 = estimate_inference(scenario, InferenceScenario(context=8192, kv_dtype="fp8")).inference["model"]
     assert fp8["kv_per_sequence"] == pytest.approx(formula / 2)
-    assert gqa["fits"] and gqa["total"] == pytest.approx(gqa["weights"] + gqa["kv_cache"] + gqa["activations"]
-                                                         + gqa["runtime_reserved"])
+    assert gqa["fits"] and gqa["total"] == pytest.approx(
+        gqa["weights"] + gqa["kv_cache"] + gqa["activations"] + gqa["runtime_reserved"]
+    )
 
 
 def test_validate_on_the_tiny_recipe_agrees_with_measurement(tmp_path):
@@ -279,7 +366,9 @@ def test_validate_on_the_tiny_recipe_agrees_with_measurement(tmp_path):
     (packed / "manifest.json").write_text(json.dumps({"kind": "packed", "tokenizer": {"vocab_size": 1024}}))
     recipe = tmp_path / "tiny.toml"
     recipe.write_text((REPO / "recipes/smollm3-tiny.toml").read_text().replace('"demo-out/packed"', f'"{packed}"'))
-    scenario = scenario_from_sources(recipe=str(recipe), overrides=["training.micro_batch=2", "training.global_batch=4"])
+    scenario = scenario_from_sources(
+        recipe=str(recipe), overrides=["training.micro_batch=2", "training.global_batch=4"]
+    )
     assert scenario.model["vocab_size"] == 1024 and scenario.precision == "amp" and scenario.gpus == 2
     report = validate(scenario, transformers_config(scenario))
     assert len(report["rows"]) >= 6
@@ -295,8 +384,21 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
 
 
 def test_cli_json_for_a_preset(capsys):
-    code, out, _ = run_cli(capsys, "estimate", "--model", "smollm3-3b", "--gpus", "8",
-                           "--tokens", "100G", "--price-per-gpu-hour", "2.5", "--target-days", "7", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "estimate",
+        "--model",
+        "smollm3-3b",
+        "--gpus",
+        "8",
+        "--tokens",
+        "100G",
+        "--price-per-gpu-hour",
+        "2.5",
+        "--target-days",
+        "7",
+        "--json",
+    )
     result = json.loads(out)
     assert code == 0 and result["model"]["params"]["total"] == 3_075_098_624
     compute = result["compute"]
@@ -305,21 +407,24 @@ def test_cli_json_for_a_preset(capsys):
     assert compute["gpus_for_target"]["gpus"] >= math.ceil(compute["time"]["days"] / 7 * 8 * 0.9)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--model", "gpt-9"], "known models: smollm3-3b"),
-    (["--model", "smollm3-3b", "--gpu", "v100"], "known: h100"),
-    (["--model", "smollm3-3b", "--gpus", "6", "--tp", "4"], "cannot hold tp 4"),
-    (["--model", "smollm3-3b", "--gpus", "6", "--tp", "3"], "does not divide the 16 attention heads"),
-    (["--model", "smollm3-3b", "--tokens", "many"], "cannot read 'many' as an amount"),
-    (["--model", "smollm3-3b", "--recompute", "some"], "known: none, selective, full"),
-    (["--model", "smollm3-3b", "--checkpoint-gbps", "0"], "--checkpoint-gbps: must be positive"),
-    (["--model", "smollm3-3b", "--pp", "40"], "40 pipeline stages for 36 layers"),
-    (["--model", "smollm3-3b", "--framework", "deepspeed"], "known: smolctl, megatron"),
-    (["--model", "smollm3-3b", "--gpus", "16", "--dp-shard", "8"], "--dp-shard: 8 shards weights"),
-    (["--model", "smollm3-3b", "--gpus", "16", "--zero", "3", "--dp-shard", "3"], "3 does not divide the 16"),
-    (["--model", "smollm3-3b", "--inference", "--kv-dtype", "int4"], "--kv-dtype: 'int4' is not known"),
-    (["--model", "smollm3-3b", "--inference", "--context", "0"], "--context: must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--model", "gpt-9"], "known models: smollm3-3b"),
+        (["--model", "smollm3-3b", "--gpu", "v100"], "known: h100"),
+        (["--model", "smollm3-3b", "--gpus", "6", "--tp", "4"], "cannot hold tp 4"),
+        (["--model", "smollm3-3b", "--gpus", "6", "--tp", "3"], "does not divide the 16 attention heads"),
+        (["--model", "smollm3-3b", "--tokens", "many"], "cannot read 'many' as an amount"),
+        (["--model", "smollm3-3b", "--recompute", "some"], "known: none, selective, full"),
+        (["--model", "smollm3-3b", "--checkpoint-gbps", "0"], "--checkpoint-gbps: must be positive"),
+        (["--model", "smollm3-3b", "--pp", "40"], "40 pipeline stages for 36 layers"),
+        (["--model", "smollm3-3b", "--framework", "deepspeed"], "known: smolctl, megatron"),
+        (["--model", "smollm3-3b", "--gpus", "16", "--dp-shard", "8"], "--dp-shard: 8 shards weights"),
+        (["--model", "smollm3-3b", "--gpus", "16", "--zero", "3", "--dp-shard", "3"], "3 does not divide the 16"),
+        (["--model", "smollm3-3b", "--inference", "--kv-dtype", "int4"], "--kv-dtype: 'int4' is not known"),
+        (["--model", "smollm3-3b", "--inference", "--context", "0"], "--context: must be at least 1"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     code, _, err = run_cli(capsys, "estimate", *args)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
@@ -350,7 +455,10 @@ def test_repeat_estimates_read_the_measured_shape_from_the_cache(tmp_path, monke
     entries[0].write_text("{not json")
     third = run_cli("estimate", "--model", "smollm2-135m", "--json", env=env)
     assert json.loads(third.stdout) == json.loads(first.stdout)
-    assert json.loads(entries[0].read_text())["shape"]["params"]["total"] == json.loads(first.stdout)["model"]["params"]["total"]
+    assert (
+        json.loads(entries[0].read_text())["shape"]["params"]["total"]
+        == json.loads(first.stdout)["model"]["params"]["total"]
+    )
 
 
 def test_estimate_says_what_it_prices_and_whether_it_fits(capsys):
@@ -358,28 +466,65 @@ def test_estimate_says_what_it_prices_and_whether_it_fits(capsys):
     text = " ".join((out + err).split())
     assert code == 0 and "no --tokens: the time and cost below are for ONE optimizer step" in text
     assert "error: does not fit h100" in text and text.index("does not fit h100") < text.index("layout")
-    code, out, err = run_cli(capsys, "estimate", "--model", "llama3-8b", "--gpus", "8", "--tokens", "1T",
-                             "--require-fit")
+    code, out, err = run_cli(
+        capsys, "estimate", "--model", "llama3-8b", "--gpus", "8", "--tokens", "1T", "--require-fit"
+    )
     assert code == 1 and "failed: estimate: does not fit h100" in " ".join(err.split())
     assert "ONE optimizer step" not in out + err
-    code, _, _ = run_cli(capsys, "estimate", "--model", "smollm2-135m", "--gpus", "8", "--tokens", "1T",
-                         "--require-fit")
+    code, _, _ = run_cli(
+        capsys, "estimate", "--model", "smollm2-135m", "--gpus", "8", "--tokens", "1T", "--require-fit"
+    )
     assert code == 0
 
 
 def test_estimate_says_when_it_changes_the_global_batch(capsys):
-    code, out, err = run_cli(capsys, "estimate", "--model", "smollm3-3b", "--gpus", "384", "--micro-batch", "3",
-                             "--global-batch-tokens", "2359296", "--tokens", "1T")
+    code, out, err = run_cli(
+        capsys,
+        "estimate",
+        "--model",
+        "smollm3-3b",
+        "--gpus",
+        "384",
+        "--micro-batch",
+        "3",
+        "--global-batch-tokens",
+        "2359296",
+        "--tokens",
+        "1T",
+    )
     text = " ".join((out + err).split())
     assert code == 0 and "global batch changed from 2,359,296 to 4,718,592 tokens" in text
     assert "do not divide the 576 asked for" in text
 
 
 def test_cli_inference_json(capsys):
-    code, out, _ = run_cli(capsys, "estimate", "--model", "smollm3-3b", "--inference", "--context", "8192",
-                           "--batch", "2", "--compare-attention", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "estimate",
+        "--model",
+        "smollm3-3b",
+        "--inference",
+        "--context",
+        "8192",
+        "--batch",
+        "2",
+        "--compare-attention",
+        "--json",
+    )
     result = json.loads(out)["inference"]
     assert code == 0 and result["batch"] == 2 and result["multi_head"]["kv_heads"] == 16
-    code, _, err = run_cli(capsys, "estimate", "--model", "smollm3-3b", "--inference", "--gpu", "l4", "--context",
-                           "131072", "--batch", "64", "--require-fit")
+    code, _, err = run_cli(
+        capsys,
+        "estimate",
+        "--model",
+        "smollm3-3b",
+        "--inference",
+        "--gpu",
+        "l4",
+        "--context",
+        "131072",
+        "--batch",
+        "64",
+        "--require-fit",
+    )
     assert code == 1 and "does not fit l4 for inference" in err

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 # --------------------------------------------------------------------------------------------------------------
@@ -50,46 +49,71 @@ SKIP = {
     "pip install '.[merge,tensorboard]'": "installs into the user's environment (the extras' packages are in the test venv)",
     "cp completions/_smolctl ~/.zfunc/ && autoload -U compinit && compinit": "installs into the user's zsh setup",
     "cp completions/smolctl.fish ~/.config/fish/completions/": "installs into the user's fish setup",
-    "accelerate launch -m smolctl pretrain RECIPE RUN":
-        "the process count comes from the user's accelerate config; the torchrun examples dry-run the same command",
+    "accelerate launch -m smolctl pretrain RECIPE RUN": "the process count comes from the user's accelerate config; the torchrun examples dry-run the same command",
     "... --set dpo.loss_type=sigmoid --set dpo.beta=0.1": "continues the line above it",
     "smolctl mix /data/smollm3-mix --recipe recipes/smollm3-mix.toml --set sources.web.path=/data/web "
     "--set sources.code.path=/data/code --set sources.math.path=/data/math": PUBLISHED_MIX,
     "smolctl mix out/ --recipe recipes/smollm3-mix.toml --set stages.0.tokens=1_000_000_000 --json": PUBLISHED_MIX,
-    "smolctl pack mix/ packed/ --tokenizer HuggingFaceTB/SmolLM3-3B --seq-len 4096 --workers 8":
-        "downloads the SmolLM3 tokenizer from the Hugging Face Hub",
+    "smolctl pack mix/ packed/ --tokenizer HuggingFaceTB/SmolLM3-3B --seq-len 4096 --workers 8": "downloads the SmolLM3 tokenizer from the Hugging Face Hub",
     "smolctl stress-gpu": "needs GPUs (a 60 s burn-in); `smolctl stress-gpu --duration 3s --devices cpu` runs here",
     "smolctl stress-gpu --duration 10m --expect-tflops 600 --json": "needs GPUs",
     "srun --ntasks-per-node 1 smolctl stress-gpu --duration 10m --json": "needs GPUs on every node",
-    "torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --expect-busbw all_reduce=350,all_to_all=40":
-        "needs 8 GPUs on NVLink",
-    "torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --ops all_reduce,all_to_all --min-bytes 1M --max-bytes 8G":
-        "needs 8 GPUs (8 GiB buffers)",
+    "torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --expect-busbw all_reduce=350,all_to_all=40": "needs 8 GPUs on NVLink",
+    "torchrun --nproc_per_node 8 -m smolctl benchmark-nccl --ops all_reduce,all_to_all --min-bytes 1M --max-bytes 8G": "needs 8 GPUs (8 GiB buffers)",
     "DATA=data/sample OUT=run1/ TASKS=64 bash recipes/slurm/pipeline.sh": REAL_SLURM,
     'OUTPUT=mix/ MIX_ARGS="--recipe recipes/demo-mix.toml" TASKS=64 bash recipes/slurm/mix.sbatch': REAL_SLURM,
     "INPUT=mix/ OUTPUT=packed/ TOKENIZER=tok/ TASKS=64 bash recipes/slurm/pack.sbatch": REAL_SLURM,
     'OUTPUT=/data/mix MIX_ARGS="--recipe recipes/smollm3-mix.toml --tokenizer /data/tokenizer" TASKS=64 '
     "bash recipes/slurm/mix.sbatch": REAL_SLURM,
     "INPUT=/data/mix OUTPUT=/data/packed TOKENIZER=/data/tokenizer TASKS=64 bash recipes/slurm/pack.sbatch": REAL_SLURM,
-    "smolctl inspect demo-out/ppo --lineage":
-        "needs the demo's post-training output; tests/test_pipeline.py checks this lineage from the final model",
+    "smolctl inspect demo-out/ppo --lineage": "needs the demo's post-training output; tests/test_pipeline.py checks this lineage from the final model",
 }
 # Post-training examples on these recipes are parsed only (see FULL_SIZE_POSTTRAIN).
-FULL_SIZE_RECIPES = {"recipes/smollm3-sft.toml", "recipes/smollm3-dpo.toml", "recipes/smollm3-ppo.toml",
-                     "recipes/smollm3-grpo.toml"}
+FULL_SIZE_RECIPES = {
+    "recipes/smollm3-sft.toml",
+    "recipes/smollm3-dpo.toml",
+    "recipes/smollm3-ppo.toml",
+    "recipes/smollm3-grpo.toml",
+}
 # Training examples on these recipes also train for real, a few steps, with TINY_RUN's overrides.
-TINY_RECIPES = {"recipes/smollm3-tiny.toml", "recipes/smollm3-tiny-midtrain.toml", "recipes/sft-tiny.toml",
-                "recipes/sft-lora-tiny.toml", "recipes/dpo-tiny.toml", "recipes/ppo-tiny.toml", "recipes/grpo-tiny.toml"}
+TINY_RECIPES = {
+    "recipes/smollm3-tiny.toml",
+    "recipes/smollm3-tiny-midtrain.toml",
+    "recipes/sft-tiny.toml",
+    "recipes/sft-lora-tiny.toml",
+    "recipes/dpo-tiny.toml",
+    "recipes/ppo-tiny.toml",
+    "recipes/grpo-tiny.toml",
+}
 TINY_RUN = {
     "pretrain": ["training.steps=2", "schedule.warmup_steps=1", "checkpoint.interval=100", "logging.interval=1"],
-    "midtrain": ["training.steps=2", "training.micro_batch=2", "training.global_batch=2", "schedule.warmup_steps=0",
-                 "checkpoint.interval=100", "logging.interval=1"],
+    "midtrain": [
+        "training.steps=2",
+        "training.micro_batch=2",
+        "training.global_batch=2",
+        "schedule.warmup_steps=0",
+        "checkpoint.interval=100",
+        "logging.interval=1",
+    ],
     "sft": ["training.steps=1", "schedule.warmup_steps=0", "checkpoint.interval=100", "sft.max_length=128"],
     "dpo": ["training.steps=1", "checkpoint.interval=100", "dpo.max_length=64", "data.limit=8"],
-    "ppo": ["training.steps=1", "ppo.batch_size=4", "ppo.minibatch_size=4", "training.micro_batch=4", "ppo.epochs=1",
-            "checkpoint.interval=100", "ppo.max_new_tokens=4"],
-    "grpo": ["training.steps=1", "training.micro_batch=4", "training.global_batch=4", "grpo.num_generations=2",
-             "checkpoint.interval=100", "grpo.max_new_tokens=4"],
+    "ppo": [
+        "training.steps=1",
+        "ppo.batch_size=4",
+        "ppo.minibatch_size=4",
+        "training.micro_batch=4",
+        "ppo.epochs=1",
+        "checkpoint.interval=100",
+        "ppo.max_new_tokens=4",
+    ],
+    "grpo": [
+        "training.steps=1",
+        "training.micro_batch=4",
+        "training.global_batch=4",
+        "grpo.num_generations=2",
+        "checkpoint.interval=100",
+        "grpo.max_new_tokens=4",
+    ],
 }
 # generate, merge, report and export read trained runs: examples on demo-out/ run (slow) after the tiny chain, with these
 # flags; those on the user's runs/ are parsed only (USER_RUNS).
@@ -110,6 +134,8 @@ SUBSTITUTIONS = {
     "TASKS=64": "TASKS=2",  # 64 array tasks, one process each, over a 2-shard sample
     "--tokens 2G": "--tokens 100K",  # the sample corpus holds about a million tokens
 }
+
+
 # Paths examples read that the workspace provides: a repository path to link, or a function making the folder.
 def _corpus(folder: Path) -> None:
     """Parquet files as another tool writes them, the documents under `content` (and `text`)."""
@@ -128,16 +154,36 @@ WORKSPACE = {
     **{name: f"data/sample/{name}" for name in ("web", "code", "math")},
     "corpus": _corpus,
     "mix": lambda path: path.symlink_to("demo-out/mix"),
-    "path/to/model-folder/config.json": lambda path: path.write_text(json.dumps({
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048})),
+    "path/to/model-folder/config.json": lambda path: path.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 2048,
+            }
+        )
+    ),
 }
 # The demo's data stages (scripts/demo.sh), run first: what `demo-out/...` in an example refers to.
 DEMO_OUT = [
     ["train-tokenizer", "data/sample/web", "demo-out/tokenizer", "--vocab-size", "2048"],
     *[["dedup", f"data/sample/{s}", f"demo-out/dedup/{s}", "--workers", "1"] for s in ("web", "code", "math")],
-    ["mix", "demo-out/mix", "--recipe", "recipes/demo-mix.toml", "--set", "sources.web.path=demo-out/dedup/web",
-     "--set", "sources.code.path=demo-out/dedup/code", "--set", "sources.math.path=demo-out/dedup/math"],
+    [
+        "mix",
+        "demo-out/mix",
+        "--recipe",
+        "recipes/demo-mix.toml",
+        "--set",
+        "sources.web.path=demo-out/dedup/web",
+        "--set",
+        "sources.code.path=demo-out/dedup/code",
+        "--set",
+        "sources.math.path=demo-out/dedup/math",
+    ],
     ["pack", "demo-out/mix/stage-1", "demo-out/packed", "--tokenizer", "demo-out/tokenizer", "--seq-len", "256"],
     ["pack", "demo-out/mix/stage-3", "demo-out/packed-long", "--tokenizer", "demo-out/tokenizer", "--seq-len", "512"],
 ]
@@ -291,15 +337,17 @@ def plan(example: Example) -> Plan:
     words = shlex.split(text)
     left = [w for w in words if re.fullmatch(r"[A-Z][A-Z_-]{2,}", w) or w.startswith("$")]
     if left:
-        raise Unmapped(f"{example}\nuses {left[0]!r}, which stands for something of the user's: add it to PLACEHOLDERS "
-                    "in tests/test_examples.py (or the example to SKIP with the reason it cannot run here)")
+        raise Unmapped(
+            f"{example}\nuses {left[0]!r}, which stands for something of the user's: add it to PLACEHOLDERS "
+            "in tests/test_examples.py (or the example to SKIP with the reason it cannot run here)"
+        )
     result = Plan(example, words)
     while words and ENV_ASSIGNMENT.match(words[0]):
         words = words[1:]
     result.launcher = words[0]
     if "smolctl" in words:
         start = words.index("smolctl") + 1
-        result.command, result.smolctl_args = words[start], words[start + 1:]
+        result.command, result.smolctl_args = words[start], words[start + 1 :]
     if words[0] == "torchrun":
         nodes = int(_value_after(words, "--nnodes", default="1"))
         result.world_size = nodes * int(_value_after(words, "--nproc_per_node", "--nproc-per-node", default="1"))
@@ -320,7 +368,7 @@ def check_parses(command: str, args: list[str], origin: Example) -> dict:
 
 def check_synopsis(example: Example) -> None:
     words = example.text.replace("[", " ").replace("]", " ").split()
-    command, args = words[words.index("smolctl") + 1], words[words.index("smolctl") + 2:]
+    command, args = words[words.index("smolctl") + 1], words[words.index("smolctl") + 2 :]
     group = _cli_group()
     assert command in group.commands, f"{example}\n`smolctl {command}` is not a command"
     known = {opt for param in group.commands[command].params for opt in (*param.opts, *param.secondary_opts)}
@@ -352,8 +400,15 @@ def make_workspace(root: Path) -> Path:
 
 
 def environment(workspace: Path) -> dict:
-    return {**os.environ, "PATH": f"{workspace / '.bin'}:{os.environ['PATH']}", "PYTHONPATH": str(REPO),
-            "COLUMNS": "200", "OMP_NUM_THREADS": "1", "SRUN_LOG": str(workspace / "srun.log"), "BANDS": "2"}
+    return {
+        **os.environ,
+        "PATH": f"{workspace / '.bin'}:{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO),
+        "COLUMNS": "200",
+        "OMP_NUM_THREADS": "1",
+        "SRUN_LOG": str(workspace / "srun.log"),
+        "BANDS": "2",
+    }
 
 
 # Stand-ins for Slurm: sbatch runs the script here (each array task in turn, so afterok holds) with the SLURM_*
@@ -382,7 +437,7 @@ done
 echo 7
 """,
     "srun": '#!/bin/bash\necho "srun $*" >> "$SRUN_LOG"\n',
-    "scontrol": '#!/bin/bash\necho node1\n',
+    "scontrol": "#!/bin/bash\necho node1\n",
 }
 
 # One process runs many smolctl invocations (`main` per example), each in its folder with its output captured.
@@ -407,8 +462,14 @@ for job in jobs:
 
 
 def run_in_process(jobs: list[dict], env: dict, timeout: int = 600) -> list[dict]:
-    done = subprocess.run([sys.executable, "-c", IN_PROCESS], input=json.dumps(jobs), env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, "-c", IN_PROCESS],
+        input=json.dumps(jobs),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"code"')]
     assert len(results) == len(jobs), f"the example runner stopped early:\n{done.stderr[-3000:]}"
     return results
@@ -437,8 +498,26 @@ def clear_output(workspace: Path, output: str | None) -> None:
 EXAMPLES = all_examples()
 TRAINING = ("pretrain", "midtrain")
 POSTTRAINING = ("sft", "dpo", "ppo", "grpo")
-STAGE_ORDER = ["train-tokenizer", "dedup", "mix", "pack", "pretrain", "midtrain", "sft", "dpo", "ppo", "grpo", "generate",
-               "merge", "report", "export", "estimate", "benchmark-nccl", "stress-gpu", "inspect"]
+STAGE_ORDER = [
+    "train-tokenizer",
+    "dedup",
+    "mix",
+    "pack",
+    "pretrain",
+    "midtrain",
+    "sft",
+    "dpo",
+    "ppo",
+    "grpo",
+    "generate",
+    "merge",
+    "report",
+    "export",
+    "estimate",
+    "benchmark-nccl",
+    "stress-gpu",
+    "inspect",
+]
 
 
 def _param(example: Example, runs: bool = True):
@@ -474,12 +553,21 @@ def tiny_run(p: Plan) -> list[str] | None:
         overrides = [f"--set={item}" for item in TINY_RUN[p.command]]
     else:
         return None
-    prefix = p.argv[:p.argv.index("smolctl")]
+    prefix = p.argv[: p.argv.index("smolctl")]
     if p.launcher == "smolctl":
         return [sys.executable, "-m", "smolctl", p.command, *p.smolctl_args, *overrides]
     if p.launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", *prefix[1:], "smolctl",
-                p.command, *p.smolctl_args, *overrides]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            *prefix[1:],
+            "smolctl",
+            p.command,
+            *p.smolctl_args,
+            *overrides,
+        ]
     pytest.fail(f"{p.example}\nno tiny run for launcher {p.launcher!r}: add one to tiny_run")
 
 
@@ -512,14 +600,16 @@ def fast_results(workspace) -> dict[str, dict]:
             params = check_parses(argv[0], argv[1:], example)
             jobs.append({"cwd": str(workspace), "argv": argv, "clear": output_of(argv[0], params)})
     results = run_in_process(jobs, environment(workspace))
-    for job, result in zip(jobs[:len(DEMO_OUT)], results):
+    for job, result in zip(jobs[: len(DEMO_OUT)], results):
         assert result["code"] == 0, f"building demo-out: smolctl {' '.join(job['argv'])}\n{result['stderr']}"
-    return dict(zip(names, results[len(DEMO_OUT):]))
+    return dict(zip(names, results[len(DEMO_OUT) :]))
 
 
 def _fail_message(example: Example, argv, result: dict) -> str:
-    return (f"{example}\nran: {' '.join(map(str, argv))}\nexit {result['code']}\n{result['stderr'][-2500:]}\n"
-            "If the example is right and cannot run here, extend a table at the top of tests/test_examples.py.")
+    return (
+        f"{example}\nran: {' '.join(map(str, argv))}\nexit {result['code']}\n{result['stderr'][-2500:]}\n"
+        "If the example is right and cannot run here, extend a table at the top of tests/test_examples.py."
+    )
 
 
 def _is_script(p: Plan) -> bool:
@@ -538,8 +628,11 @@ def _planned(example: Example) -> Plan | None:
         return None
 
 
-SLOW = [(e, p) for e in sorted(EXAMPLES, key=_sort_key) if e.text not in SKIP and not is_synopsis(e.text)
-        and (p := _planned(e)) is not None]
+SLOW = [
+    (e, p)
+    for e in sorted(EXAMPLES, key=_sort_key)
+    if e.text not in SKIP and not is_synopsis(e.text) and (p := _planned(e)) is not None
+]
 SCRIPTS = [e for e, p in SLOW if _is_script(p)]
 REAL_RUNS = [e for e, p in SLOW if _is_real_run(p)]
 
@@ -552,7 +645,9 @@ def test_example(example: Example, workspace, fast_results):
             check_parses(p.command, p.smolctl_args, example)
         pytest.skip(SKIP[example.text])
     if is_synopsis(example.text):
-        assert "smolctl" in example.text.replace("[", " ").split(), f"{example}\nreads as a synopsis but names no smolctl command"
+        assert "smolctl" in example.text.replace("[", " ").split(), (
+            f"{example}\nreads as a synopsis but names no smolctl command"
+        )
         check_synopsis(example)
         return
     p = plan(example)
@@ -570,8 +665,9 @@ def test_example(example: Example, workspace, fast_results):
     elif p.command in (*POSTTRAINING, *MODEL_CONSUMERS, "benchmark-nccl") and example.only_in_help:
         return  # parsed above; the README's examples of the same command train for real
     else:  # run for real by the slow tests below
-        assert _is_script(p) or _is_real_run(p), \
+        assert _is_script(p) or _is_real_run(p), (
             f"{example}\nis neither run nor skipped: teach tests/test_examples.py its launcher {p.launcher!r}"
+        )
 
 
 _SCRIPTS_RUN: set[tuple[str, ...]] = set()
@@ -609,12 +705,18 @@ def test_tiny_example(example: Example, workspace, fast_results):
     """The tiny recipes' training examples in pipeline order (each reads what the one before wrote: demo-out/sft
     is the --from of dpo), and torchrun examples that fit on a CPU."""
     p = plan(example)
-    launch = p.argv[1:p.argv.index("smolctl")]
-    argv = tiny_run(p) or [sys.executable, "-m", "torch.distributed.run", "--standalone", *launch, "smolctl",
-                           *p.argv[p.argv.index("smolctl") + 1:]]
+    launch = p.argv[1 : p.argv.index("smolctl")]
+    argv = tiny_run(p) or [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        *launch,
+        "smolctl",
+        *p.argv[p.argv.index("smolctl") + 1 :],
+    ]
     clear_output(workspace, output_of(p.command, check_parses(p.command, p.smolctl_args, example)))
-    done = subprocess.run(argv, cwd=workspace, env=environment(workspace), capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(argv, cwd=workspace, env=environment(workspace), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, _fail_message(example, argv, {"code": done.returncode, "stderr": done.stderr})
 
 

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, SAMPLE, run_cli
 
 
@@ -40,7 +39,9 @@ def test_brackets_in_paths_are_printed_as_they_are(tmp_path):
     shown = run_cli("inspect", odd, "--samples", "0")
     assert shown.returncode == 0 and f"{odd}" in shown.stdout.replace("\n", "")
     (tmp_path / "empty[v2]").mkdir()
-    assert f"{tmp_path / 'empty[v2]'}: holds no parquet files" in _one_error_line(run_cli("inspect", tmp_path / "empty[v2]"))
+    assert f"{tmp_path / 'empty[v2]'}: holds no parquet files" in _one_error_line(
+        run_cli("inspect", tmp_path / "empty[v2]")
+    )
 
 
 def _help(*args: str) -> str:
@@ -104,16 +105,27 @@ def test_inspect_shows_only_the_counts_a_kind_has(tokenizer_dir):
     assert dataset["rows"] == 237 and dataset["shards"] == 2
 
 
-@pytest.mark.parametrize("env, reason", [
-    ({"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE is set"),
-    ({"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}, "127.0.0.1 does not answer"),  # nothing listens
-])
+@pytest.mark.parametrize(
+    "env, reason",
+    [
+        ({"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE is set"),
+        ({"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}, "127.0.0.1 does not answer"),  # nothing listens
+    ],
+)
 def test_a_hub_tokenizer_id_fails_fast_when_the_hub_is_offline(tmp_path, env, reason):
     """The slow path is huggingface_hub retrying (~45 s of sleeps, a "Retrying in Ns" line each): the reason in the
     message shows the offline check decided, and no retry line was printed. (Wall time is not asserted: on a busy
     CI machine starting Python alone varies by tens of seconds.)"""
-    result = run_cli("pack", SAMPLE / "math", tmp_path / "out", "--tokenizer", "no-org/no-such-tokenizer",
-                     "--seq-len", "64", env={**env, "HF_HOME": str(tmp_path / "hf")})
+    result = run_cli(
+        "pack",
+        SAMPLE / "math",
+        tmp_path / "out",
+        "--tokenizer",
+        "no-org/no-such-tokenizer",
+        "--seq-len",
+        "64",
+        env={**env, "HF_HOME": str(tmp_path / "hf")},
+    )
     line = _one_error_line(result)
     assert "no-org/no-such-tokenizer: is neither a local folder nor in the Hugging Face cache" in line
     assert reason in line and "Retrying" not in result.stderr
@@ -122,18 +134,34 @@ def test_a_hub_tokenizer_id_fails_fast_when_the_hub_is_offline(tmp_path, env, re
 
 @pytest.mark.slow
 def test_ctrl_c_in_pretrain_says_how_to_resume_and_the_run_folder_has_events(tmp_path, tokenizer_dir):
-    from smolctl.data.pack import PackConfig, pack
     from test_pretrain import TEST_RECIPE
+
+    from smolctl.data.pack import PackConfig, pack
 
     packed = tmp_path / "packed"
     pack(str(SAMPLE / "math"), packed, tokenizer_spec=str(tokenizer_dir), config=PackConfig(seq_len=64))
     recipe = tmp_path / "tiny.toml"
     recipe.write_text(TEST_RECIPE.replace("{packed}", str(packed)))
     run = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, "-m", "smolctl", "pretrain", str(recipe), str(run),
-                                "--set", "training.steps=100000", "--set", "checkpoint.interval=100000"], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"})
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "smolctl",
+            "pretrain",
+            str(recipe),
+            str(run),
+            "--set",
+            "training.steps=100000",
+            "--set",
+            "checkpoint.interval=100000",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"},
+    )
     deadline = time.time() + 300
     while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().strip()):
         assert process.poll() is None and time.time() < deadline, process.communicate()[1][-2000:]
@@ -152,8 +180,21 @@ def test_post_training_leaves_no_model_card_beside_its_checkpoints(tmp_path, tok
     from tiny_checkpoint import make_tiny_checkpoint
 
     model = make_tiny_checkpoint(tokenizer_dir, tmp_path / "model")
-    done = run_cli("sft", "recipes/sft-tiny.toml", tmp_path / "sft", "--from", model, "--set", "training.steps=1",
-                   "--set", "checkpoint.interval=1", "--set", "sft.max_length=64", "--set", "schedule.warmup_steps=0")
+    done = run_cli(
+        "sft",
+        "recipes/sft-tiny.toml",
+        tmp_path / "sft",
+        "--from",
+        model,
+        "--set",
+        "training.steps=1",
+        "--set",
+        "checkpoint.interval=1",
+        "--set",
+        "sft.max_length=64",
+        "--set",
+        "schedule.warmup_steps=0",
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert list((tmp_path / "sft" / "checkpoints").glob("step-*")), "a checkpoint was saved"
     assert not list((tmp_path / "sft").rglob("README.md"))

@@ -12,18 +12,20 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import REPO, SAMPLE, run_cli
+from tiny_checkpoint import make_tiny_checkpoint
+
 from smolctl.shards import open_documents
 from smolctl.train.generate import GenerateJob, Sampling, run_generate
 from smolctl.train.rewards import load_reward_tables
-from tiny_checkpoint import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def models(tokenizer_dir, tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("generate")
-    return make_tiny_checkpoint(tokenizer_dir, root / "strong", seed=0), make_tiny_checkpoint(tokenizer_dir, root / "weak", seed=1)
+    return make_tiny_checkpoint(tokenizer_dir, root / "strong", seed=0), make_tiny_checkpoint(
+        tokenizer_dir, root / "weak", seed=1
+    )
 
 
 def sample_prompts(n: int) -> list[str]:
@@ -40,8 +42,21 @@ def test_pairs_from_a_strong_and_a_weak_model_train_dpo_as_they_are(models, tmp_
     from smolctl.train.posttrain import run_dpo
 
     strong, weak = models
-    result = run_cli("generate", SAMPLE / "prompts", tmp_path / "pairs", "--pairs", "--chosen", strong,
-                     "--rejected", weak, "--limit", "8", "--max-new-tokens", "6", "--json")
+    result = run_cli(
+        "generate",
+        SAMPLE / "prompts",
+        tmp_path / "pairs",
+        "--pairs",
+        "--chosen",
+        strong,
+        "--rejected",
+        weak,
+        "--limit",
+        "8",
+        "--max-new-tokens",
+        "6",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["mode"] == "pairs" and report["rows"] == 8 and report["completion_tokens"] > 0
@@ -50,11 +65,18 @@ def test_pairs_from_a_strong_and_a_weak_model_train_dpo_as_they_are(models, tmp_
     assert all(r["chosen_model"] == str(strong) and r["rejected_model"] == str(weak) for r in pairs)
     assert any(r["chosen"] != r["rejected"] for r in pairs), "two different models answer differently"
     manifest = json.loads((tmp_path / "pairs" / "manifest.json").read_text())
-    assert [ref["path"] for ref in manifest["inputs"]] == [str(SAMPLE / "prompts"), str(strong.resolve()), str(weak.resolve())]
+    assert [ref["path"] for ref in manifest["inputs"]] == [
+        str(SAMPLE / "prompts"),
+        str(strong.resolve()),
+        str(weak.resolve()),
+    ]
     assert manifest["generate"]["sampling"]["max_new_tokens"] == 6
 
-    recipe = load_command_recipe("dpo", "recipes/dpo-tiny.toml", [f'data.path="{tmp_path / "pairs"}"', "training.steps=2",
-                                                                "training.micro_batch=4", "dpo.max_length=64"])
+    recipe = load_command_recipe(
+        "dpo",
+        "recipes/dpo-tiny.toml",
+        [f'data.path="{tmp_path / "pairs"}"', "training.steps=2", "training.micro_batch=4", "dpo.max_length=64"],
+    )
     trained = run_dpo(recipe, tmp_path / "dpo", start=str(strong))
     assert trained.steps == 2 and trained.data["rows_used"] == 8
 
@@ -62,43 +84,72 @@ def test_pairs_from_a_strong_and_a_weak_model_train_dpo_as_they_are(models, tmp_
 def test_a_killed_generate_resumes_without_losing_or_repeating_a_prompt(models, tmp_path):
     args = dict(limit=24, shard_prompts=2, batch_size=2, sampling=Sampling(num_completions=2, max_new_tokens=5))
     staging = tmp_path / ".out.partial"
-    command = [sys.executable, "-m", "smolctl", "generate", str(SAMPLE / "prompts"), str(tmp_path / "out"),
-               "--model", str(models[0]), "--limit", "24", "--shard-prompts", "2", "--batch-size", "2", "-k", "2",
-               "--max-new-tokens", "5"]
+    command = [
+        sys.executable,
+        "-m",
+        "smolctl",
+        "generate",
+        str(SAMPLE / "prompts"),
+        str(tmp_path / "out"),
+        "--model",
+        str(models[0]),
+        "--limit",
+        "24",
+        "--shard-prompts",
+        "2",
+        "--batch-size",
+        "2",
+        "-k",
+        "2",
+        "--max-new-tokens",
+        "5",
+    ]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
         while not (staging / "part-00000.parquet").exists() and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        process.send_signal(signal.SIGKILL)   # no handler runs: whatever was on disk stays as it was
+        process.send_signal(signal.SIGKILL)  # no handler runs: whatever was on disk stays as it was
     finally:
         process.wait(timeout=60)
     done = sorted(p.name for p in staging.glob("part-*"))
     assert not (tmp_path / "out").exists() and 1 <= len(done) < 12, done
-    (staging / f".part-{len(done):05d}.parquet.tmp").write_bytes(b"half a shard")   # as a kill mid-write leaves
+    (staging / f".part-{len(done):05d}.parquet.tmp").write_bytes(b"half a shard")  # as a kill mid-write leaves
 
-    resumed = run_generate(GenerateJob(prompts=str(SAMPLE / "prompts"), output=tmp_path / "out", models=[models[0]], **args))
+    resumed = run_generate(
+        GenerateJob(prompts=str(SAMPLE / "prompts"), output=tmp_path / "out", models=[models[0]], **args)
+    )
     assert resumed.resumed_shards == len(done) and resumed.shards == 12 and not staging.exists()
     written = rows(tmp_path / "out")
     assert [r["prompt"] for r in written] == [p for p in sample_prompts(24) for _ in range(2)]
     assert [r["completion_index"] for r in written] == [0, 1] * 24
 
-    fresh = run_generate(GenerateJob(prompts=str(SAMPLE / "prompts"), output=tmp_path / "fresh", models=[models[0]], **args))
+    fresh = run_generate(
+        GenerateJob(prompts=str(SAMPLE / "prompts"), output=tmp_path / "fresh", models=[models[0]], **args)
+    )
     assert fresh.resumed_shards == 0
     assert written == rows(tmp_path / "fresh"), "a resumed run writes what an uninterrupted one does"
 
 
 def test_rank_by_keeps_the_best_and_worst_of_k_by_the_reward_tables(models, tmp_path, monkeypatch):
-    (tmp_path / "rank_reward_module.py").write_text("def longest(row):\n    return len(row[\"completion\"])\n")
+    (tmp_path / "rank_reward_module.py").write_text('def longest(row):\n    return len(row["completion"])\n')
     monkeypatch.syspath_prepend(str(tmp_path))
     recipe = tmp_path / "rewards.toml"
     recipe.write_text('[[rewards]]\nkind = "task"\nmatch = "callable"\nfunction = "rank_reward_module:longest"\n')
     reward, reference_column = load_reward_tables(recipe)
     sampling = Sampling(num_completions=4, max_new_tokens=8, seed=3)
     common = dict(prompts=str(SAMPLE / "prompts"), models=[models[0]], limit=6, sampling=sampling)
-    ranked = run_generate(GenerateJob(output=tmp_path / "ranked", mode="ranked", reward=reward,
-                                      reward_recipe=str(recipe), reference_column=reference_column, **common))
-    every = run_generate(GenerateJob(output=tmp_path / "all", **common))   # the same K samples, unranked
+    ranked = run_generate(
+        GenerateJob(
+            output=tmp_path / "ranked",
+            mode="ranked",
+            reward=reward,
+            reward_recipe=str(recipe),
+            reference_column=reference_column,
+            **common,
+        )
+    )
+    every = run_generate(GenerateJob(output=tmp_path / "all", **common))  # the same K samples, unranked
     groups: dict[str, list[str]] = {}
     for row in rows(tmp_path / "all"):
         groups.setdefault(row["prompt"], []).append(row["completion"])

@@ -18,6 +18,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "smolctl"
 
+
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

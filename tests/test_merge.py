@@ -8,11 +8,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
+from tiny_checkpoint import make_tiny_checkpoint
+
 from smolctl.errors import UserError
 from smolctl.train.merge import load_merge_recipe, run_merge
-from tiny_checkpoint import make_tiny_checkpoint
 
 pytest.importorskip("mergekit")
 
@@ -44,7 +44,7 @@ def merge(tmp_path: Path, method: str, models: list[str], *overrides: str, name:
 
 def test_linear_merge_is_the_weighted_average_exactly(parents, tmp_path):
     a, run_b, _ = parents
-    out = merge(tmp_path, "linear", [f"{a}:0.75", f"{run_b}:0.25"])   # a run folder merges its final/
+    out = merge(tmp_path, "linear", [f"{a}:0.75", f"{run_b}:0.25"])  # a run folder merges its final/
     first, second, merged = tensors(a), tensors(run_b / "final"), tensors(out)
     assert set(merged) == set(first)
     for name, tensor in merged.items():
@@ -64,12 +64,16 @@ def test_linear_merge_is_the_weighted_average_exactly(parents, tmp_path):
 def test_merged_folder_loads_and_generates(parents, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = merge(tmp_path, "linear", [str(parents[0]), str(parents[2])])   # no weights: a soup, 0.5 each
+    out = merge(tmp_path, "linear", [str(parents[0]), str(parents[2])])  # no weights: a soup, 0.5 each
     assert json.loads((out / "manifest.json").read_text())["merge"]["models"][1]["weight"] == 0.5
     model = AutoModelForCausalLM.from_pretrained(str(out))
     tokenizer = AutoTokenizer.from_pretrained(str(out))
-    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "Which module provides `sqrt`?"}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Which module provides `sqrt`?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     generated = model.generate(**inputs, max_new_tokens=5, do_sample=False)
     assert generated.shape[1] == inputs["input_ids"].shape[1] + 5
 
@@ -81,7 +85,7 @@ def test_slerp_of_a_model_with_itself_is_the_model_and_t_picks_an_end(parents, t
     itself = tensors(merge(tmp_path, "slerp", [str(a), str(twin)], "options.t=0.3", name="itself"))
     first = tensors(a)
     for name, tensor in itself.items():
-        assert tensor.allclose(first[name], rtol=1e-6, atol=0), name   # (1 - t)·x + t·x, rounded once per term
+        assert tensor.allclose(first[name], rtol=1e-6, atol=0), name  # (1 - t)·x + t·x, rounded once per term
     at_end = tensors(merge(tmp_path, "slerp", [str(a), str(run_b)], "options.t=1.0", name="end"))
     second = tensors(run_b / "final")
     assert all((at_end[n] == second[n]).all() for n in second)
@@ -91,12 +95,25 @@ def test_slerp_of_a_model_with_itself_is_the_model_and_t_picks_an_end(parents, t
 
 def test_smollm3_recipe_soup_then_linear_through_the_cli(parents, tmp_path):
     a, run_b, c = parents
-    result = run_cli("merge", "recipes/smollm3-merge.toml", tmp_path / "merged", "--json", "--set", "dtype=\"float32\"",
-                     "--set", f"models.0.soup=[\"{a}\", \"{run_b}\"]", "--set", f"models.1.path=\"{c}\"")
+    result = run_cli(
+        "merge",
+        "recipes/smollm3-merge.toml",
+        tmp_path / "merged",
+        "--json",
+        "--set",
+        'dtype="float32"',
+        "--set",
+        f'models.0.soup=["{a}", "{run_b}"]',
+        "--set",
+        f'models.1.path="{c}"',
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert [(p["path"], p["weight"]) for p in report["parents"]] == [
-        (str(a.resolve()), 0.45), (str((run_b / "final").resolve()), 0.45), (str(c.resolve()), 0.1)]
+        (str(a.resolve()), 0.45),
+        (str((run_b / "final").resolve()), 0.45),
+        (str(c.resolve()), 0.1),
+    ]
     merged, first, second, third = (tensors(p) for p in (tmp_path / "merged", a, run_b / "final", c))
     for name, tensor in merged.items():
         assert tensor.allclose(0.45 * first[name] + 0.45 * second[name] + 0.1 * third[name], rtol=1e-5, atol=1e-7)

@@ -15,10 +15,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+from conftest import SAMPLE
 
 from smolctl.data import minhash_fallback
 from smolctl.data.minhash import arrays, kernels, normalization, params
-from conftest import SAMPLE
 
 try:
     from smolctl.data import _minhash
@@ -51,7 +51,10 @@ def span_hash(data: bytes) -> int:
     """8-byte little-endian chunks of the lower-cased bytes (the last zero-padded) times R^(8m + 1), summed,
     then finished with the length."""
     data = data.lower()
-    total = sum(int.from_bytes(data[k:k + 8], "little") * pow(RADIX, k + 1, 1 << 64) for k in range(0, len(data), 8)) & MASK
+    total = (
+        sum(int.from_bytes(data[k : k + 8], "little") * pow(RADIX, k + 1, 1 << 64) for k in range(0, len(data), 8))
+        & MASK
+    )
     mixed = ((total + len(data) * 0x9E3779B97F4A7C15) & MASK) * 0xBF58476D1CE4E5B9 & MASK
     return (mixed ^ (mixed >> 31)) | 1
 
@@ -76,14 +79,34 @@ def reference_tokens(text: str) -> tuple[list[int], list[int]]:
         first = next((i for i, b in enumerate(token) if is_word_byte(b)), None)
         if first is not None:
             last = next(i for i in reversed(range(len(token))) if is_word_byte(token[i]))
-            words.append(span_hash(token[first:last + 1]))
+            words.append(span_hash(token[first : last + 1]))
     return tokens, words
 
 
-AWKWARD = ["", "   ", "\t\n", "a", "...", "Hello, World!", "(x) [y] {z}", "UPPER lower MiXeD", "-- --- ---- x--y --z",
-           "tab\tnew\nline\x0bvt\x0cff\rcr\x1cfs\x1dgs\x1ers\x1fus end", "ünïcode wörds — dash «quoted»",
-           "机器学习 是 人工智能", "emoji 🙂🙂 ok", "STRASSE Straße ＡＢＣ ﬁne ÉCOLE\u2028next", "ctrl\x01char\x7fdel", "_under_score_", "'quote' \"double\"",
-           "a" * 5000, "," + "b" * 4100 + ",", " lead", "trail ", "x y z w v u t"]
+AWKWARD = [
+    "",
+    "   ",
+    "\t\n",
+    "a",
+    "...",
+    "Hello, World!",
+    "(x) [y] {z}",
+    "UPPER lower MiXeD",
+    "-- --- ---- x--y --z",
+    "tab\tnew\nline\x0bvt\x0cff\rcr\x1cfs\x1dgs\x1ers\x1fus end",
+    "ünïcode wörds — dash «quoted»",
+    "机器学习 是 人工智能",
+    "emoji 🙂🙂 ok",
+    "STRASSE Straße ＡＢＣ ﬁne ÉCOLE\u2028next",
+    "ctrl\x01char\x7fdel",
+    "_under_score_",
+    "'quote' \"double\"",
+    "a" * 5000,
+    "," + "b" * 4100 + ",",
+    " lead",
+    "trail ",
+    "x y z w v u t",
+]
 
 
 def test_tokenize_matches_the_python_definition(kernel_impl):
@@ -105,7 +128,7 @@ def check_against_reference(tokens: kernels.Tokens, texts: list[str]) -> None:
     for i, text in enumerate(texts):
         want_tokens, want_words = reference_tokens(text)
         assert tokens.exact[i].tolist() == reference_exact(want_tokens), repr(text[:40])
-        assert tokens.words[tokens.word_offsets[i]:tokens.word_offsets[i + 1]].tolist() == want_words, repr(text[:40])
+        assert tokens.words[tokens.word_offsets[i] : tokens.word_offsets[i + 1]].tolist() == want_words, repr(text[:40])
 
 
 def test_tokenize_matches_the_python_definition_on_random_byte_soup(kernel_impl):
@@ -113,8 +136,10 @@ def test_tokenize_matches_the_python_definition_on_random_byte_soup(kernel_impl)
     8-byte chunks at every alignment (tokens of 7, 8, 9, 16 bytes, space runs of 8 and more)."""
     rng = random.Random(5)
     alphabet = ["a", "B", "z", "_", "9", " ", " ", "\t", "\n", "\x1c", ",", "-", "(", "é", "机", "\x01"]
-    texts = ["".join(rng.choice(alphabet) * rng.choice([1, 1, 1, 2, 7, 8, 9, 16]) for _ in range(rng.randrange(0, 30)))
-             for _ in range(400)]
+    texts = [
+        "".join(rng.choice(alphabet) * rng.choice([1, 1, 1, 2, 7, 8, 9, 16]) for _ in range(rng.randrange(0, 30)))
+        for _ in range(400)
+    ]
     check_against_reference(kernels.tokenize(pa.array(texts)), texts)
 
 
@@ -133,10 +158,10 @@ def test_shingles_match_the_python_definition(kernel_impl):
         weights = [int(w) for w in kernels.NGRAM_WEIGHTS[:n]]
         hashes, shingle_offsets = kernels.ngrams(tokens, offsets, n)
         for i in range(len(counts)):
-            doc = [int(t) for t in tokens[offsets[i]:offsets[i + 1]]]
+            doc = [int(t) for t in tokens[offsets[i] : offsets[i + 1]]]
             starts = range(len(doc) - n + 1) if len(doc) >= n else ([0] if doc else [])
             want = [mix64(sum(doc[j + k] * weights[k] for k in range(min(n, len(doc)))) & MASK) for j in starts]
-            assert hashes[shingle_offsets[i]:shingle_offsets[i + 1]].tolist() == want
+            assert hashes[shingle_offsets[i] : shingle_offsets[i + 1]].tolist() == want
 
 
 def test_signatures_are_the_minimum_over_shingles_of_each_permutation(kernel_impl):
@@ -148,8 +173,11 @@ def test_signatures_are_the_minimum_over_shingles_of_each_permutation(kernel_imp
     sigs = kernels.signatures(shingles, offsets, multipliers)
     keys = (shingles >> np.uint64(32)).astype(np.uint32)
     for i, count in enumerate(counts):
-        want = (np.full(len(multipliers), 0xFFFFFFFF, np.uint32) if count == 0 else
-                (multipliers[:, None] * keys[None, offsets[i]:offsets[i + 1]]).min(axis=1))
+        want = (
+            np.full(len(multipliers), 0xFFFFFFFF, np.uint32)
+            if count == 0
+            else (multipliers[:, None] * keys[None, offsets[i] : offsets[i + 1]]).min(axis=1)
+        )
         assert np.array_equal(sigs[i], want)
 
 
@@ -169,7 +197,9 @@ def test_intersections_count_common_members(kernel_impl):
     want = [len(set(sets[a].tolist()) & set(sets[b].tolist())) for a, b in zip(left, right)]
     sizes = np.diff(bounds)
     union = sizes[left] + sizes[right] - np.array(want)
-    assert kernels.jaccard_many(values, bounds, left, right).tolist() == [w / u if u else 1.0 for w, u in zip(want, union)]
+    assert kernels.jaccard_many(values, bounds, left, right).tolist() == [
+        w / u if u else 1.0 for w, u in zip(want, union)
+    ]
     common = np.empty(len(left), np.int64)
     kernel_impl.intersections(values, bounds, left, right, common)
     assert common.tolist() == want
@@ -187,16 +217,33 @@ def test_intersections_of_random_sets_of_every_size(kernel_impl):
 
 def test_kernels_refuse_buffers_that_do_not_fit(kernel_impl):
     exact, room, counts = np.empty((2, 2), np.uint64), np.empty(8, np.uint64), np.empty(2, np.int64)
-    for starts, ends in (([0, 5], [5, 3]), ([0, 3], [4, 9]), ([-1, 0], [2, 2])):  # backwards, across both buffers, negative
+    for starts, ends in (
+        ([0, 5], [5, 3]),
+        ([0, 3], [4, 9]),
+        ([-1, 0], [2, 2]),
+    ):  # backwards, across both buffers, negative
         with pytest.raises(ValueError, match="inside data, or inside extra"):
-            kernel_impl.tokenize(b"hello", b"abcd", np.array(starts, np.int64), np.array(ends, np.int64), exact, room, counts)
+            kernel_impl.tokenize(
+                b"hello", b"abcd", np.array(starts, np.int64), np.array(ends, np.int64), exact, room, counts
+            )
     with pytest.raises(ValueError, match="too small"):
-        kernel_impl.tokenize(b"a b c d", b"", np.array([0], np.int64), np.array([7], np.int64), np.empty((1, 2), np.uint64),
-                          np.empty(2, np.uint64), np.empty(1, np.int64))
+        kernel_impl.tokenize(
+            b"a b c d",
+            b"",
+            np.array([0], np.int64),
+            np.array([7], np.int64),
+            np.empty((1, 2), np.uint64),
+            np.empty(2, np.uint64),
+            np.empty(1, np.int64),
+        )
     with pytest.raises(ValueError, match="do not fit"):
-        kernel_impl.signatures(np.zeros(3, np.uint64), np.array([0, 4], np.int64), np.ones(4, np.uint32), np.empty(4, np.uint32))
+        kernel_impl.signatures(
+            np.zeros(3, np.uint64), np.array([0, 4], np.int64), np.ones(4, np.uint32), np.empty(4, np.uint32)
+        )
     with pytest.raises(ValueError, match="do not fit"):
-        kernel_impl.intersections(np.zeros(2, np.uint64), np.array([0, 2], np.int64), np.array([0]), np.array([1]), np.empty(1, np.int64))
+        kernel_impl.intersections(
+            np.zeros(2, np.uint64), np.array([0, 2], np.int64), np.array([0]), np.array([1]), np.empty(1, np.int64)
+        )
 
 
 def test_characters_outside_the_changing_class_are_left_alone_by_normalisation():
@@ -212,14 +259,21 @@ def test_characters_outside_the_changing_class_are_left_alone_by_normalisation()
     # ... and what does change: case, compatibility forms, composing and reordering marks, spaces, jamo.
     assert normalization.normalize("a\u0360\u0316") != "a\u0360\u0316"  # marks of different classes are reordered
     for c in ("É", "ß", "\u00a0", "…", "ﬁ", "\u0301", "\u0360\u0316", "\u2028", "Ａ", "\u1161", "\U00020000"):
-        assert pc.match_substring_regex(pa.array([f"a{c}b"]), normalization.changing_characters())[0].as_py(), hex(ord(c))
+        assert pc.match_substring_regex(pa.array([f"a{c}b"]), normalization.changing_characters())[0].as_py(), hex(
+            ord(c)
+        )
     for c in ("’", "“", "—", "é", "ñ", "机", "я"):
         assert not pc.match_substring_regex(pa.array([c]), normalization.changing_characters())[0].as_py(), c
 
 
 def test_sorted_unique_is_np_unique():
     rng = np.random.default_rng(6)
-    for values in (rng.integers(0, 50, 1000).astype(np.uint64), rng.integers(-5, 5, 37), np.zeros(0, np.int64), np.array([7])):
+    for values in (
+        rng.integers(0, 50, 1000).astype(np.uint64),
+        rng.integers(-5, 5, 37),
+        np.zeros(0, np.int64),
+        np.array([7]),
+    ):
         want, want_inverse = np.unique(values, return_inverse=True)
         assert np.array_equal(arrays.sorted_unique(values), want)
         got, inverse = arrays.sorted_unique(values, return_inverse=True)

@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import run_cli
+
 from smolctl.data.mix import prepare_mix
 from smolctl.data.mix_schedule import MixSchedule, parse_source, schedule_from_flags, schedule_from_recipe
 from smolctl.errors import UserError
@@ -59,17 +59,28 @@ def test_achieved_byte_weights_are_within_one_percent(sample, tmp_path):
 def test_achieved_token_weights_are_within_one_percent(sample, tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
 
-    mix([f"web={sample}/web:6", f"code={sample}/code:2.5", f"math={sample}/math:1.5"], tmp_path / "out",
-        tokens="400K", tokenizer=str(tokenizer_dir), max_repeat=3)
+    mix(
+        [f"web={sample}/web:6", f"code={sample}/code:2.5", f"math={sample}/math:1.5"],
+        tmp_path / "out",
+        tokens="400K",
+        tokenizer=str(tokenizer_dir),
+        max_repeat=3,
+    )
     rows = read_rows(tmp_path / "out")
     # auto counts these small sources exactly, and exact mode writes the rows it wrote before sample mode existed
     estimate = read_manifest(tmp_path / "out")["mix"]["token_estimate"]
     assert estimate["requested"] == "auto" and {s["mode"] for s in estimate["sources"].values()} == {"exact"}
     order = "\n".join(f"{s} {i}" for s, i in zip(rows["source"].to_pylist(), rows["id"].to_pylist()))
-    assert hashlib.sha256(order.encode()).hexdigest() == "7180a375c9c4b325fd98c255090478ded84ee69a84a16b05bbf651afea85a2b6"
+    assert (
+        hashlib.sha256(order.encode()).hexdigest() == "7180a375c9c4b325fd98c255090478ded84ee69a84a16b05bbf651afea85a2b6"
+    )
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    counts = np.array([len(ids) + 1 if ids else 0 for ids in tokenizer(rows["text"].to_pylist(),
-                                                                       add_special_tokens=False)["input_ids"]])
+    counts = np.array(
+        [
+            len(ids) + 1 if ids else 0
+            for ids in tokenizer(rows["text"].to_pylist(), add_special_tokens=False)["input_ids"]
+        ]
+    )
     names = rows["source"].to_numpy(zero_copy_only=False)
     assert counts.sum() == pytest.approx(400_000, rel=0.01)
     for name, target in {"web": 0.6, "code": 0.25, "math": 0.15}.items():
@@ -93,8 +104,14 @@ def test_sample_estimate_reaches_the_token_shares_pack_counts_within_half_a_poin
     from smolctl.data.pack import PackConfig, pack
 
     sources = [f"web={sample}/web:6", f"code={sample}/code:2.5", f"math={sample}/math:1.5"]
-    options = {"tokens": "400K", "tokenizer": str(tokenizer_dir), "max_repeat": 3, "shuffle_buffer": 1000,
-               "token_estimate": "sample", "token_sample": 600}
+    options = {
+        "tokens": "400K",
+        "tokenizer": str(tokenizer_dir),
+        "max_repeat": 3,
+        "shuffle_buffer": 1000,
+        "token_estimate": "sample",
+        "token_sample": 600,
+    }
     job = prepare_mix(schedule_from_flags(sources, **options), tmp_path / "out")
     job.backend = counting = CountingBackend(job.backend)
     result = job.run()
@@ -105,12 +122,20 @@ def test_sample_estimate_reaches_the_token_shares_pack_counts_within_half_a_poin
     assert counting.documents == sum(c["sample_documents"] for c in calibration.values())
     assert 450 < calibration["web"]["sample_documents"] < 750 and calibration["math"]["sample_documents"] == 237
     # The shares as `pack` counts them: its total is the sum of the per-source counts of the same tokenizer.
-    packed = pack(str(tmp_path / "out"), tmp_path / "packed", tokenizer_spec=str(tokenizer_dir),
-                  config=PackConfig(seq_len=256, strategy="concat"))
+    packed = pack(
+        str(tmp_path / "out"),
+        tmp_path / "packed",
+        tokenizer_spec=str(tokenizer_dir),
+        config=PackConfig(seq_len=256, strategy="concat"),
+    )
     rows = read_rows(tmp_path / "out")
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    counts = np.array([len(ids) + 1 if ids else 0 for ids in tokenizer(rows["text"].to_pylist(),
-                                                                       add_special_tokens=False)["input_ids"]])
+    counts = np.array(
+        [
+            len(ids) + 1 if ids else 0
+            for ids in tokenizer(rows["text"].to_pylist(), add_special_tokens=False)["input_ids"]
+        ]
+    )
     assert counts.sum() == packed.stats.tokens
     names = rows["source"].to_numpy(zero_copy_only=False)
     for name, target in {"web": 0.6, "code": 0.25, "math": 0.15}.items():
@@ -126,7 +151,9 @@ def test_sample_estimate_reaches_the_token_shares_pack_counts_within_half_a_poin
     # An array run (tasks in reverse order) writes the same bytes.
     for stage in ("measure", "write"):
         for task in reversed(range(3)):
-            prepare_mix(schedule_from_flags(sources, **options), tmp_path / "array").run(stage=stage, tasks=3, task_id=task)
+            prepare_mix(schedule_from_flags(sources, **options), tmp_path / "array").run(
+                stage=stage, tasks=3, task_id=task
+            )
     shards = [[s["sha256"] for s in read_manifest(tmp_path / out)["shards"]] for out in ("out", "array")]
     assert len(shards[0]) > 1 and shards[0] == shards[1]
 
@@ -162,8 +189,9 @@ def test_max_repeat_error_names_the_weight_a_source_can_carry(sample, tmp_path):
     assert carry == pytest.approx(math_bytes / 1_000_000, rel=1e-3)
     assert not (tmp_path / "out").exists()
     # the weight it names is one the source can carry
-    result = mix([f"web={sample}/web:{1 - carry * 0.999}", f"math={sample}/math:{carry * 0.999}"],
-                 tmp_path / "ok", bytes_="1MB")
+    result = mix(
+        [f"web={sample}/web:{1 - carry * 0.999}", f"math={sample}/math:{carry * 0.999}"], tmp_path / "ok", bytes_="1MB"
+    )
     assert {s.name: s.repeat for s in result.stages[0].sources}["math"] <= 1.0
 
 
@@ -172,7 +200,10 @@ def text_bytes(folder: Path) -> int:
 
 
 def test_stages_continue_through_sources_and_interpolate(sample, tmp_path):
-    recipe = write_recipe(tmp_path / "mix.toml", sample, """
+    recipe = write_recipe(
+        tmp_path / "mix.toml",
+        sample,
+        """
 seed = 3
 max_repeat = 1.0
 shuffle_buffer = 100
@@ -187,7 +218,8 @@ name = "decay"
 bytes = 300_000
 weights = { web = 80, code = 20, math = 0 }
 end_weights = { web = 20, code = 40, math = 40 }
-""")
+""",
+    )
     result = prepare_mix(schedule_from_recipe(recipe), tmp_path / "out").run()
     stable, decay = (read_rows(tmp_path / "out" / name) for name in ("stable", "decay"))
     for name, target in byte_shares(stable).items():
@@ -216,7 +248,10 @@ def test_pack_reads_a_whole_mix_stage_by_stage(sample, tokenizer_dir, tmp_path):
     from smolctl.data.pack import PackConfig, pack
     from smolctl.shards import open_packed
 
-    recipe = write_recipe(tmp_path / "mix.toml", sample, """
+    recipe = write_recipe(
+        tmp_path / "mix.toml",
+        sample,
+        """
 [[stages]]
 name = "first"
 documents = 300
@@ -226,10 +261,15 @@ weights = { web = 1, code = 1 }
 name = "second"
 documents = 200
 weights = { math = 1 }
-""")
+""",
+    )
     prepare_mix(schedule_from_recipe(recipe), tmp_path / "mix").run()
-    result = pack(str(tmp_path / "mix"), tmp_path / "packed", tokenizer_spec=str(tokenizer_dir),
-                  config=PackConfig(seq_len=128, strategy="concat"))
+    result = pack(
+        str(tmp_path / "mix"),
+        tmp_path / "packed",
+        tokenizer_spec=str(tokenizer_dir),
+        config=PackConfig(seq_len=128, strategy="concat"),
+    )
     packed = open_packed(tmp_path / "packed")
     positions = np.concatenate([packed.load_shard(i)["position_ids"] for i in range(len(packed.files))])
     # concat pads only at the end of each unit (input shard): one shard per stage here, so no row holds two stages
@@ -244,7 +284,7 @@ def test_interpolate_moves_to_the_next_stage_and_sources_may_differ_in_columns(s
     recipe.write_text(f"""
 max_repeat = 100.0
 [sources.web]
-path = "{sample / 'web'}"
+path = "{sample / "web"}"
 [sources.extra]
 path = "{extra}"
 [[stages]]
@@ -272,22 +312,29 @@ def test_parse_source_splits_on_the_last_colon():
     assert parse_source("code=s3://bucket/code:12") == ("code", "s3://bucket/code", 12.0)
 
 
-@pytest.mark.parametrize("sources, options, message", [
-    (["web=data/sample/web"], {}, "is not NAME=PATH:WEIGHT"),
-    (["web=data/sample/web:lots"], {}, "weight 'lots' is not a number"),
-    (["web=data/sample/web:0", "code=data/sample/code:0"], {}, "the weights sum to zero"),
-    (["web=data/sample/web:-1", "code=data/sample/code:2"], {}, "weight of 'web' is -1"),
-    (["web=data/sample/nowhere:1"], {}, "no such file or folder"),
-    (["chat=data/sample/chat:1"], {}, "has no column 'text'"),
-    (["web=data/sample/web:1"], {"tokens": "1M"}, "a budget in tokens needs a tokenizer"),
-    (["web=data/sample/web:1"], {"bytes_": "lots"}, "cannot read 'lots' as an amount"),
-    (["web=data/sample/web:1", "web=data/sample/code:1"], {}, "a source name is used twice"),
-    (["web=data/sample/web:1"], {"max_repeat": 0}, "is not a positive number"),
-    (["web=data/sample/web:1"], {"tokenizer": "tok", "token_estimate": "fast"}, "--token-estimate: unknown mode 'fast'"),
-    (["web=data/sample/web:1"], {"token_estimate": "sample"}, "sample counts tokens, and no tokenizer is given"),
-    (["web=data/sample/web:1"], {"tokenizer": "tok", "token_sample": 0}, "token_sample: 0 documents"),
-    ([], {}, "no sources given"),
-])
+@pytest.mark.parametrize(
+    "sources, options, message",
+    [
+        (["web=data/sample/web"], {}, "is not NAME=PATH:WEIGHT"),
+        (["web=data/sample/web:lots"], {}, "weight 'lots' is not a number"),
+        (["web=data/sample/web:0", "code=data/sample/code:0"], {}, "the weights sum to zero"),
+        (["web=data/sample/web:-1", "code=data/sample/code:2"], {}, "weight of 'web' is -1"),
+        (["web=data/sample/nowhere:1"], {}, "no such file or folder"),
+        (["chat=data/sample/chat:1"], {}, "has no column 'text'"),
+        (["web=data/sample/web:1"], {"tokens": "1M"}, "a budget in tokens needs a tokenizer"),
+        (["web=data/sample/web:1"], {"bytes_": "lots"}, "cannot read 'lots' as an amount"),
+        (["web=data/sample/web:1", "web=data/sample/code:1"], {}, "a source name is used twice"),
+        (["web=data/sample/web:1"], {"max_repeat": 0}, "is not a positive number"),
+        (
+            ["web=data/sample/web:1"],
+            {"tokenizer": "tok", "token_estimate": "fast"},
+            "--token-estimate: unknown mode 'fast'",
+        ),
+        (["web=data/sample/web:1"], {"token_estimate": "sample"}, "sample counts tokens, and no tokenizer is given"),
+        (["web=data/sample/web:1"], {"tokenizer": "tok", "token_sample": 0}, "token_sample: 0 documents"),
+        ([], {}, "no sources given"),
+    ],
+)
 def test_bad_flags(sources, options, message):
     with pytest.raises(UserError, match=message):
         prepare_mix(schedule_from_flags(sources, **options), "unused-output")
@@ -303,9 +350,15 @@ weights = { web = 1 }
         (base.replace('name = "one"', 'name = "one"\ninterpolat = true'), "unknown key — did you mean 'interpolate'"),
         (base.replace("web = 1", "wbe = 1"), "weight for unknown source 'wbe'"),
         (base + '\n[[stages]]\nname = "one"\nweights = { web = 1 }\n', "a stage name is used twice"),
-        (base.replace("weights = { web = 1 }", "weights = { web = 1 }\ninterpolate = true"), "interpolate = true on the last stage"),
+        (
+            base.replace("weights = { web = 1 }", "weights = { web = 1 }\ninterpolate = true"),
+            "interpolate = true on the last stage",
+        ),
         (base.replace('"one"', '"../up"'), "is not a usable folder name"),
-        (base.replace("weights = { web = 1 }", "weights = { web = 1 }\nbytes = 10\ndocuments = 5"), "more than one budget"),
+        (
+            base.replace("weights = { web = 1 }", "weights = { web = 1 }\nbytes = 10\ndocuments = 5"),
+            "more than one budget",
+        ),
     ]
     for body, message in cases:
         with pytest.raises(UserError, match=message):
@@ -320,8 +373,17 @@ def test_schema_clash_is_an_error(sample, tmp_path):
 
 def test_cli_recipe_with_overrides_then_pack(sample, tokenizer_dir, tmp_path):
     out = tmp_path / "mix"
-    done = run_cli("mix", out, "--recipe", "recipes/demo-mix.toml", "--tokenizer", tokenizer_dir,
-                   "--set", f"sources.math.path={sample / 'math'}", "--json")
+    done = run_cli(
+        "mix",
+        out,
+        "--recipe",
+        "recipes/demo-mix.toml",
+        "--tokenizer",
+        tokenizer_dir,
+        "--set",
+        f"sources.math.path={sample / 'math'}",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["unit"] == "tokens" and [s["name"] for s in result["stages"]] == ["stage-1", "stage-2", "stage-3"]
@@ -331,10 +393,19 @@ def test_cli_recipe_with_overrides_then_pack(sample, tokenizer_dir, tmp_path):
     refused = run_cli("mix", tmp_path / "x", "--recipe", "recipes/demo-mix.toml", "--source", "web=a:1")
     assert refused.returncode == 2 and "cannot be combined with --recipe" in refused.stderr
     assert not (tmp_path / "x").exists()
-    bad = run_cli("mix", tmp_path / "x", "--source", f"web={sample / 'web'}:1", "--tokenizer", tokenizer_dir,
-                  "--token-estimate", "fast")
+    bad = run_cli(
+        "mix",
+        tmp_path / "x",
+        "--source",
+        f"web={sample / 'web'}:1",
+        "--tokenizer",
+        tokenizer_dir,
+        "--token-estimate",
+        "fast",
+    )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "error: --token-estimate: unknown mode 'fast' — use one of auto, sample, exact"]
+        "error: --token-estimate: unknown mode 'fast' — use one of auto, sample, exact"
+    ]
     assert not (tmp_path / "x").exists()
 
 
@@ -376,8 +447,11 @@ order = "{order}"
 
 def curriculum_mix(sample: Path, tmp: Path, order: str, name: str, seed: int = 5) -> Path:
     recipe = tmp / f"{name}.toml"
-    recipe.write_text(CURRICULUM.format(web=scored_copy(sample, "web", tmp), code=scored_copy(sample, "code", tmp),
-                                        order=order).replace("seed = 5", f"seed = {seed}"))
+    recipe.write_text(
+        CURRICULUM.format(
+            web=scored_copy(sample, "web", tmp), code=scored_copy(sample, "code", tmp), order=order
+        ).replace("seed = 5", f"seed = {seed}")
+    )
     prepare_mix(schedule_from_recipe(recipe), tmp / name).run()
     return tmp / name
 
@@ -397,12 +471,14 @@ def test_curriculum_rises_within_each_stage_and_keeps_the_weights_along_it(sampl
     for name in ("web", "code"):
         assert (np.diff(scores[names == name]) >= 0).all(), f"{name} never gets easier along the stage"
     for start in range(0, main.num_rows, 300):
-        assert (np.diff(scores[start:start + 300]) >= 0).all(), "every block is sorted"
+        assert (np.diff(scores[start : start + 300]) >= 0).all(), "every block is sorted"
     assert scores[:300].mean() < scores[-300:].mean()
     # Each block keeps the sources' byte shares as closely as the shuffled mix does.
     target = {"web": 0.7, "code": 0.3}
-    worst = {label: max(abs(shares.get(n, 0.0) - t) for shares in block_byte_shares(rows, 300) for n, t in target.items())
-             for label, rows in (("ordered", main), ("shuffled", plain))}
+    worst = {
+        label: max(abs(shares.get(n, 0.0) - t) for shares in block_byte_shares(rows, 300) for n, t in target.items())
+        for label, rows in (("ordered", main), ("shuffled", plain))
+    }
     assert worst["ordered"] <= worst["shuffled"] + 0.02, worst
     assert read_manifest(ordered / "main")["mix"]["stages"][0]["order"] == "ascending:difficulty"
 
@@ -423,16 +499,22 @@ def test_curriculum_same_seed_same_bytes_and_proxies(sample, tmp_path):
     assert (np.diff(sizes) >= 0).all()
 
 
-@pytest.mark.parametrize("order, message", [
-    ("descending:length", "is not an order"),
-    ("ascending:", "is not an order"),
-    ("ascending:rank", "source 'web' has no column 'rank'"),
-    ("ascending:id", "column 'id' of source 'web' holds string, not numbers"),
-])
+@pytest.mark.parametrize(
+    "order, message",
+    [
+        ("descending:length", "is not an order"),
+        ("ascending:", "is not an order"),
+        ("ascending:rank", "source 'web' has no column 'rank'"),
+        ("ascending:id", "column 'id' of source 'web' holds string, not numbers"),
+    ],
+)
 def test_bad_curriculum_orders(sample, tmp_path, order, message):
     recipe = tmp_path / "m.toml"
-    recipe.write_text(CURRICULUM.format(web=scored_copy(sample, "web", tmp_path), code=scored_copy(sample, "code", tmp_path),
-                                        order=order))
+    recipe.write_text(
+        CURRICULUM.format(
+            web=scored_copy(sample, "web", tmp_path), code=scored_copy(sample, "code", tmp_path), order=order
+        )
+    )
     with pytest.raises(UserError, match=message):
         prepare_mix(schedule_from_recipe(recipe), tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -16,8 +17,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import REPO, run_cli
+
 from smolctl.data.pack import PackConfig, pack
 from smolctl.data.pack_rows import best_fit_decreasing
 from smolctl.data.tokenizer import load_rust_tokenizer, load_tokenizer, tokenizer_fingerprint
@@ -53,7 +54,7 @@ def expected_pieces(tokenizer, texts: list[str], seq_len: int) -> list[tuple[int
         if not text:
             continue
         ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        pieces += [tuple(ids[i:i + seq_len]) for i in range(0, len(ids), seq_len)]
+        pieces += [tuple(ids[i : i + seq_len]) for i in range(0, len(ids), seq_len)]
     return pieces
 
 
@@ -66,8 +67,12 @@ def tokenizer(tokenizer_dir):
 
 def test_bfd_split_holds_every_token_exactly_once(sample, tokenizer_dir, tokenizer, tmp_path):
     texts = sample_texts(sample / "code")
-    result = pack(str(sample / "code"), tmp_path / "packed", tokenizer_spec=str(tokenizer_dir),
-                  config=PackConfig(seq_len=300, buffer_tokens=40_000))  # several buffers
+    result = pack(
+        str(sample / "code"),
+        tmp_path / "packed",
+        tokenizer_spec=str(tokenizer_dir),
+        config=PackConfig(seq_len=300, buffer_tokens=40_000),
+    )  # several buffers
     ids, positions = packed_rows(tmp_path / "packed")
     assert Counter(segments(ids, positions)) == Counter(expected_pieces(tokenizer, texts, 300))
     assert result.stats.split_documents > 0 and result.stats.documents == len(texts)
@@ -85,11 +90,16 @@ def test_bfd_split_holds_every_token_exactly_once(sample, tokenizer_dir, tokeniz
 
 def test_concat_is_the_corpus_in_order(sample, tokenizer_dir, tokenizer, tmp_path):
     texts = sample_texts(sample / "math")
-    result = pack(str(sample / "math"), tmp_path / "packed", tokenizer_spec=str(tokenizer_dir),
-                  config=PackConfig(seq_len=128, strategy="concat", batch_documents=50))
+    result = pack(
+        str(sample / "math"),
+        tmp_path / "packed",
+        tokenizer_spec=str(tokenizer_dir),
+        config=PackConfig(seq_len=128, strategy="concat", batch_documents=50),
+    )
     ids, positions = packed_rows(tmp_path / "packed")
-    stream = np.concatenate([tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                             for t in texts if t])
+    stream = np.concatenate(
+        [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in texts if t]
+    )
     assert np.array_equal(ids[positions >= 0], stream)
     # Each input shard is a unit packed on its own: only the last row of each is padded.
     shard_ends = np.cumsum([s["rows"] for s in read_manifest(tmp_path / "packed")["shards"]]) - 1
@@ -109,7 +119,7 @@ def test_position_ids_restart_at_documents_and_padding_is_marked(sample, tokeniz
     inside = real[:, 1:] & (positions[:, 1:] != 0)
     assert (steps[inside] == 1).all()
     # every document ends with EOS: the token before each document start (and the last real token) is EOS
-    before_start = (positions[:, 1:] == 0)
+    before_start = positions[:, 1:] == 0
     assert (ids[:, :-1][before_start] == tokenizer.eos_token_id).all()
     assert (ids[~real] == tokenizer.pad_token_id).all()
     # padding only at row ends
@@ -118,12 +128,17 @@ def test_position_ids_restart_at_documents_and_padding_is_marked(sample, tokeniz
 
 def test_truncate_keeps_the_first_seq_len_tokens(sample, tokenizer_dir, tokenizer, tmp_path):
     texts = sample_texts(sample / "math")
-    result = pack(str(sample / "math"), tmp_path / "packed", tokenizer_spec=str(tokenizer_dir),
-                  config=PackConfig(seq_len=64, long_docs="truncate"))
+    result = pack(
+        str(sample / "math"),
+        tmp_path / "packed",
+        tokenizer_spec=str(tokenizer_dir),
+        config=PackConfig(seq_len=64, long_docs="truncate"),
+    )
     ids, positions = packed_rows(tmp_path / "packed")
     expected = [p for p in expected_pieces(tokenizer, texts, 64)]
-    firsts = [tuple((tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])[:64])
-              for t in texts if t]
+    firsts = [
+        tuple((tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])[:64]) for t in texts if t
+    ]
     assert Counter(segments(ids, positions)) == Counter(firsts)
     assert result.stats.truncated_tokens == sum(map(len, expected)) - sum(map(len, firsts)) > 0
 
@@ -135,21 +150,30 @@ def test_best_fit_decreasing_fills_the_tightest_row():
     assert rows == 3 and sorted(fill.tolist()) == [8, 8, 8]
     for r in range(rows):  # documents of a row do not overlap
         spans = sorted((offset[i], offset[i] + lengths[i]) for i in np.flatnonzero(row_of == r))
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
 
 
 def test_workers_give_the_same_rows(sample, tokenizer_dir, tmp_path):
     config = dict(seq_len=256, batch_documents=100)
     pack(str(sample / "math"), tmp_path / "one", tokenizer_spec=str(tokenizer_dir), config=PackConfig(**config))
-    pack(str(sample / "math"), tmp_path / "two", tokenizer_spec=str(tokenizer_dir), config=PackConfig(**config, workers=2))
+    pack(
+        str(sample / "math"),
+        tmp_path / "two",
+        tokenizer_spec=str(tokenizer_dir),
+        config=PackConfig(**config, workers=2),
+    )
     for a, b in zip(packed_rows(tmp_path / "one"), packed_rows(tmp_path / "two")):
         assert np.array_equal(a, b)
 
 
 def test_datatrove_token_files(sample, tokenizer_dir, tokenizer, tmp_path):
     texts = sample_texts(sample / "math")
-    result = pack(str(sample / "math"), tmp_path / "tokens", tokenizer_spec=str(tokenizer_dir),
-                  config=PackConfig(seq_len=64, format="datatrove", shard_size="40KB", batch_documents=50))
+    result = pack(
+        str(sample / "math"),
+        tmp_path / "tokens",
+        tokenizer_spec=str(tokenizer_dir),
+        config=PackConfig(seq_len=64, format="datatrove", shard_size="40KB", batch_documents=50),
+    )
     manifest = read_manifest(tmp_path / "tokens")
     assert manifest["kind"] == "tokens" and manifest["token_size"] == 2 and len(manifest["shards"]) > 1
     stream = [np.fromfile(tmp_path / "tokens" / s["name"], dtype="<u2") for s in manifest["shards"]]
@@ -168,8 +192,12 @@ def test_datatrove_token_files(sample, tokenizer_dir, tokenizer, tmp_path):
 def test_empty_documents_are_skipped_and_counted(tokenizer_dir, tmp_path):
     table = pa.table({"text": ["first document", "", None, "second one"]})
     pq.write_table(table, tmp_path / "docs.parquet")
-    result = pack(str(tmp_path / "docs.parquet"), tmp_path / "packed", tokenizer_spec=str(tokenizer_dir),
-                  config=PackConfig(seq_len=32))
+    result = pack(
+        str(tmp_path / "docs.parquet"),
+        tmp_path / "packed",
+        tokenizer_spec=str(tokenizer_dir),
+        config=PackConfig(seq_len=32),
+    )
     assert result.stats.documents == 2 and result.stats.skipped_empty == 2
     assert read_manifest(tmp_path / "packed")["skipped_empty"] == 2
 
@@ -189,23 +217,37 @@ def test_packed_documents_do_not_see_each_other(sample, tokenizer_dir, tokenizer
     row_positions[padding] = np.arange(padding.sum())  # what the trainer does: padding is its own pseudo-document
 
     torch.manual_seed(0)
-    config = SmolLM3Config(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                           pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-                           eos_token_id=tokenizer.eos_token_id, attn_implementation=attention)
+    config = SmolLM3Config(
+        vocab_size=2048,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        attn_implementation=attention,
+    )
     model = SmolLM3ForCausalLM(config).float().eval()
-    input_ids = torch.tensor(ids[row:row + 1], dtype=torch.long)
+    input_ids = torch.tensor(ids[row : row + 1], dtype=torch.long)
     with torch.no_grad():
-        packed = model(input_ids=input_ids, position_ids=torch.tensor(row_positions[None], dtype=torch.long),
-                       use_cache=False).logits[0]
-        leaked = model(input_ids=input_ids, position_ids=torch.tensor(row_positions[None], dtype=torch.long),
-                       attention_mask=torch.ones_like(input_ids), use_cache=False).logits[0]
+        packed = model(
+            input_ids=input_ids, position_ids=torch.tensor(row_positions[None], dtype=torch.long), use_cache=False
+        ).logits[0]
+        leaked = model(
+            input_ids=input_ids,
+            position_ids=torch.tensor(row_positions[None], dtype=torch.long),
+            attention_mask=torch.ones_like(input_ids),
+            use_cache=False,
+        ).logits[0]
         starts = np.flatnonzero(positions[row] == 0).tolist() + [int((~padding).sum())]
-        for begin, end in zip(starts, starts[1:]):
+        for begin, end in itertools.pairwise(starts):
             alone = model(input_ids=input_ids[:, begin:end], use_cache=False).logits[0]
             torch.testing.assert_close(packed[begin:end], alone, atol=1e-5, rtol=1e-5)
     # An attention mask switches the packed-sequence masking off: the later documents see the earlier ones.
-    assert not torch.allclose(leaked[starts[1]:starts[2]], packed[starts[1]:starts[2]], atol=1e-3)
+    assert not torch.allclose(leaked[starts[1] : starts[2]], packed[starts[1] : starts[2]], atol=1e-3)
 
 
 def test_cli_pack_and_inspect(sample, tokenizer_dir, tmp_path):
@@ -219,12 +261,15 @@ def test_cli_pack_and_inspect(sample, tokenizer_dir, tmp_path):
     assert all(row["text"].count("⟂") <= row["documents"] - 1 for row in rows)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--seq-len", "1"], "--seq-len: 1 is too short"),
-    (["--strategy", "greedy"], "unknown strategy 'greedy'"),
-    (["--long-docs", "drop"], "unknown choice 'drop'"),
-    (["--text-column", "body"], "has no column 'body'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--seq-len", "1"], "--seq-len: 1 is too short"),
+        (["--strategy", "greedy"], "unknown strategy 'greedy'"),
+        (["--long-docs", "drop"], "unknown choice 'drop'"),
+        (["--text-column", "body"], "has no column 'body'"),
+    ],
+)
 def test_bad_options_write_nothing(sample, tokenizer_dir, tmp_path, args, message):
     done = run_cli("pack", sample / "math", tmp_path / "out", "--tokenizer", tokenizer_dir, *args)
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
@@ -238,8 +283,12 @@ def test_bad_inputs(sample, tokenizer_dir, tmp_path):
     with pytest.raises(UserError, match="no such file"):
         pack(str(tmp_path / "missing"), tmp_path / "a", tokenizer_spec=str(tokenizer_dir), config=config)
     with pytest.raises(UserError, match="holds list"):
-        pack(str(sample / "chat"), tmp_path / "a", tokenizer_spec=str(tokenizer_dir),
-             config=PackConfig(seq_len=64, text_column="messages"))
+        pack(
+            str(sample / "chat"),
+            tmp_path / "a",
+            tokenizer_spec=str(tokenizer_dir),
+            config=PackConfig(seq_len=64, text_column="messages"),
+        )
     pack(str(sample / "math"), tmp_path / "packed", tokenizer_spec=str(tokenizer_dir), config=config)
     with pytest.raises(UserError, match="is a packed folder, not a dataset"):
         pack(str(tmp_path / "packed"), tmp_path / "b", tokenizer_spec=str(tokenizer_dir), config=config)
@@ -270,8 +319,11 @@ MACHINE_FIELDS = ("created_at", "command", "inputs", "work_fingerprint")
 
 
 def output_digests(folder: Path) -> dict[str, str]:
-    digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
-               if p.is_file() and p.suffix != ".metadata" and p.name != "manifest.json"}
+    digests = {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.suffix != ".metadata" and p.name != "manifest.json"
+    }
     for metadata in folder.glob("*.metadata"):  # its first line starts with the tokenizer's path
         digests[metadata.name] = hashlib.sha256(metadata.read_bytes().split(b"|", 1)[1]).hexdigest()
     manifest = {k: v for k, v in read_manifest(folder).items() if k not in MACHINE_FIELDS}
@@ -348,15 +400,22 @@ GOLDEN = {
 @pytest.mark.parametrize("name", GOLDEN_CONFIGS)
 def test_output_bytes_are_unchanged(sample, tokenizer_dir, tmp_path, name):
     folder, options = GOLDEN_CONFIGS[name]
-    result = pack(str(sample / folder), tmp_path / "plain", tokenizer_spec=str(tokenizer_dir),
-                  config=PackConfig(**options))
+    result = pack(
+        str(sample / folder), tmp_path / "plain", tokenizer_spec=str(tokenizer_dir), config=PackConfig(**options)
+    )
     assert result.tokenizer["fingerprint"] == GOLDEN_TOKENIZER
     assert output_digests(tmp_path / "plain") == GOLDEN[name]
     if name not in ARRAY_CHECKED:
         return
     for task_id in (1, 0):  # as a two-task array, in reverse order: the same bytes
-        pack(str(sample / folder), tmp_path / "tasks", tokenizer_spec=str(tokenizer_dir),
-             config=PackConfig(**options), tasks=2, task_id=task_id)
+        pack(
+            str(sample / folder),
+            tmp_path / "tasks",
+            tokenizer_spec=str(tokenizer_dir),
+            config=PackConfig(**options),
+            tasks=2,
+            task_id=task_id,
+        )
     assert output_digests(tmp_path / "tasks") == GOLDEN[name]
 
 
@@ -365,11 +424,18 @@ def test_pack_starts_without_transformers(sample, tokenizer_dir, tmp_path):
     are never imported by a pack, and the manifest names the tokenizer as transformers would."""
     from transformers import AutoTokenizer
 
-    script = (f"import sys; from smolctl.data.pack import PackConfig, pack; "
-              f"pack({str(sample / 'math')!r}, {str(tmp_path / 'packed')!r}, tokenizer_spec={str(tokenizer_dir)!r}, "
-              f"config=PackConfig(seq_len=64)); print(sorted({{'transformers', 'torch', 'pandas'}} & set(sys.modules)))")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    script = (
+        f"import sys; from smolctl.data.pack import PackConfig, pack; "
+        f"pack({str(sample / 'math')!r}, {str(tmp_path / 'packed')!r}, tokenizer_spec={str(tokenizer_dir)!r}, "
+        f"config=PackConfig(seq_len=64)); print(sorted({{'transformers', 'torch', 'pandas'}} & set(sys.modules)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
     loaded = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -400,11 +466,15 @@ def test_a_shard_failing_mid_run_leaves_nothing_and_no_threads(sample, tokenizer
     pq.write_table(table.slice(0, 400), inputs / "part-00000.parquet", row_group_size=100)
     pq.write_table(table.slice(400), inputs / "part-00001.parquet", row_group_size=100)
     broken = bytearray((inputs / "part-00001.parquet").read_bytes())
-    broken[len(broken) // 2:len(broken) // 2 + 4000] = bytes(4000)
+    broken[len(broken) // 2 : len(broken) // 2 + 4000] = bytes(4000)
     (inputs / "part-00001.parquet").write_bytes(bytes(broken))
     threads = threading.active_count()
-    with pytest.raises(UserError, match="part-00001.parquet"):
-        pack(str(inputs), tmp_path / "packed", tokenizer_spec=str(tokenizer_dir),
-             config=PackConfig(seq_len=128, batch_documents=20))
+    with pytest.raises(UserError, match=r"part-00001\.parquet"):
+        pack(
+            str(inputs),
+            tmp_path / "packed",
+            tokenizer_spec=str(tokenizer_dir),
+            config=PackConfig(seq_len=128, batch_documents=20),
+        )
     assert not (tmp_path / "packed").exists() and not (tmp_path / ".packed.partial").exists()
     assert threading.active_count() == threads

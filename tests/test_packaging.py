@@ -13,7 +13,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, SAMPLE
 
 # Runs smolctl as if the C extension had never been built: a None entry in sys.modules makes its import fail.

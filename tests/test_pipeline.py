@@ -10,20 +10,39 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import SAMPLE, run_cli
+
 from smolctl.shards import read_manifest, sha256_file, verify_checksums
 
 SOURCES = ("web", "code", "math")
 # A few steps each: the test is about the hand-over between stages, the stages' own tests cover their training.
-PRETRAIN = ["training.steps=3", "training.micro_batch=4", "training.global_batch=4", "schedule.warmup_steps=1",
-            "checkpoint.interval=100", "logging.interval=1"]
-MIDTRAIN = ["training.steps=2", "training.micro_batch=2", "training.global_batch=2", "schedule.warmup_steps=0",
-            "checkpoint.interval=100", "logging.interval=1"]
+PRETRAIN = [
+    "training.steps=3",
+    "training.micro_batch=4",
+    "training.global_batch=4",
+    "schedule.warmup_steps=1",
+    "checkpoint.interval=100",
+    "logging.interval=1",
+]
+MIDTRAIN = [
+    "training.steps=2",
+    "training.micro_batch=2",
+    "training.global_batch=2",
+    "schedule.warmup_steps=0",
+    "checkpoint.interval=100",
+    "logging.interval=1",
+]
 SFT = ["training.steps=2", "schedule.warmup_steps=0", "checkpoint.interval=100", "sft.max_length=128"]
 DPO = ["training.steps=2", "checkpoint.interval=100", "dpo.max_length=64", "data.limit=8"]
-PPO = ["training.steps=1", "ppo.batch_size=8", "ppo.minibatch_size=8", "training.micro_batch=8", "ppo.epochs=1",
-       "checkpoint.interval=100", "ppo.max_new_tokens=4"]
+PPO = [
+    "training.steps=1",
+    "ppo.batch_size=8",
+    "ppo.minibatch_size=8",
+    "training.micro_batch=8",
+    "ppo.epochs=1",
+    "checkpoint.interval=100",
+    "ppo.max_new_tokens=4",
+]
 
 
 def sets(overrides: list[str]) -> list[str]:
@@ -39,21 +58,53 @@ def stage(*args: object) -> dict:
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("pipeline")
-    folders = {"tokenizer": out / "tokenizer", "mix": out / "mix", "packed": out / "packed",
-               "packed-long": out / "packed-long", "pretrain": out / "pretrain" / "final",
-               "midtrain": out / "midtrain" / "final", "sft": out / "sft" / "final", "dpo": out / "dpo" / "final",
-               "ppo": out / "ppo" / "final", **{f"dedup/{s}": out / "dedup" / s for s in SOURCES}}
+    folders = {
+        "tokenizer": out / "tokenizer",
+        "mix": out / "mix",
+        "packed": out / "packed",
+        "packed-long": out / "packed-long",
+        "pretrain": out / "pretrain" / "final",
+        "midtrain": out / "midtrain" / "final",
+        "sft": out / "sft" / "final",
+        "dpo": out / "dpo" / "final",
+        "ppo": out / "ppo" / "final",
+        **{f"dedup/{s}": out / "dedup" / s for s in SOURCES},
+    }
     stage("train-tokenizer", SAMPLE / "web", folders["tokenizer"], "--vocab-size", "2048")
     for source in SOURCES:
         stage("dedup", SAMPLE / source, folders[f"dedup/{source}"], "--minhash", "--workers", "1")
-    stage("mix", folders["mix"], "--recipe", "recipes/demo-mix.toml", "--tokenizer", folders["tokenizer"],
-          *sets([f"sources.{s}.path={folders[f'dedup/{s}']}" for s in SOURCES]))
-    stage("pack", folders["mix"] / "stage-1", folders["packed"], "--tokenizer", folders["tokenizer"], "--seq-len", "256")
-    stage("pack", folders["mix"] / "stage-3", folders["packed-long"], "--tokenizer", folders["tokenizer"],
-          "--seq-len", "512")
+    stage(
+        "mix",
+        folders["mix"],
+        "--recipe",
+        "recipes/demo-mix.toml",
+        "--tokenizer",
+        folders["tokenizer"],
+        *sets([f"sources.{s}.path={folders[f'dedup/{s}']}" for s in SOURCES]),
+    )
+    stage(
+        "pack", folders["mix"] / "stage-1", folders["packed"], "--tokenizer", folders["tokenizer"], "--seq-len", "256"
+    )
+    stage(
+        "pack",
+        folders["mix"] / "stage-3",
+        folders["packed-long"],
+        "--tokenizer",
+        folders["tokenizer"],
+        "--seq-len",
+        "512",
+    )
     stage("pretrain", "recipes/smollm3-tiny.toml", out / "pretrain", "--data", folders["packed"], *sets(PRETRAIN))
-    stage("midtrain", "recipes/smollm3-tiny-midtrain.toml", out / "midtrain", "--from", folders["pretrain"],
-          "--data", folders["packed-long"], *sets(MIDTRAIN))
+    stage(
+        "midtrain",
+        "recipes/smollm3-tiny-midtrain.toml",
+        out / "midtrain",
+        "--from",
+        folders["pretrain"],
+        "--data",
+        folders["packed-long"],
+        *sets(MIDTRAIN),
+    )
     # The post-training stages take a run folder as --from (its final/), as the demo does.
     stage("sft", "recipes/sft-tiny.toml", out / "sft", "--from", out / "midtrain", *sets(SFT))
     stage("dpo", "recipes/dpo-tiny.toml", out / "dpo", "--from", out / "sft", *sets(DPO))
@@ -105,8 +156,18 @@ def test_inspect_lineage_walks_from_the_final_model_to_the_raw_corpus(pipeline):
     chain = json.loads(done.stdout)["lineage"]
     paths = [entry["path"] for entry in chain]
     assert paths[0] == str(pipeline["ppo"].resolve())
-    for name in ("dpo", "sft", "midtrain", "pretrain", "packed", "packed-long", "mix/stage-1", "mix/stage-3",
-                 "tokenizer", *(f"dedup/{s}" for s in SOURCES)):
+    for name in (
+        "dpo",
+        "sft",
+        "midtrain",
+        "pretrain",
+        "packed",
+        "packed-long",
+        "mix/stage-1",
+        "mix/stage-3",
+        "tokenizer",
+        *(f"dedup/{s}" for s in SOURCES),
+    ):
         assert str(resolve(pipeline, name)) in paths, f"{name} missing from the lineage"
     for raw in ("web", "code", "math", "chat", "preference", "prompts"):
         assert str((SAMPLE / raw).resolve()) in paths, f"data/sample/{raw} missing from the lineage"
@@ -126,10 +187,14 @@ def test_final_model_loads_with_transformers_and_generates(pipeline):
 
     model = AutoModelForCausalLM.from_pretrained(str(pipeline["ppo"]))
     tokenizer = AutoTokenizer.from_pretrained(str(pipeline["ppo"]))
-    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "Which module joins paths?"}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Which module joins paths?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=6, do_sample=False)
     assert output.shape[1] > inputs["input_ids"].shape[1]
-    assert isinstance(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:]), str)
+    assert isinstance(tokenizer.decode(output[0, inputs["input_ids"].shape[1] :]), str)
     assert model.config.max_position_embeddings == 512  # the long-context midtraining carried through post-training

@@ -10,12 +10,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, SAMPLE, run_cli
+from tiny_checkpoint import make_tiny_checkpoint
+
 from smolctl.errors import UserError
 from smolctl.train.config import load_command_recipe
 from smolctl.train.posttrain import balanced_indices, run_dpo, run_sft
-from tiny_checkpoint import make_tiny_checkpoint
 
 SFT_QUICK = ["training.steps=3", "training.micro_batch=4", "sft.max_length=128", "checkpoint.interval=100"]
 
@@ -39,10 +39,14 @@ def chat_reply(model_dir: Path) -> str:
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "Is `os.path.join` a function or a class?"}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    inputs = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Is `os.path.join` a function or a class?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     output = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-    return tokenizer.decode(output[0, inputs["input_ids"].shape[1]:])
+    return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :])
 
 
 def test_balanced_indices_give_every_group_the_same_share():
@@ -51,20 +55,37 @@ def test_balanced_indices_give_every_group_the_same_share():
     assert Counter(groups[i] for i in capped) == {"a": 1, "b": 1, "c": 1}
     upsampled = balanced_indices(groups, "upsample", seed=0)
     assert Counter(groups[i] for i in upsampled) == {"a": 6, "b": 6, "c": 6}
-    assert sorted(set(i for i in upsampled if groups[i] == "b")) == [6, 7, 8]   # every row used before repeats
+    assert sorted(set(i for i in upsampled if groups[i] == "b")) == [6, 7, 8]  # every row used before repeats
     assert balanced_indices(groups, "cap", seed=0) == capped
 
 
 @pytest.mark.slow
 def test_sft_dpo_ppo_chain_through_the_cli(tiny_model, tmp_path):
-    bad = run_cli("sft", "recipes/sft-tiny.toml", tmp_path / "bad", "--from", tiny_model,
-                  "--set", f"data.path={SAMPLE / 'preference'}")
+    bad = run_cli(
+        "sft",
+        "recipes/sft-tiny.toml",
+        tmp_path / "bad",
+        "--from",
+        tiny_model,
+        "--set",
+        f"data.path={SAMPLE / 'preference'}",
+    )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
-    assert "has no 'messages' column nor 'prompt'/'completion' columns (columns: id, prompt, chosen, rejected)" in bad.stderr
+    assert (
+        "has no 'messages' column nor 'prompt'/'completion' columns (columns: id, prompt, chosen, rejected)"
+        in bad.stderr
+    )
     assert not (tmp_path / "bad").exists()
 
-    sft = run_cli("sft", "recipes/sft-tiny.toml", tmp_path / "sft", "--from", tiny_model, "--json",
-                  *(f"--set={o}" for o in SFT_QUICK))
+    sft = run_cli(
+        "sft",
+        "recipes/sft-tiny.toml",
+        tmp_path / "sft",
+        "--from",
+        tiny_model,
+        "--json",
+        *(f"--set={o}" for o in SFT_QUICK),
+    )
     assert sft.returncode == 0, sft.stderr
     result = json.loads(sft.stdout)
     assert result["steps"] == 3 and result["final"] == str(tmp_path / "sft" / "final")
@@ -74,19 +95,48 @@ def test_sft_dpo_ppo_chain_through_the_cli(tiny_model, tmp_path):
     assert [ref["path"] for ref in manifest["inputs"]] == [str(SAMPLE / "chat"), str(tiny_model.resolve())]
     assert len((tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()) >= 3
 
-    dpo = run_cli("dpo", "recipes/dpo-tiny.toml", tmp_path / "dpo", "--from", tmp_path / "sft", "--json",
-                  "--set", "training.steps=3", "--set", "training.micro_batch=4", "--set", "schedule.decay_rate=0.5",
-                  "--set", "dpo.max_length=64")
+    dpo = run_cli(
+        "dpo",
+        "recipes/dpo-tiny.toml",
+        tmp_path / "dpo",
+        "--from",
+        tmp_path / "sft",
+        "--json",
+        "--set",
+        "training.steps=3",
+        "--set",
+        "training.micro_batch=4",
+        "--set",
+        "schedule.decay_rate=0.5",
+        "--set",
+        "dpo.max_length=64",
+    )
     assert dpo.returncode == 0, dpo.stderr
     result = json.loads(dpo.stdout)
     assert {"rewards/accuracies", "rewards/margins", "loss"} <= set(result["metrics"])
-    rates = [r["lr"] for r in map(json.loads, (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()) if "lr" in r]
-    assert rates == pytest.approx([1e-3 * 0.5 ** step for step in range(3)])     # lr0 · decay^step
-    assert json.loads((tmp_path / "dpo" / "final" / "manifest.json").read_text())["parent"] == str(tmp_path / "sft" / "final")
+    rates = [
+        r["lr"] for r in map(json.loads, (tmp_path / "dpo" / "metrics.jsonl").read_text().splitlines()) if "lr" in r
+    ]
+    assert rates == pytest.approx([1e-3 * 0.5**step for step in range(3)])  # lr0 · decay^step
+    assert json.loads((tmp_path / "dpo" / "final" / "manifest.json").read_text())["parent"] == str(
+        tmp_path / "sft" / "final"
+    )
 
-    ppo = run_cli("ppo", "recipes/ppo-tiny.toml", tmp_path / "ppo", "--from", tmp_path / "dpo",
-                  "--set", "training.steps=2", "--set", "ppo.batch_size=8", "--set", "training.micro_batch=8",
-                  "--set", "ppo.max_new_tokens=4")
+    ppo = run_cli(
+        "ppo",
+        "recipes/ppo-tiny.toml",
+        tmp_path / "ppo",
+        "--from",
+        tmp_path / "dpo",
+        "--set",
+        "training.steps=2",
+        "--set",
+        "ppo.batch_size=8",
+        "--set",
+        "training.micro_batch=8",
+        "--set",
+        "ppo.max_new_tokens=4",
+    )
     assert ppo.returncode == 0, ppo.stderr
     assert "reward_last" in ppo.stdout and "ppo/final" in ppo.stdout
     for stage in ("sft", "dpo", "ppo"):
@@ -98,17 +148,23 @@ def test_sft_dpo_ppo_chain_through_the_cli(tiny_model, tmp_path):
 
 def test_padding_free_sft_resumes_from_the_newest_checkpoint(tiny_model, tmp_path):
     recipe = REPO / "recipes" / "sft-tiny.toml"
-    quick = [*SFT_QUICK, "training.steps=2", "checkpoint.interval=1", "sft.packing=\"padding_free\""]
+    quick = [*SFT_QUICK, "training.steps=2", "checkpoint.interval=1", 'sft.packing="padding_free"']
     first = run_sft(load_sft_recipe(recipe, quick), tmp_path / "run", start=str(tiny_model))
     assert first.steps == 2 and (tmp_path / "run" / "checkpoints" / "step-0000002" / "trainer_state.json").is_file()
     with pytest.raises(UserError, match=r"differs from the one the run started with in optimizer.lr"):
-        run_sft(load_sft_recipe(recipe, [*quick, "optimizer.lr=0.5"]), tmp_path / "run", start=str(tiny_model),
-                resume="auto")
-    longer = run_sft(load_sft_recipe(recipe, [*quick, "training.steps=3"]), tmp_path / "run", start=str(tiny_model),
-                     resume="auto")
+        run_sft(
+            load_sft_recipe(recipe, [*quick, "optimizer.lr=0.5"]),
+            tmp_path / "run",
+            start=str(tiny_model),
+            resume="auto",
+        )
+    longer = run_sft(
+        load_sft_recipe(recipe, [*quick, "training.steps=3"]), tmp_path / "run", start=str(tiny_model), resume="auto"
+    )
     assert longer.resumed_from.endswith("step-0000002") and longer.steps == 3
-    steps = [r["step"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
-             if "loss" in r]
+    steps = [
+        r["step"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+    ]
     assert steps == [1, 2, 3]
 
 
@@ -127,9 +183,15 @@ def test_bad_inputs_fail_before_training(tiny_model, tmp_path):
     sft = load_sft_recipe(REPO / "recipes" / "sft-tiny.toml", SFT_QUICK)
     dpo = load_dpo_recipe(REPO / "recipes" / "dpo-tiny.toml", ["training.steps=1"])
     out = tmp_path / "out"
-    with pytest.raises(UserError, match=r"has no columns 'prompt', 'chosen', 'rejected' \(columns: id, task, messages\) — pass a preference"):
-        run_dpo(load_dpo_recipe(REPO / "recipes" / "dpo-tiny.toml", [f"data.path={SAMPLE / 'chat'}"]), out,
-                start=str(tiny_model))
+    with pytest.raises(
+        UserError,
+        match=r"has no columns 'prompt', 'chosen', 'rejected' \(columns: id, task, messages\) — pass a preference",
+    ):
+        run_dpo(
+            load_dpo_recipe(REPO / "recipes" / "dpo-tiny.toml", [f"data.path={SAMPLE / 'chat'}"]),
+            out,
+            start=str(tiny_model),
+        )
     with pytest.raises(UserError, match="is a documents folder, not a model"):
         run_sft(sft, out, start=str(SAMPLE / "chat"))
     (tmp_path / "empty").mkdir()
@@ -140,12 +202,13 @@ def test_bad_inputs_fail_before_training(tiny_model, tmp_path):
     plain = without_chat_template(tiny_model, tmp_path / "plain", None)
     with pytest.raises(UserError, match="the tokenizer has no chat template, which chat data needs"):
         run_sft(sft, out, start=str(plain))
-    unmarked = without_chat_template(tiny_model, tmp_path / "unmarked", "{% for m in messages %}{{ m['content'] }}"
-                                     "<|im_end|>{% endfor %}")
+    unmarked = without_chat_template(
+        tiny_model, tmp_path / "unmarked", "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
+    )
     with pytest.raises(UserError, match=r"no \{% generation %\} markers.* set sft.assistant_only_loss = false"):
         run_sft(sft, out, start=str(unmarked))
     with pytest.raises(UserError, match=r"sft.packing: Input should be 'bfd', 'padding_free' or 'none'"):
-        load_sft_recipe(REPO / "recipes" / "sft-tiny.toml", ["sft.packing=\"wrapped\""])
+        load_sft_recipe(REPO / "recipes" / "sft-tiny.toml", ['sft.packing="wrapped"'])
     with pytest.raises(UserError, match="did you mean 'beta'"):
         load_dpo_recipe(REPO / "recipes" / "dpo-tiny.toml", ["dpo.betta=0.2"])
     assert not (tmp_path / "out").exists()
@@ -156,13 +219,26 @@ def test_sft_runs_under_torchrun_with_two_processes(tiny_model, tmp_path):
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "smolctl", "sft",
-               "recipes/sft-tiny.toml", str(tmp_path / "run"), "--from", str(tiny_model), "--json",
-               *(f"--set={o}" for o in [*SFT_QUICK, "training.steps=2", "training.micro_batch=2"])]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "smolctl",
+        "sft",
+        "recipes/sft-tiny.toml",
+        str(tmp_path / "run"),
+        "--from",
+        str(tiny_model),
+        "--json",
+        *(f"--set={o}" for o in [*SFT_QUICK, "training.steps=2", "training.micro_batch=2"]),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 1 and reports[0]["steps"] == 2            # rank 0 reports, once
+    assert len(reports) == 1 and reports[0]["steps"] == 2  # rank 0 reports, once
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
 
 
@@ -171,21 +247,44 @@ def test_prompt_completion_sft_and_chat_turn_dpo_with_precomputed_reference(tiny
     import pyarrow.parquet as pq
 
     chats = pq.read_table(sorted((SAMPLE / "chat").glob("*.parquet"))[0]).to_pylist()[:24]
-    pq.write_table(pa.Table.from_pylist([{"prompt": c["messages"][-2]["content"], "completion": c["messages"][-1]["content"]}
-                                         for c in chats]), tmp_path / "pairs.parquet")
-    sft = load_sft_recipe(REPO / "recipes" / "sft-tiny.toml", [*SFT_QUICK, "training.steps=1",
-                                                                f"data.path=\"{tmp_path / 'pairs.parquet'}\""])
+    pq.write_table(
+        pa.Table.from_pylist(
+            [{"prompt": c["messages"][-2]["content"], "completion": c["messages"][-1]["content"]} for c in chats]
+        ),
+        tmp_path / "pairs.parquet",
+    )
+    sft = load_sft_recipe(
+        REPO / "recipes" / "sft-tiny.toml",
+        [*SFT_QUICK, "training.steps=1", f'data.path="{tmp_path / "pairs.parquet"}"'],
+    )
     sft = sft.model_copy(update={"data": sft.data.model_copy(update={"balance_by": None})})
     result = run_sft(sft, tmp_path / "sft", start=str(tiny_model))
     assert result.data["format"] == "prompt+completion as chat turns" and result.steps == 1
 
     pairs = pq.read_table(sorted((SAMPLE / "preference").glob("*.parquet"))[0]).to_pylist()[:8]
-    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": p["prompt"]}],
-                                          "chosen": [{"role": "assistant", "content": p["chosen"]}],
-                                          "rejected": [{"role": "assistant", "content": p["rejected"]}]}
-                                         for p in pairs]), tmp_path / "turns.parquet")
-    dpo = load_dpo_recipe(REPO / "recipes" / "dpo-tiny.toml", [
-        "training.steps=1", "dpo.loss_type=apo_zero", "dpo.beta=0.05", "dpo.precompute_ref_log_probs=true",
-        "dpo.max_length=64", f"data.path=\"{tmp_path / 'turns.parquet'}\""])
+    pq.write_table(
+        pa.Table.from_pylist(
+            [
+                {
+                    "prompt": [{"role": "user", "content": p["prompt"]}],
+                    "chosen": [{"role": "assistant", "content": p["chosen"]}],
+                    "rejected": [{"role": "assistant", "content": p["rejected"]}],
+                }
+                for p in pairs
+            ]
+        ),
+        tmp_path / "turns.parquet",
+    )
+    dpo = load_dpo_recipe(
+        REPO / "recipes" / "dpo-tiny.toml",
+        [
+            "training.steps=1",
+            "dpo.loss_type=apo_zero",
+            "dpo.beta=0.05",
+            "dpo.precompute_ref_log_probs=true",
+            "dpo.max_length=64",
+            f'data.path="{tmp_path / "turns.parquet"}"',
+        ],
+    )
     result = run_dpo(dpo, tmp_path / "dpo", start=str(tmp_path / "sft"))
     assert result.steps == 1 and math.isfinite(result.metrics["loss"])

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import REPO, SAMPLE, run_cli
+
 from smolctl.errors import UserError
 from smolctl.train.loader import IGNORE_INDEX, fill_padding_positions, make_labels
 from smolctl.train.pretrain import Trainer, load_train_recipe, train
@@ -95,26 +95,36 @@ def weights(folder: Path) -> dict:
 # ---- recipe validation and bad input, all before any compute --------------------------------------------------
 
 
-@pytest.mark.parametrize("override, message", [
-    ("training.micro_bach=2", "training.micro_bach: unknown key — did you mean 'micro_batch'?"),
-    ('training.micro_batch="3"', "training.micro_batch: expected int, got '3'"),
-    ("schedule.kind=cosinus", "schedule.kind: Input should be 'wsd', 'cosine', 'constant' or 'exponential'"),
-    ("model.num_attention_heads=3", "hidden_size 32 is not divisible by num_attention_heads 3"),
-    ("training.tokens=1000", "give either steps or tokens"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("training.micro_bach=2", "training.micro_bach: unknown key — did you mean 'micro_batch'?"),
+        ('training.micro_batch="3"', "training.micro_batch: expected int, got '3'"),
+        ("schedule.kind=cosinus", "schedule.kind: Input should be 'wsd', 'cosine', 'constant' or 'exponential'"),
+        ("model.num_attention_heads=3", "hidden_size 32 is not divisible by num_attention_heads 3"),
+        ("training.tokens=1000", "give either steps or tokens"),
+    ],
+)
 def test_recipe_errors_name_the_key(recipe, override, message):
     with pytest.raises(UserError) as error:
         load_train_recipe(recipe, [override])
     assert message in error.value.line()
 
 
-@pytest.mark.parametrize("overrides, where, message", [
-    (["training.global_batch=9"], "training.global_batch", "9 sequences is not divisible by micro_batch 2 × data-parallel size 1"),
-    (["training.seq_len=128"], "packed-64", "is packed at seq_len 64 but training.seq_len is 128"),
-    (["model.vocab_size=100"], "model.vocab_size", "is smaller than the tokenizer's"),
-    (['data.paths=["/nonexistent/packed"]'], "/nonexistent/packed", "no such folder"),
-    (["model.architecture=lama"], "model.architecture", "did you mean 'llama'?"),
-])
+@pytest.mark.parametrize(
+    "overrides, where, message",
+    [
+        (
+            ["training.global_batch=9"],
+            "training.global_batch",
+            "9 sequences is not divisible by micro_batch 2 × data-parallel size 1",
+        ),
+        (["training.seq_len=128"], "packed-64", "is packed at seq_len 64 but training.seq_len is 128"),
+        (["model.vocab_size=100"], "model.vocab_size", "is smaller than the tokenizer's"),
+        (['data.paths=["/nonexistent/packed"]'], "/nonexistent/packed", "no such folder"),
+        (["model.architecture=lama"], "model.architecture", "did you mean 'llama'?"),
+    ],
+)
 def test_bad_input_is_refused_before_compute(recipe, tmp_path, overrides, where, message):
     run = tmp_path / "run"
     with pytest.raises(UserError) as error:
@@ -145,7 +155,9 @@ def test_labels_never_cross_a_document_boundary():
     #                   doc A (3 tokens)  doc B (2)  pad pad
     ids = np.array([[11, 12, 13, 21, 22, 1, 1]])
     positions = np.array([[0, 1, 2, 0, 1, -1, -1]])
-    assert make_labels(ids, positions).tolist() == [[12, 13, IGNORE_INDEX, 22, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]]
+    assert make_labels(ids, positions).tolist() == [
+        [12, 13, IGNORE_INDEX, 22, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]
+    ]
     assert fill_padding_positions(positions).tolist() == [[0, 1, 2, 0, 1, 0, 1]]
     # a row that starts mid-document (concat packing) keeps its first label
     assert make_labels(np.array([[5, 6, 7]]), np.array([[40, 41, 0]])).tolist() == [[6, IGNORE_INDEX, IGNORE_INDEX]]
@@ -217,8 +229,20 @@ def test_pretrain_loss_falls_and_final_model_loads(pretrained):
 
 
 def _cli(recipe: Path, run: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "smolctl", "pretrain", str(recipe), str(run), "--set", "training.steps=60",
-            "--set", "checkpoint.interval=5", "--json", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "smolctl",
+        "pretrain",
+        str(recipe),
+        str(run),
+        "--set",
+        "training.steps=60",
+        "--set",
+        "checkpoint.interval=5",
+        "--json",
+        *extra,
+    ]
 
 
 def test_sigkill_then_resume_is_bit_identical(recipe, tmp_path):
@@ -227,7 +251,9 @@ def test_sigkill_then_resume_is_bit_identical(recipe, tmp_path):
     assert straight.returncode == 0, straight.stderr
 
     killed_run = tmp_path / "killed"
-    victim = subprocess.Popen(_cli(recipe, killed_run), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    victim = subprocess.Popen(
+        _cli(recipe, killed_run), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO
+    )
     metrics = killed_run / "metrics.jsonl"
     while victim.poll() is None:
         lines = metrics.read_text().splitlines() if metrics.is_file() else []
@@ -238,7 +264,9 @@ def test_sigkill_then_resume_is_bit_identical(recipe, tmp_path):
     assert victim.wait() == -signal.SIGKILL, "the run finished before it could be killed"
     assert not (killed_run / "final").exists()
 
-    resumed = subprocess.run(_cli(recipe, killed_run, "--resume", "auto"), env=env, capture_output=True, text=True, cwd=REPO)
+    resumed = subprocess.run(
+        _cli(recipe, killed_run, "--resume", "auto"), env=env, capture_output=True, text=True, cwd=REPO
+    )
     assert resumed.returncode == 0, resumed.stderr
     result = json.loads(resumed.stdout)
     assert result["resumed_from"].endswith(("step-0000010", "step-0000015")) and result["steps"] == 60
@@ -259,8 +287,12 @@ def test_nan_burst_rolls_back_once_to_before_the_burst(recipe, tmp_path):
     # still caught at its own step. Batch 3: one NaN, its update skipped on the device. Batches 7, 8, 9: a burst
     # across the step-8 checkpoint, judged at steps 8 and 10 → one rollback, to step 4 (step-8 was saved inside
     # the incident), skipping the three batches.
-    result = train(recipe, run, overrides=["guards.inject_nan_batches=[3, 7, 8, 9]", "guards.max_bad_steps=3",
-                                           "logging.interval=5"], show=False)
+    result = train(
+        recipe,
+        run,
+        overrides=["guards.inject_nan_batches=[3, 7, 8, 9]", "guards.max_bad_steps=3", "logging.interval=5"],
+        show=False,
+    )
     assert (result.skipped_steps, result.rollbacks, result.steps) == (4, 1, 12)
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events] == ["nonfinite"] * 4 + ["rollback"]
@@ -294,8 +326,14 @@ def test_a_level_shift_rebaselines_instead_of_looping():
 def test_sigusr1_saves_the_current_step_and_exits_75(recipe, tmp_path):
     run = tmp_path / "run"
     command = _cli(recipe, run, "--set", "checkpoint.interval=100")
-    process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True)
+    process = subprocess.Popen(
+        command,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     metrics = run / "metrics.jsonl"
     while process.poll() is None and not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
         time.sleep(0.01)
@@ -332,12 +370,31 @@ def test_resume_auto_on_a_finished_run_does_nothing_and_never_retrains_the_tail(
     run = tmp_path / "run"
     shutil.copytree(pretrained[0], run)
     moved = shutil.copytree(packed, tmp_path / "moved-packed")  # the same data at another path is the same data
-    args = ["pretrain", recipe, run, "--data", moved, "--set", "training.steps=30", "--set", f'data.validation="{packed}"',
-            "--set", "data.validation_interval=15", "--set", "data.validation_batches=2", "--resume", "auto", "--json"]
+    args = [
+        "pretrain",
+        recipe,
+        run,
+        "--data",
+        moved,
+        "--set",
+        "training.steps=30",
+        "--set",
+        f'data.validation="{packed}"',
+        "--set",
+        "data.validation_interval=15",
+        "--set",
+        "data.validation_batches=2",
+        "--resume",
+        "auto",
+        "--json",
+    ]
     before = {p.name: sha256_file(p) for p in (run / "final").iterdir()}
     done = run_cli(*args)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["nothing_to_do"] and {p.name: sha256_file(p) for p in (run / "final").iterdir()} == before
+    assert (
+        json.loads(done.stdout)["nothing_to_do"]
+        and {p.name: sha256_file(p) for p in (run / "final").iterdir()} == before
+    )
 
     shutil.rmtree(run / "final")  # killed after its last checkpoint, before final/ was written
     done = run_cli(*args)
@@ -349,15 +406,24 @@ def test_resume_auto_on_a_finished_run_does_nothing_and_never_retrains_the_tail(
 
 def test_export_interval_writes_hf_folders_beside_the_run(recipe, tmp_path):
     run = tmp_path / "run"
-    train(recipe, run, overrides=["training.steps=2", "checkpoint.interval=1", "checkpoint.export_interval=2",
-                                  "schedule.warmup_steps=0"], show=False)
+    train(
+        recipe,
+        run,
+        overrides=[
+            "training.steps=2",
+            "checkpoint.interval=1",
+            "checkpoint.export_interval=2",
+            "schedule.warmup_steps=0",
+        ],
+        show=False,
+    )
     assert sorted(p.name for p in (run / "exports").iterdir()) == ["step-0000002"]
     exported, final = weights(run / "exports" / "step-0000002"), weights(run / "final")
     assert exported.keys() == final.keys() and all(np.array_equal(exported[k].numpy(), final[k].numpy()) for k in final)
 
 
 def test_resume_refuses_a_different_model(pretrained, recipe):
-    with pytest.raises(UserError, match="model.hidden_size: differs from the run being resumed"):
+    with pytest.raises(UserError, match=r"model\.hidden_size: differs from the run being resumed"):
         Trainer(load_train_recipe(recipe, ["model.hidden_size=64"]), pretrained[0], resume="auto", show=False)
 
 
@@ -366,10 +432,37 @@ def test_resume_refuses_a_different_model(pretrained, recipe):
 
 def _launch(recipe: Path, run: Path, processes: int, settings: list[str], port: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launcher = [sys.executable, "-m", "smolctl"] if processes == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(port), "-m", "smolctl"]
-    args = ["pretrain", str(recipe), str(run), "--json", "--set", "training.steps=10", "--set", "checkpoint.interval=5",
-            "--set", "model.hidden_size=64", "--set", "model.intermediate_size=128", "--set", "logging.profile_interval=2"]
+    launcher = (
+        [sys.executable, "-m", "smolctl"]
+        if processes == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(processes),
+            "--master_port",
+            str(port),
+            "-m",
+            "smolctl",
+        ]
+    )
+    args = [
+        "pretrain",
+        str(recipe),
+        str(run),
+        "--json",
+        "--set",
+        "training.steps=10",
+        "--set",
+        "checkpoint.interval=5",
+        "--set",
+        "model.hidden_size=64",
+        "--set",
+        "model.intermediate_size=128",
+        "--set",
+        "logging.profile_interval=2",
+    ]
     for setting in settings:
         args += ["--set", setting]
     done = subprocess.run([*launcher, *args], env=env, capture_output=True, text=True, cwd=REPO, timeout=600)
@@ -389,12 +482,18 @@ def single_process(recipe, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes, settings, accumulation", [
-    (2, [], 2),                                                   # DDP
-    (2, ["parallel.tp=2"], 4),                                    # tensor parallel: both ranks read the same rows
-    (4, ["parallel.tp=2", "parallel.dp_shard=2"], 2),             # FSDP2 × TP on a 2 × 2 mesh
-], ids=["ddp", "tp2", "fsdp2xtp2"])
-def test_parallel_layouts_follow_the_single_process_run(recipe, single_process, tmp_path, processes, settings, accumulation):
+@pytest.mark.parametrize(
+    "processes, settings, accumulation",
+    [
+        (2, [], 2),  # DDP
+        (2, ["parallel.tp=2"], 4),  # tensor parallel: both ranks read the same rows
+        (4, ["parallel.tp=2", "parallel.dp_shard=2"], 2),  # FSDP2 × TP on a 2 × 2 mesh
+    ],
+    ids=["ddp", "tp2", "fsdp2xtp2"],
+)
+def test_parallel_layouts_follow_the_single_process_run(
+    recipe, single_process, tmp_path, processes, settings, accumulation
+):
     """Same global batch, same data order: every layout follows one process's loss curve over 10 steps, and its
     final model (gathered from DTensor shards) loads in transformers and equals the single-process one."""
     from transformers import AutoModelForCausalLM
@@ -429,9 +528,21 @@ def test_midtrain_extends_context_and_records_its_parent(pretrained, recipe, tok
     parent = pretrained[0] / "final"
     long_packed = packed_folder(tmp_path, tokenizer_dir, 128)
     run = tmp_path / "midtrain"
-    result = train(recipe, run, stage="midtrain", init_from=str(parent), data=[str(long_packed)], show=False,
-                   overrides=["training.seq_len=128", "model.rope_theta=500000.0", "training.steps=4",
-                              "schedule.warmup_steps=0", "schedule.decay_fraction=1.0"])
+    result = train(
+        recipe,
+        run,
+        stage="midtrain",
+        init_from=str(parent),
+        data=[str(long_packed)],
+        show=False,
+        overrides=[
+            "training.seq_len=128",
+            "model.rope_theta=500000.0",
+            "training.steps=4",
+            "schedule.warmup_steps=0",
+            "schedule.decay_fraction=1.0",
+        ],
+    )
     assert result.parent == str(parent.resolve())
     manifest = json.loads((run / "final" / "manifest.json").read_text())
     assert manifest["parent"] == str(parent.resolve()) and manifest["stage"] == "midtrain"
@@ -445,16 +556,26 @@ def test_midtrain_extends_context_and_records_its_parent(pretrained, recipe, tok
 
 def test_midtrain_from_a_sharded_checkpoint_keeps_its_optimizer(pretrained, recipe, tmp_path):
     parent = pretrained[0] / "checkpoints" / "step-0000030"
-    result = train(recipe, tmp_path / "run", stage="midtrain", init_from=str(parent), keep_optimizer=True, show=False,
-                   overrides=["training.steps=2", "schedule.warmup_steps=0", "schedule.decay_fraction=1.0"])
+    result = train(
+        recipe,
+        tmp_path / "run",
+        stage="midtrain",
+        init_from=str(parent),
+        keep_optimizer=True,
+        show=False,
+        overrides=["training.steps=2", "schedule.warmup_steps=0", "schedule.decay_fraction=1.0"],
+    )
     assert result.parent == str(parent.resolve()) and result.steps == 2
     assert result.first_loss < pretrained[1].first_loss - 0.5  # the checkpoint's weights, loaded through DCP
 
 
-@pytest.mark.parametrize("setup, message", [
-    (lambda p: p / "nope", "no such checkpoint folder"),
-    (lambda p: (p / "empty").mkdir() or p / "empty", "incomplete model folder"),
-])
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        (lambda p: p / "nope", "no such checkpoint folder"),
+        (lambda p: (p / "empty").mkdir() or p / "empty", "incomplete model folder"),
+    ],
+)
 def test_midtrain_from_a_missing_or_incomplete_checkpoint(recipe, tmp_path, setup, message):
     with pytest.raises(UserError, match=message):
         train(recipe, tmp_path / "run", stage="midtrain", init_from=str(setup(tmp_path)), show=False)
@@ -462,7 +583,14 @@ def test_midtrain_from_a_missing_or_incomplete_checkpoint(recipe, tmp_path, setu
 
 def test_keep_optimizer_needs_a_checkpoint_with_optimizer_state(pretrained, recipe, tmp_path):
     with pytest.raises(UserError, match="holds no optimizer state"):
-        train(recipe, tmp_path / "run", stage="midtrain", init_from=str(pretrained[0] / "final"), keep_optimizer=True, show=False)
+        train(
+            recipe,
+            tmp_path / "run",
+            stage="midtrain",
+            init_from=str(pretrained[0] / "final"),
+            keep_optimizer=True,
+            show=False,
+        )
 
 
 # ---- the published recipe ---------------------------------------------------------------------------------------
@@ -490,7 +618,9 @@ def test_smollm3_recipe_dry_run_shows_the_published_layout():
 def test_dry_run_names_a_layout_that_fits_when_the_recipe_does_not():
     from smolctl.train.dryrun import dry_run
 
-    recipe = load_train_recipe(REPO / "recipes/smollm3.toml", ["training.micro_batch=6", "training.global_batch_tokens=4718592"])
+    recipe = load_train_recipe(
+        REPO / "recipes/smollm3.toml", ["training.micro_batch=6", "training.global_batch_tokens=4718592"]
+    )
     plan = dry_run(recipe, world_size=384)
     assert not plan.memory["fits"]
     layouts = plan.would_fit["layouts"]
@@ -503,7 +633,9 @@ def test_long_context_recipe_runs_both_published_stages():
 
     path = REPO / "recipes/smollm3-long-context.toml"
     first = dry_run(load_train_recipe(path), world_size=48)
-    second = dry_run(load_train_recipe(path, ["training.seq_len=65536", "model.rope_theta=5e6", "parallel.tp=4"]), world_size=48)
+    second = dry_run(
+        load_train_recipe(path, ["training.seq_len=65536", "model.rope_theta=5e6", "parallel.tp=4"]), world_size=48
+    )
     assert first.recipe["model"]["rope_theta"] == 1.5e6 and second.recipe["model"]["rope_theta"] == 5e6
     assert first.total_tokens == pytest.approx(50e9, rel=0.01) and second.total_tokens == pytest.approx(50e9, rel=0.01)
     assert first.memory["fits"] and second.memory["fits"]
@@ -525,12 +657,22 @@ def test_pretrain_sbatch_forwards_usr1_and_requeues_after_the_save(tmp_path):
         (stubs / name).write_text("#!/bin/bash\n" + body.format(calls=calls))
         (stubs / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node1"}
-    job = subprocess.Popen(["bash", "recipes/slurm/pretrain.sbatch", "r.toml", str(tmp_path / "run"), "--set", "a.b=1"],
-                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(
+        ["bash", "recipes/slurm/pretrain.sbatch", "r.toml", str(tmp_path / "run"), "--set", "a.b=1"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     while "training" not in (calls.read_text() if calls.is_file() else ""):
         time.sleep(0.05)
     job.send_signal(signal.SIGUSR1)
     assert job.wait(timeout=60) == 0, job.stdout.read()
     assert calls.read_text().splitlines() == [
-        "smolctl pretrain r.toml --dry-run --world-size 8 --set a.b=1", "training", "saved", "scontrol requeue 42"]
+        "smolctl pretrain r.toml --dry-run --world-size 8 --set a.b=1",
+        "training",
+        "saved",
+        "scontrol requeue 42",
+    ]
     assert (tmp_path / "run" / "nccl-trace").is_dir()

@@ -39,14 +39,17 @@ def test_valid_recipe_with_overrides(tmp_path):
     assert recipe.training.steps == 200 and recipe.training.lr == 1.0 and recipe.stages[1].start_step == 50
 
 
-@pytest.mark.parametrize("text, message", [
-    ('[training]\nmicro_batch = "3"\n', "training.micro_batch: expected int, got '3'"),
-    ("[training]\nmicro_bach = 3\n", "training.micro_bach: unknown key — did you mean 'micro_batch'?"),
-    ("[trainin]\nsteps = 3\n", "trainin: unknown key — did you mean 'training'?"),
-    ('[training]\nprecision = "fp8"\n', "training.precision: Input should be 'fp32' or 'bf16', got 'fp8'"),
-    ("[[stages]]\nstart_step = 3\n", "stages[0].name: missing required key"),
-    ("[training\nsteps = 3\n", "is not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('[training]\nmicro_batch = "3"\n', "training.micro_batch: expected int, got '3'"),
+        ("[training]\nmicro_bach = 3\n", "training.micro_bach: unknown key — did you mean 'micro_batch'?"),
+        ("[trainin]\nsteps = 3\n", "trainin: unknown key — did you mean 'training'?"),
+        ('[training]\nprecision = "fp8"\n', "training.precision: Input should be 'fp32' or 'bf16', got 'fp8'"),
+        ("[[stages]]\nstart_step = 3\n", "stages[0].name: missing required key"),
+        ("[training\nsteps = 3\n", "is not valid TOML"),
+    ],
+)
 def test_errors_name_the_key_path(tmp_path, text, message):
     with pytest.raises(UserError) as info:
         load_recipe(Recipe, _recipe(tmp_path, text))

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, SAMPLE, run_cli
+
 from smolctl.errors import UserError
 from smolctl.train.report import build_reports
 
@@ -25,10 +25,22 @@ STEPS = 400
 
 def healthy(step: int, rng: random.Random) -> dict:
     """One metrics line of a run going well: a power-law loss (still improving at the end), steady throughput."""
-    return {"step": step, "loss": 2.0 + 6.0 * step ** -0.3 + rng.gauss(0, 0.01), "lr": 1e-3, "grad_norm": 0.5 + rng.gauss(0, 0.02),
-            "tokens_per_s": 10_000 * (1 + rng.gauss(0, 0.02)), "data_wait": 0.01, "step_s": 0.2, "mfu": 0.5,
-            "memory_share": 0.9, "checkpoint_s": 2.0 if step % 100 == 1 and step > 1 else 0.0, "skipped": 0, "spikes": 0,
-            "rollbacks": 0, "time": 1000.0 + step * 0.2}
+    return {
+        "step": step,
+        "loss": 2.0 + 6.0 * step**-0.3 + rng.gauss(0, 0.01),
+        "lr": 1e-3,
+        "grad_norm": 0.5 + rng.gauss(0, 0.02),
+        "tokens_per_s": 10_000 * (1 + rng.gauss(0, 0.02)),
+        "data_wait": 0.01,
+        "step_s": 0.2,
+        "mfu": 0.5,
+        "memory_share": 0.9,
+        "checkpoint_s": 2.0 if step % 100 == 1 and step > 1 else 0.0,
+        "skipped": 0,
+        "spikes": 0,
+        "rollbacks": 0,
+        "time": 1000.0 + step * 0.2,
+    }
 
 
 def write_run(root: Path, name: str, plant=None, events: list[dict] = (), world_size: int = 8) -> Path:
@@ -42,7 +54,9 @@ def write_run(root: Path, name: str, plant=None, events: list[dict] = (), world_
             plant(line)
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    (run / "run.json").write_text(json.dumps({"stage": "pretrain", "plan": {"world_size": world_size, "global_batch": 64, "seq_len": 256}}))
+    (run / "run.json").write_text(
+        json.dumps({"stage": "pretrain", "plan": {"world_size": world_size, "global_batch": 64, "seq_len": 256}})
+    )
     return run
 
 
@@ -53,8 +67,13 @@ def findings(run: Path) -> list:
 def test_a_healthy_run_has_no_finding_and_passes_every_kpi(tmp_path):
     report = build_reports([write_run(tmp_path, "ok", plant=lambda line: line.update(comm_share=0.05))])[0]
     assert report.findings == []
-    assert [(k.name, k.status) for k in report.kpis] == [("MFU", "pass"), ("memory", "pass"), ("communication", "pass"),
-                                                         ("checkpointing", "pass"), ("data wait", "pass")]
+    assert [(k.name, k.status) for k in report.kpis] == [
+        ("MFU", "pass"),
+        ("memory", "pass"),
+        ("communication", "pass"),
+        ("checkpointing", "pass"),
+        ("data wait", "pass"),
+    ]
 
 
 def test_a_spike_is_named_at_its_step_with_the_rows_behind_it(tmp_path):
@@ -65,8 +84,12 @@ def test_a_spike_is_named_at_its_step_with_the_rows_behind_it(tmp_path):
             line["loss"] += 1.5
 
     # step 301's spike was recorded by the guards (with its rows); step 137's is found in the metrics alone
-    run = write_run(tmp_path, "spike", plant, events=[{"event": "spike", "step": 301, "batch": 301, "loss": 4.1, "zscore": 40.0,
-                                                        "rows": rows}])
+    run = write_run(
+        tmp_path,
+        "spike",
+        plant,
+        events=[{"event": "spike", "step": 301, "batch": 301, "loss": 4.1, "zscore": 40.0, "rows": rows}],
+    )
     found = findings(run)
     assert [(f.kind, f.start_step) for f in found] == [("spike", 137), ("spike", 301)]
     assert found[1].rows == rows and found[0].rows == []
@@ -113,9 +136,18 @@ def test_guard_events_and_kpi_misses_come_with_the_playbook_remedy(tmp_path):
     def plant(line):
         line.update(mfu=0.3, memory_share=0.97, comm_share=0.25, checkpoint_s=40.0 if line["step"] % 100 == 0 else 0.0)
 
-    events = [{"event": "nonfinite", "step": 50, "batch": 50, "loss": "nan", "grad_norm": "nan", "action": "update skipped",
-               "rows": [{"folder": "p", "shard": "s", "rows": [3]}]},
-              {"event": "rollback", "step": 40, "to": "run/checkpoints/step-0000040", "skipped_batches": [50, 51]}]
+    events = [
+        {
+            "event": "nonfinite",
+            "step": 50,
+            "batch": 50,
+            "loss": "nan",
+            "grad_norm": "nan",
+            "action": "update skipped",
+            "rows": [{"folder": "p", "shard": "s", "rows": [3]}],
+        },
+        {"event": "rollback", "step": 40, "to": "run/checkpoints/step-0000040", "skipped_batches": [50, 51]},
+    ]
     report = build_reports([write_run(tmp_path, "misses", plant, events=events)])[0]
     kpis = {k.name: k for k in report.kpis}
     assert all(kpis[name].status == "warn" for name in ("MFU", "memory", "communication", "checkpointing"))
@@ -129,8 +161,17 @@ def test_trl_metrics_read_in_the_same_terms(tmp_path):
     """The Trainer's lines (learning_rate, cumulative num_tokens, seconds since start) give lr and tokens/s."""
     run = tmp_path / "sft"
     run.mkdir()
-    lines = [{"step": s, "time": 2.0 * s, "loss": 3 - 0.01 * s, "learning_rate": 1e-5, "grad_norm": 1.0, "num_tokens": 1000.0 * s}
-             for s in range(1, 31)] + [{"step": 30, "time": 61.0, "train_runtime": 61.0, "train_loss": 2.8}]
+    lines = [
+        {
+            "step": s,
+            "time": 2.0 * s,
+            "loss": 3 - 0.01 * s,
+            "learning_rate": 1e-5,
+            "grad_norm": 1.0,
+            "num_tokens": 1000.0 * s,
+        }
+        for s in range(1, 31)
+    ] + [{"step": 30, "time": 61.0, "train_runtime": 61.0, "train_loss": 2.8}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     report = build_reports([run])[0]
     assert report.series["lr"][0] == (1, 1e-5) and report.series["tokens_per_s"][0] == (2, pytest.approx(500.0))
@@ -154,7 +195,13 @@ def test_json_and_several_runs_overlaid(tmp_path):
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert [r["run"] for r in out["runs"]] == [str(a), str(b)]
-    assert {k["name"] for k in out["runs"][0]["kpis"]} == {"MFU", "memory", "communication", "checkpointing", "data wait"}
+    assert {k["name"] for k in out["runs"][0]["kpis"]} == {
+        "MFU",
+        "memory",
+        "communication",
+        "checkpointing",
+        "data wait",
+    }
     text = run_cli("report", a, b)
     assert text.returncode == 0 and any(0x2801 <= ord(c) <= 0x28FF for c in text.stdout)  # braille plots
     assert str(a) in text.stdout and str(b) in text.stdout
@@ -171,10 +218,23 @@ def tiny_run(tmp_path_factory, tokenizer_dir) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("report-run")
     pack(str(SAMPLE / "web"), root / "packed", tokenizer_spec=str(tokenizer_dir), config=PackConfig(seq_len=256))
     store = root / "trackio"
-    done = run_cli("pretrain", "recipes/smollm3-tiny.toml", root / "run", "--data", root / "packed", "--json",
-                   "--set", "training.steps=30", "--set", "logging.interval=1", "--set", "checkpoint.interval=15",
-                   "--set", 'logging.report_to=["tensorboard", "trackio"]',
-                   env={"TRACKIO_DIR": str(store), "OMP_NUM_THREADS": "1"})
+    done = run_cli(
+        "pretrain",
+        "recipes/smollm3-tiny.toml",
+        root / "run",
+        "--data",
+        root / "packed",
+        "--json",
+        "--set",
+        "training.steps=30",
+        "--set",
+        "logging.interval=1",
+        "--set",
+        "checkpoint.interval=15",
+        "--set",
+        'logging.report_to=["tensorboard", "trackio"]',
+        env={"TRACKIO_DIR": str(store), "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout)["steps"] == 30  # trackio's banner went to stderr: stdout is one JSON object
     return root / "run", store
@@ -187,20 +247,31 @@ def test_tensorboard_event_files_hold_the_metrics(tiny_run):
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
-    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/memory_peak_bytes"} <= set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/memory_peak_bytes"} <= set(
+        events.Tags()["scalars"]
+    )
     losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert losses == [(line["step"], pytest.approx(line["loss"], rel=1e-6)) for line in logged if "loss" in line]
 
 
 def test_trackio_local_store_holds_the_metrics(tiny_run):
     run, store = tiny_run
-    read = ("import json; from trackio.sqlite_storage import SQLiteStorage; "
-            "print(json.dumps([[l['step'], l['train/loss']] for l in SQLiteStorage.get_logs('smolctl', 'run')]))")
-    done = subprocess.run([sys.executable, "-c", read], env={**os.environ, "TRACKIO_DIR": str(store)},
-                          capture_output=True, text=True, timeout=120)
+    read = (
+        "import json; from trackio.sqlite_storage import SQLiteStorage; "
+        "print(json.dumps([[l['step'], l['train/loss']] for l in SQLiteStorage.get_logs('smolctl', 'run')]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", read],
+        env={**os.environ, "TRACKIO_DIR": str(store)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert json.loads(done.stdout) == [[line["step"], pytest.approx(line["loss"], rel=1e-6)] for line in logged if "loss" in line]
+    assert json.loads(done.stdout) == [
+        [line["step"], pytest.approx(line["loss"], rel=1e-6)] for line in logged if "loss" in line
+    ]
 
 
 def test_a_clean_real_run_raises_no_false_alarm(tiny_run):
@@ -218,8 +289,15 @@ def test_a_clean_real_run_raises_no_false_alarm(tiny_run):
 def test_an_asked_for_tracker_that_is_missing_names_the_extra(tiny_run, tmp_path):
     if importlib.util.find_spec("wandb"):
         pytest.skip("wandb is installed here")
-    done = run_cli("pretrain", "recipes/smollm3-tiny.toml", tmp_path / "run", "--data", tiny_run[0].parent / "packed",
-                   "--set", 'logging.report_to=["wandb"]')
+    done = run_cli(
+        "pretrain",
+        "recipes/smollm3-tiny.toml",
+        tmp_path / "run",
+        "--data",
+        tiny_run[0].parent / "packed",
+        "--set",
+        'logging.report_to=["wandb"]',
+    )
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert "pip install 'smolctl[wandb]'" in done.stderr and not (tmp_path / "run").exists()
 
@@ -227,20 +305,28 @@ def test_an_asked_for_tracker_that_is_missing_names_the_extra(tiny_run, tmp_path
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed (apt-get install -y chromium)")
 def test_html_report_renders_its_plots_in_a_real_browser(tmp_path, tiny_run):
     Image = pytest.importorskip("PIL.Image")
-    planted = write_run(tmp_path, "drift", lambda line: line.update(loss=line["loss"] + 0.003 * max(0, line["step"] - 200)))
+    planted = write_run(
+        tmp_path, "drift", lambda line: line.update(loss=line["loss"] + 0.003 * max(0, line["step"] - 200))
+    )
     html, png = tmp_path / "report.html", tmp_path / "report.png"
     done = run_cli("report", tiny_run[0], planted, "--html", html)
     assert done.returncode == 0, done.stderr
     page = html.read_text()
     assert "http://" not in page.replace("http://www.w3.org/2000/svg", "") and "https://" not in page  # nothing fetched
-    render = subprocess.run(["bash", str(REPO / "scripts" / "render_report.sh"), str(html), str(png)],
-                            capture_output=True, text=True, timeout=180)
+    render = subprocess.run(
+        ["bash", str(REPO / "scripts" / "render_report.sh"), str(html), str(png)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert render.returncode == 0, render.stderr
     image = Image.open(png).convert("RGB")
     raw = image.tobytes()
-    pixels = [tuple(raw[i:i + 3]) for i in range(0, len(raw), 3)]
+    pixels = [tuple(raw[i : i + 3]) for i in range(0, len(raw), 3)]
+
     def near(color):
         return sum(1 for p in pixels if all(abs(a - b) < 40 for a, b in zip(p, color)))
+
     # both runs' lines are drawn (blue: the real run, red: the planted one), not a blank or black page
     assert near((31, 119, 180)) > 500 and near((214, 39, 40)) > 500
     assert len(set(pixels)) > 50 and near((0, 0, 0)) < len(pixels) * 0.05
@@ -255,9 +341,16 @@ def test_collective_time_counts_overlapping_events_once():
     def event(name, start, end, device="CPU"):
         return Ns(name=name, time_range=Ns(start=start, end=end), device_type=Ns(name=device))
 
-    cpu = [event("gloo:all_reduce", 0, 100), event("c10d::allreduce_", 50, 150), event("aten::mm", 0, 1000),
-           event("gloo:broadcast", 300, 400)]
+    cpu = [
+        event("gloo:all_reduce", 0, 100),
+        event("c10d::allreduce_", 50, 150),
+        event("aten::mm", 0, 1000),
+        event("gloo:broadcast", 300, 400),
+    ]
     assert collective_seconds(cpu, on_gpu=False) == pytest.approx(250e-6)
-    gpu = [event("ncclDevKernel_AllReduce_Sum_f32", 0, 100, "CUDA"), event("nccl:all_reduce", 0, 500),
-           event("ncclDevKernel_AllGather", 50, 200, "CUDA")]
+    gpu = [
+        event("ncclDevKernel_AllReduce_Sum_f32", 0, 100, "CUDA"),
+        event("nccl:all_reduce", 0, 500),
+        event("ncclDevKernel_AllGather", 50, 200, "CUDA"),
+    ]
     assert collective_seconds(gpu, on_gpu=True) == pytest.approx(200e-6)

@@ -21,9 +21,12 @@ def test_wsd_warms_up_holds_then_decays_linearly_to_the_floor():
 
 
 def test_wsd_decay_shapes_end_at_the_floor_and_differ_on_the_way():
-    linear, one_minus_sqrt, cosine = (lrs(10, kind="wsd", decay_fraction=1.0, decay_shape=shape)
-                                      for shape in ("linear", "1-sqrt", "cosine"))
-    assert linear[-1] == one_minus_sqrt[-1] == pytest.approx(0.0, abs=1e-12) and cosine[-1] == pytest.approx(0.0, abs=1e-12)
+    linear, one_minus_sqrt, cosine = (
+        lrs(10, kind="wsd", decay_fraction=1.0, decay_shape=shape) for shape in ("linear", "1-sqrt", "cosine")
+    )
+    assert linear[-1] == one_minus_sqrt[-1] == pytest.approx(0.0, abs=1e-12) and cosine[-1] == pytest.approx(
+        0.0, abs=1e-12
+    )
     assert one_minus_sqrt[2] < linear[2] < cosine[2]  # 1-sqrt drops fastest at first, cosine slowest
 
 

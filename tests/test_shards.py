@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import REPO
 
 from smolctl.errors import UserError
 from smolctl.shards import (
@@ -27,12 +28,15 @@ from smolctl.shards import (
     schema_to_dict,
     verify_checksums,
 )
-from conftest import REPO
 
 
 def _table(n: int, start: int = 0) -> pa.Table:
-    return pa.table({"id": [f"doc-{i}" for i in range(start, start + n)],
-                     "text": [f"document number {i} " * (1 + i % 7) for i in range(start, start + n)]})
+    return pa.table(
+        {
+            "id": [f"doc-{i}" for i in range(start, start + n)],
+            "text": [f"document number {i} " * (1 + i % 7) for i in range(start, start + n)],
+        }
+    )
 
 
 def _write(path, n=250, shard_rows=100, overwrite=False):
@@ -48,7 +52,12 @@ def test_round_trip_rolls_shards_and_records_manifest(tmp_path):
     out = tmp_path / "ds"
     manifest = _write(out)
     assert [s["rows"] for s in manifest["shards"]] == [100, 100, 50]
-    assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, "part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        MANIFEST_NAME,
+        "part-00000.parquet",
+        "part-00001.parquet",
+        "part-00002.parquet",
+    ]
     assert manifest["rows"] == 250 and manifest["schema"] == {"id": "string", "text": "string"}
     source = open_documents(out)
     rows = [r for b in source.iter_batches() for r in b.to_pylist()]
@@ -68,11 +77,10 @@ def test_byte_limit_rolls_shards(tmp_path):
 
 def test_exception_mid_shard_leaves_nothing(tmp_path):
     out = tmp_path / "ds"
-    with pytest.raises(RuntimeError):
-        with OutputFolder(out, kind=KIND_DOCUMENTS) as folder:
-            writer = DatasetWriter(folder, shard_rows=100)
-            writer.write(_table(150))
-            raise RuntimeError("killed mid-shard")
+    with pytest.raises(RuntimeError), OutputFolder(out, kind=KIND_DOCUMENTS) as folder:
+        writer = DatasetWriter(folder, shard_rows=100)
+        writer.write(_table(150))
+        raise RuntimeError("killed mid-shard")
     assert not out.exists()
     assert list(tmp_path.iterdir()) == []
 
@@ -80,10 +88,9 @@ def test_exception_mid_shard_leaves_nothing(tmp_path):
 def test_failed_overwrite_keeps_the_earlier_output(tmp_path):
     out = tmp_path / "ds"
     before = _write(out)
-    with pytest.raises(RuntimeError):
-        with OutputFolder(out, kind=KIND_DOCUMENTS, overwrite=True) as folder:
-            DatasetWriter(folder, shard_rows=10).write(_table(50))
-            raise RuntimeError("disk full")
+    with pytest.raises(RuntimeError), OutputFolder(out, kind=KIND_DOCUMENTS, overwrite=True) as folder:
+        DatasetWriter(folder, shard_rows=10).write(_table(50))
+        raise RuntimeError("disk full")
     assert read_manifest(out)["shards"] == before["shards"]
     assert verify_checksums(out) == []
 
@@ -204,8 +211,9 @@ def test_outputs_load_with_datasets_and_safetensors(tmp_path):
     with OutputFolder(tmp_path / "packed", kind=KIND_PACKED) as folder:
         writer = PackedWriter(folder, rows_per_shard=4)
         ids = np.arange(6 * 8, dtype=np.int32).reshape(6, 8)
-        writer.write({"input_ids": ids, "position_ids": np.tile(np.arange(8, dtype=np.int32), (6, 1))},
-                     row_tokens=np.full(6, 8))
+        writer.write(
+            {"input_ids": ids, "position_ids": np.tile(np.arange(8, dtype=np.int32), (6, 1))}, row_tokens=np.full(6, 8)
+        )
         writer.close()
         folder.commit(seq_len=8)
     packed = open_packed(tmp_path / "packed")
@@ -232,4 +240,3 @@ def test_manifest_is_written_last_and_names_its_inputs(tmp_path):
     assert manifest["inputs"][0]["path"] == str(first.resolve())
     chain = lineage_chain(tmp_path / "second")
     assert [e["depth"] for e in chain] == [0, 1] and chain[1]["status"] == "ok"
-

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, SAMPLE
 
 pytestmark = pytest.mark.slurm
@@ -36,8 +35,13 @@ def slurm(tmp_path_factory) -> dict:
     bin_dir = tmp_path_factory.mktemp("bin")
     (bin_dir / "smolctl").write_text(f'#!/bin/bash\nexec {sys.executable} -m smolctl "$@"\n')
     (bin_dir / "smolctl").chmod(0o755)
-    env = {**os.environ, "SLURM_CONF": conf, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "COLUMNS": "120"}
+    env = {
+        **os.environ,
+        "SLURM_CONF": conf,
+        "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "COLUMNS": "120",
+    }
     probe = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True, timeout=30)
     if probe.returncode != 0 or not probe.stdout.strip():
         pytest.skip(f"the local Slurm does not answer (sinfo: {(probe.stderr or probe.stdout).strip()[:200]})")
@@ -53,8 +57,9 @@ def submit(command: list, env: dict, cwd: Path, **settings: str) -> str:
 def job_states(job: str | None, env: dict, workdir: Path | None = None) -> dict[str, str]:
     """The state of every task of a job (an array has one per task), or of every job submitted from `workdir`,
     from the controller's records."""
-    shown = subprocess.run(["scontrol", "-o", "show", "job", *([job] if job else [])], env=env, capture_output=True,
-                           text=True, timeout=30)
+    shown = subprocess.run(
+        ["scontrol", "-o", "show", "job", *([job] if job else [])], env=env, capture_output=True, text=True, timeout=30
+    )
     states = {}
     for line in shown.stdout.splitlines():
         fields = dict(item.split("=", 1) for item in line.split() if "=" in item)
@@ -69,8 +74,9 @@ def wait_for(jobs: list[str], env: dict, timeout: float = 900) -> dict[str, str]
     """Wait until none of the jobs is pending or running; returns the state of every task."""
     deadline = time.monotonic() + timeout
     while True:
-        queued = subprocess.run(["squeue", "-h", "-o", "%T %r", "-j", ",".join(jobs)], env=env, capture_output=True,
-                                text=True, timeout=30).stdout
+        queued = subprocess.run(
+            ["squeue", "-h", "-o", "%T %r", "-j", ",".join(jobs)], env=env, capture_output=True, text=True, timeout=30
+        ).stdout
         if not queued.strip() or "DependencyNeverSatisfied" in queued:
             break
         assert time.monotonic() < deadline, f"jobs still queued after {timeout} s:\n{queued}"
@@ -80,13 +86,17 @@ def wait_for(jobs: list[str], env: dict, timeout: float = 900) -> dict[str, str]
 
 def shards(folder: Path) -> dict[str, bytes]:
     """Every file of an output folder but the manifests (which name their command and time)."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file() and p.name != "manifest.json"}
+    return {
+        str(p.relative_to(folder)): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != "manifest.json"
+    }
 
 
 def smolctl(*args, cwd: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "smolctl", *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "smolctl", *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -94,15 +104,28 @@ def test_pipeline_runs_the_data_stages_as_arrays_to_the_single_process_bytes_the
     out = tmp_path / "out"
     recipe = tmp_path / "tiny.toml"  # the tiny recipe for two ranks and four steps
     text = (REPO / "recipes" / "smollm3-tiny.toml").read_text()
-    for old, new in (("steps = 120", "steps = 4"), ("interval = 40", "interval = 2"),
-                     ("warmup_steps = 10", "warmup_steps = 1"),
-                     ('paths = ["demo-out/packed"]', f'paths = ["{out / "packed"}"]')):
+    for old, new in (
+        ("steps = 120", "steps = 4"),
+        ("interval = 40", "interval = 2"),
+        ("warmup_steps = 10", "warmup_steps = 1"),
+        ('paths = ["demo-out/packed"]', f'paths = ["{out / "packed"}"]'),
+    ):
         assert old in text
         text = text.replace(old, new)
     recipe.write_text(text)
     # TASKS=3 over sources of 2 shards: one task of each shard array has no unit and must succeed all the same.
-    printed = submit(["bash", SLURM / "pipeline.sh"], slurm, tmp_path, DATA=str(SAMPLE), OUT=str(out), TASKS="3",
-                     BANDS="2", SBATCH_ARGS=SMALL, PRETRAIN_RECIPE=str(recipe), PRETRAIN_SBATCH_ARGS=ONE_NODE)
+    printed = submit(
+        ["bash", SLURM / "pipeline.sh"],
+        slurm,
+        tmp_path,
+        DATA=str(SAMPLE),
+        OUT=str(out),
+        TASKS="3",
+        BANDS="2",
+        SBATCH_ARGS=SMALL,
+        PRETRAIN_RECIPE=str(recipe),
+        PRETRAIN_SBATCH_ARGS=ONE_NODE,
+    )
     jobs = dict(line.split() for line in printed.splitlines())
     assert list(jobs) == ["tokenizer", "dedup-web", "dedup-code", "dedup-math", "mix", "pack", "pretrain"]
     # The same stages, one process each, while Slurm works.
@@ -110,14 +133,34 @@ def test_pipeline_runs_the_data_stages_as_arrays_to_the_single_process_bytes_the
     smolctl("train-tokenizer", SAMPLE / "web", local / "tokenizer", "--vocab-size", "4096", cwd=tmp_path)
     for source in ("web", "code", "math"):
         smolctl("dedup", SAMPLE / source, local / "dedup" / source, "--minhash", cwd=tmp_path)
-    smolctl("mix", local / "mix", "--recipe", REPO / "recipes" / "demo-mix.toml", "--tokenizer", local / "tokenizer",
-            *[f"--set=sources.{s}.path={local / 'dedup' / s}" for s in ("web", "code", "math")], cwd=tmp_path)
-    smolctl("pack", local / "mix" / "stage-1", local / "packed", "--tokenizer", local / "tokenizer", "--seq-len", "256",
-            cwd=tmp_path)
+    smolctl(
+        "mix",
+        local / "mix",
+        "--recipe",
+        REPO / "recipes" / "demo-mix.toml",
+        "--tokenizer",
+        local / "tokenizer",
+        *[f"--set=sources.{s}.path={local / 'dedup' / s}" for s in ("web", "code", "math")],
+        cwd=tmp_path,
+    )
+    smolctl(
+        "pack",
+        local / "mix" / "stage-1",
+        local / "packed",
+        "--tokenizer",
+        local / "tokenizer",
+        "--seq-len",
+        "256",
+        cwd=tmp_path,
+    )
     wait_for(list(jobs.values()), slurm)
     states = job_states(None, slurm, workdir=tmp_path)  # every array of every stage
     failed = {task: state for task, state in states.items() if state != "COMPLETED"}
-    logs = [p for p in [*(tmp_path / "logs").glob("*"), *tmp_path.glob("*.out")] if any(f"-{task}" in p.name for task in failed)]
+    logs = [
+        p
+        for p in [*(tmp_path / "logs").glob("*"), *tmp_path.glob("*.out")]
+        if any(f"-{task}" in p.name for task in failed)
+    ]
     assert not failed, f"{failed}\n" + "\n".join(p.read_text()[-1500:] for p in logs)
     assert len(states) == 1 + 3 * (3 + 2 + 1 + 3) + 3 + 3 + 3 + 1  # every array task ran, none failed
     for folder in ("tokenizer", "dedup/web", "dedup/code", "dedup/math", "mix", "packed"):
@@ -127,8 +170,13 @@ def test_pipeline_runs_the_data_stages_as_arrays_to_the_single_process_bytes_the
 
 def test_a_cancelled_task_and_a_resubmitted_array_give_the_same_bytes(slurm, tokenizer_dir, tmp_path):
     smolctl("pack", SAMPLE / "code", tmp_path / "local", "--tokenizer", tokenizer_dir, "--seq-len", "128", cwd=tmp_path)
-    settings = dict(INPUT=str(SAMPLE / "code"), OUTPUT=str(tmp_path / "packed"), TOKENIZER=str(tokenizer_dir),
-                    TASKS="2", PACK_ARGS="--seq-len 128")
+    settings = dict(
+        INPUT=str(SAMPLE / "code"),
+        OUTPUT=str(tmp_path / "packed"),
+        TOKENIZER=str(tokenizer_dir),
+        TASKS="2",
+        PACK_ARGS="--seq-len 128",
+    )
     job = submit(["bash", SLURM / "pack.sbatch"], slurm, tmp_path, SBATCH_ARGS=f"{SMALL} --hold", **settings).strip()
     subprocess.run(["scontrol", "release", job], env=slurm, check=True, timeout=30)
     deadline = time.monotonic() + 300
@@ -151,9 +199,28 @@ def test_a_cancelled_task_and_a_resubmitted_array_give_the_same_bytes(slurm, tok
 
 
 def test_benchmark_nccl_sbatch_passes_on_gloo(slurm, tmp_path):
-    job = submit(["sbatch", "--parsable", *ONE_NODE.split(), "--output", str(tmp_path / "nccl.out"),
-                  SLURM / "benchmark-nccl.sbatch", "--ops", "all_reduce,all_gather", "--min-bytes", "64K",
-                  "--max-bytes", "256K", "--iters", "3", "--warmup", "1"], slurm, tmp_path).strip()
+    job = submit(
+        [
+            "sbatch",
+            "--parsable",
+            *ONE_NODE.split(),
+            "--output",
+            str(tmp_path / "nccl.out"),
+            SLURM / "benchmark-nccl.sbatch",
+            "--ops",
+            "all_reduce,all_gather",
+            "--min-bytes",
+            "64K",
+            "--max-bytes",
+            "256K",
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+        ],
+        slurm,
+        tmp_path,
+    ).strip()
     states = wait_for([job], slurm, timeout=600)
     report = (tmp_path / "nccl.out").read_text()
     assert set(states.values()) == {"COMPLETED"}, report[-3000:]
@@ -200,23 +267,42 @@ def test_pretrain_sbatch_saves_on_usr1_requeues_and_continues_at_the_saved_step(
     recipe = tmp_path / "tiny.toml"
     recipe.write_text(PREEMPTED_RECIPE.replace("{packed}", str(tmp_path / "packed")))
     run, log = tmp_path / "run", tmp_path / "pretrain.out"
-    job = submit(["sbatch", "--parsable", *ONE_NODE.split(), "--output", str(log), SLURM / "pretrain.sbatch", str(recipe),
-                  str(run)], slurm, tmp_path).strip()
+    job = submit(
+        [
+            "sbatch",
+            "--parsable",
+            *ONE_NODE.split(),
+            "--output",
+            str(log),
+            SLURM / "pretrain.sbatch",
+            str(recipe),
+            str(run),
+        ],
+        slurm,
+        tmp_path,
+    ).strip()
     metrics = run / "metrics.jsonl"
     deadline = time.monotonic() + 600
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 3):  # mid-run: a few steps done
-        assert time.monotonic() < deadline and job_states(job, slurm)[job] in ("PENDING", "RUNNING"), log.read_text()[-3000:]
+        assert time.monotonic() < deadline and job_states(job, slurm)[job] in ("PENDING", "RUNNING"), log.read_text()[
+            -3000:
+        ]
         time.sleep(0.5)
     before = metrics.read_text().splitlines()[:3]
     # What Slurm does at --signal=B:USR1@180 before the time limit: USR1 to the batch shell, whose trap forwards it.
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True, timeout=30)
     states = wait_for([job], slurm)
-    shown = subprocess.run(["scontrol", "-o", "show", "job", job], env=slurm, capture_output=True, text=True, timeout=30)
+    shown = subprocess.run(
+        ["scontrol", "-o", "show", "job", job], env=slurm, capture_output=True, text=True, timeout=30
+    )
     text = log.read_text()
     assert states == {job: "COMPLETED"} and "Restarts=1" in shown.stdout, text[-3000:]
     assert "requeueing" in text
     saved = int(re.search(r"saved step (\d+); stopping", text).group(1))
-    assert 3 <= saved < 30 and sorted(p.name for p in (run / "checkpoints").glob("step-*")) == [f"step-{saved:07d}", "step-0000030"]
+    assert 3 <= saved < 30 and sorted(p.name for p in (run / "checkpoints").glob("step-*")) == [
+        f"step-{saved:07d}",
+        "step-0000030",
+    ]
     # every step once, in order, across the two runs: none repeated, none skipped; the first steps' lines are the
     # first run's (a restart from scratch would have rewritten them)
     lines = metrics.read_text().splitlines()

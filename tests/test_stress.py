@@ -12,18 +12,28 @@ import torch
 from smolctl.cli import main
 from smolctl.errors import CheckFailed, UserError
 from smolctl.infra import stress, telemetry
-from smolctl.infra.stress import (DeviceReport, DeviceStress, PatternTest, StressConfig, build_config, judge,
-                                  parse_duration, run_stress)
+from smolctl.infra.stress import (
+    DeviceReport,
+    DeviceStress,
+    PatternTest,
+    StressConfig,
+    build_config,
+    judge,
+    parse_duration,
+    run_stress,
+)
 from smolctl.infra.telemetry import NvmlTelemetry, health_findings, open_telemetry
 
 
 def small_config(devices=("cpu",), duration=1.0) -> StressConfig:
-    return StressConfig(duration_s=duration, devices=devices, dtype="fp32", size=64, memory_fraction=0.5,
-                        tolerance=0.10, sample_s=0.2)
+    return StressConfig(
+        duration_s=duration, devices=devices, dtype="fp32", size=64, memory_fraction=0.5, tolerance=0.10, sample_s=0.2
+    )
 
 
-@pytest.mark.parametrize("text, seconds", [("60", 60), ("30s", 30), ("5m", 300), ("1h", 3600), ("1.5m", 90),
-                                           (" 2 min", 120)])
+@pytest.mark.parametrize(
+    "text, seconds", [("60", 60), ("30s", 30), ("5m", 300), ("1h", 3600), ("1.5m", 90), (" 2 min", 120)]
+)
 def test_durations_read_like_people_write_them(text, seconds):
     assert parse_duration(text) == seconds
 
@@ -34,15 +44,31 @@ def test_unreadable_durations_are_user_errors(text):
         parse_duration(text)
 
 
-@pytest.mark.parametrize("flags, flag", [
-    ({"memory_fraction": 0.0}, "--memory-fraction"), ({"memory_fraction": 1.0}, "--memory-fraction"),
-    ({"memory_fraction": 1.5}, "--memory-fraction"), ({"dtype": "fp8"}, "--dtype"), ({"devices": "7"}, "--devices"),
-    ({"tolerance": 1.0}, "--tolerance"), ({"size": 8}, "--size"), ({"expect_tflops": 0.0}, "--expect-tflops"),
-    ({"expect_gpus": 0}, "--expect-gpus"), ({"launch": "mpi"}, "--launch"),
-])
+@pytest.mark.parametrize(
+    "flags, flag",
+    [
+        ({"memory_fraction": 0.0}, "--memory-fraction"),
+        ({"memory_fraction": 1.0}, "--memory-fraction"),
+        ({"memory_fraction": 1.5}, "--memory-fraction"),
+        ({"dtype": "fp8"}, "--dtype"),
+        ({"devices": "7"}, "--devices"),
+        ({"tolerance": 1.0}, "--tolerance"),
+        ({"size": 8}, "--size"),
+        ({"expect_tflops": 0.0}, "--expect-tflops"),
+        ({"expect_gpus": 0}, "--expect-gpus"),
+        ({"launch": "mpi"}, "--launch"),
+    ],
+)
 def test_bad_flags_name_the_flag(flags, flag):
-    arguments = {"duration": "1s", "dtype": None, "size": None, "memory_fraction": 0.9, "tolerance": 0.1,
-                 "devices": "cpu", **flags}
+    arguments = {
+        "duration": "1s",
+        "dtype": None,
+        "size": None,
+        "memory_fraction": 0.9,
+        "tolerance": 0.1,
+        "devices": "cpu",
+        **flags,
+    }
     with pytest.raises(UserError, match=flag):
         build_config(**arguments)
 
@@ -56,12 +82,17 @@ def test_judge_fails_errors_and_devices_slower_than_tolerance():
     def report(device, tflops, **faults):
         return DeviceReport(device, tflops=tflops, **faults)
 
-    reports = judge([report("cuda:0", [100.0, 101.0, 99.0]),   # the best, median 100
-                     report("cuda:1", [91.0, 92.0, 90.0]),     # 9% slower: within 10%
-                     report("cuda:2", [88.0, 89.0, 60.0]),     # 12% slower
-                     report("cuda:3", [100.0], mismatches=1),
-                     report("cuda:4", [100.0], memory_errors=3),
-                     report("cuda:5", [], error="RuntimeError: CUDA error: an illegal memory access")], 0.10)
+    reports = judge(
+        [
+            report("cuda:0", [100.0, 101.0, 99.0]),  # the best, median 100
+            report("cuda:1", [91.0, 92.0, 90.0]),  # 9% slower: within 10%
+            report("cuda:2", [88.0, 89.0, 60.0]),  # 12% slower
+            report("cuda:3", [100.0], mismatches=1),
+            report("cuda:4", [100.0], memory_errors=3),
+            report("cuda:5", [], error="RuntimeError: CUDA error: an illegal memory access"),
+        ],
+        0.10,
+    )
     assert [r.verdict for r in reports] == ["OK", "OK", "FAULTY", "FAULTY", "FAULTY", "FAULTY"]
     assert "12% slower than the best device (cuda:0)" in reports[2].reasons[0]
     assert reports[3].reasons == ["1 mismatching result element(s)"]
@@ -80,11 +111,13 @@ def hashed(device: str, digest: str, name: str = "NVIDIA H100 80GB HBM3") -> Dev
 
 
 def test_a_product_that_differs_from_the_other_devices_is_faulty():
-    reports = judge([hashed("cuda:0", "aa"), hashed("cuda:1", "aa"), hashed("cuda:2", "bb"), hashed("cuda:3", "aa")],
-                    0.10)
+    reports = judge(
+        [hashed("cuda:0", "aa"), hashed("cuda:1", "aa"), hashed("cuda:2", "bb"), hashed("cuda:3", "aa")], 0.10
+    )
     assert [r.verdict for r in reports] == ["OK", "OK", "FAULTY", "OK"]
-    assert reports[2].reasons == ["product differs bit-wise from 3 of the 4 NVIDIA H100 80GB HBM3 devices (same "
-                                  "inputs, same kernel)"]
+    assert reports[2].reasons == [
+        "product differs bit-wise from 3 of the 4 NVIDIA H100 80GB HBM3 devices (same inputs, same kernel)"
+    ]
     # two devices that disagree: no way to tell which one is right, so neither passes
     pair = judge([hashed("cuda:0", "aa"), hashed("cuda:1", "bb")], 0.10)
     assert [r.verdict for r in pair] == ["FAULTY", "FAULTY"] and "no majority" in pair[0].reasons[0]
@@ -160,17 +193,20 @@ def telemetry_of(nvml: StubNvml) -> dict:
     return probe.close()
 
 
-@pytest.mark.parametrize("planted, fault", [
-    (dict(reasons=0x8), "throttled by hw_slowdown"),
-    (dict(reasons=0x40 | 0x4), "throttled by hw_thermal"),
-    (dict(reasons=0x80), "throttled by hw_power_brake"),
-    (dict(remap=(0, 2, 1, 0)), "row remapping pending (reset the GPU to apply it before using the node)"),
-    (dict(remap=(0, 2, 0, 1)), "row remapping failed"),
-    (dict(ecc=(3, 5)), "2 new uncorrectable ECC error(s)"),
-    (dict(xids=(79, 48, 79)), "Xid error(s) during the run: 48, 79"),
-    (dict(link=((4, 16), (5, 16))), "PCIe link gen4 x16, below its maximum gen5 x16"),
-    (dict(link=((5, 8), (5, 16))), "PCIe link gen5 x8, below its maximum gen5 x16"),
-])
+@pytest.mark.parametrize(
+    "planted, fault",
+    [
+        (dict(reasons=0x8), "throttled by hw_slowdown"),
+        (dict(reasons=0x40 | 0x4), "throttled by hw_thermal"),
+        (dict(reasons=0x80), "throttled by hw_power_brake"),
+        (dict(remap=(0, 2, 1, 0)), "row remapping pending (reset the GPU to apply it before using the node)"),
+        (dict(remap=(0, 2, 0, 1)), "row remapping failed"),
+        (dict(ecc=(3, 5)), "2 new uncorrectable ECC error(s)"),
+        (dict(xids=(79, 48, 79)), "Xid error(s) during the run: 48, 79"),
+        (dict(link=((4, 16), (5, 16))), "PCIe link gen4 x16, below its maximum gen5 x16"),
+        (dict(link=((5, 8), (5, 16))), "PCIe link gen5 x8, below its maximum gen5 x16"),
+    ],
+)
 def test_nvml_findings_fail_the_device(planted, fault):
     seen = telemetry_of(StubNvml(**planted))
     faults, _ = health_findings(seen)
@@ -202,15 +238,22 @@ def test_a_gpu_without_nvml_says_its_telemetry_is_missing():
 def test_fewer_gpus_than_expected_fail_the_node(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 7)
     with pytest.raises(CheckFailed, match=r"torch sees 7 GPU\(s\), 8 expected \(--expect-gpus\)"):
-        build_config(duration="1s", dtype=None, size=None, memory_fraction=0.9, tolerance=0.1, devices="all",
-                     expect_gpus=8)
+        build_config(
+            duration="1s", dtype=None, size=None, memory_fraction=0.9, tolerance=0.1, devices="all", expect_gpus=8
+        )
     monkeypatch.setattr(telemetry, "_nvidia_smi_listing", lambda: (0, "\n".join(f"GPU {i}: H100" for i in range(8))))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with pytest.raises(CheckFailed, match=r"8 expected \(nvidia-smi"):
         build_config(duration="1s", dtype=None, size=None, memory_fraction=0.9, tolerance=0.1, devices="all")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6")  # a job given 7 of the node's GPUs
-    assert len(build_config(duration="1s", dtype=None, size=None, memory_fraction=0.9, tolerance=0.1,
-                            devices="all").devices) == 7
+    assert (
+        len(
+            build_config(
+                duration="1s", dtype=None, size=None, memory_fraction=0.9, tolerance=0.1, devices="all"
+            ).devices
+        )
+        == 7
+    )
 
 
 def test_pattern_test_counts_flipped_words():
@@ -277,8 +320,16 @@ def test_a_slowed_device_fails_against_the_best(monkeypatch):
 
 @pytest.mark.slow
 def test_one_process_per_device_reports_back_to_the_parent():
-    config = StressConfig(duration_s=1.0, devices=("cpu", "cpu"), dtype="fp32", size=64, memory_fraction=0.5,
-                          tolerance=0.99, sample_s=0.2, launch="process")
+    config = StressConfig(
+        duration_s=1.0,
+        devices=("cpu", "cpu"),
+        dtype="fp32",
+        size=64,
+        memory_fraction=0.5,
+        tolerance=0.99,
+        sample_s=0.2,
+        launch="process",
+    )
     ticks = []
     first, second = run_stress(config, on_tick=lambda elapsed, reports: ticks.append(sum(r.matmuls for r in reports)))
     for report in (first, second):
@@ -298,8 +349,11 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
 
 def test_no_visible_gpu_fails_unless_the_cpu_is_asked_for(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    monkeypatch.setattr(telemetry, "_nvidia_smi_listing",
-                        lambda: (9, "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."))
+    monkeypatch.setattr(
+        telemetry,
+        "_nvidia_smi_listing",
+        lambda: (9, "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver."),
+    )
     code, out, err = run_cli(capsys, "stress-gpu", "--duration", "1s")
     assert code == 1 and out == "" and "torch sees no GPU" in err and "--devices cpu" in err
     assert "nvidia-smi fails: NVIDIA-SMI has failed because it couldn't communicate" in " ".join(err.split())

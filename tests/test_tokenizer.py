@@ -6,10 +6,10 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import run_cli
 
 from smolctl.data.tokenizer import DOCUMENT_END, IM_END, PAD, load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import UserError
-from conftest import run_cli
 
 
 def test_trained_tokenizer_loads_with_transformers_and_round_trips(tokenizer_dir, sample):
@@ -19,13 +19,17 @@ def test_trained_tokenizer_loads_with_transformers_and_round_trips(tokenizer_dir
     assert len(tok) == 2048 and tok.eos_token == DOCUMENT_END and tok.pad_token == PAD
     text = "def dumps(obj, *, skipkeys=False):\n    Serialize ``obj`` to a JSON formatted ``str``. é ü 日本"
     assert tok.decode(tok(text)["input_ids"]) == text
-    assert json.loads((tokenizer_dir / "manifest.json").read_text())["inputs"][0]["path"] == str((sample / "web").resolve())
+    assert json.loads((tokenizer_dir / "manifest.json").read_text())["inputs"][0]["path"] == str(
+        (sample / "web").resolve()
+    )
 
 
 def test_chat_template_marks_assistant_tokens_for_assistant_only_loss(tokenizer_dir):
     tok = load_tokenizer(tokenizer_dir)
-    messages = [{"role": "user", "content": "What does json.dumps do?"},
-                {"role": "assistant", "content": "It serialises an object to JSON."}]
+    messages = [
+        {"role": "user", "content": "What does json.dumps do?"},
+        {"role": "assistant", "content": "It serialises an object to JSON."},
+    ]
     encoded = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     ids, mask = encoded["input_ids"], encoded["assistant_masks"]
     assistant = tok.decode([t for t, m in zip(ids, mask) if m])
@@ -80,12 +84,13 @@ def test_a_seeded_sample_is_the_lowest_priorities_within_the_budget(sample, tmp_
     fits = sum(1 for total in accumulate(len(t.encode()) for t in ranked) if total <= 60_000)
     by_bytes = sample_texts(source, "text", bytes_=60_000, seed=7)
     assert by_bytes == ranked[:fits] and 0 < fits < len(ranked)
-    assert sample_texts(source, "text", documents=150, bytes_=60_000, seed=7) == ranked[:min(150, fits)]
+    assert sample_texts(source, "text", documents=150, bytes_=60_000, seed=7) == ranked[: min(150, fits)]
     # The same seed trains the same tokenizer; the sample is recorded in the manifest.
     prints = []
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
-        result = train_tokenizer(str(sample / "web"), str(tmp_path / name), vocab_size=600, sample_documents=200,
-                                 seed=seed)
+        result = train_tokenizer(
+            str(sample / "web"), str(tmp_path / name), vocab_size=600, sample_documents=200, seed=seed
+        )
         assert (result.documents, result.corpus_documents) == (200, source.num_rows)
         prints.append(json.loads((tmp_path / name / "manifest.json").read_text())["stats"]["fingerprint"])
     assert prints[0] == prints[1] != prints[2]

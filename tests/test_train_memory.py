@@ -26,9 +26,19 @@ def _tiny_model(vocab: int = 512, attention: str = "sdpa"):
 
     from smolctl.train.model import build_model
 
-    config = AutoConfig.for_model("smollm3", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                  pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    config = AutoConfig.for_model(
+        "smollm3",
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     return build_model(config, attention=attention, seed=0)
 
 

@@ -10,23 +10,33 @@ import shutil
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
 from conftest import REPO, SAMPLE
-from smolctl.cli import app
 from test_posttrain import tiny_model  # noqa: F401  (fixture)
 from test_pretrain import packed, recipe  # noqa: F401  (fixtures)
+from typer.testing import CliRunner
+
+from smolctl.cli import app
 
 QUICK = {
     "pretrain": ["training.global_batch=2"],
     "midtrain": ["training.global_batch=2"],
     "sft": ["training.micro_batch=2", "sft.max_length=64"],
     "dpo": ["training.micro_batch=2", "dpo.max_length=64", "data.limit=16"],
-    "ppo": ["training.micro_batch=4", "ppo.batch_size=4", "ppo.minibatch_size=4", "ppo.epochs=1", "ppo.max_new_tokens=4"],
+    "ppo": [
+        "training.micro_batch=4",
+        "ppo.batch_size=4",
+        "ppo.minibatch_size=4",
+        "ppo.epochs=1",
+        "ppo.max_new_tokens=4",
+    ],
     "grpo": ["training.micro_batch=4", "training.global_batch=4", "grpo.num_generations=2", "grpo.max_new_tokens=4"],
 }
-TINY_RECIPES = {"sft": "recipes/sft-tiny.toml", "dpo": "recipes/dpo-tiny.toml", "ppo": "recipes/ppo-tiny.toml",
-                "grpo": "recipes/grpo-tiny.toml"}
+TINY_RECIPES = {
+    "sft": "recipes/sft-tiny.toml",
+    "dpo": "recipes/dpo-tiny.toml",
+    "ppo": "recipes/ppo-tiny.toml",
+    "grpo": "recipes/grpo-tiny.toml",
+}
 
 
 def smolctl(*args) -> tuple[int, str, str]:
@@ -35,14 +45,14 @@ def smolctl(*args) -> tuple[int, str, str]:
 
 
 @pytest.fixture(scope="module")
-def pretrain_run(recipe, tmp_path_factory) -> Path:  # noqa: F811
+def pretrain_run(recipe, tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("stack") / "pretrain"
     code, _, err = smolctl("pretrain", recipe, run, "--set", "training.steps=2", "--set", "training.global_batch=2")
     assert code == 0, err
     return run
 
 
-def command_line(command: str, recipe: Path, start: Path, run: Path, *extra: str) -> list:  # noqa: F811
+def command_line(command: str, recipe: Path, start: Path, run: Path, *extra: str) -> list:
     recipe_path = recipe if command in ("pretrain", "midtrain") else REPO / TINY_RECIPES[command]
     sets = [*QUICK[command], "checkpoint.interval=1", "checkpoint.keep=2", "logging.interval=1", *extra]
     start_from = [] if command == "pretrain" else ["--from", start]
@@ -50,11 +60,10 @@ def command_line(command: str, recipe: Path, start: Path, run: Path, *extra: str
 
 
 @pytest.mark.parametrize("command", ["pretrain", "midtrain", "sft", "dpo", "ppo", "grpo"])
-def test_every_training_command_has_the_same_run_layout_and_resume(command, recipe, tiny_model, pretrain_run,  # noqa: F811
-                                                                   tmp_path):
+def test_every_training_command_has_the_same_run_layout_and_resume(command, recipe, tiny_model, pretrain_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    start = pretrain_run if command == "midtrain" else tiny_model   # midtrain: --from a run folder
+    start = pretrain_run if command == "midtrain" else tiny_model  # midtrain: --from a run folder
     run = tmp_path / "run"
     code, out, err = smolctl(*command_line(command, recipe, start, run, "training.steps=2"))
     assert code == 0, err
@@ -80,27 +89,36 @@ def test_every_training_command_has_the_same_run_layout_and_resume(command, reci
 
 
 @pytest.mark.parametrize("command", ["sft", "grpo"])
-def test_lora_trains_adapters_and_final_holds_them_merged(command, tiny_model, tmp_path):  # noqa: F811
+def test_lora_trains_adapters_and_final_holds_them_merged(command, tiny_model, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "run"
     # GRPO learns only from rewards that differ within a group: the toy reward of test_ppo (share of real words).
     varied = ['rewards.0.match="callable"', 'rewards.0.function="test_ppo:spaced_words"', "grpo.max_new_tokens=6"]
-    args = command_line(command, Path(), tiny_model, run, "training.steps=2", "checkpoint.interval=0", "peft.r=4",
-                        "optimizer.lr=0.05", *(varied if command == "grpo" else []))
+    args = command_line(
+        command,
+        Path(),
+        tiny_model,
+        run,
+        "training.steps=2",
+        "checkpoint.interval=0",
+        "peft.r=4",
+        "optimizer.lr=0.05",
+        *(varied if command == "grpo" else []),
+    )
     code, out, err = smolctl(*[a for a in args if a != "--json"])
     assert code == 0, err
-    summary = out + err                                               # the summary shows the LoRA share
+    summary = out + err  # the summary shows the LoRA share
     assert "trainable of" in summary and "(100.00%)" not in summary, summary
     assert (run / "adapter" / "adapter_config.json").is_file()
     trained = AutoModelForCausalLM.from_pretrained(run / "final").state_dict()
     base = AutoModelForCausalLM.from_pretrained(tiny_model).state_dict()
-    assert trained.keys() == base.keys()                              # merged: a plain model, no lora_ weights
+    assert trained.keys() == base.keys()  # merged: a plain model, no lora_ weights
     assert any(not torch.equal(trained[k], base[k]) for k in base)
 
 
-def test_sft_assistant_mask_covers_exactly_the_assistant_turns_of_a_patched_template(tiny_model, tmp_path):  # noqa: F811
+def test_sft_assistant_mask_covers_exactly_the_assistant_turns_of_a_patched_template(tiny_model, tmp_path):
     """A Qwen 2.5 template has no {% generation %} markers; TRL patches it, and the loss mask must cover each
     assistant reply and its end-of-turn token, nothing of the system or user turns."""
     from trl.chat_template_utils import has_generation_markers, qwen2_5_chat_template
@@ -113,8 +131,11 @@ def test_sft_assistant_mask_covers_exactly_the_assistant_turns_of_a_patched_temp
     shutil.copytree(tiny_model, model)
     (model / "chat_template.jinja").write_text(qwen2_5_chat_template)
     assert not has_generation_markers(qwen2_5_chat_template)
-    recipe = load_command_recipe("sft", REPO / "recipes/sft-tiny.toml", [
-        "sft.packing=\"none\"", "sft.max_length=512", "data.limit=4", "training.steps=1"])
+    recipe = load_command_recipe(
+        "sft",
+        REPO / "recipes/sft-tiny.toml",
+        ['sft.packing="none"', "sft.max_length=512", "data.limit=4", "training.steps=1"],
+    )
     source = open_documents(SAMPLE / "chat")
     trainer, _, _, _ = sft_trainer(recipe, tmp_path / "run", model, source, sft_columns(source))
     tokenizer = trainer.processing_class
@@ -139,10 +160,23 @@ def test_sft_assistant_mask_covers_exactly_the_assistant_turns_of_a_patched_temp
     assert [int(label != -100) for label in row["labels"]] == inside
 
 
-def test_dpo_preference_accuracy_and_margins_rise(tiny_model, tmp_path):  # noqa: F811
-    code, _, err = smolctl("dpo", REPO / "recipes/dpo-tiny.toml", tmp_path / "run", "--from", tiny_model, "--json",
-                             "--set", "training.steps=8", "--set", "data.limit=16", "--set", "dpo.max_length=64",
-                             "--set", "checkpoint.interval=0")
+def test_dpo_preference_accuracy_and_margins_rise(tiny_model, tmp_path):
+    code, _, err = smolctl(
+        "dpo",
+        REPO / "recipes/dpo-tiny.toml",
+        tmp_path / "run",
+        "--from",
+        tiny_model,
+        "--json",
+        "--set",
+        "training.steps=8",
+        "--set",
+        "data.limit=16",
+        "--set",
+        "dpo.max_length=64",
+        "--set",
+        "checkpoint.interval=0",
+    )
     assert code == 0, err
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     accuracy = [r["rewards/accuracies"] for r in logged]
@@ -154,7 +188,7 @@ def test_dpo_preference_accuracy_and_margins_rise(tiny_model, tmp_path):  # noqa
 
 
 @pytest.mark.slow
-def test_two_process_post_training_saves_final_collectively_and_refuses_once(tiny_model, tmp_path):  # noqa: F811
+def test_two_process_post_training_saves_final_collectively_and_refuses_once(tiny_model, tmp_path):
     """Under torchrun every rank takes part in the final save (a sharded model is gathered before rank 0 writes):
     final/ holds the trained weights, equal to the Trainer's own last checkpoint. PPO, data-parallel without
     sharding, refuses training.shard once, not once per rank."""
@@ -164,8 +198,13 @@ def test_two_process_post_training_saves_final_collectively_and_refuses_once(tin
     from safetensors.torch import load_file
 
     def torchrun(*args) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "smolctl",
-                               *map(str, args)], capture_output=True, text=True, cwd=REPO, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "smolctl", *map(str, args)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=300,
+        )
 
     done = torchrun(*command_line("sft", Path(), tiny_model, tmp_path / "run", "training.steps=2"))
     assert done.returncode == 0, done.stderr[-2000:]
@@ -175,7 +214,8 @@ def test_two_process_post_training_saves_final_collectively_and_refuses_once(tin
     assert final.keys() == last.keys() == base.keys()
     assert all(final[k].equal(last[k]) for k in final) and not all(final[k].equal(base[k]) for k in final)
 
-    refused = torchrun(*command_line("ppo", Path(), tiny_model, tmp_path / "ppo", "training.steps=1",
-                                     "training.shard=true"))
-    assert refused.returncode != 0                                    # torchrun reports the failed rank
+    refused = torchrun(
+        *command_line("ppo", Path(), tiny_model, tmp_path / "ppo", "training.steps=1", "training.shard=true")
+    )
+    assert refused.returncode != 0  # torchrun reports the failed rank
     assert refused.stderr.count("ppo runs data-parallel (DDP) without FSDP sharding") == 1, refused.stderr[-2000:]

@@ -23,10 +23,20 @@ from smolctl.units import (
 )
 
 
-@pytest.mark.parametrize("text, value", [
-    ("11.2T", 11_200_000_000_000), ("5e9", 5_000_000_000), ("2_359_296", 2_359_296), ("350m", 350_000_000),
-    ("2.5M", 2_500_000), ("100G", 100_000_000_000), ("1K", 1000), ("7", 7), (4096, 4096),
-])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("11.2T", 11_200_000_000_000),
+        ("5e9", 5_000_000_000),
+        ("2_359_296", 2_359_296),
+        ("350m", 350_000_000),
+        ("2.5M", 2_500_000),
+        ("100G", 100_000_000_000),
+        ("1K", 1000),
+        ("7", 7),
+        (4096, 4096),
+    ],
+)
 def test_counts_are_si(text, value):
     assert parse_count(text, "--tokens") == value
 
@@ -40,18 +50,36 @@ def test_a_count_with_b_is_refused_with_the_way_to_write_billions(text):
         assert "100G or 100e9" in refused.value.line()
 
 
-@pytest.mark.parametrize("text, value", [
-    ("100MB", 100_000_000), ("1GiB", 2**30), ("100B", 100), ("4096", 4096), ("256k", 256_000), ("1.5 KiB", 1536),
-    ("2TiB", 2 * 2**40), ("1 GB", 10**9),
-])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("100MB", 100_000_000),
+        ("1GiB", 2**30),
+        ("100B", 100),
+        ("4096", 4096),
+        ("256k", 256_000),
+        ("1.5 KiB", 1536),
+        ("2TiB", 2 * 2**40),
+        ("1 GB", 10**9),
+    ],
+)
 def test_bytes_take_si_and_iec_and_b_is_bytes(text, value):
     assert parse_bytes(text, "--bytes") == value
 
 
-@pytest.mark.parametrize("text, value", [
-    ("8", 8), ("1K", 1024), ("64k", 65536), ("1M", 2**20), ("8G", 8 * 2**30), ("0.5G", 2**29),
-    ("1MiB", 2**20), ("512KB", 512_000),  # with a B, the bytes rule
-])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("8", 8),
+        ("1K", 1024),
+        ("64k", 65536),
+        ("1M", 2**20),
+        ("8G", 8 * 2**30),
+        ("0.5G", 2**29),
+        ("1MiB", 2**20),
+        ("512KB", 512_000),  # with a B, the bytes rule
+    ],
+)
 def test_nccl_sizes_keep_nccl_tests_powers_of_1024(text, value):
     assert parse_nccl_bytes(text, "--max-bytes") == value
 
@@ -136,8 +164,20 @@ def test_every_size_flag_says_its_rule_and_refuses_a_wrong_unit_in_one_line(comm
 
 def test_size_flags_accept_and_print_the_documented_units(tmp_path, sample):
     """The valid values of SIZE_FLAGS, through commands that print what they understood."""
-    estimate = json.loads(run_cli("estimate", "--model", "smollm3-3b", "--tokens", "1G", "--global-batch-tokens",
-                                  "4.096M", "--gpus", "8", "--json").stdout)
+    estimate = json.loads(
+        run_cli(
+            "estimate",
+            "--model",
+            "smollm3-3b",
+            "--tokens",
+            "1G",
+            "--global-batch-tokens",
+            "4.096M",
+            "--gpus",
+            "8",
+            "--json",
+        ).stdout
+    )
     assert estimate["compute"]["tokens"] == 10**9
     assert estimate["layout"]["global_batch_tokens"] == 4_096_000  # 1,000 sequences of 4,096 tokens
     mixed = run_cli("mix", tmp_path / "mix", "--source", f"web={sample / 'web'}:1", "--bytes", "100KiB", "--json")

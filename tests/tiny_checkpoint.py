@@ -16,10 +16,19 @@ def make_tiny_checkpoint(tokenizer_dir: Path, output: Path, seed: int = 0, **con
 
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(tokenizer_dir)
-    settings = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                    tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    settings = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
     model = AutoModelForCausalLM.from_config(SmolLM3Config(**{**settings, **config}))
     with OutputFolder(output, kind=KIND_MODEL, inputs=[lineage_ref(tokenizer_dir)]) as folder:
         model.save_pretrained(str(folder.staging))

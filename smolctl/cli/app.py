@@ -42,7 +42,7 @@ class _ReadableHelp:
         pieces = super().collect_usage_pieces(ctx)  # [OPTIONS], one piece per argument, a group's COMMAND
         arguments = [param for param in self.get_params(ctx) if param.param_type_name == "argument"]
         start = 1 if self.options_metavar else 0
-        return pieces[:start] + [self._usage_name(param) for param in arguments] + pieces[start + len(arguments):]
+        return pieces[:start] + [self._usage_name(param) for param in arguments] + pieces[start + len(arguments) :]
 
     @staticmethod
     def _usage_name(argument) -> str:
@@ -59,7 +59,7 @@ class _ReadableHelp:
             if param.is_flag:
                 param.metavar = ""
             elif param.multiple and (label := param.display_type_rich(ctx) or "").startswith("<list["):
-                param.metavar = "<" + label[len("<list["):-len("]>")] + ">"
+                param.metavar = "<" + label[len("<list[") : -len("]>")] + ">"
         return params
 
 

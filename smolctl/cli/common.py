@@ -22,10 +22,21 @@ def render_array_task(command: str, result, tasks: int | None, task_id: int) -> 
         return True
     if result.finished:
         return False
-    units = (f"{result.units_done} done, {result.units_skipped} already finished (skipped)"
-             if result.units_done + result.units_skipped else "no units for this task: nothing to do")
-    show(key_values(command, [("units", f"task {task_id} of {tasks}: {units}"), ("time", f"{result.seconds:.1f}s"),
-                              ("output", f"{result.output} (committed by the task that finishes the last unit)")]))
+    units = (
+        f"{result.units_done} done, {result.units_skipped} already finished (skipped)"
+        if result.units_done + result.units_skipped
+        else "no units for this task: nothing to do"
+    )
+    show(
+        key_values(
+            command,
+            [
+                ("units", f"task {task_id} of {tasks}: {units}"),
+                ("time", f"{result.seconds:.1f}s"),
+                ("output", f"{result.output} (committed by the task that finishes the last unit)"),
+            ],
+        )
+    )
     return True
 
 
@@ -37,8 +48,10 @@ def resume_hint_on_interrupt(stage: str, recipe, run) -> Iterator[None]:
     except KeyboardInterrupt:
         if rank_from_env() != 0:  # under torchrun every rank gets the signal; rank 0 speaks
             raise typer.Exit(130) from None
-        raise Interrupted(f"{run}: continue with `smolctl {stage} {recipe} {run} --resume auto` and the same "
-                          "options (from the newest complete checkpoint, or afresh when there is none)") from None
+        raise Interrupted(
+            f"{run}: continue with `smolctl {stage} {recipe} {run} --resume auto` and the same "
+            "options (from the newest complete checkpoint, or afresh when there is none)"
+        ) from None
 
 
 def quiet_on_other_ranks(exc: Exception) -> NoReturn:

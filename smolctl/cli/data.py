@@ -24,26 +24,37 @@ from smolctl.errors import UserError
 from smolctl.units import BYTES_HELP, COUNT_HELP, parse_bytes, parse_count
 
 
-@app.command("train-tokenizer", epilog="""[bold]Examples[/]
+@app.command(
+    "train-tokenizer",
+    epilog="""[bold]Examples[/]
 
   smolctl train-tokenizer data/sample/web tok/ --vocab-size 8192
 
   smolctl train-tokenizer 'corpus/*.parquet' tok/ --vocab-size 49152 --text-column content --json
 
   smolctl train-tokenizer 'crawl/*.parquet' tok/ --vocab-size 49152 --sample-bytes 2GB      any corpus size, one node
-""")
+""",
+)
 def train_tokenizer_command(
     input: str = typer.Argument(..., help="Dataset folder, folder of parquet files, a .parquet file or a glob."),
     output: Path = typer.Argument(..., help="Tokenizer folder to write (loads with AutoTokenizer.from_pretrained)."),
     vocab_size: int = typer.Option(8192, "--vocab-size", help="Vocabulary size, special tokens included."),
     text_column: TextColumnOpt = "text",
     min_frequency: int = typer.Option(2, "--min-frequency", help="Merges rarer than this are not learned."),
-    sample_documents: str | None = typer.Option(None, "--sample-documents", help="Train on a seeded uniform "
-                                                   "sample of this many documents, e.g. 1M (streamed: any corpus size; "
-                                                   f"{COUNT_HELP})."),
-    sample_bytes: str | None = typer.Option(None, "--sample-bytes", help="Train on a seeded uniform sample of "
-                                               "this much text, e.g. 2GB (with --sample-documents: both limits; "
-                                               f"{BYTES_HELP})."),
+    sample_documents: str | None = typer.Option(
+        None,
+        "--sample-documents",
+        help="Train on a seeded uniform "
+        "sample of this many documents, e.g. 1M (streamed: any corpus size; "
+        f"{COUNT_HELP}).",
+    ),
+    sample_bytes: str | None = typer.Option(
+        None,
+        "--sample-bytes",
+        help="Train on a seeded uniform sample of "
+        "this much text, e.g. 2GB (with --sample-documents: both limits; "
+        f"{BYTES_HELP}).",
+    ),
     seed: int = typer.Option(0, "--seed", help="Seeds the sample."),
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
@@ -55,24 +66,41 @@ def train_tokenizer_command(
     size = parse_bytes(sample_bytes, "--sample-bytes") if sample_bytes is not None else None
     with progress(not json_out) as bar:
         task = bar.add_task("reading documents", total=None, rate="", visible=False)
-        result = train_tokenizer(input, str(output), vocab_size=vocab_size, text_column=text_column,
-                                 min_frequency=min_frequency, overwrite=overwrite, sample_documents=documents,
-                                 sample_bytes=size, seed=seed,
-                                 on_start=lambda total: bar.update(task, total=total, visible=True),
-                                 on_batch=lambda n: bar.advance(task, n))
+        result = train_tokenizer(
+            input,
+            str(output),
+            vocab_size=vocab_size,
+            text_column=text_column,
+            min_frequency=min_frequency,
+            overwrite=overwrite,
+            sample_documents=documents,
+            sample_bytes=size,
+            seed=seed,
+            on_start=lambda total: bar.update(task, total=total, visible=True),
+            on_batch=lambda n: bar.advance(task, n),
+        )
     if json_out:
         emit_json(result.to_dict())
         return
     sampled = f" (sampled from {human_count(result.corpus_documents)})" if result.corpus_documents is not None else ""
-    show(key_values("train-tokenizer", [
-        ("output", result.output), ("vocab size", result.vocab_size),
-        ("documents", human_count(result.documents) + sampled),
-        ("characters", human_count(result.characters)), ("chars/token", f"{result.chars_per_token:.2f}"),
-        ("time", f"{result.seconds:.1f}s"),
-    ]))
+    show(
+        key_values(
+            "train-tokenizer",
+            [
+                ("output", result.output),
+                ("vocab size", result.vocab_size),
+                ("documents", human_count(result.documents) + sampled),
+                ("characters", human_count(result.characters)),
+                ("chars/token", f"{result.chars_per_token:.2f}"),
+                ("time", f"{result.seconds:.1f}s"),
+            ],
+        )
+    )
 
 
-@app.command("dedup", epilog="""[bold]Examples[/]
+@app.command(
+    "dedup",
+    epilog="""[bold]Examples[/]
 
   smolctl dedup data/sample/web demo-out/dedup/web --minhash          exact + near duplicates, all cores
 
@@ -82,36 +110,58 @@ def train_tokenizer_command(
 
   smolctl dedup crawl/ out/ --minhash --stage signatures --tasks 64 --task-id $SLURM_ARRAY_TASK_ID
   (see recipes/slurm/dedup.sbatch: signatures → buckets → components → filter, chained with afterok)
-""")
+""",
+)
 def dedup_command(
     input: str = typer.Argument(..., help="Dataset folder, folder of parquet files, a .parquet file or a glob."),
-    output: Path = typer.Argument(..., help="Dataset folder to write: kept documents (same schema and order), "
-                                  "duplicates/ (id, duplicate_of, cluster, reason, jaccard) and the manifest."),
-    exact: bool = typer.Option(True, "--exact/--no-exact", help="Remove identical texts (NFKC, case-folded, "
-                               "whitespace collapsed)."),
-    use_minhash: bool = typer.Option(False, "--minhash", help="Also remove near duplicates (MinHash LSH, verified); "
-                                     "the parameters below default to smolctl.data.minhash.MinHashParams' and the "
-                                     "summary prints the ones used."),
-    threshold: float | None = typer.Option(None, "--threshold", help="Jaccard of the shingle sets at or above "
-                                              "which documents are duplicates."),
+    output: Path = typer.Argument(
+        ...,
+        help="Dataset folder to write: kept documents (same schema and order), "
+        "duplicates/ (id, duplicate_of, cluster, reason, jaccard) and the manifest.",
+    ),
+    exact: bool = typer.Option(
+        True, "--exact/--no-exact", help="Remove identical texts (NFKC, case-folded, whitespace collapsed)."
+    ),
+    use_minhash: bool = typer.Option(
+        False,
+        "--minhash",
+        help="Also remove near duplicates (MinHash LSH, verified); "
+        "the parameters below default to smolctl.data.minhash.MinHashParams' and the "
+        "summary prints the ones used.",
+    ),
+    threshold: float | None = typer.Option(
+        None, "--threshold", help="Jaccard of the shingle sets at or above which documents are duplicates."
+    ),
     num_perm: int | None = typer.Option(None, "--num-perm", help="Signature length."),
-    bands: int | None = typer.Option(None, "--bands", help="LSH bands (bands x rows = num-perm) "
-                                        "(default: derived from the threshold, leaning to recall)."),
+    bands: int | None = typer.Option(
+        None,
+        "--bands",
+        help="LSH bands (bands x rows = num-perm) (default: derived from the threshold, leaning to recall).",
+    ),
     rows: int | None = typer.Option(None, "--rows", help="Signature values per band."),
     ngram: int | None = typer.Option(None, "--ngram", help="Shingle length in words or characters."),
-    shingle: str | None = typer.Option(None, "--shingle", help="word, or char for languages written without "
-                                          "spaces."),
-    verify: bool = typer.Option(True, "--verify/--no-verify", help="Check candidates by exact Jaccard (grey zone "
-                                "only); --no-verify trusts the signature estimate."),
+    shingle: str | None = typer.Option(None, "--shingle", help="word, or char for languages written without spaces."),
+    verify: bool = typer.Option(
+        True,
+        "--verify/--no-verify",
+        help="Check candidates by exact Jaccard (grey zone only); --no-verify trusts the signature estimate.",
+    ),
     text_column: TextColumnOpt = "text",
-    id_column: str | None = typer.Option(None, "--id-column", help="Column of unique ids (default: id if "
-                                            "present, else shard:row)."),
-    against: str | None = typer.Option(None, "--against", help="Reference dataset: drop INPUT documents that "
-                                          "duplicate it; the reference is never changed."),
+    id_column: str | None = typer.Option(
+        None, "--id-column", help="Column of unique ids (default: id if present, else shard:row)."
+    ),
+    against: str | None = typer.Option(
+        None,
+        "--against",
+        help="Reference dataset: drop INPUT documents that duplicate it; the reference is never changed.",
+    ),
     keep: str = typer.Option("first", "--keep", help="Survivor of each cluster: first (input order) or longest."),
     workers: int | None = typer.Option(None, "--workers", min=1, help="Processes (default: the CPUs available)."),
-    stage: str | None = typer.Option(None, "--stage", help="Run one stage only: signatures, buckets, "
-                                        "components or filter (Slurm arrays); default: all stages."),
+    stage: str | None = typer.Option(
+        None,
+        "--stage",
+        help="Run one stage only: signatures, buckets, components or filter (Slurm arrays); default: all stages.",
+    ),
     tasks: TasksOpt = None,
     task_id: TaskIdOpt = 0,
     overwrite: OverwriteOpt = False,
@@ -121,18 +171,41 @@ def dedup_command(
     from smolctl.data.dedup import DedupConfig, run
     from smolctl.data.minhash.params import MinHashParams
 
-    given = {"threshold": threshold, "num_perm": num_perm, "bands": bands, "rows": rows, "ngram": ngram,
-             "shingle": shingle}
+    given = {
+        "threshold": threshold,
+        "num_perm": num_perm,
+        "bands": bands,
+        "rows": rows,
+        "ngram": ngram,
+        "shingle": shingle,
+    }
     given = {key: value for key, value in given.items() if value is not None}
     if not use_minhash and given:
-        raise UserError(f"--{next(iter(given)).replace('_', '-')}", "applies to near-duplicate removal only",
-                        "add --minhash")
+        raise UserError(
+            f"--{next(iter(given)).replace('_', '-')}", "applies to near-duplicate removal only", "add --minhash"
+        )
     params = MinHashParams.for_threshold(**given) if use_minhash else None  # the module's defaults for the rest
-    config = DedupConfig(input=input, output=str(output), exact=exact, minhash=params, verify=verify,
-                         text_column=text_column, id_column=id_column, against=against, keep=keep, overwrite=overwrite)
+    config = DedupConfig(
+        input=input,
+        output=str(output),
+        exact=exact,
+        minhash=params,
+        verify=verify,
+        text_column=text_column,
+        id_column=id_column,
+        against=against,
+        keep=keep,
+        overwrite=overwrite,
+    )
     with progress(not json_out) as bar:
-        result = run(config, stage=stage, tasks=tasks or 1, task_id=task_id,
-                     workers=workers or len(os.sched_getaffinity(0)), report=_stage_progress(bar))
+        result = run(
+            config,
+            stage=stage,
+            tasks=tasks or 1,
+            task_id=task_id,
+            workers=workers or len(os.sched_getaffinity(0)),
+            report=_stage_progress(bar),
+        )
     if json_out:
         emit_json(result.to_dict())
         return
@@ -164,35 +237,60 @@ def _render_dedup(result, tasks: int, task_id: int) -> None:
         return
     if not result.finished:
         where = f"task {task_id} of {tasks}, " if tasks > 1 else ""
-        units = (f"{where}{result.units_done} done, {result.units_skipped} already finished (skipped)"
-                 if result.units_done + result.units_skipped else f"{where}no units for this task: nothing to do")
-        show(key_values(f"dedup --stage {result.stage}", [
-            ("units", units),
-            ("time", f"{result.seconds:.1f}s"),
-            ("output", f"{result.output} (committed by the filter task that finishes last)")]))
+        units = (
+            f"{where}{result.units_done} done, {result.units_skipped} already finished (skipped)"
+            if result.units_done + result.units_skipped
+            else f"{where}no units for this task: nothing to do"
+        )
+        show(
+            key_values(
+                f"dedup --stage {result.stage}",
+                [
+                    ("units", units),
+                    ("time", f"{result.seconds:.1f}s"),
+                    ("output", f"{result.output} (committed by the filter task that finishes last)"),
+                ],
+            )
+        )
         return
     removed = result.exact_removed + result.near_removed
     rate = result.documents / max(result.seconds, 1e-9)
     facts = [("documents in", f"{result.documents:,}")]
     if result.null_text:
         facts.append(("null texts", f"{result.null_text} (kept as they are, not deduplicated)"))
-    facts += [("exact removed", f"{result.exact_removed:,}"),
-              ("near removed", f"{result.near_removed:,}" if result.params["minhash"] else "- (no --minhash)"),
-              ("kept", f"{result.kept:,} ({result.kept / max(result.documents, 1):.1%})"),
-              ("clusters", f"{result.clusters:,} ({removed:,} removed, see duplicates/)")]
+    facts += [
+        ("exact removed", f"{result.exact_removed:,}"),
+        ("near removed", f"{result.near_removed:,}" if result.params["minhash"] else "- (no --minhash)"),
+        ("kept", f"{result.kept:,} ({result.kept / max(result.documents, 1):.1%})"),
+        ("clusters", f"{result.clusters:,} ({removed:,} removed, see duplicates/)"),
+    ]
     if result.params["minhash"]:
         mh = result.params["minhash"]
-        facts.append(("candidates", f"{result.candidate_pairs:,} pairs, {result.verified_pairs:,} by exact Jaccard "
-                      f"({mh['bands']} bands x {mh['rows']} rows, threshold {mh['threshold']})"))
+        facts.append(
+            (
+                "candidates",
+                f"{result.candidate_pairs:,} pairs, {result.verified_pairs:,} by exact Jaccard "
+                f"({mh['bands']} bands x {mh['rows']} rows, threshold {mh['threshold']})",
+            )
+        )
     if result.stage == "all":
-        facts.append(("throughput", f"{human_count(rate)} docs/s, {result.bytes / max(result.seconds, 1e-9) / 1e6:.1f} MB/s"
-                      + (f" ({result.units_skipped} finished unit(s) reused)" if result.units_skipped else "")))
-    facts += [("time", f"{result.seconds:.1f}s" + ("" if result.stage == "all" else f" (this {result.stage} task)")),
-              ("output", result.output)]
+        facts.append(
+            (
+                "throughput",
+                f"{human_count(rate)} docs/s, {result.bytes / max(result.seconds, 1e-9) / 1e6:.1f} MB/s"
+                + (f" ({result.units_skipped} finished unit(s) reused)" if result.units_skipped else ""),
+            )
+        )
+    facts += [
+        ("time", f"{result.seconds:.1f}s" + ("" if result.stage == "all" else f" (this {result.stage} task)")),
+        ("output", result.output),
+    ]
     show(key_values("dedup", facts))
 
 
-@app.command("mix", epilog="""[bold]Examples[/]
+@app.command(
+    "mix",
+    epilog="""[bold]Examples[/]
 
   smolctl mix demo-out/mix --recipe recipes/demo-mix.toml --set sources.web.path=demo-out/dedup/web
 
@@ -204,38 +302,56 @@ def _render_dedup(result, tasks: int, task_id: int) -> None:
 
   smolctl mix out/ --recipe recipes/demo-mix.toml --stage measure --tasks 64 --task-id $SLURM_ARRAY_TASK_ID
   (then --stage write; see recipes/slurm/mix.sbatch)
-""")
+""",
+)
 def mix_command(
     output: Path = typer.Argument(..., help="Dataset folder to write; with a recipe, one subfolder per stage."),
-    source: list[str] | None = typer.Option(None, "--source", help="NAME=PATH:WEIGHT (repeat). PATH: any dataset "
-                                               "folder, parquet file or glob; weights are normalised."),
+    source: list[str] | None = typer.Option(
+        None,
+        "--source",
+        help="NAME=PATH:WEIGHT (repeat). PATH: any dataset folder, parquet file or glob; weights are normalised.",
+    ),
     recipe: Path | None = typer.Option(None, "--recipe", help="TOML recipe with [sources.NAME] and [[stages]]."),
     overrides: SetOpt = None,
-    tokens: str | None = typer.Option(None, "--tokens", help="Budget in tokens (needs --tokenizer), e.g. "
-                                        f"2.5M ({COUNT_HELP})."),
-    bytes_: str | None = typer.Option(None, "--bytes", help="Budget in UTF-8 bytes of text, e.g. 100MB "
-                                        f"({BYTES_HELP})."),
-    documents: str | None = typer.Option(None, "--documents", help="Budget in documents, e.g. 100K "
-                                           f"({COUNT_HELP})."),
-    tokenizer: str | None = typer.Option(None, "--tokenizer", help="Weigh by tokens with this tokenizer "
-                                            "(else by bytes)."),
+    tokens: str | None = typer.Option(
+        None, "--tokens", help=f"Budget in tokens (needs --tokenizer), e.g. 2.5M ({COUNT_HELP})."
+    ),
+    bytes_: str | None = typer.Option(
+        None, "--bytes", help=f"Budget in UTF-8 bytes of text, e.g. 100MB ({BYTES_HELP})."
+    ),
+    documents: str | None = typer.Option(None, "--documents", help=f"Budget in documents, e.g. 100K ({COUNT_HELP})."),
+    tokenizer: str | None = typer.Option(
+        None, "--tokenizer", help="Weigh by tokens with this tokenizer (else by bytes)."
+    ),
     # the numbers are mix_schedule's DEFAULT_TOKEN_SAMPLE and SAMPLE_ABOVE, written out: importing it costs pyarrow
-    token_estimate: str | None = typer.Option(None, "--token-estimate", metavar="auto|sample|exact", help="How "
-                                              "tokens are counted. exact: tokenize every document. sample: tokenize "
-                                              "a seeded sample of ~10,000 documents per source "
-                                              "(recipe key token_sample), calibrate its bytes per token, estimate the "
-                                              "rest from UTF-8 bytes. auto (default): sample a source of more than "
-                                              "100,000 documents, count smaller ones "
-                                              "exactly."),
+    token_estimate: str | None = typer.Option(
+        None,
+        "--token-estimate",
+        metavar="auto|sample|exact",
+        help="How "
+        "tokens are counted. exact: tokenize every document. sample: tokenize "
+        "a seeded sample of ~10,000 documents per source "
+        "(recipe key token_sample), calibrate its bytes per token, estimate the "
+        "rest from UTF-8 bytes. auto (default): sample a source of more than "
+        "100,000 documents, count smaller ones "
+        "exactly.",
+    ),
     seed: int | None = typer.Option(None, "--seed", help="Seeds sampling and shuffling (default 0)."),
-    max_repeat: float | None = typer.Option(None, "--max-repeat", help="How many times a source may be used "
-                                               "across all stages (default 1: each document at most once)."),
-    text_column: str | None = typer.Option(None, "--text-column", help="Column holding the documents (default: "
-                                              "text)."),
-    shuffle_buffer: int | None = typer.Option(None, "--shuffle-buffer", help="Rows per shuffled block, bounds "
-                                                 "memory (default: 20000)."),
-    stage: str | None = typer.Option(None, "--stage", help="Run one pass only, as Slurm array tasks: measure "
-                                        "(one unit per source shard), then write (one unit per output block)."),
+    max_repeat: float | None = typer.Option(
+        None,
+        "--max-repeat",
+        help="How many times a source may be used across all stages (default 1: each document at most once).",
+    ),
+    text_column: str | None = typer.Option(None, "--text-column", help="Column holding the documents (default: text)."),
+    shuffle_buffer: int | None = typer.Option(
+        None, "--shuffle-buffer", help="Rows per shuffled block, bounds memory (default: 20000)."
+    ),
+    stage: str | None = typer.Option(
+        None,
+        "--stage",
+        help="Run one pass only, as Slurm array tasks: measure "
+        "(one unit per source shard), then write (one unit per output block).",
+    ),
     tasks: TasksOpt = None,
     task_id: TaskIdOpt = 0,
     overwrite: OverwriteOpt = False,
@@ -246,15 +362,27 @@ def mix_command(
     from smolctl.data.mix_schedule import schedule_from_flags, schedule_from_recipe
 
     # None: not given; given options override the recipe's keys (merged in mix_schedule)
-    options = {"tokenizer": tokenizer, "seed": seed, "max_repeat": max_repeat, "text_column": text_column,
-               "shuffle_buffer": shuffle_buffer, "token_estimate": token_estimate}
+    options = {
+        "tokenizer": tokenizer,
+        "seed": seed,
+        "max_repeat": max_repeat,
+        "text_column": text_column,
+        "shuffle_buffer": shuffle_buffer,
+        "token_estimate": token_estimate,
+    }
     if recipe is not None:
         if source:
-            raise UserError("--source", "cannot be combined with --recipe", "put the sources in the recipe, or "
-                            "override their paths with --set sources.NAME.path=PATH")
+            raise UserError(
+                "--source",
+                "cannot be combined with --recipe",
+                "put the sources in the recipe, or override their paths with --set sources.NAME.path=PATH",
+            )
         if tokens or bytes_ or documents:
-            raise UserError("--tokens/--bytes/--documents", "budgets of a recipe live in its stages",
-                            "override them with --set stages.0.tokens=N")
+            raise UserError(
+                "--tokens/--bytes/--documents",
+                "budgets of a recipe live in its stages",
+                "override them with --set stages.0.tokens=N",
+            )
         plan = schedule_from_recipe(recipe, overrides or [], **options)
     else:
         if overrides:
@@ -268,32 +396,58 @@ def mix_command(
             task = bar.add_task(f"writing {name}", total=rows, rate="")
             return lambda n: bar.advance(task, n)
 
-        result = job.run(on_measure=lambda n: bar.update(measuring, advance=n, visible=True), on_stage=stage_task,
-                         stage=stage, tasks=tasks, task_id=task_id)
+        result = job.run(
+            on_measure=lambda n: bar.update(measuring, advance=n, visible=True),
+            on_stage=stage_task,
+            stage=stage,
+            tasks=tasks,
+            task_id=task_id,
+        )
     if json_out:
         emit_json(result.to_dict())
         return
     if render_array_task(f"mix --stage {stage}" if stage else "mix", result, tasks or 1, task_id):
         return
     for report in result.stages:
-        show(table(f"{report.name} → {report.path}  ({human_count(report.units)} {report.unit}, "
-                   f"{human_count(report.documents)} documents)",
-                   ["source", "target weight", "achieved", report.unit, "documents", "repeat", "repeat so far"],
-                   ([s.name, f"{s.start_weight:.3f}→{s.end_weight:.3f} (mean {s.target_weight:.3f})" if s.start_weight != s.end_weight
-                     else f"{s.target_weight:.3f}", f"{s.achieved_weight:.3f}", human_count(s.units),
-                     human_count(s.documents), f"{s.repeat:.2f}x", f"{s.cumulative_repeat:.2f}x"]
-                    for s in report.sources)))
+        show(
+            table(
+                f"{report.name} → {report.path}  ({human_count(report.units)} {report.unit}, "
+                f"{human_count(report.documents)} documents)",
+                ["source", "target weight", "achieved", report.unit, "documents", "repeat", "repeat so far"],
+                (
+                    [
+                        s.name,
+                        f"{s.start_weight:.3f}→{s.end_weight:.3f} (mean {s.target_weight:.3f})"
+                        if s.start_weight != s.end_weight
+                        else f"{s.target_weight:.3f}",
+                        f"{s.achieved_weight:.3f}",
+                        human_count(s.units),
+                        human_count(s.documents),
+                        f"{s.repeat:.2f}x",
+                        f"{s.cumulative_repeat:.2f}x",
+                    ]
+                    for s in report.sources
+                ),
+            )
+        )
     for name, estimate in (result.token_estimates or {}).items():
         if estimate["mode"] == "sample":
-            show(f"{name}: tokens estimated at {estimate['bytes_per_token']:.3f} bytes/token, calibrated on "
-                 f"{estimate['sample_documents']:,} sampled documents (split-half error {estimate['holdout_error'] or 0:.2%})")
-    show(styled(f"weights are fractions of [bold]{result.unit}[/]"
-                + ("" if result.unit == "tokens" else " (pass --tokenizer to weigh by tokens)")
-                + f"; seed {result.seed}, max repeat {result.max_repeat:g}; {result.seconds:.1f}s"))
+            show(
+                f"{name}: tokens estimated at {estimate['bytes_per_token']:.3f} bytes/token, calibrated on "
+                f"{estimate['sample_documents']:,} sampled documents (split-half error {estimate['holdout_error'] or 0:.2%})"
+            )
+    show(
+        styled(
+            f"weights are fractions of [bold]{result.unit}[/]"
+            + ("" if result.unit == "tokens" else " (pass --tokenizer to weigh by tokens)")
+            + f"; seed {result.seed}, max repeat {result.max_repeat:g}; {result.seconds:.1f}s"
+        )
+    )
 
 
-
-@app.command("pack", epilog="""[bold]Examples[/]
+@app.command(
+    "pack",
+    epilog="""[bold]Examples[/]
 
   smolctl pack demo-out/mix/stage-1 demo-out/packed --tokenizer demo-out/tokenizer --seq-len 256
 
@@ -305,26 +459,45 @@ def mix_command(
 
   smolctl pack mix/ packed/ --tokenizer tok/ --tasks 64 --task-id $SLURM_ARRAY_TASK_ID
   (one task of a Slurm array, see recipes/slurm/pack.sbatch; the same bytes as a plain run)
-""")
+""",
+)
 def pack_command(
-    input: str = typer.Argument(..., help="Dataset folder (a mix stage, or a whole mix output: all stages in order), "
-                                "folder of parquet files, a .parquet file or a glob."),
+    input: str = typer.Argument(
+        ...,
+        help="Dataset folder (a mix stage, or a whole mix output: all stages in order), "
+        "folder of parquet files, a .parquet file or a glob.",
+    ),
     output: Path = typer.Argument(..., help="Packed folder to write (input_ids and position_ids, [rows, seq_len])."),
     tokenizer: str = typer.Option(..., "--tokenizer", help="Tokenizer folder (or hub id) with a fast tokenizer."),
     seq_len: int = typer.Option(4096, "--seq-len", help="Tokens per row: the training context length."),
-    strategy: str = typer.Option("bfd", "--strategy", help="bfd: best-fit-decreasing, pads only row ends; "
-                                 "concat: concatenate and cut, no padding."),
-    long_docs: str = typer.Option("split", "--long-docs", help="Documents longer than seq_len: split (keep every "
-                                  "token) or truncate."),
+    strategy: str = typer.Option(
+        "bfd",
+        "--strategy",
+        help="bfd: best-fit-decreasing, pads only row ends; concat: concatenate and cut, no padding.",
+    ),
+    long_docs: str = typer.Option(
+        "split", "--long-docs", help="Documents longer than seq_len: split (keep every token) or truncate."
+    ),
     workers: int = typer.Option(1, "--workers", help="Tokeniser processes (1: in-process, Rust threads still used)."),
     text_column: TextColumnOpt = "text",
-    buffer_tokens: str = typer.Option("8M", "--buffer-tokens", help="Tokens packed together by bfd: more means "
-                                      f"less padding and more memory (about 20 bytes per token; {COUNT_HELP})."),
-    shard_size: str = typer.Option("256MB", "--shard-size", help=f"Shard size in bytes, e.g. 256MB ({BYTES_HELP}), "
-                                   "or in rows, e.g. 8192rows or 8Krows."),
+    buffer_tokens: str = typer.Option(
+        "8M",
+        "--buffer-tokens",
+        help="Tokens packed together by bfd: more means "
+        f"less padding and more memory (about 20 bytes per token; {COUNT_HELP}).",
+    ),
+    shard_size: str = typer.Option(
+        "256MB",
+        "--shard-size",
+        help=f"Shard size in bytes, e.g. 256MB ({BYTES_HELP}), or in rows, e.g. 8192rows or 8Krows.",
+    ),
     seed: int = typer.Option(0, "--seed", help="Seeds the shuffle of each bfd buffer's rows."),
-    format: str = typer.Option("safetensors", "--format", help="safetensors: packed rows for pretrain; datatrove: "
-                               "nanotron/datatrove .ds token files (documents + EOS back to back, no packing)."),
+    format: str = typer.Option(
+        "safetensors",
+        "--format",
+        help="safetensors: packed rows for pretrain; datatrove: "
+        "nanotron/datatrove .ds token files (documents + EOS back to back, no packing).",
+    ),
     tasks: TasksOpt = None,
     task_id: TaskIdOpt = 0,
     overwrite: OverwriteOpt = False,
@@ -334,8 +507,17 @@ def pack_command(
 
     from smolctl.data.pack import PackConfig, prepare_pack
 
-    config = PackConfig(seq_len=seq_len, strategy=strategy, long_docs=long_docs, text_column=text_column,
-                        workers=workers, buffer_tokens=parse_count(buffer_tokens, "--buffer-tokens"), shard_size=shard_size, seed=seed, format=format)
+    config = PackConfig(
+        seq_len=seq_len,
+        strategy=strategy,
+        long_docs=long_docs,
+        text_column=text_column,
+        workers=workers,
+        buffer_tokens=parse_count(buffer_tokens, "--buffer-tokens"),
+        shard_size=shard_size,
+        seed=seed,
+        format=format,
+    )
     job = prepare_pack(input, output, tokenizer_spec=tokenizer, config=config, overwrite=overwrite)
     with progress(not json_out) as bar:
         # Shown from the first batch on: a task refused before any work prints its one-line error alone.
@@ -355,15 +537,36 @@ def pack_command(
         return
     stats = result.stats
     packed = result.format == "safetensors"
-    show(key_values("pack", [
-        ("output", result.output), ("tokenizer", f"{result.tokenizer['name']} ({result.tokenizer['fingerprint']})"),
-        ("layout", f"{result.strategy}, long documents {result.long_docs}, seq_len {result.seq_len}"
-                   if packed else "datatrove token files (.ds + .ds.index), unpacked"),
-        ("documents", human_count(stats.documents)), ("tokens", human_count(stats.tokens)),
-        *([("rows", human_count(stats.rows)),
-           ("padding", f"{human_count(stats.padding_tokens)} tokens ({stats.padding_fraction:.3%})"),
-           ("split / truncated", f"{stats.split_documents} / {stats.truncated_documents} documents "
-                                 f"({human_count(stats.truncated_tokens)} tokens cut)")] if packed else []),
-        ("skipped empty", stats.skipped_empty), ("shards", result.shards),
-        ("time", f"{result.seconds:.1f}s ({human_count(result.tokens_per_second)} tokens/s)"),
-    ]))
+    show(
+        key_values(
+            "pack",
+            [
+                ("output", result.output),
+                ("tokenizer", f"{result.tokenizer['name']} ({result.tokenizer['fingerprint']})"),
+                (
+                    "layout",
+                    f"{result.strategy}, long documents {result.long_docs}, seq_len {result.seq_len}"
+                    if packed
+                    else "datatrove token files (.ds + .ds.index), unpacked",
+                ),
+                ("documents", human_count(stats.documents)),
+                ("tokens", human_count(stats.tokens)),
+                *(
+                    [
+                        ("rows", human_count(stats.rows)),
+                        ("padding", f"{human_count(stats.padding_tokens)} tokens ({stats.padding_fraction:.3%})"),
+                        (
+                            "split / truncated",
+                            f"{stats.split_documents} / {stats.truncated_documents} documents "
+                            f"({human_count(stats.truncated_tokens)} tokens cut)",
+                        ),
+                    ]
+                    if packed
+                    else []
+                ),
+                ("skipped empty", stats.skipped_empty),
+                ("shards", result.shards),
+                ("time", f"{result.seconds:.1f}s ({human_count(result.tokens_per_second)} tokens/s)"),
+            ],
+        )
+    )

@@ -16,7 +16,9 @@ if TYPE_CHECKING:
     from smolctl.inspect import Inspection  # the renderer's type; the module itself loads pyarrow
 
 
-@app.command("inspect", epilog="""[bold]Examples[/]
+@app.command(
+    "inspect",
+    epilog="""[bold]Examples[/]
 
   smolctl inspect demo-out/dedup                 what a dataset folder holds, with sample rows
 
@@ -25,13 +27,16 @@ if TYPE_CHECKING:
   smolctl inspect demo-out/ppo --lineage         the chain of folders back to the raw corpus
 
   smolctl inspect demo-out/dedup --verify        re-hash every shard; exit 1 on a mismatch
-""")
+""",
+)
 def inspect_command(
     path: str = typer.Argument(..., help="A smolctl folder, a folder of parquet files, a .parquet file or a glob."),
     samples: int = typer.Option(3, "--samples", min=0, help="How many rows to show."),
     verify: bool = typer.Option(False, "--verify", help="Check every shard's size and sha256 against the manifest."),
     lineage: bool = typer.Option(False, "--lineage", help="Follow the inputs back to the raw data."),
-    tokenizer: str | None = typer.Option(None, "--tokenizer", help="Decode packed rows with this tokenizer (default: the one recorded)."),
+    tokenizer: str | None = typer.Option(
+        None, "--tokenizer", help="Decode packed rows with this tokenizer (default: the one recorded)."
+    ),
     json_out: JsonOpt = False,
 ) -> None:
     """Show what a folder holds (kind, shards, rows/tokens, schema, lineage, sample rows) and verify checksums."""
@@ -49,13 +54,29 @@ def inspect_command(
 def _render_inspect(result: Inspection) -> None:
     from smolctl.inspect import KIND_COLLECTION
 
-    counts = [(key, human_count(value) if key != "shards" else value)
-              for key, value in (("rows", result.rows), ("tokens", result.tokens), ("shards", result.shards))
-              if value is not None]
+    counts = [
+        (key, human_count(value) if key != "shards" else value)
+        for key, value in (("rows", result.rows), ("tokens", result.tokens), ("shards", result.shards))
+        if value is not None
+    ]
     if result.kind == KIND_COLLECTION:
-        show(table(f"{result.path}: smolctl folders", ["folder", "kind", "rows", "tokens", "shards"],
-                   [(f["path"], f["kind"], *(human_count(f[k]) if k in f and k != "shards" else f.get(k, "-")
-                                              for k in ("rows", "tokens", "shards"))) for f in result.folders]))
+        show(
+            table(
+                f"{result.path}: smolctl folders",
+                ["folder", "kind", "rows", "tokens", "shards"],
+                [
+                    (
+                        f["path"],
+                        f["kind"],
+                        *(
+                            human_count(f[k]) if k in f and k != "shards" else f.get(k, "-")
+                            for k in ("rows", "tokens", "shards")
+                        ),
+                    )
+                    for f in result.folders
+                ],
+            )
+        )
         _render_verification(result)
         return
     facts = [("kind", result.kind), *counts]
@@ -71,9 +92,17 @@ def _render_inspect(result: Inspection) -> None:
     if result.inputs:
         facts.append(("inputs", "\n".join(result.inputs)))
     if result.folders:
-        facts.append(("holds", "\n".join(f"{f['path']}/ ({f['kind']}"
-                                         + "".join(f", {f[k]:,} {k}" for k in ("rows", "tokens") if k in f) + ")"
-                                         for f in result.folders)))
+        facts.append(
+            (
+                "holds",
+                "\n".join(
+                    f"{f['path']}/ ({f['kind']}"
+                    + "".join(f", {f[k]:,} {k}" for k in ("rows", "tokens") if k in f)
+                    + ")"
+                    for f in result.folders
+                ),
+            )
+        )
     show(key_values(result.path, facts))
     if result.schema:
         show(table("schema", ["column", "type"], result.schema.items()))
@@ -81,9 +110,22 @@ def _render_inspect(result: Inspection) -> None:
         columns = list(result.samples[0].keys())
         show(table("samples", columns, ([row[c] for c in columns] for row in result.samples), justify="left"))
     if result.lineage is not None:
-        show(table("lineage", ["", "folder", "kind", "rows", "status"],
-                   (("  " * e["depth"] + "└" if e["depth"] else "•", e["path"], e["kind"] or "-",
-                     e["rows"] if e["rows"] is not None else "-", e["status"]) for e in result.lineage)))
+        show(
+            table(
+                "lineage",
+                ["", "folder", "kind", "rows", "status"],
+                (
+                    (
+                        "  " * e["depth"] + "└" if e["depth"] else "•",
+                        e["path"],
+                        e["kind"] or "-",
+                        e["rows"] if e["rows"] is not None else "-",
+                        e["status"],
+                    )
+                    for e in result.lineage
+                ),
+            )
+        )
     _render_verification(result)
 
 
@@ -94,5 +136,8 @@ def _render_verification(result: Inspection) -> None:
         show(styled(f"[red]mismatch[/] {escape(problem)}"), soft_wrap=True)
     if not result.problems:
         folders = len(result.verified_folders)
-        show(styled(f"[green]verified[/]: every shard of {folders} folder{'s' if folders > 1 else ''} "
-                    "matches its manifest"))
+        show(
+            styled(
+                f"[green]verified[/]: every shard of {folders} folder{'s' if folders > 1 else ''} matches its manifest"
+            )
+        )

@@ -19,10 +19,10 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from smolctl.errors import UserError
 from smolctl.shards import atomic_write_json, check_output_path, read_manifest
@@ -35,8 +35,11 @@ def check_task(tasks: int, task_id: int) -> None:
     if tasks < 1:
         raise UserError("--tasks", f"{tasks} is not a task count", "use 1 or more (the size of the Slurm array)")
     if not 0 <= task_id < tasks:
-        raise UserError("--task-id", f"{task_id} is out of range for --tasks {tasks}",
-                        f"use 0 to {tasks - 1} (e.g. $SLURM_ARRAY_TASK_ID with --array=0-{tasks - 1})")
+        raise UserError(
+            "--task-id",
+            f"{task_id} is out of range for --tasks {tasks}",
+            f"use 0 to {tasks - 1} (e.g. $SLURM_ARRAY_TASK_ID with --array=0-{tasks - 1})",
+        )
 
 
 def task_units(count: int, tasks: int, task_id: int) -> list[int]:
@@ -96,8 +99,11 @@ class WorkArea:
             check_output_path(self.output, overwrite)
         recorded = self.root / "config.json"
         if recorded.is_file() and json.loads(recorded.read_text()) != self._canonical() and not overwrite:
-            raise UserError(self.root, "holds an unfinished run with other inputs or settings",
-                            "re-run with the original arguments, or pass --overwrite to start again")
+            raise UserError(
+                self.root,
+                "holds an unfinished run with other inputs or settings",
+                "re-run with the original arguments, or pass --overwrite to start again",
+            )
 
     def prepare(self) -> None:
         """Create the work area and record the fingerprint; an older run's area is cleared (--overwrite)."""
@@ -110,8 +116,9 @@ class WorkArea:
             for stage in self.stages:
                 self.stage_dir(stage).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise UserError(self.output, f"cannot create the work area: {exc.strerror or exc}",
-                            "check the path and its permissions") from exc
+            raise UserError(
+                self.output, f"cannot create the work area: {exc.strerror or exc}", "check the path and its permissions"
+            ) from exc
         atomic_write_json(recorded, self._canonical())
 
     def discard(self) -> None:
@@ -125,13 +132,16 @@ class WorkArea:
 
     def check_ready(self, stage: str, counts: Callable[[str], int]) -> None:
         """A stage may start only when every unit of the stages before it has its marker."""
-        for earlier in self.stages[:self.stages.index(stage)]:
+        for earlier in self.stages[: self.stages.index(stage)]:
             count = counts(earlier)
             missing = sum(not self.is_done(earlier, unit) for unit in range(count))
             if missing:
-                raise UserError(f"--stage {stage}", f"the {earlier} stage has not finished ({missing} unit(s) of "
-                                f"{count} missing under {self.stage_dir(earlier)})",
-                                f"run --stage {earlier} for every task first (or run without --stage)")
+                raise UserError(
+                    f"--stage {stage}",
+                    f"the {earlier} stage has not finished ({missing} unit(s) of "
+                    f"{count} missing under {self.stage_dir(earlier)})",
+                    f"run --stage {earlier} for every task first (or run without --stage)",
+                )
 
     # -- units ---------------------------------------------------------------------------------------------
 
@@ -177,8 +187,11 @@ class WorkArea:
     def busy_error(self) -> UserError:
         lock = self.root / "assemble.lock"
         holder = lock.read_text() if lock.exists() else "gone"
-        return UserError(lock, f"another process ({holder}) is writing OUTPUT",
-                         "wait for it to finish; if that process is dead, delete the lock and re-run")
+        return UserError(
+            lock,
+            f"another process ({holder}) is writing OUTPUT",
+            "wait for it to finish; if that process is dead, delete the lock and re-run",
+        )
 
 
 class AlreadyCommitted(Exception):

@@ -29,18 +29,40 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from smolctl.data.array_tasks import FINGERPRINT_KEY, AlreadyCommitted, check_task, digest, link_or_copy, task_units, unless_committed
+from smolctl.data.array_tasks import (
+    FINGERPRINT_KEY,
+    AlreadyCommitted,
+    check_task,
+    digest,
+    link_or_copy,
+    task_units,
+    unless_committed,
+)
 from smolctl.data.dedup_plan import STAGES, DedupConfig, DedupPlan, Report, plan
-from smolctl.data.dedup_stages import (bucket_unit, check_unique_ids, components_unit, filter_unit, id_chunks, read_parquet,
-                                      signature_unit)
+from smolctl.data.dedup_stages import (
+    bucket_unit,
+    check_unique_ids,
+    components_unit,
+    filter_unit,
+    id_chunks,
+    read_parquet,
+    signature_unit,
+)
 from smolctl.errors import UserError
 from smolctl.results import Result
 from smolctl.shards import KIND_DOCUMENTS, DatasetWriter, OutputFolder, schema_to_dict
 
 # Below this many documents a process pool costs more to start than it saves (the sample corpus runs in 1 s).
 POOL_MIN_DOCUMENTS = 20_000
-DUPLICATES_SCHEMA = pa.schema([("id", pa.string()), ("duplicate_of", pa.string()), ("cluster", pa.int64()),
-                               ("reason", pa.string()), ("jaccard", pa.float32())])
+DUPLICATES_SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("duplicate_of", pa.string()),
+        ("cluster", pa.int64()),
+        ("reason", pa.string()),
+        ("jaccard", pa.float32()),
+    ]
+)
 
 
 @dataclass
@@ -86,26 +108,48 @@ def assemble(plan_: DedupPlan, stats: dict) -> dict:
             writer.write(removed.cast(DUPLICATES_SCHEMA))
             writer.close()
             report_folder.commit(schema=schema_to_dict(DUPLICATES_SCHEMA), stats={"removed": removed.num_rows})
-        return folder.commit(schema=schema_to_dict(plan_.source.schema), stats=stats, dedup=_settings(plan_),
-                             **{FINGERPRINT_KEY: digest(plan_.area.fingerprint)})
+        return folder.commit(
+            schema=schema_to_dict(plan_.source.schema),
+            stats=stats,
+            dedup=_settings(plan_),
+            **{FINGERPRINT_KEY: digest(plan_.area.fingerprint)},
+        )
 
 
 def _settings(plan_: DedupPlan) -> dict:
     config = plan_.config
-    return {"exact": config.exact, "minhash": asdict(config.minhash) if config.minhash else None, "verify": config.verify,
-            "keep": config.keep, "text_column": config.text_column, "id_column": plan_.id_column or "shard:row",
-            "against": str(Path(config.against).resolve()) if config.against else None}
+    return {
+        "exact": config.exact,
+        "minhash": asdict(config.minhash) if config.minhash else None,
+        "verify": config.verify,
+        "keep": config.keep,
+        "text_column": config.text_column,
+        "id_column": plan_.id_column or "shard:row",
+        "against": str(Path(config.against).resolve()) if config.against else None,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Running stages: in this process, in a local pool, or as one task of a Slurm array
 
 
-UNIT_RUNNERS = {"signatures": signature_unit, "buckets": bucket_unit, "components": components_unit, "filter": filter_unit}
+UNIT_RUNNERS = {
+    "signatures": signature_unit,
+    "buckets": bucket_unit,
+    "components": components_unit,
+    "filter": filter_unit,
+}
 
 
-def run(config: DedupConfig, *, stage: str | None = None, tasks: int = 1, task_id: int = 0, workers: int = 1,
-        report: Report = lambda stage, advance, total=None: None) -> DedupResult:
+def run(
+    config: DedupConfig,
+    *,
+    stage: str | None = None,
+    tasks: int = 1,
+    task_id: int = 0,
+    workers: int = 1,
+    report: Report = lambda stage, advance, total=None: None,
+) -> DedupResult:
     """Run every stage (stage=None) or one stage's share for task `task_id` of `tasks`; skip finished units.
 
     The output is committed by whichever call completes the last filter unit; `finished` says if this one did.
@@ -119,24 +163,41 @@ def run(config: DedupConfig, *, stage: str | None = None, tasks: int = 1, task_i
     # A task of an array (not a plain local run, which refuses a full OUTPUT) finds a committed run done.
     array_task = stage is not None or tasks > 1
     if array_task and plan_.area.committed() and not config.overwrite:
-        return DedupResult(output=str(config.output), stage=stage or "all", finished=True, already_committed=True,
-                           params=_settings(plan_))
+        return DedupResult(
+            output=str(config.output),
+            stage=stage or "all",
+            finished=True,
+            already_committed=True,
+            params=_settings(plan_),
+        )
     if not array_task:
         return _run_units(plan_, stage, tasks, task_id, workers, report)
     try:
         with unless_committed(plan_.area):
             return _run_units(plan_, stage, tasks, task_id, workers, report)
     except AlreadyCommitted:
-        return DedupResult(output=str(config.output), stage=stage or "all", finished=True, already_committed=True,
-                           params=_settings(plan_))
+        return DedupResult(
+            output=str(config.output),
+            stage=stage or "all",
+            finished=True,
+            already_committed=True,
+            params=_settings(plan_),
+        )
 
 
-def _run_units(plan_: DedupPlan, stage: str | None, tasks: int, task_id: int, workers: int, report: Report) -> DedupResult:
+def _run_units(
+    plan_: DedupPlan, stage: str | None, tasks: int, task_id: int, workers: int, report: Report
+) -> DedupResult:
     config = plan_.config
     if stage is None:
         # Locally the ids are checked before anything is written; an array checks them in the components task.
-        check_unique_ids(pa.chunked_array([c for i in range(len(plan_.source.files)) for c in id_chunks(plan_, i)], pa.string())
-                          if plan_.id_column else None, config.input, plan_.id_column)
+        check_unique_ids(
+            pa.chunked_array([c for i in range(len(plan_.source.files)) for c in id_chunks(plan_, i)], pa.string())
+            if plan_.id_column
+            else None,
+            config.input,
+            plan_.id_column,
+        )
     plan_.area.check(config.overwrite)
     started = time.perf_counter()  # after the checks (and the imports they trigger): the time the work takes
     stages = STAGES if stage is None else (stage,)
@@ -153,8 +214,14 @@ def _run_units(plan_: DedupPlan, stage: str | None, tasks: int, task_id: int, wo
             skipped += len(mine[name]) - len(todo[name])
             pool.run(plan_, name, todo[name], report)
             done += len(todo[name])
-    result = DedupResult(output=str(config.output), stage=stage or "all", finished=False, units_done=done,
-                         units_skipped=skipped, params=_settings(plan_))
+    result = DedupResult(
+        output=str(config.output),
+        stage=stage or "all",
+        finished=False,
+        units_done=done,
+        units_skipped=skipped,
+        params=_settings(plan_),
+    )
     if plan_.done("filter"):
         stats = _final_stats(plan_)
         manifest = plan_.area.commit_once(lambda: assemble(plan_, stats))
@@ -179,7 +246,16 @@ def _stage_total(plan_: DedupPlan, stage: str, units: list[int]) -> int:
 def _final_stats(plan_: DedupPlan) -> dict:
     components = json.loads(plan_.marker("components", 0).read_text())
     kept = sum(json.loads(plan_.marker("filter", u).read_text())["kept"] for u in range(plan_.unit_count("filter")))
-    keys = ("documents", "null_text", "exact_removed", "near_removed", "clusters", "candidate_pairs", "verified_pairs", "bytes")
+    keys = (
+        "documents",
+        "null_text",
+        "exact_removed",
+        "near_removed",
+        "clusters",
+        "candidate_pairs",
+        "verified_pairs",
+        "bytes",
+    )
     stats = {k: components[k] for k in keys} | {"kept": kept}
     if stats["documents"] != kept + stats["exact_removed"] + stats["near_removed"]:
         raise RuntimeError(f"dedup accounting broken: {stats}")
@@ -219,10 +295,12 @@ class _Workers:
 
             context = multiprocessing.get_context("fork")
             self.queue = context.Queue()
-            self.pool = ProcessPoolExecutor(self.size, mp_context=context, initializer=_init_worker, initargs=(self.queue,))
+            self.pool = ProcessPoolExecutor(
+                self.size, mp_context=context, initializer=_init_worker, initargs=(self.queue,)
+            )
         return self.pool
 
-    def __enter__(self) -> "_Workers":
+    def __enter__(self) -> _Workers:
         return self
 
     def __exit__(self, *exc) -> None:

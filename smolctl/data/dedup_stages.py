@@ -15,13 +15,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from smolctl.arrow_arrays import from_numpy, strings, to_numpy_filled
 from smolctl.data.dedup_plan import DedupPlan, Report
+from smolctl.data.minhash.arrays import connected_components, sorted_unique
 from smolctl.data.minhash.kernels import estimate_jaccard, jaccard_many, signatures, tokenize
 from smolctl.data.minhash.lsh import band_keys, bucket_pairs
 from smolctl.data.minhash.params import settle_margin
 from smolctl.data.minhash.shingles import sets_from_hashes, shingle_hashes
-from smolctl.data.minhash.arrays import connected_components, sorted_unique
-from smolctl.arrow_arrays import from_numpy, strings, to_numpy_filled
 from smolctl.errors import UserError
 from smolctl.shards import atomic_write_bytes
 
@@ -49,8 +49,11 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
             ids = pc.cast(batch.column(id_column), pa.string())
         else:
             ids = strings([f"{shard_name}:{r}" for r in range(row, row + len(texts))])
-        columns_out = {"id": ids, "null": pc.is_null(texts),
-                       "bytes": from_numpy(to_numpy_filled(pc.binary_length(texts)).astype(np.int64))}
+        columns_out = {
+            "id": ids,
+            "null": pc.is_null(texts),
+            "bytes": from_numpy(to_numpy_filled(pc.binary_length(texts)).astype(np.int64)),
+        }
         if plan_.config.keep == "longest":  # counting characters is a pass over every byte: only when asked
             columns_out["chars"] = from_numpy(to_numpy_filled(pc.utf8_length(texts)).astype(np.int64))
         # Tokens give the exact hashes and the word shingles; character shingles make their own.
@@ -70,7 +73,8 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
                 shingle_counts.append(np.diff(offsets))
             key_parts.append(keys)
             columns_out["signature"] = pa.FixedSizeBinaryArray.from_buffers(
-                pa.binary(sigs.shape[1] * 4), len(sigs), [None, pa.py_buffer(np.ascontiguousarray(sigs))])
+                pa.binary(sigs.shape[1] * 4), len(sigs), [None, pa.py_buffer(np.ascontiguousarray(sigs))]
+            )
         tables.append(pa.table(columns_out))
         row += len(texts)
         report("signatures", len(texts))
@@ -88,8 +92,11 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
         keys[repeats] = NO_BUCKET
         # (bands, docs) raw little-endian uint64: each bucket task reads its band's row at a known offset, with
         # no header to parse (20 bands x every shard would parse thousands of .npy headers).
-        atomic_write_bytes(plan_.work / "signatures" / f"{unit:05d}.bands", np.ascontiguousarray(keys.T, dtype="<u8").tobytes(),
-                           durable=False)
+        atomic_write_bytes(
+            plan_.work / "signatures" / f"{unit:05d}.bands",
+            np.ascontiguousarray(keys.T, dtype="<u8").tobytes(),
+            durable=False,
+        )
     if params and plan_.config.verify:
         # Kept for the grey-zone pairs' exact Jaccard: reading them back is far cheaper than re-reading and
         # re-hashing the texts (4 bytes a word on disk; only the pairs' documents are ever loaded).
@@ -99,7 +106,10 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
             shingles = shingles[~np.repeat(repeats, counts)]
             counts = np.where(repeats, 0, counts)
         _atomic_save(plan_.work / "signatures" / f"{unit:05d}.shingles.npy", shingles)
-        _atomic_save(plan_.work / "signatures" / f"{unit:05d}.shingle_offsets.npy", np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+        _atomic_save(
+            plan_.work / "signatures" / f"{unit:05d}.shingle_offsets.npy",
+            np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+        )
     _write_table(plan_.work / "signatures" / f"{unit:05d}.parquet", table)
     return {"rows": table.num_rows}
 
@@ -111,7 +121,12 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
 def bucket_unit(plan_: DedupPlan, band: int, report: Report) -> dict:
     keys, docs, start = [], [], 0
     for unit, (source, file_index) in enumerate(plan_.units):
-        row_keys = _band_row(plan_.work / "signatures" / f"{unit:05d}.bands", band, plan_.config.minhash.bands, source.file_rows[file_index])
+        row_keys = _band_row(
+            plan_.work / "signatures" / f"{unit:05d}.bands",
+            band,
+            plan_.config.minhash.bands,
+            source.file_rows[file_index],
+        )
         matchable = row_keys != NO_BUCKET
         keys.append(np.asarray(row_keys[matchable]))
         docs.append(np.arange(start, start + len(row_keys), dtype=np.int64)[matchable])
@@ -121,7 +136,7 @@ def bucket_unit(plan_: DedupPlan, band: int, report: Report) -> dict:
     pairs = pairs[(pairs >> np.uint64(32)) < np.uint64(plan_.source.num_rows)]
     _atomic_save(plan_.work / "buckets" / f"{band:05d}.npy", pairs)
     report("buckets", 1)
-    return {"pairs": int(len(pairs))}
+    return {"pairs": len(pairs)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -130,14 +145,24 @@ def bucket_unit(plan_: DedupPlan, band: int, report: Report) -> dict:
 
 def components_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     config, n_input = plan_.config, plan_.source.num_rows
-    columns = ["id", "null"] + (["chars"] if config.keep == "longest" else []) + (["exact_hi", "exact_lo"] if config.exact else []) + (["signature"] if config.minhash else [])
-    table = pa.concat_tables(read_parquet(plan_.work / "signatures" / f"{u:05d}.parquet", columns)
-                             for u in range(len(plan_.units)))
+    columns = (
+        ["id", "null"]
+        + (["chars"] if config.keep == "longest" else [])
+        + (["exact_hi", "exact_lo"] if config.exact else [])
+        + (["signature"] if config.minhash else [])
+    )
+    table = pa.concat_tables(
+        read_parquet(plan_.work / "signatures" / f"{u:05d}.parquet", columns) for u in range(len(plan_.units))
+    )
     ids = table.column("id")
     check_unique_ids(ids.slice(0, n_input), config.input, plan_.id_column)
     null = to_numpy_filled(table.column("null"))
     edges = [np.zeros((0, 2), np.int64)]
-    exact = np.stack([to_numpy_filled(table.column("exact_hi")), to_numpy_filled(table.column("exact_lo"))], 1) if config.exact else None
+    exact = (
+        np.stack([to_numpy_filled(table.column("exact_hi")), to_numpy_filled(table.column("exact_lo"))], 1)
+        if config.exact
+        else None
+    )
     representative = np.arange(len(null))
     if exact is not None:
         edges.append(exact_edges(exact, null, n_input))
@@ -145,7 +170,9 @@ def components_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     sigs, stats = None, {"candidate_pairs": 0, "verified_pairs": 0}
     if config.minhash:
         sigs = _signature_matrix(table.column("signature"), config.minhash.num_perm)
-        pairs = sorted_unique(np.concatenate([np.load(plan_.work / "buckets" / f"{b:05d}.npy") for b in range(config.minhash.bands)]))
+        pairs = sorted_unique(
+            np.concatenate([np.load(plan_.work / "buckets" / f"{b:05d}.npy") for b in range(config.minhash.bands)])
+        )
         accepted, stats = verify_pairs(plan_, pairs, sigs, report, representative)
         edges.append(accepted)
     edges = np.concatenate(edges)
@@ -154,14 +181,22 @@ def components_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     report_table = removal_report(removed, ids, exact, sigs)
     _write_table(plan_.work / "components" / "removed.parquet", report_table)
     reasons = report_table.column("reason").to_pylist()
-    return {"documents": n_input, "null_text": int(null[:n_input].sum()), "exact_removed": reasons.count("exact"),
-            "near_removed": reasons.count("minhash"), "clusters": len(set(report_table.column("cluster").to_pylist())),
-            "bytes": _input_bytes(plan_), **stats}
+    return {
+        "documents": n_input,
+        "null_text": int(null[:n_input].sum()),
+        "exact_removed": reasons.count("exact"),
+        "near_removed": reasons.count("minhash"),
+        "clusters": len(set(report_table.column("cluster").to_pylist())),
+        "bytes": _input_bytes(plan_),
+        **stats,
+    }
 
 
 def _input_bytes(plan_: DedupPlan) -> int:
-    return sum(int(to_numpy_filled(read_parquet(plan_.work / "signatures" / f"{u:05d}.parquet", ["bytes"]).column(0)).sum())
-               for u in range(len(plan_.source.files)))
+    return sum(
+        int(to_numpy_filled(read_parquet(plan_.work / "signatures" / f"{u:05d}.parquet", ["bytes"]).column(0)).sum())
+        for u in range(len(plan_.source.files))
+    )
 
 
 def check_unique_ids(ids: pa.ChunkedArray, where: str, id_column: str | None) -> None:
@@ -169,24 +204,31 @@ def check_unique_ids(ids: pa.ChunkedArray, where: str, id_column: str | None) ->
         return
     nulls = ids.null_count
     if nulls:
-        raise UserError(where, f"column '{id_column}' has {nulls} null id(s)", "give every document an id, or pass --id-column")
+        raise UserError(
+            where, f"column '{id_column}' has {nulls} null id(s)", "give every document an id, or pass --id-column"
+        )
     counts = pc.value_counts(ids)
     repeated = np.flatnonzero(to_numpy_filled(counts.field("counts")) > 1)
     if len(repeated):
         first = counts[int(repeated[0])].as_py()
-        raise UserError(where, f"column '{id_column}' holds {len(repeated)} repeated id(s), e.g. {first['values']!r} x{first['counts']}",
-                        "make ids unique (or pass --id-column with a unique column)")
+        raise UserError(
+            where,
+            f"column '{id_column}' holds {len(repeated)} repeated id(s), e.g. {first['values']!r} x{first['counts']}",
+            "make ids unique (or pass --id-column with a unique column)",
+        )
 
 
 def id_chunks(plan_: DedupPlan, file_index: int) -> list[pa.Array]:
-    return [pc.cast(batch.column(0), pa.string())
-            for batch in plan_.source.iter_file_batches(file_index, [plan_.id_column], 65536, threads=False)]
+    return [
+        pc.cast(batch.column(0), pa.string())
+        for batch in plan_.source.iter_file_batches(file_index, [plan_.id_column], 65536, threads=False)
+    ]
 
 
 def _signature_matrix(column: pa.ChunkedArray, num_perm: int) -> np.ndarray:
     array = column.combine_chunks()
     width = num_perm * 4
-    raw = np.frombuffer(array.buffers()[1], dtype=np.uint8)[array.offset * width:(array.offset + len(array)) * width]
+    raw = np.frombuffer(array.buffers()[1], dtype=np.uint8)[array.offset * width : (array.offset + len(array)) * width]
     return raw.view(np.uint32).reshape(len(array), num_perm)
 
 
@@ -204,8 +246,9 @@ def exact_edges(exact: np.ndarray, null: np.ndarray, n_input: int) -> np.ndarray
     return edges[(edges < n_input).any(axis=1)]
 
 
-def verify_pairs(plan_: DedupPlan, pairs: np.ndarray, sigs: np.ndarray, report: Report,
-                 representative: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+def verify_pairs(
+    plan_: DedupPlan, pairs: np.ndarray, sigs: np.ndarray, report: Report, representative: np.ndarray | None = None
+) -> tuple[np.ndarray, dict]:
     """Accepted candidate pairs as (k, 2) edges: settled by the signature estimate far from the threshold,
     by the exact Jaccard of the shingle sets in between (or by the estimate alone without verification).
 
@@ -278,7 +321,9 @@ def choose_kept(edges: np.ndarray, n_input: int, chars: np.ndarray | None, keep:
     return pairs[np.argsort(pairs[:, 0], kind="stable")]
 
 
-def removal_report(removed: np.ndarray, ids: pa.ChunkedArray, exact: np.ndarray | None, sigs: np.ndarray | None) -> pa.Table:
+def removal_report(
+    removed: np.ndarray, ids: pa.ChunkedArray, exact: np.ndarray | None, sigs: np.ndarray | None
+) -> pa.Table:
     """One row per removed document: its index and id, the kept id, a cluster number, the reason, the Jaccard.
 
     Clusters are numbered by their kept document's position, so the numbers depend on the data only.
@@ -291,10 +336,16 @@ def removal_report(removed: np.ndarray, ids: pa.ChunkedArray, exact: np.ndarray 
     else:
         similarity = np.ones(len(doc))
     doc, kept = from_numpy(doc.astype(np.int64)), from_numpy(kept.astype(np.int64))
-    return pa.table({"index": doc, "id": ids.take(doc), "duplicate_of": ids.take(kept),
-                     "cluster": from_numpy(cluster.astype(np.int64)),
-                     "reason": strings(np.where(same_text, "exact", "minhash").tolist()),
-                     "jaccard": from_numpy(similarity.astype(np.float32))})
+    return pa.table(
+        {
+            "index": doc,
+            "id": ids.take(doc),
+            "duplicate_of": ids.take(kept),
+            "cluster": from_numpy(cluster.astype(np.int64)),
+            "reason": strings(np.where(same_text, "exact", "minhash").tolist()),
+            "jaccard": from_numpy(similarity.astype(np.float32)),
+        }
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -314,8 +365,12 @@ def filter_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
         offset += batch.num_rows
         if mask.any():
             # Dictionary encoding is only ever a wasted attempt on a column of documents.
-            writer = writer or pq.ParquetWriter(tmp, batch.schema, compression="zstd",
-                                                use_dictionary=[n for n in batch.schema.names if n != plan_.config.text_column])
+            writer = writer or pq.ParquetWriter(
+                tmp,
+                batch.schema,
+                compression="zstd",
+                use_dictionary=[n for n in batch.schema.names if n != plan_.config.text_column],
+            )
             writer.write_batch(batch.filter(from_numpy(mask)))
             kept += int(mask.sum())
         report("filter", batch.num_rows)
@@ -344,8 +399,11 @@ def read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table:
 
 def _band_row(path: Path, band: int, bands: int, rows: int) -> np.ndarray:
     if path.stat().st_size != bands * rows * 8:
-        raise UserError(path, f"holds {path.stat().st_size} bytes, not {bands} bands x {rows} documents",
-                        "the work area was changed by hand; re-run with --overwrite")
+        raise UserError(
+            path,
+            f"holds {path.stat().st_size} bytes, not {bands} bands x {rows} documents",
+            "the work area was changed by hand; re-run with --overwrite",
+        )
     return np.fromfile(path, dtype="<u8", count=rows, offset=band * rows * 8)
 
 

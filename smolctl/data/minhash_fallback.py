@@ -30,7 +30,7 @@ BYTES = np.arange(256)
 # What str.split() splits on among ASCII bytes: \t \n \v \f \r, \x1c-\x1f and ' '.
 SPACE_BYTES = ((BYTES >= 9) & (BYTES <= 13)) | ((BYTES >= 28) & (BYTES <= 32))
 # Word bytes: non-ASCII, 0-9, A-Z, a-z and '_'; every other non-space byte is punctuation.
-UPPER = (BYTES >= ord("A")) & (BYTES <= ord("Z"))
+UPPER = (ord("A") <= BYTES) & (ord("Z") >= BYTES)
 WORD_BYTES = (BYTES >= 128) | np.isin(BYTES, list(b"0123456789_abcdefghijklmnopqrstuvwxyz")) | UPPER
 # ASCII letters lower-cased, every other byte kept, as uint64 (what a span's hash sums).
 LOWERED = (BYTES | np.where(UPPER, 0x20, 0)).astype(np.uint64)

@@ -32,21 +32,45 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 
-from smolctl.data.array_tasks import (FINGERPRINT_KEY, AlreadyCommitted, WorkArea, check_task, digest, file_identity,
-                                      link_or_copy, task_units, unless_committed)
-from smolctl.data.mix_blocks import BINS, SOURCE_COLUMN, save_arrays, slice_pieces, source_key, write_block, write_curriculum
+from smolctl.data.array_tasks import (
+    FINGERPRINT_KEY,
+    AlreadyCommitted,
+    WorkArea,
+    check_task,
+    digest,
+    file_identity,
+    link_or_copy,
+    task_units,
+    unless_committed,
+)
+from smolctl.data.mix_blocks import (
+    BINS,
+    SOURCE_COLUMN,
+    save_arrays,
+    slice_pieces,
+    source_key,
+    write_block,
+    write_curriculum,
+)
 from smolctl.data.mix_schedule import MixSchedule, Stage, check_order_columns
 from smolctl.data.mix_tokens import TokenCalibration, calibrate, document_sizes, measure_file, sample_key
 from smolctl.errors import UserError
-from smolctl.shards import (KIND_DOCUMENTS, DocumentSource, OutputFolder, atomic_write_json, open_documents, read_manifest,
-                            schema_to_dict)
+from smolctl.shards import (
+    KIND_DOCUMENTS,
+    DocumentSource,
+    OutputFolder,
+    atomic_write_json,
+    open_documents,
+    read_manifest,
+    schema_to_dict,
+)
 
 STAGES = ("measure", "write")
 
@@ -134,7 +158,9 @@ def allocate(plan: MixSchedule, profiles: dict[str, SourceProfile]) -> list[list
         used = {n: s for n in profiles if (s := stage.share(n)) > 0}
         for name in used:
             if profiles[name].total_units == 0:
-                raise UserError(f"source {name!r}", f"has no {plan.unit} (every document is empty)", "drop it or give it weight 0")
+                raise UserError(
+                    f"source {name!r}", f"has no {plan.unit} (every document is empty)", "drop it or give it weight 0"
+                )
         room = {n: plan.max_repeat * profiles[n].total_units - walk_units(cumulative[n], position[n]) for n in used}
         if stage.budget_kind == "documents":
             units_per_doc = {n: profiles[n].total_units / max(1, profiles[n].total_documents) for n in used}
@@ -144,13 +170,22 @@ def allocate(plan: MixSchedule, profiles: dict[str, SourceProfile]) -> list[list
         else:
             total = min(room[n] / share for n, share in used.items())
             if total <= 0:
-                raise UserError(f"stage {stage.name!r}", f"has no budget and earlier stages used its sources up to max_repeat {plan.max_repeat:g}",
-                                "give the stage a budget, or raise --max-repeat")
+                raise UserError(
+                    f"stage {stage.name!r}",
+                    f"has no budget and earlier stages used its sources up to max_repeat {plan.max_repeat:g}",
+                    "give the stage a budget, or raise --max-repeat",
+                )
         reports = []
         for name in profiles:
             profile, share = profiles[name], stage.share(name)
-            report = SourceReport(name, stage.start[name], stage.end[name], share,
-                                  source_units=profile.total_units, source_documents=profile.total_documents)
+            report = SourceReport(
+                name,
+                stage.start[name],
+                stage.end[name],
+                share,
+                source_units=profile.total_units,
+                source_documents=profile.total_documents,
+            )
             if share > 0:
                 check_room(plan, stage, profile, share, total, room[name])
                 begin = position[name]
@@ -169,7 +204,9 @@ def allocate(plan: MixSchedule, profiles: dict[str, SourceProfile]) -> list[list
     return allocations
 
 
-def check_room(plan: MixSchedule, stage: Stage, profile: SourceProfile, share: float, total: float, room: float) -> None:
+def check_room(
+    plan: MixSchedule, stage: Stage, profile: SourceProfile, share: float, total: float, room: float
+) -> None:
     need = share * total
     if need <= room * (1 + 1e-9):
         return
@@ -212,9 +249,14 @@ def output_schema(schemas: dict[str, pa.Schema]) -> pa.Schema:
             for column in schema:
                 seen = first.setdefault(column.name, (name, column.type))
                 if seen[1] != column.type:
-                    raise UserError(f"source {name!r}", f"column '{column.name}' is {column.type} but {seen[1]} in "
-                                    f"source {seen[0]!r}", "cast it to one type in every source") from exc
-        raise UserError("--source", f"the sources' schemas do not combine ({exc})", "give them compatible columns") from exc
+                    raise UserError(
+                        f"source {name!r}",
+                        f"column '{column.name}' is {column.type} but {seen[1]} in source {seen[0]!r}",
+                        "cast it to one type in every source",
+                    ) from exc
+        raise UserError(
+            "--source", f"the sources' schemas do not combine ({exc})", "give them compatible columns"
+        ) from exc
     return merged.append(pa.field(SOURCE_COLUMN, pa.string()))
 
 
@@ -275,16 +317,25 @@ class MixJob:
     def unit_count(self, stage: str) -> int:
         return len(self.measure_units) if stage == "measure" else len(self.blocks())
 
-    def run(self, on_measure: Callable[[int], None] | None = None,
-            on_stage: Callable[[str, int], Callable[[int], None]] | None = None, *, stage: str | None = None,
-            tasks: int | None = None, task_id: int = 0) -> MixResult:
+    def run(
+        self,
+        on_measure: Callable[[int], None] | None = None,
+        on_stage: Callable[[str, int], Callable[[int], None]] | None = None,
+        *,
+        stage: str | None = None,
+        tasks: int | None = None,
+        task_id: int = 0,
+    ) -> MixResult:
         """Measure, allocate, write: everything, or one stage's share for task `task_id` of `tasks`.
         `on_stage(name, rows)` returns the per-block callback for that stage."""
         if stage is not None and stage not in STAGES:
             raise UserError("--stage", f"unknown stage {stage!r}", f"use one of {', '.join(STAGES)}")
         if tasks is not None and stage is None:
-            raise UserError("--tasks", "mix runs as two arrays, the writing one after the measuring one",
-                            "add --stage measure (and, once every task has finished, --stage write)")
+            raise UserError(
+                "--tasks",
+                "mix runs as two arrays, the writing one after the measuring one",
+                "add --stage measure (and, once every task has finished, --stage write)",
+            )
         check_task(tasks or 1, task_id)
         if stage is None:
             return self._run(STAGES, 1, 0, on_measure, on_stage, array_task=False)
@@ -296,7 +347,9 @@ class MixJob:
         except AlreadyCommitted:
             return self._result([], 0.0, already_committed=True, stage=stage)
 
-    def _run(self, stages: tuple[str, ...], tasks: int, task_id: int, on_measure, on_stage, array_task: bool) -> MixResult:
+    def _run(
+        self, stages: tuple[str, ...], tasks: int, task_id: int, on_measure, on_stage, array_task: bool
+    ) -> MixResult:
         self.area.check(self.overwrite)
         if array_task:
             self.area.check_ready(stages[0], self.unit_count)
@@ -310,9 +363,17 @@ class MixJob:
                     self.area.prepare()
                 self._run_units(name, todo, on_measure, on_stage)
                 done, skipped = done + len(todo), skipped + len(mine) - len(todo)
-            result = self._result([], 0.0, finished=False, stage=stages[0] if array_task else "all",
-                                  units_done=done, units_skipped=skipped)
-            if self.area.stage_done("measure", self.unit_count("measure")) and self.area.stage_done("write", self.unit_count("write")):
+            result = self._result(
+                [],
+                0.0,
+                finished=False,
+                stage=stages[0] if array_task else "all",
+                units_done=done,
+                units_skipped=skipped,
+            )
+            if self.area.stage_done("measure", self.unit_count("measure")) and self.area.stage_done(
+                "write", self.unit_count("write")
+            ):
                 stage_reports = self.area.commit_once(self._assemble)
                 if stage_reports is None and not array_task:
                     raise self.area.busy_error()
@@ -332,8 +393,15 @@ class MixJob:
                 name, file_index = self.measure_units[unit]
                 fraction = self.sample_fractions[name]
                 sample = None if fraction is None else (sample_key(self.plan.seed, name), fraction)
-                measured = measure_file(self.sources[name], file_index, source_key(self.plan.seed, name),
-                                        self.plan.text_column, self.backend, sample, on_measure)
+                measured = measure_file(
+                    self.sources[name],
+                    file_index,
+                    source_key(self.plan.seed, name),
+                    self.plan.text_column,
+                    self.backend,
+                    sample,
+                    on_measure,
+                )
                 save_arrays(self.area.stage_dir("measure") / f"{unit:05d}.npz", **measured)
                 self.area.mark_done("measure", unit, {"rows": int(measured["documents"].sum())})
             return
@@ -342,13 +410,18 @@ class MixJob:
             stage_index, block = blocks[unit]
             name = self.plan.stages[stage_index].name
             if name not in progress and on_stage:
-                progress[name] = on_stage(name, sum(self.block_rows(*blocks[u]) for u in units if blocks[u][0] == stage_index))
+                progress[name] = on_stage(
+                    name, sum(self.block_rows(*blocks[u]) for u in units if blocks[u][0] == stage_index)
+                )
             folder = self.area.stage_dir("write")
             if block is None:
-                shards = write_curriculum(self.plan, self.schema, self.sources, self.allocation(), stage_index,
-                                          self.sizes, folder, unit)
+                shards = write_curriculum(
+                    self.plan, self.schema, self.sources, self.allocation(), stage_index, self.sizes, folder, unit
+                )
             else:
-                shards = write_block(self.plan, self.schema, self.sources, self.allocation(), stage_index, block, folder, unit)
+                shards = write_block(
+                    self.plan, self.schema, self.sources, self.allocation(), stage_index, block, folder, unit
+                )
             rows = sum(shard["rows"] for shard in shards)
             self.area.mark_done("write", unit, {"rows": rows, "shards": shards})
             if progress.get(name):
@@ -362,25 +435,55 @@ class MixJob:
         path = self.area.root / "allocation.json"
         if path.is_file():
             saved = json.loads(path.read_text())
-            return {"reports": [[SourceReport(**{**r, "ranges": [tuple(x) for x in r["ranges"]]}) for r in stage]
-                                for stage in saved["reports"]], "pieces": saved["pieces"],
-                    "calibrations": {n: TokenCalibration(**c) for n, c in saved["calibrations"].items()}}
-        per_file = [np.load(self.area.stage_dir("measure") / f"{unit:05d}.npz") for unit in range(len(self.measure_units))]
+            return {
+                "reports": [
+                    [SourceReport(**{**r, "ranges": [tuple(x) for x in r["ranges"]]}) for r in stage]
+                    for stage in saved["reports"]
+                ],
+                "pieces": saved["pieces"],
+                "calibrations": {n: TokenCalibration(**c) for n, c in saved["calibrations"].items()},
+            }
+        per_file = [
+            np.load(self.area.stage_dir("measure") / f"{unit:05d}.npz") for unit in range(len(self.measure_units))
+        ]
         profiles, calibrations = {}, {}
         for name, source in self.sources.items():
             mine = [per_file[u] for u, (owner, _) in enumerate(self.measure_units) if owner == name]
             units, documents = sum(m["units"] for m in mine), sum(m["documents"] for m in mine)
             if "sample_bytes" in mine[0]:  # units are bytes outside the sample: estimate their tokens from it
-                calibrations[name] = calibrate(name, int(documents.sum()), np.concatenate([m["sample_bytes"] for m in mine]),
-                                               np.concatenate([m["sample_tokens"] for m in mine]))
-                units = calibrations[name].estimate(units, sum(m["nonempty"] for m in mine)) + sum(m["sampled"] for m in mine)
+                calibrations[name] = calibrate(
+                    name,
+                    int(documents.sum()),
+                    np.concatenate([m["sample_bytes"] for m in mine]),
+                    np.concatenate([m["sample_tokens"] for m in mine]),
+                )
+                units = calibrations[name].estimate(units, sum(m["nonempty"] for m in mine)) + sum(
+                    m["sampled"] for m in mine
+                )
             profiles[name] = SourceProfile(name, source, source_key(self.plan.seed, name), units, documents)
         reports = allocate(self.plan, profiles)
-        pieces = [{r.name: slice_pieces(self.plan, index, r.ranges, profiles[r.name].key,
-                                         [per_file[u]["documents"] for u, (owner, _) in enumerate(self.measure_units) if owner == r.name])
-                   for r in stage_reports if r.ranges} for index, stage_reports in enumerate(reports)]
-        atomic_write_json(path, {"reports": [[asdict(r) for r in stage] for stage in reports], "pieces": pieces,
-                                 "calibrations": {n: asdict(c) for n, c in calibrations.items()}})
+        pieces = [
+            {
+                r.name: slice_pieces(
+                    self.plan,
+                    index,
+                    r.ranges,
+                    profiles[r.name].key,
+                    [per_file[u]["documents"] for u, (owner, _) in enumerate(self.measure_units) if owner == r.name],
+                )
+                for r in stage_reports
+                if r.ranges
+            }
+            for index, stage_reports in enumerate(reports)
+        ]
+        atomic_write_json(
+            path,
+            {
+                "reports": [[asdict(r) for r in stage] for stage in reports],
+                "pieces": pieces,
+                "calibrations": {n: asdict(c) for n, c in calibrations.items()},
+            },
+        )
         return self.allocation()
 
     def sizes(self, name: str, texts) -> np.ndarray:
@@ -392,16 +495,20 @@ class MixJob:
         if self.backend is None:
             return None
         calibrations = self.allocation()["calibrations"]
-        return {name: calibrations[name].to_dict() if name in calibrations else {"mode": "exact"} for name in self.sources}
+        return {
+            name: calibrations[name].to_dict() if name in calibrations else {"mode": "exact"} for name in self.sources
+        }
 
     def blocks(self) -> list[tuple[int, int | None]]:
         """(stage, block) of every writing unit: the stages in order, each stage's blocks in order; a curriculum
         stage is one unit (stage, None)."""
         rows = [sum(r.documents for r in stage) for stage in self.allocation()["reports"]]
         size = self.plan.shuffle_buffer
-        return [(index, None if self.plan.stages[index].ascending_by else block)
-                for index, total in enumerate(rows)
-                for block in range(min(1, total) if self.plan.stages[index].ascending_by else -(-total // size))]
+        return [
+            (index, None if self.plan.stages[index].ascending_by else block)
+            for index, total in enumerate(rows)
+            for block in range(min(1, total) if self.plan.stages[index].ascending_by else -(-total // size))
+        ]
 
     def block_rows(self, stage_index: int, block: int | None) -> int:
         total = sum(r.documents for r in self.allocation()["reports"][stage_index])
@@ -417,22 +524,37 @@ class MixJob:
         with OutputFolder(self.output, kind=KIND_DOCUMENTS, overwrite=True, inputs=inputs) as top:
             for index, (stage, reports) in enumerate(zip(plan.stages, allocation["reports"])):
                 units = [unit for unit, (owner, _) in enumerate(blocks) if owner == index]
-                report = StageReport(stage.name, str(self.output / stage.name if plan.staged else self.output), plan.unit,
-                                     stage.budget, stage.budget_kind, sum(r.units for r in reports),
-                                     sum(r.documents for r in reports), reports,
-                                     sum(len(self.area.read_marker("write", unit)["shards"]) for unit in units), stage.order)
+                report = StageReport(
+                    stage.name,
+                    str(self.output / stage.name if plan.staged else self.output),
+                    plan.unit,
+                    stage.budget,
+                    stage.budget_kind,
+                    sum(r.units for r in reports),
+                    sum(r.documents for r in reports),
+                    reports,
+                    sum(len(self.area.read_marker("write", unit)["shards"]) for unit in units),
+                    stage.order,
+                )
                 stages.append(report)
                 if not plan.staged:
                     self._link_blocks(top, units)
                     continue
                 with OutputFolder(top.staging / stage.name, kind=KIND_DOCUMENTS, inputs=inputs) as folder:
                     self._link_blocks(folder, units)
-                    folder.commit(schema=schema_to_dict(self.schema), stats=totals([report], plan.unit),
-                                  mix=self._mix_field([report]))
+                    folder.commit(
+                        schema=schema_to_dict(self.schema),
+                        stats=totals([report], plan.unit),
+                        mix=self._mix_field([report]),
+                    )
                 top.shards += [{**shard, "name": f"{stage.name}/{shard['name']}"} for shard in folder.shards]
-            top.commit(schema=schema_to_dict(self.schema), stats=totals(stages, plan.unit), mix=self._mix_field(stages),
-                       stages=[s.name for s in stages] if plan.staged else None,
-                       **{FINGERPRINT_KEY: digest(self.area.fingerprint)})
+            top.commit(
+                schema=schema_to_dict(self.schema),
+                stats=totals(stages, plan.unit),
+                mix=self._mix_field(stages),
+                stages=[s.name for s in stages] if plan.staged else None,
+                **{FINGERPRINT_KEY: digest(self.area.fingerprint)},
+            )
         return stages
 
     def _link_blocks(self, folder: OutputFolder, units: list[int]) -> None:
@@ -450,17 +572,32 @@ class MixJob:
         """The manifest's record of the mix: unit, seed, max_repeat, tokenizer, how tokens were counted (the
         requested mode and each source's calibration) and per stage and source numbers."""
         plan = self.plan
-        return {"unit": plan.unit, "seed": plan.seed, "max_repeat": plan.max_repeat, "tokenizer": plan.tokenizer,
-                "token_estimate": None if self.backend is None else {"requested": plan.token_estimate,
-                                                                     "token_sample": plan.token_sample,
-                                                                     "sources": self.token_estimates()},
-                "stages": [stage_manifest(stage) for stage in stages]}
+        return {
+            "unit": plan.unit,
+            "seed": plan.seed,
+            "max_repeat": plan.max_repeat,
+            "tokenizer": plan.tokenizer,
+            "token_estimate": None
+            if self.backend is None
+            else {
+                "requested": plan.token_estimate,
+                "token_sample": plan.token_sample,
+                "sources": self.token_estimates(),
+            },
+            "stages": [stage_manifest(stage) for stage in stages],
+        }
 
 
 def stage_manifest(stage: StageReport) -> dict:
-    return {"name": stage.name, "order": stage.order, "budget": stage.budget, "budget_kind": stage.budget_kind,
-            "units": stage.units, "documents": stage.documents,
-            "sources": [{k: v for k, v in asdict(s).items() if k != "ranges"} for s in stage.sources]}
+    return {
+        "name": stage.name,
+        "order": stage.order,
+        "budget": stage.budget,
+        "budget_kind": stage.budget_kind,
+        "units": stage.units,
+        "documents": stage.documents,
+        "sources": [{k: v for k, v in asdict(s).items() if k != "ranges"} for s in stage.sources],
+    }
 
 
 def totals(stages: list[StageReport], unit: str) -> dict:
@@ -484,7 +621,18 @@ def prepare_mix(plan: MixSchedule, output: str | Path, *, overwrite: bool = Fals
 
         loaded = load_tokenizer(plan.tokenizer)
         backend, tokenizer = loaded.backend_tokenizer, tokenizer_fingerprint(loaded)
-    fingerprint = {"plan": asdict(plan), "input_files": {name: file_identity(s.files) for name, s in sources.items()},
-                   "tokenizer": tokenizer}
-    return MixJob(plan, Path(output), overwrite, sources, schema, backend, WorkArea(Path(output), STAGES, fingerprint),
-                  {name: plan.sample_fraction(source.num_rows) for name, source in sources.items()})
+    fingerprint = {
+        "plan": asdict(plan),
+        "input_files": {name: file_identity(s.files) for name, s in sources.items()},
+        "tokenizer": tokenizer,
+    }
+    return MixJob(
+        plan,
+        Path(output),
+        overwrite,
+        sources,
+        schema,
+        backend,
+        WorkArea(Path(output), STAGES, fingerprint),
+        {name: plan.sample_fraction(source.num_rows) for name, source in sources.items()},
+    )

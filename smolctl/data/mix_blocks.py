@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -56,8 +56,11 @@ def row_bins(key: int, rows: np.ndarray) -> np.ndarray:
 
 
 def conform(batch: pa.RecordBatch, schema: pa.Schema, name: str) -> pa.Table:
-    columns = [batch.column(f.name) if f.name in batch.schema.names else pa.nulls(batch.num_rows, f.type)
-               for f in schema if f.name != SOURCE_COLUMN]
+    columns = [
+        batch.column(f.name) if f.name in batch.schema.names else pa.nulls(batch.num_rows, f.type)
+        for f in schema
+        if f.name != SOURCE_COLUMN
+    ]
     columns.append(pa.array([name] * batch.num_rows, pa.string()))
     return pa.Table.from_arrays(columns, schema=schema)
 
@@ -74,8 +77,6 @@ def due_points(stage: Stage, name: str, progress: np.ndarray) -> np.ndarray:
         return progress
     target = progress * (a + b) / 2
     return (-a + np.sqrt(np.maximum(a * a + 4 * curve * target, 0.0))) / (2 * curve)
-
-
 
 
 @dataclass
@@ -137,8 +138,11 @@ def read_rows(path, positions: np.ndarray) -> pa.Table:
         last = int(np.searchsorted(bounds, positions[-1], side="right")) - 1
         table = handle.read_row_groups(list(range(first, last + 1)), use_threads=False)
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
-        raise UserError(path, f"cannot be read as parquet ({str(exc).splitlines()[0]})",
-                        "the file is corrupt or truncated; re-create it") from exc
+        raise UserError(
+            path,
+            f"cannot be read as parquet ({str(exc).splitlines()[0]})",
+            "the file is corrupt or truncated; re-create it",
+        ) from exc
     return table.take(pa.array(positions - bounds[first]))
 
 
@@ -159,7 +163,9 @@ def slice_rows(source, key: int, pieces: list[list[int]], begin: int, end: int) 
     return tables
 
 
-def slice_pieces(plan: MixSchedule, stage_index: int, ranges: list, key: int, file_documents: list[np.ndarray]) -> list[list[int]]:
+def slice_pieces(
+    plan: MixSchedule, stage_index: int, ranges: list, key: int, file_documents: list[np.ndarray]
+) -> list[list[int]]:
     """A source's slice as [pass, lo, hi, file, rows] runs in reading order: each bin range one pass, the files of
     a pass in a seeded order, the rows of a file in the range in file order."""
     cumulative = [np.concatenate([[0], np.cumsum(documents)]) for documents in file_documents]
@@ -173,8 +179,16 @@ def slice_pieces(plan: MixSchedule, stage_index: int, ranges: list, key: int, fi
     return pieces
 
 
-def write_block(plan: MixSchedule, schema: pa.Schema, sources: dict, allocation: dict, stage_index: int, block: int,
-                folder: Path, unit: int) -> list[dict]:
+def write_block(
+    plan: MixSchedule,
+    schema: pa.Schema,
+    sources: dict,
+    allocation: dict,
+    stage_index: int,
+    block: int,
+    folder: Path,
+    unit: int,
+) -> list[dict]:
     """One output block: its rows from every source, in merged order, shuffled; written as one parquet shard."""
     stage = plan.stages[stage_index]
     reports = [r for r in allocation["reports"][stage_index] if r.documents]
@@ -196,8 +210,16 @@ def write_block(plan: MixSchedule, schema: pa.Schema, sources: dict, allocation:
     return [write_shard(pa.concat_tables(tables).take(pa.array(order[shuffle])), folder / f"{unit:05d}.parquet")]
 
 
-def write_curriculum(plan: MixSchedule, schema: pa.Schema, sources: dict, allocation: dict, stage_index: int,
-                     sizes: Callable[[str, pa.Array], np.ndarray], folder: Path, unit: int) -> list[dict]:
+def write_curriculum(
+    plan: MixSchedule,
+    schema: pa.Schema,
+    sources: dict,
+    allocation: dict,
+    stage_index: int,
+    sizes: Callable[[str, pa.Array], np.ndarray],
+    folder: Path,
+    unit: int,
+) -> list[dict]:
     """A curriculum stage as one unit: each source's whole slice sorted by score (mix_schedule.ascending_stream),
     merged by due point, each block sorted by score; one shard per block. `sizes(source, texts)` sizes the
     documents in the mix's unit."""
@@ -205,14 +227,23 @@ def write_curriculum(plan: MixSchedule, schema: pa.Schema, sources: dict, alloca
     streams = []
     for report in [r for r in allocation["reports"][stage_index] if r.documents]:
         key, pieces = source_key(plan.seed, report.name), allocation["pieces"][stage_index][report.name]
-        rows = pa.concat_tables(conform(t, schema, report.name)
-                                for t in slice_rows(sources[report.name], key, pieces, 0, report.documents))
+        rows = pa.concat_tables(
+            conform(t, schema, report.name) for t in slice_rows(sources[report.name], key, pieces, 0, report.documents)
+        )
         order = SliceOrder(stage, report.name, report.documents)
-        streams.append(ascending_stream(iter([(rows, order.due(np.arange(report.documents)))]), stage,
-                                        plan.text_column, partial(sizes, report.name),
-                                        lambda progress, name=report.name: due_points(stage, name, progress)))
-    return [write_shard(block, folder / f"{unit:05d}-{index:05d}.parquet")
-            for index, block in enumerate(merged_blocks(streams, plan.shuffle_buffer, plan.seed, stage_index))]
+        streams.append(
+            ascending_stream(
+                iter([(rows, order.due(np.arange(report.documents)))]),
+                stage,
+                plan.text_column,
+                partial(sizes, report.name),
+                lambda progress, name=report.name: due_points(stage, name, progress),
+            )
+        )
+    return [
+        write_shard(block, folder / f"{unit:05d}-{index:05d}.parquet")
+        for index, block in enumerate(merged_blocks(streams, plan.shuffle_buffer, plan.seed, stage_index))
+    ]
 
 
 def write_shard(table: pa.Table, path: Path) -> dict:
@@ -222,8 +253,9 @@ def write_shard(table: pa.Table, path: Path) -> dict:
     return {"file": path.name, "rows": table.num_rows, "sha256": sha256_file(path)}
 
 
-def merged_blocks(streams: list[Iterator[tuple[pa.Table, np.ndarray]]], block_rows: int, seed: int,
-                  stage_index: int) -> Iterator[pa.Table]:
+def merged_blocks(
+    streams: list[Iterator[tuple[pa.Table, np.ndarray]]], block_rows: int, seed: int, stage_index: int
+) -> Iterator[pa.Table]:
     """Merge the streams by due point; emit blocks of `block_rows` rows, each shuffled by a seeded generator.
 
     A row is ready once no stream can still produce an earlier due point (each stream's points only grow), so

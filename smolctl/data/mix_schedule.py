@@ -10,9 +10,9 @@ import json
 import math
 import re
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -137,7 +137,9 @@ def parse_source(text: str) -> tuple[str, str, float]:
     try:
         value = float(weight)
     except ValueError:
-        raise UserError("--source", f"{text!r}: weight {weight!r} is not a number", "write e.g. web=data/web:0.7") from None
+        raise UserError(
+            "--source", f"{text!r}: weight {weight!r} is not a number", "write e.g. web=data/web:0.7"
+        ) from None
     return name.strip(), path, value
 
 
@@ -153,18 +155,29 @@ def normalise(weights: dict[str, float], where: str, sources: dict[str, str]) ->
     return {name: weights.get(name, 0.0) / total for name in sources}
 
 
-def schedule_from_flags(sources: list[str], *, tokens: str | None = None, bytes_: str | None = None,
-                        documents: str | None = None, tokenizer: str | None = None, seed: int | None = None,
-                        max_repeat: float | None = None, text_column: str | None = None,
-                        shuffle_buffer: int | None = None, token_estimate: str | None = None,
-                        token_sample: int | None = None) -> MixSchedule:
+def schedule_from_flags(
+    sources: list[str],
+    *,
+    tokens: str | None = None,
+    bytes_: str | None = None,
+    documents: str | None = None,
+    tokenizer: str | None = None,
+    seed: int | None = None,
+    max_repeat: float | None = None,
+    text_column: str | None = None,
+    shuffle_buffer: int | None = None,
+    token_estimate: str | None = None,
+    token_sample: int | None = None,
+) -> MixSchedule:
     """A one-stage schedule from --source NAME=PATH:WEIGHT flags; options left None take MixSchedule's defaults."""
     parsed = [parse_source(text) for text in sources]
     if not parsed:
         raise UserError("--source", "no sources given", "pass --source NAME=PATH:WEIGHT (repeat it) or --recipe")
     names = [name for name, _, _ in parsed]
     if len(set(names)) != len(names):
-        raise UserError("--source", f"a source name is used twice ({', '.join(names)})", "give each source its own name")
+        raise UserError(
+            "--source", f"a source name is used twice ({', '.join(names)})", "give each source its own name"
+        )
     paths = {name: path for name, path, _ in parsed}
     budgets = {kind: value for kind, value in zip(BUDGET_KINDS, (tokens, bytes_, documents)) if value is not None}
     if len(budgets) > 1:
@@ -173,22 +186,44 @@ def schedule_from_flags(sources: list[str], *, tokens: str | None = None, bytes_
     weights = normalise({name: weight for name, _, weight in parsed}, "--source", paths)
     parse = parse_bytes if kind == "bytes" else parse_count  # tokens and documents are counts
     stage = Stage("mix", weights, weights, parse(amount, f"--{kind}") if amount else None, kind)
-    given = {"seed": seed, "max_repeat": max_repeat, "text_column": text_column, "shuffle_buffer": shuffle_buffer,
-             "token_estimate": token_estimate, "token_sample": token_sample}
-    schedule = MixSchedule(paths, [stage], tokenizer, staged=False, **{key: value for key, value in given.items()
-                                                                         if value is not None})
+    given = {
+        "seed": seed,
+        "max_repeat": max_repeat,
+        "text_column": text_column,
+        "shuffle_buffer": shuffle_buffer,
+        "token_estimate": token_estimate,
+        "token_sample": token_sample,
+    }
+    schedule = MixSchedule(
+        paths, [stage], tokenizer, staged=False, **{key: value for key, value in given.items() if value is not None}
+    )
     check_schedule(schedule)
     return schedule
 
 
-def schedule_from_recipe(path: str | Path, overrides: list[str] = (), *, tokenizer: str | None = None,
-                         seed: int | None = None, max_repeat: float | None = None, text_column: str | None = None,
-                         shuffle_buffer: int | None = None, token_estimate: str | None = None,
-                         token_sample: int | None = None) -> MixSchedule:
+def schedule_from_recipe(
+    path: str | Path,
+    overrides: list[str] = (),
+    *,
+    tokenizer: str | None = None,
+    seed: int | None = None,
+    max_repeat: float | None = None,
+    text_column: str | None = None,
+    shuffle_buffer: int | None = None,
+    token_estimate: str | None = None,
+    token_sample: int | None = None,
+) -> MixSchedule:
     """A schedule from a recipe; an option given (not None) overrides the recipe's key, even when it equals the
     default (`--shuffle-buffer 20000` against a recipe's 5000 is 20000)."""
-    given = {"tokenizer": tokenizer, "seed": seed, "max_repeat": max_repeat, "text_column": text_column,
-             "shuffle_buffer": shuffle_buffer, "token_estimate": token_estimate, "token_sample": token_sample}
+    given = {
+        "tokenizer": tokenizer,
+        "seed": seed,
+        "max_repeat": max_repeat,
+        "text_column": text_column,
+        "shuffle_buffer": shuffle_buffer,
+        "token_estimate": token_estimate,
+        "token_sample": token_sample,
+    }
     # json.dumps writes a valid TOML string or number, read back as any --set value is
     options = [f"{key}={json.dumps(value)}" for key, value in given.items() if value is not None]
     recipe = load_recipe(MixRecipe, path, [*overrides, *options])
@@ -202,37 +237,63 @@ def schedule_from_recipe(path: str | Path, overrides: list[str] = (), *, tokeniz
         where = f"{path}: stages[{i}] ({section.name})"
         start = normalise(section.weights, f"{where}.weights", sources)
         if section.interpolate and section.end_weights is not None:
-            raise UserError(where, "has both interpolate and end_weights", "use one: interpolate moves to the next stage's weights")
+            raise UserError(
+                where, "has both interpolate and end_weights", "use one: interpolate moves to the next stage's weights"
+            )
         if section.interpolate and i + 1 == len(recipe.stages):
             raise UserError(where, "interpolate = true on the last stage", "give it end_weights instead")
         target = recipe.stages[i + 1].weights if section.interpolate else section.end_weights
         end = normalise(target, f"{where}.end_weights", sources) if target is not None else start
         budgets = [(kind, getattr(section, kind)) for kind in BUDGET_KINDS if getattr(section, kind) is not None]
         if len(budgets) > 1:
-            raise UserError(where, f"more than one budget ({', '.join(k for k, _ in budgets)})", "give one of tokens, bytes, documents")
+            raise UserError(
+                where,
+                f"more than one budget ({', '.join(k for k, _ in budgets)})",
+                "give one of tokens, bytes, documents",
+            )
         kind, amount = budgets[0] if budgets else (None, None)
         if amount is not None and amount < 1:
             raise UserError(where, f"{kind} = {amount}", "budgets are positive")
         stages.append(Stage(section.name, start, end, amount, kind, section.order))
-    plan = MixSchedule(sources, stages, recipe.tokenizer, recipe.seed, recipe.max_repeat, recipe.text_column,
-                   recipe.shuffle_buffer, staged=True, token_estimate=recipe.token_estimate,
-                   token_sample=recipe.token_sample)
+    plan = MixSchedule(
+        sources,
+        stages,
+        recipe.tokenizer,
+        recipe.seed,
+        recipe.max_repeat,
+        recipe.text_column,
+        recipe.shuffle_buffer,
+        staged=True,
+        token_estimate=recipe.token_estimate,
+        token_sample=recipe.token_sample,
+    )
     check_schedule(plan)
     return plan
 
 
 def check_schedule(plan: MixSchedule) -> None:
     if not (plan.max_repeat > 0 and math.isfinite(plan.max_repeat)):
-        raise UserError("--max-repeat", f"{plan.max_repeat} is not a positive number", "use e.g. 1 (each document at most once) or 4")
+        raise UserError(
+            "--max-repeat",
+            f"{plan.max_repeat} is not a positive number",
+            "use e.g. 1 (each document at most once) or 4",
+        )
     if plan.shuffle_buffer < 1:
         raise UserError("shuffle_buffer", f"{plan.shuffle_buffer} rows", "use a positive row count")
     if plan.token_estimate not in TOKEN_ESTIMATES:
-        raise UserError("--token-estimate", f"unknown mode {plan.token_estimate!r}", f"use one of {', '.join(TOKEN_ESTIMATES)}")
+        raise UserError(
+            "--token-estimate", f"unknown mode {plan.token_estimate!r}", f"use one of {', '.join(TOKEN_ESTIMATES)}"
+        )
     if plan.token_estimate != "auto" and not plan.tokenizer:
-        raise UserError("--token-estimate", f"{plan.token_estimate} counts tokens, and no tokenizer is given",
-                        "pass --tokenizer (or set tokenizer in the recipe), or leave --token-estimate out to weigh by bytes")
+        raise UserError(
+            "--token-estimate",
+            f"{plan.token_estimate} counts tokens, and no tokenizer is given",
+            "pass --tokenizer (or set tokenizer in the recipe), or leave --token-estimate out to weigh by bytes",
+        )
     if plan.token_sample < 1:
-        raise UserError("token_sample", f"{plan.token_sample} documents", "sample a positive number of documents per source")
+        raise UserError(
+            "token_sample", f"{plan.token_sample} documents", "sample a positive number of documents per source"
+        )
     names = [stage.name for stage in plan.stages]
     for name in names:
         if not STAGE_NAME.fullmatch(name):
@@ -242,13 +303,23 @@ def check_schedule(plan: MixSchedule) -> None:
     for stage in plan.stages:
         kind, colon, key = stage.order.partition(":")
         if stage.order != "shuffle" and (kind != "ascending" or not colon or not key):
-            raise UserError(f"stage {stage.name!r}: order", f"{stage.order!r} is not an order",
-                            'use "shuffle", "ascending:length", "ascending:compression" or "ascending:COLUMN"')
+            raise UserError(
+                f"stage {stage.name!r}: order",
+                f"{stage.order!r} is not an order",
+                'use "shuffle", "ascending:length", "ascending:compression" or "ascending:COLUMN"',
+            )
         if stage.budget_kind == "tokens" and not plan.tokenizer:
-            raise UserError(f"stage {stage.name!r}", "a budget in tokens needs a tokenizer", "pass --tokenizer (or set tokenizer in the recipe), or give the budget in bytes")
+            raise UserError(
+                f"stage {stage.name!r}",
+                "a budget in tokens needs a tokenizer",
+                "pass --tokenizer (or set tokenizer in the recipe), or give the budget in bytes",
+            )
         if stage.budget_kind == "bytes" and plan.tokenizer:
-            raise UserError(f"stage {stage.name!r}", "with a tokenizer, weights are fractions of tokens, so a budget in bytes is ambiguous",
-                            "give the budget in tokens or documents")
+            raise UserError(
+                f"stage {stage.name!r}",
+                "with a tokenizer, weights are fractions of tokens, so a budget in bytes is ambiguous",
+                "give the budget in tokens or documents",
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -273,12 +344,18 @@ def check_order_columns(plan: MixSchedule, schemas: dict[str, pa.Schema]) -> Non
             if stage.share(name) <= 0:
                 continue
             if key not in schema.names:
-                raise UserError(f"stage {stage.name!r}: order", f"source {name!r} has no column {key!r} (columns: "
-                                f"{', '.join(schema.names)})", f"add the score to every source, or use ascending:{ORDER_PROXIES[0]}")
+                raise UserError(
+                    f"stage {stage.name!r}: order",
+                    f"source {name!r} has no column {key!r} (columns: {', '.join(schema.names)})",
+                    f"add the score to every source, or use ascending:{ORDER_PROXIES[0]}",
+                )
             kind = schema.field(key).type
             if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
-                raise UserError(f"stage {stage.name!r}: order", f"column {key!r} of source {name!r} holds {kind}, not numbers",
-                                "score rows with a numeric column")
+                raise UserError(
+                    f"stage {stage.name!r}: order",
+                    f"column {key!r} of source {name!r} holds {kind}, not numbers",
+                    "score rows with a numeric column",
+                )
 
 
 def order_scores(table: pa.Table, key: str, text_column: str, where: str) -> np.ndarray:
@@ -294,9 +371,14 @@ def order_scores(table: pa.Table, key: str, text_column: str, where: str) -> np.
     return column.to_numpy().astype(np.float64)
 
 
-def ascending_stream(stream: Iterator[tuple[pa.Table, np.ndarray]], stage: Stage, text_column: str,
-                     sizes: Callable[[pa.Array], np.ndarray], due: Callable[[np.ndarray], np.ndarray],
-                     batch_rows: int = 1024) -> Iterator[tuple[pa.Table, np.ndarray]]:
+def ascending_stream(
+    stream: Iterator[tuple[pa.Table, np.ndarray]],
+    stage: Stage,
+    text_column: str,
+    sizes: Callable[[pa.Array], np.ndarray],
+    due: Callable[[np.ndarray], np.ndarray],
+    batch_rows: int = 1024,
+) -> Iterator[tuple[pa.Table, np.ndarray]]:
     """One source's (rows, due points) sorted by score, each row due where its cumulative units fall; the rows
     carry their score in ORDER_COLUMN."""
     tables = [rows for rows, _ in stream]
@@ -312,7 +394,7 @@ def ascending_stream(stream: Iterator[tuple[pa.Table, np.ndarray]], stage: Stage
     progress = (np.cumsum(units) - units / 2) / units.sum()
     points = due(progress)
     for start in range(0, table.num_rows, batch_rows):
-        yield table.slice(start, batch_rows), points[start:start + batch_rows]
+        yield table.slice(start, batch_rows), points[start : start + batch_rows]
 
 
 def block_order(rows: pa.Table, index: np.ndarray, seed: int, stage_index: int, block: int) -> np.ndarray:

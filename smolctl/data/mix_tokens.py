@@ -62,8 +62,15 @@ def in_sample(key: int, fraction: float, rows: np.ndarray) -> np.ndarray:
     return row_hash(key, rows) < np.uint64(int(fraction * 2.0**64))
 
 
-def measure_file(source, file_index: int, key: int, text_column: str, backend, sample: tuple[int, float] | None,
-                 on_rows: Callable[[int], None] | None = None) -> Arrays:
+def measure_file(
+    source,
+    file_index: int,
+    key: int,
+    text_column: str,
+    backend,
+    sample: tuple[int, float] | None,
+    on_rows: Callable[[int], None] | None = None,
+) -> Arrays:
     """Per bin of one file of a source (rows numbered across the whole source): `units` and `documents`.
 
     `units` are tokens with a tokenizer and no `sample` (key, fraction), else UTF-8 bytes. With a sample, `units`
@@ -86,7 +93,9 @@ def measure_file(source, file_index: int, key: int, text_column: str, backend, s
             picked = in_sample(sample[0], sample[1], rows)
             sizes = text_bytes(texts)
             tokens = text_tokens(texts.filter(pa.array(picked)), backend)
-            sampled += np.bincount(bins[picked], weights=np.where(tokens > 0, tokens + 1, 0), minlength=BINS).astype(np.int64)
+            sampled += np.bincount(bins[picked], weights=np.where(tokens > 0, tokens + 1, 0), minlength=BINS).astype(
+                np.int64
+            )
             sampled_bytes.append(sizes[picked])
             sampled_tokens.append(tokens)
             sizes[picked] = 0  # counted exactly above: `units` and `nonempty` hold only what is left to estimate
@@ -101,8 +110,12 @@ def measure_file(source, file_index: int, key: int, text_column: str, backend, s
     measured = {"units": units, "documents": documents}
     if estimating:
         empty = np.zeros(0, dtype=np.int64)
-        measured |= {"nonempty": nonempty, "sampled": sampled, "sample_bytes": np.concatenate([empty, *sampled_bytes]),
-                     "sample_tokens": np.concatenate([empty, *sampled_tokens]).astype(np.int64)}
+        measured |= {
+            "nonempty": nonempty,
+            "sampled": sampled,
+            "sample_bytes": np.concatenate([empty, *sampled_bytes]),
+            "sample_tokens": np.concatenate([empty, *sampled_tokens]).astype(np.int64),
+        }
     return measured
 
 
@@ -142,19 +155,30 @@ class TokenCalibration:
         return self.estimate(sizes, (sizes > 0).astype(np.int64))
 
     def to_dict(self) -> dict:
-        return {"mode": self.mode, "bytes_per_token": self.bytes_per_token, "source_documents": self.source_documents,
-                "sample_documents": self.sample_documents, "sample_bytes": self.sample_bytes,
-                "sample_tokens": self.sample_tokens, "relative_standard_error": self.relative_standard_error,
-                "holdout_error": self.holdout_error}
+        return {
+            "mode": self.mode,
+            "bytes_per_token": self.bytes_per_token,
+            "source_documents": self.source_documents,
+            "sample_documents": self.sample_documents,
+            "sample_bytes": self.sample_bytes,
+            "sample_tokens": self.sample_tokens,
+            "relative_standard_error": self.relative_standard_error,
+            "holdout_error": self.holdout_error,
+        }
 
 
-def calibrate(name: str, source_documents: int, sample_bytes: np.ndarray, sample_tokens: np.ndarray) -> TokenCalibration:
+def calibrate(
+    name: str, source_documents: int, sample_bytes: np.ndarray, sample_tokens: np.ndarray
+) -> TokenCalibration:
     """Tokens per byte of a source from its sampled documents' bytes and token ids (in row order)."""
     keep = sample_bytes > 0
     b, t = sample_bytes[keep].astype(np.float64), sample_tokens[keep].astype(np.float64)
     if b.sum() == 0 or t.sum() == 0:
-        raise UserError(f"source {name!r}", f"the token sample ({len(sample_bytes)} documents) holds no tokens",
-                        "raise token_sample in the recipe, or pass --token-estimate exact")
+        raise UserError(
+            f"source {name!r}",
+            f"the token sample ({len(sample_bytes)} documents) holds no tokens",
+            "raise token_sample in the recipe, or pass --token-estimate exact",
+        )
     n, ratio = len(b), t.sum() / b.sum()
     standard_error = holdout = None
     if n >= 2:
@@ -164,7 +188,10 @@ def calibrate(name: str, source_documents: int, sample_bytes: np.ndarray, sample
         standard_error = float(math.sqrt(variance) / ratio)
         halves = [(b[i::2], t[i::2]) for i in (0, 1)]
         if all(hb.sum() > 0 and ht.sum() > 0 for hb, ht in halves):
-            holdout = max(abs((ft.sum() / fb.sum() * hb.sum() + len(hb)) / (ht.sum() + len(hb)) - 1)
-                          for (fb, ft), (hb, ht) in (halves, halves[::-1]))
-    return TokenCalibration(source_documents, n, int(b.sum()), int(t.sum()), standard_error,
-                            None if holdout is None else float(holdout))
+            holdout = max(
+                abs((ft.sum() / fb.sum() * hb.sum() + len(hb)) / (ht.sum() + len(hb)) - 1)
+                for (fb, ft), (hb, ht) in (halves, halves[::-1])
+            )
+    return TokenCalibration(
+        source_documents, n, int(b.sum()), int(t.sum()), standard_error, None if holdout is None else float(holdout)
+    )

@@ -23,14 +23,23 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
-from smolctl.data.array_tasks import (FINGERPRINT_KEY, AlreadyCommitted, WorkArea, check_task, digest, file_identity,
-                                      link_or_copy, task_units, unless_committed)
+from smolctl.data.array_tasks import (
+    FINGERPRINT_KEY,
+    AlreadyCommitted,
+    WorkArea,
+    check_task,
+    digest,
+    file_identity,
+    link_or_copy,
+    task_units,
+    unless_committed,
+)
 from smolctl.data.pack_config import PackConfig
 from smolctl.data.pack_rows import PackStats, TokenBatch
 from smolctl.data.pack_sinks import DatatroveSink, RowSink, manifest_fields
@@ -44,7 +53,6 @@ from smolctl.shards import (
     open_documents,
     read_manifest,
 )
-from smolctl.units import parse_shard_size
 
 KIND_TOKENS = "tokens"
 STAGE = "pack"
@@ -121,8 +129,9 @@ class PackJob:
     def units(self) -> int:
         return len(self.source.files)
 
-    def run(self, on_progress: Callable[[int, int], None] | None = None, *, tasks: int | None = None,
-            task_id: int = 0) -> PackResult:
+    def run(
+        self, on_progress: Callable[[int, int], None] | None = None, *, tasks: int | None = None, task_id: int = 0
+    ) -> PackResult:
         """Pack every unit, or task `task_id`'s share of `tasks` (an array task); skip finished units and commit
         OUTPUT when the last one is done. `on_progress(documents read, tokens packed)` follows every batch."""
         array_task = tasks is not None
@@ -155,9 +164,14 @@ class PackJob:
         self._pack_units(todo, on_progress)
         seconds = time.perf_counter() - started
         packed = sum_stats(self.area.read_marker(STAGE, unit) for unit in todo)
-        result = self._result(sum_stats(self.area.read_marker(STAGE, unit) for unit in mine), seconds, finished=False,
-                              units_done=len(todo), units_skipped=len(mine) - len(todo),
-                              tokens_per_second=packed.tokens / seconds if seconds else 0.0)
+        result = self._result(
+            sum_stats(self.area.read_marker(STAGE, unit) for unit in mine),
+            seconds,
+            finished=False,
+            units_done=len(todo),
+            units_skipped=len(mine) - len(todo),
+            tokens_per_second=packed.tokens / seconds if seconds else 0.0,
+        )
         if self.area.stage_done(STAGE, self.units):
             manifest = self.area.commit_once(self._assemble)
             if manifest is None and not array_task:
@@ -184,8 +198,9 @@ class PackJob:
             if on_progress:
                 on_progress(read, len(batch.ids))
 
-        batches = tokenised_batches(self.source, self.tokenizer, config.text_column, config.batch_documents,
-                                    config.workers, units)
+        batches = tokenised_batches(
+            self.source, self.tokenizer, config.text_column, config.batch_documents, config.workers, units
+        )
         with ThreadPoolExecutor(1, thread_name_prefix="pack") as packer, closing(batches):
             waiting: deque = deque()
             try:
@@ -208,8 +223,11 @@ class PackJob:
         config = self.config
         stats = sum_stats(self.area.read_marker(STAGE, unit) for unit in range(self.units))
         if stats.documents == 0:
-            raise UserError(self.input_spec, f"column '{config.text_column}' holds no non-empty documents "
-                            f"({stats.skipped_empty} empty)", "pass a dataset with text")
+            raise UserError(
+                self.input_spec,
+                f"column '{config.text_column}' holds no non-empty documents ({stats.skipped_empty} empty)",
+                "pass a dataset with text",
+            )
         kind, suffix = (KIND_PACKED, ".safetensors") if config.format == "safetensors" else (KIND_TOKENS, ".ds")
         with OutputFolder(self.output, kind=kind, overwrite=True, inputs=self.inputs) as folder:
             for unit in range(self.units):
@@ -223,15 +241,28 @@ class PackJob:
                             extra[key] = new
                     link_or_copy(unit_folder / shard["name"], folder.file(name))
                     folder.add_shard(name, shard["rows"], tokens=shard.get("tokens"), sha256=shard["sha256"], **extra)
-            return folder.commit(stats=asdict(stats) | {"padding_fraction": stats.padding_fraction},
-                                 tokenizer=self.record, documents=stats.documents, skipped_empty=stats.skipped_empty,
-                                 **manifest_fields(config, self.record, stats),
-                                 **{FINGERPRINT_KEY: digest(self.area.fingerprint)})
+            return folder.commit(
+                stats=asdict(stats) | {"padding_fraction": stats.padding_fraction},
+                tokenizer=self.record,
+                documents=stats.documents,
+                skipped_empty=stats.skipped_empty,
+                **manifest_fields(config, self.record, stats),
+                **{FINGERPRINT_KEY: digest(self.area.fingerprint)},
+            )
 
     def _result(self, stats: PackStats, seconds: float, **fields) -> PackResult:
         config = self.config
-        return PackResult(str(self.output), config.seq_len, config.strategy, config.long_docs, self.record, stats,
-                          seconds, format=config.format, **fields)
+        return PackResult(
+            str(self.output),
+            config.seq_len,
+            config.strategy,
+            config.long_docs,
+            self.record,
+            stats,
+            seconds,
+            format=config.format,
+            **fields,
+        )
 
 
 class UnitPacking:
@@ -263,8 +294,9 @@ def sum_stats(markers) -> PackStats:
     return total
 
 
-def prepare_pack(input_spec: str, output: str | Path, *, tokenizer_spec: str, config: PackConfig,
-                 overwrite: bool = False) -> PackJob:
+def prepare_pack(
+    input_spec: str, output: str | Path, *, tokenizer_spec: str, config: PackConfig, overwrite: bool = False
+) -> PackJob:
     """Check everything a pack needs (options, input columns, tokenizer) before any work; the output folder is
     checked by `PackJob.run` (an array task may find it already committed by its own run)."""
     config.validate()
@@ -277,12 +309,30 @@ def prepare_pack(input_spec: str, output: str | Path, *, tokenizer_spec: str, co
     # --workers changes how fast, never what is written.
     settings = {k: v for k, v in asdict(config).items() if k != "workers"}
     fingerprint = {"config": settings, "input_files": file_identity(source.files), "tokenizer": record["fingerprint"]}
-    return PackJob(input_spec, Path(output), config, source, tokenizer, record, inputs, overwrite,
-                   WorkArea(Path(output), (STAGE,), fingerprint))
+    return PackJob(
+        input_spec,
+        Path(output),
+        config,
+        source,
+        tokenizer,
+        record,
+        inputs,
+        overwrite,
+        WorkArea(Path(output), (STAGE,), fingerprint),
+    )
 
 
-def pack(input_spec: str, output: str | Path, *, tokenizer_spec: str, config: PackConfig, overwrite: bool = False,
-         on_progress: Callable[[int, int], None] | None = None, tasks: int | None = None, task_id: int = 0) -> PackResult:
+def pack(
+    input_spec: str,
+    output: str | Path,
+    *,
+    tokenizer_spec: str,
+    config: PackConfig,
+    overwrite: bool = False,
+    on_progress: Callable[[int, int], None] | None = None,
+    tasks: int | None = None,
+    task_id: int = 0,
+) -> PackResult:
     """Tokenise and pack INPUT (any documents folder, parquet file or glob) into a packed folder at OUTPUT."""
     job = prepare_pack(input_spec, output, tokenizer_spec=tokenizer_spec, config=config, overwrite=overwrite)
     return job.run(on_progress, tasks=tasks, task_id=task_id)

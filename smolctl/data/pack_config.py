@@ -45,8 +45,11 @@ class PackConfig:
         if self.workers < 1:
             raise UserError("--workers", f"{self.workers} is not a worker count", "use 1 or more")
         if self.buffer_tokens < self.seq_len:
-            raise UserError("--buffer-tokens", f"{self.buffer_tokens} is smaller than seq_len {self.seq_len}",
-                            "use a buffer of many rows (the default is 8M tokens)")
+            raise UserError(
+                "--buffer-tokens",
+                f"{self.buffer_tokens} is smaller than seq_len {self.seq_len}",
+                "use a buffer of many rows (the default is 8M tokens)",
+            )
 
     def rows_per_shard(self) -> int:
         shard_bytes, shard_rows = parse_shard_size(self.shard_size)

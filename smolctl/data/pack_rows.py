@@ -15,8 +15,8 @@ the pad id and position -1.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 
@@ -54,12 +54,10 @@ class TokenBatch:
         return np.cumsum(self.lengths) - self.lengths
 
     @staticmethod
-    def concat(batches: list["TokenBatch"]) -> "TokenBatch":
+    def concat(batches: list[TokenBatch]) -> TokenBatch:
         if len(batches) == 1:
             return batches[0]
         return TokenBatch(np.concatenate([b.ids for b in batches]), np.concatenate([b.lengths for b in batches]))
-
-
 
 
 @dataclass
@@ -174,8 +172,17 @@ class BfdPacker:
     full rows cut from long documents come in runs; a trainer reading rows in order would see that drift.
     """
 
-    def __init__(self, *, seq_len: int, long_docs: str, buffer_tokens: int, seed: int, pad_id: int, stats: PackStats,
-                 stream: int = 0):
+    def __init__(
+        self,
+        *,
+        seq_len: int,
+        long_docs: str,
+        buffer_tokens: int,
+        seed: int,
+        pad_id: int,
+        stats: PackStats,
+        stream: int = 0,
+    ):
         # `stream` (the unit being packed) joins the seed: each unit's buffers get their own shuffles.
         self.seq_len, self.long_docs, self.buffer_tokens, self.seed = seq_len, long_docs, buffer_tokens, seed
         self.stream = stream
@@ -207,8 +214,10 @@ class BfdPacker:
         row_of = np.concatenate([destination[bin_of], destination[bins:]])
         order = np.lexsort((np.concatenate([offset, np.zeros(len(whole), dtype=np.int64)]), row_of))
         starts, lengths, documents = batch.starts.tolist(), batch.lengths.tolist(), len(batch.lengths)
-        pieces = [batch.ids[starts[i]:starts[i] + lengths[i]] if i < documents else whole[i - documents]
-                  for i in order.tolist()]
+        pieces = [
+            batch.ids[starts[i] : starts[i] + lengths[i]] if i < documents else whole[i - documents]
+            for i in order.tolist()
+        ]
         yield assemble_rows(pieces, row_of[order], bins + len(whole), self.seq_len, self.pad_id)
 
 
@@ -239,16 +248,21 @@ class ConcatPacker:
         is_start = is_start.copy()
         is_start[::seq_len] = True  # a document continuing from the previous row starts afresh: it cannot see it
         rows = len(ids) // seq_len
-        return Rows(ids.reshape(rows, seq_len), segment_positions(is_start).reshape(rows, seq_len),
-                    np.full(rows, seq_len, dtype=np.int64))
+        return Rows(
+            ids.reshape(rows, seq_len),
+            segment_positions(is_start).reshape(rows, seq_len),
+            np.full(rows, seq_len, dtype=np.int64),
+        )
 
     def finish(self) -> Iterator[Rows]:
         if not len(self.tail_ids):
             return
         real = len(self.tail_ids)
         padding = self.seq_len - real
-        rows = self._rows(np.concatenate([self.tail_ids, np.full(padding, self.pad_id, dtype=np.int32)]),
-                          np.concatenate([self.tail_starts, np.zeros(padding, dtype=bool)]))
+        rows = self._rows(
+            np.concatenate([self.tail_ids, np.full(padding, self.pad_id, dtype=np.int32)]),
+            np.concatenate([self.tail_starts, np.zeros(padding, dtype=bool)]),
+        )
         rows.position_ids[0, real:] = PADDING_POSITION
         rows.row_tokens[0] = real
         self.tail_ids, self.tail_starts = np.empty(0, dtype=np.int32), np.empty(0, dtype=bool)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -21,9 +21,19 @@ class RowSink:
         self.config, self.record, self.stats = config, record, stats
         self.writer = PackedWriter(folder, rows_per_shard=config.rows_per_shard())
         pad_id = record["pad_token_id"]
-        self.packer = (BfdPacker(seq_len=config.seq_len, long_docs=config.long_docs, buffer_tokens=config.buffer_tokens,
-                                 seed=config.seed, pad_id=pad_id, stats=stats, stream=unit) if config.strategy == "bfd"
-                       else ConcatPacker(seq_len=config.seq_len, long_docs=config.long_docs, pad_id=pad_id, stats=stats))
+        self.packer = (
+            BfdPacker(
+                seq_len=config.seq_len,
+                long_docs=config.long_docs,
+                buffer_tokens=config.buffer_tokens,
+                seed=config.seed,
+                pad_id=pad_id,
+                stats=stats,
+                stream=unit,
+            )
+            if config.strategy == "bfd"
+            else ConcatPacker(seq_len=config.seq_len, long_docs=config.long_docs, pad_id=pad_id, stats=stats)
+        )
 
     def add(self, batch: TokenBatch) -> None:
         self._write(self.packer.add(batch))
@@ -56,7 +66,7 @@ class DatatroveSink:
     def add(self, batch: TokenBatch) -> None:
         if self.handle is None:
             self.name = f"part-{len(self.folder.shards):05d}.ds"
-            self.handle = open(self.folder.file(self.name), "wb")
+            self.handle = open(self.folder.file(self.name), "wb")  # noqa: SIM115  (open across calls; close() ends it)
             self.ends, self.tokens = [], 0
         self.handle.write(batch.ids.astype("<u2" if self.token_size == 2 else "<u4").tobytes())
         self.ends.append(self.tokens + np.cumsum(batch.lengths))
@@ -73,9 +83,11 @@ class DatatroveSink:
         ends = np.concatenate(self.ends).astype("<u8")
         ends.tofile(self.folder.file(f"{self.name}.index"))
         self.folder.file(f"{self.name}.metadata").write_text(
-            f"{self.record['path']}|{self.token_size}\n{self.tokens}\n{self.tokens / 1e9:.2f}B tokens")
-        self.folder.add_shard(self.name, len(ends), tokens=self.tokens, index=f"{self.name}.index",
-                              metadata=f"{self.name}.metadata")
+            f"{self.record['path']}|{self.token_size}\n{self.tokens}\n{self.tokens / 1e9:.2f}B tokens"
+        )
+        self.folder.add_shard(
+            self.name, len(ends), tokens=self.tokens, index=f"{self.name}.index", metadata=f"{self.name}.metadata"
+        )
 
     def close(self) -> None:
         self._close_file()
@@ -89,8 +101,16 @@ def manifest_fields(config: PackConfig, record: dict, stats: PackStats) -> dict:
     """The fields of a packed (or token-file) folder's manifest beyond shards and stats."""
     if config.format == "datatrove":
         dtype = "uint16" if token_size(record) == 2 else "uint32"
-        return dict(schema={"ds": f"{dtype} token ids", "ds.index": "uint64 document ends"}, format="datatrove",
-                    token_size=token_size(record))
-    return dict(schema={"input_ids": f"int32[{config.seq_len}]", "position_ids": f"int32[{config.seq_len}]"},
-                seq_len=config.seq_len, strategy=config.strategy, long_docs=config.long_docs,
-                padding_tokens=stats.padding_tokens, padding_fraction=stats.padding_fraction)
+        return dict(
+            schema={"ds": f"{dtype} token ids", "ds.index": "uint64 document ends"},
+            format="datatrove",
+            token_size=token_size(record),
+        )
+    return dict(
+        schema={"input_ids": f"int32[{config.seq_len}]", "position_ids": f"int32[{config.seq_len}]"},
+        seq_len=config.seq_len,
+        strategy=config.strategy,
+        long_docs=config.long_docs,
+        padding_tokens=stats.padding_tokens,
+        padding_fraction=stats.padding_fraction,
+    )

@@ -15,9 +15,9 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 from urllib.parse import urlparse
 
 import numpy as np
@@ -69,8 +69,15 @@ def _texts(batches: Iterator[list[str]], counter: dict) -> Iterator[list[str]]:
         yield texts
 
 
-def sample_texts(source, text_column: str, *, documents: int | None = None, bytes_: int | None = None,
-                 seed: int = 0, on_batch: Callable[[int], None] | None = None) -> list[str]:
+def sample_texts(
+    source,
+    text_column: str,
+    *,
+    documents: int | None = None,
+    bytes_: int | None = None,
+    seed: int = 0,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[str]:
     """A seeded uniform sample (without replacement) of the non-empty documents, within both budgets.
 
     Every document gets a random priority from a generator seeded with (seed, file); the sample is the documents
@@ -104,15 +111,30 @@ def sample_texts(source, text_column: str, *, documents: int | None = None, byte
     return [text for _, text, _ in sorted(heap, reverse=True)]
 
 
-def train_tokenizer(input_path: str, output: str, *, vocab_size: int, text_column: str = "text",
-                    min_frequency: int = 2, overwrite: bool = False, sample_documents: int | None = None,
-                    sample_bytes: int | None = None, seed: int = 0, on_start=None, on_batch=None) -> TokenizerTrainResult:
+def train_tokenizer(
+    input_path: str,
+    output: str,
+    *,
+    vocab_size: int,
+    text_column: str = "text",
+    min_frequency: int = 2,
+    overwrite: bool = False,
+    sample_documents: int | None = None,
+    sample_bytes: int | None = None,
+    seed: int = 0,
+    on_start=None,
+    on_batch=None,
+) -> TokenizerTrainResult:
     """Train on the text column, streaming, or on a seeded sample of it (`sample_documents` / `sample_bytes`).
     `on_start(total_documents)` is called once the inputs are checked, `on_batch(documents)` as they are read."""
     from transformers import PreTrainedTokenizerFast  # seconds to import; only training and loading need it
 
     if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise UserError("--vocab-size", f"{vocab_size} is too small", f"use at least {256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens)")
+        raise UserError(
+            "--vocab-size",
+            f"{vocab_size} is too small",
+            f"use at least {256 + len(SPECIAL_TOKENS)} (256 bytes + special tokens)",
+        )
     for flag, value in (("--sample-documents", sample_documents), ("--sample-bytes", sample_bytes)):
         if value is not None and value < 1:
             raise UserError(flag, f"{value} is not a positive amount", "pass e.g. 1M documents or 2GB")
@@ -136,11 +158,13 @@ def train_tokenizer(input_path: str, output: str, *, vocab_size: int, text_colum
     counter = {"documents": 0, "characters": 0}
     sampled = sample_documents is not None or sample_bytes is not None
     if sampled:
-        sample = sample_texts(source, text_column, documents=sample_documents, bytes_=sample_bytes, seed=seed,
-                              on_batch=on_batch)
-        texts = _texts((sample[i:i + 2048] for i in range(0, len(sample), 2048)), counter)
+        sample = sample_texts(
+            source, text_column, documents=sample_documents, bytes_=sample_bytes, seed=seed, on_batch=on_batch
+        )
+        texts = _texts((sample[i : i + 2048] for i in range(0, len(sample), 2048)), counter)
         length = len(sample)
     else:
+
         def read() -> Iterator[list[str]]:
             for batch in source.iter_batches(columns=[text_column], batch_size=2048):
                 texts = batch.column(0).to_pylist()
@@ -165,13 +189,32 @@ def train_tokenizer(input_path: str, output: str, *, vocab_size: int, text_colum
 
     with OutputFolder(output, kind=KIND_TOKENIZER, overwrite=overwrite, inputs=source.lineage()) as folder:
         wrapped.save_pretrained(str(folder.staging))
-        folder.commit(stats={"vocab_size": len(wrapped), "documents": counter["documents"],
-                             "characters": counter["characters"], "chars_per_token": round(chars_per_token, 3),
-                             "fingerprint": tokenizer_fingerprint(wrapped)},
-                      sample={"documents": sample_documents, "bytes": sample_bytes, "seed": seed,
-                              "corpus_documents": source.num_rows} if sampled else None)
-    return TokenizerTrainResult(output, len(wrapped), counter["documents"], counter["characters"],
-                                time.perf_counter() - started, chars_per_token, source.num_rows if sampled else None)
+        folder.commit(
+            stats={
+                "vocab_size": len(wrapped),
+                "documents": counter["documents"],
+                "characters": counter["characters"],
+                "chars_per_token": round(chars_per_token, 3),
+                "fingerprint": tokenizer_fingerprint(wrapped),
+            },
+            sample={
+                "documents": sample_documents,
+                "bytes": sample_bytes,
+                "seed": seed,
+                "corpus_documents": source.num_rows,
+            }
+            if sampled
+            else None,
+        )
+    return TokenizerTrainResult(
+        output,
+        len(wrapped),
+        counter["documents"],
+        counter["characters"],
+        time.perf_counter() - started,
+        chars_per_token,
+        source.num_rows if sampled else None,
+    )
 
 
 def hub_unreachable(timeout_s: float = 3.0) -> str | None:
@@ -205,19 +248,27 @@ def load_tokenizer(spec: str | Path):
         if not path.is_dir():
             raise UserError(path, "is a file, not a tokenizer folder", "pass the folder holding tokenizer.json")
         if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-            raise UserError(path, "is not a tokenizer folder (no tokenizer.json or tokenizer_config.json)",
-                            "pass a folder written by `smolctl train-tokenizer` or a Hugging Face tokenizer folder")
+            raise UserError(
+                path,
+                "is not a tokenizer folder (no tokenizer.json or tokenizer_config.json)",
+                "pass a folder written by `smolctl train-tokenizer` or a Hugging Face tokenizer folder",
+            )
     offline = None if path.exists() else hub_unreachable()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(spec), local_files_only=path.exists() or offline is not None)
     except (OSError, ValueError, json.JSONDecodeError, Exception) as exc:  # transformers raises many kinds here
         if offline is not None:
-            raise UserError(spec, f"is neither a local folder nor in the Hugging Face cache, and the Hub is offline "
-                            f"({offline})", f"pass a tokenizer folder, or fetch it first where the Hub is reachable "
-                            f"(`hf download {spec}`)") from exc
+            raise UserError(
+                spec,
+                f"is neither a local folder nor in the Hugging Face cache, and the Hub is offline ({offline})",
+                f"pass a tokenizer folder, or fetch it first where the Hub is reachable (`hf download {spec}`)",
+            ) from exc
         where = "a local folder" if path.exists() else "the Hugging Face Hub (is it reachable, and is the id right?)"
-        raise UserError(spec, f"cannot load a tokenizer from {where}: {str(exc).splitlines()[0][:200]}",
-                        "pass a tokenizer folder (see `smolctl train-tokenizer`)") from exc
+        raise UserError(
+            spec,
+            f"cannot load a tokenizer from {where}: {str(exc).splitlines()[0][:200]}",
+            "pass a tokenizer folder (see `smolctl train-tokenizer`)",
+        ) from exc
     if not getattr(tokenizer, "is_fast", False):
         raise UserError(spec, "is a slow (Python) tokenizer", "pass a folder with tokenizer.json (a fast tokenizer)")
     return tokenizer
@@ -259,19 +310,25 @@ def _plain_tokenizer(path: Path) -> RustTokenizer | None:
     """The folder's tokenizer when transformers would take tokenizer.json unchanged, else None."""
     from tokenizers import Tokenizer
 
-    if not (path.is_dir() and (path / "tokenizer.json").is_file()) or (path / "special_tokens_map.json").exists() \
-            or (path / "added_tokens.json").exists():
+    if (
+        not (path.is_dir() and (path / "tokenizer.json").is_file())
+        or (path / "special_tokens_map.json").exists()
+        or (path / "added_tokens.json").exists()
+    ):
         return None
     try:
         config = json.loads((path / "tokenizer_config.json").read_text())
         backend = Tokenizer.from_file(str(path / "tokenizer.json"))
-    except Exception:  # noqa: BLE001 (tokenizers raises plain Exception); transformers will report it properly
+    except Exception:
         return None
     extra = config.get("extra_special_tokens", [])
     named = [config.get("eos_token"), config.get("pad_token"), *(extra if isinstance(extra, list) else [None])]
     special = {token.content for token in backend.get_added_tokens_decoder().values() if token.special}
-    if (set(config) - PLAIN_CONFIG_KEYS or config.get("tokenizer_class") not in PLAIN_TOKENIZER_CLASSES
-            or not all(isinstance(token, str) and token in special for token in named if token is not None)):
+    if (
+        set(config) - PLAIN_CONFIG_KEYS
+        or config.get("tokenizer_class") not in PLAIN_TOKENIZER_CLASSES
+        or not all(isinstance(token, str) and token in special for token in named if token is not None)
+    ):
         return None
     eos, pad = (backend.token_to_id(config[key]) if config.get(key) else None for key in ("eos_token", "pad_token"))
     return RustTokenizer(backend, eos, pad, backend.get_vocab_size(with_added_tokens=True))
@@ -291,6 +348,9 @@ def document_end_id(tokenizer) -> int:
     """The token appended after every document: the tokenizer's EOS (SmolLM3's and ours alike)."""
     token_id = tokenizer.eos_token_id
     if token_id is None:
-        raise UserError(getattr(tokenizer, "name_or_path", "tokenizer"), "has no end-of-sequence token",
-                        "use a tokenizer that defines eos_token")
+        raise UserError(
+            getattr(tokenizer, "name_or_path", "tokenizer"),
+            "has no end-of-sequence token",
+            "use a tokenizer that defines eos_token",
+        )
     return int(token_id)

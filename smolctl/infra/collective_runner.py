@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from smolctl.errors import UserError
 from smolctl.infra.collectives import (
@@ -51,8 +51,11 @@ class Runner:
 
     def topology(self, backend: str, max_bytes: int) -> dict:
         torch, dist = self.torch, self.dist
-        mine = {"node": node_key(), "host": socket.gethostname(),
-                "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_NCCL_"))}}
+        mine = {
+            "node": node_key(),
+            "host": socket.gethostname(),
+            "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_NCCL_"))},
+        }
         everyone: list = [None] * self.world
         dist.all_gather_object(everyone, mine)
         node_names = list(dict.fromkeys(info["node"] for info in everyone))
@@ -60,12 +63,17 @@ class Runner:
         per_node = sorted({node_of_rank.count(k) for k in range(len(node_names))})
         env_keys = sorted({key for info in everyone for key in info["env"]})
         return {
-            "world_size": self.world, "nodes": len(node_names),
+            "world_size": self.world,
+            "nodes": len(node_names),
             "ranks_per_node": per_node[0] if len(per_node) == 1 else per_node,
-            "hosts": list(dict.fromkeys(info["host"] for info in everyone)), "node_of_rank": node_of_rank,
+            "hosts": list(dict.fromkeys(info["host"] for info in everyone)),
+            "node_of_rank": node_of_rank,
             "rank_hosts": [info["host"] for info in everyone],
-            "backend": backend, "device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
-            "dtype": self.type_name, "max_bytes": max_bytes, "torch": torch.__version__,
+            "backend": backend,
+            "device": torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
+            "dtype": self.type_name,
+            "max_bytes": max_bytes,
+            "torch": torch.__version__,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if self.cuda else None,
             "nccl_env": everyone[0]["env"],
             # a variable set differently on some ranks is a classic cause of one slow or hanging node
@@ -95,9 +103,11 @@ class Runner:
         send_to, recv_from = (self.rank + 1) % self.world, (self.rank - 1) % self.world  # a ring
 
         def exchange() -> None:
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, inp, send_to),
-                                                dist.P2POp(dist.irecv, out, recv_from)]):
+            for work in dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, inp, send_to), dist.P2POp(dist.irecv, out, recv_from)]
+            ):
                 work.wait()
+
         return exchange
 
     def _seconds(self, call: Callable[[], object], group=None) -> float:
@@ -137,8 +147,17 @@ class Runner:
         total_seconds, total_wrong = self._sum([seconds, float(wrong)])
         mean = total_seconds / self.world  # nccl-tests' default: the time averaged over ranks
         algbw, busbw = bandwidths(op, size, mean, self.world)
-        return SizeResult(size, count, self.type_name, "sum" if op in ("all_reduce", "reduce_scatter") else "none",
-                          0 if op == "broadcast" else -1, mean * 1e6, algbw, busbw, int(total_wrong))
+        return SizeResult(
+            size,
+            count,
+            self.type_name,
+            "sum" if op in ("all_reduce", "reduce_scatter") else "none",
+            0 if op == "broadcast" else -1,
+            mean * 1e6,
+            algbw,
+            busbw,
+            int(total_wrong),
+        )
 
     def _gather(self, value: float) -> list[float]:
         values = self.torch.zeros(self.world, dtype=self.torch.float64, device=self.device)
@@ -152,6 +171,7 @@ class Runner:
         def transfer() -> None:
             for work in dist.batch_isend_irecv([dist.P2POp(dist.isend if send else dist.irecv, tensor, peer)]):
                 work.wait()
+
         return transfer
 
     def multinode(self, topology: dict, max_bytes: int) -> dict:
@@ -179,23 +199,29 @@ class Runner:
         links = []
         for shift in ring_shifts(len(by_node)):
             for phase in link_schedule(len(by_node), shift):
-                pairs = [(by_node[a][j], by_node[b][j]) for a, b in phase
-                         for j in range(min(len(by_node[a]), len(by_node[b])))]
-                role = next(((peer, True) for sender, peer in pairs if sender == self.rank), None) or \
-                    next(((peer, False) for peer, receiver in pairs if receiver == self.rank), None)
+                pairs = [
+                    (by_node[a][j], by_node[b][j])
+                    for a, b in phase
+                    for j in range(min(len(by_node[a]), len(by_node[b])))
+                ]
+                role = next(((peer, True) for sender, peer in pairs if sender == self.rank), None) or next(
+                    ((peer, False) for peer, receiver in pairs if receiver == self.rank), None
+                )
                 seconds = float("nan")
                 if role is None:  # not in this phase: still meet the others at the barrier inside _seconds
                     self.dist.barrier()
                 else:
                     seconds = self._seconds(self._one_way(buffer, *role))
                 per_rank = self._gather(seconds)
-                links += [Link(shift, sender, receiver, per_rank[sender], per_rank[receiver])
-                          for sender, receiver in pairs]
+                links += [
+                    Link(shift, sender, receiver, per_rank[sender], per_rank[receiver]) for sender, receiver in pairs
+                ]
         return summarize(topology["rank_hosts"], seconds_of["intra"], seconds_of["inter"], links, size)
 
 
-def run_benchmark(config: BenchConfig, on_size: Callable[[str, int], None] | None = None,
-                  on_plan: Callable[[int], None] | None = None) -> BenchReport:
+def run_benchmark(
+    config: BenchConfig, on_size: Callable[[str, int], None] | None = None, on_plan: Callable[[int], None] | None = None
+) -> BenchReport:
     """Join the process group torchrun set up, run every op over every size, and return the same report on every
     rank. `on_plan(total sizes)` and `on_size(op, bytes)` drive a progress bar."""
     import torch
@@ -209,13 +235,20 @@ def run_benchmark(config: BenchConfig, on_size: Callable[[str, int], None] | Non
         raise UserError("--backend", "nccl needs CUDA GPUs and none is visible", "use --backend gloo on CPU")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
     if backend == "nccl" and local_world > torch.cuda.device_count():
-        raise UserError("--nproc_per_node", f"{local_world} processes on this node but {torch.cuda.device_count()} "
-                        "GPU(s) visible; NCCL puts one rank on each GPU", "start one process per GPU")
+        raise UserError(
+            "--nproc_per_node",
+            f"{local_world} processes on this node but {torch.cuda.device_count()} "
+            "GPU(s) visible; NCCL puts one rank on each GPU",
+            "start one process per GPU",
+        )
     dtype_name = config.dtype or ("bf16" if backend == "nccl" else "fp32")
     max_bytes = config.max_bytes or (8 * 2**30 if backend == "nccl" else 64 * 2**20)
     if config.min_bytes > max_bytes:
-        raise UserError("--min-bytes", f"{config.min_bytes} B is above the default --max-bytes {max_bytes} B",
-                        "give --max-bytes too")
+        raise UserError(
+            "--min-bytes",
+            f"{config.min_bytes} B is above the default --max-bytes {max_bytes} B",
+            "give --max-bytes too",
+        )
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -223,8 +256,10 @@ def run_benchmark(config: BenchConfig, on_size: Callable[[str, int], None] | Non
     try:
         runner = Runner(rank, world, device, dtype_name, config.iters, config.warmup)
         topology = runner.topology(backend, max_bytes)
-        sizes_by_op = [(op, message_sizes(op, config.min_bytes, max_bytes, config.factor, runner.elem_size, world))
-                       for op in config.ops]
+        sizes_by_op = [
+            (op, message_sizes(op, config.min_bytes, max_bytes, config.factor, runner.elem_size, world))
+            for op in config.ops
+        ]
         if on_plan:
             on_plan(sum(len(sizes) for _, sizes in sizes_by_op))
         results = []

@@ -17,15 +17,17 @@ import functools
 import math
 import os
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
 
 from smolctl.errors import UserError
 from smolctl.units import parse_nccl_bytes
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
-LAUNCH_HINT = ("launch one process per GPU with torchrun: `torchrun --nproc_per_node 8 -m smolctl benchmark-nccl "
-               "...` (across nodes: recipes/slurm/benchmark-nccl.sbatch)")
+LAUNCH_HINT = (
+    "launch one process per GPU with torchrun: `torchrun --nproc_per_node 8 -m smolctl benchmark-nccl "
+    "...` (across nodes: recipes/slurm/benchmark-nccl.sbatch)"
+)
 
 # name → (torch dtype attribute, the nccl-tests type name, largest integer the type holds exactly)
 DTYPES = {
@@ -35,8 +37,16 @@ DTYPES = {
     "fp64": ("float64", "double", 2**53),
     "int32": ("int32", "int32", 2**31 - 1),
 }
-DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float": "fp32", "float32": "fp32",
-                 "double": "fp64", "float64": "fp64", "int": "int32"}
+DTYPE_ALIASES = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float": "fp32",
+    "float32": "fp32",
+    "double": "fp64",
+    "float64": "fp64",
+    "int": "int32",
+}
 CHUNKED_OPS = ("all_gather", "reduce_scatter", "all_to_all")  # the buffer splits into one chunk per rank
 PERIOD = 31  # data-moving ops carry 0..30 (and the patterns repeat every 31 elements at small world sizes)
 RANK_STRIDE = 7  # rank r's pattern is shifted by 7·r, so data from the wrong rank shows up as wrong
@@ -96,8 +106,9 @@ def parse_thresholds(text: str | None, ops: list[str]) -> dict[str, float]:
         if not name:
             thresholds.update({op: number for op in ops})
         elif name not in ops:
-            raise UserError("--expect-busbw", f"{name!r} is not among the ops run ({', '.join(ops)})",
-                            "name an op given to --ops")
+            raise UserError(
+                "--expect-busbw", f"{name!r} is not among the ops run ({', '.join(ops)})", "name an op given to --ops"
+            )
         else:
             thresholds[name] = number
     if not thresholds:
@@ -105,8 +116,18 @@ def parse_thresholds(text: str | None, ops: list[str]) -> dict[str, float]:
     return thresholds
 
 
-def build_config(*, ops: str, min_bytes: str, max_bytes: str | None, factor: float, dtype: str | None,
-                 iters: int, warmup: int, backend: str, expect_busbw: str | float | None) -> BenchConfig:
+def build_config(
+    *,
+    ops: str,
+    min_bytes: str,
+    max_bytes: str | None,
+    factor: float,
+    dtype: str | None,
+    iters: int,
+    warmup: int,
+    backend: str,
+    expect_busbw: str | float | None,
+) -> BenchConfig:
     names = [op.strip().lower().replace("-", "_") for op in ops.split(",") if op.strip()]
     if names == ["all"]:
         names = list(OPS)
@@ -121,8 +142,11 @@ def build_config(*, ops: str, min_bytes: str, max_bytes: str | None, factor: flo
     low = parse_nccl_bytes(min_bytes, "--min-bytes")
     high = None if max_bytes is None else parse_nccl_bytes(max_bytes, "--max-bytes")
     if high is not None and low > high:
-        raise UserError("--min-bytes", f"{min_bytes} is larger than --max-bytes {max_bytes}",
-                        "give a --min-bytes no larger than --max-bytes")
+        raise UserError(
+            "--min-bytes",
+            f"{min_bytes} is larger than --max-bytes {max_bytes}",
+            "give a --min-bytes no larger than --max-bytes",
+        )
     if factor <= 1:
         raise UserError("--factor", f"{factor} does not grow the size", "use a factor above 1, e.g. 2")
     if backend not in ("auto", "nccl", "gloo"):
@@ -132,8 +156,7 @@ def build_config(*, ops: str, min_bytes: str, max_bytes: str | None, factor: flo
         raise UserError("--iters", f"{iters} timed calls measure nothing", "use 1 or more, e.g. --iters 20")
     if warmup < 0:
         raise UserError("--warmup", f"{warmup} is negative", "use 0 or more, e.g. --warmup 5")
-    return BenchConfig(tuple(dict.fromkeys(names)), low, high, factor, dtype_name, iters, warmup, backend,
-                       thresholds)
+    return BenchConfig(tuple(dict.fromkeys(names)), low, high, factor, dtype_name, iters, warmup, backend, thresholds)
 
 
 def launch_environment() -> tuple[int, int, int]:
@@ -142,13 +165,17 @@ def launch_environment() -> tuple[int, int, int]:
         raise UserError("benchmark-nccl", "not started by torchrun (RANK and WORLD_SIZE are not set)", LAUNCH_HINT)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world < 2:
-        raise UserError("benchmark-nccl", "only 1 rank: bus bandwidth needs at least 2 ranks to move data between",
-                        "start 2 or more, e.g. `torchrun --nproc_per_node 2 -m smolctl benchmark-nccl` (one per GPU)")
+        raise UserError(
+            "benchmark-nccl",
+            "only 1 rank: bus bandwidth needs at least 2 ranks to move data between",
+            "start 2 or more, e.g. `torchrun --nproc_per_node 2 -m smolctl benchmark-nccl` (one per GPU)",
+        )
     return rank, world, int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def message_sizes(op: str, min_bytes: int, max_bytes: int, factor: float, elem_size: int,
-                  world: int) -> list[tuple[int, int]]:
+def message_sizes(
+    op: str, min_bytes: int, max_bytes: int, factor: float, elem_size: int, world: int
+) -> list[tuple[int, int]]:
     """(bytes, elements) from min to max by `factor`; chunked ops round down to a whole element per rank, like
     nccl-tests; sizes that round to nothing (or repeat) are skipped."""
     sizes, seen, size = [], set(), float(min_bytes)
@@ -164,6 +191,7 @@ def message_sizes(op: str, min_bytes: int, max_bytes: int, factor: float, elem_s
 
 
 # --- verification patterns: every buffer is a periodic table of values, described as segments ---------------
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -196,8 +224,9 @@ def reduction_layout(world: int, exact_limit: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=4)
-def _shared_tables(world: int, exact_limit: int) -> tuple[int, int, tuple[int, ...], tuple[float, ...],
-                                                          tuple[float, ...]]:
+def _shared_tables(
+    world: int, exact_limit: int
+) -> tuple[int, int, tuple[int, ...], tuple[float, ...], tuple[float, ...]]:
     """(period, groups, what each element's first contributor adds, the moved values, the expected sums): the
     same on every rank."""
     groups, variety = reduction_layout(world, exact_limit)
@@ -254,8 +283,10 @@ class PatternTiles:
 
         self.chunk, self.period = chunk, patterns.period
         index = torch.arange(chunk + self.period, device=device) % self.period
-        self.tiles = {name: torch.tensor(values, dtype=torch.float64, device=device)[index].to(dtype)
-                      for name, values in patterns.tables.items()}
+        self.tiles = {
+            name: torch.tensor(values, dtype=torch.float64, device=device)[index].to(dtype)
+            for name, values in patterns.tables.items()
+        }
 
     def _pieces(self, segment: Segment):
         for offset in range(0, segment.length, self.chunk):
@@ -266,11 +297,11 @@ class PatternTiles:
     def fill(self, buffer, segments: list[Segment]) -> None:
         for segment in segments:
             if segment.table == "fill":
-                buffer[segment.start:segment.start + segment.length].fill_(segment.phase)
+                buffer[segment.start : segment.start + segment.length].fill_(segment.phase)
                 continue
             tile = self.tiles[segment.table]
             for start, length, phase in self._pieces(segment):
-                buffer[start:start + length].copy_(tile[phase:phase + length])
+                buffer[start : start + length].copy_(tile[phase : phase + length])
 
     def count_wrong(self, buffer, segments: list[Segment]):
         """Elements of `buffer` that differ from the segments' pattern, as a device int64 scalar (no sync)."""
@@ -282,11 +313,12 @@ class PatternTiles:
             tile = self.tiles[segment.table]
             covered += segment.length
             for start, length, phase in self._pieces(segment):
-                wrong += torch.ne(buffer[start:start + length], tile[phase:phase + length]).sum()
+                wrong += torch.ne(buffer[start : start + length], tile[phase : phase + length]).sum()
         return wrong + (buffer.numel() - covered)  # a buffer of the wrong size is wrong everywhere else
 
 
 # --- running the benchmark -------------------------------------------------------------------------------------
+
 
 @dataclass
 class SizeResult:
@@ -334,15 +366,25 @@ class BenchReport:
     def below_expectation(self) -> list[OpResult]:
         """Ops whose busbw at the largest size misses their --expect-busbw. The largest size, not the average:
         small sizes are latency-bound, and the plateau is the number a cluster is specified by."""
-        return [r for r in self.results if r.op in self.expect_busbw
-                and (r.peak is None or r.peak.busbw < self.expect_busbw[r.op])]
+        return [
+            r
+            for r in self.results
+            if r.op in self.expect_busbw and (r.peak is None or r.peak.busbw < self.expect_busbw[r.op])
+        ]
 
     @property
     def passed(self) -> bool:
         return self.wrong == 0 and not self.below_expectation()
 
     def to_dict(self) -> dict:
-        return {"topology": self.topology, "expect_busbw": self.expect_busbw, "passed": self.passed,
-                "wrong": self.wrong, "avg_busbw": self.avg_busbw, "multinode": self.multinode,
-                "results": [{"op": r.op, "avg_busbw": r.avg_busbw, "rows": [asdict(row) for row in r.rows]}
-                            for r in self.results]}
+        return {
+            "topology": self.topology,
+            "expect_busbw": self.expect_busbw,
+            "passed": self.passed,
+            "wrong": self.wrong,
+            "avg_busbw": self.avg_busbw,
+            "multinode": self.multinode,
+            "results": [
+                {"op": r.op, "avg_busbw": r.avg_busbw, "rows": [asdict(row) for row in r.rows]} for r in self.results
+            ],
+        }

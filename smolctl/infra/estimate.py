@@ -17,17 +17,26 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from smolctl import __version__
-
 from smolctl.errors import UserError
-from smolctl.results import Result
-from smolctl.shards import atomic_write_json
 from smolctl.infra.flops import attention_flops_per_token, training_flops_per_token
 from smolctl.infra.inference import InferenceScenario, check_inference, inference
-from smolctl.infra.memory import (ALLOCATOR_HEADROOM, GIB, GPUS, OPTIMIZER_BYTES, PRECISIONS, RUNTIME_RESERVED_GIB,
-                                  TF32_SPEED, activations, logits_grad_bytes, stage_params, state_bytes)
-from smolctl.infra.model_shape import (PRESETS, ModelShape, ParamCounts, config_from_dict, measure_shape,
-                                       resolve_config)
+from smolctl.infra.memory import (
+    ALLOCATOR_HEADROOM,
+    GIB,
+    GPUS,
+    OPTIMIZER_BYTES,
+    PRECISIONS,
+    RUNTIME_RESERVED_GIB,
+    TF32_SPEED,
+    activations,
+    logits_grad_bytes,
+    stage_params,
+    state_bytes,
+)
+from smolctl.infra.model_shape import PRESETS, ModelShape, ParamCounts, config_from_dict, measure_shape, resolve_config
 from smolctl.infra.scenario import TrainingScenario, accumulation, check_model_layout, data_parallel
+from smolctl.results import Result
+from smolctl.shards import atomic_write_json
 
 # Llama 3 (Meta, 2024): 419 unexpected interruptions in 54 days on 16,384 H100s.
 FAILURES_PER_GPU_DAY = 419 / (54 * 16384)
@@ -39,8 +48,15 @@ STAGING_GBPS = 10.0
 
 
 # What compute() reads from the transformers config; cached beside the measured shape.
-CONFIG_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                 "num_hidden_layers", "vocab_size")
+CONFIG_FIELDS = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "num_hidden_layers",
+    "vocab_size",
+)
 
 
 def _shape_cache_path(model: dict | str) -> Path | None:
@@ -97,9 +113,19 @@ def memory(scenario: TrainingScenario, shape: ModelShape) -> dict:
     _, accumulate = accumulation(scenario)
     stage_layers = math.ceil(shape.layers / scenario.pp)
     in_flight = min(scenario.pp, accumulate)  # 1F1B: the first stage holds pp micro batches' activations
-    act = activations(shape, micro_batch=scenario.micro_batch, seq_len=scenario.seq_len, precision=precision,
-                      attention=scenario.attention, recompute=scenario.recompute, layers=stage_layers, tp=scenario.tp, cp=scenario.cp,
-                      sequence_parallel=scenario.sequence_parallel, loss_chunk_tokens=scenario.loss_chunk_tokens)
+    act = activations(
+        shape,
+        micro_batch=scenario.micro_batch,
+        seq_len=scenario.seq_len,
+        precision=precision,
+        attention=scenario.attention,
+        recompute=scenario.recompute,
+        layers=stage_layers,
+        tp=scenario.tp,
+        cp=scenario.cp,
+        sequence_parallel=scenario.sequence_parallel,
+        loss_chunk_tokens=scenario.loss_chunk_tokens,
+    )
     shard = (scenario.dp_shard or data_parallel(scenario)) * scenario.cp
     # ZeRO-3 / FSDP gathers one unit at a time: a decoder layer, or the embedding or LM head (their own units in
     # torchtitan's wrapping) when those are larger, as with a large vocabulary on a small model
@@ -107,14 +133,33 @@ def memory(scenario: TrainingScenario, shape: ModelShape) -> dict:
     kv_per_layer = 2 * shape.hidden * shape.kv_dim
     stages = []
     for name, params, last in zip(("first", "last"), stage_params(shape, scenario.pp), (scenario.pp == 1, True)):
-        states = state_bytes(params, largest_unit, precision=precision, optimizer=scenario.optimizer, zero=scenario.zero,
-                             shard=shard, tp=scenario.tp, kv_params=kv_per_layer * stage_layers, kv_heads=shape.kv_heads)
+        states = state_bytes(
+            params,
+            largest_unit,
+            precision=precision,
+            optimizer=scenario.optimizer,
+            zero=scenario.zero,
+            shard=shard,
+            tp=scenario.tp,
+            kv_params=kv_per_layer * stage_layers,
+            kv_heads=shape.kv_heads,
+        )
         held = in_flight if name == "first" else 1
         saved = held * (act.inputs + stage_layers * act.per_layer + act.weight_copies)
         saved += max(act.head if last else 0.0, act.recompute)
-        logits = logits_grad_bytes(shape, micro_batch=scenario.micro_batch, seq_len=scenario.seq_len, tp=scenario.tp, cp=scenario.cp,
-                                   sequence_parallel=scenario.sequence_parallel,
-                                   loss_chunk_tokens=scenario.loss_chunk_tokens) if last else 0.0
+        logits = (
+            logits_grad_bytes(
+                shape,
+                micro_batch=scenario.micro_batch,
+                seq_len=scenario.seq_len,
+                tp=scenario.tp,
+                cp=scenario.cp,
+                sequence_parallel=scenario.sequence_parallel,
+                loss_chunk_tokens=scenario.loss_chunk_tokens,
+            )
+            if last
+            else 0.0
+        )
         allocated = states.total + saved + logits
         stages.append((allocated, name, states, saved, logits))
     allocated, stage, states, saved, logits = max(stages, key=lambda s: s[0])
@@ -122,11 +167,19 @@ def memory(scenario: TrainingScenario, shape: ModelShape) -> dict:
     total = allocated + headroom + RUNTIME_RESERVED_GIB * GIB
     capacity = GPUS[scenario.gpu].memory_gib * GIB
     return {
-        "gpu": scenario.gpu, "capacity": capacity, "stage": stage if scenario.pp > 1 else "all",
-        **asdict(states), "activations": saved,
-        "activations_detail": act.to_dict(stage_layers), "micro_batches_in_flight": in_flight,
-        "logits_grad": logits, "allocated": allocated, "allocator_headroom": headroom,
-        "runtime_reserved": RUNTIME_RESERVED_GIB * GIB, "total": total, "fits": total <= capacity,
+        "gpu": scenario.gpu,
+        "capacity": capacity,
+        "stage": stage if scenario.pp > 1 else "all",
+        **asdict(states),
+        "activations": saved,
+        "activations_detail": act.to_dict(stage_layers),
+        "micro_batches_in_flight": in_flight,
+        "logits_grad": logits,
+        "allocated": allocated,
+        "allocator_headroom": headroom,
+        "runtime_reserved": RUNTIME_RESERVED_GIB * GIB,
+        "total": total,
+        "fits": total <= capacity,
         "free": capacity - total,
     }
 
@@ -150,30 +203,49 @@ def overhead(scenario: TrainingScenario, checkpoint_bytes: float, staged_bytes_p
     in_flight = write if scenario.async_checkpoint else 0.0
     failures_per_day = FAILURES_PER_GPU_DAY * scenario.gpus
     mtbf = 86400 / failures_per_day
-    interval = scenario.checkpoint_hours * 3600 if scenario.checkpoint_hours else max(math.sqrt(2 * stall * mtbf), write)
+    interval = (
+        scenario.checkpoint_hours * 3600 if scenario.checkpoint_hours else max(math.sqrt(2 * stall * mtbf), write)
+    )
     lost = RESTART_HOURS * 3600 + interval / 2 + in_flight
     if lost >= mtbf:
-        raise UserError("--gpus", f"{scenario.gpus} GPUs fail every {mtbf / 60:.0f} min on average, less than the "
-                        f"{lost / 60:.0f} min each failure costs (restart, lost work)",
-                        "checkpoint more often (--checkpoint-hours) or faster (--checkpoint-gbps), or use fewer GPUs")
+        raise UserError(
+            "--gpus",
+            f"{scenario.gpus} GPUs fail every {mtbf / 60:.0f} min on average, less than the "
+            f"{lost / 60:.0f} min each failure costs (restart, lost work)",
+            "checkpoint more often (--checkpoint-hours) or faster (--checkpoint-gbps), or use fewer GPUs",
+        )
     checkpoint, failure = stall / interval, lost / mtbf
     computed = (1 + checkpoint) / (1 - failure)
-    how = (f"async: {stall:.2g} s to stage {staged_bytes_per_gpu / 1e9:.2g} GB per GPU to host memory, then "
-           f"{write:.0f} s to write" if scenario.async_checkpoint else f"blocking: {write:.0f} s to write")
+    how = (
+        f"async: {stall:.2g} s to stage {staged_bytes_per_gpu / 1e9:.2g} GB per GPU to host memory, then "
+        f"{write:.0f} s to write"
+        if scenario.async_checkpoint
+        else f"blocking: {write:.0f} s to write"
+    )
     rule = "given" if scenario.checkpoint_hours else "Young/Daly √(2·stall·MTBF)"
-    why = (f"--mfu is the steady-state MFU the training monitor measures, so data loading, gradient sync and pipeline "
-           f"bubbles are already in it; on top: checkpoints {checkpoint:.2%} ({checkpoint_bytes / 1e9:,.0f} GB every "
-           f"{_minutes(interval)} ({rule}), {how} at {scenario.checkpoint_gbps:g} GB/s per node × {nodes} nodes) "
-           f"and failure recovery {failure:.2%} ({failures_per_day:.2f} interruptions/day, one every "
-           f"{mtbf / 3600:.1f} h at Llama 3's {FAILURES_PER_GPU_DAY:.1e} per GPU-day, each a "
-           f"{RESTART_HOURS * 60:.0f} min restart plus {lost / 60 - RESTART_HOURS * 60:.1f} min of lost work): "
-           f"{1 / computed:.1%} of the wall-clock time trains")
+    why = (
+        f"--mfu is the steady-state MFU the training monitor measures, so data loading, gradient sync and pipeline "
+        f"bubbles are already in it; on top: checkpoints {checkpoint:.2%} ({checkpoint_bytes / 1e9:,.0f} GB every "
+        f"{_minutes(interval)} ({rule}), {how} at {scenario.checkpoint_gbps:g} GB/s per node × {nodes} nodes) "
+        f"and failure recovery {failure:.2%} ({failures_per_day:.2f} interruptions/day, one every "
+        f"{mtbf / 3600:.1f} h at Llama 3's {FAILURES_PER_GPU_DAY:.1e} per GPU-day, each a "
+        f"{RESTART_HOURS * 60:.0f} min restart plus {lost / 60 - RESTART_HOURS * 60:.1f} min of lost work): "
+        f"{1 / computed:.1%} of the wall-clock time trains"
+    )
     if scenario.overhead is not None:
         why = f"--overhead {scenario.overhead:g} given (computed: {computed:.3f} — {why})"
     factor = scenario.overhead if scenario.overhead is not None else computed
-    return {"factor": factor, "effective_training_time": 1 / factor, "checkpoint_fraction": checkpoint,
-            "failure_fraction": failure, "checkpoint_write_seconds": write, "checkpoint_stall_seconds": stall,
-            "checkpoint_interval_seconds": interval, "mtbf_hours": mtbf / 3600, "why": why}
+    return {
+        "factor": factor,
+        "effective_training_time": 1 / factor,
+        "checkpoint_fraction": checkpoint,
+        "failure_fraction": failure,
+        "checkpoint_write_seconds": write,
+        "checkpoint_stall_seconds": stall,
+        "checkpoint_interval_seconds": interval,
+        "mtbf_hours": mtbf / 3600,
+        "why": why,
+    }
 
 
 def _minutes(seconds: float) -> str:
@@ -192,31 +264,48 @@ def compute(scenario: TrainingScenario, config, shape: ModelShape) -> dict:
     peak = peak_flops(scenario)
     per_gpu = scenario.mfu * peak / per_token
     seconds = tokens * per_token / (scenario.gpus * scenario.mfu * peak)
-    full_state = shape.params.total * (precision.param_bytes + precision.master_bytes + OPTIMIZER_BYTES[scenario.optimizer])
+    full_state = shape.params.total * (
+        precision.param_bytes + precision.master_bytes + OPTIMIZER_BYTES[scenario.optimizer]
+    )
     # DCP writes each replicated tensor once and balances the writes over the ranks, so every GPU stages its share
     extra = overhead(scenario, full_state, full_state / scenario.gpus)
     wall = seconds * extra["factor"]
     result = {
-        "flops_per_token": per_token, "six_n": 6.0 * shape.params.matmul,
+        "flops_per_token": per_token,
+        "six_n": 6.0 * shape.params.matmul,
         "attention_flops_per_token": attention_flops_per_token(config, scenario.seq_len),
-        "tokens": tokens, "total_flops": tokens * per_token, "peak_flops_per_gpu": peak,
-        "global_batch_tokens": batch_tokens, "gradient_accumulation": accumulate,
-        "steps": math.ceil(tokens / batch_tokens), "step_seconds": batch_tokens / (per_gpu * scenario.gpus),
-        "tokens_per_second_per_gpu": per_gpu, "tokens_per_second": per_gpu * scenario.gpus,
-        "compute_time": _duration(seconds), "overhead": extra, "time": _duration(wall),
+        "tokens": tokens,
+        "total_flops": tokens * per_token,
+        "peak_flops_per_gpu": peak,
+        "global_batch_tokens": batch_tokens,
+        "gradient_accumulation": accumulate,
+        "steps": math.ceil(tokens / batch_tokens),
+        "step_seconds": batch_tokens / (per_gpu * scenario.gpus),
+        "tokens_per_second_per_gpu": per_gpu,
+        "tokens_per_second": per_gpu * scenario.gpus,
+        "compute_time": _duration(seconds),
+        "overhead": extra,
+        "time": _duration(wall),
         "gpu_hours": scenario.gpus * wall / 3600,
         "cost": scenario.gpus * wall / 3600 * scenario.price_per_gpu_hour if scenario.price_per_gpu_hour else None,
-        "checkpoint": {"bytes": full_state, "model_bytes": shape.params.total * 2,
-                       "write_seconds": extra["checkpoint_write_seconds"], "gbps_per_node": scenario.checkpoint_gbps,
-                       "stall_seconds": extra["checkpoint_stall_seconds"],
-                       "interval_seconds": extra["checkpoint_interval_seconds"], "async": scenario.async_checkpoint},
+        "checkpoint": {
+            "bytes": full_state,
+            "model_bytes": shape.params.total * 2,
+            "write_seconds": extra["checkpoint_write_seconds"],
+            "gbps_per_node": scenario.checkpoint_gbps,
+            "stall_seconds": extra["checkpoint_stall_seconds"],
+            "interval_seconds": extra["checkpoint_interval_seconds"],
+            "async": scenario.async_checkpoint,
+        },
         "pipeline_bubble": (scenario.pp - 1) / (accumulate + scenario.pp - 1) if scenario.pp > 1 else 0.0,
         "recompute_flops_per_token": 2.0 * shape.params.matmul if scenario.recompute == "full" else 0.0,
     }
     if scenario.target_days:
         gpus = tokens * per_token * extra["factor"] / (scenario.target_days * 86400 * scenario.mfu * peak)
-        result["gpus_for_target"] = {"days": scenario.target_days,
-                                     "gpus": math.ceil(gpus / scenario.model_parallel) * scenario.model_parallel}
+        result["gpus_for_target"] = {
+            "days": scenario.target_days,
+            "gpus": math.ceil(gpus / scenario.model_parallel) * scenario.model_parallel,
+        }
     return result
 
 
@@ -252,8 +341,15 @@ def _candidates(scenario: TrainingScenario):
                 continue
             dp = scenario.gpus // tp
             for shard in sorted({d for d in (2**k for k in range(dp.bit_length())) if dp % d == 0} | {dp}):
-                yield replace(scenario, tp=tp, pp=1, cp=1, zero=3 if shard > 1 else 0,
-                              dp_shard=shard if shard > 1 else None, recompute=recompute)
+                yield replace(
+                    scenario,
+                    tp=tp,
+                    pp=1,
+                    cp=1,
+                    zero=3 if shard > 1 else 0,
+                    dp_shard=shard if shard > 1 else None,
+                    recompute=recompute,
+                )
         return
     for tp, pp, cp, zero, recompute in product((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8), (0, 1, 2, 3), recomputes):
         if not scenario.gpus % (tp * pp * cp) and not scenario.seq_len % cp:
@@ -283,15 +379,39 @@ def smallest_layouts(scenario: TrainingScenario, shape: ModelShape, top: int = 5
         if result:
             shard = candidate.dp_shard or dp
             across_nodes = candidate.zero == 3 and shard * candidate.model_parallel > GPUS_PER_NODE
-            found.append(((_RECOMPUTE_COST[candidate.recompute], candidate.model_parallel, across_nodes,
-                           candidate.zero == 3, candidate.pp, candidate.cp, -result["free"]),
-                          {"tp": candidate.tp, "pp": candidate.pp, "cp": candidate.cp, "dp": dp,
-                           "dp_shard": shard if candidate.zero == 3 else 1,
-                           "dp_replicate": dp // shard if candidate.zero == 3 else dp, "zero": candidate.zero,
-                           "recompute": candidate.recompute, "gradient_accumulation": accumulate,
-                           "global_batch_tokens": batch_tokens, "total": result["total"], "free": result["free"]}))
-    return {"framework": scenario.framework, "global_batch_tokens": batch_tokens, "skipped": skipped,
-            "layouts": [layout for _, layout in sorted(found, key=lambda item: item[0])[:top]]}
+            found.append(
+                (
+                    (
+                        _RECOMPUTE_COST[candidate.recompute],
+                        candidate.model_parallel,
+                        across_nodes,
+                        candidate.zero == 3,
+                        candidate.pp,
+                        candidate.cp,
+                        -result["free"],
+                    ),
+                    {
+                        "tp": candidate.tp,
+                        "pp": candidate.pp,
+                        "cp": candidate.cp,
+                        "dp": dp,
+                        "dp_shard": shard if candidate.zero == 3 else 1,
+                        "dp_replicate": dp // shard if candidate.zero == 3 else dp,
+                        "zero": candidate.zero,
+                        "recompute": candidate.recompute,
+                        "gradient_accumulation": accumulate,
+                        "global_batch_tokens": batch_tokens,
+                        "total": result["total"],
+                        "free": result["free"],
+                    },
+                )
+            )
+    return {
+        "framework": scenario.framework,
+        "global_batch_tokens": batch_tokens,
+        "skipped": skipped,
+        "layouts": [layout for _, layout in sorted(found, key=lambda item: item[0])[:top]],
+    }
 
 
 def _headlines(scenario: TrainingScenario, held: dict, batch_tokens: int) -> list[dict]:
@@ -299,20 +419,35 @@ def _headlines(scenario: TrainingScenario, held: dict, batch_tokens: int) -> lis
     one asked for, a time for one step when no token count was given."""
     lines = []
     if not held["fits"]:
-        lines.append({"level": "error", "text": f"does not fit {scenario.gpu}: {held['total'] / GIB:.1f} GiB per GPU of "
-                      f"{held['capacity'] / GIB:.1f} — --find lists the layouts that do (or try --recompute full, a "
-                      "larger --tp, a smaller --micro-batch)"})
+        lines.append(
+            {
+                "level": "error",
+                "text": f"does not fit {scenario.gpu}: {held['total'] / GIB:.1f} GiB per GPU of "
+                f"{held['capacity'] / GIB:.1f} — --find lists the layouts that do (or try --recompute full, a "
+                "larger --tp, a smaller --micro-batch)",
+            }
+        )
     if scenario.global_batch_tokens and batch_tokens != scenario.global_batch_tokens:
         wanted = scenario.global_batch_tokens // scenario.seq_len
         per_step = scenario.micro_batch * data_parallel(scenario)
-        lines.append({"level": "warning", "text": f"global batch changed from {scenario.global_batch_tokens:,} to "
-                      f"{batch_tokens:,} tokens: {data_parallel(scenario)} data-parallel ranks × micro batch "
-                      f"{scenario.micro_batch} = {per_step} sequences per pass do not divide the {wanted} asked for, so "
-                      f"the step rounds up to {batch_tokens // scenario.seq_len}; choose --gpus / --micro-batch so that "
-                      f"dp × micro batch divides {wanted} (or --find)"})
+        lines.append(
+            {
+                "level": "warning",
+                "text": f"global batch changed from {scenario.global_batch_tokens:,} to "
+                f"{batch_tokens:,} tokens: {data_parallel(scenario)} data-parallel ranks × micro batch "
+                f"{scenario.micro_batch} = {per_step} sequences per pass do not divide the {wanted} asked for, so "
+                f"the step rounds up to {batch_tokens // scenario.seq_len}; choose --gpus / --micro-batch so that "
+                f"dp × micro batch divides {wanted} (or --find)",
+            }
+        )
     if scenario.tokens is None:
-        lines.append({"level": "warning", "text": f"no --tokens: the time and cost below are for ONE optimizer step "
-                      f"({batch_tokens:,} tokens); give the run's tokens, e.g. --tokens 1T"})
+        lines.append(
+            {
+                "level": "warning",
+                "text": f"no --tokens: the time and cost below are for ONE optimizer step "
+                f"({batch_tokens:,} tokens); give the run's tokens, e.g. --tokens 1T",
+            }
+        )
     return lines
 
 
@@ -332,8 +467,9 @@ class Estimate(Result):
     validate: dict | None = None
 
     def to_dict(self) -> dict:
-        return {key: value for key, value in asdict(self).items()
-                if value is not None or key not in ("find", "validate")}
+        return {
+            key: value for key, value in asdict(self).items() if value is not None or key not in ("find", "validate")
+        }
 
 
 @dataclass
@@ -351,36 +487,66 @@ def estimate(scenario: TrainingScenario, *, find: bool = False) -> Estimate:
     batch_tokens, accumulate = accumulation(scenario)
     notes = list(scenario.notes)
     if not shape.llama_like:
-        notes.append(f"{shape.model_type} is not a Llama-family layer: activations are approximated with the "
-                     "Llama formula; run --validate to measure them")
+        notes.append(
+            f"{shape.model_type} is not a Llama-family layer: activations are approximated with the "
+            "Llama formula; run --validate to measure them"
+        )
     if scenario.recompute == "selective" and scenario.attention != "eager":
-        notes.append("selective recompute = recompute the attention core, which flash/sdpa kernels already do: "
-                     "same memory as none")
+        notes.append(
+            "selective recompute = recompute the attention core, which flash/sdpa kernels already do: "
+            "same memory as none"
+        )
     if scenario.recompute == "full":
-        notes.append("full recompute runs each layer's forward twice (+2N FLOPs/token of hardware work); give the "
-                     "MFU measured with it (MFU does not count recomputation)")
+        notes.append(
+            "full recompute runs each layer's forward twice (+2N FLOPs/token of hardware work); give the "
+            "MFU measured with it (MFU does not count recomputation)"
+        )
     if scenario.tp > shape.kv_heads:
-        notes.append(f"tp {scenario.tp} > {shape.kv_heads} KV heads: each KV head is replicated on "
-                     f"{scenario.tp // shape.kv_heads} ranks (its weights counted on each)")
+        notes.append(
+            f"tp {scenario.tp} > {shape.kv_heads} KV heads: each KV head is replicated on "
+            f"{scenario.tp // shape.kv_heads} ranks (its weights counted on each)"
+        )
     if scenario.precision == "fp32":
-        notes.append("fp32 matmuls at the TF32 tensor-core rate (--tf32)" if scenario.tf32 else
-                     f"fp32 matmuls at the plain fp32 rate ({GPUS[scenario.gpu].fp32_tflops:g} TFLOPS): PyTorch leaves "
-                     "TF32 off; with it on (torch.backends.cuda.matmul.allow_tf32) pass --tf32")
+        notes.append(
+            "fp32 matmuls at the TF32 tensor-core rate (--tf32)"
+            if scenario.tf32
+            else f"fp32 matmuls at the plain fp32 rate ({GPUS[scenario.gpu].fp32_tflops:g} TFLOPS): PyTorch leaves "
+            "TF32 off; with it on (torch.backends.cuda.matmul.allow_tf32) pass --tf32"
+        )
     held = memory(scenario, shape)
     loss_bytes = held["activations_detail"]["head"] + held["logits_grad"]
     if loss_bytes > 0.15 * held["capacity"]:
-        notes.append(f"the loss over {shape.vocab} vocabulary entries holds {loss_bytes / 2**30:.1f} GiB (fp32 "
-                     "log-softmax and its gradients): a chunked/fused cross-entropy (e.g. Liger's) avoids most of it")
+        notes.append(
+            f"the loss over {shape.vocab} vocabulary entries holds {loss_bytes / 2**30:.1f} GiB (fp32 "
+            "log-softmax and its gradients): a chunked/fused cross-entropy (e.g. Liger's) avoids most of it"
+        )
     result = Estimate(
         source=scenario.source,
-        model={"name": scenario.model if isinstance(scenario.model, str) else scenario.model.get("architecture", "?"),
-               **shape.to_dict()},
+        model={
+            "name": scenario.model if isinstance(scenario.model, str) else scenario.model.get("architecture", "?"),
+            **shape.to_dict(),
+        },
         headlines=_headlines(scenario, held, batch_tokens),
-        layout={"gpus": scenario.gpus, "gpu": scenario.gpu, "tp": scenario.tp, "pp": scenario.pp, "cp": scenario.cp,
-                   "dp": data_parallel(scenario), "dp_shard": scenario.dp_shard, "zero": scenario.zero, "recompute": scenario.recompute,
-                   "attention": scenario.attention, "precision": scenario.precision, "optimizer": scenario.optimizer,
-                   "seq_len": scenario.seq_len, "micro_batch": scenario.micro_batch, "gradient_accumulation": accumulate,
-                   "global_batch_tokens": batch_tokens, "mfu": scenario.mfu, "tf32": scenario.tf32},
+        layout={
+            "gpus": scenario.gpus,
+            "gpu": scenario.gpu,
+            "tp": scenario.tp,
+            "pp": scenario.pp,
+            "cp": scenario.cp,
+            "dp": data_parallel(scenario),
+            "dp_shard": scenario.dp_shard,
+            "zero": scenario.zero,
+            "recompute": scenario.recompute,
+            "attention": scenario.attention,
+            "precision": scenario.precision,
+            "optimizer": scenario.optimizer,
+            "seq_len": scenario.seq_len,
+            "micro_batch": scenario.micro_batch,
+            "gradient_accumulation": accumulate,
+            "global_batch_tokens": batch_tokens,
+            "mfu": scenario.mfu,
+            "tf32": scenario.tf32,
+        },
         memory=held,
         compute=compute(scenario, config, shape),
         notes=notes,
@@ -396,7 +562,9 @@ def estimate_inference(scenario: TrainingScenario, serving: InferenceScenario) -
     check_model_layout(replace(scenario, pp=1), shape.heads, shape.kv_heads, shape.layers)
     return ServingEstimate(
         source=scenario.source,
-        model={"name": scenario.model if isinstance(scenario.model, str) else scenario.model.get("architecture", "?"),
-               **shape.to_dict()},
+        model={
+            "name": scenario.model if isinstance(scenario.model, str) else scenario.model.get("architecture", "?"),
+            **shape.to_dict(),
+        },
         inference=inference(shape, scenario.gpu, check_inference(serving), tp=scenario.tp),
     )

@@ -28,8 +28,11 @@ def matmul_params(model) -> int:
     matmul even though its weight is the embedding's."""
     import torch
 
-    return sum(module.weight.numel() for module in model.modules()
-               if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D")
+    return sum(
+        module.weight.numel()
+        for module in model.modules()
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+    )
 
 
 def matmul_params_closed_form(config) -> int:

@@ -75,10 +75,18 @@ def sizing(shape: ModelShape, gpu_name: str, scenario: InferenceScenario, tp: in
     step_bytes = weights + kv_cache  # read once per decoded token
     bandwidth = gpu.memory_tbps * 1e12
     return {
-        "kv_heads": shape.kv_heads, "params": shape.params.total, "weights": weights,
-        "kv_per_token": per_token, "kv_per_sequence": per_sequence, "kv_cache": kv_cache,
-        "activations": prefill, "runtime_reserved": reserved, "total": total, "capacity": capacity,
-        "fits": total <= capacity, "free": capacity - total,
+        "kv_heads": shape.kv_heads,
+        "params": shape.params.total,
+        "weights": weights,
+        "kv_per_token": per_token,
+        "kv_per_sequence": per_sequence,
+        "kv_cache": kv_cache,
+        "activations": prefill,
+        "runtime_reserved": reserved,
+        "total": total,
+        "capacity": capacity,
+        "fits": total <= capacity,
+        "free": capacity - total,
         "max_batch": max(0, math.floor(spare / per_sequence_total)) if spare > 0 else 0,
         "max_context": max(0, math.floor((spare - logits) / per_token_total)) if spare > logits else 0,
         "decode_tokens_per_second": scenario.batch * bandwidth / step_bytes,
@@ -90,14 +98,25 @@ def sizing(shape: ModelShape, gpu_name: str, scenario: InferenceScenario, tp: in
 def multi_head(shape: ModelShape) -> ModelShape:
     """The same model with multi-head attention: as many KV heads as query heads, and k/v projections to match."""
     extra = shape.layers * 2 * shape.hidden * (shape.q_dim - shape.kv_dim)
-    params = replace(shape.params, total=shape.params.total + extra, non_embedding=shape.params.non_embedding + extra,
-                     per_layer=shape.params.per_layer + extra // shape.layers, matmul=shape.params.matmul + extra)
+    params = replace(
+        shape.params,
+        total=shape.params.total + extra,
+        non_embedding=shape.params.non_embedding + extra,
+        per_layer=shape.params.per_layer + extra // shape.layers,
+        matmul=shape.params.matmul + extra,
+    )
     return replace(shape, kv_heads=shape.heads, params=params)
 
 
 def inference(shape: ModelShape, gpu: str, scenario: InferenceScenario, tp: int = 1) -> dict:
-    result = {"gpu": gpu, "tp": tp, "context": scenario.context, "batch": scenario.batch, "kv_dtype": scenario.kv_dtype,
-              "model": sizing(shape, gpu, scenario, tp)}
+    result = {
+        "gpu": gpu,
+        "tp": tp,
+        "context": scenario.context,
+        "batch": scenario.batch,
+        "kv_dtype": scenario.kv_dtype,
+        "model": sizing(shape, gpu, scenario, tp),
+    }
     if scenario.compare_attention:
         result["multi_head"] = sizing(multi_head(shape), gpu, scenario, tp)
     return result

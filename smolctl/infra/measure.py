@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from smolctl.infra.flops import head_dim as head_dim_of
 from smolctl.infra.flops import kv_heads as kv_heads_of
@@ -33,7 +34,7 @@ _RECOMPUTED_EAGER = "smolctl_recomputed_eager"
 class _Saved:
     """What autograd keeps instead of the tensor: its finaliser tells the meter when autograd lets go."""
 
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("__weakref__", "tensor")
 
     def __init__(self, tensor):
         self.tensor = tensor
@@ -73,7 +74,7 @@ class SavedTensorMeter:
         return saved.tensor if isinstance(saved, _Saved) else saved
 
     @contextmanager
-    def recording(self) -> Iterator["SavedTensorMeter"]:
+    def recording(self) -> Iterator[SavedTensorMeter]:
         import torch
 
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -91,9 +92,14 @@ def scaled_down(config, *, layers: int = 4, head_dim: int = 16, max_kv_heads: in
     hidden = max(16, round(heads * head_dim * hidden_per_head / 8) * 8)
     for derived in ("no_rope_layers", "layer_types", "max_window_layers", "head_dim"):
         raw.pop(derived, None)
-    raw.update(num_hidden_layers=min(config.num_hidden_layers, layers), num_attention_heads=heads,
-               num_key_value_heads=kv, hidden_size=hidden, vocab_size=min(config.vocab_size, vocab),
-               intermediate_size=max(8, round(hidden * config.intermediate_size / config.hidden_size)))
+    raw.update(
+        num_hidden_layers=min(config.num_hidden_layers, layers),
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        hidden_size=hidden,
+        vocab_size=min(config.vocab_size, vocab),
+        intermediate_size=max(8, round(hidden * config.intermediate_size / config.hidden_size)),
+    )
     if getattr(config, "head_dim", None) and hidden_per_head != 1:
         raw["head_dim"] = head_dim
     return config_from_dict(raw, "scaled-down copy")
@@ -110,6 +116,7 @@ def _register_recomputed_eager(model) -> None:
     def recomputed(module, query, key, value, attention_mask, **kwargs):
         def core(q, k, v):
             return eager(module, q, k, v, attention_mask, **kwargs)[0]
+
         return checkpoint(core, query, key, value, use_reentrant=True), None
 
     AttentionInterface.register(_RECOMPUTED_EAGER, recomputed)
@@ -117,7 +124,7 @@ def _register_recomputed_eager(model) -> None:
 
 
 def _implementation(attention: str) -> str:
-    """"flash" runs as sdpa: PyTorch dispatches it to a flash kernel (on CPU too), which saves the same tensors
+    """ "flash" runs as sdpa: PyTorch dispatches it to a flash kernel (on CPU too), which saves the same tensors
     (q, k, v, output, log-sum-exp) as the flash-attn package, without needing that package."""
     return "sdpa" if attention == "flash" else attention
 
@@ -157,8 +164,9 @@ def _batch(config, micro_batch: int, seq_len: int, device: str):
     return ids.to(device)
 
 
-def measure_activations(config, *, micro_batch: int, seq_len: int, precision: str, attention: str,
-                        recompute: str) -> int:
+def measure_activations(
+    config, *, micro_batch: int, seq_len: int, precision: str, attention: str, recompute: str
+) -> int:
     """Peak live saved-tensor bytes over one forward + backward on CPU."""
     model = build_model(config, precision=precision, attention=attention, recompute=recompute)
     ids = _batch(config, micro_batch, seq_len, "cpu")
@@ -182,8 +190,9 @@ def measure_flops(config, *, micro_batch: int, seq_len: int, device: str = "cpu"
     return counter.get_total_flops()
 
 
-def measure_gpu_peak(config, *, micro_batch: int, seq_len: int, precision: str, attention: str,
-                     recompute: str, optimizer: str = "adamw") -> dict[str, Any]:
+def measure_gpu_peak(
+    config, *, micro_batch: int, seq_len: int, precision: str, attention: str, recompute: str, optimizer: str = "adamw"
+) -> dict[str, Any]:
     """max_memory_allocated over the second training step (states exist from the first)."""
     import torch
 
@@ -216,8 +225,10 @@ def _run_size(scenario, config) -> tuple[Any, int, int, str]:
     if matmul_params_closed_form(config) <= 20_000_000 and seq_len == scenario.seq_len:
         return config, micro_batch, seq_len, "the model as given"
     small = scaled_down(config)
-    what = (f"scaled-down copy: {small.num_hidden_layers} layers, hidden {small.hidden_size}, "
-            f"{small.num_attention_heads}/{small.num_key_value_heads} heads, vocab {small.vocab_size}")
+    what = (
+        f"scaled-down copy: {small.num_hidden_layers} layers, hidden {small.hidden_size}, "
+        f"{small.num_attention_heads}/{small.num_key_value_heads} heads, vocab {small.vocab_size}"
+    )
     return small, micro_batch, seq_len, what
 
 
@@ -230,40 +241,104 @@ def validate(scenario, config) -> dict[str, Any]:
     shape = measure_shape(small)
     tokens = micro_batch * seq_len
     real = build_model(small, precision="fp32", attention="sdpa", recompute="none")
-    rows = [{"what": "parameters (meta-device count vs allocated model)", "estimate": shape.params.total,
-             "measured": sum(p.numel() for p in real.parameters()), "unit": "count"}]
+    rows = [
+        {
+            "what": "parameters (meta-device count vs allocated model)",
+            "estimate": shape.params.total,
+            "measured": sum(p.numel() for p in real.parameters()),
+            "unit": "count",
+        }
+    ]
     if shape.params.closed_form is not None:
-        rows.append({"what": "parameters (closed form vs allocated model)", "estimate": shape.params.closed_form,
-                     "measured": rows[0]["measured"], "unit": "count"})
+        rows.append(
+            {
+                "what": "parameters (closed form vs allocated model)",
+                "estimate": shape.params.closed_form,
+                "measured": rows[0]["measured"],
+                "unit": "count",
+            }
+        )
     del real
-    rows.append({"what": "FLOPs forward+backward (FlopCounterMode)", "unit": "flops",
-                 "estimate": training_flops_per_token(small, seq_len, shape.params.matmul) * tokens,
-                 "measured": measure_flops(small, micro_batch=micro_batch, seq_len=seq_len)})
+    rows.append(
+        {
+            "what": "FLOPs forward+backward (FlopCounterMode)",
+            "unit": "flops",
+            "estimate": training_flops_per_token(small, seq_len, shape.params.matmul) * tokens,
+            "measured": measure_flops(small, micro_batch=micro_batch, seq_len=seq_len),
+        }
+    )
     modes = [(scenario.attention, "none"), ("eager", "none"), ("eager", "selective"), (scenario.attention, "full")]
     if (scenario.attention, scenario.recompute) not in modes:
         modes.append((scenario.attention, scenario.recompute))
     precision = PRECISIONS[scenario.precision]
     for attention, recompute in modes:
-        estimated = activations(shape, micro_batch=micro_batch, seq_len=seq_len, precision=precision,
-                                attention=attention, recompute=recompute).peak(shape.layers)
-        measured = measure_activations(small, micro_batch=micro_batch, seq_len=seq_len, precision=scenario.precision,
-                                       attention=attention, recompute=recompute)
-        rows.append({"what": f"activations {scenario.precision} {attention} recompute={recompute} (saved tensors)",
-                     "estimate": estimated, "measured": measured, "unit": "bytes"})
+        estimated = activations(
+            shape,
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            precision=precision,
+            attention=attention,
+            recompute=recompute,
+        ).peak(shape.layers)
+        measured = measure_activations(
+            small,
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            precision=scenario.precision,
+            attention=attention,
+            recompute=recompute,
+        )
+        rows.append(
+            {
+                "what": f"activations {scenario.precision} {attention} recompute={recompute} (saved tensors)",
+                "estimate": estimated,
+                "measured": measured,
+                "unit": "bytes",
+            }
+        )
     result = {"ran": what, "micro_batch": micro_batch, "seq_len": seq_len, "rows": rows, "device": "cpu"}
     if torch.cuda.is_available():
         # Plain torch AdamW keeps no fp32 master copy of bf16 weights, so the GPU step runs amp (fp32 weights).
         gpu_precision = "amp" if scenario.precision == "bf16" else scenario.precision
         optimizer = "sgd" if scenario.optimizer == "sgd" else "adamw"
-        measured = measure_gpu_peak(small, micro_batch=micro_batch, seq_len=seq_len, precision=gpu_precision,
-                                    attention=scenario.attention, recompute=scenario.recompute, optimizer=optimizer)
-        states = state_bytes(shape.params.total, shape.params.per_layer, precision=PRECISIONS[gpu_precision],
-                             optimizer=optimizer, zero=0, shard=1, tp=1)
-        act = activations(shape, micro_batch=micro_batch, seq_len=seq_len, precision=PRECISIONS[gpu_precision],
-                          attention=scenario.attention, recompute=scenario.recompute)
-        estimated = states.total + act.peak(shape.layers) + logits_grad_bytes(shape, micro_batch=micro_batch,
-                                                                             seq_len=seq_len, tp=1, cp=1)
-        rows.append({"what": f"GPU peak allocated {gpu_precision} (torch.cuda.max_memory_allocated)",
-                     "estimate": estimated, "measured": measured["max_memory_allocated"], "unit": "bytes"})
+        measured = measure_gpu_peak(
+            small,
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            precision=gpu_precision,
+            attention=scenario.attention,
+            recompute=scenario.recompute,
+            optimizer=optimizer,
+        )
+        states = state_bytes(
+            shape.params.total,
+            shape.params.per_layer,
+            precision=PRECISIONS[gpu_precision],
+            optimizer=optimizer,
+            zero=0,
+            shard=1,
+            tp=1,
+        )
+        act = activations(
+            shape,
+            micro_batch=micro_batch,
+            seq_len=seq_len,
+            precision=PRECISIONS[gpu_precision],
+            attention=scenario.attention,
+            recompute=scenario.recompute,
+        )
+        estimated = (
+            states.total
+            + act.peak(shape.layers)
+            + logits_grad_bytes(shape, micro_batch=micro_batch, seq_len=seq_len, tp=1, cp=1)
+        )
+        rows.append(
+            {
+                "what": f"GPU peak allocated {gpu_precision} (torch.cuda.max_memory_allocated)",
+                "estimate": estimated,
+                "measured": measured["max_memory_allocated"],
+                "unit": "bytes",
+            }
+        )
         result["device"] = measured["device"]
     return result

@@ -50,13 +50,23 @@ class Gpu:
 
 
 # Datasheet numbers (dense, SXM unless named).
-GPUS: dict[str, Gpu] = {g.name: g for g in [
-    Gpu("h100", 79.1, 989.4, 66.9, 3.35), Gpu("h100-pcie", 79.1, 756.0, 51.2, 2.0),
-    Gpu("h200", 139.8, 989.4, 66.9, 4.8), Gpu("gh200", 94.5, 989.4, 66.9, 4.0), Gpu("b200", 178.4, 2250.0, 80.0, 8.0),
-    Gpu("a100-80", 79.2, 312.0, 19.5, 2.04), Gpu("a100-40", 39.4, 312.0, 19.5, 1.56),
-    Gpu("l40s", 44.4, 362.1, 91.6, 0.86), Gpu("l4", 22.0, 121.0, 30.3, 0.3), Gpu("a10g", 22.0, 70.0, 31.2, 0.6),
-    Gpu("rtx4090", 23.6, 165.2, 82.6, 1.01), Gpu("mi300x", 191.5, 1307.4, 163.4, 5.3),
-]}
+GPUS: dict[str, Gpu] = {
+    g.name: g
+    for g in [
+        Gpu("h100", 79.1, 989.4, 66.9, 3.35),
+        Gpu("h100-pcie", 79.1, 756.0, 51.2, 2.0),
+        Gpu("h200", 139.8, 989.4, 66.9, 4.8),
+        Gpu("gh200", 94.5, 989.4, 66.9, 4.0),
+        Gpu("b200", 178.4, 2250.0, 80.0, 8.0),
+        Gpu("a100-80", 79.2, 312.0, 19.5, 2.04),
+        Gpu("a100-40", 39.4, 312.0, 19.5, 1.56),
+        Gpu("l40s", 44.4, 362.1, 91.6, 0.86),
+        Gpu("l4", 22.0, 121.0, 30.3, 0.3),
+        Gpu("a10g", 22.0, 70.0, 31.2, 0.6),
+        Gpu("rtx4090", 23.6, 165.2, 82.6, 1.01),
+        Gpu("mi300x", 191.5, 1307.4, 163.4, 5.3),
+    ]
+}
 
 # fp32 matmuls with TF32 switched on (torch.backends.cuda.matmul.allow_tf32) run on tensor cores at half the bf16
 # rate (A100, H100, B200); PyTorch leaves it off by default, so plain fp32 runs at the GPU's fp32_tflops.
@@ -80,8 +90,8 @@ class Precision:
 
 
 PRECISIONS = {
-    "bf16": Precision("bf16", 2, 2, 4, 2, False),   # bf16 weights, fp32 master weights (Megatron, nanotron)
-    "amp": Precision("amp", 4, 4, 0, 2, True),      # fp32 weights under torch.autocast(bf16) (recipe precision auto)
+    "bf16": Precision("bf16", 2, 2, 4, 2, False),  # bf16 weights, fp32 master weights (Megatron, nanotron)
+    "amp": Precision("amp", 4, 4, 0, 2, True),  # fp32 weights under torch.autocast(bf16) (recipe precision auto)
     "fp32": Precision("fp32", 4, 4, 0, 4, False),
 }
 # Optimizer state bytes per parameter: AdamW two fp32 moments; bitsandbytes 8-bit Adam one byte per moment plus
@@ -176,13 +186,30 @@ class Activations:
         return self.inputs + layers * self.per_layer + self.weight_copies + max(self.head, self.recompute)
 
     def to_dict(self, layers: int) -> dict:
-        return {"per_layer": self.per_layer, "recompute": self.recompute, "head": self.head, "inputs": self.inputs,
-                "weight_copies": self.weight_copies, "peak": self.peak(layers)}
+        return {
+            "per_layer": self.per_layer,
+            "recompute": self.recompute,
+            "head": self.head,
+            "inputs": self.inputs,
+            "weight_copies": self.weight_copies,
+            "peak": self.peak(layers),
+        }
 
 
-def activations(shape: ModelShape, *, micro_batch: int, seq_len: int, precision: Precision, attention: str,
-                recompute: str, layers: int | None = None, tp: int = 1, cp: int = 1,
-                sequence_parallel: bool = True, loss_chunk_tokens: int | None = None) -> Activations:
+def activations(
+    shape: ModelShape,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    precision: Precision,
+    attention: str,
+    recompute: str,
+    layers: int | None = None,
+    tp: int = 1,
+    cp: int = 1,
+    sequence_parallel: bool = True,
+    loss_chunk_tokens: int | None = None,
+) -> Activations:
     """Activation bytes per GPU for one micro batch. TP with sequence parallelism (Megatron-SP, torchtitan) divides
     every per-token term by TP; without it the norms and the LM head stay whole. CP gives each GPU seq/cp tokens
     (attention still spans the whole seq). `loss_chunk_tokens`: the head keeps only the hidden states."""
@@ -220,8 +247,9 @@ def activations(shape: ModelShape, *, micro_batch: int, seq_len: int, precision:
     if precision.autocast:
         head += shape.vocab * shape.hidden * a / head_tp
     rope = 2 * seq_len * shape.head_dim * p
-    return Activations(per_layer=per_layer, recompute=transient, head=head, inputs=8 * tokens + rope,
-                       weight_copies=held_copies)
+    return Activations(
+        per_layer=per_layer, recompute=transient, head=head, inputs=8 * tokens + rope, weight_copies=held_copies
+    )
 
 
 @dataclass(frozen=True)
@@ -256,8 +284,18 @@ def tp_local_params(params: float, kv_params: float, tp: int, kv_heads: int) -> 
     return (params - kv_params) / tp + kv_params / min(tp, kv_heads)
 
 
-def state_bytes(params: float, per_layer: float, *, precision: Precision, optimizer: str, zero: int, shard: int,
-                tp: int, kv_params: float = 0.0, kv_heads: int = 1) -> StateBytes:
+def state_bytes(
+    params: float,
+    per_layer: float,
+    *,
+    precision: Precision,
+    optimizer: str,
+    zero: int,
+    shard: int,
+    tp: int,
+    kv_params: float = 0.0,
+    kv_heads: int = 1,
+) -> StateBytes:
     """Weights, gradients, fp32 master weights and optimizer states of `params` parameters on one GPU. TP shards
     everything by tp (KV projections: see tp_local_params); ZeRO stage 1/2/3 shards optimizer states (+ master),
     then gradients, then weights over the `shard` ranks that hold replicas (data parallel × context parallel).
@@ -275,8 +313,16 @@ def state_bytes(params: float, per_layer: float, *, precision: Precision, optimi
     )
 
 
-def logits_grad_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int, tp: int, cp: int,
-                      sequence_parallel: bool = True, loss_chunk_tokens: int | None = None) -> float:
+def logits_grad_bytes(
+    shape: ModelShape,
+    *,
+    micro_batch: int,
+    seq_len: int,
+    tp: int,
+    cp: int,
+    sequence_parallel: bool = True,
+    loss_chunk_tokens: int | None = None,
+) -> float:
     """The loss backward briefly holds two fp32 vocab-sized gradients (log-softmax's input and output); a chunked
     loss holds them for one chunk of tokens at a time."""
     tokens = micro_batch * seq_len / cp

@@ -17,27 +17,85 @@ from smolctl.infra.flops import head_dim, kv_heads, matmul_params
 
 # Published configs (the models' config.json on the Hub), so `--model NAME` works without network access.
 PRESETS: dict[str, dict[str, Any]] = {
-    "smollm3-3b": dict(model_type="smollm3", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-                       num_attention_heads=16, num_key_value_heads=4, vocab_size=128256, tie_word_embeddings=True,
-                       no_rope_layer_interval=4, rope_theta=5_000_000.0),
-    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
-                         rope_theta=100_000.0),
-    "smollm2-360m": dict(model_type="llama", hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
-                         num_attention_heads=15, num_key_value_heads=5, vocab_size=49152, tie_word_embeddings=True,
-                         rope_theta=100_000.0),
-    "smollm2-1.7b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
-                         num_attention_heads=32, num_key_value_heads=32, vocab_size=49152, tie_word_embeddings=True,
-                         rope_theta=130_000.0),
-    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
-                      rope_theta=500_000.0),
-    "llama3-405b": dict(model_type="llama", hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-                        num_attention_heads=128, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
-                        rope_theta=500_000.0),
-    "qwen3-0.6b": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                       tie_word_embeddings=True, rope_theta=1_000_000.0),
+    "smollm3-3b": dict(
+        model_type="smollm3",
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        no_rope_layer_interval=4,
+        rope_theta=5_000_000.0,
+    ),
+    "smollm2-135m": dict(
+        model_type="llama",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        rope_theta=100_000.0,
+    ),
+    "smollm2-360m": dict(
+        model_type="llama",
+        hidden_size=960,
+        intermediate_size=2560,
+        num_hidden_layers=32,
+        num_attention_heads=15,
+        num_key_value_heads=5,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        rope_theta=100_000.0,
+    ),
+    "smollm2-1.7b": dict(
+        model_type="llama",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        rope_theta=130_000.0,
+    ),
+    "llama3-8b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_theta=500_000.0,
+    ),
+    "llama3-405b": dict(
+        model_type="llama",
+        hidden_size=16384,
+        intermediate_size=53248,
+        num_hidden_layers=126,
+        num_attention_heads=128,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_theta=500_000.0,
+    ),
+    "qwen3-0.6b": dict(
+        model_type="qwen3",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+    ),
 }
 
 # Architectures whose decoder layer is the Llama one (pre-norm RMSNorm, q/k/v/o, gated MLP of three matrices):
@@ -95,8 +153,11 @@ def _model_kwargs(raw: dict[str, Any], where: str) -> tuple[str, dict[str, Any]]
     kwargs = dict(raw)
     model_type = kwargs.pop("model_type", None) or kwargs.pop("architecture", None)
     if not model_type:
-        raise UserError(where, "does not say which architecture it is", "add model_type (config.json) or "
-                        "architecture (recipe [model]), e.g. 'smollm3' or 'llama'")
+        raise UserError(
+            where,
+            "does not say which architecture it is",
+            "add model_type (config.json) or architecture (recipe [model]), e.g. 'smollm3' or 'llama'",
+        )
     kwargs.update(kwargs.pop("config", None) or {})
     theta = kwargs.pop("rope_theta", None)
     if theta is not None and "rope_parameters" not in kwargs:
@@ -116,8 +177,11 @@ def config_from_dict(raw: dict[str, Any], where: str):
 
     model_type, kwargs = _model_kwargs(raw, where)
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise UserError(where, f"{model_type!r} is not a causal-LM architecture transformers knows",
-                        "use e.g. smollm3, llama, qwen3 or mistral")
+        raise UserError(
+            where,
+            f"{model_type!r} is not a causal-LM architecture transformers knows",
+            "use e.g. smollm3, llama, qwen3 or mistral",
+        )
     if "vocab_size" not in kwargs:
         raise UserError(where, "has no vocab_size", "set it, e.g. --set model.vocab_size=49152")
     try:
@@ -134,8 +198,11 @@ def resolve_config(spec: str):
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise UserError("--model", f"{spec!r} is neither a known model nor a config.json / model folder",
-                        f"known models: {', '.join(PRESETS)}")
+        raise UserError(
+            "--model",
+            f"{spec!r} is neither a known model nor a config.json / model folder",
+            f"known models: {', '.join(PRESETS)}",
+        )
     try:
         raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -185,22 +252,35 @@ def count_params(model, config) -> ParamCounts:
     head = model.get_output_embeddings()
     lm_head = 0 if head is None or head.weight is embedding else head.weight.numel()
     layer = _layer_list(model, config.num_hidden_layers)[0]
-    return ParamCounts(total=total, embedding=embedding.numel(), lm_head=lm_head,
-                       non_embedding=total - embedding.numel() - lm_head,
-                       per_layer=sum(p.numel() for p in layer.parameters()), matmul=matmul_params(model),
-                       closed_form=closed_form_params(config))
+    return ParamCounts(
+        total=total,
+        embedding=embedding.numel(),
+        lm_head=lm_head,
+        non_embedding=total - embedding.numel() - lm_head,
+        per_layer=sum(p.numel() for p in layer.parameters()),
+        matmul=matmul_params(model),
+        closed_form=closed_form_params(config),
+    )
 
 
 def shape_of(model, config) -> ModelShape:
     layer = _layer_list(model, config.num_hidden_layers)[0]
     names = {name.rsplit(".", 1)[-1] for name, _ in layer.named_modules()}
     return ModelShape(
-        model_type=config.model_type, layers=config.num_hidden_layers, hidden=config.hidden_size,
-        heads=config.num_attention_heads, kv_heads=kv_heads(config), head_dim=head_dim(config),
-        ffn=getattr(config, "intermediate_size", None) or 4 * config.hidden_size, vocab=config.vocab_size, tied=bool(config.tie_word_embeddings),
+        model_type=config.model_type,
+        layers=config.num_hidden_layers,
+        hidden=config.hidden_size,
+        heads=config.num_attention_heads,
+        kv_heads=kv_heads(config),
+        head_dim=head_dim(config),
+        ffn=getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
+        vocab=config.vocab_size,
+        tied=bool(config.tie_word_embeddings),
         qk_norm="q_norm" in names,
         rope_layers=sum(getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers),
-        llama_like=config.model_type in LLAMA_FAMILY, params=count_params(model, config))
+        llama_like=config.model_type in LLAMA_FAMILY,
+        params=count_params(model, config),
+    )
 
 
 def measure_shape(config) -> ModelShape:

@@ -59,22 +59,33 @@ class Link:
 def _groups(groups: list[list[int]], seconds: list[float], size: int, name) -> dict:
     rows = [(bandwidths("all_reduce", size, t, len(g))[1], g) for g, t in zip(groups, seconds) if len(g) > 1]
     slowest = min(rows, key=lambda row: row[0], default=None)
-    return {"groups": len(rows), "ranks_per_group": max((len(g) for g in groups), default=0),
-            "busbw_min": slowest[0] if slowest else None,
-            "busbw_median": statistics.median(row[0] for row in rows) if rows else None,
-            "slowest": {"name": name(slowest[1]), "ranks": slowest[1], "busbw": slowest[0]} if slowest else None}
+    return {
+        "groups": len(rows),
+        "ranks_per_group": max((len(g) for g in groups), default=0),
+        "busbw_min": slowest[0] if slowest else None,
+        "busbw_median": statistics.median(row[0] for row in rows) if rows else None,
+        "slowest": {"name": name(slowest[1]), "ranks": slowest[1], "busbw": slowest[0]} if slowest else None,
+    }
 
 
-def summarize(rank_hosts: list[str], intra: tuple[list[list[int]], list[float]],
-              inter: tuple[list[list[int]], list[float]], links: list[Link], size: int) -> dict:
+def summarize(
+    rank_hosts: list[str],
+    intra: tuple[list[list[int]], list[float]],
+    inter: tuple[list[list[int]], list[float]],
+    links: list[Link],
+    size: int,
+) -> dict:
     """The multi-node section: all_reduce inside each node (slowest: its host) and across nodes per rail
     (slowest: its local rank), and the one-way links (slowest link, and hosts by their links' median)."""
+
     def busbw(seconds: float) -> float:
         return size / seconds / 1e9
 
-    report = {"size": size,
-              "intra_node": _groups(*intra, size, lambda ranks: rank_hosts[ranks[0]]),
-              "inter_node": _groups(*inter, size, lambda ranks: f"rail {inter[0].index(ranks)}")}
+    report = {
+        "size": size,
+        "intra_node": _groups(*intra, size, lambda ranks: rank_hosts[ranks[0]]),
+        "inter_node": _groups(*inter, size, lambda ranks: f"rail {inter[0].index(ranks)}"),
+    }
     timed = [link for link in links if link.seconds == link.seconds]  # NaN: a pair a smaller node could not make
     if not timed:
         report["links"] = None
@@ -86,14 +97,22 @@ def summarize(rank_hosts: list[str], intra: tuple[list[list[int]], list[float]],
             by_host.setdefault(host, []).append(busbw(link.seconds))
     hosts = sorted(((statistics.median(values), host, len(values)) for host, values in by_host.items()))
     report["links"] = {
-        "shifts": sorted({link.shift for link in timed}), "count": len(timed),
+        "shifts": sorted({link.shift for link in timed}),
+        "count": len(timed),
         "send_busbw_median": statistics.median(busbw(link.send_seconds) for link in timed),
         "recv_busbw_median": statistics.median(busbw(link.recv_seconds) for link in timed),
-        "slowest": {"from_rank": slowest.sender, "from_host": rank_hosts[slowest.sender],
-                    "to_rank": slowest.receiver, "to_host": rank_hosts[slowest.receiver], "shift": slowest.shift,
-                    "send_busbw": busbw(slowest.send_seconds), "recv_busbw": busbw(slowest.recv_seconds),
-                    "busbw": busbw(slowest.seconds)},
-        "slowest_hosts": [{"host": host, "links": count, "busbw_median": median}
-                          for median, host, count in hosts[:SLOWEST_HOSTS]],
+        "slowest": {
+            "from_rank": slowest.sender,
+            "from_host": rank_hosts[slowest.sender],
+            "to_rank": slowest.receiver,
+            "to_host": rank_hosts[slowest.receiver],
+            "shift": slowest.shift,
+            "send_busbw": busbw(slowest.send_seconds),
+            "recv_busbw": busbw(slowest.recv_seconds),
+            "busbw": busbw(slowest.seconds),
+        },
+        "slowest_hosts": [
+            {"host": host, "links": count, "busbw_median": median} for median, host, count in hosts[:SLOWEST_HOSTS]
+        ],
     }
     return report

@@ -107,8 +107,11 @@ def recipe_values(recipe: dict, path: str) -> dict[str, Any]:
         tokenizer = model.get("tokenizer")
         vocab = (_vocab_from_tokenizer(Path(tokenizer)) if tokenizer else None) or _vocab_from_data(recipe)
         if vocab is None:
-            raise UserError(f"{path}: model.vocab_size", "is not set and no local tokenizer or packed data says it",
-                            "add --set model.vocab_size=N (or run `smolctl pack` first)")
+            raise UserError(
+                f"{path}: model.vocab_size",
+                "is not set and no local tokenizer or packed data says it",
+                "add --set model.vocab_size=N (or run `smolctl pack` first)",
+            )
         model["vocab_size"] = vocab
     training = recipe.get("training") or {}
     values: dict[str, Any] = {"model": model}
@@ -155,8 +158,9 @@ def recipe_or_model(subject: str, model: str | None = None) -> tuple[str | None,
     """What estimate's positional SUBJECT is, as (recipe, model): a file holding TOML is a recipe; a preset name, a
     config.json or a model folder is a model. Decided by what the path holds, not by its name."""
     if model is not None:
-        raise UserError("estimate", f"got both {subject!r} and --model {model}",
-                        "pass one (flags override the recipe's values)")
+        raise UserError(
+            "estimate", f"got both {subject!r} and --model {model}", "pass one (flags override the recipe's values)"
+        )
     path = Path(subject)
     if path.is_dir() or (path.is_file() and path.suffix == ".json"):
         return None, subject
@@ -168,8 +172,9 @@ def recipe_or_model(subject: str, model: str | None = None) -> tuple[str | None,
     return None, subject  # a preset name: resolve_config names the known ones when it is not one
 
 
-def scenario_from_sources(*, recipe: str | None = None, overrides: list[str] | None = None,
-                          flags: dict[str, Any] | None = None) -> TrainingScenario:
+def scenario_from_sources(
+    *, recipe: str | None = None, overrides: list[str] | None = None, flags: dict[str, Any] | None = None
+) -> TrainingScenario:
     """Recipe values first, then every flag that was given (None means not given)."""
     values: dict[str, Any] = {}
     if recipe is not None:
@@ -214,41 +219,68 @@ def check_scenario(scenario: TrainingScenario) -> TrainingScenario:
         if value is not None and not value > 0:
             raise UserError(f"--{name.replace('_', '-')}", f"must be positive, got {value}")
     if scenario.overhead is not None and scenario.overhead < 1:
-        raise UserError("--overhead", f"is a factor on the compute time, at least 1, got {scenario.overhead}",
-                        "e.g. --overhead 1.2 for 20% on top")
+        raise UserError(
+            "--overhead",
+            f"is a factor on the compute time, at least 1, got {scenario.overhead}",
+            "e.g. --overhead 1.2 for 20% on top",
+        )
     if scenario.seq_len % scenario.cp:
         raise UserError("--cp", f"{scenario.cp} does not divide --seq-len {scenario.seq_len}")
     if scenario.global_batch_tokens is not None and scenario.global_batch_tokens % scenario.seq_len:
-        raise UserError("--global-batch-tokens", f"{scenario.global_batch_tokens} is not a whole number of "
-                        f"{scenario.seq_len}-token sequences")
+        raise UserError(
+            "--global-batch-tokens",
+            f"{scenario.global_batch_tokens} is not a whole number of {scenario.seq_len}-token sequences",
+        )
     gpus = scenario.gpus
     if gpus is None:
         sequences = (scenario.global_batch_tokens or scenario.seq_len * scenario.micro_batch) // scenario.seq_len
         data_parallel = sequences // scenario.micro_batch if sequences % scenario.micro_batch == 0 else 1
         gpus = data_parallel * scenario.model_parallel
-        scenario = replace(scenario, notes=scenario.notes + (f"--gpus not given: {gpus} (global batch ÷ micro batch = "
-                                                 f"{data_parallel} data-parallel ranks × tp·pp·cp)",))
+        scenario = replace(
+            scenario,
+            notes=scenario.notes
+            + (
+                f"--gpus not given: {gpus} (global batch ÷ micro batch = "
+                f"{data_parallel} data-parallel ranks × tp·pp·cp)",
+            ),
+        )
     if gpus < 1 or gpus % scenario.model_parallel:
-        raise UserError("--gpus", f"{gpus} GPUs cannot hold tp {scenario.tp} × pp {scenario.pp} × cp {scenario.cp} = "
-                        f"{scenario.model_parallel} (the layout must multiply to --gpus with a whole data-parallel size)",
-                        f"use a multiple of {scenario.model_parallel} GPUs")
+        raise UserError(
+            "--gpus",
+            f"{gpus} GPUs cannot hold tp {scenario.tp} × pp {scenario.pp} × cp {scenario.cp} = "
+            f"{scenario.model_parallel} (the layout must multiply to --gpus with a whole data-parallel size)",
+            f"use a multiple of {scenario.model_parallel} GPUs",
+        )
     if scenario.dp_shard is not None and scenario.zero != 3:
-        raise UserError("--dp-shard", f"{scenario.dp_shard} shards weights, gradients and optimizer states (FSDP2, "
-                        f"ZeRO-3), not ZeRO-{scenario.zero}", "add --zero 3")
-    if scenario.dp_shard is not None and (scenario.dp_shard < 1 or (gpus // scenario.model_parallel) % scenario.dp_shard):
-        raise UserError("--dp-shard", f"{scenario.dp_shard} does not divide the {gpus // scenario.model_parallel} "
-                        "data-parallel ranks", "use a divisor of the data-parallel size")
+        raise UserError(
+            "--dp-shard",
+            f"{scenario.dp_shard} shards weights, gradients and optimizer states (FSDP2, "
+            f"ZeRO-3), not ZeRO-{scenario.zero}",
+            "add --zero 3",
+        )
+    if scenario.dp_shard is not None and (
+        scenario.dp_shard < 1 or (gpus // scenario.model_parallel) % scenario.dp_shard
+    ):
+        raise UserError(
+            "--dp-shard",
+            f"{scenario.dp_shard} does not divide the {gpus // scenario.model_parallel} data-parallel ranks",
+            "use a divisor of the data-parallel size",
+        )
     return replace(scenario, gpus=gpus)
 
 
 def check_model_layout(scenario: TrainingScenario, heads: int, kv_heads: int, layers: int) -> None:
     """Layout checks that need the model: TP splits heads, PP splits layers."""
     if heads % scenario.tp:
-        raise UserError("--tp", f"{scenario.tp} does not divide the {heads} attention heads",
-                        f"use a divisor of {heads}")
+        raise UserError(
+            "--tp", f"{scenario.tp} does not divide the {heads} attention heads", f"use a divisor of {heads}"
+        )
     if kv_heads % scenario.tp and scenario.tp % kv_heads:
-        raise UserError("--tp", f"{scenario.tp} neither divides nor is a multiple of the {kv_heads} key/value heads",
-                        f"use a divisor of {kv_heads}")
+        raise UserError(
+            "--tp",
+            f"{scenario.tp} neither divides nor is a multiple of the {kv_heads} key/value heads",
+            f"use a divisor of {kv_heads}",
+        )
     if scenario.pp > layers:
         raise UserError("--pp", f"{scenario.pp} pipeline stages for {layers} layers", f"use at most {layers}")
 

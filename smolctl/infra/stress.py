@@ -26,8 +26,8 @@ import statistics
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Callable
 
 from smolctl.errors import CheckFailed, UserError
 from smolctl.infra.telemetry import health_findings, nvidia_smi_gpus, open_telemetry, why_no_gpu
@@ -72,9 +72,18 @@ class StressConfig:
     """process (one per device), thread, or auto: processes for GPUs, a thread for the CPU."""
 
 
-def build_config(*, duration: str, dtype: str | None, size: int | None, memory_fraction: float, tolerance: float,
-                 devices: str, expect_tflops: float | None = None, expect_gpus: int | None = None,
-                 launch: str = "auto") -> StressConfig:
+def build_config(
+    *,
+    duration: str,
+    dtype: str | None,
+    size: int | None,
+    memory_fraction: float,
+    tolerance: float,
+    devices: str,
+    expect_tflops: float | None = None,
+    expect_gpus: int | None = None,
+    launch: str = "auto",
+) -> StressConfig:
     """Validate the flags; defaults follow the hardware: bf16 and 8192 on GPUs, fp32 and 512 on the CPU."""
     import torch
 
@@ -100,8 +109,17 @@ def build_config(*, duration: str, dtype: str | None, size: int | None, memory_f
         check_gpu_count(torch.cuda.device_count(), expect_gpus, everything=devices.strip().lower() == "all")
     name = DTYPE_ALIASES.get(dtype.lower(), dtype.lower()) if dtype else ("bf16" if on_gpu else "fp32")
     n = size or (8192 if on_gpu else 512)
-    return StressConfig(seconds, resolved, name, n, memory_fraction, tolerance,
-                        sample_s=min(2.0, max(0.25, seconds / 30)), expect_tflops=expect_tflops, launch=launch)
+    return StressConfig(
+        seconds,
+        resolved,
+        name,
+        n,
+        memory_fraction,
+        tolerance,
+        sample_s=min(2.0, max(0.25, seconds / 30)),
+        expect_tflops=expect_tflops,
+        launch=launch,
+    )
 
 
 def resolve_devices(spec: str, gpu_count: int) -> tuple[str, ...]:
@@ -110,16 +128,21 @@ def resolve_devices(spec: str, gpu_count: int) -> tuple[str, ...]:
     if spec == "cpu":
         return ("cpu",)
     if spec == "all" and gpu_count == 0:
-        raise CheckFailed(f"stress-gpu --devices all: torch sees no GPU ({why_no_gpu()}); a node whose GPUs "
-                          "torch cannot use fails — for a CPU-only check of the tool pass --devices cpu")
+        raise CheckFailed(
+            f"stress-gpu --devices all: torch sees no GPU ({why_no_gpu()}); a node whose GPUs "
+            "torch cannot use fails — for a CPU-only check of the tool pass --devices cpu"
+        )
     if spec == "all":
         return tuple(f"cuda:{i}" for i in range(gpu_count))
     indices = []
     for part in spec.split(","):
         part = part.strip().removeprefix("cuda:")
         if not part.isdigit() or int(part) >= gpu_count:
-            raise UserError("--devices", f"no GPU {part!r} ({gpu_count} visible)",
-                            "use all, cpu, or GPU indices like 0,1 (CUDA_VISIBLE_DEVICES numbering)")
+            raise UserError(
+                "--devices",
+                f"no GPU {part!r} ({gpu_count} visible)",
+                "use all, cpu, or GPU indices like 0,1 (CUDA_VISIBLE_DEVICES numbering)",
+            )
         indices.append(int(part))
     return tuple(f"cuda:{i}" for i in dict.fromkeys(indices))
 
@@ -131,8 +154,10 @@ def check_gpu_count(visible: int, expected: int | None, *, everything: bool) -> 
     if expected is None and everything:
         expected, source = nvidia_smi_gpus(), "nvidia-smi / CUDA_VISIBLE_DEVICES"
     if expected is not None and visible < expected:
-        raise CheckFailed(f"stress-gpu: torch sees {visible} GPU(s), {expected} expected ({source}); a missing "
-                          "GPU is a failed node (check `nvidia-smi`, the kernel log for Xid / 'fallen off the bus')")
+        raise CheckFailed(
+            f"stress-gpu: torch sees {visible} GPU(s), {expected} expected ({source}); a missing "
+            "GPU is a failed node (check `nvidia-smi`, the kernel log for Xid / 'fallen off the bus')"
+        )
 
 
 @dataclass
@@ -191,11 +216,15 @@ def _hash_outliers(reports: list[DeviceReport]) -> dict[str, str]:
         tied = rest[0][1] == count
         for r in members:
             if tied:
-                outliers[r.device] = (f"products differ bit-wise across the {len(members)} {name} devices with no "
-                                      f"majority ({len(votes)} different results from the same inputs)")
+                outliers[r.device] = (
+                    f"products differ bit-wise across the {len(members)} {name} devices with no "
+                    f"majority ({len(votes)} different results from the same inputs)"
+                )
             elif r.result_hash != majority:
-                outliers[r.device] = (f"product differs bit-wise from {count} of the {len(members)} {name} devices "
-                                      "(same inputs, same kernel)")
+                outliers[r.device] = (
+                    f"product differs bit-wise from {count} of the {len(members)} {name} devices "
+                    "(same inputs, same kernel)"
+                )
     return outliers
 
 
@@ -243,16 +272,19 @@ def _device_main(index: int, config: StressConfig, updates, stop) -> None:
     updates.put((index, asdict(report), True))
 
 
-def run_stress(config: StressConfig, on_tick: Callable[[float, list[DeviceReport]], None] | None = None,
-               stop=None) -> list[DeviceReport]:
+def run_stress(
+    config: StressConfig, on_tick: Callable[[float, list[DeviceReport]], None] | None = None, stop=None
+) -> list[DeviceReport]:
     """Stress every device concurrently (so they heat up together, as in a real run) and judge them."""
     in_processes = config.launch == "process" or (config.launch == "auto" and config.devices[0] != "cpu")
     context = multiprocessing.get_context("spawn")
     updates = context.Queue() if in_processes else queue.Queue()
     stop = stop or (context.Event() if in_processes else threading.Event())
     make = context.Process if in_processes else threading.Thread
-    workers = [make(target=_device_main, args=(i, config, updates, stop), name=f"stress-{device}", daemon=True)
-               for i, device in enumerate(config.devices)]
+    workers = [
+        make(target=_device_main, args=(i, config, updates, stop), name=f"stress-{device}", daemon=True)
+        for i, device in enumerate(config.devices)
+    ]
     reports = [DeviceReport(device) for device in config.devices]
     done: set[int] = set()
     began = time.monotonic()
@@ -324,7 +356,8 @@ class DeviceStress:
         self.reference = self.out.clone()
         # the bytes, whatever the dtype: the same on every device of one model, or one of them computes wrong
         self.report.result_hash = hashlib.sha256(
-            self.reference.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+            self.reference.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+        ).hexdigest()
         self.reference_rows_wrong = self._reference_rows_wrong(generator)
         self.report.mismatches = self.reference_rows_wrong
         self.wrong = torch.zeros((), dtype=torch.int64, device=self.device)
@@ -459,5 +492,5 @@ class PatternTest:
         """How many int32 words differ from what write(seed) put there."""
         errors = self.torch.zeros((), dtype=self.torch.int64, device=self.buffer.device)
         for k, chunk in enumerate(self.buffer.split(PATTERN_CHUNK)):
-            errors += self.torch.ne(chunk, self._expected(k, self.scratch[:chunk.numel()], seed)).sum()
+            errors += self.torch.ne(chunk, self._expected(k, self.scratch[: chunk.numel()], seed)).sum()
         return int(errors)

@@ -106,9 +106,11 @@ class NvmlTelemetry(NoTelemetry):
                 self.xids.append(int(event.eventData))
 
     def sample(self) -> None:
-        for values, value in ((self.temps, self._read("nvmlDeviceGetTemperature", 0)),  # NVML_TEMPERATURE_GPU
-                              (self.powers, self._read("nvmlDeviceGetPowerUsage")),
-                              (self.clocks, self._read("nvmlDeviceGetClockInfo", 1))):  # NVML_CLOCK_SM
+        for values, value in (
+            (self.temps, self._read("nvmlDeviceGetTemperature", 0)),  # NVML_TEMPERATURE_GPU
+            (self.powers, self._read("nvmlDeviceGetPowerUsage")),
+            (self.clocks, self._read("nvmlDeviceGetClockInfo", 1)),
+        ):  # NVML_CLOCK_SM
             if value is not None:
                 values.append(value)
         reasons = self._read("nvmlDeviceGetCurrentClocksEventReasons")
@@ -116,7 +118,10 @@ class NvmlTelemetry(NoTelemetry):
             reasons = self._read("nvmlDeviceGetCurrentClocksThrottleReasons")
         self.reasons |= reasons or 0
         # PCIe links drop to a lower generation when idle; under load the link runs at its best, so keep the best
-        generation, width = self._read("nvmlDeviceGetCurrPcieLinkGeneration"), self._read("nvmlDeviceGetCurrPcieLinkWidth")
+        generation, width = (
+            self._read("nvmlDeviceGetCurrPcieLinkGeneration"),
+            self._read("nvmlDeviceGetCurrPcieLinkWidth"),
+        )
         if generation is not None and width is not None:
             self.link = max(self.link or (0, 0), (generation, width))
         self._drain_xid_events()
@@ -132,15 +137,19 @@ class NvmlTelemetry(NoTelemetry):
             except Exception:
                 pass
         return {
-            "max_temp_c": max(self.temps, default=None), "max_power_w": max(self.powers, default=0) / 1e3 or None,
+            "max_temp_c": max(self.temps, default=None),
+            "max_power_w": max(self.powers, default=0) / 1e3 or None,
             "min_sm_clock_mhz": min(self.clocks, default=None),
             "throttle": [name for bit, name in {**THROTTLE_FAULTS, **THROTTLE_WARNINGS}.items() if self.reasons & bit],
-            "ecc_uncorrected_new": None if ecc_after is None or self.ecc_before is None
+            "ecc_uncorrected_new": None
+            if ecc_after is None or self.ecc_before is None
             else ecc_after - self.ecc_before,
-            "remap_pending": bool(remap[2]) if remap else None, "remap_failure": bool(remap[3]) if remap else None,
+            "remap_pending": bool(remap[2]) if remap else None,
+            "remap_failure": bool(remap[3]) if remap else None,
             "xid": sorted(set(self.xids)) if self.events is not None else None,
-            "pcie": None if self.link is None or None in most else
-            {"generation": self.link[0], "width": self.link[1], "max_generation": most[0], "max_width": most[1]},
+            "pcie": None
+            if self.link is None or None in most
+            else {"generation": self.link[0], "width": self.link[1], "max_generation": most[0], "max_width": most[1]},
         }
 
 
@@ -148,8 +157,9 @@ def health_findings(telemetry: dict) -> tuple[list[str], list[str]]:
     """(faults, warnings) in what one device's telemetry says; an empty dict (the CPU) says nothing."""
     faults, warnings = [], []
     if "missing" in telemetry:
-        return [], [f"telemetry missing: {telemetry['missing']}; throttling, ECC, row remapping, Xid and PCIe "
-                    "were not checked"]
+        return [], [
+            f"telemetry missing: {telemetry['missing']}; throttling, ECC, row remapping, Xid and PCIe were not checked"
+        ]
     throttled = set(telemetry.get("throttle") or [])
     if hard := [name for name in THROTTLE_FAULTS.values() if name in throttled]:
         faults.append(f"throttled by {', '.join(hard)}")
@@ -167,8 +177,10 @@ def health_findings(telemetry: dict) -> tuple[list[str], list[str]]:
         warnings.append("Xid events not available from NVML here")
     pcie = telemetry.get("pcie")
     if pcie and (pcie["generation"] < pcie["max_generation"] or pcie["width"] < pcie["max_width"]):
-        faults.append(f"PCIe link gen{pcie['generation']} x{pcie['width']}, below its maximum "
-                      f"gen{pcie['max_generation']} x{pcie['max_width']}")
+        faults.append(
+            f"PCIe link gen{pcie['generation']} x{pcie['width']}, below its maximum "
+            f"gen{pcie['max_generation']} x{pcie['max_width']}"
+        )
     return faults, warnings
 
 

@@ -27,9 +27,9 @@ import json
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 from smolctl.errors import UserError
 from smolctl.shards import KIND_MODEL, MANIFEST_NAME, OutputFolder, atomic_write_json, lineage_ref, read_manifest
@@ -57,7 +57,9 @@ def _is_complete(folder: Path) -> bool:
     manifest = read_manifest(folder) if (folder / MANIFEST_NAME).is_file() else None
     if not manifest or manifest.get("kind") != KIND_CHECKPOINT:
         return False
-    return all((folder / f["name"]).is_file() and (folder / f["name"]).stat().st_size == f["bytes"] for f in manifest["files"])
+    return all(
+        (folder / f["name"]).is_file() and (folder / f["name"]).stat().st_size == f["bytes"] for f in manifest["files"]
+    )
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -76,11 +78,17 @@ def check_checkpoint(path: str | Path, flag: str) -> dict:
         raise UserError(flag, f"{folder}: no such checkpoint folder", "pass RUN/checkpoints/step-NNNNNNN")
     manifest = read_manifest(folder)
     if manifest is None:
-        raise UserError(flag, f"{folder} is not a complete checkpoint (no manifest.json: its save never finished)",
-                        "pass one of the run's RUN/checkpoints/step-NNNNNNN folders")
+        raise UserError(
+            flag,
+            f"{folder} is not a complete checkpoint (no manifest.json: its save never finished)",
+            "pass one of the run's RUN/checkpoints/step-NNNNNNN folders",
+        )
     if manifest.get("kind") != KIND_CHECKPOINT:
-        raise UserError(flag, f"{folder} is a {manifest.get('kind')} folder, not a training checkpoint",
-                        "pass one of the run's RUN/checkpoints/step-NNNNNNN folders")
+        raise UserError(
+            flag,
+            f"{folder} is a {manifest.get('kind')} folder, not a training checkpoint",
+            "pass one of the run's RUN/checkpoints/step-NNNNNNN folders",
+        )
     if not _is_complete(folder):
         raise UserError(flag, f"{folder} is missing files its manifest lists", "use an earlier checkpoint of the run")
     return manifest
@@ -146,8 +154,19 @@ class CheckpointManager:
 
     Every rank calls `save`, `wait` and `load` at the same points of the loop; rank 0 alone commits."""
 
-    def __init__(self, run_dir: Path, *, model, optimizer, dist: Dist, keep: int, async_save: bool, export_interval: int,
-                 write_model_files: Callable[[Path], None], inputs: Callable[[], list[dict]]):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        model,
+        optimizer,
+        dist: Dist,
+        keep: int,
+        async_save: bool,
+        export_interval: int,
+        write_model_files: Callable[[Path], None],
+        inputs: Callable[[], list[dict]],
+    ):
         self.run_dir, self.model, self.optimizer, self.dist = Path(run_dir), model, optimizer, dist
         self.keep, self.async_save, self.export_interval = keep, async_save, export_interval
         self.write_model_files, self.inputs = write_model_files, inputs
@@ -201,12 +220,20 @@ class CheckpointManager:
                 # Pinned host memory and a side stream make the device-to-host copy fast and off the compute stream
                 # on GPUs; on CPU neither exists. The copy runs on the stager's thread (use_async_staging).
                 on_gpu = torch.cuda.is_available()
-                self._stager = DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
-                                                            use_async_staging=True, use_non_blocking_copy=on_gpu))
+                self._stager = DefaultStager(
+                    StagingOptions(
+                        use_pinned_memory=on_gpu,
+                        use_shared_memory=False,
+                        use_async_staging=True,
+                        use_non_blocking_copy=on_gpu,
+                    )
+                )
             # Returns at once; the previous save has finished, so the buffers the copy reuses are free.
             response = dcp.async_save(self._state(), async_stager=self._stager, **options)
             self._staging = response.staging_completion
-            self._pending = self._committer.submit(self._commit_when_written, response.upload_completion, output, fields)
+            self._pending = self._committer.submit(
+                self._commit_when_written, response.upload_completion, output, fields
+            )
         return time.perf_counter() - started
 
     def wait_for_staging(self) -> float:
@@ -238,17 +265,22 @@ class CheckpointManager:
             return
         # Rank 0's save finishes after DCP's coordinator gathered every rank's write results: all shards are on disk.
         # Listed by size, not hashed: hashing every save would stall rank 0 for minutes on a large model.
-        files = [{"name": entry.name, "bytes": entry.stat().st_size} for entry in sorted(output.staging.iterdir()) if entry.is_file()]
+        files = [
+            {"name": entry.name, "bytes": entry.stat().st_size}
+            for entry in sorted(output.staging.iterdir())
+            if entry.is_file()
+        ]
         output.commit(files=files, **fields)
         if self._exporting is not None:
             self._exporting.result()  # the folder it reads must outlive it
             self._exporting = None
-        for old in complete_checkpoints(self.run_dir)[:-self.keep]:
+        for old in complete_checkpoints(self.run_dir)[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         if self.export_interval and fields["step"] % self.export_interval == 0:
             export = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smolctl-export")
-            self._exporting = export.submit(export_checkpoint, output.path,
-                                            self.run_dir / "exports" / output.path.name, overwrite=True)
+            self._exporting = export.submit(
+                export_checkpoint, output.path, self.run_dir / "exports" / output.path.name, overwrite=True
+            )
             export.shutdown(wait=False)
 
     def load(self, path: Path, *, optimizer: bool = True) -> dict:
@@ -258,8 +290,12 @@ class CheckpointManager:
         import torch.distributed.checkpoint as dcp
 
         path = Path(path)
-        dcp.load(self._state(optimizer), checkpoint_id=str(path), process_group=self.process_group,
-                 no_dist=not self.dist.active)
+        dcp.load(
+            self._state(optimizer),
+            checkpoint_id=str(path),
+            process_group=self.process_group,
+            no_dist=not self.dist.active,
+        )
         rng_file = path / f"rng-rank{self.dist.rank:05d}.pt"
         saved_world = len(list(path.glob("rng-rank*.pt")))
         if rng_file.is_file() and saved_world == self.dist.world_size:
@@ -290,22 +326,36 @@ def check_model_shapes(path: Path, model) -> None:
     """Refuse (one line) a checkpoint whose weights do not fit `model` (an unwrapped model), before DCP fails deep."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    saved = {k[len(MODEL_KEY) + 1:]: tuple(v.size) for k, v in FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
-             if k.startswith(MODEL_KEY + ".") and hasattr(v, "size")}
+    saved = {
+        k[len(MODEL_KEY) + 1 :]: tuple(v.size)
+        for k, v in FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+        if k.startswith(MODEL_KEY + ".") and hasattr(v, "size")
+    }
     own = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     differ = sorted(name for name in own.keys() & saved.keys() if own[name] != saved[name])
     missing = sorted(own.keys() - saved.keys())
     if differ or missing:
-        what = (f"{differ[0]} is {list(saved[differ[0]])} there but {list(own[differ[0]])} here" if differ
-                else f"it has no {missing[0]}")
-        raise UserError(path, f"holds a different model ({what})", "make [model] match the recipe that wrote the checkpoint")
+        what = (
+            f"{differ[0]} is {list(saved[differ[0]])} there but {list(own[differ[0]])} here"
+            if differ
+            else f"it has no {missing[0]}"
+        )
+        raise UserError(
+            path, f"holds a different model ({what})", "make [model] match the recipe that wrote the checkpoint"
+        )
 
 
 # ---- Hugging Face folders from checkpoints ---------------------------------------------------------------------
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, *, overwrite: bool = False,
-                      shard_bytes: int = EXPORT_SHARD_BYTES, flag: str = "CHECKPOINT") -> dict:
+def export_checkpoint(
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    overwrite: bool = False,
+    shard_bytes: int = EXPORT_SHARD_BYTES,
+    flag: str = "CHECKPOINT",
+) -> dict:
     """A DCP checkpoint → a Hugging Face folder `from_pretrained` loads, streamed tensor group by tensor group
     (memory stays near `shard_bytes` whatever the model size), on CPU, with a manifest whose parent is the
     checkpoint. Returns the manifest."""
@@ -318,8 +368,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, overwrite: boo
     manifest = check_checkpoint(source, flag)
     tied = json.loads((source / "config.json").read_text()).get("tie_word_embeddings", False)
     metadata = FileSystemReader(str(source)).read_metadata().state_dict_metadata
-    tensors = {key[len(MODEL_KEY) + 1:]: meta for key, meta in metadata.items()
-               if key.startswith(MODEL_KEY + ".") and hasattr(meta, "size")}
+    tensors = {
+        key[len(MODEL_KEY) + 1 :]: meta
+        for key, meta in metadata.items()
+        if key.startswith(MODEL_KEY + ".") and hasattr(meta, "size")
+    }
     if tied:
         tensors.pop("lm_head.weight", None)  # HF folders store a tied embedding once
     groups: list[list[str]] = [[]]
@@ -334,14 +387,24 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, overwrite: boo
     output = OutputFolder(out, kind=KIND_MODEL, overwrite=overwrite, inputs=[lineage_ref(source)])
     with output:
         for entry in source.iterdir():
-            if entry.is_file() and entry.name not in (MANIFEST_NAME, TRAIN_STATE, DCP_METADATA) \
-                    and not entry.name.endswith(".distcp") and not entry.name.startswith("rng-rank"):
+            if (
+                entry.is_file()
+                and entry.name not in (MANIFEST_NAME, TRAIN_STATE, DCP_METADATA)
+                and not entry.name.endswith(".distcp")
+                and not entry.name.startswith("rng-rank")
+            ):
                 shutil.copy2(entry, output.file(entry.name))
-        names = ["model.safetensors"] if len(groups) == 1 else \
-            [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        names = (
+            ["model.safetensors"]
+            if len(groups) == 1
+            else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        )
         weight_map = {}
         for name, group in zip(names, groups):
-            part = {f"{MODEL_KEY}.{k}": torch.empty(tuple(tensors[k].size), dtype=tensors[k].properties.dtype) for k in group}
+            part = {
+                f"{MODEL_KEY}.{k}": torch.empty(tuple(tensors[k].size), dtype=tensors[k].properties.dtype)
+                for k in group
+            }
             dcp.load(part, checkpoint_id=str(source), no_dist=True)
             save_file({k: part[f"{MODEL_KEY}.{k}"] for k in group}, str(output.file(name)), metadata={"format": "pt"})
             del part
@@ -349,15 +412,21 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, overwrite: boo
             output.add_shard(name, rows=0)
         if len(names) > 1:
             total = sum(tensors[k].size.numel() * tensors[k].properties.dtype.itemsize for k in weight_map)
-            atomic_write_json(output.file("model.safetensors.index.json"),
-                              {"metadata": {"total_size": total}, "weight_map": weight_map})
-        kept = {k: manifest[k] for k in ("stage", "step", "tokens_seen", "parameters", "tokenizer", "recipe", "identity", "stats")
-                if k in manifest}
+            atomic_write_json(
+                output.file("model.safetensors.index.json"),
+                {"metadata": {"total_size": total}, "weight_map": weight_map},
+            )
+        kept = {
+            k: manifest[k]
+            for k in ("stage", "step", "tokens_seen", "parameters", "tokenizer", "recipe", "identity", "stats")
+            if k in manifest
+        }
         return output.commit(parent=str(source.resolve()), **kept)
 
 
-def save_model_folder(path: Path, *, model, wrapped, tokenizer, dist: Dist, inputs: list[dict], parent: str | None,
-                      fields: dict) -> Path:
+def save_model_folder(
+    path: Path, *, model, wrapped, tokenizer, dist: Dist, inputs: list[dict], parent: str | None, fields: dict
+) -> Path:
     """RUN/final: the full weights gathered from memory (every rank takes part under FSDP) into a Hugging Face
     folder that rank 0 writes atomically."""
     from transformers.utils import logging as hf_logging
@@ -384,19 +453,27 @@ def check_model_folder(path: str | Path, *, need_optimizer: bool = False) -> str
     """A `--from` folder: a Hugging Face model folder ("model") or a complete training checkpoint ("checkpoint")."""
     folder = Path(path)
     if not folder.is_dir():
-        raise UserError("--from", f"{folder}: no such checkpoint folder", "pass RUN/final or RUN/checkpoints/step-NNNNNNN")
+        raise UserError(
+            "--from", f"{folder}: no such checkpoint folder", "pass RUN/final or RUN/checkpoints/step-NNNNNNN"
+        )
     manifest = read_manifest(folder) or {}
     if manifest.get("kind") == KIND_CHECKPOINT:
         check_checkpoint(folder, "--from")
         return KIND_CHECKPOINT
     if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
-        raise UserError("--from", f"{folder}: incomplete model folder (no config.json or *.safetensors)",
-                        "pass a finished checkpoint; a partial one (killed while saving) is not usable")
+        raise UserError(
+            "--from",
+            f"{folder}: incomplete model folder (no config.json or *.safetensors)",
+            "pass a finished checkpoint; a partial one (killed while saving) is not usable",
+        )
     if manifest and manifest.get("kind") != KIND_MODEL:
         raise UserError("--from", f"{folder}: is a {manifest.get('kind')} folder, not a model", "pass a model folder")
     if need_optimizer:
-        raise UserError("--keep-optimizer", f"{folder} holds no optimizer state",
-                        "pass a RUN/checkpoints/step-NNNNNNN folder, or drop --keep-optimizer")
+        raise UserError(
+            "--keep-optimizer",
+            f"{folder} holds no optimizer state",
+            "pass a RUN/checkpoints/step-NNNNNNN folder, or drop --keep-optimizer",
+        )
     return KIND_MODEL
 
 
@@ -407,8 +484,11 @@ def packed_digest(path: str | Path) -> str:
     from smolctl.shards import open_packed
 
     manifest = open_packed(path).manifest
-    content = {"shards": [[s["sha256"], s["rows"]] for s in manifest["shards"]], "seq_len": manifest["seq_len"],
-               "tokenizer": (manifest.get("tokenizer") or {}).get("fingerprint")}
+    content = {
+        "shards": [[s["sha256"], s["rows"]] for s in manifest["shards"]],
+        "seq_len": manifest["seq_len"],
+        "tokenizer": (manifest.get("tokenizer") or {}).get("fingerprint"),
+    }
     return hashlib.sha256(json.dumps(content).encode()).hexdigest()[:16]
 
 
@@ -418,11 +498,16 @@ def run_identity(recipe) -> dict:
     fix the data order (seed, seq_len, global batch). Its length, micro batch and schedule may change."""
     model = recipe.model.model_dump(exclude={"tokenizer"})  # the data's tokenizer fingerprint stands for it
     data = recipe.data
-    stages = [{"start_step": s.start_step, "weights": s.weights, "folders": [packed_digest(p) for p in s.paths]}
-              for s in data.stage_list()]
+    stages = [
+        {"start_step": s.start_step, "weights": s.weights, "folders": [packed_digest(p) for p in s.paths]}
+        for s in data.stage_list()
+    ]
     training = {k: getattr(recipe.training, k) for k in ("seed", "seq_len", "global_batch", "global_batch_tokens")}
-    return {"model": model, "data": {"stages": stages, "validation": packed_digest(data.validation) if data.validation else None},
-            "training": training}
+    return {
+        "model": model,
+        "data": {"stages": stages, "validation": packed_digest(data.validation) if data.validation else None},
+        "training": training,
+    }
 
 
 def check_same_identity(saved: dict | None, current: dict, where: Path, recipe) -> None:
@@ -432,18 +517,31 @@ def check_same_identity(saved: dict | None, current: dict, where: Path, recipe) 
     for section in ("model", "training"):
         for key in current[section].keys() | saved[section].keys():
             if saved[section].get(key) != current[section].get(key):
-                raise UserError(f"{section}.{key}", f"differs from the run being resumed ({saved[section].get(key)!r} → "
-                                f"{current[section].get(key)!r})", "resume with the recipe the run started with, or start a new run")
+                raise UserError(
+                    f"{section}.{key}",
+                    f"differs from the run being resumed ({saved[section].get(key)!r} → {current[section].get(key)!r})",
+                    "resume with the recipe the run started with, or start a new run",
+                )
     stages_now, stages_then = current["data"]["stages"], saved["data"]["stages"]
-    if [(s["start_step"], s["weights"], len(s["folders"])) for s in stages_now] != \
-            [(s["start_step"], s["weights"], len(s["folders"])) for s in stages_then]:
-        raise UserError("data", "its stages or weights differ from the run being resumed",
-                        "resume with the recipe the run started with, or start a new run")
+    if [(s["start_step"], s["weights"], len(s["folders"])) for s in stages_now] != [
+        (s["start_step"], s["weights"], len(s["folders"])) for s in stages_then
+    ]:
+        raise UserError(
+            "data",
+            "its stages or weights differ from the run being resumed",
+            "resume with the recipe the run started with, or start a new run",
+        )
     for stage, now, then in zip(recipe.data.stage_list(), stages_now, stages_then):
         for path, digest, before in zip(stage.paths, now["folders"], then["folders"]):
             if digest != before:
-                raise UserError(path, "holds other data than the folder the run was trained on (shard checksums or "
-                                "tokenizer differ)", "pass the packed folders the run started with, or start a new run")
+                raise UserError(
+                    path,
+                    "holds other data than the folder the run was trained on (shard checksums or tokenizer differ)",
+                    "pass the packed folders the run started with, or start a new run",
+                )
     if current["data"]["validation"] != saved["data"]["validation"]:
-        raise UserError("data.validation", "holds other data than the run's validation folder",
-                        "pass the validation folder the run started with")
+        raise UserError(
+            "data.validation",
+            "holds other data than the run's validation folder",
+            "pass the validation folder the run started with",
+        )

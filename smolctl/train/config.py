@@ -13,9 +13,10 @@ names that command. `derive_batch` turns the batch keys into the numbers the loo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -59,14 +60,18 @@ class ModelSection(Section):
         return sorted(self.model_fields_set - {"from_", "tokenizer"})
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> "ModelSection":
+    def _heads_divide(self) -> ModelSection:
         if self.hidden_size is None or self.num_attention_heads is None:
             return self
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}")
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
+            )
         if self.num_key_value_heads and self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
-                             f"num_key_value_heads {self.num_key_value_heads}")
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
         return self
 
 
@@ -79,7 +84,7 @@ class DataStage(Section):
     """Sampling weights over `paths` (normalised); default: proportional to each folder's rows."""
 
     @model_validator(mode="after")
-    def _weights_match(self) -> "DataStage":
+    def _weights_match(self) -> DataStage:
         if self.weights is not None:
             if len(self.weights) != len(self.paths):
                 raise ValueError(f"weights has {len(self.weights)} entries but paths has {len(self.paths)}")
@@ -101,7 +106,7 @@ class DataSection(Section):
     """Micro batches per evaluation (the first ones of the folder, so evaluations are comparable)."""
 
     @model_validator(mode="after")
-    def _one_layout(self) -> "DataSection":
+    def _one_layout(self) -> DataSection:
         if (self.paths is None) == (self.stages is None):
             raise ValueError("give either paths (one stage) or [[data.stages]], not both or neither")
         if self.stages is not None:
@@ -149,7 +154,7 @@ class ScheduleSection(Section):
     """The lowest lr, as a fraction of the peak (cosine, wsd and exponential)."""
 
     @model_validator(mode="after")
-    def _one_decay_length(self) -> "ScheduleSection":
+    def _one_decay_length(self) -> ScheduleSection:
         if self.decay_steps is not None and self.decay_fraction is not None:
             raise ValueError("give decay_steps or decay_fraction, not both")
         return self
@@ -186,7 +191,7 @@ class TrainingSection(Section):
     are recomputed in backward (4096 tokens × 128k vocabulary = 2 GiB)."""
 
     @model_validator(mode="after")
-    def _budget_and_batch(self) -> "TrainingSection":
+    def _budget_and_batch(self) -> TrainingSection:
         if (self.steps is None) == (self.tokens is None):
             raise ValueError("give either steps or tokens")
         if self.global_batch is not None and self.global_batch_tokens is not None:
@@ -289,8 +294,23 @@ class PromptDataSection(Section):
     limit: int | None = Field(None, gt=0)
 
 
-DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
-              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+DPO_LOSSES = (
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+    "sigmoid_norm",
+)
 
 
 class SftSection(Section):
@@ -399,9 +419,12 @@ class TrainRecipe(_Recipe):
     guards: GuardsSection = GuardsSection()
 
     @model_validator(mode="after")
-    def _architecture_and_length(self) -> "TrainRecipe":
-        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-                   if getattr(self.model, k) is None]
+    def _architecture_and_length(self) -> TrainRecipe:
+        missing = [
+            k
+            for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+            if getattr(self.model, k) is None
+        ]
         if missing:
             raise ValueError(f"[model] needs {', '.join(missing)} (pretrain builds the model from them)")
         if self.training.seq_len is None:
@@ -415,17 +438,23 @@ class PostTrainRecipe(_Recipe):
     peft: PeftSection | None = None
 
     @model_validator(mode="after")
-    def _from_checkpoint(self) -> "PostTrainRecipe":
+    def _from_checkpoint(self) -> PostTrainRecipe:
         given = self.model.architecture_keys()
         if given:
-            raise ValueError(f"[model] {', '.join(given)}: post-training keeps the starting checkpoint's architecture "
-                             "and tokenizer — keep only model.from")
+            raise ValueError(
+                f"[model] {', '.join(given)}: post-training keeps the starting checkpoint's architecture "
+                "and tokenizer — keep only model.from"
+            )
         if self.training.tokens is not None or self.training.seq_len is not None or self.training.global_batch_tokens:
-            raise ValueError("post-training counts training.steps and sequences: tokens, seq_len and "
-                             "global_batch_tokens are pretrain keys")
+            raise ValueError(
+                "post-training counts training.steps and sequences: tokens, seq_len and "
+                "global_batch_tokens are pretrain keys"
+            )
         if self.training.activation_checkpointing == "selective":
-            raise ValueError("training.activation_checkpointing = \"selective\" is pretrain's op-level policy; "
-                             "post-training recomputes whole layers: use \"full\" or \"none\"")
+            raise ValueError(
+                'training.activation_checkpointing = "selective" is pretrain\'s op-level policy; '
+                'post-training recomputes whole layers: use "full" or "none"'
+            )
         return self
 
 
@@ -451,8 +480,14 @@ class GrpoRecipe(PostTrainRecipe):
     rewards: list[RewardSection] = Field(default_factory=list)
 
 
-RECIPES: dict[str, type[_Recipe]] = {"pretrain": TrainRecipe, "midtrain": TrainRecipe, "sft": SftRecipe,
-                                      "dpo": DpoRecipe, "ppo": PpoRecipe, "grpo": GrpoRecipe}
+RECIPES: dict[str, type[_Recipe]] = {
+    "pretrain": TrainRecipe,
+    "midtrain": TrainRecipe,
+    "sft": SftRecipe,
+    "dpo": DpoRecipe,
+    "ppo": PpoRecipe,
+    "grpo": GrpoRecipe,
+}
 
 # Keys of the two stacks before they became one: each names where it lives now.
 MOVED_KEYS = {
@@ -463,7 +498,7 @@ MOVED_KEYS = {
     "training.schedule": "schedule.kind",
     "training.warmup_steps": "schedule.warmup_steps",
     "training.decay": "schedule.decay_rate",
-    "training.gradient_checkpointing": "training.activation_checkpointing (\"full\", \"selective\" or \"none\")",
+    "training.gradient_checkpointing": 'training.activation_checkpointing ("full", "selective" or "none")',
     "training.grad_accum": "training.global_batch (sequences per step; accumulation is derived)",
     "generation.max_new_tokens": "ppo.max_new_tokens or grpo.max_new_tokens",
     "generation.temperature": "ppo.temperature or grpo.temperature",
@@ -471,8 +506,15 @@ MOVED_KEYS = {
     "output": "the RUN argument: smolctl COMMAND RECIPE RUN",
 }
 # Tables only some commands read: a recipe of another command that has them would be silently half-obeyed.
-READ_BY = {"guards": ("pretrain", "midtrain"), "peft": ("sft", "dpo", "ppo", "grpo"), "sft": ("sft",),
-           "dpo": ("dpo",), "ppo": ("ppo",), "grpo": ("grpo",), "rewards": ("ppo", "grpo")}
+READ_BY = {
+    "guards": ("pretrain", "midtrain"),
+    "peft": ("sft", "dpo", "ppo", "grpo"),
+    "sft": ("sft",),
+    "dpo": ("dpo",),
+    "ppo": ("ppo",),
+    "grpo": ("grpo",),
+    "rewards": ("ppo", "grpo"),
+}
 
 
 def check_keys(raw: dict, command: str, source: str | Path) -> None:
@@ -483,12 +525,19 @@ def check_keys(raw: dict, command: str, source: str | Path) -> None:
         if isinstance(node, dict) and key in node:
             raise UserError(source, f"{old} moved to {new}", "rename it in the recipe (README: one recipe schema)")
     if command == "grpo" and "ppo" in raw:
-        raise UserError(source, "[ppo] is read by smolctl ppo; grpo reads [grpo] (num_generations, epochs, clip, "
-                        "kl_coef, max_new_tokens, temperature) and training.global_batch", "move the keys to [grpo]")
+        raise UserError(
+            source,
+            "[ppo] is read by smolctl ppo; grpo reads [grpo] (num_generations, epochs, clip, "
+            "kl_coef, max_new_tokens, temperature) and training.global_batch",
+            "move the keys to [grpo]",
+        )
     for table, readers in READ_BY.items():
         if table in raw and command not in readers:
-            raise UserError(source, f"[{table}] is read by {' and '.join(readers)}, not by {command}",
-                            f"remove the table, or run smolctl {readers[0]}")
+            raise UserError(
+                source,
+                f"[{table}] is read by {' and '.join(readers)}, not by {command}",
+                f"remove the table, or run smolctl {readers[0]}",
+            )
 
 
 def load_command_recipe(command: str, path: str | Path, overrides: Sequence[str] = ()) -> _Recipe:
@@ -515,8 +564,11 @@ class Layout:
 def _split(world_size: int, parallel: ParallelSection, sharded: bool) -> Layout:
     tp = parallel.tp
     if world_size % tp:
-        raise UserError("parallel.tp", f"{tp} does not divide the world size {world_size}",
-                        f"use a tp that divides {world_size}, or launch a multiple of {tp} processes")
+        raise UserError(
+            "parallel.tp",
+            f"{tp} does not divide the world size {world_size}",
+            f"use a tp that divides {world_size}, or launch a multiple of {tp} processes",
+        )
     rest = world_size // tp
     replicate, shard = parallel.dp_replicate, parallel.dp_shard
     if replicate is None and shard is None:
@@ -524,25 +576,36 @@ def _split(world_size: int, parallel: ParallelSection, sharded: bool) -> Layout:
     given_key, given = ("parallel.dp_shard", shard) if shard is not None else ("parallel.dp_replicate", replicate)
     if replicate is not None and shard is not None:
         if replicate * shard != rest:
-            raise UserError("parallel", f"dp_replicate {replicate} × dp_shard {shard} × tp {tp} = {replicate * shard * tp} "
-                            f"processes, but the world size is {world_size}",
-                            f"make dp_replicate × dp_shard = {rest}, or leave one of them unset")
+            raise UserError(
+                "parallel",
+                f"dp_replicate {replicate} × dp_shard {shard} × tp {tp} = {replicate * shard * tp} "
+                f"processes, but the world size is {world_size}",
+                f"make dp_replicate × dp_shard = {rest}, or leave one of them unset",
+            )
         return Layout(replicate, shard, tp)
     if rest % given:
-        raise UserError(given_key, f"{given} does not divide the {rest} ranks left by tp {tp} in a world of {world_size}",
-                        f"use a divisor of {rest}, or leave it unset")
+        raise UserError(
+            given_key,
+            f"{given} does not divide the {rest} ranks left by tp {tp} in a world of {world_size}",
+            f"use a divisor of {rest}, or leave it unset",
+        )
     return Layout(rest // given, given, tp) if shard is not None else Layout(given, rest // given, tp)
 
 
-def resolve_layout(recipe: "TrainRecipe", world_size: int) -> Layout:
+def resolve_layout(recipe: TrainRecipe, world_size: int) -> Layout:
     """The mesh for `world_size` processes, checked against the model: TP splits heads, so tp must divide both
     the attention heads and the KV heads."""
     model, tp = recipe.model, recipe.parallel.tp
-    for key, heads in (("num_attention_heads", model.num_attention_heads),
-                       ("num_key_value_heads", model.num_key_value_heads or model.num_attention_heads)):
+    for key, heads in (
+        ("num_attention_heads", model.num_attention_heads),
+        ("num_key_value_heads", model.num_key_value_heads or model.num_attention_heads),
+    ):
         if heads % tp:
-            raise UserError("parallel.tp", f"{tp} does not divide model.{key} = {heads}",
-                            f"use a tp that divides {heads} (e.g. {max(d for d in range(1, tp + 1) if heads % d == 0)})")
+            raise UserError(
+                "parallel.tp",
+                f"{tp} does not divide model.{key} = {heads}",
+                f"use a tp that divides {heads} (e.g. {max(d for d in range(1, tp + 1) if heads % d == 0)})",
+            )
     return _split(world_size, recipe.parallel, recipe.training.shard)
 
 
@@ -573,15 +636,19 @@ class BatchPlan:
         return self.global_batch // self.data_parallel
 
 
-def global_batch_and_accumulation(training: TrainingSection, world_size: int, seq_len: int | None = None,
-                                  layout: Layout | None = None) -> tuple[int, int]:
+def global_batch_and_accumulation(
+    training: TrainingSection, world_size: int, seq_len: int | None = None, layout: Layout | None = None
+) -> tuple[int, int]:
     """(sequences per optimizer step, micro batches per data-parallel rank per step) for this layout: only
     data-parallel ranks split the batch, TP ranks share theirs. UserError when they do not divide, naming the keys."""
     layout = layout or Layout(world_size, 1, 1)
     if training.global_batch_tokens is not None and seq_len:
         if training.global_batch_tokens % seq_len:
-            raise UserError("training.global_batch_tokens", f"{training.global_batch_tokens} is not a multiple of seq_len {seq_len}",
-                            "use a multiple of training.seq_len, or give training.global_batch in sequences")
+            raise UserError(
+                "training.global_batch_tokens",
+                f"{training.global_batch_tokens} is not a multiple of seq_len {seq_len}",
+                "use a multiple of training.seq_len, or give training.global_batch in sequences",
+            )
         global_batch = training.global_batch_tokens // seq_len
     else:
         global_batch = training.global_batch or training.micro_batch * layout.data_parallel
@@ -589,20 +656,39 @@ def global_batch_and_accumulation(training: TrainingSection, world_size: int, se
     per_pass = training.micro_batch * dp
     if global_batch % per_pass:
         ranks = f"data-parallel size {dp}" + (f" (world {world_size} / tp {layout.tp})" if layout.tp > 1 else "")
-        raise UserError("training.global_batch", f"{global_batch} sequences is not divisible by micro_batch {training.micro_batch} × "
-                        f"{ranks} = {per_pass}", f"use a multiple of {per_pass}, or change training.micro_batch or parallel.tp")
+        raise UserError(
+            "training.global_batch",
+            f"{global_batch} sequences is not divisible by micro_batch {training.micro_batch} × {ranks} = {per_pass}",
+            f"use a multiple of {per_pass}, or change training.micro_batch or parallel.tp",
+        )
     return global_batch, global_batch // per_pass
 
 
-def derive_batch(training: TrainingSection, schedule: ScheduleSection, world_size: int, layout: Layout | None = None) -> BatchPlan:
+def derive_batch(
+    training: TrainingSection, schedule: ScheduleSection, world_size: int, layout: Layout | None = None
+) -> BatchPlan:
     """Global batch → gradient accumulation for this layout; token budget → steps. UserError when they do not
     divide, naming the keys to change."""
     layout = layout or Layout(world_size, 1, 1)
     global_batch, grad_accum = global_batch_and_accumulation(training, world_size, training.seq_len, layout)
-    steps = training.steps if training.steps is not None else -(-int(training.tokens) // (global_batch * training.seq_len))
+    steps = (
+        training.steps if training.steps is not None else -(-int(training.tokens) // (global_batch * training.seq_len))
+    )
     decay = schedule.decay_steps or 0
     if schedule.warmup_steps + decay > steps:
-        raise UserError("schedule", f"warmup_steps {schedule.warmup_steps} + decay_steps {decay} exceed the {steps} training steps",
-                        "shorten the warmup/decay or train longer")
-    return BatchPlan(world_size, training.micro_batch, global_batch, grad_accum, int(training.seq_len), steps,
-                     layout.tp, layout.dp_replicate, layout.dp_shard)
+        raise UserError(
+            "schedule",
+            f"warmup_steps {schedule.warmup_steps} + decay_steps {decay} exceed the {steps} training steps",
+            "shorten the warmup/decay or train longer",
+        )
+    return BatchPlan(
+        world_size,
+        training.micro_batch,
+        global_batch,
+        grad_accum,
+        int(training.seq_len),
+        steps,
+        layout.tp,
+        layout.dp_replicate,
+        layout.dp_shard,
+    )

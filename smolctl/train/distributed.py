@@ -84,7 +84,10 @@ def init_distributed() -> Dist:
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", device_id=torch.device(device) if device.startswith("cuda") else None)
+            dist.init_process_group(
+                "nccl" if device.startswith("cuda") else "gloo",
+                device_id=torch.device(device) if device.startswith("cuda") else None,
+            )
     return Dist(rank, local_rank, world, device)
 
 
@@ -93,8 +96,15 @@ def wrap_model(wrapped, dist: Dist, layout, *, activation_checkpointing: str, co
     the layout only replicates (tp 1, dp_shard 1) — one all-reduce of gradients, no parameter gathers."""
     replicate_only = layout.tp == 1 and layout.dp_shard == 1
     mesh = build_mesh(layout, dist.device.split(":")[0]) if dist.active and not replicate_only else None
-    parallelize(wrapped, mesh=mesh, layout=layout, activation_checkpointing=activation_checkpointing, compile=compile,
-                bf16=bf16, fsdp=not replicate_only)
+    parallelize(
+        wrapped,
+        mesh=mesh,
+        layout=layout,
+        activation_checkpointing=activation_checkpointing,
+        compile=compile,
+        bf16=bf16,
+        fsdp=not replicate_only,
+    )
     dist.sharded = mesh is not None
     dist.fsdp = mesh is not None and layout.data_parallel > 1
     if not dist.active or not replicate_only:

@@ -15,7 +15,7 @@ from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import UserError
 from smolctl.infra.estimate import compute, largest_micro_batch, load_model, memory, smallest_layouts
 from smolctl.infra.memory import GPUS
-from smolctl.infra.scenario import TrainingScenario, recipe_values, check_scenario
+from smolctl.infra.scenario import TrainingScenario, check_scenario, recipe_values
 from smolctl.results import Result
 from smolctl.shards import KIND_PACKED, read_manifest
 from smolctl.train.config import Layout, TrainRecipe, derive_batch, resolve_layout
@@ -43,16 +43,23 @@ def _vocab_size(recipe: TrainRecipe) -> int:
         manifests = [read_manifest(Path(p)) for p in recipe.data.all_paths() if Path(p).is_dir()]
         spec = next((m["tokenizer"]["path"] for m in manifests if m and m.get("tokenizer")), None)
     if spec is None:
-        raise UserError("model.vocab_size", "is unknown: no model.tokenizer, vocab_size or readable packed folder",
-                        "set model.vocab_size (or model.tokenizer) for a dry run")
+        raise UserError(
+            "model.vocab_size",
+            "is unknown: no model.tokenizer, vocab_size or readable packed folder",
+            "set model.vocab_size (or model.tokenizer) for a dry run",
+        )
     return len(load_tokenizer(spec))
 
 
-def estimate_scenario(recipe: TrainRecipe, *, vocab: int, world_size: int, gpu: str, layout: Layout) -> TrainingScenario:
+def estimate_scenario(
+    recipe: TrainRecipe, *, vocab: int, world_size: int, gpu: str, layout: Layout
+) -> TrainingScenario:
     """The `smolctl estimate` scenario of this recipe on this layout: what `estimate RECIPE --gpus N` would size."""
 
-    raw = {section: {k: v for k, v in table.items() if v is not None} if isinstance(table, dict) else table
-           for section, table in json.loads(recipe.model_dump_json()).items()}
+    raw = {
+        section: {k: v for k, v in table.items() if v is not None} if isinstance(table, dict) else table
+        for section, table in json.loads(recipe.model_dump_json()).items()
+    }
     raw["model"]["vocab_size"] = vocab
     values = recipe_values(raw, "recipe")
     values.update(gpus=world_size, gpu=gpu, tp=layout.tp, source="recipe", dp_shard=layout.dp_shard)
@@ -67,9 +74,13 @@ def _runnable_layouts(scenario: TrainingScenario, shape) -> list[dict]:
     found: dict[tuple, dict] = {}
     for option in smallest_layouts(replace(scenario, framework="smolctl"), shape, top=20)["layouts"]:
         if option["pp"] == 1 and option["cp"] == 1 and option["recompute"] in recompute:
-            keys = {"parallel.tp": option["tp"], "parallel.dp_shard": option["dp_shard"],
-                    "parallel.dp_replicate": option["dp_replicate"], "training.shard": option["zero"] == 3,
-                    "training.activation_checkpointing": recompute[option["recompute"]]}
+            keys = {
+                "parallel.tp": option["tp"],
+                "parallel.dp_shard": option["dp_shard"],
+                "parallel.dp_replicate": option["dp_replicate"],
+                "training.shard": option["zero"] == 3,
+                "training.activation_checkpointing": recompute[option["recompute"]],
+            }
             found.setdefault(tuple(keys.values()), {**keys, "total": option["total"]})
     return list(found.values())[:3]
 
@@ -120,18 +131,35 @@ def dry_run(recipe: TrainRecipe, *, world_size: int, gpu: str = "h100") -> DryRu
     total_tokens = plan.steps * plan.tokens_per_step
     result = DryRun(
         recipe=json.loads(recipe.model_dump_json()),
-        parameters=counts["total"], non_embedding_parameters=counts["non_embedding"], vocab_size=vocab,
-        world_size=world_size, layout=asdict(layout), data_parallel=plan.data_parallel,
-        micro_batch=plan.micro_batch, global_batch=plan.global_batch,
-        grad_accum=plan.grad_accum, tokens_per_step=plan.tokens_per_step, steps=plan.steps,
-        total_tokens=total_tokens, flops_per_token=timing["flops_per_token"],
+        parameters=counts["total"],
+        non_embedding_parameters=counts["non_embedding"],
+        vocab_size=vocab,
+        world_size=world_size,
+        layout=asdict(layout),
+        data_parallel=plan.data_parallel,
+        micro_batch=plan.micro_batch,
+        global_batch=plan.global_batch,
+        grad_accum=plan.grad_accum,
+        tokens_per_step=plan.tokens_per_step,
+        steps=plan.steps,
+        total_tokens=total_tokens,
+        flops_per_token=timing["flops_per_token"],
         total_flops=timing["flops_per_token"] * total_tokens,
         memory=held,
-        estimate={"gpu": gpu, "assumed_mfu": sizing.mfu, "gpu_hours": timing["gpu_hours"], "days": timing["time"]["days"]},
-        data={path: _data_status(path, training.seq_len) for path in recipe.data.all_paths()
-              + ([recipe.data.validation] if recipe.data.validation else [])},
+        estimate={
+            "gpu": gpu,
+            "assumed_mfu": sizing.mfu,
+            "gpu_hours": timing["gpu_hours"],
+            "days": timing["time"]["days"],
+        },
+        data={
+            path: _data_status(path, training.seq_len)
+            for path in recipe.data.all_paths() + ([recipe.data.validation] if recipe.data.validation else [])
+        },
     )
     if not held["fits"]:
-        result.would_fit = {"largest_micro_batch": largest_micro_batch(sizing, shape),
-                               "layouts": _runnable_layouts(sizing, shape)}
+        result.would_fit = {
+            "largest_micro_batch": largest_micro_batch(sizing, shape),
+            "layouts": _runnable_layouts(sizing, shape),
+        }
     return result

@@ -27,9 +27,10 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -37,8 +38,8 @@ import pyarrow.parquet as pq
 from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import UserError
 from smolctl.shards import KIND_DOCUMENTS, OutputFolder, check_output_path, lineage_ref, open_documents, schema_to_dict
-from smolctl.train.rewards import CompositeReward
 from smolctl.train.posttrain_run import chat_stop_ids, check_start, quiet_offline
+from smolctl.train.rewards import CompositeReward
 
 SETTINGS_FILE = ".generate-settings.json"  # what a rerun must match to keep the finished shards
 BACKENDS = ("auto", "transformers", "vllm")
@@ -55,7 +56,10 @@ class Sampling:
     seed: int = 0
 
     def check(self) -> None:
-        for flag, value, low in (("--num-completions", self.num_completions, 1), ("--max-new-tokens", self.max_new_tokens, 1)):
+        for flag, value, low in (
+            ("--num-completions", self.num_completions, 1),
+            ("--max-new-tokens", self.max_new_tokens, 1),
+        ):
             if value < low:
                 raise UserError(flag, f"is {value}", f"use a whole number >= {low}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -63,8 +67,11 @@ class Sampling:
         if not 0 < self.top_p <= 1:
             raise UserError("--top-p", f"is {self.top_p}", "use a number in (0, 1]")
         if self.temperature == 0 and self.num_completions > 1:
-            raise UserError("--temperature", "0 (greedy) gives K identical completions",
-                            "sample with a temperature > 0, or ask for --num-completions 1")
+            raise UserError(
+                "--temperature",
+                "0 (greedy) gives K identical completions",
+                "sample with a temperature > 0, or ask for --num-completions 1",
+            )
 
 
 @dataclass(kw_only=True)
@@ -140,8 +147,11 @@ def render(tokenizer, prompt: str) -> list[int]:
     """The prompt's token ids: a user turn through the chat template (with the assistant header) when there is
     one, else the text as is."""
     if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=True)["input_ids"])
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
     return tokenizer(prompt)["input_ids"]
 
 
@@ -160,8 +170,11 @@ class TransformersSampler:
         try:
             self.model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
         except (OSError, ValueError, KeyError) as exc:
-            raise UserError(path, f"cannot load the model: {str(exc).splitlines()[0][:200]}",
-                            "pass a complete Hugging Face model folder") from exc
+            raise UserError(
+                path,
+                f"cannot load the model: {str(exc).splitlines()[0][:200]}",
+                "pass a complete Hugging Face model folder",
+            ) from exc
         self.model.to(self.device).eval()
         self.stop_ids = chat_stop_ids(self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
@@ -177,18 +190,30 @@ class TransformersSampler:
         greedy = sampling.temperature == 0
         with torch.no_grad():
             out = self.model.generate(
-                input_ids=input_ids, attention_mask=attention, max_new_tokens=sampling.max_new_tokens,
-                do_sample=not greedy, temperature=None if greedy else sampling.temperature,
-                top_p=None if greedy else sampling.top_p, top_k=None,
-                num_return_sequences=sampling.num_completions, eos_token_id=self.stop_ids, pad_token_id=self.pad_id)
+                input_ids=input_ids,
+                attention_mask=attention,
+                max_new_tokens=sampling.max_new_tokens,
+                do_sample=not greedy,
+                temperature=None if greedy else sampling.temperature,
+                top_p=None if greedy else sampling.top_p,
+                top_k=None,
+                num_return_sequences=sampling.num_completions,
+                eos_token_id=self.stop_ids,
+                pad_token_id=self.pad_id,
+            )
         completions = []
         for row in out[:, width:].tolist():  # [B*K, new tokens], the K of a prompt adjacent
             stop = next((i for i, token in enumerate(row) if token in self.stop_ids), None)
             kept = row if stop is None else row[:stop]
-            completions.append(Completion(self.tokenizer.decode(kept, skip_special_tokens=True).strip(),
-                                          len(kept), "length" if stop is None else "stop"))
+            completions.append(
+                Completion(
+                    self.tokenizer.decode(kept, skip_special_tokens=True).strip(),
+                    len(kept),
+                    "length" if stop is None else "stop",
+                )
+            )
         k = sampling.num_completions
-        return [completions[i * k:(i + 1) * k] for i in range(len(prompts))]
+        return [completions[i * k : (i + 1) * k] for i in range(len(prompts))]
 
 
 class VllmSampler:
@@ -206,20 +231,36 @@ class VllmSampler:
     def sample(self, prompts: list[str], sampling: Sampling, seed: int) -> list[list[Completion]]:
         from vllm import SamplingParams
 
-        params = SamplingParams(n=sampling.num_completions, temperature=sampling.temperature, top_p=sampling.top_p,
-                                max_tokens=sampling.max_new_tokens, seed=seed, stop_token_ids=self.stop_ids)
-        outputs = self.llm.generate([{"prompt_token_ids": render(self.tokenizer, p)} for p in prompts], params,
-                                    use_tqdm=False)
-        return [[Completion(o.text.strip(), len(o.token_ids), "stop" if o.finish_reason == "stop" else "length")
-                 for o in out.outputs] for out in outputs]
+        params = SamplingParams(
+            n=sampling.num_completions,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_new_tokens,
+            seed=seed,
+            stop_token_ids=self.stop_ids,
+        )
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": render(self.tokenizer, p)} for p in prompts], params, use_tqdm=False
+        )
+        return [
+            [
+                Completion(o.text.strip(), len(o.token_ids), "stop" if o.finish_reason == "stop" else "length")
+                for o in out.outputs
+            ]
+            for out in outputs
+        ]
 
 
 def choose_backend(backend: str) -> str:
     if backend not in BACKENDS:
-        raise UserError("--backend", f"{backend!r} is not one of {', '.join(BACKENDS)}", "use auto, transformers or vllm")
+        raise UserError(
+            "--backend", f"{backend!r} is not one of {', '.join(BACKENDS)}", "use auto, transformers or vllm"
+        )
     has_vllm = importlib.util.find_spec("vllm") is not None
     if backend == "vllm" and not has_vllm:
-        raise UserError("--backend", "vllm is not installed", "pip install vllm on a GPU machine, or use --backend transformers")
+        raise UserError(
+            "--backend", "vllm is not installed", "pip install vllm on a GPU machine, or use --backend transformers"
+        )
     if backend == "auto":
         import torch
 
@@ -231,45 +272,103 @@ def choose_backend(backend: str) -> str:
 # Rows
 
 
-SETTINGS_SCHEMA = [pa.field("temperature", pa.float64()), pa.field("top_p", pa.float64()),
-                   pa.field("max_new_tokens", pa.int32()), pa.field("seed", pa.int64())]
+SETTINGS_SCHEMA = [
+    pa.field("temperature", pa.float64()),
+    pa.field("top_p", pa.float64()),
+    pa.field("max_new_tokens", pa.int32()),
+    pa.field("seed", pa.int64()),
+]
 SCHEMAS = {
-    "completions": pa.schema([pa.field("prompt", pa.string()), pa.field("completion", pa.string()),
-                              pa.field("model", pa.string()), pa.field("completion_index", pa.int32()),
-                              pa.field("completion_tokens", pa.int32()), pa.field("finish_reason", pa.string()),
-                              *SETTINGS_SCHEMA]),
-    "pairs": pa.schema([pa.field("prompt", pa.string()), pa.field("chosen", pa.string()),
-                        pa.field("rejected", pa.string()), pa.field("chosen_model", pa.string()),
-                        pa.field("rejected_model", pa.string()), *SETTINGS_SCHEMA]),
-    "ranked": pa.schema([pa.field("prompt", pa.string()), pa.field("chosen", pa.string()),
-                         pa.field("rejected", pa.string()), pa.field("chosen_reward", pa.float64()),
-                         pa.field("rejected_reward", pa.float64()), pa.field("model", pa.string()), *SETTINGS_SCHEMA]),
+    "completions": pa.schema(
+        [
+            pa.field("prompt", pa.string()),
+            pa.field("completion", pa.string()),
+            pa.field("model", pa.string()),
+            pa.field("completion_index", pa.int32()),
+            pa.field("completion_tokens", pa.int32()),
+            pa.field("finish_reason", pa.string()),
+            *SETTINGS_SCHEMA,
+        ]
+    ),
+    "pairs": pa.schema(
+        [
+            pa.field("prompt", pa.string()),
+            pa.field("chosen", pa.string()),
+            pa.field("rejected", pa.string()),
+            pa.field("chosen_model", pa.string()),
+            pa.field("rejected_model", pa.string()),
+            *SETTINGS_SCHEMA,
+        ]
+    ),
+    "ranked": pa.schema(
+        [
+            pa.field("prompt", pa.string()),
+            pa.field("chosen", pa.string()),
+            pa.field("rejected", pa.string()),
+            pa.field("chosen_reward", pa.float64()),
+            pa.field("rejected_reward", pa.float64()),
+            pa.field("model", pa.string()),
+            *SETTINGS_SCHEMA,
+        ]
+    ),
 }
 
 
-def shard_rows(job: GenerateJob, samplers: list[Sampler], prompts: list[str], references: list, shard: int,
-               on_batch: Callable[[int, int], None]) -> list[dict]:
+def shard_rows(
+    job: GenerateJob,
+    samplers: list[Sampler],
+    prompts: list[str],
+    references: list,
+    shard: int,
+    on_batch: Callable[[int, int], None],
+) -> list[dict]:
     """One shard's rows; on_batch(prompts, tokens sampled) after every batch."""
     s, names = job.sampling, [str(m) for m in job.models]
     settings = {"temperature": s.temperature, "top_p": s.top_p, "max_new_tokens": s.max_new_tokens, "seed": s.seed}
     rows = []
     for start in range(0, len(prompts), job.batch_size):
-        batch = prompts[start:start + job.batch_size]
+        batch = prompts[start : start + job.batch_size]
         seed = s.seed * 1_000_003 + shard * 10_007 + start  # a batch's seed depends only on where it is
         answers = [sampler.sample(batch, s, seed) for sampler in samplers]
         batch_tokens = sum(c.tokens for per_model in answers for group in per_model for c in group)
         for i, prompt in enumerate(batch):
             if job.mode == "completions":
-                rows += [{"prompt": prompt, "completion": c.text, "model": names[0], "completion_index": k,
-                          "completion_tokens": c.tokens, "finish_reason": c.finish_reason, **settings}
-                         for k, c in enumerate(answers[0][i])]
+                rows += [
+                    {
+                        "prompt": prompt,
+                        "completion": c.text,
+                        "model": names[0],
+                        "completion_index": k,
+                        "completion_tokens": c.tokens,
+                        "finish_reason": c.finish_reason,
+                        **settings,
+                    }
+                    for k, c in enumerate(answers[0][i])
+                ]
             elif job.mode == "pairs":
-                rows.append({"prompt": prompt, "chosen": answers[0][i][0].text, "rejected": answers[1][i][0].text,
-                             "chosen_model": names[0], "rejected_model": names[1], **settings})
+                rows.append(
+                    {
+                        "prompt": prompt,
+                        "chosen": answers[0][i][0].text,
+                        "rejected": answers[1][i][0].text,
+                        "chosen_model": names[0],
+                        "rejected_model": names[1],
+                        **settings,
+                    }
+                )
             elif ranked := best_and_worst(answers[0][i], references[start + i], job.reward):
                 (best, chosen), (worst, rejected) = ranked
-                rows.append({"prompt": prompt, "chosen": chosen.text, "rejected": rejected.text,
-                             "chosen_reward": best, "rejected_reward": worst, "model": names[0], **settings})
+                rows.append(
+                    {
+                        "prompt": prompt,
+                        "chosen": chosen.text,
+                        "rejected": rejected.text,
+                        "chosen_reward": best,
+                        "rejected_reward": worst,
+                        "model": names[0],
+                        **settings,
+                    }
+                )
         on_batch(len(batch), batch_tokens)
     return rows
 
@@ -295,16 +394,19 @@ def read_prompts(job: GenerateJob):
     source.require(text=[job.prompt_column])
     needs_reference = job.reward is not None and job.reward.needs_reference
     if needs_reference and job.reference_column not in source.columns:
-        raise UserError(source.spec, f"has no column '{job.reference_column}', which the rewards of "
-                        f"{job.reward_recipe} compare against (columns: {', '.join(source.columns)})",
-                        "pass prompts with references, or rank by rewards that need none (length, diversity, regex)")
+        raise UserError(
+            source.spec,
+            f"has no column '{job.reference_column}', which the rewards of "
+            f"{job.reward_recipe} compare against (columns: {', '.join(source.columns)})",
+            "pass prompts with references, or rank by rewards that need none (length, diversity, regex)",
+        )
     columns = [job.prompt_column] + ([job.reference_column] if job.reference_column in source.columns else [])
     prompts, references = [], []
     for batch in source.iter_batches(columns=columns):
         prompts += batch.column(0).to_pylist()
         references += batch.column(1).to_pylist() if len(columns) == 2 else [None] * batch.num_rows
     if job.limit is not None:
-        prompts, references = prompts[:job.limit], references[:job.limit]
+        prompts, references = prompts[: job.limit], references[: job.limit]
     if any(p is None for p in prompts):
         raise UserError(source.spec, f"column '{job.prompt_column}' has empty (null) prompts", "drop those rows")
     if not prompts:
@@ -320,11 +422,17 @@ def check_job(job: GenerateJob) -> None:
     if job.limit is not None and job.limit < 1:
         raise UserError("--limit", f"is {job.limit}", "use a whole number >= 1")
     if job.mode == "pairs" and job.sampling.num_completions != 1:
-        raise UserError("--num-completions", "--pairs takes one completion per model",
-                        "drop --num-completions, or rank K completions of one model with --rank-by")
+        raise UserError(
+            "--num-completions",
+            "--pairs takes one completion per model",
+            "drop --num-completions, or rank K completions of one model with --rank-by",
+        )
     if job.mode == "ranked" and job.sampling.num_completions < 2:
-        raise UserError("--num-completions", "--rank-by needs at least 2 completions per prompt to rank",
-                        "pass e.g. --num-completions 4")
+        raise UserError(
+            "--num-completions",
+            "--rank-by needs at least 2 completions per prompt to rank",
+            "pass e.g. --num-completions 4",
+        )
 
 
 def resume_state(folder: OutputFolder, settings: dict, shards: int) -> int:
@@ -348,8 +456,11 @@ def shard_name(index: int) -> str:
     return f"part-{index:05d}.parquet"
 
 
-def run_generate(job: GenerateJob, on_progress: Callable[[int, int, float], None] | None = None,
-                 on_shard: Callable[[int], None] | None = None) -> GenerateResult:
+def run_generate(
+    job: GenerateJob,
+    on_progress: Callable[[int, int, float], None] | None = None,
+    on_shard: Callable[[int], None] | None = None,
+) -> GenerateResult:
     """Generate, shard by shard. on_progress(prompts done, prompts total, tokens/s) after every batch;
     on_shard(index) after every shard is in place."""
     started = time.perf_counter()
@@ -362,14 +473,28 @@ def run_generate(job: GenerateJob, on_progress: Callable[[int, int, float], None
     schema = SCHEMAS[job.mode]
     shards = math.ceil(len(prompts) / job.shard_prompts)
     inputs = [*source.lineage(), *[lineage_ref(m) for m in job.models]]
-    settings = {"mode": job.mode, "backend": backend, "inputs": inputs, "sampling": asdict(job.sampling),
-            "prompt_column": job.prompt_column, "limit": job.limit, "batch_size": job.batch_size,
-            "shard_prompts": job.shard_prompts, "reward_recipe": job.reward_recipe}
+    settings = {
+        "mode": job.mode,
+        "backend": backend,
+        "inputs": inputs,
+        "sampling": asdict(job.sampling),
+        "prompt_column": job.prompt_column,
+        "limit": job.limit,
+        "batch_size": job.batch_size,
+        "shard_prompts": job.shard_prompts,
+        "reward_recipe": job.reward_recipe,
+    }
     quiet_offline()
     folder = OutputFolder(job.output, kind=KIND_DOCUMENTS, overwrite=job.overwrite, inputs=inputs, resumable=True)
     resumed = resume_state(folder, settings, shards)
-    samplers = [TransformersSampler(m) if backend == "transformers" else VllmSampler(m, 0.9 / len(job.models))
-                for m in job.models] if resumed < shards else []
+    samplers = (
+        [
+            TransformersSampler(m) if backend == "transformers" else VllmSampler(m, 0.9 / len(job.models))
+            for m in job.models
+        ]
+        if resumed < shards
+        else []
+    )
     done, tokens = resumed * job.shard_prompts, 0
     total = len(prompts)
     sampling_started = time.perf_counter()  # tokens/s counts sampling, not loading the models
@@ -396,11 +521,30 @@ def run_generate(job: GenerateJob, on_progress: Callable[[int, int, float], None
     folder.file(SETTINGS_FILE).unlink()
     rows = sum(s["rows"] for s in folder.shards)
     tied = total - rows if job.mode == "ranked" else 0  # ranked writes one row per prompt it could rank
-    result = GenerateResult(str(job.output), job.mode, backend, [str(m) for m in job.models], total, rows, shards,
-                            resumed, tokens, tied, sampling_seconds, seconds)
-    folder.commit(schema=schema_to_dict(schema),
-                  stats={"prompts": total, "completion_tokens": tokens, "dropped_tied": tied,
-                         "resumed_shards": resumed, "sampling_seconds": round(sampling_seconds, 2),
-                         "seconds": round(seconds, 2)},
-                  generate={**{k: v for k, v in settings.items() if k != "inputs"}, "models": result.models})
+    result = GenerateResult(
+        str(job.output),
+        job.mode,
+        backend,
+        [str(m) for m in job.models],
+        total,
+        rows,
+        shards,
+        resumed,
+        tokens,
+        tied,
+        sampling_seconds,
+        seconds,
+    )
+    folder.commit(
+        schema=schema_to_dict(schema),
+        stats={
+            "prompts": total,
+            "completion_tokens": tokens,
+            "dropped_tied": tied,
+            "resumed_shards": resumed,
+            "sampling_seconds": round(sampling_seconds, 2),
+            "seconds": round(seconds, 2),
+        },
+        generate={**{k: v for k, v in settings.items() if k != "inputs"}, "models": result.models},
+    )
     return result

@@ -37,7 +37,9 @@ class Guards:
     def __init__(self, config: GuardsSection):
         self.config = config
         self.recent: deque[float] = deque(maxlen=config.spike_window)
-        self.bad_run: list[tuple[int, int, float]] = []  # (step, batch, loss) of the current run of consecutive bad steps
+        self.bad_run: list[
+            tuple[int, int, float]
+        ] = []  # (step, batch, loss) of the current run of consecutive bad steps
         self.skipped = 0
         self.spikes = 0
         self.rollbacks = 0
@@ -70,21 +72,44 @@ class Guards:
         self.recent.clear()
         self.recent.extend(shifted)
         self.recent.extend(loss for _, _, loss in self.bad_run)
-        return {"event": "level_shift", "step": self.bad_run[-1][0], "from": old, "to": level,
-                "action": "spike window re-baselined"}
+        return {
+            "event": "level_shift",
+            "step": self.bad_run[-1][0],
+            "from": old,
+            "to": level,
+            "action": "spike window re-baselined",
+        }
 
     def observe(self, step: int, batch: int, loss: float, grad_norm: float) -> Verdict:
         """Judge one step from its (globally reduced) loss and gradient norm; every rank reaches the same verdict."""
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.skipped += 1
-            verdict = Verdict(False, {"event": "nonfinite", "step": step, "batch": batch, "loss": _jsonable(loss),
-                                      "grad_norm": _jsonable(grad_norm), "action": "update skipped"})
+            verdict = Verdict(
+                False,
+                {
+                    "event": "nonfinite",
+                    "step": step,
+                    "batch": batch,
+                    "loss": _jsonable(loss),
+                    "grad_norm": _jsonable(grad_norm),
+                    "action": "update skipped",
+                },
+            )
         else:
             z = self.zscore(loss)
             if z > self.config.spike_zscore:
                 self.spikes += 1
-                verdict = Verdict(True, {"event": "spike", "step": step, "batch": batch, "loss": loss,
-                                         "zscore": round(z, 2), "grad_norm": grad_norm})
+                verdict = Verdict(
+                    True,
+                    {
+                        "event": "spike",
+                        "step": step,
+                        "batch": batch,
+                        "loss": loss,
+                        "zscore": round(z, 2),
+                        "grad_norm": grad_norm,
+                    },
+                )
             else:
                 self.recent.append(loss)
                 self.bad_run.clear()
@@ -106,7 +131,12 @@ class Guards:
         return {"skipped": self.skipped, "spikes": self.spikes, "rollbacks": self.rollbacks}
 
     def state_dict(self) -> dict:
-        return {"recent": list(self.recent), "skipped": self.skipped, "spikes": self.spikes, "rollbacks": self.rollbacks}
+        return {
+            "recent": list(self.recent),
+            "skipped": self.skipped,
+            "spikes": self.spikes,
+            "rollbacks": self.rollbacks,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.recent.clear()

@@ -7,8 +7,8 @@ Every rank computes the same global batch and reads only its own slice of it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -70,9 +70,12 @@ def check_rows_start_documents(position_ids: np.ndarray) -> None:
     """flash_attention_2 runs a micro batch as one row of B·T tokens, finding documents where positions restart
     at 0: a row that began mid-document would attend to the previous row's last document."""
     if (position_ids[:, 0] != 0).any():
-        raise UserError("training.attention", "flash_attention_2 with micro_batch > 1 would let tokens attend across "
-                        "documents: some packed rows do not start at position 0",
-                        'pack the data with `smolctl pack`, set training.attention = "sdpa", or training.micro_batch = 1')
+        raise UserError(
+            "training.attention",
+            "flash_attention_2 with micro_batch > 1 would let tokens attend across "
+            "documents: some packed rows do not start at position 0",
+            'pack the data with `smolctl pack`, set training.attention = "sdpa", or training.micro_batch = 1',
+        )
 
 
 @dataclass
@@ -87,7 +90,7 @@ class DataPosition:
         return {"batches_drawn": self.batches_drawn, "consumed": list(self.consumed), "skip": sorted(self.skip)}
 
     @classmethod
-    def from_state(cls, state: dict) -> "DataPosition":
+    def from_state(cls, state: dict) -> DataPosition:
         return cls(int(state["batches_drawn"]), [int(c) for c in state["consumed"]], [int(s) for s in state["skip"]])
 
 
@@ -111,7 +114,7 @@ class _RowReader:
         out = []
         for row, shard in zip(rows.tolist(), shards.tolist()):
             local = row - int(self.offsets[shard])
-            out.append(self._handle(shard).get_slice(key)[local:local + 1])
+            out.append(self._handle(shard).get_slice(key)[local : local + 1])
         return np.concatenate(out).astype(np.int64)
 
 
@@ -124,8 +127,11 @@ class PackedStream:
         self.sources = [open_packed(p) for p in self.paths]
         for path, source in zip(self.paths, self.sources):
             if source.seq_len != seq_len:
-                raise UserError(path, f"is packed at seq_len {source.seq_len} but training.seq_len is {seq_len}",
-                                f"set training.seq_len = {source.seq_len} or re-pack with --seq-len {seq_len}")
+                raise UserError(
+                    path,
+                    f"is packed at seq_len {source.seq_len} but training.seq_len is {seq_len}",
+                    f"set training.seq_len = {source.seq_len} or re-pack with --seq-len {seq_len}",
+                )
             if source.num_rows == 0:
                 raise UserError(path, "holds no rows", "re-run `smolctl pack` on a non-empty dataset")
         self.stages = [(s.start_step, [self.paths.index(p) for p in s.paths], self._weights(s)) for s in stages]
@@ -146,8 +152,11 @@ class PackedStream:
         for path, source in zip(self.paths[1:], self.sources[1:]):
             other = source.manifest.get("tokenizer") or {}
             if other.get("fingerprint") != first.get("fingerprint"):
-                raise UserError(path, f"was tokenised with {other.get('path')} but {self.paths[0]} with {first.get('path')}",
-                                "re-pack every folder with the same tokenizer")
+                raise UserError(
+                    path,
+                    f"was tokenised with {other.get('path')} but {self.paths[0]} with {first.get('path')}",
+                    "re-pack every folder with the same tokenizer",
+                )
         return first
 
     def _stage_at(self, step: int) -> tuple[list[int], np.ndarray]:
@@ -177,7 +186,9 @@ class PackedStream:
                 rows[slots[in_epoch]] = permuted_index(counts[in_epoch] % size, size, (self.seed, source, epoch))
         return [(members[k], int(row)) for k, row in zip(choices.tolist(), rows.tolist())]
 
-    def next_batch(self, step: int, *, global_batch: int, rank: int, world_size: int) -> tuple[int, np.ndarray, np.ndarray]:
+    def next_batch(
+        self, step: int, *, global_batch: int, rank: int, world_size: int
+    ) -> tuple[int, np.ndarray, np.ndarray]:
         """This rank's slice of the next global batch, skipping batches a rollback marked as poisoned.
         Returns (batch number, input_ids, position_ids), arrays [global_batch / world_size, seq_len]."""
         while self.position.batches_drawn + 1 in self.position.skip:
@@ -185,7 +196,7 @@ class PackedStream:
         number = self.position.batches_drawn + 1
         picked = self._last_drawn = self._draw(step, global_batch)
         local = global_batch // world_size
-        mine = picked[rank * local:(rank + 1) * local]
+        mine = picked[rank * local : (rank + 1) * local]
         return number, *self._read(mine)
 
     @property
@@ -201,8 +212,10 @@ class PackedStream:
             offsets = self.readers[source].offsets
             shard = int(np.searchsorted(offsets, row, side="right") - 1)
             by_shard.setdefault((source, shard), []).append(row - int(offsets[shard]))
-        return [{"folder": self.paths[source], "shard": self.sources[source].files[shard].name, "rows": sorted(rows)}
-                for (source, shard), rows in sorted(by_shard.items())]
+        return [
+            {"folder": self.paths[source], "shard": self.sources[source].files[shard].name, "rows": sorted(rows)}
+            for (source, shard), rows in sorted(by_shard.items())
+        ]
 
     def _read(self, picked: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         ids = np.empty((len(picked), self.sources[0].seq_len), dtype=np.int64)
@@ -219,12 +232,18 @@ def validation_batches(path: str, *, seq_len: int, micro_batch: int, count: int)
     """The first `count` micro batches of a held-out packed folder, in file order, so evaluations compare."""
     source = open_packed(path)
     if source.seq_len != seq_len:
-        raise UserError(path, f"is packed at seq_len {source.seq_len} but training.seq_len is {seq_len}",
-                        "pack the validation folder with the training seq_len")
+        raise UserError(
+            path,
+            f"is packed at seq_len {source.seq_len} but training.seq_len is {seq_len}",
+            "pack the validation folder with the training seq_len",
+        )
     reader = _RowReader(source)
     rows = np.arange(min(source.num_rows, micro_batch * count))
-    return [(reader.read(chunk, "input_ids"), reader.read(chunk, "position_ids"))
-            for chunk in np.array_split(rows, max(1, -(-len(rows) // micro_batch))) if len(chunk)]
+    return [
+        (reader.read(chunk, "input_ids"), reader.read(chunk, "position_ids"))
+        for chunk in np.array_split(rows, max(1, -(-len(rows) // micro_batch)))
+        if len(chunk)
+    ]
 
 
 @dataclass

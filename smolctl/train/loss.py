@@ -30,8 +30,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, chunk_tokens: int):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_tokens):
-            logits = (hidden[start:start + chunk_tokens] @ weight.T).float()  # (chunk, V)
-            total += F.cross_entropy(logits, labels[start:start + chunk_tokens], ignore_index=IGNORE_INDEX, reduction="sum")
+            logits = (hidden[start : start + chunk_tokens] @ weight.T).float()  # (chunk, V)
+            total += F.cross_entropy(
+                logits, labels[start : start + chunk_tokens], ignore_index=IGNORE_INDEX, reduction="sum"
+            )
         ctx.save_for_backward(hidden, weight, labels)
         ctx.chunk_tokens = chunk_tokens
         return total

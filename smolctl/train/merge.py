@@ -18,10 +18,11 @@ import logging
 import math
 import shutil
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Literal
 
 from pydantic import Field
 from safetensors import safe_open
@@ -35,8 +36,12 @@ from smolctl.train.posttrain_run import quiet_offline
 
 METHODS = ("linear", "slerp", "ties", "dare_ties")
 # The [options] keys each method reads; any other key set in the recipe is a mistake worth naming.
-METHOD_OPTIONS = {"linear": set(), "slerp": {"t"}, "ties": {"density", "lambda_", "normalize"},
-                  "dare_ties": {"density", "lambda_", "normalize", "seed"}}
+METHOD_OPTIONS = {
+    "linear": set(),
+    "slerp": {"t"},
+    "ties": {"density", "lambda_", "normalize"},
+    "dare_ties": {"density", "lambda_", "normalize", "seed"},
+}
 WEIGHT_TOLERANCE = 1e-6
 
 
@@ -75,18 +80,29 @@ class MergeRecipe(Section):
     options: MergeOptionsSection = MergeOptionsSection()
 
 
-def load_merge_recipe(path: str | Path | None, overrides: list[str], method: str | None = None,
-                      models: list[str] = (), base: str | None = None) -> tuple[MergeRecipe, str]:
+def load_merge_recipe(
+    path: str | Path | None,
+    overrides: list[str],
+    method: str | None = None,
+    models: list[str] = (),
+    base: str | None = None,
+) -> tuple[MergeRecipe, str]:
     """The recipe from a file, or from --method/--model/--base (then --set edits the same keys). Returns the
     recipe and where it came from, for error messages."""
     if path is not None:
         if method or models or base:
-            raise UserError("--method/--model/--base", "cannot be combined with a recipe",
-                            "put them in the recipe, or edit it with --set (e.g. --set models.0.weight=0.8)")
+            raise UserError(
+                "--method/--model/--base",
+                "cannot be combined with a recipe",
+                "put them in the recipe, or edit it with --set (e.g. --set models.0.weight=0.8)",
+            )
         return load_recipe(MergeRecipe, path, overrides), str(path)
     if not method or not models:
-        raise UserError("merge", "needs a recipe, or --method and --model (repeat it)",
-                        "e.g. smolctl merge --method linear --model A:0.9 --model B:0.1 OUT")
+        raise UserError(
+            "merge",
+            "needs a recipe, or --method and --model (repeat it)",
+            "e.g. smolctl merge --method linear --model A:0.9 --model B:0.1 OUT",
+        )
     data: dict = {"method": method, "models": [parse_model(text) for text in models]}
     if base is not None:
         data["base"] = base
@@ -123,8 +139,11 @@ def resolve_parent(spec: str, where: str) -> Path:
     if path.is_dir() and not (path / "config.json").is_file() and (path / "final" / "config.json").is_file():
         path = path / "final"
     if not path.is_dir() or not (path / "config.json").is_file():
-        raise UserError(where, f"parent {spec} is not a model folder (no config.json)",
-                        "pass a Hugging Face model folder or a run folder with final/")
+        raise UserError(
+            where,
+            f"parent {spec} is not a model folder (no config.json)",
+            "pass a Hugging Face model folder or a run folder with final/",
+        )
     manifest = read_manifest(path)
     if manifest is not None and manifest["kind"] != KIND_MODEL:
         raise UserError(where, f"parent {spec} is a {manifest['kind']} folder, not a model", "pass a model folder")
@@ -138,26 +157,40 @@ def parents_of(recipe: MergeRecipe, where: str) -> tuple[list[Parent], Parent | 
     method = recipe.method
     unused = {name for name, value in recipe.options if value is not None} - METHOD_OPTIONS[method]
     if unused:
-        raise UserError(f"{where}: options", f"{', '.join(sorted(n.rstrip('_') for n in unused))} "
-                        f"{'is' if len(unused) == 1 else 'are'} not used by {method}",
-                        f"{method} reads {', '.join(sorted(n.rstrip('_') for n in METHOD_OPTIONS[method])) or 'no options'}")
+        raise UserError(
+            f"{where}: options",
+            f"{', '.join(sorted(n.rstrip('_') for n in unused))} "
+            f"{'is' if len(unused) == 1 else 'are'} not used by {method}",
+            f"{method} reads {', '.join(sorted(n.rstrip('_') for n in METHOD_OPTIONS[method])) or 'no options'}",
+        )
     parents: list[Parent] = []
     for i, model in enumerate(recipe.models):
         at = f"{where}: models[{i}]"
         if (model.path is None) == (model.soup is None):
-            raise UserError(at, "needs exactly one of path and soup", "give path = \"PATH\" (or soup = [...] for linear)")
+            raise UserError(at, "needs exactly one of path and soup", 'give path = "PATH" (or soup = [...] for linear)')
         if model.soup is not None:
             if method != "linear" or not model.soup:
-                raise UserError(f"{at}.soup", "a soup is a list of checkpoints inside a linear merge",
-                                "use method = \"linear\" and list at least one checkpoint")
-            parents += [Parent(resolve_parent(p, f"{at}.soup"), None if model.weight is None
-                               else model.weight / len(model.soup), model.density) for p in model.soup]
+                raise UserError(
+                    f"{at}.soup",
+                    "a soup is a list of checkpoints inside a linear merge",
+                    'use method = "linear" and list at least one checkpoint',
+                )
+            parents += [
+                Parent(
+                    resolve_parent(p, f"{at}.soup"),
+                    None if model.weight is None else model.weight / len(model.soup),
+                    model.density,
+                )
+                for p in model.soup
+            ]
         else:
             parents.append(Parent(resolve_parent(model.path, f"{at}.path"), model.weight, model.density))
     seen = [p.path.resolve() for p in parents]
     if len(set(seen)) != len(seen):
         twice = next(path for path in seen if seen.count(path) > 1)
-        raise UserError(f"{where}: models", f"{twice} is listed twice", "list each checkpoint once, with its total weight")
+        raise UserError(
+            f"{where}: models", f"{twice} is listed twice", "list each checkpoint once, with its total weight"
+        )
     base = Parent(resolve_parent(recipe.base, f"{where}: base"), None) if recipe.base else None
     check_method(recipe, parents, base, where)
     return parents, base
@@ -172,34 +205,52 @@ def check_method(recipe: MergeRecipe, parents: list[Parent], base: Parent | None
             raise UserError(f"{where}: models", "a linear merge needs at least two models", "add another model")
         given = [w for w in weights if w is not None]
         if given and len(given) != len(weights):
-            raise UserError(f"{where}: models", "some models have a weight and some do not",
-                            "give every model a weight, or none for equal weights (a model soup)")
+            raise UserError(
+                f"{where}: models",
+                "some models have a weight and some do not",
+                "give every model a weight, or none for equal weights (a model soup)",
+            )
         if given and (any(w < 0 or not math.isfinite(w) for w in given) or abs(sum(given) - 1) > WEIGHT_TOLERANCE):
-            raise UserError(f"{where}: models", f"linear weights {', '.join(f'{w:g}' for w in given)} sum to "
-                            f"{sum(given):.6g}; they must be >= 0 and sum to 1",
-                            "fix the weights (or leave them all out for equal weights)")
+            raise UserError(
+                f"{where}: models",
+                f"linear weights {', '.join(f'{w:g}' for w in given)} sum to "
+                f"{sum(given):.6g}; they must be >= 0 and sum to 1",
+                "fix the weights (or leave them all out for equal weights)",
+            )
         if not given:
             for parent in parents:
                 parent.weight = 1 / len(parents)
     elif method == "slerp":
         if len(parents) != 2:
-            raise UserError(f"{where}: models", f"slerp merges exactly two models, not {len(parents)}",
-                            "list two models (t = 0 gives the first)")
+            raise UserError(
+                f"{where}: models",
+                f"slerp merges exactly two models, not {len(parents)}",
+                "list two models (t = 0 gives the first)",
+            )
         if any(w is not None for w in weights):
             raise UserError(f"{where}: models", "slerp takes no weights", "set options.t (0 = first model, 1 = second)")
     else:
         if base is None:
-            raise UserError(f"{where}: base", f"{method} needs a base model to take task vectors against",
-                            "set base = \"PATH\" (e.g. the checkpoint the models were fine-tuned from)")
+            raise UserError(
+                f"{where}: base",
+                f"{method} needs a base model to take task vectors against",
+                'set base = "PATH" (e.g. the checkpoint the models were fine-tuned from)',
+            )
         for parent in parents:
             parent.weight = 1.0 if parent.weight is None else parent.weight
             parent.density = parent.density or recipe.options.density
             if parent.density is None:
-                raise UserError(f"{where}: models", f"{parent.path} has no density",
-                                "set density per model or options.density (e.g. 0.5)")
+                raise UserError(
+                    f"{where}: models",
+                    f"{parent.path} has no density",
+                    "set density per model or options.density (e.g. 0.5)",
+                )
         if abs(sum(p.weight for p in parents)) < WEIGHT_TOLERANCE and recipe.options.normalize is not False:
-            raise UserError(f"{where}: models", "the weights sum to 0, and the merge divides by their sum",
-                            "give the task vectors weights that do not cancel out")
+            raise UserError(
+                f"{where}: models",
+                "the weights sum to 0, and the merge divides by their sum",
+                "give the task vectors weights that do not cancel out",
+            )
 
 
 def tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
@@ -221,20 +272,32 @@ def check_compatible(folders: list[Path], where: str) -> None:
     for folder in folders[1:]:
         other = json.loads((folder / "config.json").read_text())
         if other.get("model_type") != config.get("model_type"):
-            raise UserError(where, f"{folder} is a {other.get('model_type')} model but {first} is a "
-                            f"{config.get('model_type')} model", "merge checkpoints of one architecture")
+            raise UserError(
+                where,
+                f"{folder} is a {other.get('model_type')} model but {first} is a {config.get('model_type')} model",
+                "merge checkpoints of one architecture",
+            )
         if other.get("vocab_size") != config.get("vocab_size"):
-            raise UserError(where, f"{folder} has a vocabulary of {other.get('vocab_size')} tokens but {first} of "
-                            f"{config.get('vocab_size')}", "merge checkpoints that share a tokenizer")
+            raise UserError(
+                where,
+                f"{folder} has a vocabulary of {other.get('vocab_size')} tokens but {first} of "
+                f"{config.get('vocab_size')}",
+                "merge checkpoints that share a tokenizer",
+            )
         theirs = tensor_shapes(folder)
         differing = sorted(set(shapes) ^ set(theirs)) or sorted(n for n in shapes if shapes[n] != theirs[n])
         if differing:
             name = differing[0]
-            raise UserError(where, f"{folder} and {first} differ in tensor {name} ({theirs.get(name, 'absent')} vs "
-                            f"{shapes.get(name, 'absent')})", "merge checkpoints of the same architecture and size")
+            raise UserError(
+                where,
+                f"{folder} and {first} differ in tensor {name} ({theirs.get(name, 'absent')} vs "
+                f"{shapes.get(name, 'absent')})",
+                "merge checkpoints of the same architecture and size",
+            )
         if vocabulary and has_tokenizer(folder) and tokenizer_fingerprint(load_tokenizer(folder)) != vocabulary:
-            raise UserError(where, f"{folder} has a different tokenizer from {first}",
-                            "merge checkpoints that share a tokenizer")
+            raise UserError(
+                where, f"{folder} has a different tokenizer from {first}", "merge checkpoints that share a tokenizer"
+            )
 
 
 def has_tokenizer(folder: Path) -> bool:
@@ -259,6 +322,7 @@ class MergeResult(Result):
 
 def mergekit_config(recipe: MergeRecipe, parents: list[Parent], base: Parent | None) -> dict:
     """The MergeKit configuration (its YAML schema, as a dict) for the checked parents."""
+
     def entry(parent: Parent) -> dict:
         params = {k: v for k, v in (("weight", parent.weight), ("density", parent.density)) if v is not None}
         return {"model": str(parent.path), **({"parameters": params} if params else {})}
@@ -272,8 +336,10 @@ def mergekit_config(recipe: MergeRecipe, parents: list[Parent], base: Parent | N
         config["parameters"] = {"t": 0.5 if options.t is None else options.t}
     else:
         config["base_model"] = str(base.path)
-        config["parameters"] = {"normalize": options.normalize is not False,
-                                "lambda": 1.0 if options.lambda_ is None else options.lambda_}
+        config["parameters"] = {
+            "normalize": options.normalize is not False,
+            "lambda": 1.0 if options.lambda_ is None else options.lambda_,
+        }
     return config
 
 
@@ -297,8 +363,11 @@ def run_merge(recipe: MergeRecipe, output: str | Path, *, where: str, overwrite:
     check_compatible(folders, where)
     tokenizer_from = folders[0]
     if not has_tokenizer(tokenizer_from):
-        raise UserError(where, f"{tokenizer_from} holds no tokenizer to copy into the merged model",
-                        "save the tokenizer beside that model (or list a model with one first)")
+        raise UserError(
+            where,
+            f"{tokenizer_from} holds no tokenizer to copy into the merged model",
+            "save the tokenizer beside that model (or list a model with one first)",
+        )
     output = Path(output)
     check_output_path(output, overwrite)
     try:
@@ -306,14 +375,23 @@ def run_merge(recipe: MergeRecipe, output: str | Path, *, where: str, overwrite:
         import mergekit.merge
         from mergekit.options import MergeOptions
     except ImportError as exc:
-        raise UserError("merge", f"needs MergeKit ({exc.name} is not installed)",
-                        "pip install 'smolctl[merge]' (or pip install mergekit)") from exc
+        raise UserError(
+            "merge",
+            f"needs MergeKit ({exc.name} is not installed)",
+            "pip install 'smolctl[merge]' (or pip install mergekit)",
+        ) from exc
     import torch
 
     quiet_offline()
     config = mergekit.config.MergeConfiguration.model_validate(mergekit_config(recipe, parents, base))
-    options = MergeOptions(copy_tokenizer=False, write_model_card=False, quiet=True, lazy_unpickle=False,
-                           cuda=torch.cuda.is_available(), random_seed=recipe.options.seed or 0)
+    options = MergeOptions(
+        copy_tokenizer=False,
+        write_model_card=False,
+        quiet=True,
+        lazy_unpickle=False,
+        cuda=torch.cuda.is_available(),
+        random_seed=recipe.options.seed or 0,
+    )
     inputs = [lineage_ref(folder) for folder in folders]
     with OutputFolder(output, kind=KIND_MODEL, overwrite=overwrite, inputs=inputs) as folder:
         with quiet_mergekit():
@@ -326,12 +404,31 @@ def run_merge(recipe: MergeRecipe, output: str | Path, *, where: str, overwrite:
         for weights in sorted(folder.staging.glob("*.safetensors")):
             folder.add_shard(weights.name, rows=0)
         described = [{"path": str(p.path.resolve()), "weight": p.weight, "density": p.density} for p in parents]
-        folder.commit(stage="merge", parent=str(tokenizer_from.resolve()),
-                      merge={"method": recipe.method, "dtype": recipe.dtype, "models": described,
-                             "base": str(base.path.resolve()) if base else None,
-                             "options": recipe.options.model_dump(by_alias=True, exclude_none=True)},
-                      tokenizer={"path": str(output.resolve()), "name": tokenizer.name_or_path,
-                                 "fingerprint": tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer),
-                                 "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id})
-    return MergeResult(str(output), recipe.method, described, str(base.path) if base else None, len(shapes),
-                       sum(math.prod(s) for s in shapes.values()), time.perf_counter() - started)
+        folder.commit(
+            stage="merge",
+            parent=str(tokenizer_from.resolve()),
+            merge={
+                "method": recipe.method,
+                "dtype": recipe.dtype,
+                "models": described,
+                "base": str(base.path.resolve()) if base else None,
+                "options": recipe.options.model_dump(by_alias=True, exclude_none=True),
+            },
+            tokenizer={
+                "path": str(output.resolve()),
+                "name": tokenizer.name_or_path,
+                "fingerprint": tokenizer_fingerprint(tokenizer),
+                "vocab_size": len(tokenizer),
+                "eos_token_id": tokenizer.eos_token_id,
+                "pad_token_id": tokenizer.pad_token_id,
+            },
+        )
+    return MergeResult(
+        str(output),
+        recipe.method,
+        described,
+        str(base.path) if base else None,
+        len(shapes),
+        sum(math.prod(s) for s in shapes.values()),
+        time.perf_counter() - started,
+    )

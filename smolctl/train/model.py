@@ -1,7 +1,7 @@
 """Build any transformers causal LM from the recipe's [model] table, and the AdamW parameter groups for it.
 
-    config = build_config(recipe.model, vocab_size=49152, seq_len=4096, eos_id=0, pad_id=1)
-    model = build_model(config, device="meta")   # no memory allocated: for --dry-run on a laptop
+config = build_config(recipe.model, vocab_size=49152, seq_len=4096, eos_id=0, pad_id=1)
+model = build_model(config, device="meta")   # no memory allocated: for --dry-run on a laptop
 """
 
 from __future__ import annotations
@@ -14,9 +14,22 @@ from smolctl.errors import UserError
 from smolctl.train.config import ModelSection, OptimizerSection
 
 # Keys smolctl sets itself; giving them in [model.config] would silently fight the recipe.
-_MANAGED_KEYS = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "num_key_value_heads", "rope_parameters", "rope_theta", "tie_word_embeddings", "max_position_embeddings",
-                 "use_cache", "eos_token_id", "pad_token_id", "bos_token_id"}
+_MANAGED_KEYS = {
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "rope_parameters",
+    "rope_theta",
+    "tie_word_embeddings",
+    "max_position_embeddings",
+    "use_cache",
+    "eos_token_id",
+    "pad_token_id",
+    "bos_token_id",
+}
 
 
 def causal_lm_types() -> list[str]:
@@ -32,12 +45,18 @@ def build_config(section: ModelSection, *, vocab_size: int, seq_len: int, eos_id
     known = causal_lm_types()
     if section.architecture not in known:
         close = difflib.get_close_matches(section.architecture, known, n=1)
-        raise UserError("model.architecture", f"{section.architecture!r} is not a causal-LM model_type transformers knows",
-                        f"did you mean {close[0]!r}?" if close else "use e.g. 'smollm3', 'llama' or 'qwen3'")
+        raise UserError(
+            "model.architecture",
+            f"{section.architecture!r} is not a causal-LM model_type transformers knows",
+            f"did you mean {close[0]!r}?" if close else "use e.g. 'smollm3', 'llama' or 'qwen3'",
+        )
     clashing = sorted(_MANAGED_KEYS & set(section.config))
     if clashing:
-        raise UserError("model.config", f"sets {', '.join(clashing)}, which smolctl derives from the recipe",
-                        "use the [model] keys (rope_theta, vocab_size, ...) or training.seq_len instead")
+        raise UserError(
+            "model.config",
+            f"sets {', '.join(clashing)}, which smolctl derives from the recipe",
+            "use the [model] keys (rope_theta, vocab_size, ...) or training.seq_len instead",
+        )
     kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=section.hidden_size,
@@ -61,15 +80,23 @@ def build_config(section: ModelSection, *, vocab_size: int, seq_len: int, eos_id
     try:
         return AutoConfig.for_model(section.architecture, **kwargs)
     except (TypeError, ValueError) as exc:
-        raise UserError("model", f"transformers rejects this {section.architecture} config: {str(exc).splitlines()[0]}",
-                        "check the [model] keys against the architecture's config class") from exc
+        raise UserError(
+            "model",
+            f"transformers rejects this {section.architecture} config: {str(exc).splitlines()[0]}",
+            "check the [model] keys against the architecture's config class",
+        ) from exc
 
 
 def check_attention(attention: str, device: str) -> None:
     """flash_attention_2 needs a CUDA GPU and the flash-attn package; say so before the model is built."""
-    if attention == "flash_attention_2" and (not device.startswith("cuda") or importlib.util.find_spec("flash_attn") is None):
-        raise UserError("training.attention", "flash_attention_2 needs a CUDA GPU and the flash-attn package",
-                        'use attention = "sdpa" (it masks packed documents too), or install flash-attn on the GPU machine')
+    if attention == "flash_attention_2" and (
+        not device.startswith("cuda") or importlib.util.find_spec("flash_attn") is None
+    ):
+        raise UserError(
+            "training.attention",
+            "flash_attention_2 needs a CUDA GPU and the flash-attn package",
+            'use attention = "sdpa" (it masks packed documents too), or install flash-attn on the GPU machine',
+        )
 
 
 def build_model(config, *, device: str = "cpu", attention: str = "sdpa", seed: int | None = None):
@@ -122,9 +149,14 @@ def read_weights(folder: Path, model) -> dict:
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:
         what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
-        raise UserError(folder, f"weights do not fit the recipe's model ({what})", "make [model] match the checkpoint's config.json")
+        raise UserError(
+            folder, f"weights do not fit the recipe's model ({what})", "make [model] match the checkpoint's config.json"
+        )
     for name, tensor in state.items():
         if own[name] != tuple(tensor.shape):
-            raise UserError(folder, f"{name} has shape {tuple(tensor.shape)} but the recipe's model needs {own[name]}",
-                            "make the [model] table match the checkpoint's config.json")
+            raise UserError(
+                folder,
+                f"{name} has shape {tuple(tensor.shape)} but the recipe's model needs {own[name]}",
+                "make the [model] table match the checkpoint's config.json",
+            )
     return state

@@ -20,9 +20,9 @@ import json
 import math
 import resource
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from rich.markup import escape
 
@@ -31,9 +31,23 @@ from smolctl.train.trackers import NoTracker, Tracker
 
 # Dense bf16 tensor-core peak per device (vendor datasheets, no sparsity), matched against the device name.
 PEAK_BF16_FLOPS = [
-    ("GB200", 2.5e15), ("B200", 2.25e15), ("H200", 989e12), ("H100", 989e12), ("H800", 989e12), ("GH200", 989e12),
-    ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12), ("A10G", 70e12),
-    ("A10", 125e12), ("RTX 4090", 165e12), ("RTX 3090", 71e12), ("MI300X", 1307e12), ("MI250X", 383e12),
+    ("GB200", 2.5e15),
+    ("B200", 2.25e15),
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("GH200", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+    ("MI300X", 1307e12),
+    ("MI250X", 383e12),
 ]
 
 
@@ -58,9 +72,12 @@ _COLLECTIVE_MARKERS = ("nccl", "gloo:", "c10d::")
 def collective_seconds(events, on_gpu: bool) -> float:
     """Seconds during which at least one collective was in flight (overlapping and nested events counted once).
     On GPU only the NCCL kernels count: the CPU-side c10d events there are launches, not transfers."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if any(m in e.name.lower() for m in (("nccl",) if on_gpu else _COLLECTIVE_MARKERS))
-                   and (not on_gpu or e.device_type.name == "CUDA"))
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if any(m in e.name.lower() for m in (("nccl",) if on_gpu else _COLLECTIVE_MARKERS))
+        and (not on_gpu or e.device_type.name == "CUDA")
+    )
     covered, reach = 0.0, -math.inf
     for start, end in spans:  # union of intervals, microseconds
         if end > reach:
@@ -81,9 +98,23 @@ def memory_use(device: str) -> dict:
 
 
 class Monitor:
-    def __init__(self, run_dir: Path, *, title: str, enabled: bool, total_steps: int, start_step: int, flops_per_token: float,
-                 peak: float | None, world_size: int, interval: int, show: bool, device: str = "cpu",
-                 profile_interval: int = 0, tracker: Tracker | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        title: str,
+        enabled: bool,
+        total_steps: int,
+        start_step: int,
+        flops_per_token: float,
+        peak: float | None,
+        world_size: int,
+        interval: int,
+        show: bool,
+        device: str = "cpu",
+        profile_interval: int = 0,
+        tracker: Tracker | None = None,
+    ):
         self.enabled, self.title, self.device = enabled, title, device
         self.total_steps, self.start_step = total_steps, start_step
         self.flops_per_token, self.peak, self.world_size = flops_per_token, peak, world_size
@@ -106,7 +137,7 @@ class Monitor:
             _drop_lines_after(self.events_path, start_step)
             self.events_path.touch()  # present even when no guard fired: "no events" is a result too
 
-    def __enter__(self) -> "Monitor":
+    def __enter__(self) -> Monitor:
         self._progress_cm = progress(self.show)
         self._bar = self._progress_cm.__enter__()
         self._task = self._bar.add_task(self.title, total=self.total_steps, completed=self.start_step, rate="")
@@ -151,8 +182,18 @@ class Monitor:
             bucket["checkpoint"] += time.perf_counter() - started
             bucket["checkpoints"] += 1
 
-    def step(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens: int, data_s: float, compute_s: float,
-             guards: dict | None = None) -> None:
+    def step(
+        self,
+        step: int,
+        *,
+        loss: float,
+        lr: float,
+        grad_norm: float,
+        tokens: int,
+        data_s: float,
+        compute_s: float,
+        guards: dict | None = None,
+    ) -> None:
         """`guards`: the running counts of skipped updates, spikes and rollbacks, written with each line."""
         for bucket in (self._window, self._totals):
             bucket["tokens"] += tokens
@@ -166,16 +207,29 @@ class Monitor:
             return
         seconds = max(1e-9, self._window["data"] + self._window["compute"])
         tokens_per_s = self._window["tokens"] / seconds
-        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-                  "data_wait": self._window["data"] / seconds, "step_s": seconds / self._window["steps"], "flops_per_s": tokens_per_s * self.flops_per_token,
-                  "mfu": self._mfu(tokens_per_s), **memory_use(self.device),
-                  "checkpoint_s": self._window["checkpoint"],
-                  "checkpoint_share": self._totals["checkpoint"] / max(1e-9, time.perf_counter() - self._started), **(guards or {}), "time": time.time()}
+        record = {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "data_wait": self._window["data"] / seconds,
+            "step_s": seconds / self._window["steps"],
+            "flops_per_s": tokens_per_s * self.flops_per_token,
+            "mfu": self._mfu(tokens_per_s),
+            **memory_use(self.device),
+            "checkpoint_s": self._window["checkpoint"],
+            "checkpoint_share": self._totals["checkpoint"] / max(1e-9, time.perf_counter() - self._started),
+            **(guards or {}),
+            "time": time.time(),
+        }
         if self._comm_share is not None:
             record["comm_share"], self._comm_share = self._comm_share, None
         self.history.append(record)
         _append_jsonl(self.metrics_path, record)
-        self.tracker.log({f"train/{k}": v for k, v in record.items() if k not in ("step", "time") and v is not None}, step)
+        self.tracker.log(
+            {f"train/{k}": v for k, v in record.items() if k not in ("step", "time") and v is not None}, step
+        )
         self._bar.update(self._task, rate=f"loss {loss:.4f}")
         self._bar.console.print(self._line(record))
         self._window = _empty_window()
@@ -186,9 +240,11 @@ class Monitor:
     def _line(self, r: dict) -> str:
         speed = f"MFU {r['mfu']:.1%}" if r["mfu"] is not None else flops_text(r["flops_per_s"])
         remaining = (self.total_steps - r["step"]) * self._seconds_per_step()
-        return (f"step {r['step']:>{len(str(self.total_steps))}}/{self.total_steps} │ loss {r['loss']:.4f} │ "
-                f"lr {r['lr']:.2e} │ gnorm {r['grad_norm']:.2f} │ {human_count(r['tokens_per_s'])} tok/s │ "
-                f"data {r['data_wait']:.1%} │ {speed} │ eta {human_duration(remaining)}")
+        return (
+            f"step {r['step']:>{len(str(self.total_steps))}}/{self.total_steps} │ loss {r['loss']:.4f} │ "
+            f"lr {r['lr']:.2e} │ gnorm {r['grad_norm']:.2f} │ {human_count(r['tokens_per_s'])} tok/s │ "
+            f"data {r['data_wait']:.1%} │ {speed} │ eta {human_duration(remaining)}"
+        )
 
     def _seconds_per_step(self) -> float:
         return (self._totals["data"] + self._totals["compute"]) / max(1, self._totals["steps"])
@@ -212,8 +268,10 @@ class Monitor:
         self.events.append(record)
         if self.enabled:
             _append_jsonl(self.events_path, {**record, "time": time.time()})
-            self._bar.console.print(f"[yellow]{escape(str(record['event']))}[/] at step {record.get('step')}: "
-                                    + escape(", ".join(f"{k}={v}" for k, v in record.items() if k not in ("event", "step"))))
+            self._bar.console.print(
+                f"[yellow]{escape(str(record['event']))}[/] at step {record.get('step')}: "
+                + escape(", ".join(f"{k}={v}" for k, v in record.items() if k not in ("event", "step")))
+            )
 
     def note(self, message: str) -> None:
         if self.enabled:
@@ -224,11 +282,17 @@ class Monitor:
         tokens_per_s = self._totals["tokens"] / seconds
         wall = time.perf_counter() - self._started
         held, saves, steps = self._totals["checkpoint"], self._totals["checkpoints"], self._totals["steps"]
-        return {"steps_run": steps, "tokens_run": self._totals["tokens"],
-                "train_seconds": seconds, "wall_seconds": wall,
-                "tokens_per_s": tokens_per_s, "flops_per_s": tokens_per_s * self.flops_per_token,
-                "mfu": self._mfu(tokens_per_s), "data_wait": self._totals["data"] / seconds,
-                **checkpoint_cost(held, saves, steps, wall)}
+        return {
+            "steps_run": steps,
+            "tokens_run": self._totals["tokens"],
+            "train_seconds": seconds,
+            "wall_seconds": wall,
+            "tokens_per_s": tokens_per_s,
+            "flops_per_s": tokens_per_s * self.flops_per_token,
+            "mfu": self._mfu(tokens_per_s),
+            "data_wait": self._totals["data"] / seconds,
+            **checkpoint_cost(held, saves, steps, wall),
+        }
 
 
 CHECKPOINT_BUDGET_S_PER_1000_STEPS = 300.0  # the seed's yardstick: under 5 minutes of checkpointing per 1,000 steps
@@ -236,15 +300,28 @@ CHECKPOINT_BUDGET_S_PER_1000_STEPS = 300.0  # the seed's yardstick: under 5 minu
 
 def checkpoint_cost(held_s: float, saves: int, steps: int, wall_s: float) -> dict:
     """Seconds the loop was held by checkpoints: in all, per save, per 1,000 steps and as a share of wall time."""
-    return {"checkpoints_saved": saves, "checkpoint_seconds": held_s, "checkpoint_s_each": held_s / saves if saves else 0.0,
-            "checkpoint_s_per_1000_steps": 1000 * held_s / steps if steps else 0.0,
-            "checkpoint_share": held_s / wall_s if wall_s > 0 else 0.0}
+    return {
+        "checkpoints_saved": saves,
+        "checkpoint_seconds": held_s,
+        "checkpoint_s_each": held_s / saves if saves else 0.0,
+        "checkpoint_s_per_1000_steps": 1000 * held_s / steps if steps else 0.0,
+        "checkpoint_share": held_s / wall_s if wall_s > 0 else 0.0,
+    }
 
 
 def idle_totals() -> dict:
     """The totals of a command that ran no step (a finished run resumed)."""
-    return {"steps_run": 0, "tokens_run": 0, "train_seconds": 0.0, "wall_seconds": 0.0, "tokens_per_s": 0.0,
-            "flops_per_s": 0.0, "mfu": None, "data_wait": 0.0, **checkpoint_cost(0.0, 0, 0, 0.0)}
+    return {
+        "steps_run": 0,
+        "tokens_run": 0,
+        "train_seconds": 0.0,
+        "wall_seconds": 0.0,
+        "tokens_per_s": 0.0,
+        "flops_per_s": 0.0,
+        "mfu": None,
+        "data_wait": 0.0,
+        **checkpoint_cost(0.0, 0, 0, 0.0),
+    }
 
 
 def _empty_window() -> dict:

@@ -29,13 +29,20 @@ def tp_plan(config, tp: int) -> dict[str, str]:
     if tp == 1:
         return {}
     if not plan:
-        raise UserError("parallel.tp", f"{config.model_type} has no tensor-parallel plan in transformers",
-                        "set parallel.tp = 1 (FSDP2 alone), or pick an architecture with one (smollm3, llama, qwen2, mistral)")
+        raise UserError(
+            "parallel.tp",
+            f"{config.model_type} has no tensor-parallel plan in transformers",
+            "set parallel.tp = 1 (FSDP2 alone), or pick an architecture with one (smollm3, llama, qwen2, mistral)",
+        )
     layer_plan = {}
     for path, style in plan.items():
         if not path.startswith("layers.*.") or style not in _STYLES:
-            raise UserError("parallel.tp", f"{config.model_type}'s TP plan shards {path} as {style!r}, which this trainer "
-                            f"does not apply (only {' / '.join(_STYLES)} decoder-layer linears)", "set parallel.tp = 1")
+            raise UserError(
+                "parallel.tp",
+                f"{config.model_type}'s TP plan shards {path} as {style!r}, which this trainer "
+                f"does not apply (only {' / '.join(_STYLES)} decoder-layer linears)",
+                "set parallel.tp = 1",
+            )
         layer_plan[path.removeprefix("layers.*.")] = style
     return layer_plan
 
@@ -43,8 +50,11 @@ def tp_plan(config, tp: int) -> dict[str, str]:
 def build_mesh(layout: Layout, device_type: str):
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (layout.dp_replicate, layout.dp_shard, layout.tp),
-                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    return init_device_mesh(
+        device_type,
+        (layout.dp_replicate, layout.dp_shard, layout.tp),
+        mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+    )
 
 
 def apply_tp(layers, tp_mesh, plan: dict[str, str]) -> None:
@@ -61,9 +71,18 @@ def _saved_ops() -> set:
     import torch
 
     aten = torch.ops.aten
-    names = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-    return {aten.mm.default, aten.addmm.default, aten.bmm.default, *(getattr(aten, n).default for n in names if hasattr(aten, n))}
+    names = (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    return {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        *(getattr(aten, n).default for n in names if hasattr(aten, n)),
+    }
 
 
 def _selective_policy(saved, ctx, op, *args, **kwargs):
@@ -97,14 +116,18 @@ def apply_fsdp(wrapped, layers, dp_mesh, *, bf16: bool) -> None:
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
     for index, layer in enumerate(layers):
         # the last layer's parameters are needed again at once by backward: keep them gathered
         fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=index < len(layers) - 1)
     fully_shard(wrapped, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=False)
 
 
-def parallelize(wrapped, *, mesh, layout: Layout, activation_checkpointing: str, compile: bool, bf16: bool, fsdp: bool = True):
+def parallelize(
+    wrapped, *, mesh, layout: Layout, activation_checkpointing: str, compile: bool, bf16: bool, fsdp: bool = True
+):
     """Apply TP, AC, compile and FSDP2 (when `fsdp` and more than one data-parallel rank) to `wrapped` (a
     CausalLMLoss) in torchtitan's order; `mesh` is None for one process. Returns `wrapped`."""
     model = wrapped.lm

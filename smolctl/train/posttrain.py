@@ -21,8 +21,22 @@ from smolctl.errors import UserError
 from smolctl.shards import DocumentSource, open_documents
 from smolctl.train.config import ChatDataSection, DpoRecipe, PreferenceDataSection, SftRecipe
 from smolctl.train.posttrain_run import (
-    PostTrainResult, StepHook, apply_peft, check_start, final_metrics, finish_trl, finished_result, load_start, open_run,
-    parameter_counts, quiet_offline, require_chat_template, run_callback, scheduled, trainer_arguments, use_bf16,
+    PostTrainResult,
+    StepHook,
+    apply_peft,
+    check_start,
+    final_metrics,
+    finish_trl,
+    finished_result,
+    load_start,
+    open_run,
+    parameter_counts,
+    quiet_offline,
+    require_chat_template,
+    run_callback,
+    scheduled,
+    trainer_arguments,
+    use_bf16,
 )
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -30,16 +44,21 @@ from smolctl.train.posttrain_run import (
 
 
 def read_table(source: DocumentSource, columns: list[str]) -> pa.Table:
-    return pa.Table.from_batches(list(source.iter_batches(columns=columns)), schema=pa.schema(
-        [source.schema.field(c) for c in columns]))
+    return pa.Table.from_batches(
+        list(source.iter_batches(columns=columns)), schema=pa.schema([source.schema.field(c) for c in columns])
+    )
 
 
 def require_columns(source: DocumentSource, columns: list[str], fix: str) -> None:
     """Every named column must exist; the error names all that are missing and what the dataset has."""
     missing = [c for c in columns if c not in source.columns]
     if missing:
-        raise UserError(source.spec, f"has no column{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))} "
-                        f"(columns: {', '.join(source.columns)})", fix)
+        raise UserError(
+            source.spec,
+            f"has no column{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))} "
+            f"(columns: {', '.join(source.columns)})",
+            fix,
+        )
 
 
 def sft_columns(source: DocumentSource) -> list[str]:
@@ -48,8 +67,11 @@ def sft_columns(source: DocumentSource) -> list[str]:
         return ["messages"]
     if "prompt" in source.columns and "completion" in source.columns:
         return ["prompt", "completion"]
-    raise UserError(source.spec, f"has no 'messages' column nor 'prompt'/'completion' columns (columns: "
-                    f"{', '.join(source.columns)})", "pass a chat dataset (e.g. data/sample/chat)")
+    raise UserError(
+        source.spec,
+        f"has no 'messages' column nor 'prompt'/'completion' columns (columns: {', '.join(source.columns)})",
+        "pass a chat dataset (e.g. data/sample/chat)",
+    )
 
 
 def balanced_indices(groups: list, mode: str, seed: int) -> list[int]:
@@ -129,8 +151,15 @@ def _as_turns(row: dict) -> dict:
 # Runs
 
 
-def run_sft(recipe: SftRecipe, run: str | Path, *, start: str | None = None, resume: str = "none",
-            overwrite: bool = False, on_step: StepHook | None = None) -> PostTrainResult:
+def run_sft(
+    recipe: SftRecipe,
+    run: str | Path,
+    *,
+    start: str | None = None,
+    resume: str = "none",
+    overwrite: bool = False,
+    on_step: StepHook | None = None,
+) -> PostTrainResult:
     """Fine-tune the starting checkpoint on chat data with TRL's SFTTrainer and write RUN/final."""
     run = Path(run)
     parent = check_start(start or recipe.model.from_, "--from" if start else "model.from")
@@ -145,31 +174,53 @@ def run_sft(recipe: SftRecipe, run: str | Path, *, start: str | None = None, res
     if begun.finished:
         return finished_result("sft", run, begun)
     trainer, callback, data_stats, parameters = sft_trainer(recipe, run, parent, source, columns, on_step)
-    return finish_trl("sft", trainer, callback, run, parent, source.lineage(), data_stats, begun, parameters,
-                      lambda history: final_metrics(history, ("loss", "mean_token_accuracy", "entropy", "grad_norm", "lr")))
+    return finish_trl(
+        "sft",
+        trainer,
+        callback,
+        run,
+        parent,
+        source.lineage(),
+        data_stats,
+        begun,
+        parameters,
+        lambda history: final_metrics(history, ("loss", "mean_token_accuracy", "entropy", "grad_norm", "lr")),
+    )
 
 
-def sft_trainer(recipe: SftRecipe, run: Path, parent: Path, source: DocumentSource, columns: list[str],
-                on_step: StepHook | None = None):
+def sft_trainer(
+    recipe: SftRecipe,
+    run: Path,
+    parent: Path,
+    source: DocumentSource,
+    columns: list[str],
+    on_step: StepHook | None = None,
+):
     """The SFTTrainer of a recipe, its RunCallback, the data facts and the parameter counts (nothing trained yet)."""
     from trl import SFTConfig, SFTTrainer
 
     model, tokenizer = load_start(parent, attention=recipe.training.attention)
     assistant_only = recipe.sft.assistant_only_loss and columns == ["messages"]
-    dataset, data_stats = load_sft_dataset(source, recipe.data, recipe.training.seed,
-                                           as_chat=bool(getattr(tokenizer, "chat_template", None)))
+    dataset, data_stats = load_sft_dataset(
+        source, recipe.data, recipe.training.seed, as_chat=bool(getattr(tokenizer, "chat_template", None))
+    )
     model = apply_peft(model, recipe.peft)
     packing = recipe.sft.packing
     config = SFTConfig(
         **trainer_arguments(run, recipe),
         # TRL does not truncate padding-free batches; SFTTrainer refuses a max_length there.
         max_length=None if packing == "padding_free" else recipe.sft.max_length,
-        packing=packing == "bfd", packing_strategy="bfd", padding_free=packing == "padding_free",
-        assistant_only_loss=assistant_only, loss_type=recipe.sft.loss_type, shuffle_dataset=True,
+        packing=packing == "bfd",
+        packing_strategy="bfd",
+        padding_free=packing == "padding_free",
+        assistant_only_loss=assistant_only,
+        loss_type=recipe.sft.loss_type,
+        shuffle_dataset=True,
     )
     callback = run_callback(run, on_step, recipe.checkpoint.keep)
-    trainer = scheduled(SFTTrainer, recipe)(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                                            callbacks=[callback])
+    trainer = scheduled(SFTTrainer, recipe)(
+        model=model, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[callback]
+    )
     data_stats["train_rows"] = len(trainer.train_dataset)
     return trainer, callback, data_stats, parameter_counts(model)
 
@@ -187,21 +238,30 @@ def check_sft_template(recipe: SftRecipe, parent: Path, source: DocumentSource, 
     try:
         get_training_chat_template(tokenizer)
     except ValueError as exc:
-        raise UserError(parent, f"the chat template of tokenizer {tokenizer.name_or_path} has no {{% generation %}} markers "
-                        "and TRL cannot patch it, so the assistant turns cannot be found for assistant-only loss",
-                        "add the markers around the assistant content, or set sft.assistant_only_loss = false") from exc
+        raise UserError(
+            parent,
+            f"the chat template of tokenizer {tokenizer.name_or_path} has no {{% generation %}} markers "
+            "and TRL cannot patch it, so the assistant turns cannot be found for assistant-only loss",
+            "add the markers around the assistant content, or set sft.assistant_only_loss = false",
+        ) from exc
 
 
-def run_dpo(recipe: DpoRecipe, run: str | Path, *, start: str | None = None, resume: str = "none",
-            overwrite: bool = False, on_step: StepHook | None = None) -> PostTrainResult:
+def run_dpo(
+    recipe: DpoRecipe,
+    run: str | Path,
+    *,
+    start: str | None = None,
+    resume: str = "none",
+    overwrite: bool = False,
+    on_step: StepHook | None = None,
+) -> PostTrainResult:
     """Preference-optimise the starting checkpoint with TRL's DPOTrainer. The reference is the starting checkpoint:
     loaded a second time and passed explicitly (TRL would otherwise re-load it by hub id, which fails offline),
     or, with LoRA, the model with its adapter switched off (no second copy)."""
     run = Path(run)
     parent = check_start(start or recipe.model.from_, "--from" if start else "model.from")
     source = open_documents(recipe.data.path)
-    require_columns(source, ["prompt", "chosen", "rejected"],
-                    "pass a preference dataset (e.g. data/sample/preference)")
+    require_columns(source, ["prompt", "chosen", "rejected"], "pass a preference dataset (e.g. data/sample/preference)")
     quiet_offline()
     if any(is_chat_column(source.schema.field(c)) for c in ("prompt", "chosen", "rejected")):
         require_chat_template(load_tokenizer(parent), parent, "preference pairs given as chat turns need")
@@ -221,13 +281,32 @@ def run_dpo(recipe: DpoRecipe, run: str | Path, *, start: str | None = None, res
     model = apply_peft(model, recipe.peft)
     config = DPOConfig(
         **trainer_arguments(run, recipe),
-        beta=recipe.dpo.beta, loss_type=[recipe.dpo.loss_type], max_length=recipe.dpo.max_length,
+        beta=recipe.dpo.beta,
+        loss_type=[recipe.dpo.loss_type],
+        max_length=recipe.dpo.max_length,
         precompute_ref_log_probs=recipe.dpo.precompute_ref_log_probs,
     )
     callback = run_callback(run, on_step, recipe.checkpoint.keep)
-    trainer = scheduled(DPOTrainer, recipe)(model=model, ref_model=reference, args=config, train_dataset=dataset,
-                                            processing_class=tokenizer, callbacks=[callback])
-    return finish_trl("dpo", trainer, callback, run, parent, source.lineage(), data_stats, begun,
-                      parameter_counts(model), lambda history: final_metrics(history, (
-                          "loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected",
-                          "grad_norm", "lr")))
+    trainer = scheduled(DPOTrainer, recipe)(
+        model=model,
+        ref_model=reference,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[callback],
+    )
+    return finish_trl(
+        "dpo",
+        trainer,
+        callback,
+        run,
+        parent,
+        source.lineage(),
+        data_stats,
+        begun,
+        parameter_counts(model),
+        lambda history: final_metrics(
+            history,
+            ("loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "grad_norm", "lr"),
+        ),
+    )

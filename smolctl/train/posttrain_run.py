@@ -12,10 +12,11 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from contextlib import redirect_stdout
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from smolctl.data.tokenizer import IM_END, load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import UserError
@@ -23,8 +24,18 @@ from smolctl.results import Result
 from smolctl.shards import KIND_MODEL, OutputFolder, lineage_ref, read_manifest
 from smolctl.train.config import PeftSection, PostTrainRecipe, global_batch_and_accumulation
 from smolctl.train.run import (
-    ADAPTER, CHECKPOINTS, EVENTS, FINAL, METRICS, RunStart, append_jsonl, begin_run, checkpoint_dir, model_folder,
-    decide_start, prune_checkpoints,
+    ADAPTER,
+    CHECKPOINTS,
+    EVENTS,
+    FINAL,
+    METRICS,
+    RunStart,
+    append_jsonl,
+    begin_run,
+    checkpoint_dir,
+    decide_start,
+    model_folder,
+    prune_checkpoints,
 )
 from smolctl.train.schedule import lambda_scheduler
 from smolctl.train.trackers import require_trackers, trainer_reporting
@@ -74,21 +85,28 @@ def check_start(spec: str | None, where: str = "model.from") -> Path:
     """The starting checkpoint: a model folder with a tokenizer, or a run folder holding one in final/.
     Checked before anything heavy loads."""
     if not spec:
-        raise UserError(where, "no starting checkpoint", "set [model] from = \"PATH\" in the recipe or pass --from PATH")
+        raise UserError(where, "no starting checkpoint", 'set [model] from = "PATH" in the recipe or pass --from PATH')
     path = Path(spec)
     if not path.is_dir():
-        raise UserError(path, "no such folder" if not path.exists() else "is a file, not a model folder",
-                        "pass a model folder (the output of pretrain, midtrain, sft or dpo)")
+        raise UserError(
+            path,
+            "no such folder" if not path.exists() else "is a file, not a model folder",
+            "pass a model folder (the output of pretrain, midtrain, sft or dpo)",
+        )
     path = model_folder(path)
     manifest = read_manifest(path)
     if manifest is not None and manifest["kind"] != KIND_MODEL:
-        raise UserError(path, f"is a {manifest['kind']} folder, not a model",
-                        "pass a checkpoint written by pretrain, sft or dpo")
+        raise UserError(
+            path, f"is a {manifest['kind']} folder, not a model", "pass a checkpoint written by pretrain, sft or dpo"
+        )
     if not (path / "config.json").is_file():
-        raise UserError(path, "is not a model folder (no config.json)", "pass a Hugging Face model folder or a run folder")
+        raise UserError(
+            path, "is not a model folder (no config.json)", "pass a Hugging Face model folder or a run folder"
+        )
     if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        raise UserError(path, "holds a model but no tokenizer",
-                        "save the tokenizer beside the model (tokenizer.save_pretrained)")
+        raise UserError(
+            path, "holds a model but no tokenizer", "save the tokenizer beside the model (tokenizer.save_pretrained)"
+        )
     return path
 
 
@@ -100,17 +118,27 @@ def load_start(path: Path, bf16: bool = False, attention: str = "sdpa"):
 
     tokenizer = load_tokenizer(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, attn_implementation=attention,
-                                                     dtype=torch.bfloat16 if bf16 else torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path),
+            local_files_only=True,
+            attn_implementation=attention,
+            dtype=torch.bfloat16 if bf16 else torch.float32,
+        )
     except (OSError, ValueError, KeyError) as exc:
-        raise UserError(path, f"cannot load the model: {str(exc).splitlines()[0][:200]}",
-                        "pass a complete Hugging Face model folder") from exc
+        raise UserError(
+            path,
+            f"cannot load the model: {str(exc).splitlines()[0][:200]}",
+            "pass a complete Hugging Face model folder",
+        ) from exc
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        raise UserError(path, f"the tokenizer has {len(tokenizer)} tokens but the model's embedding only "
-                        f"{model.get_input_embeddings().num_embeddings}",
-                        "pair the model with the tokenizer it was trained with")
+        raise UserError(
+            path,
+            f"the tokenizer has {len(tokenizer)} tokens but the model's embedding only "
+            f"{model.get_input_embeddings().num_embeddings}",
+            "pair the model with the tokenizer it was trained with",
+        )
     return model, tokenizer
 
 
@@ -124,8 +152,11 @@ def chat_stop_ids(tokenizer) -> list[int]:
 
 def require_chat_template(tokenizer, path: Path, why: str) -> None:
     if not getattr(tokenizer, "chat_template", None):
-        raise UserError(path, f"the tokenizer has no chat template, which {why}",
-                        "train the tokenizer with `smolctl train-tokenizer` (ChatML) or add a chat_template")
+        raise UserError(
+            path,
+            f"the tokenizer has no chat template, which {why}",
+            "train the tokenizer with `smolctl train-tokenizer` (ChatML) or add a chat_template",
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -137,11 +168,17 @@ def check_sharding(recipe: PostTrainRecipe) -> None:
     import torch
 
     if recipe.training.shard and world_size() > 1 and not torch.cuda.is_available():
-        raise UserError("training.shard", "FSDP through accelerate needs GPUs; on CPU the processes would each hold "
-                        "the whole model", "set training.shard = false on CPU (the processes then run as DDP)")
+        raise UserError(
+            "training.shard",
+            "FSDP through accelerate needs GPUs; on CPU the processes would each hold the whole model",
+            "set training.shard = false on CPU (the processes then run as DDP)",
+        )
     if recipe.peft is not None and recipe.training.shard:
-        raise UserError("peft", "LoRA adapters are not sharded by smolctl (training.shard = true)",
-                        "LoRA fits a 3B model on one GPU: set training.shard = false, or remove [peft]")
+        raise UserError(
+            "peft",
+            "LoRA adapters are not sharded by smolctl (training.shard = true)",
+            "LoRA fits a 3B model on one GPU: set training.shard = false, or remove [peft]",
+        )
 
 
 def apply_peft(model, peft: PeftSection | None):
@@ -150,13 +187,21 @@ def apply_peft(model, peft: PeftSection | None):
         return model
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=peft.r, lora_alpha=peft.alpha, lora_dropout=peft.dropout, task_type="CAUSAL_LM",
-                        target_modules=peft.target_modules)
+    config = LoraConfig(
+        r=peft.r,
+        lora_alpha=peft.alpha,
+        lora_dropout=peft.dropout,
+        task_type="CAUSAL_LM",
+        target_modules=peft.target_modules,
+    )
     try:
         return get_peft_model(model, config)
     except ValueError as exc:
-        raise UserError("peft.target_modules", str(exc).splitlines()[0][:200],
-                        'name modules of the model (e.g. ["q_proj", "v_proj"]) or use "all-linear"') from exc
+        raise UserError(
+            "peft.target_modules",
+            str(exc).splitlines()[0][:200],
+            'name modules of the model (e.g. ["q_proj", "v_proj"]) or use "all-linear"',
+        ) from exc
 
 
 def parameter_counts(model) -> dict[str, int]:
@@ -179,17 +224,33 @@ def trainer_arguments(run: Path, recipe: PostTrainRecipe) -> dict[str, Any]:
     interval = recipe.checkpoint.interval
     sharding = dict(fsdp="full_shard auto_wrap", fsdp_config={"version": 2}) if training.shard else {}
     return dict(
-        output_dir=str(run / CHECKPOINTS), max_steps=training.steps, per_device_train_batch_size=training.micro_batch,
-        gradient_accumulation_steps=grad_accum, learning_rate=optimizer.lr, adam_beta1=optimizer.betas[0],
-        adam_beta2=optimizer.betas[1], adam_epsilon=optimizer.eps, weight_decay=optimizer.weight_decay,
-        max_grad_norm=optimizer.grad_clip, seed=training.seed, data_seed=training.seed,
-        bf16=use_bf16(training.precision), fp16=False, use_cpu=not torch.cuda.is_available(),
-        gradient_checkpointing=training.activation_checkpointing == "full", torch_compile=training.compile,
-        logging_steps=recipe.logging.interval, save_strategy="steps" if interval else "no", save_steps=interval or 1,
+        output_dir=str(run / CHECKPOINTS),
+        max_steps=training.steps,
+        per_device_train_batch_size=training.micro_batch,
+        gradient_accumulation_steps=grad_accum,
+        learning_rate=optimizer.lr,
+        adam_beta1=optimizer.betas[0],
+        adam_beta2=optimizer.betas[1],
+        adam_epsilon=optimizer.eps,
+        weight_decay=optimizer.weight_decay,
+        max_grad_norm=optimizer.grad_clip,
+        seed=training.seed,
+        data_seed=training.seed,
+        bf16=use_bf16(training.precision),
+        fp16=False,
+        use_cpu=not torch.cuda.is_available(),
+        gradient_checkpointing=training.activation_checkpointing == "full",
+        torch_compile=training.compile,
+        logging_steps=recipe.logging.interval,
+        save_strategy="steps" if interval else "no",
+        save_steps=interval or 1,
         save_total_limit=None,  # RunCallback renames checkpoint-N to step-N and prunes, as pretrain does
-        include_num_input_tokens_seen="all", disable_tqdm=True, dataloader_num_workers=0,
+        include_num_input_tokens_seen="all",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
         **trainer_reporting(run, recipe.logging.report_to),
-        log_level="error", push_to_hub=False,
+        log_level="error",
+        push_to_hub=False,
         ddp_find_unused_parameters=False,  # every parameter gets a gradient; the search costs a graph traversal
         **sharding,
     )
@@ -197,13 +258,16 @@ def trainer_arguments(run: Path, recipe: PostTrainRecipe) -> dict[str, Any]:
 
 def scheduled(trainer_class: type, recipe: PostTrainRecipe) -> type:
     """The trainer class with smolctl's schedule (smolctl.train.schedule) as its lr scheduler."""
+
     class Scheduled(trainer_class):
         def create_model_card(self, *args, **kwargs):
             """No README.md model card in RUN/checkpoints: RUN/final/manifest.json is the model's record."""
 
         def create_scheduler(self, num_training_steps, optimizer=None):
             if self.lr_scheduler is None:
-                self.lr_scheduler = lambda_scheduler(optimizer or self.optimizer, recipe.schedule, recipe.training.steps)
+                self.lr_scheduler = lambda_scheduler(
+                    optimizer or self.optimizer, recipe.schedule, recipe.training.steps
+                )
             return self.lr_scheduler
 
     Scheduled.__name__ = trainer_class.__name__
@@ -240,7 +304,11 @@ def run_callback(run: Path, on_step: StepHook | None, keep: int, extra: Callable
             now, tokens = time.perf_counter(), logs.get("num_input_tokens_seen")
             record = {"step": state.global_step}
             for key, value in logs.items():
-                if isinstance(value, (int, float)) and key not in ("epoch", "num_input_tokens_seen") and not key.startswith("train_"):
+                if (
+                    isinstance(value, (int, float))
+                    and key not in ("epoch", "num_input_tokens_seen")
+                    and not key.startswith("train_")
+                ):
                     record[SHARED_NAMES.get(key, key)] = value
             if tokens is not None and self.last[1] is not None:
                 record["tokens_per_s"] = (tokens - self.last[1]) / max(1e-9, now - self.last[0])
@@ -256,12 +324,17 @@ def run_callback(run: Path, on_step: StepHook | None, keep: int, extra: Callable
             if dist.is_available() and dist.is_initialized():
                 dist.barrier()  # every rank has written its part of checkpoint-N
             if state.is_world_process_zero:
-                written, target = run / CHECKPOINTS / f"checkpoint-{state.global_step}", checkpoint_dir(run, state.global_step)
+                written, target = (
+                    run / CHECKPOINTS / f"checkpoint-{state.global_step}",
+                    checkpoint_dir(run, state.global_step),
+                )
                 shutil.rmtree(target, ignore_errors=True)
                 written.rename(target)
                 prune_checkpoints(run, keep)
-                append_jsonl(run / EVENTS, {"event": "checkpoint", "step": state.global_step, "path": str(target),
-                                            "time": time.time()})
+                append_jsonl(
+                    run / EVENTS,
+                    {"event": "checkpoint", "step": state.global_step, "path": str(target), "time": time.time()},
+                )
 
     return RunCallback()
 
@@ -313,13 +386,34 @@ def finished_result(stage: str, run: Path, start: RunStart) -> PostTrainResult:
     manifest = start.finished or {}
     stats = dict(manifest.get("stats", {}))
     steps, seconds = int(stats.pop("steps", 0)), float(stats.pop("seconds", 0.0))
-    return PostTrainResult(stage, str(run), str(run / FINAL), manifest.get("parent", ""), steps, seconds, None,
-                       manifest.get("parameters", {}), stats, {}, str(run / ADAPTER) if (run / ADAPTER).is_dir() else None,
-                       nothing_to_do=True)
+    return PostTrainResult(
+        stage,
+        str(run),
+        str(run / FINAL),
+        manifest.get("parent", ""),
+        steps,
+        seconds,
+        None,
+        manifest.get("parameters", {}),
+        stats,
+        {},
+        str(run / ADAPTER) if (run / ADAPTER).is_dir() else None,
+        nothing_to_do=True,
+    )
 
 
-def save_final(run: Path, model, tokenizer, *, parent: Path, data_inputs: list[dict], stage: str, stats: dict,
-               parameters: dict, accelerator=None) -> Path | None:
+def save_final(
+    run: Path,
+    model,
+    tokenizer,
+    *,
+    parent: Path,
+    data_inputs: list[dict],
+    stage: str,
+    stats: dict,
+    parameters: dict,
+    accelerator=None,
+) -> Path | None:
     """Save the trained model as RUN/final: an HF folder with its tokenizer and a kind "model" manifest (inputs:
     the data's lineage and the parent checkpoint). Every rank calls this: a sharded model is gathered first, then
     rank 0 writes. A LoRA model is saved merged, its adapter alone in RUN/adapter. Returns RUN/adapter or None.
@@ -344,17 +438,29 @@ def save_final(run: Path, model, tokenizer, *, parent: Path, data_inputs: list[d
     model.generation_config.eos_token_id = chat_stop_ids(tokenizer)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     # decide_start already refused an existing final/ unless --overwrite or --resume said to replace it.
-    with OutputFolder(run / FINAL, kind=KIND_MODEL, overwrite=True, inputs=[*data_inputs, lineage_ref(parent)]) as folder:
+    with OutputFolder(
+        run / FINAL, kind=KIND_MODEL, overwrite=True, inputs=[*data_inputs, lineage_ref(parent)]
+    ) as folder:
         model.save_pretrained(str(folder.staging), state_dict=state_dict)
         tokenizer.save_pretrained(str(folder.staging))
         if (run / METRICS).is_file():
             shutil.copy2(run / METRICS, folder.file(METRICS))
         for weights in sorted(folder.staging.glob("*.safetensors")):
             folder.add_shard(weights.name, rows=0)
-        folder.commit(stats=stats, parent=str(parent.resolve()), stage=stage, parameters=parameters,
-                      tokenizer={"path": str((run / FINAL).resolve()), "name": tokenizer.name_or_path,
-                                 "fingerprint": tokenizer_fingerprint(tokenizer), "vocab_size": len(tokenizer),
-                                 "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id})
+        folder.commit(
+            stats=stats,
+            parent=str(parent.resolve()),
+            stage=stage,
+            parameters=parameters,
+            tokenizer={
+                "path": str((run / FINAL).resolve()),
+                "name": tokenizer.name_or_path,
+                "fingerprint": tokenizer_fingerprint(tokenizer),
+                "vocab_size": len(tokenizer),
+                "eos_token_id": tokenizer.eos_token_id,
+                "pad_token_id": tokenizer.pad_token_id,
+            },
+        )
     if accelerator is not None:
         accelerator.wait_for_everyone()
     return adapter
@@ -370,21 +476,52 @@ def final_metrics(history: list[dict], keys: tuple[str, ...], window: int = 5) -
     return out
 
 
-def finish_trl(stage: str, trainer, callback, run: Path, parent: Path, data_inputs: list[dict], data: dict,
-               start: RunStart, parameters: dict, metrics: Callable[[list[dict]], dict]) -> PostTrainResult:
+def finish_trl(
+    stage: str,
+    trainer,
+    callback,
+    run: Path,
+    parent: Path,
+    data_inputs: list[dict],
+    data: dict,
+    start: RunStart,
+    parameters: dict,
+    metrics: Callable[[list[dict]], dict],
+) -> PostTrainResult:
     """Train a prepared TRL trainer, save RUN/final collectively and return the result."""
     started = time.perf_counter()
     train_quietly(trainer, start.resume_from)
     seconds = time.perf_counter() - started
     summary = metrics(callback.history)
-    adapter = save_final(run, trainer.model, trainer.processing_class, parent=parent, data_inputs=data_inputs,
-                         stage=stage, parameters=parameters, accelerator=trainer.accelerator,
-                         stats={**{k.replace("/", "_"): v for k, v in summary.items()}, **data,
-                                "steps": trainer.state.global_step, "seconds": round(seconds, 2)})
-    return PostTrainResult(stage, str(run), str(run / FINAL), str(parent), trainer.state.global_step, seconds,
-                       str(start.resume_from) if start.resume_from else None, parameters, summary, data,
-                       str(adapter) if adapter else None)
-
+    adapter = save_final(
+        run,
+        trainer.model,
+        trainer.processing_class,
+        parent=parent,
+        data_inputs=data_inputs,
+        stage=stage,
+        parameters=parameters,
+        accelerator=trainer.accelerator,
+        stats={
+            **{k.replace("/", "_"): v for k, v in summary.items()},
+            **data,
+            "steps": trainer.state.global_step,
+            "seconds": round(seconds, 2),
+        },
+    )
+    return PostTrainResult(
+        stage,
+        str(run),
+        str(run / FINAL),
+        str(parent),
+        trainer.state.global_step,
+        seconds,
+        str(start.resume_from) if start.resume_from else None,
+        parameters,
+        summary,
+        data,
+        str(adapter) if adapter else None,
+    )
 
 
 def open_run(stage: str, recipe: PostTrainRecipe, run: Path, parent: Path, resume: str, overwrite: bool) -> RunStart:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from smolctl.errors import UserError
 from smolctl.train.config import PpoRecipe
+from smolctl.train.posttrain_run import PostTrainResult, StepHook, finished_result, quiet_offline, world_size
 from smolctl.train.ppo_loop import PpoLoop
 from smolctl.train.rl_setup import prepare
-from smolctl.train.posttrain_run import PostTrainResult, StepHook, finished_result, quiet_offline, world_size
 
 
 def check_ppo_batch(recipe: PpoRecipe, processes: int) -> None:
@@ -28,19 +28,35 @@ def check_ppo_batch(recipe: PpoRecipe, processes: int) -> None:
     passes everywhere)."""
     training, ppo = recipe.training, recipe.ppo
     if training.shard or training.compile or training.global_batch:
-        raise UserError("training", "ppo runs data-parallel (DDP) without FSDP sharding or compile, and counts its "
-                        "batch in ppo.batch_size", "remove training.shard, training.compile and training.global_batch")
+        raise UserError(
+            "training",
+            "ppo runs data-parallel (DDP) without FSDP sharding or compile, and counts its batch in ppo.batch_size",
+            "remove training.shard, training.compile and training.global_batch",
+        )
     if ppo.batch_size % processes:
-        raise UserError("ppo.batch_size", f"{ppo.batch_size} completions do not split evenly over {processes} "
-                        "processes", f"make ppo.batch_size a multiple of {processes}")
+        raise UserError(
+            "ppo.batch_size",
+            f"{ppo.batch_size} completions do not split evenly over {processes} processes",
+            f"make ppo.batch_size a multiple of {processes}",
+        )
     minibatch = min(ppo.minibatch_size, ppo.batch_size)
     if minibatch % processes:
-        raise UserError("ppo.minibatch_size", f"{minibatch} completions do not split evenly over {processes} "
-                        "processes", f"make ppo.minibatch_size a multiple of {processes}")
+        raise UserError(
+            "ppo.minibatch_size",
+            f"{minibatch} completions do not split evenly over {processes} processes",
+            f"make ppo.minibatch_size a multiple of {processes}",
+        )
 
 
-def run_ppo(recipe: PpoRecipe, run: str | Path, *, start: str | None = None, resume: str = "none",
-            overwrite: bool = False, on_step: StepHook | None = None) -> PostTrainResult:
+def run_ppo(
+    recipe: PpoRecipe,
+    run: str | Path,
+    *,
+    start: str | None = None,
+    resume: str = "none",
+    overwrite: bool = False,
+    on_step: StepHook | None = None,
+) -> PostTrainResult:
     """Train the starting checkpoint on the recipe's rewards with smolctl's PPO (one process, or DDP under
     torchrun / accelerate launch)."""
     check_ppo_batch(recipe, world_size())

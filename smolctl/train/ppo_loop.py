@@ -33,17 +33,32 @@ from transformers import GenerationConfig
 from smolctl.errors import UserError
 from smolctl.train.config import PpoRecipe
 from smolctl.train.distributed import Dist, gradient_sync, init_distributed
+from smolctl.train.posttrain_run import (
+    PostTrainResult,
+    StepHook,
+    apply_peft,
+    chat_stop_ids,
+    final_metrics,
+    load_start,
+    parameter_counts,
+    save_final,
+    use_bf16,
+)
 from smolctl.train.ppo_math import (
-    clipped_policy_loss, clipped_value_loss, completion_mask, explained_variance, gae, masked_mean, per_token_kl,
-    token_logprobs, whiten,
+    clipped_policy_loss,
+    clipped_value_loss,
+    completion_mask,
+    explained_variance,
+    gae,
+    masked_mean,
+    per_token_kl,
+    token_logprobs,
+    whiten,
 )
 from smolctl.train.rewards import log_completions
 from smolctl.train.rl_setup import Setup, as_chat, reward_trend
 from smolctl.train.run import EVENTS, FINAL, METRICS, append_jsonl, checkpoint_dir, prune_checkpoints
 from smolctl.train.schedule import lambda_scheduler
-from smolctl.train.posttrain_run import (
-    PostTrainResult, StepHook, apply_peft, chat_stop_ids, final_metrics, load_start, parameter_counts, save_final, use_bf16,
-)
 from smolctl.train.trackers import open_tracker
 
 
@@ -71,8 +86,14 @@ class PolicyWithValue(nn.Module):
 def final_hidden(model: nn.Module, input_ids, attention_mask):
     """The last layer's (normalised) hidden states [B, T, H]; the LM head runs on one position only."""
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                output_hidden_states=True, use_cache=False, logits_to_keep=1)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        output_hidden_states=True,
+        use_cache=False,
+        logits_to_keep=1,
+    )
     return out.hidden_states[-1]
 
 
@@ -142,21 +163,31 @@ class PpoLoop:
         self.generation = self.generation_config()
         opt = recipe.optimizer
         critic = list(self.model.value_head.parameters())
-        policy_params = [p for n, p in self.model.named_parameters()
-                         if p.requires_grad and not n.startswith("value_head.")]
+        policy_params = [
+            p for n, p in self.model.named_parameters() if p.requires_grad and not n.startswith("value_head.")
+        ]
         self.optimizer = torch.optim.AdamW(
-            [{"params": policy_params, "lr": opt.lr},
-             {"params": critic, "lr": self.cfg.critic_learning_rate(opt.lr), "weight_decay": 0.0}],
-            betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+            [
+                {"params": policy_params, "lr": opt.lr},
+                {"params": critic, "lr": self.cfg.critic_learning_rate(opt.lr), "weight_decay": 0.0},
+            ],
+            betas=tuple(opt.betas),
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+        )
         self.scheduler = lambda_scheduler(self.optimizer, recipe.schedule, int(self.training.steps))
         self.step, self.nan_skipped, self.history = 0, 0, []
         self._cached_order: tuple = (None, None)
         if setup.start.resume_from:
             self._load(Path(setup.start.resume_from))
         self.replicated = replicate(self.model, self.dist)
-        self.tracker = open_tracker(setup.run, recipe.logging.report_to, enabled=self.dist.is_main,
-                                    resuming=bool(setup.start.resume_from),
-                                    config=recipe.model_dump(mode="json", by_alias=True))
+        self.tracker = open_tracker(
+            setup.run,
+            recipe.logging.report_to,
+            enabled=self.dist.is_main,
+            resuming=bool(setup.start.resume_from),
+            config=recipe.model_dump(mode="json", by_alias=True),
+        )
 
     # -- the loop -------------------------------------------------------------------------------------------
 
@@ -169,7 +200,7 @@ class PpoLoop:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             first = self.dist.rank * self.share
-            batch = self.rollout(self.next_prompts()[first:first + self.share], first)
+            batch = self.rollout(self.next_prompts()[first : first + self.share], first)
             update_started = time.perf_counter()
             stats = self.update(batch) if batch is not None else {"skipped_batch": 1.0}
             stats["seconds/update"] = time.perf_counter() - update_started
@@ -178,38 +209,71 @@ class PpoLoop:
             self.step += 1
             self.scheduler.step()
             tokens = float(self.dist.sum(batch["attention"].sum().double())) if batch is not None else 0.0
-            self.log({**stats, "lr": lr, "tokens_per_s": tokens / (time.perf_counter() - step_started),
-                      "nan_rewards_skipped": self.nan_skipped})
+            self.log(
+                {
+                    **stats,
+                    "lr": lr,
+                    "tokens_per_s": tokens / (time.perf_counter() - step_started),
+                    "nan_rewards_skipped": self.nan_skipped,
+                }
+            )
             if interval and (self.step % interval == 0 or self.step == self.training.steps):
                 self.save_checkpoint()
         self.tracker.close()
         seconds = time.perf_counter() - started
         components = tuple(f"rewards/{name}" for name in self.setup.reward.names)
-        metrics = {**reward_trend([r["reward"] for r in self.history if "reward" in r]),
-                   **final_metrics(self.history, (*components, "kl", "policy_loss", "value_loss", "entropy",
-                                                  "clipfrac", "completion_length")),
-                   "nan_rewards_skipped": self.nan_skipped}
+        metrics = {
+            **reward_trend([r["reward"] for r in self.history if "reward" in r]),
+            **final_metrics(
+                self.history,
+                (*components, "kl", "policy_loss", "value_loss", "entropy", "clipfrac", "completion_length"),
+            ),
+            "nan_rewards_skipped": self.nan_skipped,
+        }
         errors = self.dist.sum(torch.tensor(float(sum(self.setup.reward.errors.values())), device=self.device))
         data = {"prompts": len(self.setup.rows), "reward_errors_skipped": int(errors)}
         adapter = None
         if self.dist.is_main:
-            adapter = save_final(self.setup.run, self.model.policy, self.tokenizer, parent=self.setup.parent,
-                                 data_inputs=self.setup.source.lineage(), stage="ppo", parameters=self.parameters,
-                                 stats={**{k.replace("/", "_"): v for k, v in metrics.items()}, **data,
-                                        "steps": self.step, "seconds": round(seconds, 2)})
+            adapter = save_final(
+                self.setup.run,
+                self.model.policy,
+                self.tokenizer,
+                parent=self.setup.parent,
+                data_inputs=self.setup.source.lineage(),
+                stage="ppo",
+                parameters=self.parameters,
+                stats={
+                    **{k.replace("/", "_"): v for k, v in metrics.items()},
+                    **data,
+                    "steps": self.step,
+                    "seconds": round(seconds, 2),
+                },
+            )
         self.dist.barrier()  # final/ is complete before any process reports success
         self.dist.close()
         resumed = self.setup.start.resume_from
-        return PostTrainResult("ppo", str(self.setup.run), str(self.setup.run / FINAL), str(self.setup.parent), self.step,
-                           seconds, str(resumed) if resumed else None, self.parameters, metrics, data,
-                           str(adapter) if adapter else None)
+        return PostTrainResult(
+            "ppo",
+            str(self.setup.run),
+            str(self.setup.run / FINAL),
+            str(self.setup.parent),
+            self.step,
+            seconds,
+            str(resumed) if resumed else None,
+            self.parameters,
+            metrics,
+            data,
+            str(adapter) if adapter else None,
+        )
 
     def next_prompts(self) -> list[int]:
         """Indices of this step's prompts (the whole batch; each process takes its share): a seeded permutation
         per pass over the data, cycled."""
         n, size = len(self.setup.rows), self.cfg.batch_size
-        return [int(self._order(position // n)[position % n])
-                for position in range(self.step * size, (self.step + 1) * size)]
+        return [
+            int(self._order(position // n)[position % n])
+            for position in range(self.step * size, (self.step + 1) * size)
+        ]
 
     def _order(self, epoch: int):
         if self._cached_order[0] != epoch:
@@ -224,17 +288,30 @@ class PpoLoop:
         temperature, greedy decoding) would otherwise fill every field left unset, and the rollout's
         log-probabilities would no longer be those of the distribution that sampled."""
         config = GenerationConfig(
-            do_sample=True, temperature=self.cfg.temperature, top_p=self.cfg.top_p, top_k=0, min_p=None,
-            max_new_tokens=self.cfg.max_new_tokens, eos_token_id=self.stop_ids,
-            pad_token_id=self.tokenizer.pad_token_id, repetition_penalty=1.0, num_beams=1)
+            do_sample=True,
+            temperature=self.cfg.temperature,
+            top_p=self.cfg.top_p,
+            top_k=0,
+            min_p=None,
+            max_new_tokens=self.cfg.max_new_tokens,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.tokenizer.pad_token_id,
+            repetition_penalty=1.0,
+            num_beams=1,
+        )
         self.model.policy.generation_config = config
         return config
 
     def encode(self, prompts: list) -> dict:
-        texts = [self.tokenizer.apply_chat_template(as_chat(p), tokenize=False, add_generation_prompt=True)
-                 if self.chat else p for p in prompts]
-        return self.tokenizer(texts, return_tensors="pt", padding=True, padding_side="left",
-                              add_special_tokens=False).to(self.device)
+        texts = [
+            self.tokenizer.apply_chat_template(as_chat(p), tokenize=False, add_generation_prompt=True)
+            if self.chat
+            else p
+            for p in prompts
+        ]
+        return self.tokenizer(
+            texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
+        ).to(self.device)
 
     @torch.no_grad()
     def generate(self, rows: list[dict], first: int):
@@ -245,12 +322,12 @@ class PpoLoop:
         size = self.cfg.generation_micro_batch or len(rows)
         prompts, completions = [], []
         for start in range(0, len(rows), size):
-            enc = self.encode([row["prompt"] for row in rows[start:start + size]])
+            enc = self.encode([row["prompt"] for row in rows[start : start + size]])
             torch.manual_seed(derived_seed(self.training.seed, 0, self.step, first + start))
             with self.autocast():
                 sequences = self.model.policy.generate(**enc, generation_config=self.generation)
             prompts.append(enc)
-            completions.append(sequences[:, enc["input_ids"].shape[1]:])
+            completions.append(sequences[:, enc["input_ids"].shape[1] :])
         return join_chunks(prompts, completions, self.tokenizer.pad_token_id)
 
     @torch.no_grad()
@@ -266,8 +343,9 @@ class PpoLoop:
         lengths = mask.sum(1).long().tolist()
         decoded = [self.tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(completion, lengths)]
         # cut off: no stop token within max_new_tokens
-        truncated = [n == self.cfg.max_new_tokens and int(row[n - 1]) not in self.stop_ids
-                     for row, n in zip(completion, lengths)]
+        truncated = [
+            n == self.cfg.max_new_tokens and int(row[n - 1]) not in self.stop_ids for row, n in zip(completion, lengths)
+        ]
         scored = self.setup.reward.score(decoded, lengths, rows=rows, truncated=truncated, groups=indices)
         scores = torch.tensor(scored.totals, dtype=torch.float32, device=self.device)
         # A completion without a finite reward stays in the batch with an all-zero mask (it adds nothing to any
@@ -279,9 +357,13 @@ class PpoLoop:
             return None
         mask = mask * keep.unsqueeze(1)
         scores = torch.where(keep, scores, 0.0)
-        batch = {"sequences": torch.cat([prompt_ids, completion], dim=1),
-                 "attention": torch.cat([prompt_attention, mask.long()], dim=1), "mask": mask,
-                 "prompt_len": prompt_ids.shape[1], "scores": scores}
+        batch = {
+            "sequences": torch.cat([prompt_ids, completion], dim=1),
+            "attention": torch.cat([prompt_attention, mask.long()], dim=1),
+            "mask": mask,
+            "prompt_len": prompt_ids.shape[1],
+            "scores": scores,
+        }
         started = time.perf_counter()
         batch["old_logprobs"], batch["old_values"] = self.score(self.model, batch)
         batch["ref_logprobs"], _ = self.score(self.reference, batch)
@@ -298,7 +380,8 @@ class PpoLoop:
         batch["rollout_stats"] = {
             **self.batch_means(keep, kl, mask, scores, scored.components),
             "explained_variance": explained_variance(batch["old_values"], batch["returns"], mask, self.dist.sum),
-            "seconds/generate": generate_seconds, "seconds/score": score_seconds,
+            "seconds/generate": generate_seconds,
+            "seconds/score": score_seconds,
         }
         return batch
 
@@ -318,31 +401,43 @@ class PpoLoop:
             means[f"rewards/{name}"] = total / counted if counted else math.nan
         return means
 
-    def log_completions(self, rows: list[dict], decoded: list[str], components: dict[str, list[float]], keep,
-                        batch: dict) -> None:
+    def log_completions(
+        self, rows: list[dict], decoded: list[str], components: dict[str, list[float]], keep, batch: dict
+    ) -> None:
         """RUN/completions.jsonl, written by rank 0 with every process's kept completions, in batch order."""
         kept = [i for i, k in enumerate(keep.tolist()) if k]
-        share = {"prompts": [rows[i]["prompt"] for i in kept], "completions": [decoded[i] for i in kept],
-                 "components": {n: [v[i] for i in kept] for n, v in components.items()},
-                 "totals": batch["scores"][kept].tolist(), "advantages": batch["advantages"][kept, 0].tolist()}
+        share = {
+            "prompts": [rows[i]["prompt"] for i in kept],
+            "completions": [decoded[i] for i in kept],
+            "components": {n: [v[i] for i in kept] for n, v in components.items()},
+            "totals": batch["scores"][kept].tolist(),
+            "advantages": batch["advantages"][kept, 0].tolist(),
+        }
         shares = [share]
         if self.dist.active:
             shares = [None] * self.dist.world_size
             torch.distributed.all_gather_object(shares, share)
         if not self.dist.is_main:
             return
-        log_completions(self.setup.run, self.step + 1, [p for s in shares for p in s["prompts"]],
-                        [c for s in shares for c in s["completions"]],
-                        {n: [v for s in shares for v in s["components"][n]] for n in components},
-                        [t for s in shares for t in s["totals"]], [a for s in shares for a in s["advantages"]])
+        log_completions(
+            self.setup.run,
+            self.step + 1,
+            [p for s in shares for p in s["prompts"]],
+            [c for s in shares for c in s["completions"]],
+            {n: [v for s in shares for v in s["components"][n]] for n in components},
+            [t for s in shares for t in s["totals"]],
+            [a for s in shares for a in s["advantages"]],
+        )
 
     @torch.no_grad()
     def score(self, model: nn.Module, batch: dict):
         """Log-probabilities of the sampled tokens and values (None for the reference), each [B, T], computed
         ppo.scoring_micro_batch completions at a time."""
         micro = self.cfg.scoring_micro_batch or self.training.micro_batch
-        parts = [self.evaluate(model, batch, rows)
-                 for rows in torch.arange(len(batch["sequences"]), device=self.device).split(micro)]
+        parts = [
+            self.evaluate(model, batch, rows)
+            for rows in torch.arange(len(batch["sequences"]), device=self.device).split(micro)
+        ]
         values = torch.cat([p[2] for p in parts]) if parts[0][2] is not None else None
         return torch.cat([p[0] for p in parts]), values
 
@@ -355,14 +450,15 @@ class PpoLoop:
             if isinstance(model, PolicyWithValue):
                 forward = self.replicated if torch.is_grad_enabled() and not critic_only else model
                 hidden, values = forward(sequences, attention, critic_only)
-                values = values[:, start - 1:-1].float()
+                values = values[:, start - 1 : -1].float()
                 head = model.policy.get_output_embeddings()
             else:
                 hidden, values, head = final_hidden(model, sequences, attention), None, model.get_output_embeddings()
             if critic_only:
                 return None, None, values
-            logprobs, entropies = token_logprobs(hidden[:, start - 1:-1], head, sequences[:, start:],
-                                                 self.cfg.temperature, entropy)
+            logprobs, entropies = token_logprobs(
+                hidden[:, start - 1 : -1], head, sequences[:, start:], self.cfg.temperature, entropy
+            )
         return logprobs, entropies, values
 
     # -- update: epochs of minibatches, micro-batched -------------------------------------------------------
@@ -384,10 +480,11 @@ class PpoLoop:
         norms = []
         for epoch in range(self.cfg.epochs):
             generator = torch.Generator().manual_seed(
-                derived_seed(self.training.seed, 1, self.step, epoch, self.dist.rank))
+                derived_seed(self.training.seed, 1, self.step, epoch, self.dist.rank)
+            )
             order = torch.randperm(size, generator=generator).to(self.device)
             for start in range(0, size, minibatch):
-                rows = order[start:start + minibatch]
+                rows = order[start : start + minibatch]
                 tokens = self.dist.sum(batch["mask"][rows].sum()).clamp(min=1)
                 self.optimizer.zero_grad(set_to_none=True)
                 chunks = rows.split(micro)
@@ -401,14 +498,19 @@ class PpoLoop:
                         totals[key] = totals.get(key, 0.0) + value
                 if critic_only:
                     self.critic_gradients_summed()
-                norms.append(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                            self.recipe.optimizer.grad_clip or math.inf))
+                norms.append(
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.optimizer.grad_clip or math.inf)
+                )
                 self.optimizer.step()
         updates = self.cfg.epochs * len(range(0, size, minibatch))
         keys = list(totals)
         means = (self.dist.sum(torch.stack([totals[k] for k in keys]).double()) / updates).tolist()
-        return {**batch["rollout_stats"], **dict(zip(keys, means)), "grad_norm": float(torch.stack(norms).mean()),
-                "critic_warmup": float(critic_only)}
+        return {
+            **batch["rollout_stats"],
+            **dict(zip(keys, means)),
+            "grad_norm": float(torch.stack(norms).mean()),
+            "critic_warmup": float(critic_only),
+        }
 
     def critic_gradients_summed(self) -> None:
         """The value head's gradients summed over the processes (the critic warmup runs without DDP, whose
@@ -421,18 +523,26 @@ class PpoLoop:
         """This micro batch's share of the minibatch's losses (sums over its tokens / the minibatch's tokens on
         every process); all but "loss" detached."""
         mask = batch["mask"][rows]
-        logprobs, entropy, values = self.evaluate(self.model, batch, rows, entropy=not critic_only,
-                                                  critic_only=critic_only)
-        value_loss = clipped_value_loss(values, batch["old_values"][rows], batch["returns"][rows], mask,
-                                        self.cfg.vf_clip, tokens)
+        logprobs, entropy, values = self.evaluate(
+            self.model, batch, rows, entropy=not critic_only, critic_only=critic_only
+        )
+        value_loss = clipped_value_loss(
+            values, batch["old_values"][rows], batch["returns"][rows], mask, self.cfg.vf_clip, tokens
+        )
         if critic_only:
             return {"loss": value_loss, "value_loss": value_loss.detach()}
-        policy_loss, clipfrac = clipped_policy_loss(logprobs, batch["old_logprobs"][rows], batch["advantages"][rows],
-                                                    mask, self.cfg.clip, tokens)
+        policy_loss, clipfrac = clipped_policy_loss(
+            logprobs, batch["old_logprobs"][rows], batch["advantages"][rows], mask, self.cfg.clip, tokens
+        )
         mean_entropy = masked_mean(entropy, mask, tokens)
         loss = policy_loss + self.cfg.vf_coef * value_loss - self.cfg.ent_coef * mean_entropy
-        return {"loss": loss, "policy_loss": policy_loss.detach(), "value_loss": value_loss.detach(),
-                "entropy": mean_entropy.detach(), "clipfrac": clipfrac.detach()}
+        return {
+            "loss": loss,
+            "policy_loss": policy_loss.detach(),
+            "value_loss": value_loss.detach(),
+            "entropy": mean_entropy.detach(),
+            "clipfrac": clipfrac.detach(),
+        }
 
     # -- logging and checkpoints (rank 0 writes; every process keeps the same history) -------------------
 
@@ -458,22 +568,33 @@ class PpoLoop:
             tmp = final.parent / f".{final.name}.partial"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            torch.save({"trainable": self.trainable_state(), "optimizer": self.optimizer.state_dict(),
-                        "scheduler": self.scheduler.state_dict(), "nan_skipped": self.nan_skipped},
-                       tmp / "ppo_state.pt")
+            torch.save(
+                {
+                    "trainable": self.trainable_state(),
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "nan_skipped": self.nan_skipped,
+                },
+                tmp / "ppo_state.pt",
+            )
             (tmp / "trainer_state.json").write_text(json.dumps({"global_step": self.step, "history": self.history}))
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
             prune_checkpoints(self.setup.run, self.recipe.checkpoint.keep)
-            append_jsonl(self.setup.run / EVENTS, {"event": "checkpoint", "step": self.step, "path": str(final),
-                                                   "time": time.time()})
+            append_jsonl(
+                self.setup.run / EVENTS,
+                {"event": "checkpoint", "step": self.step, "path": str(final), "time": time.time()},
+            )
         self.dist.barrier()
 
     def _load(self, folder: Path) -> None:
         """Every process loads the same checkpoint (the state is replicated), whatever the world size that saved it."""
         if not (folder / "ppo_state.pt").is_file():
-            raise UserError("--resume", f"{folder} is not a smolctl ppo checkpoint (no ppo_state.pt)",
-                            "pass --resume auto or a folder under RUN/checkpoints of a ppo run")
+            raise UserError(
+                "--resume",
+                f"{folder} is not a smolctl ppo checkpoint (no ppo_state.pt)",
+                "pass --resume auto or a folder under RUN/checkpoints of a ppo run",
+            )
         state = torch.load(folder / "ppo_state.pt", map_location="cpu", weights_only=False)
         self.model.load_state_dict(state["trainable"], strict=False)
         self.optimizer.load_state_dict(state["optimizer"])

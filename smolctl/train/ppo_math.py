@@ -78,8 +78,10 @@ def clipped_policy_loss(logprobs, old_logprobs, advantages, mask, clip: float, c
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip, 1 + clip)
-    return (masked_mean(torch.maximum(unclipped, clipped), mask, count),
-            masked_mean((clipped > unclipped).float(), mask, count))
+    return (
+        masked_mean(torch.maximum(unclipped, clipped), mask, count),
+        masked_mean((clipped > unclipped).float(), mask, count),
+    )
 
 
 def clipped_value_loss(values, old_values, returns, mask, clip: float, count=None):
@@ -92,8 +94,9 @@ LOGIT_CHUNK_ELEMENTS = 1 << 26
 """Vocabulary logits computed at once when scoring (256 MB in fp32): 512 positions of a 128k vocabulary."""
 
 
-def token_logprobs(hidden, head, tokens, temperature: float, entropy: bool = False,
-                   chunk_elements: int = LOGIT_CHUNK_ELEMENTS):
+def token_logprobs(
+    hidden, head, tokens, temperature: float, entropy: bool = False, chunk_elements: int = LOGIT_CHUNK_ELEMENTS
+):
     """log p(token) of the sampled tokens from the final hidden states, and with `entropy` each position's entropy.
 
     hidden [B, T, H], head the LM head (hidden → vocabulary logits), tokens [B, T]. The vocabulary logits exist for
@@ -106,8 +109,9 @@ def token_logprobs(hidden, head, tokens, temperature: float, entropy: bool = Fal
     parts = []
     for chunk_hidden, chunk_tokens in zip(flat_hidden.split(positions), flat_tokens.split(positions)):
         if torch.is_grad_enabled() and chunk_hidden.requires_grad:
-            parts.append(checkpoint(_chunk_logprobs, chunk_hidden, chunk_tokens, head, temperature, entropy,
-                                    use_reentrant=False))
+            parts.append(
+                checkpoint(_chunk_logprobs, chunk_hidden, chunk_tokens, head, temperature, entropy, use_reentrant=False)
+            )
         else:
             parts.append(_chunk_logprobs(chunk_hidden, chunk_tokens, head, temperature, entropy))
     logprobs = torch.cat([p[0] for p in parts]).view(tokens.shape)

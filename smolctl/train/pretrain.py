@@ -16,29 +16,50 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from smolctl.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import CheckFailed, UserError
 from smolctl.infra.flops import training_flops_per_token
-from smolctl.results import Result
 from smolctl.recipe import apply_overrides, load_toml, validate
+from smolctl.results import Result
 from smolctl.shards import atomic_write_json, lineage_ref, read_manifest
 from smolctl.train.checkpoint import (
-    KIND_CHECKPOINT, CheckpointManager, check_model_folder, check_model_shapes, check_same_identity, checkpoint_step,
-    complete_checkpoints, run_identity, save_model_folder,
+    KIND_CHECKPOINT,
+    CheckpointManager,
+    check_model_folder,
+    check_model_shapes,
+    check_same_identity,
+    checkpoint_step,
+    complete_checkpoints,
+    run_identity,
+    save_model_folder,
 )
 from smolctl.train.config import BatchPlan, TrainRecipe, check_keys, derive_batch, resolve_layout
 from smolctl.train.distributed import gradient_sync, init_distributed, load_full_state_dict, wrap_model
 from smolctl.train.guards import Guards, Verdict
 from smolctl.train.loader import (
-    IGNORE_INDEX, DataPosition, HostBatch, PackedStream, Prefetcher, check_rows_start_documents, fill_padding_positions,
-    make_labels, validation_batches,
+    IGNORE_INDEX,
+    DataPosition,
+    HostBatch,
+    PackedStream,
+    Prefetcher,
+    check_rows_start_documents,
+    fill_padding_positions,
+    make_labels,
+    validation_batches,
 )
-from smolctl.train.model import build_config, build_model, check_attention, count_parameters, parameter_groups, read_weights
+from smolctl.train.model import (
+    build_config,
+    build_model,
+    check_attention,
+    count_parameters,
+    parameter_groups,
+    read_weights,
+)
 from smolctl.train.monitor import Monitor, idle_totals, peak_flops
 from smolctl.train.parallel import clip_grad_norm_, tp_plan
 from smolctl.train.run import EVENTS, FINAL, RUN_FILE, holds_run_files, model_folder
@@ -53,8 +74,9 @@ PREEMPTED_EXIT = 75  # sysexits' EX_TEMPFAIL: saved and stopped on request; reci
 PREEMPTION_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
 
-def load_train_recipe(path: str | Path, overrides: Sequence[str] = (), data: Sequence[str] = (),
-                      stage: str = "pretrain") -> TrainRecipe:
+def load_train_recipe(
+    path: str | Path, overrides: Sequence[str] = (), data: Sequence[str] = (), stage: str = "pretrain"
+) -> TrainRecipe:
     """The recipe with `--data` folders (replacing [data] paths/stages) and `--set` overrides applied."""
     raw = load_toml(path)
     if data:
@@ -112,8 +134,18 @@ class TrainedStep:
 class Trainer:
     """Owns the model, optimizer, data stream, guards and monitor of one run; `run()` is the loop."""
 
-    def __init__(self, recipe: TrainRecipe, run_dir: Path, *, stage: str = "pretrain", resume: str = "none",
-                 overwrite: bool = False, init_from: str | None = None, keep_optimizer: bool = False, show: bool = True):
+    def __init__(
+        self,
+        recipe: TrainRecipe,
+        run_dir: Path,
+        *,
+        stage: str = "pretrain",
+        resume: str = "none",
+        overwrite: bool = False,
+        init_from: str | None = None,
+        keep_optimizer: bool = False,
+        show: bool = True,
+    ):
 
         self.recipe, self.run_dir, self.stage, self.show = recipe, Path(run_dir), stage, show
         self._replace_run = False
@@ -124,7 +156,9 @@ class Trainer:
         self.dp_rank = self.dist.rank // self.layout.tp
         self.finished: dict | None = None  # the final/ manifest when --resume auto finds nothing left to do
         self.resume_from = self._resume_point(resume, overwrite)
-        self.init_from = str(Path(init_from).resolve()) if init_from and self.resume_from is None and not self.finished else None
+        self.init_from = (
+            str(Path(init_from).resolve()) if init_from and self.resume_from is None and not self.finished else None
+        )
         self.init_kind: str | None = None
         self.keep_optimizer = keep_optimizer
         self._validate_inputs()
@@ -143,20 +177,33 @@ class Trainer:
             if checkpoints:
                 return checkpoints[-1]
             if holds_run_files(self.run_dir) and not (self.run_dir / RUN_FILE).is_file() and not overwrite:
-                raise UserError(self.run_dir, "holds files that are not a smolctl run", "choose another run folder or pass --overwrite")
+                raise UserError(
+                    self.run_dir,
+                    "holds files that are not a smolctl run",
+                    "choose another run folder or pass --overwrite",
+                )
             return None
         if resume != "none":
             path = Path(resume)
             if path.resolve() not in [c.resolve() for c in checkpoints]:
-                raise UserError("--resume", f"{path} is not a complete checkpoint of {self.run_dir}",
-                                "pass auto, none, or one of RUN/checkpoints/step-NNNNNNN")
+                raise UserError(
+                    "--resume",
+                    f"{path} is not a complete checkpoint of {self.run_dir}",
+                    "pass auto, none, or one of RUN/checkpoints/step-NNNNNNN",
+                )
             return path
         if holds_run_files(self.run_dir) and not overwrite:
             if checkpoints:
-                raise UserError(self.run_dir, "already holds a run",
-                                "pass --resume auto to continue it, or --overwrite to start again")
-            raise UserError(self.run_dir, "already holds a run with no complete checkpoint yet",
-                            "pass --resume auto to start it again from step 0 (same data order), or --overwrite")
+                raise UserError(
+                    self.run_dir,
+                    "already holds a run",
+                    "pass --resume auto to continue it, or --overwrite to start again",
+                )
+            raise UserError(
+                self.run_dir,
+                "already holds a run with no complete checkpoint yet",
+                "pass --resume auto to start it again from step 0 (same data order), or --overwrite",
+            )
         self._replace_run = overwrite and self.run_dir.is_dir()  # deleted only once every check has passed
         return None
 
@@ -169,31 +216,47 @@ class Trainer:
         data_tokenizer = self.stream.tokenizer_info()
         spec = recipe.model.tokenizer or self.init_from or data_tokenizer.get("path")
         if spec is None:
-            raise UserError("model.tokenizer", "is not set and the packed manifest records no tokenizer", "set model.tokenizer")
+            raise UserError(
+                "model.tokenizer", "is not set and the packed manifest records no tokenizer", "set model.tokenizer"
+            )
         self.tokenizer = load_tokenizer(spec)
         fingerprint = tokenizer_fingerprint(self.tokenizer)
         if data_tokenizer.get("fingerprint") and data_tokenizer["fingerprint"] != fingerprint:
-            raise UserError(self.stream.paths[0], f"was packed with tokenizer {data_tokenizer.get('path')} (fingerprint "
-                            f"{data_tokenizer['fingerprint']}), not {spec} ({fingerprint})",
-                            "re-pack the data with this tokenizer or set model.tokenizer to the one it was packed with")
+            raise UserError(
+                self.stream.paths[0],
+                f"was packed with tokenizer {data_tokenizer.get('path')} (fingerprint "
+                f"{data_tokenizer['fingerprint']}), not {spec} ({fingerprint})",
+                "re-pack the data with this tokenizer or set model.tokenizer to the one it was packed with",
+            )
         self.vocab_size = recipe.model.vocab_size or len(self.tokenizer)
         data_vocab = max(len(self.tokenizer), int(data_tokenizer.get("vocab_size") or 0))
         if self.vocab_size < data_vocab:
-            raise UserError("model.vocab_size", f"{self.vocab_size} is smaller than the tokenizer's {data_vocab} token ids",
-                            f"set model.vocab_size >= {data_vocab} or leave it unset")
-        self.config = build_config(recipe.model, vocab_size=self.vocab_size, seq_len=recipe.training.seq_len,
-                                   eos_id=self.tokenizer.eos_token_id, pad_id=self.tokenizer.pad_token_id)
+            raise UserError(
+                "model.vocab_size",
+                f"{self.vocab_size} is smaller than the tokenizer's {data_vocab} token ids",
+                f"set model.vocab_size >= {data_vocab} or leave it unset",
+            )
+        self.config = build_config(
+            recipe.model,
+            vocab_size=self.vocab_size,
+            seq_len=recipe.training.seq_len,
+            eos_id=self.tokenizer.eos_token_id,
+            pad_id=self.tokenizer.pad_token_id,
+        )
         tp_plan(self.config, self.layout.tp)
         check_attention(recipe.training.attention, self.dist.device)
         self.val_batches = []
         if recipe.data.validation:
-            self.val_batches = validation_batches(recipe.data.validation, seq_len=recipe.training.seq_len,
-                                                  micro_batch=recipe.training.micro_batch, count=recipe.data.validation_batches)
+            self.val_batches = validation_batches(
+                recipe.data.validation,
+                seq_len=recipe.training.seq_len,
+                micro_batch=recipe.training.micro_batch,
+                count=recipe.data.validation_batches,
+            )
         if self.dist.is_main:
             require_trackers(recipe.logging.report_to)
         self.identity = run_identity(recipe)
         if self.resume_from is not None or self.finished is not None:
-
             where = self.resume_from or self.run_dir / FINAL
             check_same_identity((read_manifest(where) or {}).get("identity"), self.identity, where, recipe)
 
@@ -213,23 +276,38 @@ class Trainer:
         dcp_source = self.resume_from or (self.init_from if self.init_kind == KIND_CHECKPOINT else None)
         if dcp_source:
             check_model_shapes(Path(dcp_source), self.model)  # DCP loads them after wrapping, at any world size
-        loss_model = CausalLMLoss(self.model, chunk_tokens=training.loss_chunk_tokens,
-                                  flatten_rows=training.attention == "flash_attention_2")
-        self.wrapped = wrap_model(loss_model, dist, self.layout, activation_checkpointing=training.activation_checkpointing,
-                                  compile=training.compile, bf16=self.precision == "bf16")
+        loss_model = CausalLMLoss(
+            self.model, chunk_tokens=training.loss_chunk_tokens, flatten_rows=training.attention == "flash_attention_2"
+        )
+        self.wrapped = wrap_model(
+            loss_model,
+            dist,
+            self.layout,
+            activation_checkpointing=training.activation_checkpointing,
+            compile=training.compile,
+            bf16=self.precision == "bf16",
+        )
         opt = recipe.optimizer
-        self.optimizer = torch.optim.AdamW(parameter_groups(self.model, opt), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-                                           fused=True)  # the fused kernel skips a non-finite step on the device
+        self.optimizer = torch.optim.AdamW(
+            parameter_groups(self.model, opt), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, fused=True
+        )  # the fused kernel skips a non-finite step on the device
         # FSDP's mixed-precision policy already computes in bf16; autocast is for the unsharded paths
         self.autocast = self.precision == "bf16" and not dist.fsdp
         self.flops_per_token = training_flops_per_token(self.config, training.seq_len)
         # Checkpoints hold the inner Hugging Face model (its parameters sharded in place by TP / FSDP2), not the
         # loss wrapper or DDP: their keys are the plain model's, so `smolctl export` and from_pretrained read them
         # and a checkpoint of one layout (tp, dp, world size) loads into any other.
-        self.checkpoints = CheckpointManager(self.run_dir, model=self.model, optimizer=self.optimizer, dist=dist,
-                                             keep=recipe.checkpoint.keep, async_save=recipe.checkpoint.async_save,
-                                             export_interval=recipe.checkpoint.export_interval,
-                                             write_model_files=self._write_model_files, inputs=self._inputs)
+        self.checkpoints = CheckpointManager(
+            self.run_dir,
+            model=self.model,
+            optimizer=self.optimizer,
+            dist=dist,
+            keep=recipe.checkpoint.keep,
+            async_save=recipe.checkpoint.async_save,
+            export_interval=recipe.checkpoint.export_interval,
+            write_model_files=self._write_model_files,
+            inputs=self._inputs,
+        )
 
     # ---- state -------------------------------------------------------------------------------------------------
 
@@ -245,17 +323,29 @@ class Trainer:
         self.parent = state["parent"]
 
     def _trainer_state(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "data": self.data_position,
-                "guards": self.guards.state_dict(), "parent": self.parent}
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "data": self.data_position,
+            "guards": self.guards.state_dict(),
+            "parent": self.parent,
+        }
 
     def _inputs(self) -> list[dict]:
         refs = [lineage_ref(Path(p)) for p in self.stream.paths]
         return refs + ([lineage_ref(Path(self.parent))] if self.parent else [])
 
     def _manifest_fields(self) -> dict:
-        return {"stage": self.stage, "step": self.step, "tokens_seen": self.tokens_seen, "parameters": self.parameters,
-                "tokenizer": self.stream.tokenizer_info(), "recipe": json.loads(self.recipe.model_dump_json()),
-                "identity": self.identity, "stats": {"steps": self.step, "loss": self.last_loss}}
+        return {
+            "stage": self.stage,
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "parameters": self.parameters,
+            "tokenizer": self.stream.tokenizer_info(),
+            "recipe": json.loads(self.recipe.model_dump_json()),
+            "identity": self.identity,
+            "stats": {"steps": self.step, "loss": self.last_loss},
+        }
 
     def _write_model_files(self, folder: Path) -> None:
         """The small files `smolctl export` turns a checkpoint into a Hugging Face folder with."""
@@ -266,13 +356,23 @@ class Trainer:
 
     def _save_checkpoint(self, *, blocking: bool) -> float:
         """Checkpoint the current step; returns the seconds the loop was held (staging only, when async)."""
-        return self.checkpoints.save(self.step, train_state=self._trainer_state(), fields=self._manifest_fields(), blocking=blocking)
+        return self.checkpoints.save(
+            self.step, train_state=self._trainer_state(), fields=self._manifest_fields(), blocking=blocking
+        )
 
     def _write_final(self) -> None:
 
         # the inner model gathers to the plain Hugging Face names (the loss wrapper would prefix them with `lm.`)
-        save_model_folder(self.run_dir / FINAL, model=self.model, wrapped=self.model, tokenizer=self.tokenizer,
-                          dist=self.dist, inputs=self._inputs(), parent=self.parent, fields=self._manifest_fields())
+        save_model_folder(
+            self.run_dir / FINAL,
+            model=self.model,
+            wrapped=self.model,
+            tokenizer=self.tokenizer,
+            dist=self.dist,
+            inputs=self._inputs(),
+            parent=self.parent,
+            fields=self._manifest_fields(),
+        )
 
     # ---- the loop ----------------------------------------------------------------------------------------------
 
@@ -290,8 +390,15 @@ class Trainer:
             if self._replace_run:
                 shutil.rmtree(self.run_dir)
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(self.run_dir / RUN_FILE, {"stage": self.stage, "recipe": json.loads(self.recipe.model_dump_json()),
-                                                        "plan": asdict(self.plan), "parent": self.parent})
+            atomic_write_json(
+                self.run_dir / RUN_FILE,
+                {
+                    "stage": self.stage,
+                    "recipe": json.loads(self.recipe.model_dump_json()),
+                    "plan": asdict(self.plan),
+                    "parent": self.parent,
+                },
+            )
             (self.run_dir / EVENTS).touch()  # the run layout has it even when nothing happened
         self.dist.barrier()
 
@@ -301,11 +408,15 @@ class Trainer:
         import torch
 
         plan = self.plan
-        number, ids, positions = self.stream.next_batch(step, global_batch=plan.global_batch, rank=self.dp_rank,
-                                                        world_size=plan.data_parallel)
+        number, ids, positions = self.stream.next_batch(
+            step, global_batch=plan.global_batch, rank=self.dp_rank, world_size=plan.data_parallel
+        )
         if int(ids.max()) >= self.vocab_size:
-            raise UserError(self.stream.paths[0], f"holds token id {int(ids.max())} but the vocabulary has {self.vocab_size} rows",
-                            "re-pack with the recipe's tokenizer or raise model.vocab_size")
+            raise UserError(
+                self.stream.paths[0],
+                f"holds token id {int(ids.max())} but the vocabulary has {self.vocab_size} rows",
+                "re-pack with the recipe's tokenizer or raise model.vocab_size",
+            )
         if self.recipe.training.attention == "flash_attention_2" and plan.micro_batch > 1:
             check_rows_start_documents(positions)
         tensors = [torch.from_numpy(a) for a in (ids, fill_padding_positions(positions), make_labels(ids, positions))]
@@ -322,10 +433,14 @@ class Trainer:
         plan, device = self.plan, self.dist.device
         host = self.prefetch.get(self.step)
         self.data_position, self.batch_drawn = host.position, host.drawn
-        ids, positions, labels = (t.to(device, non_blocking=True) for t in (host.input_ids, host.position_ids, host.labels))
+        ids, positions, labels = (
+            t.to(device, non_blocking=True) for t in (host.input_ids, host.position_ids, host.labels)
+        )
         data_done = time.perf_counter()
 
-        lr = learning_rate(self.step, peak=self.recipe.optimizer.lr, schedule=self.recipe.schedule, total_steps=plan.steps)
+        lr = learning_rate(
+            self.step, peak=self.recipe.optimizer.lr, schedule=self.recipe.schedule, total_steps=plan.steps
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         # Sum of token losses / tokens in the whole global batch: every token weighs the same whatever the layout or
@@ -380,8 +495,16 @@ class Trainer:
             if math.isfinite(loss):
                 losses.append(loss)
                 self.last_loss = loss
-            self.monitor.step(trained.step, loss=loss, lr=trained.lr, grad_norm=norm, tokens=self.plan.tokens_per_step,
-                              data_s=trained.data_s, compute_s=trained.compute_s, guards=self.guards.counts())
+            self.monitor.step(
+                trained.step,
+                loss=loss,
+                lr=trained.lr,
+                grad_norm=norm,
+                tokens=self.plan.tokens_per_step,
+                data_s=trained.data_s,
+                compute_s=trained.compute_s,
+                guards=self.guards.counts(),
+            )
         return None
 
     def _rollback(self, bad_batches: list[int], first_bad_step: int) -> None:
@@ -391,11 +514,15 @@ class Trainer:
         self.checkpoints.wait()  # a save in flight is part of the choice, on every rank alike
         clean = [c for c in complete_checkpoints(self.run_dir) if checkpoint_step(c) < first_bad_step]
         if not clean:
-            raise CheckFailed(f"{len(bad_batches)} consecutive bad steps (batches {bad_batches}) and no checkpoint from before "
-                              f"step {first_bad_step} to roll back to — lower the lr, raise guards.max_bad_steps or "
-                              "checkpoint.keep, or save checkpoints sooner")
+            raise CheckFailed(
+                f"{len(bad_batches)} consecutive bad steps (batches {bad_batches}) and no checkpoint from before "
+                f"step {first_bad_step} to roll back to — lower the lr, raise guards.max_bad_steps or "
+                "checkpoint.keep, or save checkpoints sooner"
+            )
         if self.guards.rollbacks >= self.recipe.guards.max_rollbacks:
-            raise CheckFailed(f"still unstable after {self.guards.rollbacks} incidents (guards.max_rollbacks) — see {self.run_dir}/events.jsonl")
+            raise CheckFailed(
+                f"still unstable after {self.guards.rollbacks} incidents (guards.max_rollbacks) — see {self.run_dir}/events.jsonl"
+            )
         counts = (self.guards.skipped, self.guards.spikes, self.guards.rollbacks + 1)
         target = clean[-1]
         self.checkpoints.discard_after(checkpoint_step(target))
@@ -418,8 +545,11 @@ class Trainer:
         with torch.no_grad(), autocast:
             for ids, positions in self.val_batches:
                 labels = make_labels(ids, positions)
-                total += self.wrapped(torch.from_numpy(ids).to(device), torch.from_numpy(fill_padding_positions(positions)).to(device),
-                                      torch.from_numpy(labels).to(device)).double()
+                total += self.wrapped(
+                    torch.from_numpy(ids).to(device),
+                    torch.from_numpy(fill_padding_positions(positions)).to(device),
+                    torch.from_numpy(labels).to(device),
+                ).double()
                 count += int((labels != IGNORE_INDEX).sum())
         self.model.train()
         loss = total.item() / max(1, count)
@@ -442,27 +572,52 @@ class Trainer:
         import torch
 
         return TrainResult(
-            run=str(self.run_dir), stage=self.stage, final=str(self.run_dir / FINAL), steps=self.step,
-            tokens_seen=self.tokens_seen, parameters=self.parameters, first_loss=losses[0] if losses else None,
-            final_loss=losses[-1] if losses else None, val_loss=val_loss,
-            resumed_from=str(self.resume_from) if self.resume_from else None, parent=self.parent,
-            skipped_steps=self.guards.skipped, spikes=self.guards.spikes, rollbacks=self.guards.rollbacks,
+            run=str(self.run_dir),
+            stage=self.stage,
+            final=str(self.run_dir / FINAL),
+            steps=self.step,
+            tokens_seen=self.tokens_seen,
+            parameters=self.parameters,
+            first_loss=losses[0] if losses else None,
+            final_loss=losses[-1] if losses else None,
+            val_loss=val_loss,
+            resumed_from=str(self.resume_from) if self.resume_from else None,
+            parent=self.parent,
+            skipped_steps=self.guards.skipped,
+            spikes=self.guards.spikes,
+            rollbacks=self.guards.rollbacks,
             checkpoints=[str(p) for p in complete_checkpoints(self.run_dir)],
-            plan={**asdict(self.plan), "tokens_per_step": self.plan.tokens_per_step}, speed=self.monitor.totals(),
-            events=self.monitor.events, preempted=self.stop_signal if stopped else None,
-            peak_memory=torch.cuda.max_memory_allocated() if self.dist.device.startswith("cuda") else None)
+            plan={**asdict(self.plan), "tokens_per_step": self.plan.tokens_per_step},
+            speed=self.monitor.totals(),
+            events=self.monitor.events,
+            preempted=self.stop_signal if stopped else None,
+            peak_memory=torch.cuda.max_memory_allocated() if self.dist.device.startswith("cuda") else None,
+        )
 
     def _nothing_to_do(self) -> TrainResult:
         """`--resume auto` on a finished run: report it from final/'s manifest, touch nothing."""
 
         final = self.finished
         return TrainResult(
-            run=str(self.run_dir), stage=final.get("stage", self.stage), final=str(self.run_dir / FINAL),
-            steps=int(final["step"]), tokens_seen=int(final.get("tokens_seen", 0)), parameters=int(final.get("parameters", 0)),
-            first_loss=None, final_loss=(final.get("stats") or {}).get("loss"), val_loss=None, resumed_from=None,
-            parent=final.get("parent"), skipped_steps=0, spikes=0, rollbacks=0,
+            run=str(self.run_dir),
+            stage=final.get("stage", self.stage),
+            final=str(self.run_dir / FINAL),
+            steps=int(final["step"]),
+            tokens_seen=int(final.get("tokens_seen", 0)),
+            parameters=int(final.get("parameters", 0)),
+            first_loss=None,
+            final_loss=(final.get("stats") or {}).get("loss"),
+            val_loss=None,
+            resumed_from=None,
+            parent=final.get("parent"),
+            skipped_steps=0,
+            spikes=0,
+            rollbacks=0,
             checkpoints=[str(p) for p in complete_checkpoints(self.run_dir)],
-            plan={**asdict(self.plan), "tokens_per_step": self.plan.tokens_per_step}, speed=idle_totals(), nothing_to_do=True)
+            plan={**asdict(self.plan), "tokens_per_step": self.plan.tokens_per_step},
+            speed=idle_totals(),
+            nothing_to_do=True,
+        )
 
     def run(self) -> TrainResult:
         import torch
@@ -472,12 +627,27 @@ class Trainer:
         self._build()
         self._start()
         recipe, plan = self.recipe, self.plan
-        self.monitor = Monitor(self.run_dir, title=self.stage, enabled=self.dist.is_main, total_steps=plan.steps, start_step=self.step,
-                               flops_per_token=self.flops_per_token, peak=peak_flops(self.dist.device, self.precision),
-                               world_size=self.dist.world_size, interval=recipe.logging.interval,
-                               show=self.show, device=str(self.dist.device), profile_interval=recipe.logging.profile_interval,
-                               tracker=open_tracker(self.run_dir, recipe.logging.report_to, enabled=self.dist.is_main,
-                                                    resuming=self.resume_from is not None, config=json.loads(recipe.model_dump_json())))
+        self.monitor = Monitor(
+            self.run_dir,
+            title=self.stage,
+            enabled=self.dist.is_main,
+            total_steps=plan.steps,
+            start_step=self.step,
+            flops_per_token=self.flops_per_token,
+            peak=peak_flops(self.dist.device, self.precision),
+            world_size=self.dist.world_size,
+            interval=recipe.logging.interval,
+            show=self.show,
+            device=str(self.dist.device),
+            profile_interval=recipe.logging.profile_interval,
+            tracker=open_tracker(
+                self.run_dir,
+                recipe.logging.report_to,
+                enabled=self.dist.is_main,
+                resuming=self.resume_from is not None,
+                config=json.loads(recipe.model_dump_json()),
+            ),
+        )
         losses: list[float] = []
         unjudged: list[TrainedStep] = []
         val_loss = None
@@ -488,7 +658,9 @@ class Trainer:
         try:
             with self.monitor:
                 if self.resume_from is not None:
-                    self.monitor.note(f"resuming from {self.resume_from} (step {self.step}, {self.tokens_seen:,} tokens)")
+                    self.monitor.note(
+                        f"resuming from {self.resume_from} (step {self.step}, {self.tokens_seen:,} tokens)"
+                    )
                 while self.step < plan.steps:
                     started = time.perf_counter()
                     with self.monitor.profiled(self.step + 1):
@@ -498,15 +670,26 @@ class Trainer:
                     self.optimizer.zero_grad(set_to_none=True)
                     self.step += 1
                     self.tokens_seen += plan.tokens_per_step
-                    unjudged.append(TrainedStep(self.step, batch, self.batch_drawn, torch.stack([loss.float(), norm.float()]),
-                                                self._last_lr, data_s, time.perf_counter() - started - data_s - held))
+                    unjudged.append(
+                        TrainedStep(
+                            self.step,
+                            batch,
+                            self.batch_drawn,
+                            torch.stack([loss.float(), norm.float()]),
+                            self._last_lr,
+                            data_s,
+                            time.perf_counter() - started - data_s - held,
+                        )
+                    )
                     if held:
                         self.monitor.checkpoint_held(held)
                     stopping = self.dist.any(self.stop_signal is not None, group=self.checkpoints.process_group)
                     if stopping and self.stop_signal is None:
                         self.stop_signal = "a signal to another rank"
                     # The last step always gets a checkpoint: final/ can be rebuilt from it and the run extended.
-                    due = self.step == plan.steps or (recipe.checkpoint.interval and self.step % recipe.checkpoint.interval == 0)
+                    due = self.step == plan.steps or (
+                        recipe.checkpoint.interval and self.step % recipe.checkpoint.interval == 0
+                    )
                     # The steps are judged (one host sync) at each logging point, and before a save so that the
                     # checkpoint's guards and loss include every step it holds.
                     if due or stopping or self.step % recipe.logging.interval == 0:
@@ -520,12 +703,16 @@ class Trainer:
                             self._save_checkpoint(blocking=stopping)
                     if stopping:
                         stopped = True
-                        self.monitor.note(f"{self.stop_signal}: saved step {self.step}; stopping — continue with --resume auto")
+                        self.monitor.note(
+                            f"{self.stop_signal}: saved step {self.step}; stopping — continue with --resume auto"
+                        )
                         break
                     if recipe.data.validation_interval and self.step % recipe.data.validation_interval == 0:
                         val_loss = self._evaluate()
                 if not stopped:
-                    if self.val_batches and not (recipe.data.validation_interval and self.step % recipe.data.validation_interval == 0):
+                    if self.val_batches and not (
+                        recipe.data.validation_interval and self.step % recipe.data.validation_interval == 0
+                    ):
                         val_loss = self._evaluate()
                     self.checkpoints.wait()  # final/ only after the last step's checkpoint is complete
                     self._write_final()
@@ -536,19 +723,39 @@ class Trainer:
         return self._result(val_loss, losses, stopped=stopped)
 
 
-def train(recipe_path: str | Path, run_dir: str | Path, *, overrides: Sequence[str] = (), data: Sequence[str] = (),
-          stage: str = "pretrain", resume: str = "none", overwrite: bool = False, init_from: str | None = None,
-          keep_optimizer: bool = False, show: bool = True) -> TrainResult:
+def train(
+    recipe_path: str | Path,
+    run_dir: str | Path,
+    *,
+    overrides: Sequence[str] = (),
+    data: Sequence[str] = (),
+    stage: str = "pretrain",
+    resume: str = "none",
+    overwrite: bool = False,
+    init_from: str | None = None,
+    keep_optimizer: bool = False,
+    show: bool = True,
+) -> TrainResult:
     """Validate everything, then train; the process group (if any) is always closed."""
     recipe = load_train_recipe(recipe_path, overrides, data, stage)
     init_from = init_from or recipe.model.from_
     if stage == "midtrain" and not init_from:
         raise UserError("--from", "is required", "pass the model or run folder to continue from, e.g. RUN/final")
     if stage == "pretrain" and init_from:
-        raise UserError("model.from", "pretrain starts from fresh weights", "continue a checkpoint with smolctl midtrain")
+        raise UserError(
+            "model.from", "pretrain starts from fresh weights", "continue a checkpoint with smolctl midtrain"
+        )
     init_from = str(model_folder(Path(init_from))) if init_from else None
-    trainer = Trainer(recipe, Path(run_dir), stage=stage, resume=resume, overwrite=overwrite, init_from=init_from,
-                      keep_optimizer=keep_optimizer, show=show)
+    trainer = Trainer(
+        recipe,
+        Path(run_dir),
+        stage=stage,
+        resume=resume,
+        overwrite=overwrite,
+        init_from=init_from,
+        keep_optimizer=keep_optimizer,
+        show=show,
+    )
     try:
         return trainer.run()
     finally:

@@ -73,8 +73,13 @@ class RunReport:
     series: dict[str, list[tuple[int, float]]]
 
     def to_dict(self, with_series: bool = False) -> dict:
-        out = {"run": self.run, "stage": self.stage, "summary": self.summary, "kpis": [asdict(k) for k in self.kpis],
-               "findings": [asdict(f) for f in self.findings]}
+        out = {
+            "run": self.run,
+            "stage": self.stage,
+            "summary": self.summary,
+            "kpis": [asdict(k) for k in self.kpis],
+            "findings": [asdict(f) for f in self.findings],
+        }
         return {**out, "series": self.series} if with_series else out
 
 
@@ -105,9 +110,17 @@ def build_report(run: Path) -> RunReport:
     series = {key: [(r["step"], r[key]) for r in rows if _finite(r.get(key))] for key in PLOTTED}
     series["val_loss"] = [(r["step"], r["val_loss"]) for r in lines if _finite(r.get("val_loss"))]
     if not rows:
-        raise UserError(run / "metrics.jsonl", "holds no logged steps yet", "report on it once the run has logged a step")
-    return RunReport(str(run), info["stage"], _summary(rows, series, events, info), kpis(rows, info), diagnose(rows, events),
-                     {k: _downsample(v) for k, v in series.items() if v})
+        raise UserError(
+            run / "metrics.jsonl", "holds no logged steps yet", "report on it once the run has logged a step"
+        )
+    return RunReport(
+        str(run),
+        info["stage"],
+        _summary(rows, series, events, info),
+        kpis(rows, info),
+        diagnose(rows, events),
+        {k: _downsample(v) for k, v in series.items() if v},
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -120,8 +133,11 @@ def _check_run(run: Path) -> None:
     if not run.is_dir():
         raise UserError(run, "is a file, not a run folder", "pass the RUN folder a training command wrote")
     if not (run / "metrics.jsonl").is_file():
-        raise UserError(run, "is not a training run folder (no metrics.jsonl)",
-                        "pass the RUN folder given to pretrain, midtrain, sft, dpo or ppo")
+        raise UserError(
+            run,
+            "is not a training run folder (no metrics.jsonl)",
+            "pass the RUN folder given to pretrain, midtrain, sft, dpo or ppo",
+        )
 
 
 def _run_info(run: Path) -> dict:
@@ -183,7 +199,7 @@ def _downsample(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
     if len(points) <= MAX_POINTS:
         return points
     size = len(points) / MAX_POINTS
-    buckets = [points[int(i * size):int((i + 1) * size)] for i in range(MAX_POINTS)]
+    buckets = [points[int(i * size) : int((i + 1) * size)] for i in range(MAX_POINTS)]
     return [(b[-1][0], sum(v for _, v in b) / len(b)) for b in buckets if b]
 
 
@@ -196,11 +212,18 @@ def _summary(rows: list[dict], series: dict, events: list[dict], info: dict) -> 
     speed = _values(rows[1:], "tokens_per_s") or _values(rows, "tokens_per_s")
     last = rows[-1] if rows else {}
     count = {kind: sum(1 for e in events if e.get("event") == kind) for kind in ("nonfinite", "spike", "rollback")}
-    return {"steps": last.get("step", 0), "first_loss": loss[0] if loss else None, "last_loss": loss[-1] if loss else None,
-            "min_loss": min(loss) if loss else None, "val_loss": series["val_loss"][-1][1] if series["val_loss"] else None,
-            "tokens_per_s": statistics.median(speed) if speed else None, "world_size": info["world_size"],
-            "skipped": last.get("skipped", count["nonfinite"]), "spikes": last.get("spikes", count["spike"]),
-            "rollbacks": last.get("rollbacks", count["rollback"])}
+    return {
+        "steps": last.get("step", 0),
+        "first_loss": loss[0] if loss else None,
+        "last_loss": loss[-1] if loss else None,
+        "min_loss": min(loss) if loss else None,
+        "val_loss": series["val_loss"][-1][1] if series["val_loss"] else None,
+        "tokens_per_s": statistics.median(speed) if speed else None,
+        "world_size": info["world_size"],
+        "skipped": last.get("skipped", count["nonfinite"]),
+        "spikes": last.get("spikes", count["spike"]),
+        "rollbacks": last.get("rollbacks", count["rollback"]),
+    }
 
 
 def kpis(rows: list[dict], info: dict) -> list[Kpi]:
@@ -208,32 +231,76 @@ def kpis(rows: list[dict], info: dict) -> list[Kpi]:
     steady = rows[1:] or rows  # the first line carries start-up costs (allocation, compilation)
     out = []
     mfu = _values(steady, "mfu")
-    out.append(_kpi("MFU", f"> {MFU_TARGET:.0%}", statistics.median(mfu) if mfu else None, "{:.1%}",
-                    lambda v: v > MFU_TARGET, "no MFU without a known GPU peak (CPU, fp32 or an unknown GPU)",
-                    "raise the micro batch, torch.compile, fused kernels; check data wait and communication"))
+    out.append(
+        _kpi(
+            "MFU",
+            f"> {MFU_TARGET:.0%}",
+            statistics.median(mfu) if mfu else None,
+            "{:.1%}",
+            lambda v: v > MFU_TARGET,
+            "no MFU without a known GPU peak (CPU, fp32 or an unknown GPU)",
+            "raise the micro batch, torch.compile, fused kernels; check data wait and communication",
+        )
+    )
     memory = _values(rows, "memory_share")
-    out.append(_kpi("memory", f"{MEMORY_RANGE[0]:.0%}–{MEMORY_RANGE[1]:.0%} of the device", max(memory) if memory else None,
-                    "{:.1%}", lambda v: MEMORY_RANGE[0] <= v <= MEMORY_RANGE[1], _memory_na(rows),
-                    "above: close to OOM — activation checkpointing, a smaller micro batch or optimizer offload; "
-                    "below: raise the micro batch (fewer accumulation steps)"))
+    out.append(
+        _kpi(
+            "memory",
+            f"{MEMORY_RANGE[0]:.0%}–{MEMORY_RANGE[1]:.0%} of the device",
+            max(memory) if memory else None,
+            "{:.1%}",
+            lambda v: MEMORY_RANGE[0] <= v <= MEMORY_RANGE[1],
+            _memory_na(rows),
+            "above: close to OOM — activation checkpointing, a smaller micro batch or optimizer offload; "
+            "below: raise the micro batch (fewer accumulation steps)",
+        )
+    )
     comm = _values(rows, "comm_share")
-    na_comm = ("this run does not record communication" if info["world_size"] is None
-               else "one process: no collectives" if info["world_size"] <= 1
-               else "not profiled yet (logging.profile_interval)")
-    out.append(_kpi("communication", f"< {COMM_LIMIT:.0%} of step time", statistics.median(comm) if comm else None, "{:.1%}",
-                    lambda v: v < COMM_LIMIT, na_comm,
-                    "check the interconnect (smolctl benchmark-nccl), shard less (DDP before FSDP), overlap or "
-                    "bucket the gradient all-reduce; a straggler node shows as waiting in collectives"))
+    na_comm = (
+        "this run does not record communication"
+        if info["world_size"] is None
+        else "one process: no collectives"
+        if info["world_size"] <= 1
+        else "not profiled yet (logging.profile_interval)"
+    )
+    out.append(
+        _kpi(
+            "communication",
+            f"< {COMM_LIMIT:.0%} of step time",
+            statistics.median(comm) if comm else None,
+            "{:.1%}",
+            lambda v: v < COMM_LIMIT,
+            na_comm,
+            "check the interconnect (smolctl benchmark-nccl), shard less (DDP before FSDP), overlap or "
+            "bucket the gradient all-reduce; a straggler node shows as waiting in collectives",
+        )
+    )
     steps = rows[-1]["step"] if rows else 0
     checkpoint = _values(rows, "checkpoint_s")
     per_thousand = sum(checkpoint) / steps * 1000 if checkpoint and steps else None
-    out.append(_kpi("checkpointing", f"< {CHECKPOINT_LIMIT_S / 60:.0f} min per 1,000 steps", per_thousand,
-                    "{:.0f} s per 1,000 steps", lambda v: v < CHECKPOINT_LIMIT_S, "this run does not record save times",
-                    "save less often (checkpoint.interval), asynchronously, or to faster storage"))
+    out.append(
+        _kpi(
+            "checkpointing",
+            f"< {CHECKPOINT_LIMIT_S / 60:.0f} min per 1,000 steps",
+            per_thousand,
+            "{:.0f} s per 1,000 steps",
+            lambda v: v < CHECKPOINT_LIMIT_S,
+            "this run does not record save times",
+            "save less often (checkpoint.interval), asynchronously, or to faster storage",
+        )
+    )
     data = _values(steady, "data_wait")
-    out.append(_kpi("data wait", f"< {DATA_WAIT_LIMIT:.0%} of step time", statistics.median(data) if data else None,
-                    "{:.1%}", lambda v: v < DATA_WAIT_LIMIT, "this run does not record data wait",
-                    "prefetch batches, more loader workers, faster storage"))
+    out.append(
+        _kpi(
+            "data wait",
+            f"< {DATA_WAIT_LIMIT:.0%} of step time",
+            statistics.median(data) if data else None,
+            "{:.1%}",
+            lambda v: v < DATA_WAIT_LIMIT,
+            "this run does not record data wait",
+            "prefetch batches, more loader workers, faster storage",
+        )
+    )
     return out
 
 
@@ -246,8 +313,11 @@ def _kpi(name, target, value, fmt, ok, na_reason, advice) -> Kpi:
 
 def _memory_na(rows: list[dict]) -> str:
     peak = _values(rows, "memory_peak_bytes")
-    return f"CPU run: peak RSS {max(peak) / 2**30:.2f} GiB (the target is for accelerators)" if peak else \
-        "this run does not record memory"
+    return (
+        f"CPU run: peak RSS {max(peak) / 2**30:.2f} GiB (the target is for accelerators)"
+        if peak
+        else "this run does not record memory"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -263,8 +333,11 @@ def diagnose(rows: list[dict], events: list[dict]) -> list[Finding]:
 def spikes(loss: list[tuple[int, float]], events: list[dict], window: int = 20) -> list[Finding]:
     """The spikes the guards recorded at full resolution (with their batch's rows), and losses far above the
     median of the lines before them (runs without guards, e.g. the TRL stages)."""
-    out = [_spike(e["step"], f"loss {e['loss']:.4f} (robust z-score {e.get('zscore')})", e.get("rows", []))
-           for e in events if e.get("event") == "spike"]
+    out = [
+        _spike(e["step"], f"loss {e['loss']:.4f} (robust z-score {e.get('zscore')})", e.get("rows", []))
+        for e in events
+        if e.get("event") == "spike"
+    ]
     recorded = {f.start_step for f in out}
     recent: list[float] = []
     for step, value in loss:
@@ -281,9 +354,17 @@ def spikes(loss: list[tuple[int, float]], events: list[dict], window: int = 20) 
 
 
 def _spike(step: int, detail: str, rows: list) -> Finding:
-    return Finding("spike", step, step, detail, "a bad batch (or a too-high lr meeting an outlier)",
-                   "inspect the batch's rows" + (" listed here" if rows else "") +
-                   "; if it repeats, skip the batch (guards.max_bad_steps) or lower the lr", rows)
+    return Finding(
+        "spike",
+        step,
+        step,
+        detail,
+        "a bad batch (or a too-high lr meeting an outlier)",
+        "inspect the batch's rows"
+        + (" listed here" if rows else "")
+        + "; if it repeats, skip the batch (guards.max_bad_steps) or lower the lr",
+        rows,
+    )
 
 
 def trends(loss: list[tuple[int, float]]) -> list[Finding]:
@@ -301,20 +382,37 @@ def trends(loss: list[tuple[int, float]]) -> list[Finding]:
         rise = (smooth[i] - smooth[low]) / abs(smooth[low])
         if rise > DRIFT_MIN_RISE and i - low >= span and steps[i] - steps[low] >= LONG_STEPS:
             end = max(range(i, len(smooth)), key=lambda j: smooth[j])
-            out.append(Finding("drift", steps[low], steps[end], f"smoothed loss rose {smooth[low]:.4f} → {smooth[end]:.4f} "
-                               f"over {steps[end] - steps[low]} steps", "the learning rate is too high",
-                               "lower the lr (or lengthen the warmup); resume from a checkpoint before the drift"))
+            out.append(
+                Finding(
+                    "drift",
+                    steps[low],
+                    steps[end],
+                    f"smoothed loss rose {smooth[low]:.4f} → {smooth[end]:.4f} over {steps[end] - steps[low]} steps",
+                    "the learning rate is too high",
+                    "lower the lr (or lengthen the warmup); resume from a checkpoint before the drift",
+                )
+            )
             break
     start = 0
     while start < len(smooth) - span:  # plateau: no real gain over a long stretch (and not a drift)
         end = start
-        while end + 1 < len(smooth) and (smooth[start] - min(smooth[start:end + 2])) / abs(smooth[start]) < PLATEAU_MAX_GAIN \
-                and (smooth[end + 1] - smooth[start]) / abs(smooth[start]) < DRIFT_MIN_RISE:
+        while (
+            end + 1 < len(smooth)
+            and (smooth[start] - min(smooth[start : end + 2])) / abs(smooth[start]) < PLATEAU_MAX_GAIN
+            and (smooth[end + 1] - smooth[start]) / abs(smooth[start]) < DRIFT_MIN_RISE
+        ):
             end += 1
         if end - start >= span and steps[end] - steps[start] >= LONG_STEPS:
-            out.append(Finding("plateau", steps[start], steps[end], f"smoothed loss stayed near {smooth[start]:.4f} for "
-                               f"{steps[end] - steps[start]} steps", "the schedule or the data mixture",
-                               "change the schedule (start the decay, or raise the lr if it is tiny) or the mixture"))
+            out.append(
+                Finding(
+                    "plateau",
+                    steps[start],
+                    steps[end],
+                    f"smoothed loss stayed near {smooth[start]:.4f} for {steps[end] - steps[start]} steps",
+                    "the schedule or the data mixture",
+                    "change the schedule (start the decay, or raise the lr if it is tiny) or the mixture",
+                )
+            )
             start = end + 1
         else:
             start += 1
@@ -336,8 +434,16 @@ def slowdowns(rows: list[dict]) -> list[Finding]:
         if len(stretch) >= SLOW_MIN_POINTS:
             cause, remedy = _slowdown_cause(stretch, normal)
             speed = statistics.median(r["tokens_per_s"] for r in stretch)
-            out.append(Finding("slowdown", stretch[0]["step"], stretch[-1]["step"],
-                               f"{speed:,.0f} tokens/s against a median of {median:,.0f}", cause, remedy))
+            out.append(
+                Finding(
+                    "slowdown",
+                    stretch[0]["step"],
+                    stretch[-1]["step"],
+                    f"{speed:,.0f} tokens/s against a median of {median:,.0f}",
+                    cause,
+                    remedy,
+                )
+            )
         stretch = []
     return out
 
@@ -345,6 +451,7 @@ def slowdowns(rows: list[dict]) -> list[Finding]:
 def _slowdown_cause(slow: list[dict], normal: list[dict]) -> tuple[str, str]:
     """Split each line's step time into data wait, communication, checkpoint and compute; the part that grew most
     against the normal lines is the cause."""
+
     def parts(rows):
         step = statistics.median(r.get("step_s", 0.0) for r in rows)
         data = statistics.median(r.get("data_wait", 0.0) * r.get("step_s", 0.0) for r in rows)
@@ -358,11 +465,11 @@ def _slowdown_cause(slow: list[dict], normal: list[dict]) -> tuple[str, str]:
     cause = max(during, key=lambda k: during[k] - before[k])
     remedies = {
         "data loading": "the loader starved the GPU: prefetch more, add loader workers, check the storage or the "
-                        "shards read at those steps",
+        "shards read at those steps",
         "communication": "collectives grew: check the interconnect (smolctl benchmark-nccl) and look for a "
-                         "straggler node",
+        "straggler node",
         "compute": "the same work ran slower: a throttled or faulty device (smolctl stress-gpu), or other jobs on "
-                   "the node",
+        "the node",
     }
     grew = during[cause] - before[cause]
     return f"{cause} (+{grew * 1000:.0f} ms per step)", remedies[cause]
@@ -372,16 +479,31 @@ def guard_findings(events: list[dict]) -> list[Finding]:
     out = []
     for e in events:
         if e.get("event") == "nonfinite":
-            out.append(Finding("nonfinite", e["step"], e["step"], f"loss {e.get('loss')}, grad norm {e.get('grad_norm')}: "
-                               "update skipped", "a bad batch, an lr too high, or a bf16 overflow",
-                               "inspect the batch's rows; if it repeats lower the lr", e.get("rows", [])))
+            out.append(
+                Finding(
+                    "nonfinite",
+                    e["step"],
+                    e["step"],
+                    f"loss {e.get('loss')}, grad norm {e.get('grad_norm')}: update skipped",
+                    "a bad batch, an lr too high, or a bf16 overflow",
+                    "inspect the batch's rows; if it repeats lower the lr",
+                    e.get("rows", []),
+                )
+            )
         elif e.get("event") == "rollback":
-            out.append(Finding("rollback", e["step"], e["step"], f"rolled back to {e.get('to')}, skipping batches "
-                               f"{e.get('skipped_batches')}", "consecutive bad steps",
-                               "the batches are skipped from now on; if rollbacks repeat, lower the lr or clean the data"))
+            out.append(
+                Finding(
+                    "rollback",
+                    e["step"],
+                    e["step"],
+                    f"rolled back to {e.get('to')}, skipping batches {e.get('skipped_batches')}",
+                    "consecutive bad steps",
+                    "the batches are skipped from now on; if rollbacks repeat, lower the lr or clean the data",
+                )
+            )
     return out
 
 
 def _rolling_median(values: list[float], width: int) -> list[float]:
     half = width // 2
-    return [statistics.median(values[max(0, i - half):i + half + 1]) for i in range(len(values))]
+    return [statistics.median(values[max(0, i - half) : i + half + 1]) for i in range(len(values))]

@@ -15,8 +15,13 @@ from smolctl.train.report import PLOTTED, Finding, RunReport
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf"]
 TERMINAL_COLORS = ["cyan", "red", "green", "magenta", "yellow", "blue"]
-TITLES = {"loss": "loss", "lr": "learning rate", "grad_norm": "grad norm", "tokens_per_s": "tokens/s",
-          "val_loss": "validation loss"}
+TITLES = {
+    "loss": "loss",
+    "lr": "learning rate",
+    "grad_norm": "grad norm",
+    "tokens_per_s": "tokens/s",
+    "val_loss": "validation loss",
+}
 _BRAILLE_BITS = ((0x01, 0x08), (0x02, 0x10), (0x04, 0x20), (0x40, 0x80))  # [dot row][dot column]
 
 
@@ -65,7 +70,10 @@ def text_plot(reports: list[RunReport], metric: str, width: int = 64, height: in
         label = _number(y1) if row == 0 else _number(y0) if row == height - 1 else ""
         text = "".join(
             f"[{TERMINAL_COLORS[cells[(row, col)][1] % len(TERMINAL_COLORS)]}]{chr(0x2800 + cells[(row, col)][0])}[/]"
-            if (row, col) in cells else " " for col in range(width))
+            if (row, col) in cells
+            else " "
+            for col in range(width)
+        )
         lines.append(f"{label:>{label_width}} ┤{text}")
     start, end = f"step {int(x0)}", f"{int(x1)}"
     lines.append(" " * label_width + " └" + "─" * width)
@@ -77,24 +85,34 @@ def _segment(a, b):
     if a is None:
         return [b]
     steps = max(abs(b[0] - a[0]), abs(b[1] - a[1]), 1)
-    return [(round(a[0] + (b[0] - a[0]) * t / steps), round(a[1] + (b[1] - a[1]) * t / steps)) for t in range(1, steps + 1)]
+    return [
+        (round(a[0] + (b[0] - a[0]) * t / steps), round(a[1] + (b[1] - a[1]) * t / steps)) for t in range(1, steps + 1)
+    ]
 
 
 def legend(reports: list[RunReport]) -> str:
-    return "   ".join(f"[{TERMINAL_COLORS[i % len(TERMINAL_COLORS)]}]━━[/] {escape(r.run)}" for i, r in enumerate(reports))
+    return "   ".join(
+        f"[{TERMINAL_COLORS[i % len(TERMINAL_COLORS)]}]━━[/] {escape(r.run)}" for i, r in enumerate(reports)
+    )
 
 
 def rows_text(rows: list[dict], limit: int = 8) -> str:
     """The data rows behind a guard event, per shard: `folder/shard rows 3, 17, ...`."""
     parts = []
     for entry in rows:
-        shown = ", ".join(map(str, entry["rows"][:limit])) + (f", … ({len(entry['rows'])} rows)" if len(entry["rows"]) > limit else "")
+        shown = ", ".join(map(str, entry["rows"][:limit])) + (
+            f", … ({len(entry['rows'])} rows)" if len(entry["rows"]) > limit else ""
+        )
         parts.append(f"{entry['folder']}/{entry['shard']} rows {shown}")
     return "; ".join(parts)
 
 
 def when(finding: Finding) -> str:
-    return f"step {finding.start_step}" if finding.start_step == finding.end_step else f"steps {finding.start_step}–{finding.end_step}"
+    return (
+        f"step {finding.start_step}"
+        if finding.start_step == finding.end_step
+        else f"steps {finding.start_step}–{finding.end_step}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -108,21 +126,34 @@ def html_report(reports: list[RunReport]) -> str:
     body.append("<div class='plots'>" + "".join(svg_plot(reports, m) for m in plotted_metrics(reports)) + "</div>")
     for index, report in enumerate(reports):
         body.append(f"<h2 style='color:{COLORS[index % len(COLORS)]}'>{e(report.stage)} · {e(report.run)}</h2>")
-        body.append("<table>" + "".join(f"<tr><th>{e(k)}</th><td>{e(_value(v))}</td></tr>" for k, v in report.summary.items()) + "</table>")
-        body.append("<h3>KPIs</h3><table><tr><th>KPI</th><th>target</th><th>value</th><th>status</th><th>what to do</th></tr>")
-        body += [f"<tr><td>{e(k.name)}</td><td>{e(k.target)}</td><td>{e(k.shown)}</td>"
-                 f"<td class='{k.status.replace('/', '')}'>{e(k.status)}</td><td>{e(k.advice)}</td></tr>"
-                 for k in report.kpis]
+        body.append(
+            "<table>"
+            + "".join(f"<tr><th>{e(k)}</th><td>{e(_value(v))}</td></tr>" for k, v in report.summary.items())
+            + "</table>"
+        )
+        body.append(
+            "<h3>KPIs</h3><table><tr><th>KPI</th><th>target</th><th>value</th><th>status</th><th>what to do</th></tr>"
+        )
+        body += [
+            f"<tr><td>{e(k.name)}</td><td>{e(k.target)}</td><td>{e(k.shown)}</td>"
+            f"<td class='{k.status.replace('/', '')}'>{e(k.status)}</td><td>{e(k.advice)}</td></tr>"
+            for k in report.kpis
+        ]
         body.append("</table><h3>Diagnosis</h3>")
         if not report.findings:
             body.append("<p>No spike, drift, plateau, slowdown or guard event.</p>")
         else:
-            body.append("<table><tr><th>what</th><th>when</th><th>detail</th><th>likely cause</th><th>what to do</th></tr>")
-            body += [f"<tr><td>{e(f.kind)}</td><td>{e(when(f))}</td><td>{e(f.detail)}"
-                     f"{'<br><small>' + e(rows_text(f.rows)) + '</small>' if f.rows else ''}</td><td>{e(f.cause)}</td>"
-                     f"<td>{e(f.remedy)}</td></tr>" for f in report.findings]
+            body.append(
+                "<table><tr><th>what</th><th>when</th><th>detail</th><th>likely cause</th><th>what to do</th></tr>"
+            )
+            body += [
+                f"<tr><td>{e(f.kind)}</td><td>{e(when(f))}</td><td>{e(f.detail)}"
+                f"{'<br><small>' + e(rows_text(f.rows)) + '</small>' if f.rows else ''}</td><td>{e(f.cause)}</td>"
+                f"<td>{e(f.remedy)}</td></tr>"
+                for f in report.findings
+            ]
             body.append("</table>")
-    return (_PAGE_HEAD + "\n".join(body) + "</body></html>\n")
+    return _PAGE_HEAD + "\n".join(body) + "</body></html>\n"
 
 
 def svg_plot(reports: list[RunReport], metric: str, width: int = 560, height: int = 220) -> str:
@@ -136,21 +167,30 @@ def svg_plot(reports: list[RunReport], metric: str, width: int = 560, height: in
     lines = "".join(
         f"<polyline fill='none' stroke='{COLORS[i % len(COLORS)]}' stroke-width='1.6' "
         f"points='{' '.join(xy(s, v) for s, v in r.series[metric] if math.isfinite(v))}'/>"
-        for i, r in enumerate(reports) if len(r.series.get(metric, [])) > 1)
-    grid = "".join(f"<line x1='{left}' x2='{left + w}' y1='{top + f * h:.1f}' y2='{top + f * h:.1f}' class='grid'/>"
-                   for f in (0, 0.25, 0.5, 0.75, 1))
-    labels = (f"<text x='{left - 6}' y='{top + 4}' text-anchor='end'>{_number(y1)}</text>"
-              f"<text x='{left - 6}' y='{top + h + 4}' text-anchor='end'>{_number(y0)}</text>"
-              f"<text x='{left}' y='{height - 8}'>step {int(x0)}</text>"
-              f"<text x='{left + w}' y='{height - 8}' text-anchor='end'>{int(x1)}</text>"
-              f"<text x='{left}' y='16' class='title'>{html.escape(TITLES[metric])}</text>")
-    return (f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' viewBox='0 0 {width} {height}'>"
-            f"<rect x='{left}' y='{top}' width='{w}' height='{h}' class='frame'/>{grid}{lines}{labels}</svg>")
+        for i, r in enumerate(reports)
+        if len(r.series.get(metric, [])) > 1
+    )
+    grid = "".join(
+        f"<line x1='{left}' x2='{left + w}' y1='{top + f * h:.1f}' y2='{top + f * h:.1f}' class='grid'/>"
+        for f in (0, 0.25, 0.5, 0.75, 1)
+    )
+    labels = (
+        f"<text x='{left - 6}' y='{top + 4}' text-anchor='end'>{_number(y1)}</text>"
+        f"<text x='{left - 6}' y='{top + h + 4}' text-anchor='end'>{_number(y0)}</text>"
+        f"<text x='{left}' y='{height - 8}'>step {int(x0)}</text>"
+        f"<text x='{left + w}' y='{height - 8}' text-anchor='end'>{int(x1)}</text>"
+        f"<text x='{left}' y='16' class='title'>{html.escape(TITLES[metric])}</text>"
+    )
+    return (
+        f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' viewBox='0 0 {width} {height}'>"
+        f"<rect x='{left}' y='{top}' width='{w}' height='{h}' class='frame'/>{grid}{lines}{labels}</svg>"
+    )
 
 
 def _html_legend(reports: list[RunReport]) -> str:
-    return " ".join(f"<span style='color:{COLORS[i % len(COLORS)]}'>━━</span> {html.escape(r.run)}"
-                    for i, r in enumerate(reports))
+    return " ".join(
+        f"<span style='color:{COLORS[i % len(COLORS)]}'>━━</span> {html.escape(r.run)}" for i, r in enumerate(reports)
+    )
 
 
 def _value(value) -> str:

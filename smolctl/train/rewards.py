@@ -19,16 +19,16 @@ import math
 import os
 import re
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from smolctl.errors import UserError
 from smolctl.recipe import Section, load_toml, validate
 from smolctl.train.run import append_jsonl
-
 
 COMPLETIONS = "completions.jsonl"
 
@@ -61,7 +61,7 @@ class RewardSection(Section):
     the other completions of the same prompt; text shorter than n words scores 0."""
 
     @model_validator(mode="after")
-    def _complete(self) -> "RewardSection":
+    def _complete(self) -> RewardSection:
         if self.kind == "task" and self.match == "callable" and not self.function:
             raise ValueError('match = "callable" needs function = "module:function"')
         # A key that the chosen kind/match ignores is a typo waiting to cost a run: say so instead.
@@ -85,7 +85,7 @@ def normalise(text: str) -> str:
 
 def ngrams(text: str, n: int) -> list[tuple[str, ...]]:
     words = text.split()
-    return [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    return [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
 
 
 def group_diversity(texts: Sequence[str], n: int) -> list[float]:
@@ -110,8 +110,11 @@ def load_callable(spec: str, where: str) -> Callable:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import-time failure of user code
-        raise UserError(where, f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}",
-                        "check the module name, and run from its folder or add that to PYTHONPATH") from exc
+        raise UserError(
+            where,
+            f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}",
+            "check the module name, and run from its folder or add that to PYTHONPATH",
+        ) from exc
     function = getattr(module, name, None)
     if not callable(function):
         raise UserError(where, f"module {module_name!r} has no function {name!r}", "check the function name")
@@ -135,16 +138,24 @@ class CompositeReward:
         self.names = self._names()
         self.wheres = [f"{where}[{i}]" for i in range(len(self.sections))]
         self._tasks: list[Callable | None] = [
-            self._task_scorer(s, w) if s.kind == "task" else RewardModel(s.path, f"{w}.path") if s.kind == "model"
-            else None for s, w in zip(self.sections, self.wheres)]
+            self._task_scorer(s, w)
+            if s.kind == "task"
+            else RewardModel(s.path, f"{w}.path")
+            if s.kind == "model"
+            else None
+            for s, w in zip(self.sections, self.wheres)
+        ]
         self.errors: dict[str, int] = {}
         """Exceptions of on_error = "skip" callables, per reward name."""
 
     @property
     def needs_reference(self) -> bool:
         """Exact matches and reference patterns compare against a reference column; callables get it when present."""
-        return any(s.kind == "task" and (s.match == "exact" or (s.match == "regex" and (
-            not s.pattern or "{reference}" in s.pattern))) for s in self.sections)
+        return any(
+            s.kind == "task"
+            and (s.match == "exact" or (s.match == "regex" and (not s.pattern or "{reference}" in s.pattern)))
+            for s in self.sections
+        )
 
     def _names(self) -> list[str]:
         names, seen = [], {}
@@ -160,20 +171,32 @@ class CompositeReward:
             return load_callable(section.function, f"{where}.function")
         if section.match == "exact":
             return lambda completion, reference: float(
-                reference is not None and normalise(completion) == normalise(reference))
+                reference is not None and normalise(completion) == normalise(reference)
+            )
         if section.pattern and "{reference}" not in section.pattern:
             try:
                 fixed = re.compile(section.pattern)
             except re.error as exc:
-                raise UserError(f"{where}.pattern", f"is not a valid regular expression: {exc}", "fix the pattern") from exc
+                raise UserError(
+                    f"{where}.pattern", f"is not a valid regular expression: {exc}", "fix the pattern"
+                ) from exc
             return lambda completion, reference: float(fixed.search(completion) is not None)
         template = section.pattern or r"(?<![\w.]){reference}(?!\w)\W*$"
-        return lambda completion, reference: float(reference is not None and re.search(
-            template.replace("{reference}", re.escape(reference)), completion) is not None)
+        return lambda completion, reference: float(
+            reference is not None
+            and re.search(template.replace("{reference}", re.escape(reference)), completion) is not None
+        )
 
-    def score(self, completions: Sequence[str], lengths: Sequence[int],
-              references: Sequence[str | None] | None = None, *, rows: Sequence[dict] | None = None,
-              truncated: Sequence[bool] | None = None, groups: Sequence[Any] | None = None) -> Scored:
+    def score(
+        self,
+        completions: Sequence[str],
+        lengths: Sequence[int],
+        references: Sequence[str | None] | None = None,
+        *,
+        rows: Sequence[dict] | None = None,
+        truncated: Sequence[bool] | None = None,
+        groups: Sequence[Any] | None = None,
+    ) -> Scored:
         """Rewards for completions of `lengths` tokens. rows: each completion's dataset row, its reference under
         "reference" (default: rows holding only `references`); truncated: cut off at the token limit;
         groups: a key per completion, equal for completions of the same prompt (default: each its own group)."""
@@ -201,19 +224,25 @@ class CompositeReward:
                         values[i] = value
             components[name] = values
         cut = list(truncated) if truncated is not None else [False] * count
-        penalties = [s.truncated_penalty for s in self.sections if s.kind == "length" and s.truncated_penalty is not None]
+        penalties = [
+            s.truncated_penalty for s in self.sections if s.kind == "length" and s.truncated_penalty is not None
+        ]
         totals = [penalties[0] if cut[i] and penalties else self._combine(i, components) for i in range(count)]
         return Scored(totals, components)
 
     def _call(self, name: str, section: RewardSection, function: Callable, where: str, rows: list[dict]) -> list[float]:
         """The user's function on every row (or on all rows at once); its exceptions name the reward and the row."""
+
         def failed(exc: Exception, row: dict | None, index: int | None) -> float:
             if section.on_error == "skip":
                 self.errors[name] = self.errors.get(name, 0) + 1
                 return math.nan
             shown = "the batch" if row is None else f"row {index} ({_preview(row)})"
-            raise UserError(f"{where}.function", f"{section.function} raised {type(exc).__name__}: {exc} on {shown}",
-                            'fix the function, or set on_error = "skip" to leave such completions out') from exc
+            raise UserError(
+                f"{where}.function",
+                f"{section.function} raised {type(exc).__name__}: {exc} on {shown}",
+                'fix the function, or set on_error = "skip" to leave such completions out',
+            ) from exc
 
         if section.batched:
             try:
@@ -221,8 +250,11 @@ class CompositeReward:
             except Exception as exc:  # user code
                 return [failed(exc, None, None)] * len(rows) if section.on_error == "skip" else failed(exc, None, None)
             if len(values) != len(rows):
-                raise UserError(f"{where}.function", f"{section.function} returned {len(values)} rewards for "
-                                f"{len(rows)} rows", "return one float per row")
+                raise UserError(
+                    f"{where}.function",
+                    f"{section.function} returned {len(values)} rewards for {len(rows)} rows",
+                    "return one float per row",
+                )
             return values
         values = []
         for index, row in enumerate(rows):
@@ -240,7 +272,7 @@ class CompositeReward:
                 task += section.weight * value
                 has_task = True
             elif section.kind == "length":
-                penalty *= value ** section.weight
+                penalty *= value**section.weight
             else:
                 bonus += section.weight * value
         return (task if has_task else 1.0) * penalty + bonus
@@ -252,22 +284,41 @@ def load_reward_tables(path: str | Path) -> tuple[CompositeReward, str]:
     data = load_toml(path)
     tables = data.get("rewards")
     if not isinstance(tables, list) or not tables:
-        raise UserError(path, "has no rewards tables (an array of tables named rewards)",
-                        "copy the rewards tables of recipes/ppo-tiny.toml and adapt them")
+        raise UserError(
+            path,
+            "has no rewards tables (an array of tables named rewards)",
+            "copy the rewards tables of recipes/ppo-tiny.toml and adapt them",
+        )
     sections = [validate(RewardSection, table, f"{path}: rewards[{i}]") for i, table in enumerate(tables)]
-    reference = data.get("data", {}).get("reference_column", "reference") if isinstance(data.get("data"), dict) else "reference"
+    reference = (
+        data.get("data", {}).get("reference_column", "reference") if isinstance(data.get("data"), dict) else "reference"
+    )
     return CompositeReward(sections, f"{path}: rewards"), str(reference)
 
 
-def log_completions(run: Path, step: int, prompts: list, completions: list[str], components: dict[str, list[float]],
-                    totals: list[float], advantages: list[float] | None) -> None:
+def log_completions(
+    run: Path,
+    step: int,
+    prompts: list,
+    completions: list[str],
+    components: dict[str, list[float]],
+    totals: list[float],
+    advantages: list[float] | None,
+) -> None:
     """RUN/completions.jsonl: one line per completion, to read what the policy writes and what each reward made
     of it. advantage: of the completion's first token (PPO), or of the completion (GRPO)."""
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):
-        append_jsonl(run / COMPLETIONS, {
-            "step": step, "prompt": prompt, "completion": completion,
-            "rewards": {name: values[i] for name, values in components.items()}, "total": totals[i],
-            "advantage": advantages[i] if advantages is not None else None})
+        append_jsonl(
+            run / COMPLETIONS,
+            {
+                "step": step,
+                "prompt": prompt,
+                "completion": completion,
+                "rewards": {name: values[i] for name, values in components.items()},
+                "total": totals[i],
+                "advantage": advantages[i] if advantages is not None else None,
+            },
+        )
 
 
 class RewardModel:
@@ -278,13 +329,18 @@ class RewardModel:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         if not Path(path).is_dir():
-            raise UserError(where, f"{path} is not a folder", "pass a Hugging Face sequence-classification model folder")
+            raise UserError(
+                where, f"{path} is not a folder", "pass a Hugging Face sequence-classification model folder"
+            )
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
             self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
-            raise UserError(where, f"cannot load a reward model from {path}: {str(exc).splitlines()[0][:200]}",
-                            "pass a folder with a sequence-classification model and its tokenizer") from exc
+            raise UserError(
+                where,
+                f"cannot load a reward model from {path}: {str(exc).splitlines()[0][:200]}",
+                "pass a folder with a sequence-classification model and its tokenizer",
+            ) from exc
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
@@ -297,15 +353,23 @@ class RewardModel:
 
         scores: list[float] = []
         for start in range(0, len(completions), self.batch_size):
-            pairs = list(zip(prompts[start:start + self.batch_size], completions[start:start + self.batch_size]))
+            pairs = list(zip(prompts[start : start + self.batch_size], completions[start : start + self.batch_size]))
             if getattr(self.tokenizer, "chat_template", None):
-                texts = [self.tokenizer.apply_chat_template(
-                    [*(p if isinstance(p, list) else [{"role": "user", "content": p or ""}]),
-                     {"role": "assistant", "content": c}], tokenize=False) for p, c in pairs]
+                texts = [
+                    self.tokenizer.apply_chat_template(
+                        [
+                            *(p if isinstance(p, list) else [{"role": "user", "content": p or ""}]),
+                            {"role": "assistant", "content": c},
+                        ],
+                        tokenize=False,
+                    )
+                    for p, c in pairs
+                ]
                 enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
             else:
-                enc = self.tokenizer([p or "" for p, _ in pairs], [c for _, c in pairs], return_tensors="pt",
-                                     padding=True)
+                enc = self.tokenizer(
+                    [p or "" for p, _ in pairs], [c for _, c in pairs], return_tensors="pt", padding=True
+                )
             with torch.no_grad():
                 logits = self.model(**enc.to(self.device)).logits.float()
             scores += (logits[:, 0] if logits.shape[1] == 1 else logits.softmax(-1)[:, -1]).tolist()

@@ -11,9 +11,9 @@ from smolctl.errors import UserError
 from smolctl.shards import DocumentSource, open_documents
 from smolctl.train.config import GrpoRecipe, PpoRecipe, PromptDataSection
 from smolctl.train.posttrain import require_columns
+from smolctl.train.posttrain_run import check_start, open_run
 from smolctl.train.rewards import CompositeReward
 from smolctl.train.run import RunStart
-from smolctl.train.posttrain_run import check_start, open_run
 
 
 def load_prompts(source: DocumentSource, data: PromptDataSection, needs_reference: bool) -> list[dict]:
@@ -21,13 +21,16 @@ def load_prompts(source: DocumentSource, data: PromptDataSection, needs_referenc
     needed): reward callables see every column."""
     require_columns(source, [data.prompt_column], "set data.prompt_column, or pass a dataset of prompts")
     if needs_reference and data.reference_column not in source.columns:
-        raise UserError(source.spec, f"has no column '{data.reference_column}' for the task reward (columns: "
-                        f"{', '.join(source.columns)})", "set data.reference_column, or use a regex/callable reward")
+        raise UserError(
+            source.spec,
+            f"has no column '{data.reference_column}' for the task reward (columns: {', '.join(source.columns)})",
+            "set data.reference_column, or use a regex/callable reward",
+        )
     rows = []
     for batch in source.iter_batches():
         rows += batch.to_pylist()
     if data.limit is not None:
-        rows = rows[:data.limit]
+        rows = rows[: data.limit]
     if not rows:
         raise UserError(source.spec, "holds no prompts", "pass a non-empty dataset")
     return [{**row, "prompt": row[data.prompt_column], "reference": row.get(data.reference_column)} for row in rows]
@@ -48,8 +51,9 @@ class Setup:
     start: RunStart
 
 
-def prepare(stage: str, recipe: PpoRecipe | GrpoRecipe, run: str | Path, start: str | None, resume: str,
-            overwrite: bool) -> Setup:
+def prepare(
+    stage: str, recipe: PpoRecipe | GrpoRecipe, run: str | Path, start: str | None, resume: str, overwrite: bool
+) -> Setup:
     """Every check that can fail, before any model loads: data, rewards (callables imported), run folder, resume."""
     run = Path(run)
     parent = check_start(start or recipe.model.from_, "--from" if start else "model.from")
@@ -65,5 +69,7 @@ def reward_trend(rewards: list[float], window: int = 5) -> dict:
     finite = [r for r in rewards if math.isfinite(r)]
     if not finite:
         return {}
-    return {"reward_first": sum(finite[:window]) / len(finite[:window]),
-            "reward_last": sum(finite[-window:]) / len(finite[-window:])}
+    return {
+        "reward_first": sum(finite[:window]) / len(finite[:window]),
+        "reward_last": sum(finite[-window:]) / len(finite[-window:]),
+    }

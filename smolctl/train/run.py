@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from smolctl.errors import UserError
-from smolctl.shards import MANIFEST_NAME, atomic_write_json, check_output_path, read_manifest
 from smolctl.launcher import rank_from_env
+from smolctl.shards import MANIFEST_NAME, atomic_write_json, check_output_path, read_manifest
 
 # What recipes/slurm/pretrain.sbatch creates in RUN before the trainer starts (NCCL's flight-recorder dumps):
 # a run folder holding only these is still a new run folder.
@@ -114,7 +114,9 @@ def decide_start(run: Path, resume: str, overwrite: bool, steps: int) -> RunStar
     holds_files = is_main_process() and holds_run_files(run)
     if resume == "none":
         if holds_files and not overwrite:
-            raise UserError(run, "already holds a run", "pass --resume auto to continue it, or --overwrite to start over")
+            raise UserError(
+                run, "already holds a run", "pass --resume auto to continue it, or --overwrite to start over"
+            )
         check_output_path(run, True)
         return RunStart(overwrite=holds_files)
     if holds_files and not (run / RUN_FILE).is_file():
@@ -127,8 +129,11 @@ def decide_start(run: Path, resume: str, overwrite: bool, steps: int) -> RunStar
         return RunStart(resume_from=found[-1] if found else None)
     path = Path(resume)
     if not (path / "trainer_state.json").is_file():
-        raise UserError("--resume", f"{resume} is not a complete checkpoint (no trainer_state.json)",
-                        f"pass --resume auto or a folder under {run / CHECKPOINTS}")
+        raise UserError(
+            "--resume",
+            f"{resume} is not a complete checkpoint (no trainer_state.json)",
+            f"pass --resume auto or a folder under {run / CHECKPOINTS}",
+        )
     return RunStart(resume_from=path)
 
 
@@ -153,24 +158,35 @@ def begin_run(run: Path, stage: str, recipe: dict, parent: Path, start: RunStart
     current = {"stage": stage, "recipe": recipe, "parent": str(parent.resolve())}
     if (start.resume_from or start.finished) and (run / RUN_FILE).is_file():
         before = json.loads((run / RUN_FILE).read_text())
-        old, new = flatten({"recipe": before.get("recipe", {}), "parent": before.get("parent")}), flatten(
-            {"recipe": current["recipe"], "parent": current["parent"]})
-        changed = sorted(key.removeprefix("recipe.") for key in set(old) | set(new) if old.get(key) != new.get(key)
-                         and not key.removeprefix("recipe.").startswith(RESUMABLE_CHANGES))
+        old, new = (
+            flatten({"recipe": before.get("recipe", {}), "parent": before.get("parent")}),
+            flatten({"recipe": current["recipe"], "parent": current["parent"]}),
+        )
+        changed = sorted(
+            key.removeprefix("recipe.")
+            for key in set(old) | set(new)
+            if old.get(key) != new.get(key) and not key.removeprefix("recipe.").startswith(RESUMABLE_CHANGES)
+        )
         if changed:
-            raise UserError("--resume", f"the recipe differs from the one the run started with in {', '.join(changed)}",
-                            "resume with the same recipe and --from (only training.steps, [checkpoint] and [logging] "
-                            "may change), or start a new run folder")
+            raise UserError(
+                "--resume",
+                f"the recipe differs from the one the run started with in {', '.join(changed)}",
+                "resume with the same recipe and --from (only training.steps, [checkpoint] and [logging] "
+                "may change), or start a new run folder",
+            )
     if start.finished or not is_main_process():
         return
     if start.overwrite:
         shutil.rmtree(run)
     run.mkdir(parents=True, exist_ok=True)
     atomic_write_json(run / RUN_FILE, current)
-    resumed_at = json.loads((start.resume_from / "trainer_state.json").read_text())["global_step"] if start.resume_from else 0
+    resumed_at = (
+        json.loads((start.resume_from / "trainer_state.json").read_text())["global_step"] if start.resume_from else 0
+    )
     for name in (METRICS, EVENTS):
         drop_lines_after(run / name, resumed_at)
         (run / name).touch()
     if start.resume_from:
-        append_jsonl(run / EVENTS, {"event": "resume", "step": resumed_at, "from": str(start.resume_from),
-                                    "time": time.time()})
+        append_jsonl(
+            run / EVENTS, {"event": "resume", "step": resumed_at, "from": str(start.resume_from), "time": time.time()}
+        )

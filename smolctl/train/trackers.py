@@ -21,9 +21,10 @@ import hashlib
 import importlib.util
 import os
 import sys
+from collections.abc import Sequence
 from contextlib import redirect_stdout
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from smolctl.errors import UserError
 
@@ -51,9 +52,11 @@ def require_trackers(report_to: Sequence[str]) -> None:
     """Every asked-for tracker must be installed: checked before any compute, one line naming the extra."""
     for name in report_to:
         if importlib.util.find_spec(name) is None:
-            raise UserError("logging.report_to", f"asks for {name} but the {name} package is not installed",
-                            f"pip install 'smolctl[{name}]', or drop it from logging.report_to "
-                            "(metrics.jsonl is always written)")
+            raise UserError(
+                "logging.report_to",
+                f"asks for {name} but the {name} package is not installed",
+                f"pip install 'smolctl[{name}]', or drop it from logging.report_to (metrics.jsonl is always written)",
+            )
 
 
 def offline_environment(run_dir: Path) -> None:
@@ -65,8 +68,9 @@ def offline_environment(run_dir: Path) -> None:
     # trackio syncs to a Space only when one is named; nothing here names one.
 
 
-def open_tracker(run_dir: Path, report_to: Sequence[str], *, enabled: bool = True, resuming: bool = False,
-                 config: dict | None = None) -> Tracker:
+def open_tracker(
+    run_dir: Path, report_to: Sequence[str], *, enabled: bool = True, resuming: bool = False, config: dict | None = None
+) -> Tracker:
     """One tracker fanning out to each of `report_to` (rank 0 only: pass enabled=False elsewhere). A resumed run
     continues its tracker run; a fresh start (or --overwrite) opens a new one."""
     if not enabled or not report_to:
@@ -84,7 +88,12 @@ def trainer_reporting(run_dir: Path, report_to: Sequence[str]) -> dict:
     require_trackers(report_to)
     offline_environment(run_dir)
     # trackio_static_space_id=False: never create a Space after training (transformers would try on the Hub).
-    return {"report_to": list(report_to), "run_name": run_dir.name, "project": PROJECT, "trackio_static_space_id": False}
+    return {
+        "report_to": list(report_to),
+        "run_name": run_dir.name,
+        "project": PROJECT,
+        "trackio_static_space_id": False,
+    }
 
 
 class _Fanout:
@@ -121,9 +130,14 @@ class _Wandb:
         import wandb
 
         # An id derived from the folder: a resumed run continues the same wandb run.
-        self.run = wandb.init(project=os.environ["WANDB_PROJECT"], name=run_dir.name, dir=os.environ["WANDB_DIR"],
-                              id=_run_id(run_dir) if resuming else None, resume="allow" if resuming else None,
-                              config=config)
+        self.run = wandb.init(
+            project=os.environ["WANDB_PROJECT"],
+            name=run_dir.name,
+            dir=os.environ["WANDB_DIR"],
+            id=_run_id(run_dir) if resuming else None,
+            resume="allow" if resuming else None,
+            config=config,
+        )
 
     def log(self, metrics: dict, step: int) -> None:
         self.run.log(metrics, step=step)
@@ -137,8 +151,15 @@ class _Trackio:
         import trackio
 
         with redirect_stdout(sys.stderr):  # trackio prints its banner; stdout belongs to --json
-            self.run = trackio.init(project=PROJECT, name=run_dir.name, config=config, embed=False,
-                                    resume="allow" if resuming else "never", auto_log_gpu=False, auto_log_cpu=False)
+            self.run = trackio.init(
+                project=PROJECT,
+                name=run_dir.name,
+                config=config,
+                embed=False,
+                resume="allow" if resuming else "never",
+                auto_log_gpu=False,
+                auto_log_cpu=False,
+            )
         self.finish = trackio.finish
 
     def log(self, metrics: dict, step: int) -> None:
@@ -152,4 +173,3 @@ class _Trackio:
 def _run_id(run_dir: Path) -> str:
     """A stable id per run folder (wandb ids allow letters, digits, - and _)."""
     return f"{run_dir.name[:40]}-{hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]}".replace("/", "-")
-
