@@ -1,6 +1,6 @@
 """How `smolctl mix` sizes documents: UTF-8 bytes, tokens counted exactly, or tokens estimated from bytes.
 
-    smolctl mix out/ --source web=web/:85 --source code=code/:15 --tokens 2B --tokenizer tok/ --token-estimate sample
+    smolctl mix out/ --source web=web/:85 --source code=code/:15 --tokens 2G --tokenizer tok/ --token-estimate sample
 
 Exact counting tokenizes every document of every source, and `pack` tokenizes the chosen ones again: a second
 full tokenizer pass at corpus scale. The estimate tokenizes only a seeded sample of each source instead:
