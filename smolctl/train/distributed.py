@@ -24,6 +24,10 @@ class Dist:
     """Parameters are DTensors (TP and/or FSDP): saving gathers them, loading scatters into them."""
     fsdp: bool = False
     """FSDP2 manages gradient reduction (set_requires_gradient_sync); otherwise DDP or a single process."""
+    host_group: object = None
+    """A gloo group of its own for flags agreed on the host (`any`): never the training loop's group (NCCL on
+    GPUs), nor the one DCP's background save thread runs collectives on, since two threads' collectives on one
+    group can pair up in a different order on each rank and deadlock."""
 
     @property
     def is_main(self) -> bool:
@@ -47,16 +51,16 @@ class Dist:
             dist.all_reduce(value, op=dist.ReduceOp.SUM)
         return value
 
-    def any(self, flag: bool, group=None) -> bool:
+    def any(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on at least one (e.g. a signal that reached only some ranks).
-        On a gloo `group` the flag stays on the host: no device sync."""
+        Agreed on the host group: no device sync."""
         if not self.active:
             return flag
         import torch
         import torch.distributed as dist
 
-        value = torch.tensor([int(flag)], device="cpu" if group is not None else self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+        value = torch.tensor([int(flag)])
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.host_group)
         return bool(value.item())
 
     def close(self) -> None:
@@ -80,6 +84,7 @@ def init_distributed() -> Dist:
     device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
+    host_group = None
     if world > 1:
         import torch.distributed as dist
 
@@ -88,7 +93,8 @@ def init_distributed() -> Dist:
                 "nccl" if device.startswith("cuda") else "gloo",
                 device_id=torch.device(device) if device.startswith("cuda") else None,
             )
-    return Dist(rank, local_rank, world, device)
+        host_group = dist.new_group(backend="gloo")
+    return Dist(rank, local_rank, world, device, host_group=host_group)
 
 
 def wrap_model(wrapped, dist: Dist, layout, *, activation_checkpointing: str, compile: bool, bf16: bool):

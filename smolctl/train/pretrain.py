@@ -683,7 +683,7 @@ class Trainer:
                     )
                     if held:
                         self.monitor.checkpoint_held(held)
-                    stopping = self.dist.any(self.stop_signal is not None, group=self.checkpoints.process_group)
+                    stopping = self.dist.any(self.stop_signal is not None)
                     if stopping and self.stop_signal is None:
                         self.stop_signal = "a signal to another rank"
                     # The last step always gets a checkpoint: final/ can be rebuilt from it and the run extended.
