@@ -26,10 +26,12 @@ install: $(BIN)/smolctl
 demo: install
 	PATH="$(CURDIR)/$(BIN):$$PATH" bash scripts/demo.sh $(DEMO_DIR)
 
+# Both cores, one test file per worker at a time: a module's fixtures (e.g. the torchrun reference run of
+# test_checkpoints) are built once, and every torchrun test picks a free port (--standalone) or its own.
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 # Built with the venv's setuptools (no build isolation), so it needs no network. Published wheels come from
 # cibuildwheel ([tool.cibuildwheel] in pyproject.toml), which also makes them manylinux.

@@ -47,13 +47,3 @@ def isolated_cache(tmp_path_factory):
     """Keep smolctl's cache (e.g. estimate's measured model shapes) out of the user's home during tests."""
     os.environ["SMOLCTL_CACHE"] = str(tmp_path_factory.mktemp("smolctl-cache"))
     yield
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config, items):
-    """Under `pytest -n 2` (make test), the tests that start several processes (torchrun, Slurm jobs) run on one
-    worker, one after another, while the other worker takes the rest: two torchrun jobs at once would fight for
-    the cores and for the default rendezvous port."""
-    for item in items:
-        if item.get_closest_marker("slow") or item.get_closest_marker("slurm"):
-            item.add_marker(pytest.mark.xdist_group("processes"))

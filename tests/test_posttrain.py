@@ -223,6 +223,7 @@ def test_sft_runs_under_torchrun_with_two_processes(tiny_model, tmp_path):
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",  # a free port: another test file's torchrun may run beside it (make test: -n 2)
         "--nproc_per_node",
         "2",
         "-m",

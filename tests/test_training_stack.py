@@ -199,7 +199,17 @@ def test_two_process_post_training_saves_final_collectively_and_refuses_once(tin
 
     def torchrun(*args) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "smolctl", *map(str, args)],
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                "2",
+                "-m",
+                "smolctl",
+                *map(str, args),
+            ],
             capture_output=True,
             text=True,
             cwd=REPO,
