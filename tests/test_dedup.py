@@ -14,8 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import SAMPLE, run_cli
 
+from smolctl.data import dedup_stages
 from smolctl.data.dedup import DedupConfig, run
-from smolctl.data.minhash import arrays, kernels, normalization, params, shingles
+from smolctl.data.minhash import arrays, kernels, lsh, normalization, params, shingles
 from smolctl.data.minhash.params import MinHashParams
 from smolctl.errors import UserError
 
@@ -178,6 +179,52 @@ def test_union_find_is_order_free_and_labels_by_smallest_node():
     assert labels == {2: 2, 5: 2, 9: 2, 20: 2, 7: 7, 8: 7, 3: 3, 4: 3}
     perm = np.random.default_rng(0).permutation(len(u))
     assert np.array_equal(arrays.connected_components(v[perm], u[perm])[1], root)
+
+
+def test_exact_edges_join_equal_hashes_even_when_another_hash_shares_their_first_half():
+    # Documents 0 and 2 are equal; document 1's hash shares their first 64 bits only. Sorting on the first half
+    # alone would put 1 between them and leave 0 and 2 unjoined.
+    exact = np.array([[7, 1], [7, 2], [7, 1], [3, 9], [3, 9], [5, 5]], dtype=np.uint64)
+    null = np.zeros(len(exact), bool)
+    assert dedup_stages.exact_edges(exact, null, len(exact)).tolist() == [[3, 4], [0, 2]]
+    null[3] = True  # a null text joins nothing
+    assert dedup_stages.exact_edges(exact, null, len(exact)).tolist() == [[0, 2]]
+
+
+def test_non_ascii_documents_flags_exactly_the_documents_holding_a_high_byte():
+    rng = np.random.default_rng(1)
+    docs = []
+    for _ in range(400):
+        doc = bytearray(rng.integers(32, 127, int(rng.integers(0, 30)), dtype=np.uint8).tobytes())
+        if doc and rng.random() < 0.3:  # a high byte anywhere: first, last, across 8-byte words
+            doc[int(rng.integers(len(doc)))] = int(rng.integers(0x80, 0x100))
+        docs.append(bytes(doc))
+    docs[-1] = b"abc\xe9"  # the last byte of the buffer
+    skipped = b"\xff" * 5  # bytes before the first document (an arrow slice) are not any document's
+    data = np.frombuffer(skipped + b"".join(docs), np.uint8)
+    offsets = len(skipped) + np.concatenate([[0], np.cumsum([len(d) for d in docs])])
+    expected = [any(b >= 0x80 for b in d) for d in docs]
+    assert sum(expected) > 50
+    assert normalization.non_ascii_documents(data, offsets).tolist() == expected
+
+
+def test_bucket_pairs_pair_exactly_the_documents_that_share_a_key():
+    rng = np.random.default_rng(0)
+    keys = arrays.mix64(rng.integers(0, 2**63, 5000, dtype=np.uint64))
+    planted = rng.choice(len(keys), 300, replace=False)
+    keys[planted] = keys[rng.choice(len(keys), 300)]
+    # Keys that agree with a shared key in every bit the screening table looks at, and nowhere else.
+    table_bits = np.uint64(lsh.SHARED_KEY_TABLE_SIZE - 1)
+    keys[:20] = (keys[planted[:20]] & table_bits) | (np.uint64(1) << np.uint64(63))
+    docs = np.arange(len(keys), dtype=np.int64)
+    members: dict[int, list[int]] = {}
+    for doc, key in enumerate(keys.tolist()):
+        members.setdefault(key, []).append(doc)
+    expected = sorted(i << 32 | j for group in members.values() for a, i in enumerate(group) for j in group[a + 1 :])
+    assert expected and lsh.bucket_pairs(keys, docs).tolist() == expected
+    # The screening is exact too: only documents whose key another holds are carried on to the pairing.
+    shared_docs = sorted(doc for group in members.values() if len(group) > 1 for doc in group)
+    assert sorted(lsh._shared_keys(keys, docs)[1].tolist()) == shared_docs
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -235,10 +235,18 @@ def _signature_matrix(column: pa.ChunkedArray, num_perm: int) -> np.ndarray:
 def exact_edges(exact: np.ndarray, null: np.ndarray, n_input: int) -> np.ndarray:
     """(k, 2) edges joining every document to the first one with the same normalised-text hash."""
     docs = np.flatnonzero(~null)
-    order = docs[np.lexsort((docs, exact[docs, 1], exact[docs, 0]))]
+    # Documents grouped by their 128-bit hash, each group in document order. A stable sort on the first 64 bits
+    # gives exactly that unless two different hashes share those bits (practically never, checked below); the
+    # three-key lexsort it replaces took most of this function's time at a million documents.
+    order = docs[np.argsort(exact[docs, 0], kind="stable")]
+    ordered = exact[order]
+    first_half_ties = ordered[1:, 0] == ordered[:-1, 0]
+    if (ordered[1:, 1][first_half_ties] != ordered[:-1, 1][first_half_ties]).any():
+        order = docs[np.lexsort((docs, exact[docs, 1], exact[docs, 0]))]
+        ordered = exact[order]
     if len(order) < 2:
         return np.zeros((0, 2), np.int64)
-    same = np.all(exact[order[1:]] == exact[order[:-1]], axis=1)
+    same = np.all(ordered[1:] == ordered[:-1], axis=1)
     head_position = np.maximum.accumulate(np.where(np.concatenate([[True], ~same]), np.arange(len(order)), 0))
     member = np.flatnonzero(np.concatenate([[False], same]))
     edges = np.stack([order[head_position[member]], order[member]], 1)

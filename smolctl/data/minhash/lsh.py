@@ -11,6 +11,9 @@ from smolctl.data.minhash.kernels import NGRAM_WEIGHTS
 # A band bucket larger than this yields pairs only between near neighbours in document order plus a star from
 # its first member: a bucket of k documents would otherwise cost k²/2 verifications.
 MAX_BUCKET_PAIRS_SPAN = 64
+# Slots of the low-bits table that screens keys before their exact lookup (a power of two; 1 MiB of bools stays in
+# cache and lets few unshared keys through while a band's shared keys are a small share of a million).
+SHARED_KEY_TABLE_SIZE = 1 << 20
 
 
 def band_keys(sigs: np.ndarray, bands: int, rows: int) -> np.ndarray:
@@ -60,12 +63,20 @@ def bucket_pairs(keys: np.ndarray, docs: np.ndarray) -> np.ndarray:
 
 def _shared_keys(keys: np.ndarray, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The (keys, docs) whose key another document shares: the only ones that pair. Nearly every key of a band is
-    unique, so one sort of the keys alone (no indices to carry) and a lookup leave few documents to arrange."""
+    unique, so one sort of the keys alone (no indices to carry) and a lookup leave few documents to arrange.
+
+    The lookup first tests each key's low bits against a table of the shared keys' low bits (keys are mix64
+    outputs, so their low bits are uniform): a binary search of every key, cache miss after cache miss, is
+    left to the few that pass."""
     ordered = np.sort(keys)
     repeated = ordered[1:][ordered[1:] == ordered[:-1]]
     if not len(repeated):
         return keys[:0], docs[:0]
     shared = sorted_unique(repeated)
-    found = np.minimum(np.searchsorted(shared, keys), len(shared) - 1)
-    member = shared[found] == keys
+    low_bits = np.uint64(SHARED_KEY_TABLE_SIZE - 1)
+    table = np.zeros(SHARED_KEY_TABLE_SIZE, bool)
+    table[(shared & low_bits).astype(np.intp)] = True
+    maybe = np.flatnonzero(table[(keys & low_bits).astype(np.intp)])
+    found = np.minimum(np.searchsorted(shared, keys[maybe]), len(shared) - 1)
+    member = maybe[shared[found] == keys[maybe]]
     return keys[member], docs[member]
