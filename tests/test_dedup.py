@@ -191,23 +191,6 @@ def test_exact_edges_join_equal_hashes_even_when_another_hash_shares_their_first
     assert dedup_stages.exact_edges(exact, null, len(exact)).tolist() == [[0, 2]]
 
 
-def test_non_ascii_documents_flags_exactly_the_documents_holding_a_high_byte():
-    rng = np.random.default_rng(1)
-    docs = []
-    for _ in range(400):
-        doc = bytearray(rng.integers(32, 127, int(rng.integers(0, 30)), dtype=np.uint8).tobytes())
-        if doc and rng.random() < 0.3:  # a high byte anywhere: first, last, across 8-byte words
-            doc[int(rng.integers(len(doc)))] = int(rng.integers(0x80, 0x100))
-        docs.append(bytes(doc))
-    docs[-1] = b"abc\xe9"  # the last byte of the buffer
-    skipped = b"\xff" * 5  # bytes before the first document (an arrow slice) are not any document's
-    data = np.frombuffer(skipped + b"".join(docs), np.uint8)
-    offsets = len(skipped) + np.concatenate([[0], np.cumsum([len(d) for d in docs])])
-    expected = [any(b >= 0x80 for b in d) for d in docs]
-    assert sum(expected) > 50
-    assert normalization.non_ascii_documents(data, offsets).tolist() == expected
-
-
 def test_bucket_pairs_pair_exactly_the_documents_that_share_a_key():
     rng = np.random.default_rng(0)
     keys = arrays.mix64(rng.integers(0, 2**63, 5000, dtype=np.uint64))

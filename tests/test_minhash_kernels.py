@@ -12,7 +12,6 @@ import sys
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from conftest import SAMPLE
@@ -246,24 +245,82 @@ def test_kernels_refuse_buffers_that_do_not_fit(kernel_impl):
         )
 
 
+def changes(text: str) -> bool:
+    """Whether changing_table() (or its beyond-the-table rule) catches a character of text."""
+    bits = np.unpackbits(normalization.changing_table(), bitorder="little")
+    return any(ord(c) >= len(bits) or bits[ord(c)] for c in text)
+
+
 def test_characters_outside_the_changing_class_are_left_alone_by_normalisation():
-    """The tokeniser hashes a non-ASCII document in place unless it holds a character of changing_characters():
+    """The tokeniser hashes a non-ASCII document in place unless it holds a character of changing_table():
     every other character of planes 0-1 must come out of normalize() unchanged, alone, doubled, and after an
     ASCII letter it could compose with, and the class must catch what does change."""
-    points = [chr(c) for c in range(0x80, 0x20000) if not 0xD800 <= c < 0xE000]
-    caught = np.asarray(pc.match_substring_regex(pa.array(points), normalization.changing_characters()), dtype=bool)
-    kept = [c for c, hit in zip(points, caught) if not hit]
+    bits = np.unpackbits(normalization.changing_table(), bitorder="little")
+    assert len(bits) == normalization.TABLE_CODE_POINTS == 0x20000
+    kept = [chr(c) for c in range(0x80, len(bits)) if not 0xD800 <= c < 0xE000 and not bits[c]]
     assert len(kept) > 100_000
     for c in kept:
         assert normalization.normalize(f"Ae{c}{c}x") == f"ae{c}{c}x", hex(ord(c))
     # ... and what does change: case, compatibility forms, composing and reordering marks, spaces, jamo.
     assert normalization.normalize("a\u0360\u0316") != "a\u0360\u0316"  # marks of different classes are reordered
     for c in ("É", "ß", "\u00a0", "…", "ﬁ", "\u0301", "\u0360\u0316", "\u2028", "Ａ", "\u1161", "\U00020000"):
-        assert pc.match_substring_regex(pa.array([f"a{c}b"]), normalization.changing_characters())[0].as_py(), hex(
-            ord(c)
-        )
-    for c in ("’", "“", "—", "é", "ñ", "机", "я"):
-        assert not pc.match_substring_regex(pa.array([c]), normalization.changing_characters())[0].as_py(), c
+        assert changes(f"a{c}b"), hex(ord(c[0]))
+    for c in ("’", "“", "—", "é", "ñ", "机", "я", "a\tb"):
+        assert not changes(c), c
+
+
+def changing_by_definition(raw: bytes) -> bool:
+    """changing_documents' definition, one sequence at a time: a lead byte says how many bytes to decode
+    strictly (no overlong forms, surrogates or code points past U+10FFFF); a byte that does not start a
+    well-formed sequence is skipped alone."""
+    i = 0
+    while i < len(raw):
+        lead = raw[i]
+        length = 1 if lead < 0x80 else 2 if 0xC2 <= lead < 0xE0 else 3 if 0xE0 <= lead < 0xF0 else 4
+        if 0x80 <= lead < 0xC2 or lead >= 0xF5:
+            i += 1
+            continue
+        try:
+            character = raw[i : i + length].decode("utf-8")
+        except UnicodeDecodeError:
+            i += 1
+            continue
+        if changes(character):
+            return True
+        i += length
+    return False
+
+
+def test_changing_documents_match_the_definition_on_text_and_malformed_bytes(kernel_impl):
+    rng = random.Random(7)
+    pieces = [b"plain ascii ", b"x" * 9, "é".encode(), "É".encode(), "’".encode(), "ﬁ".encode(), "\u0301".encode()]
+    pieces += ["机".encode(), "\U0001f642".encode(), "\U00020000".encode(), "\u2028".encode(), "я".encode()]
+    # Malformed: lone continuation, truncated sequences, overlong, surrogate, past U+10FFFF, 0xC0/0xF5 leads.
+    pieces += [
+        b"\x80",
+        b"\xc3",
+        b"\xe2\x80",
+        b"\xc0\xaf",
+        b"\xe0\x80\x80",
+        b"\xed\xa0\x80",
+        b"\xf4\x90\x80\x80",
+        b"\xf5",
+    ]
+    # Overlong forms of changing characters (É in three bytes, U+0301 in four): malformed, so not changing.
+    pieces += [b"\xe0\x83\x89", b"\xf0\x80\x8c\x81"]
+    # A malformed lead followed by a changing character's bytes: both skipping rules must agree on where it starts.
+    pieces += [b"\xe2" + "É".encode(), b"\xf0\x9f" + "ﬁ".encode()]
+    docs = [b"".join(rng.choice(pieces) for _ in range(rng.randrange(0, 12))) for _ in range(600)]
+    data = b"".join(docs)
+    ends = np.cumsum([len(d) for d in docs]).astype(np.int64)
+    starts = ends - np.array([len(d) for d in docs], dtype=np.int64)
+    out = np.full(len(docs), 7, np.uint8)
+    kernel_impl.changing_documents(data, starts, ends, normalization.changing_table(), out)
+    expected = [changing_by_definition(d) for d in docs]
+    assert 100 < sum(expected) < 500
+    assert out.tolist() == [int(e) for e in expected]
+    with pytest.raises(ValueError, match="inside data"):
+        kernel_impl.changing_documents(data, starts, ends + 1, normalization.changing_table(), out)
 
 
 def test_sorted_unique_is_np_unique():

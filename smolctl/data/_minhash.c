@@ -21,6 +21,10 @@
    signatures(shingles, offsets, multipliers, out)
        out[i, p] = min over the shingles s of document i of (uint32)(multipliers[p] * (uint32)(s >> 32)),
        0xFFFFFFFF for a document without shingles. out: uint32[n, len(multipliers)], C order.
+   changing_documents(data, starts, ends, table, out)
+       out[i] = 1 if the UTF-8 bytes [starts[i], ends[i]) of data hold a character whose bit is set in table
+       (one bit per code point below 8 * len(table), little-endian within each byte) or a character at or above
+       8 * len(table); else 0. A byte that does not begin a well-formed sequence is skipped on its own.
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -396,12 +400,70 @@ static PyObject *agreements(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The code point of the well-formed UTF-8 sequence at p (before end) and its length, or length 0. */
+static inline int decode_utf8(const uint8_t *p, const uint8_t *end, uint32_t *code_point) {
+    uint8_t lead = p[0];
+    int length = lead >= 0xF0 ? (lead < 0xF5 ? 4 : 0) : lead >= 0xE0 ? 3 : lead >= 0xC2 ? 2 : 0;
+    if (length == 0 || end - p < length) return 0;
+    uint32_t value = lead & (0x7F >> length);
+    for (int k = 1; k < length; k++) {
+        if ((p[k] & 0xC0) != 0x80) return 0;
+        value = (value << 6) | (p[k] & 0x3F);
+    }
+    static const uint32_t smallest[5] = {0, 0, 0x80, 0x800, 0x10000};  /* overlong forms are malformed */
+    if (value < smallest[length] || (value >= 0xD800 && value < 0xE000) || value > 0x10FFFF) return 0;
+    *code_point = value;
+    return length;
+}
+
+static int document_changes(const uint8_t *p, const uint8_t *end, const uint8_t *table, uint64_t table_bits) {
+    while (p < end) {
+        if (end - p >= 8) {
+            uint64_t x;
+            memcpy(&x, p, 8);
+            if (!(x & HIGHS)) { p += 8; continue; }  /* eight ASCII bytes: nothing to look up */
+        }
+        if (*p < 0x80) { p++; continue; }
+        uint32_t code_point;
+        int length = decode_utf8(p, end, &code_point);
+        if (length == 0) { p++; continue; }
+        if (code_point >= table_bits || (table[code_point >> 3] >> (code_point & 7) & 1)) return 1;
+        p += length;
+    }
+    return 0;
+}
+
+static PyObject *changing_documents(PyObject *self, PyObject *args) {
+    PyObject *objects[5];
+    if (!PyArg_ParseTuple(args, "OOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4])) return NULL;
+    Buffer b[5];
+    static const char *names[5] = {"data", "starts", "ends", "table", "out"};
+    static const Py_ssize_t sizes[5] = {1, 8, 8, 1, 1};
+    if (get_buffers(objects, b, 5, names, sizes, 4) < 0) return NULL;
+    const uint8_t *data = b[0].view.buf, *table = b[3].view.buf;
+    const int64_t *starts = b[1].view.buf, *ends = b[2].view.buf;
+    uint8_t *out = b[4].view.buf;
+    Py_ssize_t docs = b[1].view.len / 8, size = b[0].view.len;
+    if (b[2].view.len / 8 != docs || b[4].view.len != docs)
+        return refuse(b, 5, "changing_documents: starts, ends and out disagree on the number of documents");
+    for (Py_ssize_t i = 0; i < docs; i++)
+        if (starts[i] < 0 || starts[i] > ends[i] || ends[i] > size)
+            return refuse(b, 5, "changing_documents: each document must lie inside data");
+    uint64_t table_bits = (uint64_t)b[3].view.len * 8;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < docs; i++) out[i] = (uint8_t)document_changes(data + starts[i], data + ends[i], table, table_bits);
+    Py_END_ALLOW_THREADS
+    release(b, 5);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"tokenize", tokenize, METH_VARARGS, "Hash every token and word of a batch of documents (see the file's header)."},
     {"shingles", shingles, METH_VARARGS, "Word (or character) n-gram shingle hashes (see the file's header)."},
     {"intersections", intersections, METH_VARARGS, "Sizes of the intersections of pairs of sorted sets (see the file's header)."},
     {"agreements", agreements, METH_VARARGS, "Equal signature values of pairs of documents (see the file's header)."},
     {"signatures", signatures, METH_VARARGS, "MinHash signatures of a batch of documents (see the file's header)."},
+    {"changing_documents", changing_documents, METH_VARARGS, "Documents holding a character of a table (see the file's header)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -308,3 +308,46 @@ def agreements(signatures, perms: int, left, right, out) -> None:
     for first in range(0, pairs, step):
         last = first + step
         out[first:last] = np.count_nonzero(rows[left[first:last]] == rows[right[first:last]], axis=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Documents that need Unicode normalisation
+
+
+def changing_documents(data, starts, ends, table, out) -> None:
+    """out[i] = 1 if the UTF-8 bytes [starts[i], ends[i]) of data hold a character whose bit is set in table
+    (code points below 8 * len(table)) or a character at or above 8 * len(table); malformed bytes are skipped."""
+    data = _array(data, "data", np.uint8)
+    starts, ends = _array(starts, "starts", np.int64), _array(ends, "ends", np.int64)
+    table = _array(table, "table", np.uint8)
+    out = _array(out, "out", np.uint8, writable=True)
+    if len(ends) != len(starts) or len(out) != len(starts):
+        raise ValueError("changing_documents: starts, ends and out disagree on the number of documents")
+    if ((starts < 0) | (starts > ends) | (ends > len(data))).any():
+        raise ValueError("changing_documents: each document must lie inside data")
+    bits = np.unpackbits(table, bitorder="little").astype(bool)
+    for i, (start, end) in enumerate(zip(starts.tolist(), ends.tolist())):
+        code_points = np.frombuffer(_well_formed_text(data[start:end].tobytes()).encode("utf-32-le"), "<u4")
+        beyond = code_points >= len(bits)
+        out[i] = bool(beyond.any() or bits[code_points[~beyond]].any())
+
+
+def _well_formed_text(raw: bytes) -> str:
+    """The characters of raw's well-formed UTF-8 sequences, a malformed byte skipped on its own (as _minhash.c)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
+    characters, i = [], 0
+    while i < len(raw):
+        lead = raw[i]
+        length = 1 if lead < 0x80 else 4 if 0xF0 <= lead < 0xF5 else 3 if 0xE0 <= lead < 0xF0 else 2
+        if lead >= 0x80 and lead < 0xC2:
+            i += 1
+            continue
+        try:
+            characters.append(raw[i : i + length].decode("utf-8"))
+            i += length
+        except UnicodeDecodeError:
+            i += 1
+    return "".join(characters)

@@ -8,11 +8,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from smolctl.arrow_arrays import from_numpy, to_numpy_filled
 from smolctl.data.minhash.arrays import odd_constants, offsets_from_counts
-from smolctl.data.minhash.normalization import changing_characters, non_ascii_documents, normalize, plain_strings
+from smolctl.data.minhash.normalization import changing_table, normalize, plain_strings
 
 try:
     from smolctl.data import _minhash
@@ -64,13 +63,11 @@ def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
         empty = to_numpy_filled(texts.is_null())
         ends[empty] = starts[empty]
     extra = b""
-    others = np.flatnonzero(non_ascii_documents(np.frombuffer(data, np.uint8), offsets) & (ends > starts))
+    changing = np.empty(len(texts), np.uint8)
+    _minhash.changing_documents(data, starts, ends, changing_table(), changing)
+    others = np.flatnonzero(changing)
     if len(others):
-        candidates = texts.take(from_numpy(others))
-        changing = to_numpy_filled(pc.match_substring_regex(candidates, changing_characters()))
-        others, candidates = others[changing], candidates.filter(from_numpy(changing))
-    if len(others):
-        folded = [normalize(t).encode() for t in candidates.to_pylist()]
+        folded = [normalize(t).encode() for t in texts.take(from_numpy(others)).to_pylist()]
         extra = b"".join(folded)
         # Positions from len(data) on address the second buffer.
         ends[others] = data.size + np.cumsum([len(f) for f in folded], dtype=np.int64)

@@ -48,35 +48,20 @@ def plain_strings(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> pa.Array
     return texts
 
 
-HIGH_BITS = np.uint64(0x8080808080808080)
-
-
-def non_ascii_documents(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Which documents hold a byte >= 0x80 (a non-ASCII character), document i being data[offsets[i]:offsets[i+1]]
-    (uint8, ascending offsets).
-
-    Eight bytes are tested at once and only the flagged words are looked at byte by byte: arrow's
-    string_is_ascii walks every character, several times slower on a batch of mostly ASCII text."""
-    begin, end = int(offsets[0]), int(offsets[-1])
-    span = data[begin:end]
-    whole = len(span) // 8 * 8
-    words = np.flatnonzero(span[:whole].view(np.uint64) & HIGH_BITS)
-    candidates = np.concatenate([(words[:, None] * 8 + np.arange(8)).ravel(), np.arange(whole, len(span))])
-    positions = begin + candidates[span[candidates] >= 0x80]
-    flagged = np.zeros(len(offsets) - 1, bool)
-    flagged[np.searchsorted(offsets, positions, side="right") - 1] = True
-    return flagged
+# Code points below this are looked up in changing_table(); every one from here on counts as changing.
+TABLE_CODE_POINTS = 0x20000
 
 
 @functools.cache
-def changing_characters() -> str:
-    """An RE2 character class of the characters a document must hold for normalize() to do more than
-    lower-case its ASCII letters: those that NFKC or case folding change, those that compose with or reorder
+def changing_table() -> np.ndarray:
+    """The characters a document must hold for normalize() to do more than lower-case its ASCII letters, as a
+    bitmap over the code points below TABLE_CODE_POINTS (uint8, bit c & 7 of byte c >> 3; what the kernel
+    `changing_documents` reads): those that NFKC or case folding change, those that compose with or reorder
     around their neighbours (combining marks, the second characters of canonical compositions, Hangul vowel
-    and final jamo), the extra spaces, and every character beyond plane 1 (not examined: rare, and always
-    safe to normalise). Derived from this Python's Unicode tables once per process."""
+    and final jamo) and the extra spaces. Every character beyond plane 1 counts as changing (not examined:
+    rare, and always safe to normalise). Derived from this Python's Unicode tables once per process."""
     changing = set(_OTHER_SPACES) | set(range(0x1161, 0x1176)) | set(range(0x11A8, 0x11C3))
-    for block in range(0x80, 0x20000, 128):
+    for block in range(0x80, TABLE_CODE_POINTS, 128):
         if 0xD800 <= block < 0xE000:
             continue  # surrogates: never in UTF-8 text
         chars = np.arange(block, block + 128, dtype="<u4").tobytes().decode("utf-32-le")
@@ -95,11 +80,6 @@ def changing_characters() -> str:
             parts = decomposition.split()
             if not decomposition.startswith("<") and len(parts) == 2:
                 changing.add(int(parts[1], 16))  # may compose with the character before it
-    ranges: list[list[int]] = []
-    for c in sorted(changing):
-        if ranges and ranges[-1][1] == c - 1:
-            ranges[-1][1] = c
-        else:
-            ranges.append([c, c])
-    spans = "".join(f"\\x{{{a:x}}}" if a == b else f"\\x{{{a:x}}}-\\x{{{b:x}}}" for a, b in ranges)
-    return f"[{spans}\\x{{20000}}-\\x{{10ffff}}]"
+    bits = np.zeros(TABLE_CODE_POINTS, bool)
+    bits[sorted(changing)] = True
+    return np.packbits(bits, bitorder="little")
