@@ -188,11 +188,13 @@ def test_rows_are_the_same_with_and_without_the_kernels(monkeypatch):
     rng = np.random.default_rng(1)
     for seq_len in (16, 300):
         lengths = rng.integers(1, seq_len + 1, size=500)
-        batch = pack_rows.TokenBatch(rng.integers(0, 50_000, size=int(lengths.sum()), dtype=np.int32), lengths)
+        ids = rng.integers(0, 50_000, size=int(lengths.sum()), dtype=np.int32)
+        cut = int(lengths[:200].sum())  # two batches of the buffer: documents 0..199 and 200..499
+        batches = [pack_rows.TokenBatch(ids[:cut], lengths[:200]), pack_rows.TokenBatch(ids[cut:], lengths[200:])]
         whole = rng.integers(0, 50_000, size=(3, seq_len), dtype=np.int32)
         bin_of, offset, bins = best_fit_decreasing(lengths, seq_len)
         destination = rng.permutation(bins + len(whole))
-        layout = (batch, destination[bin_of], offset, whole, destination[bins:], bins + len(whole), seq_len, 7)
+        layout = (batches, destination[bin_of], offset, whole, destination[bins:], bins + len(whole), seq_len, 7)
         kernel = pack_rows.assemble_rows(*layout)
         with monkeypatch.context() as without:
             without.setattr(pack_rows, "_pack", None)

@@ -59,12 +59,6 @@ class TokenBatch:
     def starts(self) -> np.ndarray:
         return np.cumsum(self.lengths) - self.lengths
 
-    @staticmethod
-    def concat(batches: list[TokenBatch]) -> TokenBatch:
-        if len(batches) == 1:
-            return batches[0]
-        return TokenBatch(np.concatenate([b.ids for b in batches]), np.concatenate([b.lengths for b in batches]))
-
 
 @dataclass
 class Rows:
@@ -178,7 +172,7 @@ def place_documents_numpy(batch: TokenBatch, slots: np.ndarray, flat_ids: np.nda
 
 
 def assemble_rows(
-    batch: TokenBatch,
+    batches: list[TokenBatch],
     row_of: np.ndarray,
     offset: np.ndarray,
     whole: np.ndarray,
@@ -187,23 +181,34 @@ def assemble_rows(
     seq_len: int,
     pad_id: int,
 ) -> Rows:
-    """Lay out documents (document i at `offset[i]` of row `row_of[i]`) and whole rows (row `whole_row_of[j]`)
-    as `rows` rows; each row's documents fill it from slot 0 without gaps, the rest is padding.
+    """Lay out documents (document i of the batches, in order, at `offset[i]` of row `row_of[i]`) and whole rows
+    (row `whole_row_of[j]`) as `rows` rows; each row's documents fill it from slot 0 without gaps, the rest is
+    padding.
 
-    Every slot is written exactly once: the documents' spans (`place_documents`), the whole rows by one row
-    assignment, and only the padding slots with the pad id.
+    Every slot is written exactly once: the documents' spans straight from each batch (no concatenated copy of
+    the buffer), the whole rows by one row assignment, and only the padding slots with the pad id.
     """
     input_ids = np.empty((rows, seq_len), dtype=np.int32)
     position_ids = np.empty((rows, seq_len), dtype=np.int32)
     flat_ids, flat_positions = input_ids.reshape(-1), position_ids.reshape(-1)
-    lengths = np.ascontiguousarray(batch.lengths, dtype=np.int64)
     slots = row_of * seq_len + offset
-    if _pack is None:
-        place_documents_numpy(batch, slots, flat_ids, flat_positions)
-    else:
-        _pack.place(np.ascontiguousarray(batch.ids, dtype=np.int32), lengths, slots, flat_ids, flat_positions)
+    first = 0
+    for batch in batches:
+        batch_slots = slots[first : first + len(batch.lengths)]
+        first += len(batch.lengths)
+        if _pack is None:
+            place_documents_numpy(batch, batch_slots, flat_ids, flat_positions)
+        else:
+            _pack.place(
+                np.ascontiguousarray(batch.ids, dtype=np.int32),
+                np.ascontiguousarray(batch.lengths, dtype=np.int64),
+                batch_slots,
+                flat_ids,
+                flat_positions,
+            )
     input_ids[whole_row_of] = whole
     position_ids[whole_row_of] = np.arange(seq_len, dtype=np.int32)
+    lengths = np.concatenate([batch.lengths for batch in batches])
     fill = np.bincount(row_of, weights=lengths, minlength=rows).astype(np.int64)
     fill[whole_row_of] = seq_len
     short = np.flatnonzero(fill < seq_len)
@@ -251,15 +256,21 @@ class BfdPacker:
     def finish(self) -> Iterator[Rows]:
         if not self.pending_tokens:
             return
-        batch = TokenBatch.concat(self.pending)
-        whole = np.concatenate(self.pending_full)
+        batches, whole = self.pending, np.concatenate(self.pending_full)
         self.pending, self.pending_full, self.pending_tokens = [], [], 0
-        bin_of, offset, bins = best_fit_decreasing(batch.lengths, self.seq_len)
+        bin_of, offset, bins = best_fit_decreasing(np.concatenate([b.lengths for b in batches]), self.seq_len)
         # Shuffle by sending each BFD bin and each whole row to a random output row.
         destination = np.random.default_rng([self.seed, self.stream, self.buffers]).permutation(bins + len(whole))
         self.buffers += 1
         yield assemble_rows(
-            batch, destination[bin_of], offset, whole, destination[bins:], bins + len(whole), self.seq_len, self.pad_id
+            batches,
+            destination[bin_of],
+            offset,
+            whole,
+            destination[bins:],
+            bins + len(whole),
+            self.seq_len,
+            self.pad_id,
         )
 
 
