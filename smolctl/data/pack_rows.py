@@ -160,7 +160,9 @@ def span_indices(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - (ends - lengths), lengths) + np.arange(int(ends[-1]) if len(ends) else 0)
 
 
-def place_documents_numpy(batch: TokenBatch, slots: np.ndarray, flat_ids: np.ndarray, flat_positions: np.ndarray):
+def place_documents_numpy(
+    batch: TokenBatch, slots: np.ndarray, flat_ids: np.ndarray, flat_positions: np.ndarray
+) -> None:
     """_pack.place in numpy: document i goes to flat_ids[slots[i]:] and gets positions 0, 1, ... there (one
     scatter of the flat token array, whose documents are contiguous spans)."""
     targets = span_indices(slots, batch.lengths)
@@ -191,7 +193,7 @@ def assemble_rows(
     input_ids = np.empty((rows, seq_len), dtype=np.int32)
     position_ids = np.empty((rows, seq_len), dtype=np.int32)
     flat_ids, flat_positions = input_ids.reshape(-1), position_ids.reshape(-1)
-    slots = row_of * seq_len + offset
+    slots = (row_of * seq_len + offset).astype(np.int64, copy=False)  # the kernel takes int64 slots
     first = 0
     for batch in batches:
         batch_slots = slots[first : first + len(batch.lengths)]
