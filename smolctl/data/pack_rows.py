@@ -246,6 +246,8 @@ class BfdPacker:
         self.pending_full: list[np.ndarray] = []
         self.pending_tokens = 0
         self.buffers = 0
+        # numpy imports numpy.random on first use (~20 ms): here, while the tokenizer runs, not after the last batch.
+        self.shuffles = np.random.default_rng
 
     def add(self, batch: TokenBatch) -> Iterator[Rows]:
         batch, whole = split_long_documents(batch, self.seq_len, self.long_docs, self.stats)
@@ -262,7 +264,7 @@ class BfdPacker:
         self.pending, self.pending_full, self.pending_tokens = [], [], 0
         bin_of, offset, bins = best_fit_decreasing(np.concatenate([b.lengths for b in batches]), self.seq_len)
         # Shuffle by sending each BFD bin and each whole row to a random output row.
-        destination = np.random.default_rng([self.seed, self.stream, self.buffers]).permutation(bins + len(whole))
+        destination = self.shuffles([self.seed, self.stream, self.buffers]).permutation(bins + len(whole))
         self.buffers += 1
         yield assemble_rows(
             batches,
