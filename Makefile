@@ -10,8 +10,8 @@ DEMO_DIR ?= demo-out
 
 .PHONY: install demo test wheel completions clean
 
-# setup.py builds the C kernels of dedup (smolctl/data/_minhash.c): editing them re-runs the install.
-$(BIN)/smolctl: pyproject.toml setup.py smolctl/data/_minhash.c
+# setup.py builds the C kernels of dedup and pack (smolctl/data/_minhash.c, _pack.c): editing them re-runs the install.
+$(BIN)/smolctl: pyproject.toml setup.py smolctl/data/_minhash.c smolctl/data/_pack.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIN)
@@ -44,4 +44,4 @@ completions: install
 	$(BIN)/python -m smolctl.completions completions
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache build dist smolctl/data/_minhash*.so
+	rm -rf $(VENV) $(DEMO_DIR) .pytest_cache build dist smolctl/data/_minhash*.so smolctl/data/_pack*.so

@@ -1,8 +1,9 @@
-"""Everything else is in pyproject.toml; this file only declares the one C extension (the MinHash kernels).
+"""Everything else is in pyproject.toml; this file only declares the C extensions (the MinHash and packing kernels).
 
 The kernels are built against the stable ABI of Python 3.11 (abi3), so one wheel per platform serves every CPython
-from 3.11 on. The extension is optional: where no C compiler is found the install still succeeds, and
-smolctl/data/minhash_fallback.py computes the same hashes in numpy (slower, with a warning).
+from 3.11 on. The extensions are optional: where no C compiler is found the install still succeeds,
+smolctl/data/minhash_fallback.py computes the same hashes in numpy (slower, with a warning) and
+smolctl/data/pack_rows.py packs the same rows in Python and numpy (a slower end of each pack).
 """
 
 from setuptools import Extension, setup
@@ -18,4 +19,13 @@ minhash_kernels = Extension(
     optional=True,
 )
 
-setup(ext_modules=[minhash_kernels], options={"bdist_wheel": {"py_limited_api": "cp311"}})
+pack_kernels = Extension(
+    "smolctl.data._pack",
+    ["smolctl/data/_pack.c"],
+    extra_compile_args=["-O3", "-std=c11"],
+    define_macros=[("Py_LIMITED_API", hex(STABLE_ABI))],
+    py_limited_api=True,
+    optional=True,
+)
+
+setup(ext_modules=[minhash_kernels, pack_kernels], options={"bdist_wheel": {"py_limited_api": "cp311"}})

@@ -6,11 +6,18 @@ padding at seq_len 2048/4096/8192.
     PYTHONPATH=$PWD .venv/bin/python benchmarks/pack_bench.py --mb 8 --rounds 3 --end-to-end-only
     mkdir /tmp/before && git archive 4c26c8b | tar -x -C /tmp/before     # pack before issue 23, side by side:
     PYTHONPATH=$PWD .venv/bin/python benchmarks/pack_bench.py --end-to-end-only --rounds 3 --baseline /tmp/before
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/pack_bench.py --tail-only --rounds 10 --baseline /tmp/before
 
 The raw pass is the floor `pack` is measured against: a fresh `python` that imports pyarrow and tokenizers,
 loads tokenizer.json, reads the parquet in batches of 1,000 documents and calls `Tokenizer.encode_batch_fast` on
 each, keeping only the token counts. `pack` is `python -m smolctl pack ... --seq-len 4096` (bfd, safetensors
 shards, manifest). Both run with RAYON_NUM_THREADS = --threads and TOKENIZERS_PARALLELISM=true.
+
+--tail-only times what `pack` does after the last token batch reached its packing thread (with the default
+8M-token bfd buffer, all of a corpus this size is packed then: best-fit-decreasing, the rows, the shard, its
+sha256, the manifests): `pack()` in a fresh process whose tokenising is replaced by replaying the token batches
+of one real run, from the last batch's progress callback to the return. The replay patches
+`smolctl.data.pack.tokenised_batches`, so a --baseline tree must have that function.
 
 The corpus is real, mixed-length text found on any Linux machine: the sample corpus, the plain-text and gzipped
 documentation under /usr/share/doc and Python sources of the virtual environment, cut at blank lines into
@@ -54,6 +61,36 @@ for batch in pq.ParquetFile(sys.argv[1]).iter_batches(batch_size=1000, columns=[
     texts = [t or "" for t in batch.column(0).to_pylist()]
     tokens += sum(len(e) for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False))
 print(tokens)
+"""
+
+TAIL = """
+import pickle, sys, time
+from smolctl.data import pack as pack_module
+from smolctl.data.pack_config import PackConfig
+from smolctl.data.pack_rows import TokenBatch
+
+corpus, tokenizer, output, batches_file, seq_len, mode = sys.argv[1:7]
+if mode == "capture":
+    tokenised, kept = pack_module.tokenised_batches, []
+
+    def capturing(*args):
+        for unit, batch, read, empty in tokenised(*args):
+            kept.append((unit, batch.ids, batch.lengths, read, empty))
+            yield unit, batch, read, empty
+
+    pack_module.tokenised_batches = capturing
+else:
+    with open(batches_file, "rb") as handle:
+        kept = pickle.load(handle)
+    pack_module.tokenised_batches = lambda *args: ((u, TokenBatch(i, n), r, e) for u, i, n, r, e in kept)
+last = [0.0, 0.0]
+config = PackConfig(seq_len=int(seq_len))
+progress = lambda read, tokens: last.__setitem__(slice(None), [time.perf_counter(), time.process_time()])
+pack_module.pack(corpus, output, tokenizer_spec=tokenizer, config=config, overwrite=True, on_progress=progress)
+if mode == "capture":
+    with open(batches_file, "wb") as handle:
+        pickle.dump(kept, handle)
+print(time.perf_counter() - last[0], time.process_time() - last[1])
 """
 
 
@@ -104,10 +141,16 @@ def build_corpus(work: Path, megabytes: float, vocab_size: int) -> list[str]:
 
 
 def timed(command: list[str], env: dict) -> tuple[float, float, str]:
-    """Wall and CPU seconds (the process and its threads) of one fresh process, and its stdout."""
+    """Wall and CPU seconds (the process and its threads) of one fresh process, and its stdout.
+
+    It runs in the source tree of its PYTHONPATH: `python -m` and `python -c` put the working directory first on
+    sys.path, so from this repository's root a --baseline run would import this tree's smolctl, not the
+    baseline's."""
     before = os.times()
     started = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    done = subprocess.run(
+        command, env=env, cwd=env["PYTHONPATH"], capture_output=True, text=True, timeout=1800, check=False
+    )
     wall = time.perf_counter() - started
     after = os.times()
     if done.returncode:
@@ -174,6 +217,31 @@ def end_to_end(work: Path, rounds: int, threads: int, seq_len: int, baseline: Pa
             ]
         )
     return rows
+
+
+def tail(work: Path, rounds: int, threads: int, seq_len: int, baseline: Path | None) -> list[list]:
+    """The tail of `pack` (see the module docstring), this tree and --baseline in interleaved rounds."""
+    env = {**os.environ, "RAYON_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "true", "PYTHONPATH": str(REPO)}
+    files = [str(work / "corpus.parquet"), str(work / "tok"), str(work / "packed"), str(work / "tail-batches.pkl")]
+    timed([sys.executable, "-c", TAIL, *files, str(seq_len), "capture"], env)
+    replay = [sys.executable, "-c", TAIL, *files, str(seq_len), "replay"]
+    trees = {"pack": env} | ({"baseline": {**env, "PYTHONPATH": str(baseline)}} if baseline else {})
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in trees}
+    for round_ in range(rounds):
+        names = list(trees)
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            wall, cpu = map(float, timed(replay, trees[name])[2].split())
+            runs[name].append((wall, cpu))
+    labels = {"pack": f"`pack --seq-len {seq_len}` tail, this tree", "baseline": f"the same from {baseline}"}
+    return [
+        [
+            labels[name],
+            f"{statistics.median(w for w, _ in runs[name]):.3f}",
+            f"{statistics.median(c for _, c in runs[name]):.3f}",
+            f"{min(c for _, c in runs[name]):.3f}",
+        ]
+        for name in trees
+    ]
 
 
 def smolctl_pack_arrays(batch: TokenBatch, seq_len: int, buffer_tokens: int) -> PackStats:
@@ -306,11 +374,15 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--end-to-end-only", action="store_true", help="Skip the packing-step and padding tables.")
-    parser.add_argument("--baseline", type=Path, help="Also time pack from this source tree (its PYTHONPATH).")
+    parser.add_argument("--tail-only", action="store_true", help="Only the tail of pack after its last batch.")
+    parser.add_argument(
+        "--baseline", type=Path, help="Also time pack from this source tree (its PYTHONPATH, run from there)."
+    )
     parser.add_argument("--work", type=Path, help="Keep the corpus and tokenizer here (reused when present).")
     args = parser.parse_args()
 
-    work = args.work or Path(tempfile.mkdtemp(prefix="pack-bench-"))
+    baseline = args.baseline.resolve() if args.baseline else None
+    work = (args.work or Path(tempfile.mkdtemp(prefix="pack-bench-"))).resolve()  # the runs start elsewhere
     work.mkdir(parents=True, exist_ok=True)
     if (work / "corpus.parquet").exists() and (work / "tok").exists():
         texts = pq.read_table(work / "corpus.parquet").column("text").to_pylist()
@@ -321,14 +393,23 @@ def main() -> None:
         f"{args.vocab_size}, {args.threads} tokenizer threads, {args.rounds} interleaved rounds\n",
         flush=True,
     )
-    print(
-        markdown(
-            "Whole process, medians over the rounds (ratios: the median of each round's time / raw time)",
-            ["what", "wall s", "CPU s", "/ raw (wall)", "/ raw (CPU)"],
-            end_to_end(work, args.rounds, args.threads, args.seq_len, args.baseline),
+    if args.tail_only:
+        print(
+            markdown(
+                f"The tail of pack after its last token batch, {args.rounds} rounds (medians; min CPU)",
+                ["what", "wall s", "CPU s", "min CPU s"],
+                tail(work, args.rounds, args.threads, args.seq_len, baseline),
+            )
         )
-    )
-    if not args.end_to_end_only:
+    else:
+        print(
+            markdown(
+                "Whole process, medians over the rounds (ratios: the median of each round's time / raw time)",
+                ["what", "wall s", "CPU s", "/ raw (wall)", "/ raw (CPU)"],
+                end_to_end(work, args.rounds, args.threads, args.seq_len, baseline),
+            )
+        )
+    if not args.end_to_end_only and not args.tail_only:
         packing_step(work, texts, 3)
     if not args.work:
         shutil.rmtree(work)

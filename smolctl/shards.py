@@ -370,7 +370,8 @@ class PackedWriter:
         self._pending_rows = 0
 
     def write(self, tensors: dict[str, np.ndarray], row_tokens: np.ndarray) -> None:
-        """Add rows; `row_tokens[i]` counts the real (non-padding) tokens of row i, for the manifest."""
+        """Add rows; `row_tokens[i]` counts the real (non-padding) tokens of row i, for the manifest. The arrays are
+        kept, not copied, until their shard is written: the caller must not change them."""
         self._pending.append(tensors)
         self._pending_tokens.append(np.asarray(row_tokens, dtype=np.int64))
         self._pending_rows += len(row_tokens)
@@ -378,7 +379,9 @@ class PackedWriter:
             self._flush(self.rows_per_shard)
 
     def _flush(self, rows: int) -> None:
-        merged = {k: np.concatenate([p[k] for p in self._pending]) for k in self._pending[0]}
+        # One pending write (e.g. a pack's single buffer of rows) is written as it is, not copied once more.
+        pending = self._pending
+        merged = pending[0] if len(pending) == 1 else {k: np.concatenate([p[k] for p in pending]) for k in pending[0]}
         tokens = np.concatenate(self._pending_tokens)
         head = {k: np.ascontiguousarray(v[:rows]) for k, v in merged.items()}
         name = f"{self.prefix}-{len(self.folder.shards):05d}.safetensors"

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, run_cli
 
+from smolctl.data import pack_rows
 from smolctl.data.pack import PackConfig, pack
 from smolctl.data.pack_rows import best_fit_decreasing
 from smolctl.data.tokenizer import load_rust_tokenizer, load_tokenizer, tokenizer_fingerprint
@@ -151,6 +152,58 @@ def test_best_fit_decreasing_fills_the_tightest_row():
     for r in range(rows):  # documents of a row do not overlap
         spans = sorted((offset[i], offset[i] + lengths[i]) for i in np.flatnonzero(row_of == r))
         assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+
+
+def random_length_arrays(rng: np.random.Generator):
+    """(lengths, capacity) for BFD: the edge cases, then random ones; few distinct lengths make many ties of
+    both item lengths and bins' free room, where the placement depends on the tie-breaking."""
+    yield np.array([], dtype=np.int64), 8
+    yield np.array([5]), 8
+    yield np.array([8]), 8
+    yield np.full(50, 8), 8
+    yield np.full(50, 3), 8
+    yield np.array([1, 1, 1]), 1
+    yield np.array([0, 3, 0, 5, 0]), 8
+    for capacity in (7, 64, 65, 300, 4096):
+        for _ in range(40):
+            distinct = rng.choice([2, 5, capacity])
+            values = rng.integers(1, capacity + 1, size=distinct)
+            yield rng.choice(values, size=rng.integers(1, 600)), capacity
+
+
+@pytest.mark.skipif(pack_rows._pack is None, reason="the C packing kernels were not built")
+def test_the_bfd_kernel_places_exactly_as_the_python_definition():
+    for lengths, capacity in random_length_arrays(np.random.default_rng(0)):
+        kernel = best_fit_decreasing(lengths, capacity)
+        python = pack_rows.best_fit_decreasing_python(lengths, capacity)
+        assert kernel[2] == python[2]
+        np.testing.assert_array_equal(kernel[0], python[0])
+        np.testing.assert_array_equal(kernel[1], python[1])
+    with pytest.raises(ValueError, match=r"0\.\.capacity"):
+        best_fit_decreasing(np.array([3, 9]), 8)
+
+
+@pytest.mark.skipif(pack_rows._pack is None, reason="the C packing kernels were not built")
+def test_rows_are_the_same_with_and_without_the_kernels(monkeypatch):
+    rng = np.random.default_rng(1)
+    for seq_len in (16, 300):
+        lengths = rng.integers(1, seq_len + 1, size=500)
+        ids = rng.integers(0, 50_000, size=int(lengths.sum()), dtype=np.int32)
+        cut = int(lengths[:200].sum())  # two batches of the buffer: documents 0..199 and 200..499
+        batches = [pack_rows.TokenBatch(ids[:cut], lengths[:200]), pack_rows.TokenBatch(ids[cut:], lengths[200:])]
+        whole = rng.integers(0, 50_000, size=(3, seq_len), dtype=np.int32)
+        bin_of, offset, bins = best_fit_decreasing(lengths, seq_len)
+        destination = rng.permutation(bins + len(whole))
+        layout = (batches, destination[bin_of], offset, whole, destination[bins:], bins + len(whole), seq_len, 7)
+        kernel = pack_rows.assemble_rows(*layout)
+        with monkeypatch.context() as without:
+            without.setattr(pack_rows, "_pack", None)
+            numpy = pack_rows.assemble_rows(*layout)
+        for field in ("input_ids", "position_ids", "row_tokens"):
+            np.testing.assert_array_equal(getattr(kernel, field), getattr(numpy, field))
+        assert (kernel.input_ids[kernel.position_ids < 0] == 7).all() and (kernel.position_ids >= 0).sum() == (
+            lengths.sum() + whole.size
+        )
 
 
 def test_workers_give_the_same_rows(sample, tokenizer_dir, tmp_path):
@@ -417,6 +470,15 @@ def test_output_bytes_are_unchanged(sample, tokenizer_dir, tmp_path, name):
             task_id=task_id,
         )
     assert output_digests(tmp_path / "tasks") == GOLDEN[name]
+
+
+@pytest.mark.parametrize("name", ["code-bfd-300-small-buffer-rows", "web-bfd-2048-seed"])
+def test_output_bytes_are_unchanged_without_the_kernels(sample, tokenizer_dir, tmp_path, monkeypatch, name):
+    """An install without a C compiler packs with best_fit_decreasing_python and numpy: the same bytes."""
+    monkeypatch.setattr(pack_rows, "_pack", None)
+    folder, options = GOLDEN_CONFIGS[name]
+    pack(str(sample / folder), tmp_path / "out", tokenizer_spec=str(tokenizer_dir), config=PackConfig(**options))
+    assert output_digests(tmp_path / "out") == GOLDEN[name]
 
 
 def test_pack_starts_without_transformers(sample, tokenizer_dir, tmp_path):

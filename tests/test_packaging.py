@@ -115,6 +115,7 @@ def test_the_wheel_is_abi3_and_installs_with_or_without_a_compiler(tmp_path):
         names = archive.namelist()
         wheel_file = archive.read(next(n for n in names if n.endswith(".dist-info/WHEEL"))).decode()
     assert "smolctl/data/_minhash.abi3.so" in names and "Tag: cp311-abi3-" in wheel_file
+    assert "smolctl/data/_pack.abi3.so" in names
     # CC=false: the compiler exists but fails, as a missing one does; the optional extension is skipped.
     plain = build_wheel(tmp_path, "no-compiler", {**env, "CC": "false"})
     with zipfile.ZipFile(plain) as archive:

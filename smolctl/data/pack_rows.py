@@ -7,9 +7,10 @@ the pad id and position -1.
 - `bfd`: documents longer than seq_len are first split into full rows (or truncated), then the rest are placed
   best-fit-decreasing over a bounded buffer of tokens: each document, longest first, goes into the open row with
   the least room that still fits it. Open rows are bucketed by free room and a bitmask of non-empty buckets finds
-  the best fit in O(seq_len / 64) machine words, so the loop is per document, never per token. Rows are
-  assembled by copying each document's span once and filling the rows with one boolean-mask assignment; the
-  buffer's rows come out in a seeded random order.
+  the best fit in O(seq_len / 64) machine words, so the loop is per document, never per token. Every slot of
+  the rows is written once (each document's span copied to its place, then the padding); the buffer's rows come
+  out in a seeded random order. The per-document loops run in C (_pack.c) where the extension was built, and
+  in Python and numpy otherwise (the definitions here; same rows).
 - `concat`: the documents are concatenated and cut every seq_len tokens; only the very last row is padded.
 """
 
@@ -19,6 +20,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+
+try:
+    from smolctl.data import _pack
+except ImportError:  # built without a C compiler: the Python and numpy definitions below give the same rows
+    _pack = None
 
 PADDING_POSITION = -1
 
@@ -52,12 +58,6 @@ class TokenBatch:
     @property
     def starts(self) -> np.ndarray:
         return np.cumsum(self.lengths) - self.lengths
-
-    @staticmethod
-    def concat(batches: list[TokenBatch]) -> TokenBatch:
-        if len(batches) == 1:
-            return batches[0]
-        return TokenBatch(np.concatenate([b.ids for b in batches]), np.concatenate([b.lengths for b in batches]))
 
 
 @dataclass
@@ -106,9 +106,23 @@ def split_long_documents(batch: TokenBatch, seq_len: int, mode: str, stats: Pack
 def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
     """Place items (each <= capacity), longest first, into the open bin with the least room that fits.
 
-    Returns (bin of each item, offset of each item in its bin, number of bins). Open bins are kept in stacks
-    by free room; bit r of `rooms` is set when some open bin has exactly r free slots, so the best fit for an item
-    of length n is the lowest set bit at or above n.
+    Returns (bin of each item, offset of each item in its bin, number of bins): _pack.c's kernel, or
+    `best_fit_decreasing_python` (its definition) without the extension.
+    """
+    if _pack is None:
+        return best_fit_decreasing_python(lengths, capacity)
+    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+    order = np.argsort(-lengths, kind="stable")
+    bin_of, offset = np.empty(len(lengths), dtype=np.int64), np.empty(len(lengths), dtype=np.int64)
+    bins = _pack.best_fit_decreasing(lengths, order, capacity, bin_of, offset)
+    return bin_of, offset, bins
+
+
+def best_fit_decreasing_python(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """`best_fit_decreasing` one item at a time in Python. Items are taken in stable order of decreasing length;
+    open bins are kept in stacks by free room (of bins with equal room, the last to reach it is used first);
+    bit r of `rooms` is set when some open bin has exactly r free slots, so the best fit for an item of length n
+    is the lowest set bit at or above n.
     """
     sizes = lengths.tolist()
     order = np.argsort(-lengths, kind="stable").tolist()
@@ -140,28 +154,69 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray,
     return np.asarray(bin_of, dtype=np.int64), np.asarray(offset, dtype=np.int64), len(used)
 
 
-def document_positions(lengths: np.ndarray) -> np.ndarray:
-    """0..n-1 for each length n, concatenated: a cumulative sum of ones that drops back at each start."""
-    steps = np.ones(int(lengths.sum()), dtype=np.int32)
-    starts = np.cumsum(lengths)[:-1]
-    steps[0] = 0
-    steps[starts] = 1 - lengths[:-1]
-    return np.cumsum(steps, dtype=np.int32)
+def span_indices(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """start, start + 1, ..., start + n - 1 for each (start, n), concatenated: one repeat and one arange."""
+    ends = np.cumsum(lengths)
+    return np.repeat(starts - (ends - lengths), lengths) + np.arange(int(ends[-1]) if len(ends) else 0)
 
 
-def assemble_rows(pieces: list[np.ndarray], row_of: np.ndarray, rows: int, seq_len: int, pad_id: int) -> Rows:
-    """Lay out pieces (already in row order, each row's pieces in order) as rows padded at the end.
+def place_documents_numpy(
+    batch: TokenBatch, slots: np.ndarray, flat_ids: np.ndarray, flat_positions: np.ndarray
+) -> None:
+    """_pack.place in numpy: document i goes to flat_ids[slots[i]:] and gets positions 0, 1, ... there (one
+    scatter of the flat token array, whose documents are contiguous spans)."""
+    targets = span_indices(slots, batch.lengths)
+    flat_ids[targets] = batch.ids
+    # Position of a token in its document: its index in the flat array minus its document's start.
+    flat_positions[targets] = np.arange(len(batch.ids), dtype=np.int32) - np.repeat(
+        batch.starts.astype(np.int32), batch.lengths
+    )
 
-    Filling the first `fill[r]` slots of each row in row-major order is one boolean-mask assignment, so every
-    token is copied once (into `flat`) and once more into place.
+
+def assemble_rows(
+    batches: list[TokenBatch],
+    row_of: np.ndarray,
+    offset: np.ndarray,
+    whole: np.ndarray,
+    whole_row_of: np.ndarray,
+    rows: int,
+    seq_len: int,
+    pad_id: int,
+) -> Rows:
+    """Lay out documents (document i of the batches, in order, at `offset[i]` of row `row_of[i]`) and whole rows
+    (row `whole_row_of[j]`) as `rows` rows; each row's documents fill it from slot 0 without gaps, the rest is
+    padding.
+
+    Every slot is written exactly once: the documents' spans straight from each batch (no concatenated copy of
+    the buffer), the whole rows by one row assignment, and only the padding slots with the pad id.
     """
-    lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+    input_ids = np.empty((rows, seq_len), dtype=np.int32)
+    position_ids = np.empty((rows, seq_len), dtype=np.int32)
+    flat_ids, flat_positions = input_ids.reshape(-1), position_ids.reshape(-1)
+    slots = (row_of * seq_len + offset).astype(np.int64, copy=False)  # the kernel takes int64 slots
+    first = 0
+    for batch in batches:
+        batch_slots = slots[first : first + len(batch.lengths)]
+        first += len(batch.lengths)
+        if _pack is None:
+            place_documents_numpy(batch, batch_slots, flat_ids, flat_positions)
+        else:
+            _pack.place(
+                np.ascontiguousarray(batch.ids, dtype=np.int32),
+                np.ascontiguousarray(batch.lengths, dtype=np.int64),
+                batch_slots,
+                flat_ids,
+                flat_positions,
+            )
+    input_ids[whole_row_of] = whole
+    position_ids[whole_row_of] = np.arange(seq_len, dtype=np.int32)
+    lengths = np.concatenate([batch.lengths for batch in batches])
     fill = np.bincount(row_of, weights=lengths, minlength=rows).astype(np.int64)
-    real = np.arange(seq_len) < fill[:, None]  # [rows, seq_len]
-    input_ids = np.full((rows, seq_len), pad_id, dtype=np.int32)
-    position_ids = np.full((rows, seq_len), PADDING_POSITION, dtype=np.int32)
-    input_ids[real] = np.concatenate(pieces)
-    position_ids[real] = document_positions(lengths)
+    fill[whole_row_of] = seq_len
+    short = np.flatnonzero(fill < seq_len)
+    padding = span_indices(short * seq_len + fill[short], seq_len - fill[short])
+    flat_ids[padding] = pad_id
+    flat_positions[padding] = PADDING_POSITION
     return Rows(input_ids, position_ids, fill)
 
 
@@ -191,6 +246,8 @@ class BfdPacker:
         self.pending_full: list[np.ndarray] = []
         self.pending_tokens = 0
         self.buffers = 0
+        # numpy imports numpy.random on first use (~20 ms): here, while the tokenizer runs, not after the last batch.
+        self.shuffles = np.random.default_rng
 
     def add(self, batch: TokenBatch) -> Iterator[Rows]:
         batch, whole = split_long_documents(batch, self.seq_len, self.long_docs, self.stats)
@@ -203,22 +260,22 @@ class BfdPacker:
     def finish(self) -> Iterator[Rows]:
         if not self.pending_tokens:
             return
-        batch = TokenBatch.concat(self.pending)
-        whole = np.concatenate(self.pending_full)
+        batches, whole = self.pending, np.concatenate(self.pending_full)
         self.pending, self.pending_full, self.pending_tokens = [], [], 0
-        bin_of, offset, bins = best_fit_decreasing(batch.lengths, self.seq_len)
-        # Shuffle by sending each BFD bin and each whole row to a random output row, then lay pieces out in
-        # (output row, offset) order.
-        destination = np.random.default_rng([self.seed, self.stream, self.buffers]).permutation(bins + len(whole))
+        bin_of, offset, bins = best_fit_decreasing(np.concatenate([b.lengths for b in batches]), self.seq_len)
+        # Shuffle by sending each BFD bin and each whole row to a random output row.
+        destination = self.shuffles([self.seed, self.stream, self.buffers]).permutation(bins + len(whole))
         self.buffers += 1
-        row_of = np.concatenate([destination[bin_of], destination[bins:]])
-        order = np.lexsort((np.concatenate([offset, np.zeros(len(whole), dtype=np.int64)]), row_of))
-        starts, lengths, documents = batch.starts.tolist(), batch.lengths.tolist(), len(batch.lengths)
-        pieces = [
-            batch.ids[starts[i] : starts[i] + lengths[i]] if i < documents else whole[i - documents]
-            for i in order.tolist()
-        ]
-        yield assemble_rows(pieces, row_of[order], bins + len(whole), self.seq_len, self.pad_id)
+        yield assemble_rows(
+            batches,
+            destination[bin_of],
+            offset,
+            whole,
+            destination[bins:],
+            bins + len(whole),
+            self.seq_len,
+            self.pad_id,
+        )
 
 
 class ConcatPacker:

@@ -1,0 +1,188 @@
+/* The per-document loops of `smolctl pack`'s best-fit-decreasing packing, in C.
+
+   smolctl/data/pack_rows.py defines what is computed (its pure-Python/numpy functions are the reference and the
+   fallback where this extension was not built); these functions only fill arrays the caller allocates (plain
+   buffers, no numpy C API). They run once per packing buffer, after the last batch of a unit is tokenised, so
+   their time is the tail of a pack.
+
+   best_fit_decreasing(lengths, order, capacity, bin_of, offset) -> bins
+       Items (int64 lengths, each 0..capacity) placed in the sequence `order` (int64, a permutation: longest
+       first) into the open bin with the least room that fits, or into a new bin; open bins with equal room are a
+       stack (the last one to reach that room is used first). Outputs: bin_of and offset (int64) of each item.
+       Exactly pack_rows.best_fit_decreasing_reference.
+   place(ids, lengths, slots, input_ids, position_ids)
+       Document i is the next lengths[i] tokens of ids (int32, documents back to back); it is copied to
+       input_ids[slots[i] ...] and position_ids there get 0, 1, ..., lengths[i] - 1 (both int32, flat).
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    Py_buffer view;
+    int held;
+} Buffer;
+
+static void release(Buffer *buffers, int count) {
+    for (int i = 0; i < count; i++)
+        if (buffers[i].held) PyBuffer_Release(&buffers[i].view);
+}
+
+/* The buffers of objects[0..count): C-contiguous, of items of sizes[i] bytes, writable from first_output on.
+   On failure the ones taken are released and the Python error is set. */
+static int get_buffers(PyObject **objects, Buffer *b, int count, const char **names, const Py_ssize_t *sizes,
+                       int first_output) {
+    memset(b, 0, sizeof(Buffer) * count);
+    for (int i = 0; i < count; i++) {
+        int flags = PyBUF_C_CONTIGUOUS | (i >= first_output ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(objects[i], &b[i].view, flags) < 0) {
+            release(b, count);
+            return -1;
+        }
+        b[i].held = 1;
+        if (b[i].view.len % sizes[i] != 0) {
+            PyErr_Format(PyExc_ValueError, "%s: %zd bytes is not a whole number of %zd-byte items", names[i], b[i].view.len, sizes[i]);
+            release(b, count);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *refuse(Buffer *b, int count, const char *message) {
+    release(b, count);
+    PyErr_SetString(PyExc_ValueError, message);
+    return NULL;
+}
+
+/* Open bins by free room: bins_at[r] is the top of the stack of bins with exactly r free slots (-1: none),
+   below[bin] the next one down; bit r of `rooms` is set when that stack is not empty, so the best fit for
+   an item of length n is the lowest set bit at or above n, a scan of at most capacity / 64 words. */
+static Py_ssize_t pack_bins(const int64_t *lengths, const int64_t *order, Py_ssize_t n, int64_t capacity,
+                            int64_t *bin_of, int64_t *offset, int64_t *bins_at, int64_t *below, int64_t *used,
+                            uint64_t *rooms) {
+    Py_ssize_t words = (Py_ssize_t)(capacity >> 6) + 1, bins = 0;
+    for (int64_t r = 0; r <= capacity; r++) bins_at[r] = -1;
+    memset(rooms, 0, sizeof(uint64_t) * words);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        int64_t item = order[k], need = lengths[item], room = -1, target;
+        Py_ssize_t w = (Py_ssize_t)(need >> 6);
+        uint64_t bits = rooms[w] & (~0ULL << (need & 63));
+        while (!bits && ++w < words) bits = rooms[w];
+        if (bits) {
+            room = (int64_t)w * 64 + __builtin_ctzll(bits);
+            target = bins_at[room];
+            bins_at[room] = below[target];
+            if (bins_at[room] < 0) rooms[room >> 6] &= ~(1ULL << (room & 63));
+        } else {
+            target = bins++;
+            room = capacity;
+            used[target] = 0;
+        }
+        bin_of[item] = target;
+        offset[item] = used[target];
+        used[target] += need;
+        int64_t left = room - need;
+        if (left) {
+            below[target] = bins_at[left];
+            bins_at[left] = target;
+            rooms[left >> 6] |= 1ULL << (left & 63);
+        }
+    }
+    return bins;
+}
+
+static PyObject *best_fit_decreasing(PyObject *self, PyObject *args) {
+    PyObject *objects[4];
+    long long capacity;
+    if (!PyArg_ParseTuple(args, "OOLOO", &objects[0], &objects[1], &capacity, &objects[2], &objects[3])) return NULL;
+    const char *names[] = {"lengths", "order", "bin_of", "offset"};
+    const Py_ssize_t sizes[] = {8, 8, 8, 8};
+    Buffer b[4];
+    if (get_buffers(objects, b, 4, names, sizes, 2) < 0) return NULL;
+    Py_ssize_t n = b[0].view.len / 8;
+    const int64_t *lengths = b[0].view.buf, *order = b[1].view.buf;
+    if (capacity < 1) return refuse(b, 4, "capacity must be at least 1");
+    if (b[1].view.len / 8 != n || b[2].view.len / 8 != n || b[3].view.len / 8 != n)
+        return refuse(b, 4, "lengths, order, bin_of and offset must have the same length");
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (lengths[i] < 0 || lengths[i] > capacity) return refuse(b, 4, "every length must be 0..capacity");
+    /* order must be a permutation: each item placed exactly once. */
+    char *seen = calloc(n ? n : 1, 1);
+    int64_t *bins_at = malloc(sizeof(int64_t) * (capacity + 1));
+    int64_t *below = malloc(sizeof(int64_t) * (n ? n : 1));
+    int64_t *used = malloc(sizeof(int64_t) * (n ? n : 1));
+    uint64_t *rooms = malloc(sizeof(uint64_t) * ((capacity >> 6) + 1));
+    PyObject *result = NULL;
+    if (!seen || !bins_at || !below || !used || !rooms) {
+        release(b, 4);
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (order[k] < 0 || order[k] >= n || seen[order[k]]) {
+            result = refuse(b, 4, "order must be a permutation of 0..len(lengths) - 1");
+            goto done;
+        }
+        seen[order[k]] = 1;
+    }
+    Py_ssize_t bins;
+    Py_BEGIN_ALLOW_THREADS
+    bins = pack_bins(lengths, order, n, capacity, b[2].view.buf, b[3].view.buf, bins_at, below, used, rooms);
+    Py_END_ALLOW_THREADS
+    release(b, 4);
+    result = PyLong_FromSsize_t(bins);
+done:
+    free(seen);
+    free(bins_at);
+    free(below);
+    free(used);
+    free(rooms);
+    return result;
+}
+
+static PyObject *place(PyObject *self, PyObject *args) {
+    PyObject *objects[5];
+    if (!PyArg_ParseTuple(args, "OOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4])) return NULL;
+    const char *names[] = {"ids", "lengths", "slots", "input_ids", "position_ids"};
+    const Py_ssize_t sizes[] = {4, 8, 8, 4, 4};
+    Buffer b[5];
+    if (get_buffers(objects, b, 5, names, sizes, 3) < 0) return NULL;
+    Py_ssize_t tokens = b[0].view.len / 4, n = b[1].view.len / 8, out = b[3].view.len / 4;
+    const int32_t *ids = b[0].view.buf;
+    const int64_t *lengths = b[1].view.buf, *slots = b[2].view.buf;
+    int32_t *input_ids = b[3].view.buf, *position_ids = b[4].view.buf;
+    if (b[2].view.len / 8 != n) return refuse(b, 5, "lengths and slots must have the same length");
+    if (b[4].view.len / 4 != out) return refuse(b, 5, "input_ids and position_ids must have the same size");
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (lengths[i] < 0 || slots[i] < 0 || slots[i] > out - lengths[i])
+            return refuse(b, 5, "every document must lie inside input_ids");
+        total += lengths[i];
+    }
+    if (total != tokens) return refuse(b, 5, "the lengths must add up to len(ids)");
+    Py_BEGIN_ALLOW_THREADS
+    const int32_t *source = ids;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t length = lengths[i];
+        memcpy(input_ids + slots[i], source, sizeof(int32_t) * (size_t)length);
+        int32_t *positions = position_ids + slots[i];
+        for (int64_t k = 0; k < length; k++) positions[k] = (int32_t)k;
+        source += length;
+    }
+    Py_END_ALLOW_THREADS
+    release(b, 5);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"best_fit_decreasing", best_fit_decreasing, METH_VARARGS, "Best-fit-decreasing bins and offsets (see the file's header)."},
+    {"place", place, METH_VARARGS, "Copy documents to their slots with their positions (see the file's header)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pack", "Packing kernels; see smolctl/data/pack_rows.py.", -1, methods};
+
+PyMODINIT_FUNC PyInit__pack(void) { return PyModule_Create(&module); }
