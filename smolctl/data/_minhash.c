@@ -139,15 +139,18 @@ static inline uint64_t load_little_endian(const uint8_t *p) {
 static const uint64_t KEEP[9] = {0, 0xFFULL, 0xFFFFULL, 0xFFFFFFULL, 0xFFFFFFFFULL, 0xFFFFFFFFFFULL, 0xFFFFFFFFFFFFULL,
                                  0xFFFFFFFFFFFFFFULL, ~0ULL};
 
-/* finish_hash of the span of `length` bytes at `lowered`, a lower-cased copy that may be read up to 16 bytes
-   past the span (and at least 8 past its end): a span of up to 16 bytes is two masked loads, without a
-   branch (a second chunk masked to nothing adds zero); longer ones add one chunk per 8 bytes. */
-static inline uint64_t hash_lowered(const uint8_t *lowered, size_t length) {
-    if (length <= 16) {
-        uint64_t first = load_little_endian(lowered) & KEEP[length < 8 ? length : 8];
-        uint64_t second = load_little_endian(lowered + 8) & KEEP[length > 8 ? length - 8 : 0];
-        return finish_hash(first * RADIX + second * RADIX_9, (Py_ssize_t)length);
-    }
+/* finish_hash of the span of 0 to 16 bytes at `lowered`, a lower-cased copy that may be read 16 bytes from
+   the span's start: two masked loads and no branch (a second chunk masked to nothing adds zero). */
+static inline uint64_t hash_short(const uint8_t *lowered, size_t length) {
+    uint64_t first = load_little_endian(lowered) & KEEP[length < 8 ? length : 8];
+    uint64_t second = load_little_endian(lowered + 8) & KEEP[length > 8 ? length - 8 : 0];
+    return finish_hash(first * RADIX + second * RADIX_9, (Py_ssize_t)length);
+}
+
+/* finish_hash of any span of a lower-cased copy that may be read 16 bytes past the span's start and 8 past
+   its end: one chunk per 8 bytes. */
+static uint64_t hash_lowered(const uint8_t *lowered, size_t length) {
+    if (length <= 16) return hash_short(lowered, length);
     uint64_t sum = 0, multiplier = RADIX;
     size_t k = 0;
     for (; k + 8 <= length; k += 8, multiplier *= RADIX_8) sum += load_little_endian(lowered + k) * multiplier;
@@ -162,16 +165,24 @@ static inline uint64_t hash_lowered(const uint8_t *lowered, size_t length) {
 typedef struct {
     uint8_t *lowered;
     uint64_t *space, *word;
+    size_t *token_starts, *token_ends;  /* of the tokens of one window of WINDOW_BLOCKS blocks (see tokenize_document) */
 } Classified;
+
+/* Tokens are listed from the bitmaps WINDOW_BLOCKS blocks of 64 bytes at a time: at most one starts (or ends)
+   per two bytes, one more carried over from the window before, and 8 positions written past the last. */
+#define WINDOW_BLOCKS 16
+#define TOKEN_ROOM (32 * WINDOW_BLOCKS + 16)
 
 /* Room for a document of up to `longest` bytes, in one zeroed allocation (NULL if there is none). */
 static uint8_t *classified_room(Classified *c, size_t longest) {
     size_t blocks = longest / 64 + 1, bitmap_words = blocks + 2;
-    uint8_t *room = calloc(1, 2 * 8 * bitmap_words + 64 * blocks + 64);
+    uint8_t *room = calloc(1, 2 * sizeof(size_t) * TOKEN_ROOM + 2 * 8 * bitmap_words + 64 * blocks + 64);
     if (room) {
-        c->space = (uint64_t *)room;
+        c->token_starts = (size_t *)room;
+        c->token_ends = c->token_starts + TOKEN_ROOM;
+        c->space = (uint64_t *)(c->token_ends + TOKEN_ROOM);
         c->word = c->space + bitmap_words;
-        c->lowered = room + 2 * 8 * bitmap_words;
+        c->lowered = (uint8_t *)(c->word + bitmap_words);
     }
     return room;
 }
@@ -250,6 +261,24 @@ static inline uint64_t window(const uint64_t *bitmap, size_t position) {
     return (bitmap[i] >> shift) | (bitmap[i + 1] << 1 << (63 - shift));
 }
 
+/* Set bits, without the POPCNT instruction (not in x86-64's baseline). */
+static inline size_t count_bits(uint64_t x) {
+    x -= (x >> 1) & 0x5555555555555555ULL;
+    x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
+    return (size_t)((x * ONES) >> 56);
+}
+
+/* base + the position of each set bit of `bits`, in order, at out; returns how many. Eight are written per
+   round, whether there are or not (up to 7 past the last, garbage), so that the loop's branch is taken once
+   per block of up to 8 tokens, not mispredicted once per token. */
+static inline size_t list_positions(uint64_t bits, size_t base, size_t *out) {
+    size_t count = count_bits(bits);
+    for (size_t k = 0; k < count; k += 8)
+        for (int j = 0; j < 8; j++, bits &= bits - 1) out[k + j] = base + __builtin_ctzll(bits | 1ULL << 63);
+    return count;
+}
+
 /* The lowest n bits, n = 1..64. */
 static inline uint64_t low_bits(size_t n) { return ~0ULL >> (64 - n); }
 
@@ -275,16 +304,35 @@ static size_t last_set(const uint64_t *bitmap, size_t from, size_t to) {
 
 static const uint64_t EXACT_RADIX[2] = {0x9E3779B97F4A7C15ULL, 0xD6E8FEB86659FD93ULL};
 
-/* The word of the token [start, start + length) of c, given the token's hash: the token trimmed to its first
-   and last word bytes (first == start + length when it has none, and then no word). Returns 0 if none. */
+/* EXACT_POWERS[c][k] = EXACT_RADIX[c]^k, k < TOKEN_ROOM: a window's tokens are folded into the exact hash with
+   one multiply per token and column, independent of each other (set by init_exact_powers). */
+static uint64_t EXACT_POWERS[2][TOKEN_ROOM];
+
+static void init_exact_powers(void) {
+    for (int column = 0; column < 2; column++) {
+        EXACT_POWERS[column][0] = 1;
+        for (int k = 1; k < TOKEN_ROOM; k++) EXACT_POWERS[column][k] = EXACT_POWERS[column][k - 1] * EXACT_RADIX[column];
+    }
+}
+
+/* The word of the token [start, start + length) of c: the token trimmed to its first and last word bytes.
+   Returns 0 if it has none. A token of up to 16 bytes with punctuation (a third of the tokens of web text)
+   is trimmed without a branch, `word` written even when there is none. */
 static inline int trimmed_word(const Classified *c, size_t start, size_t length, uint64_t token_hash, uint64_t *word) {
     size_t first, last;
-    if (length < 64) {
-        uint64_t inside = low_bits(length), word_bits = window(c->word, start) & inside;
-        if (word_bits == inside) {  /* the common case: nothing to trim */
+    if (length <= 16) {
+        uint64_t word_bits = window(c->word, start) & low_bits(length);
+        if (word_bits == low_bits(length)) {  /* nothing to trim: the common case, so a branch */
             *word = token_hash;
             return 1;
         }
+        uint64_t some_bits = word_bits | !word_bits;  /* no word: a 1-byte span, hashed for nothing */
+        first = __builtin_ctzll(some_bits);
+        *word = hash_short(c->lowered + start + first, 64 - __builtin_clzll(some_bits) - first);
+        return word_bits != 0;
+    }
+    if (length < 64) {
+        uint64_t word_bits = window(c->word, start) & low_bits(length);
         if (!word_bits) return 0;
         first = start + __builtin_ctzll(word_bits);
         last = start + 63 - __builtin_clzll(word_bits);
@@ -297,40 +345,58 @@ static inline int trimmed_word(const Classified *c, size_t start, size_t length,
     return 1;
 }
 
+/* Hashes the `count` listed tokens of c's window, adding sum_t hash_t * EXACT_RADIX[c]^t to window_sums[c], and
+   their words into `words`; returns how many words, or -1 if a token began with all `room` taken. */
+static Py_ssize_t hash_window(const Classified *c, size_t count, uint64_t window_sums[2], uint64_t *restrict words,
+                              Py_ssize_t room) {
+    const size_t *restrict token_starts = c->token_starts, *restrict token_ends = c->token_ends;
+    uint64_t sum_0 = 0, sum_1 = 0;
+    Py_ssize_t written = 0;
+    for (size_t t = 0; t < count; t++) {
+        if (written >= room) return -1;
+        size_t start = token_starts[t], length = token_ends[t] - start;
+        uint64_t hash = hash_lowered(c->lowered + start, length);
+        sum_0 += hash * EXACT_POWERS[0][t];
+        sum_1 += hash * EXACT_POWERS[1][t];
+        written += trimmed_word(c, start, length, hash, &words[written]);
+    }
+    window_sums[0] = sum_0;
+    window_sums[1] = sum_1;
+    return written;
+}
+
 /* Words and the exact hash of a classified document of `length` bytes; returns 0 if the word room ran out.
-   The exact hash is two polynomials sum_i t_i * R^i of the token hashes t_i, finished with the token count:
-   token hashes are folded in as they are found and never stored. */
-static int tokenize_document(const Classified *c, size_t length, uint64_t *restrict exact,
-                             uint64_t *restrict word_hashes, Py_ssize_t *words_so_far, Py_ssize_t word_room) {
-    Py_ssize_t words = *words_so_far;
+   The exact hash is two polynomials sum_i t_i * R^i of the token hashes t_i, finished with the token count. */
+static int tokenize_document(Classified *c, size_t length, uint64_t *restrict exact, uint64_t *restrict word_hashes,
+                             Py_ssize_t *words_so_far, Py_ssize_t word_room) {
     uint64_t exact_sum[2] = {0, 0}, exact_power[2] = {1, 1}, tokens = 0;
-    size_t position = 0;
-    while (position < length) {
-        uint64_t non_spaces = ~window(c->space, position);
-        if (!non_spaces) {
-            position += 64;
-            continue;
+    /* The tokens of a window of blocks are listed first (their starts: non-space bytes after a space or at the
+       document's start; their ends: spaces after a non-space), then hashed in a loop without a branch per
+       token, each token independent of the one before. A token still open at the window's end is carried
+       into the next; the last block is the one holding position `length`, a space, where the last token ends. */
+    uint64_t spaces_before = ~0ULL;
+    size_t carried = 0, last_block = length / 64;
+    for (size_t first_block = 0; first_block <= last_block; first_block += WINDOW_BLOCKS) {
+        size_t starts = carried, ends = 0;
+        for (size_t block = first_block; block <= last_block && block < first_block + WINDOW_BLOCKS; block++) {
+            uint64_t spaces = c->space[block], follows_space = spaces << 1 | spaces_before >> 63;
+            spaces_before = spaces;
+            starts += list_positions(~spaces & follows_space, 64 * block, c->token_starts + starts);
+            ends += list_positions(spaces & ~follows_space, 64 * block, c->token_ends + ends);
         }
-        size_t start = position + __builtin_ctzll(non_spaces);  /* < length: past it every byte reads as space */
-        if (words >= word_room) {
-            *words_so_far = words;
-            return 0;
-        }
-        uint64_t spaces = window(c->space, start);
-        size_t end = start;
-        while (!spaces) spaces = window(c->space, end += 64);  /* a token of 64 bytes or more */
-        end += __builtin_ctzll(spaces);
-        uint64_t hash = hash_lowered(c->lowered + start, end - start), word;
+        uint64_t window_sums[2];
+        Py_ssize_t written = hash_window(c, ends, window_sums, word_hashes + *words_so_far, word_room - *words_so_far);
+        if (written < 0) return 0;
+        *words_so_far += written;
         for (int column = 0; column < 2; column++) {
-            exact_sum[column] += hash * exact_power[column];
-            exact_power[column] *= EXACT_RADIX[column];
+            exact_sum[column] += window_sums[column] * exact_power[column];
+            exact_power[column] *= EXACT_POWERS[column][ends];
         }
-        tokens++;
-        if (trimmed_word(c, start, end - start, hash, &word)) word_hashes[words++] = word;
-        position = end;
+        tokens += ends;
+        carried = starts - ends;
+        c->token_starts[0] = c->token_starts[ends];
     }
     for (int column = 0; column < 2; column++) exact[column] = mix64(exact_sum[column] ^ tokens * EXACT_RADIX[column]);
-    *words_so_far = words;
     return 1;
 }
 
@@ -528,4 +594,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_minhash", "MinHash kernels; see smolctl/data/minhash/kernels.py.", -1, methods};
 
-PyMODINIT_FUNC PyInit__minhash(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__minhash(void) {
+    init_exact_powers();
+    return PyModule_Create(&module);
+}
