@@ -165,22 +165,21 @@ static uint64_t hash_lowered(const uint8_t *lowered, size_t length) {
 typedef struct {
     uint8_t *lowered;
     uint64_t *space, *word;
-    size_t *token_starts, *token_ends;  /* of the tokens of one window of WINDOW_BLOCKS blocks (see tokenize_document) */
+    size_t *bounds;  /* of the tokens of one window of WINDOW_BLOCKS blocks: start, end, start... (see tokenize_document) */
 } Classified;
 
-/* Tokens are listed from the bitmaps WINDOW_BLOCKS blocks of 64 bytes at a time: at most one starts (or ends)
-   per two bytes, one more carried over from the window before, and 8 positions written past the last. */
+/* Tokens are listed from the bitmaps WINDOW_BLOCKS blocks of 64 bytes at a time: at most one start or end per
+   byte, a start carried over from the window before, and 7 positions written past the last. */
 #define WINDOW_BLOCKS 16
-#define TOKEN_ROOM (32 * WINDOW_BLOCKS + 16)
+#define BOUNDS_ROOM (64 * WINDOW_BLOCKS + 16)
 
 /* Room for a document of up to `longest` bytes, in one zeroed allocation (NULL if there is none). */
 static uint8_t *classified_room(Classified *c, size_t longest) {
     size_t blocks = longest / 64 + 1, bitmap_words = blocks + 2;
-    uint8_t *room = calloc(1, 2 * sizeof(size_t) * TOKEN_ROOM + 2 * 8 * bitmap_words + 64 * blocks + 64);
+    uint8_t *room = calloc(1, sizeof(size_t) * BOUNDS_ROOM + 2 * 8 * bitmap_words + 64 * blocks + 64);
     if (room) {
-        c->token_starts = (size_t *)room;
-        c->token_ends = c->token_starts + TOKEN_ROOM;
-        c->space = (uint64_t *)(c->token_ends + TOKEN_ROOM);
+        c->bounds = (size_t *)room;
+        c->space = (uint64_t *)(c->bounds + BOUNDS_ROOM);
         c->word = c->space + bitmap_words;
         c->lowered = (uint8_t *)(c->word + bitmap_words);
     }
@@ -271,7 +270,7 @@ static inline size_t count_bits(uint64_t x) {
 
 /* base + the position of each set bit of `bits`, in order, at out; returns how many. Eight are written per
    round, whether there are or not (up to 7 past the last, garbage), so that the loop's branch is taken once
-   per block of up to 8 tokens, not mispredicted once per token. */
+   per 8 bounds, not mispredicted once per token. */
 static inline size_t list_positions(uint64_t bits, size_t base, size_t *out) {
     size_t count = count_bits(bits);
     for (size_t k = 0; k < count; k += 8)
@@ -304,14 +303,14 @@ static size_t last_set(const uint64_t *bitmap, size_t from, size_t to) {
 
 static const uint64_t EXACT_RADIX[2] = {0x9E3779B97F4A7C15ULL, 0xD6E8FEB86659FD93ULL};
 
-/* EXACT_POWERS[c][k] = EXACT_RADIX[c]^k, k < TOKEN_ROOM: a window's tokens are folded into the exact hash with
+/* EXACT_POWERS[c][k] = EXACT_RADIX[c]^k, k <= BOUNDS_ROOM / 2: a window's tokens are folded into the exact hash with
    one multiply per token and column, independent of each other (set by init_exact_powers). */
-static uint64_t EXACT_POWERS[2][TOKEN_ROOM];
+static uint64_t EXACT_POWERS[2][BOUNDS_ROOM / 2 + 1];
 
 static void init_exact_powers(void) {
     for (int column = 0; column < 2; column++) {
         EXACT_POWERS[column][0] = 1;
-        for (int k = 1; k < TOKEN_ROOM; k++) EXACT_POWERS[column][k] = EXACT_POWERS[column][k - 1] * EXACT_RADIX[column];
+        for (int k = 1; k <= BOUNDS_ROOM / 2; k++) EXACT_POWERS[column][k] = EXACT_POWERS[column][k - 1] * EXACT_RADIX[column];
     }
 }
 
@@ -349,12 +348,12 @@ static inline int trimmed_word(const Classified *c, size_t start, size_t length,
    their words into `words`; returns how many words, or -1 if a token began with all `room` taken. */
 static Py_ssize_t hash_window(const Classified *c, size_t count, uint64_t window_sums[2], uint64_t *restrict words,
                               Py_ssize_t room) {
-    const size_t *restrict token_starts = c->token_starts, *restrict token_ends = c->token_ends;
+    const size_t *restrict bounds = c->bounds;
     uint64_t sum_0 = 0, sum_1 = 0;
     Py_ssize_t written = 0;
     for (size_t t = 0; t < count; t++) {
         if (written >= room) return -1;
-        size_t start = token_starts[t], length = token_ends[t] - start;
+        size_t start = bounds[2 * t], length = bounds[2 * t + 1] - start;
         uint64_t hash = hash_lowered(c->lowered + start, length);
         sum_0 += hash * EXACT_POWERS[0][t];
         sum_1 += hash * EXACT_POWERS[1][t];
@@ -370,20 +369,21 @@ static Py_ssize_t hash_window(const Classified *c, size_t count, uint64_t window
 static int tokenize_document(Classified *c, size_t length, uint64_t *restrict exact, uint64_t *restrict word_hashes,
                              Py_ssize_t *words_so_far, Py_ssize_t word_room) {
     uint64_t exact_sum[2] = {0, 0}, exact_power[2] = {1, 1}, tokens = 0;
-    /* The tokens of a window of blocks are listed first (their starts: non-space bytes after a space or at the
-       document's start; their ends: spaces after a non-space), then hashed in a loop without a branch per
-       token, each token independent of the one before. A token still open at the window's end is carried
-       into the next; the last block is the one holding position `length`, a space, where the last token ends. */
+    /* The tokens of a window of blocks are listed first, as the bytes whose class (space or not) differs from
+       the byte before's (the document's start counting as a space): a token's start, its end, the next start...;
+       then hashed in a loop without a branch per token, each token independent of the one before. A token
+       still open at the window's end is carried into the next; the last block is the one holding position
+       `length`, a space, where the last token ends. */
     uint64_t spaces_before = ~0ULL;
     size_t carried = 0, last_block = length / 64;
     for (size_t first_block = 0; first_block <= last_block; first_block += WINDOW_BLOCKS) {
-        size_t starts = carried, ends = 0;
+        size_t bounds = carried;
         for (size_t block = first_block; block <= last_block && block < first_block + WINDOW_BLOCKS; block++) {
             uint64_t spaces = c->space[block], follows_space = spaces << 1 | spaces_before >> 63;
             spaces_before = spaces;
-            starts += list_positions(~spaces & follows_space, 64 * block, c->token_starts + starts);
-            ends += list_positions(spaces & ~follows_space, 64 * block, c->token_ends + ends);
+            bounds += list_positions(spaces ^ follows_space, 64 * block, c->bounds + bounds);
         }
+        size_t ends = bounds / 2;
         uint64_t window_sums[2];
         Py_ssize_t written = hash_window(c, ends, window_sums, word_hashes + *words_so_far, word_room - *words_so_far);
         if (written < 0) return 0;
@@ -393,8 +393,8 @@ static int tokenize_document(Classified *c, size_t length, uint64_t *restrict ex
             exact_power[column] *= EXACT_POWERS[column][ends];
         }
         tokens += ends;
-        carried = starts - ends;
-        c->token_starts[0] = c->token_starts[ends];
+        carried = bounds % 2;
+        c->bounds[0] = c->bounds[bounds - carried];
     }
     for (int column = 0; column < 2; column++) exact[column] = mix64(exact_sum[column] ^ tokens * EXACT_RADIX[column]);
     return 1;
