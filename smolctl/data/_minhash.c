@@ -165,7 +165,7 @@ static uint64_t hash_lowered(const uint8_t *lowered, size_t length) {
 typedef struct {
     uint8_t *lowered;
     uint64_t *space, *word;
-    size_t *bounds;  /* of the tokens of one window of WINDOW_BLOCKS blocks: start, end, start... (see tokenize_document) */
+    size_t *bounds;  /* of the tokens of a window of WINDOW_BLOCKS blocks: start, end, start... (tokenize_document) */
 } Classified;
 
 /* Tokens are listed from the bitmaps WINDOW_BLOCKS blocks of 64 bytes at a time: at most one start or end per
@@ -303,14 +303,15 @@ static size_t last_set(const uint64_t *bitmap, size_t from, size_t to) {
 
 static const uint64_t EXACT_RADIX[2] = {0x9E3779B97F4A7C15ULL, 0xD6E8FEB86659FD93ULL};
 
-/* EXACT_POWERS[c][k] = EXACT_RADIX[c]^k, k <= BOUNDS_ROOM / 2: a window's tokens are folded into the exact hash with
+/* EXACT_POWERS[c][k] = EXACT_RADIX[c]^k for up to a window's tokens: they are folded into the exact hash with
    one multiply per token and column, independent of each other (set by init_exact_powers). */
 static uint64_t EXACT_POWERS[2][BOUNDS_ROOM / 2 + 1];
 
 static void init_exact_powers(void) {
     for (int column = 0; column < 2; column++) {
         EXACT_POWERS[column][0] = 1;
-        for (int k = 1; k <= BOUNDS_ROOM / 2; k++) EXACT_POWERS[column][k] = EXACT_POWERS[column][k - 1] * EXACT_RADIX[column];
+        for (int k = 1; k <= BOUNDS_ROOM / 2; k++)
+            EXACT_POWERS[column][k] = EXACT_POWERS[column][k - 1] * EXACT_RADIX[column];
     }
 }
 
@@ -371,7 +372,7 @@ static int tokenize_document(Classified *c, size_t length, uint64_t *restrict ex
     uint64_t exact_sum[2] = {0, 0}, exact_power[2] = {1, 1}, tokens = 0;
     /* The tokens of a window of blocks are listed first, as the bytes whose class (space or not) differs from
        the byte before's (the document's start counting as a space): a token's start, its end, the next start...;
-       then hashed in a loop without a branch per token, each token independent of the one before. A token
+       then hashed in a loop that finds no token by branching, each token independent of the one before. A token
        still open at the window's end is carried into the next; the last block is the one holding position
        `length`, a space, where the last token ends. */
     uint64_t spaces_before = ~0ULL;
