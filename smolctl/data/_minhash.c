@@ -9,7 +9,7 @@
        (counted from len(data)): a batch's arrow buffer with the documents that needed normalising in Python
        placed in a second buffer. A token is a maximal run of non-whitespace bytes, a word the token without
        its leading and trailing ASCII punctuation (none if nothing is left); both are hashed with ASCII letters
-       lower-cased (see finish_hash). Outputs: exact, uint64[n, 2], a 128-bit hash of each document's token
+       lower-cased (see finish_mixed). Outputs: exact, uint64[n, 2], a 128-bit hash of each document's token
        sequence (see tokenize_document); the word hashes end to end, and the words of each document.
    shingles(tokens, offsets, weights, out, out_counts) -> total
        The n-grams of consecutive tokens of each document, as mix64(sum_k tokens[j + k] * weights[k]); a
@@ -40,12 +40,13 @@ static inline uint64_t mix64(uint64_t z) {
 
 /* A span's hash: its bytes (ASCII letters lower-cased) as 8-byte little-endian chunks c_m, the last one
    zero-padded, summed as sum_m c_m * RADIX^(8m + 1) (mod 2^64; odd multipliers, so a single differing chunk
-   always changes the sum), then finished with the span's length and a multiply-xorshift. One multiply per
-   8 bytes. */
-static inline uint64_t finish_hash(uint64_t sum, Py_ssize_t length) {
-    uint64_t mixed = (sum + (uint64_t)length * 0x9E3779B97F4A7C15ULL) * 0xBF58476D1CE4E5B9ULL;
-    return (mixed ^ (mixed >> 31)) | 1ULL;
-}
+   always changes the sum), plus length * LENGTH_WEIGHT, times FINISH_MULTIPLIER, then finish_mixed's xorshift.
+   The tokeniser multiplies each term by FINISH_MULTIPLIER rather than their sum (multiplying mod 2^64
+   distributes over addition): one multiply per 8 bytes and none to finish. */
+#define LENGTH_WEIGHT 0x9E3779B97F4A7C15ULL
+#define FINISH_MULTIPLIER 0xBF58476D1CE4E5B9ULL
+
+static inline uint64_t finish_mixed(uint64_t mixed) { return (mixed ^ (mixed >> 31)) | 1ULL; }
 
 static inline uint64_t little_endian(uint64_t x) {
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
@@ -131,31 +132,41 @@ static inline uint64_t load_little_endian(const uint8_t *p) {
     return little_endian(x);
 }
 
-/* RADIX^8 and RADIX^9: the multipliers of a span's second chunk and the step between consecutive chunks. */
+/* RADIX^8, the step between the multipliers of consecutive chunks, and the multipliers of a span's first two
+   chunks with FINISH_MULTIPLIER folded in. */
 #define RADIX_8 (RADIX * RADIX * RADIX * RADIX * RADIX * RADIX * RADIX * RADIX)
-#define RADIX_9 (RADIX_8 * RADIX)
+#define FIRST_CHUNK (RADIX * FINISH_MULTIPLIER)
+#define SECOND_CHUNK (RADIX_8 * RADIX * FINISH_MULTIPLIER)
 
 /* KEEP[n]: the low n bytes of a 64-bit chunk, n = 0..8. */
 static const uint64_t KEEP[9] = {0, 0xFFULL, 0xFFFFULL, 0xFFFFFFULL, 0xFFFFFFFFULL, 0xFFFFFFFFFFULL, 0xFFFFFFFFFFFFULL,
                                  0xFFFFFFFFFFFFFFULL, ~0ULL};
 
-/* finish_hash of the span of 0 to 16 bytes at `lowered`, a lower-cased copy that may be read 16 bytes from
-   the span's start: two masked loads and no branch (a second chunk masked to nothing adds zero). */
+/* SHORT_SPANS[n], n = 0..16: the masks of the two chunks of a span of n bytes and its length's term,
+   n * LENGTH_WEIGHT * FINISH_MULTIPLIER, looked up together (set by init_tables). */
+typedef struct {
+    uint64_t first, second, length_term;
+} ShortSpan;
+
+static ShortSpan SHORT_SPANS[17];
+
+/* The hash of the span of 0 to 16 bytes at `lowered`, a lower-cased copy that may be read 16 bytes from the
+   span's start: two masked loads, two multiplies and no branch (a second chunk masked to nothing adds zero). */
 static inline uint64_t hash_short(const uint8_t *lowered, size_t length) {
-    uint64_t first = load_little_endian(lowered) & KEEP[length < 8 ? length : 8];
-    uint64_t second = load_little_endian(lowered + 8) & KEEP[length > 8 ? length - 8 : 0];
-    return finish_hash(first * RADIX + second * RADIX_9, (Py_ssize_t)length);
+    const ShortSpan *span = &SHORT_SPANS[length];
+    uint64_t first = load_little_endian(lowered) & span->first, second = load_little_endian(lowered + 8) & span->second;
+    return finish_mixed(first * FIRST_CHUNK + second * SECOND_CHUNK + span->length_term);
 }
 
-/* finish_hash of any span of a lower-cased copy that may be read 16 bytes past the span's start and 8 past
-   its end: one chunk per 8 bytes. */
+/* The hash of any span of a lower-cased copy that may be read 16 bytes past the span's start and 8 past its
+   end: one chunk per 8 bytes. */
 static uint64_t hash_lowered(const uint8_t *lowered, size_t length) {
     if (length <= 16) return hash_short(lowered, length);
-    uint64_t sum = 0, multiplier = RADIX;
+    uint64_t mixed = (uint64_t)length * (LENGTH_WEIGHT * FINISH_MULTIPLIER), multiplier = FIRST_CHUNK;
     size_t k = 0;
-    for (; k + 8 <= length; k += 8, multiplier *= RADIX_8) sum += load_little_endian(lowered + k) * multiplier;
-    if (k < length) sum += (load_little_endian(lowered + k) & KEEP[length - k]) * multiplier;
-    return finish_hash(sum, (Py_ssize_t)length);
+    for (; k + 8 <= length; k += 8, multiplier *= RADIX_8) mixed += load_little_endian(lowered + k) * multiplier;
+    if (k < length) mixed += (load_little_endian(lowered + k) & KEEP[length - k]) * multiplier;
+    return finish_mixed(mixed);
 }
 
 /* A document classified: `lowered` its bytes with A-Z as a-z, `space` and `word` its bitmaps (bit k of
@@ -304,10 +315,12 @@ static size_t last_set(const uint64_t *bitmap, size_t from, size_t to) {
 static const uint64_t EXACT_RADIX[2] = {0x9E3779B97F4A7C15ULL, 0xD6E8FEB86659FD93ULL};
 
 /* EXACT_POWERS[c][k] = EXACT_RADIX[c]^k for up to a window's tokens: they are folded into the exact hash with
-   one multiply per token and column, independent of each other (set by init_exact_powers). */
+   one multiply per token and column, independent of each other (set by init_tables). */
 static uint64_t EXACT_POWERS[2][BOUNDS_ROOM / 2 + 1];
 
-static void init_exact_powers(void) {
+static void init_tables(void) {
+    for (int n = 0; n <= 16; n++)
+        SHORT_SPANS[n] = (ShortSpan){KEEP[n < 8 ? n : 8], KEEP[n > 8 ? n - 8 : 0], n * (LENGTH_WEIGHT * FINISH_MULTIPLIER)};
     for (int column = 0; column < 2; column++) {
         EXACT_POWERS[column][0] = 1;
         for (int k = 1; k <= BOUNDS_ROOM / 2; k++)
@@ -596,6 +609,6 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_minhash", "MinHash kernels; see smolctl/data/minhash/kernels.py.", -1, methods};
 
 PyMODINIT_FUNC PyInit__minhash(void) {
-    init_exact_powers();
+    init_tables();
     return PyModule_Create(&module);
 }
