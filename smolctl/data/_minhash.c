@@ -158,15 +158,19 @@ static inline uint64_t hash_short(const uint8_t *lowered, size_t length) {
     return finish_mixed(first * FIRST_CHUNK + second * SECOND_CHUNK + span->length_term);
 }
 
-/* The hash of any span of a lower-cased copy that may be read 16 bytes past the span's start and 8 past its
-   end: one chunk per 8 bytes. */
-static uint64_t hash_lowered(const uint8_t *lowered, size_t length) {
-    if (length <= 16) return hash_short(lowered, length);
+/* hash_lowered of a span of more than 16 bytes: one chunk per 8 bytes. */
+static uint64_t hash_long(const uint8_t *lowered, size_t length) {
     uint64_t mixed = (uint64_t)length * (LENGTH_WEIGHT * FINISH_MULTIPLIER), multiplier = FIRST_CHUNK;
     size_t k = 0;
     for (; k + 8 <= length; k += 8, multiplier *= RADIX_8) mixed += load_little_endian(lowered + k) * multiplier;
     if (k < length) mixed += (load_little_endian(lowered + k) & KEEP[length - k]) * multiplier;
     return finish_mixed(mixed);
+}
+
+/* The hash of any span of a lower-cased copy that may be read 16 bytes past the span's start and 8 past its
+   end; the short spans of text inline. */
+static inline uint64_t hash_lowered(const uint8_t *lowered, size_t length) {
+    return length <= 16 ? hash_short(lowered, length) : hash_long(lowered, length);
 }
 
 /* A document classified: `lowered` its bytes with A-Z as a-z, `space` and `word` its bitmaps (bit k of
