@@ -174,7 +174,7 @@ static inline uint64_t hash_lowered(const uint8_t *lowered, size_t length) {
 }
 
 /* A document classified: `lowered` its bytes with A-Z as a-z, `space` and `word` its bitmaps (bit k of
-   bitmap[k / 64] for byte k). Past the document's end, up to the next multiple of 64, the bytes read as spaces;
+   bitmap[k / 64] for byte k; `word`'s words stored little-endian). Past the document's end, up to the next multiple of 64, the bytes read as spaces;
    each bitmap has two more words (all space, no word byte), so that a 64-bit window starting anywhere up to
    64 bytes past the end can be read whole. `lowered` has 64 more bytes for the hash's loads past a span. */
 typedef struct {
@@ -225,7 +225,7 @@ static inline void classify_block(const uint8_t *bytes, uint8_t *lowered, uint64
         words |= (uint64_t)(uint16_t)_mm_movemask_epi8(is_word) << (16 * k);
     }
     *space = spaces;
-    *word = words;
+    *word = little_endian(words);
 }
 #else
 /* The high bits of the 8 bytes of masks (a SWAR mask) as 8 bits: (masks >> 7) holds bit 8k for byte k, and the
@@ -247,7 +247,7 @@ static inline void classify_block(const uint8_t *bytes, uint8_t *lowered, uint64
         words |= gather_high_bits(is_word) << (8 * k);
     }
     *space = spaces;
-    *word = words;
+    *word = little_endian(words);
 }
 #endif
 
@@ -268,11 +268,17 @@ static void classify(const uint8_t *bytes, size_t length, Classified *c) {
     c->word[block] = c->word[block + 1] = 0;
 }
 
-/* Bits position .. position + 63 of a bitmap (reads the word after position's). */
+/* Bits position .. position + 63 of the word bitmap (reads the word after position's). */
 static inline uint64_t window(const uint64_t *bitmap, size_t position) {
     size_t i = position / 64;
     unsigned shift = position % 64;
-    return (bitmap[i] >> shift) | (bitmap[i + 1] << 1 << (63 - shift));
+    return (little_endian(bitmap[i]) >> shift) | (little_endian(bitmap[i + 1]) << 1 << (63 - shift));
+}
+
+/* Bits position .. position + 56 of the word bitmap, with one unaligned load: its words are stored
+   little-endian, so bit k is bit k % 8 of its byte k / 8 on every machine. */
+static inline uint64_t bits_at(const uint64_t *bitmap, size_t position) {
+    return load_little_endian((const uint8_t *)bitmap + position / 8) >> (position % 8);
 }
 
 /* Set bits, without the POPCNT instruction (not in x86-64's baseline). */
@@ -338,7 +344,7 @@ static void init_tables(void) {
 static inline int trimmed_word(const Classified *c, size_t start, size_t length, uint64_t token_hash, uint64_t *word) {
     size_t first, last;
     if (length <= 16) {
-        uint64_t word_bits = window(c->word, start) & low_bits(length);
+        uint64_t word_bits = bits_at(c->word, start) & low_bits(length);
         if (word_bits == low_bits(length)) {  /* nothing to trim: the common case, so a branch */
             *word = token_hash;
             return 1;
