@@ -174,9 +174,10 @@ static inline uint64_t hash_lowered(const uint8_t *lowered, size_t length) {
 }
 
 /* A document classified: `lowered` its bytes with A-Z as a-z, `space` and `word` its bitmaps (bit k of
-   bitmap[k / 64] for byte k; `word`'s words stored little-endian). Past the document's end, up to the next multiple of 64, the bytes read as spaces;
-   each bitmap has two more words (all space, no word byte), so that a 64-bit window starting anywhere up to
-   64 bytes past the end can be read whole. `lowered` has 64 more bytes for the hash's loads past a span. */
+   bitmap[k / 64] for byte k; `word`'s words stored little-endian). Past the document's end, up to the next
+   multiple of 64, the bytes read as spaces; each bitmap has two more words (all space, no word byte), so that a
+   64-bit window starting anywhere up to 64 bytes past the end can be read whole. `lowered` has 64 more bytes
+   for the hash's loads past a span. */
 typedef struct {
     uint8_t *lowered;
     uint64_t *space, *word;
@@ -188,7 +189,8 @@ typedef struct {
 #define WINDOW_BLOCKS 16
 #define BOUNDS_ROOM (64 * WINDOW_BLOCKS + 16)
 
-/* Room for a document of up to `longest` bytes, in one zeroed allocation (NULL if there is none). */
+/* Room for a document of up to `longest` bytes, in one zeroed allocation (NULL when out of memory). calloc, not
+   PyMem_RawCalloc: that is not in the 3.11 limited API; it is freed on every path, as tokenize() shows. */
 static uint8_t *classified_room(Classified *c, size_t longest) {
     size_t blocks = longest / 64 + 1, bitmap_words = blocks + 2;
     uint8_t *room = calloc(1, sizeof(size_t) * BOUNDS_ROOM + 2 * 8 * bitmap_words + 64 * blocks + 64);
