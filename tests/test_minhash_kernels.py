@@ -67,9 +67,13 @@ def mix64(z: int) -> int:
 
 @functools.cache  # each text is checked against both kernels
 def reference_tokens(text: str) -> tuple[list[int], list[int]]:
-    """Token and word hashes of one document's normalised text: tokens split on ASCII whitespace, words trimmed
-    of the bytes that are neither ASCII whitespace nor word bytes (ASCII punctuation and control characters)."""
-    raw = normalization.normalize(text).encode()
+    """Token and word hashes of one document's normalised text (reference_byte_tokens of its UTF-8)."""
+    return reference_byte_tokens(normalization.normalize(text).encode())
+
+
+def reference_byte_tokens(raw: bytes) -> tuple[list[int], list[int]]:
+    """Token and word hashes of a document's bytes: tokens split on ASCII whitespace, words trimmed of the bytes
+    that are neither ASCII whitespace nor word bytes (ASCII punctuation and control characters)."""
     for space in SPACES:
         raw = raw.replace(bytes([space]), b" ")
     tokens, words = [], []
@@ -342,3 +346,58 @@ def test_a_token_of_megabytes_is_hashed_in_one_linear_pass(kernel_impl):
     so such a token costs a pass, not a quadratic recomputation of powers."""
     texts = ["Q" * 2_000_001 + " tail", "(" + "z" * 300_000 + ")"]
     check_against_reference(kernels.tokenize(pa.array(texts)), texts)
+
+
+def random_bytes_document(rng: random.Random) -> bytes:
+    """Tokens of every kind (word bytes, upper-case, non-ASCII bytes, punctuation at either end or inside, only
+    punctuation; 1 to 16 bytes, and around 32, 64 and 128) between runs of every separator, so that tokens begin
+    and end at every position of the kernel's 64-bit bitmap words and cross them, and its 1 KB windows."""
+    word = b"aZq_09" + bytes(range(0x80, 0x100, 7))
+    punctuation = b",.()-'\x01\x7f"
+    parts = []
+    for _ in range(rng.randrange(0, 120)):
+        if rng.random() < 0.45:
+            parts.append(bytes(rng.choice(SPACES) for _ in range(rng.choice([1, 1, 1, 2, 7, 8, 9, 63, 64, 65]))))
+            continue
+        length = rng.choice([*range(1, 17), 8, 16, 31, 32, 33, 63, 64, 65, 127, 128, 129, 700])
+        token = bytearray(rng.choice(word) for _ in range(length))
+        style = rng.random()
+        if style < 0.15:
+            token = bytearray(rng.choice(punctuation) for _ in range(length))
+        elif style < 0.5:
+            for _ in range(rng.randrange(1, 3)):
+                token[rng.choice([0, -1, rng.randrange(length)])] = rng.choice(punctuation)
+        parts.append(bytes(token))
+    return b"".join(parts)
+
+
+def test_tokenize_raw_bytes_matches_the_python_definition(kernel_impl):
+    """The kernel on raw bytes against the definition: random documents (random_bytes_document) and the edges of
+    the C kernel's layout: tokens of exactly 8, 16 and 64 bytes, a token filling a document to its end, empty
+    documents, documents in `extra`, the last documents ending exactly where data and extra end. Word bytes lie
+    between documents, so that a kernel reading past a document's end changes its hashes."""
+    rng = random.Random(23)
+    edges = [b"", b"a" * 8, b"B" * 16, b"," * 16, b" " * 63 + b"tok", b"w" * 64, b"(" + b"q" * 62 + b")", b"\xff\x80"]
+    edges += [b"x" * 1023 + b" y", b" " * 1024, b"z" * 2000, b"a, b. (c) " * 200]
+    documents = edges + [random_bytes_document(rng) for _ in range(300)]
+    in_extra = [i % 4 == 3 for i in range(len(documents))]
+    buffers, starts, ends = [bytearray(), bytearray()], [], []
+    for document, extra in zip(documents, in_extra):
+        buffer = buffers[extra]
+        buffer += b"glue"[: rng.randrange(0, 5)]
+        starts.append(len(buffer))
+        buffer += document
+        ends.append(len(buffer))
+    data, extra_bytes = bytes(buffers[0]), bytes(buffers[1])
+    starts = np.array([s + len(data) * e for s, e in zip(starts, in_extra)], np.int64)
+    ends = np.array([e_ + len(data) * e for e_, e in zip(ends, in_extra)], np.int64)
+    assert ends[in_extra].max() == len(data) + len(extra_bytes) and ends[~np.array(in_extra)].max() == len(data)
+    exact, counts = np.empty((len(documents), 2), np.uint64), np.empty(len(documents), np.int64)
+    word_hashes = np.empty((len(data) + len(extra_bytes) + len(documents)) // 2 + 1, np.uint64)
+    words = kernel_impl.tokenize(data, extra_bytes, starts, ends, exact, word_hashes, counts)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    assert words == offsets[-1]
+    for i, document in enumerate(documents):
+        want_tokens, want_words = reference_byte_tokens(document)
+        assert exact[i].tolist() == reference_exact(want_tokens), (i, document[:40])
+        assert word_hashes[offsets[i] : offsets[i + 1]].tolist() == want_words, (i, document[:40])

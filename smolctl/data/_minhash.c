@@ -9,7 +9,7 @@
        (counted from len(data)): a batch's arrow buffer with the documents that needed normalising in Python
        placed in a second buffer. A token is a maximal run of non-whitespace bytes, a word the token without
        its leading and trailing ASCII punctuation (none if nothing is left); both are hashed with ASCII letters
-       lower-cased (see hash_span). Outputs: exact, uint64[n, 2], a 128-bit hash of each document's token
+       lower-cased (see finish_mixed). Outputs: exact, uint64[n, 2], a 128-bit hash of each document's token
        sequence (see tokenize_document); the word hashes end to end, and the words of each document.
    shingles(tokens, offsets, weights, out, out_counts) -> total
        The n-grams of consecutive tokens of each document, as mix64(sum_k tokens[j + k] * weights[k]); a
@@ -29,12 +29,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-enum { SPACE = 0, WORD = 1, PUNCT = 2 };
 #define RADIX 0x100000001B3ULL
-
-static uint8_t byte_class[256];
 
 /* splitmix64's finaliser (minhash.mix64). */
 static inline uint64_t mix64(uint64_t z) {
@@ -44,29 +42,15 @@ static inline uint64_t mix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 
-/* RADIX^8: the step between the multipliers of consecutive 8-byte chunks of a span. */
-static uint64_t radix_8;
-
-static void init_tables(void) {
-    for (int c = 0; c < 256; c++) {
-        int word = c >= 128 || (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_';
-        byte_class[c] = word ? WORD : PUNCT;
-    }
-    /* The ASCII characters str.split() splits on. */
-    const char *spaces = "\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f ";
-    for (const char *s = spaces; *s; s++) byte_class[(uint8_t)*s] = SPACE;
-    radix_8 = 1;
-    for (int k = 0; k < 8; k++) radix_8 *= RADIX;
-}
-
 /* A span's hash: its bytes (ASCII letters lower-cased) as 8-byte little-endian chunks c_m, the last one
    zero-padded, summed as sum_m c_m * RADIX^(8m + 1) (mod 2^64; odd multipliers, so a single differing chunk
-   always changes the sum), then finished with the span's length and a multiply-xorshift. One multiply per
-   8 bytes. */
-static inline uint64_t finish_hash(uint64_t sum, Py_ssize_t length) {
-    uint64_t mixed = (sum + (uint64_t)length * 0x9E3779B97F4A7C15ULL) * 0xBF58476D1CE4E5B9ULL;
-    return (mixed ^ (mixed >> 31)) | 1ULL;
-}
+   always changes the sum), plus length * LENGTH_WEIGHT, times FINISH_MULTIPLIER, then finish_mixed's xorshift.
+   The tokeniser multiplies each term by FINISH_MULTIPLIER rather than their sum (multiplying mod 2^64
+   distributes over addition): one multiply per 8 bytes and none to finish. */
+#define LENGTH_WEIGHT 0x9E3779B97F4A7C15ULL
+#define FINISH_MULTIPLIER 0xBF58476D1CE4E5B9ULL
+
+static inline uint64_t finish_mixed(uint64_t mixed) { return (mixed ^ (mixed >> 31)) | 1ULL; }
 
 static inline uint64_t little_endian(uint64_t x) {
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
@@ -128,8 +112,14 @@ static int pairs_inside(const int64_t *left, const int64_t *right, Py_ssize_t pa
     return 1;
 }
 
-/* Eight bytes at a time ("SWAR"): the byte classes of a 64-bit load as masks with the high bit of each
-   byte set, so that a token's end is a count of trailing zeros instead of a mispredicted branch per token. */
+/* A document is tokenised in two passes. The first classifies it 64 bytes at a time into a copy with ASCII
+   letters lower-cased and two bitmaps, bit k standing for byte k: space bytes and word bytes. The second walks
+   the tokens with counts of trailing zeros over those bitmaps (a token's end, its first and last word bytes)
+   and hashes each token's lower-cased copy with masked 8-byte loads: no branch per byte, none per 8 bytes for
+   the tokens of real text, and no byte loop for punctuation. */
+
+/* Eight bytes at a time ("SWAR"), the portable classifier: the byte classes of a 64-bit load as masks with
+   the high bit of each byte set. */
 #define ONES 0x0101010101010101ULL
 #define HIGHS 0x8080808080808080ULL
 #define LOW7 0x7F7F7F7F7F7F7F7FULL
@@ -140,89 +130,301 @@ static inline uint64_t bytes_between(uint64_t x, unsigned low, unsigned high) {
     return (ONES * (127 + high) - low7) & ~x & (low7 + ONES * (127 - low)) & HIGHS;
 }
 
-static inline uint64_t space_bytes(uint64_t x) {
-    return bytes_between(x, 8, 14) | bytes_between(x, 27, 33);  /* \t \n \v \f \r, \x1c-\x1f and ' ' */
-}
-
-static inline uint64_t word_bytes(uint64_t x) {
-    return (x & HIGHS) | bytes_between(x, 47, 58) | bytes_between(x, 64, 91) | bytes_between(x, 96, 123)
-           | bytes_between(x, 94, 96);  /* non-ASCII, 0-9, A-Z, a-z, _ */
-}
-
-/* The 8 bytes at p, the ones at or past `end` reading as spaces (and never read past the buffer). */
-static inline uint64_t load_chunk(const uint8_t *p, const uint8_t *end) {
+static inline uint64_t load_little_endian(const uint8_t *p) {
     uint64_t x;
-    if (end - p >= 8) {
-        memcpy(&x, p, 8);
-        return little_endian(x);
-    }
-    x = ONES * ' ';
-    memcpy(&x, p, (size_t)(end - p));
+    memcpy(&x, p, 8);
     return little_endian(x);
 }
 
-static inline uint64_t lower_ascii(uint64_t x) {
-    return x | (bytes_between(x, 64, 91) >> 2);  /* A-Z to a-z: 0x20 added to those bytes */
+/* RADIX^8, the step between the multipliers of consecutive chunks, and the multipliers of a span's first two
+   chunks with FINISH_MULTIPLIER folded in. */
+#define RADIX_8 (RADIX * RADIX * RADIX * RADIX * RADIX * RADIX * RADIX * RADIX)
+#define FIRST_CHUNK (RADIX * FINISH_MULTIPLIER)
+#define SECOND_CHUNK (RADIX_8 * RADIX * FINISH_MULTIPLIER)
+
+/* KEEP[n]: the low n bytes of a 64-bit chunk, n = 0..8. */
+static const uint64_t KEEP[9] = {0, 0xFFULL, 0xFFFFULL, 0xFFFFFFULL, 0xFFFFFFFFULL, 0xFFFFFFFFFFULL, 0xFFFFFFFFFFFFULL,
+                                 0xFFFFFFFFFFFFFFULL, ~0ULL};
+
+/* SHORT_SPANS[n], n = 0..16: the masks of the two chunks of a span of n bytes and its length's term,
+   n * LENGTH_WEIGHT * FINISH_MULTIPLIER, looked up together (set by init_tables). */
+typedef struct {
+    uint64_t first, second, length_term;
+} ShortSpan;
+
+static ShortSpan SHORT_SPANS[17];
+
+/* The hash of the span of 0 to 16 bytes at `lowered`, a lower-cased copy that may be read 16 bytes from the
+   span's start: two masked loads, two multiplies and no branch (a second chunk masked to nothing adds zero). */
+static inline uint64_t hash_short(const uint8_t *lowered, size_t length) {
+    const ShortSpan *span = &SHORT_SPANS[length];
+    uint64_t first = load_little_endian(lowered) & span->first, second = load_little_endian(lowered + 8) & span->second;
+    return finish_mixed(first * FIRST_CHUNK + second * SECOND_CHUNK + span->length_term);
 }
 
-/* finish_hash of any span (the tokeniser's slow path: words trimmed of punctuation). */
-static uint64_t hash_span(const uint8_t *bytes, Py_ssize_t length) {
-    uint64_t sum = 0, multiplier = RADIX;
-    for (Py_ssize_t k = 0; k < length; k += 8) {
-        uint64_t x = 0;
-        memcpy(&x, bytes + k, length - k < 8 ? (size_t)(length - k) : 8);
-        sum += lower_ascii(little_endian(x)) * multiplier;
-        multiplier *= radix_8;
+/* hash_lowered of a span of more than 16 bytes: one chunk per 8 bytes. */
+static uint64_t hash_long(const uint8_t *lowered, size_t length) {
+    uint64_t mixed = (uint64_t)length * (LENGTH_WEIGHT * FINISH_MULTIPLIER), multiplier = FIRST_CHUNK;
+    size_t k = 0;
+    for (; k + 8 <= length; k += 8, multiplier *= RADIX_8) mixed += load_little_endian(lowered + k) * multiplier;
+    if (k < length) mixed += (load_little_endian(lowered + k) & KEEP[length - k]) * multiplier;
+    return finish_mixed(mixed);
+}
+
+/* The hash of any span of a lower-cased copy that may be read 16 bytes past the span's start and 8 past its
+   end; the short spans of text inline. */
+static inline uint64_t hash_lowered(const uint8_t *lowered, size_t length) {
+    return length <= 16 ? hash_short(lowered, length) : hash_long(lowered, length);
+}
+
+/* A document classified: `lowered` its bytes with A-Z as a-z, `space` and `word` its bitmaps (bit k of
+   bitmap[k / 64] for byte k; `word`'s words stored little-endian). Past the document's end, up to the next
+   multiple of 64, the bytes read as spaces; each bitmap has two more words (all space, no word byte), so that a
+   64-bit window starting anywhere up to 64 bytes past the end can be read whole. `lowered` has 64 more bytes
+   for the hash's loads past a span. */
+typedef struct {
+    uint8_t *lowered;
+    uint64_t *space, *word;
+    size_t *bounds;  /* of the tokens of a window of WINDOW_BLOCKS blocks: start, end, start... (tokenize_document) */
+} Classified;
+
+/* Tokens are listed from the bitmaps WINDOW_BLOCKS blocks of 64 bytes at a time: at most one start or end per
+   byte, a start carried over from the window before, and 7 positions written past the last. */
+#define WINDOW_BLOCKS 16
+#define BOUNDS_ROOM (64 * WINDOW_BLOCKS + 16)
+
+/* Room for a document of up to `longest` bytes, in one zeroed allocation (NULL when out of memory). calloc, not
+   PyMem_RawCalloc: that is not in the 3.11 limited API; it is freed on every path, as tokenize() shows. */
+static uint8_t *classified_room(Classified *c, size_t longest) {
+    size_t blocks = longest / 64 + 1, bitmap_words = blocks + 2;
+    uint8_t *room = calloc(1, sizeof(size_t) * BOUNDS_ROOM + 2 * 8 * bitmap_words + 64 * blocks + 64);
+    if (room) {
+        c->bounds = (size_t *)room;
+        c->space = (uint64_t *)(c->bounds + BOUNDS_ROOM);
+        c->word = c->space + bitmap_words;
+        c->lowered = (uint8_t *)(c->word + bitmap_words);
     }
-    return finish_hash(sum, length);
+    return room;
+}
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+
+/* 0xFF for each byte of x in [low, high] (ASCII bounds): x + (128 - low) wraps the range onto the lowest
+   signed bytes, so one signed compare tests both ends. */
+static inline __m128i in_range(__m128i x, int low, int high) {
+    return _mm_cmplt_epi8(_mm_add_epi8(x, _mm_set1_epi8((char)(128 - low))), _mm_set1_epi8((char)(high - low - 127)));
+}
+
+/* 64 bytes at `bytes`: lower-cased into `lowered`, their space and word bits returned. */
+static inline void classify_block(const uint8_t *bytes, uint8_t *lowered, uint64_t *space, uint64_t *word) {
+    uint64_t spaces = 0, words = 0;
+    for (int k = 0; k < 4; k++) {
+        __m128i x = _mm_loadu_si128((const __m128i *)(bytes + 16 * k));
+        __m128i lower = _mm_or_si128(x, _mm_and_si128(in_range(x, 'A', 'Z'), _mm_set1_epi8(0x20)));
+        _mm_storeu_si128((__m128i *)(lowered + 16 * k), lower);
+        __m128i is_space = _mm_or_si128(in_range(x, 9, 13), in_range(x, 28, 32));  /* \t \n \v \f \r, \x1c-\x1f, ' ' */
+        /* x itself contributes its high bit: every non-ASCII byte is a word byte. */
+        __m128i is_word = _mm_or_si128(_mm_or_si128(in_range(lower, 'a', 'z'), in_range(x, '0', '9')),
+                                       _mm_or_si128(_mm_cmpeq_epi8(x, _mm_set1_epi8('_')), x));
+        spaces |= (uint64_t)(uint16_t)_mm_movemask_epi8(is_space) << (16 * k);
+        words |= (uint64_t)(uint16_t)_mm_movemask_epi8(is_word) << (16 * k);
+    }
+    *space = spaces;
+    *word = little_endian(words);
+}
+#else
+/* The high bits of the 8 bytes of masks (a SWAR mask) as 8 bits: (masks >> 7) holds bit 8k for byte k, and the
+   multiply moves each to bit 56 + k with no two partial products meeting. */
+static inline uint64_t gather_high_bits(uint64_t masks) {
+    return ((masks >> 7) * 0x0102040810204080ULL) >> 56;
+}
+
+static inline void classify_block(const uint8_t *bytes, uint8_t *lowered, uint64_t *space, uint64_t *word) {
+    uint64_t spaces = 0, words = 0;
+    for (int k = 0; k < 8; k++) {
+        uint64_t x = load_little_endian(bytes + 8 * k);
+        uint64_t lower = little_endian(x | (bytes_between(x, 64, 91) >> 2));  /* A-Z: 0x20 added */
+        memcpy(lowered + 8 * k, &lower, 8);
+        uint64_t is_space = bytes_between(x, 8, 14) | bytes_between(x, 27, 33);  /* \t-\r, \x1c-\x1f and ' ' */
+        uint64_t is_word = (x & HIGHS) | bytes_between(x, 47, 58) | bytes_between(x, 64, 91)
+                           | bytes_between(x, 96, 123) | bytes_between(x, 94, 96);  /* non-ASCII, 0-9, A-Z, a-z, _ */
+        spaces |= gather_high_bits(is_space) << (8 * k);
+        words |= gather_high_bits(is_word) << (8 * k);
+    }
+    *space = spaces;
+    *word = little_endian(words);
+}
+#endif
+
+/* The `length` bytes at `bytes` into c; the last partial block through a copy padded with spaces, so that
+   nothing past the document is read. */
+static void classify(const uint8_t *bytes, size_t length, Classified *c) {
+    size_t block = 0;
+    for (; 64 * block + 64 <= length; block++)
+        classify_block(bytes + 64 * block, c->lowered + 64 * block, &c->space[block], &c->word[block]);
+    if (64 * block < length) {
+        uint8_t padded[64];
+        memset(padded, ' ', sizeof padded);
+        memcpy(padded, bytes + 64 * block, length - 64 * block);
+        classify_block(padded, c->lowered + 64 * block, &c->space[block], &c->word[block]);
+        block++;
+    }
+    c->space[block] = c->space[block + 1] = ~0ULL;
+    c->word[block] = c->word[block + 1] = 0;
+}
+
+/* Bits position .. position + 63 of the word bitmap (reads the word after position's). */
+static inline uint64_t window(const uint64_t *bitmap, size_t position) {
+    size_t i = position / 64;
+    unsigned shift = position % 64;
+    return (little_endian(bitmap[i]) >> shift) | (little_endian(bitmap[i + 1]) << 1 << (63 - shift));
+}
+
+/* Bits position .. position + 56 of the word bitmap, with one unaligned load: its words are stored
+   little-endian, so bit k is bit k % 8 of its byte k / 8 on every machine. */
+static inline uint64_t bits_at(const uint64_t *bitmap, size_t position) {
+    return load_little_endian((const uint8_t *)bitmap + position / 8) >> (position % 8);
+}
+
+/* Set bits, without the POPCNT instruction (not in x86-64's baseline). */
+static inline size_t count_bits(uint64_t x) {
+    x -= (x >> 1) & 0x5555555555555555ULL;
+    x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
+    return (size_t)((x * ONES) >> 56);
+}
+
+/* base + the position of each set bit of `bits`, in order, at out; returns how many. Eight are written per
+   round, whether there are or not (up to 7 past the last, garbage), so that the loop's branch is taken once
+   per 8 bounds, not mispredicted once per token. */
+static inline size_t list_positions(uint64_t bits, size_t base, size_t *out) {
+    size_t count = count_bits(bits);
+    for (size_t k = 0; k < count; k += 8)
+        for (int j = 0; j < 8; j++, bits &= bits - 1) out[k + j] = base + __builtin_ctzll(bits | 1ULL << 63);
+    return count;
+}
+
+/* The lowest n bits, n = 1..64. */
+static inline uint64_t low_bits(size_t n) { return ~0ULL >> (64 - n); }
+
+/* The first set bit of bitmap in [from, to), or `to`. */
+static size_t first_set(const uint64_t *bitmap, size_t from, size_t to) {
+    for (size_t q = from; q < to; q += 64) {
+        uint64_t bits = window(bitmap, q);
+        if (bits) return q + __builtin_ctzll(bits) < to ? q + __builtin_ctzll(bits) : to;
+    }
+    return to;
+}
+
+/* The last set bit of bitmap in [from, to), or `to`. */
+static size_t last_set(const uint64_t *bitmap, size_t from, size_t to) {
+    for (size_t q = to; q > from;) {
+        size_t start = q - from > 64 ? q - 64 : from;
+        uint64_t bits = window(bitmap, start) & low_bits(q - start);
+        if (bits) return start + 63 - __builtin_clzll(bits);
+        q = start;
+    }
+    return to;
 }
 
 static const uint64_t EXACT_RADIX[2] = {0x9E3779B97F4A7C15ULL, 0xD6E8FEB86659FD93ULL};
 
-/* Words and the exact hash of one document (bytes [start, end)); returns 0 if the word room ran out.
-   The exact hash is two polynomials sum_i t_i * R^i of the token hashes t_i, finished with the token count:
-   token hashes are folded in as they are found and never stored. */
-static int tokenize_document(const uint8_t *start, const uint8_t *end, uint64_t *exact, uint64_t *word_hashes,
-                             Py_ssize_t *words, Py_ssize_t word_room) {
-    const uint8_t *p = start;
+/* EXACT_POWERS[c][k] = EXACT_RADIX[c]^k for up to a window's tokens: they are folded into the exact hash with
+   one multiply per token and column, independent of each other (set by init_tables). */
+static uint64_t EXACT_POWERS[2][BOUNDS_ROOM / 2 + 1];
+
+static void init_tables(void) {
+    for (int n = 0; n <= 16; n++)
+        SHORT_SPANS[n] = (ShortSpan){KEEP[n < 8 ? n : 8], KEEP[n > 8 ? n - 8 : 0], n * (LENGTH_WEIGHT * FINISH_MULTIPLIER)};
+    for (int column = 0; column < 2; column++) {
+        EXACT_POWERS[column][0] = 1;
+        for (int k = 1; k <= BOUNDS_ROOM / 2; k++)
+            EXACT_POWERS[column][k] = EXACT_POWERS[column][k - 1] * EXACT_RADIX[column];
+    }
+}
+
+/* The word of the token [start, start + length) of c: the token trimmed to its first and last word bytes.
+   Returns 0 if it has none. A token of up to 16 bytes with punctuation (a third of the tokens of web text)
+   is trimmed without a branch, `word` written even when there is none. */
+static inline int trimmed_word(const Classified *c, size_t start, size_t length, uint64_t token_hash, uint64_t *word) {
+    size_t first, last;
+    if (length <= 16) {
+        uint64_t word_bits = bits_at(c->word, start) & low_bits(length);
+        if (word_bits == low_bits(length)) {  /* nothing to trim: the common case, so a branch */
+            *word = token_hash;
+            return 1;
+        }
+        uint64_t some_bits = word_bits | !word_bits;  /* no word: a 1-byte span, hashed for nothing */
+        first = __builtin_ctzll(some_bits);
+        *word = hash_short(c->lowered + start + first, 64 - __builtin_clzll(some_bits) - first);
+        return word_bits != 0;
+    }
+    if (length < 64) {
+        uint64_t word_bits = window(c->word, start) & low_bits(length);
+        if (!word_bits) return 0;
+        first = start + __builtin_ctzll(word_bits);
+        last = start + 63 - __builtin_clzll(word_bits);
+    } else {
+        first = first_set(c->word, start, start + length);
+        if (first == start + length) return 0;
+        last = last_set(c->word, first, start + length);
+    }
+    *word = first == start && last == start + length - 1 ? token_hash : hash_lowered(c->lowered + first, last + 1 - first);
+    return 1;
+}
+
+/* Hashes the `count` listed tokens of c's window, adding sum_t hash_t * EXACT_RADIX[c]^t to window_sums[c], and
+   their words into `words`; returns how many words, or -1 if a token began with all `room` taken. */
+static Py_ssize_t hash_window(const Classified *c, size_t count, uint64_t window_sums[2], uint64_t *restrict words,
+                              Py_ssize_t room) {
+    const size_t *restrict bounds = c->bounds;
+    uint64_t sum_0 = 0, sum_1 = 0;
+    Py_ssize_t written = 0;
+    for (size_t t = 0; t < count; t++) {
+        if (written >= room) return -1;
+        size_t start = bounds[2 * t], length = bounds[2 * t + 1] - start;
+        uint64_t hash = hash_lowered(c->lowered + start, length);
+        sum_0 += hash * EXACT_POWERS[0][t];
+        sum_1 += hash * EXACT_POWERS[1][t];
+        written += trimmed_word(c, start, length, hash, &words[written]);
+    }
+    window_sums[0] = sum_0;
+    window_sums[1] = sum_1;
+    return written;
+}
+
+/* Words and the exact hash of a classified document of `length` bytes; returns 0 if the word room ran out.
+   The exact hash is two polynomials sum_i t_i * R^i of the token hashes t_i, finished with the token count. */
+static int tokenize_document(Classified *c, size_t length, uint64_t *restrict exact, uint64_t *restrict word_hashes,
+                             Py_ssize_t *words_so_far, Py_ssize_t word_room) {
     uint64_t exact_sum[2] = {0, 0}, exact_power[2] = {1, 1}, tokens = 0;
-    while (p < end) {
-        uint64_t x = load_chunk(p, end), spaces = space_bytes(x);
-        if (spaces == HIGHS) { p += 8; continue; }
-        p += __builtin_ctzll(~spaces & HIGHS) / 8;  /* the token's first byte */
-        if (*words >= word_room) return 0;
-        const uint8_t *token = p;
-        uint64_t sum = 0, multiplier = RADIX, punctuation = 0;
-        Py_ssize_t length = 0;
-        for (;;) {
-            x = load_chunk(p, end);
-            spaces = space_bytes(x);
-            unsigned inside = spaces ? __builtin_ctzll(spaces) / 8 : 8;  /* token bytes in this chunk */
-            uint64_t keep = inside == 8 ? ~0ULL : (1ULL << (8 * inside)) - 1;
-            x &= keep;
-            punctuation |= ~word_bytes(x) & keep & HIGHS;
-            sum += lower_ascii(x) * multiplier;
-            multiplier *= radix_8;
-            length += inside;
-            p += inside;
-            if (inside < 8) break;
+    /* The tokens of a window of blocks are listed first, as the bytes whose class (space or not) differs from
+       the byte before's (the document's start counting as a space): a token's start, its end, the next start...;
+       then hashed in a loop that finds no token by branching, each token independent of the one before. A token
+       still open at the window's end is carried into the next; the last block is the one holding position
+       `length`, a space, where the last token ends. */
+    uint64_t spaces_before = ~0ULL;
+    size_t carried = 0, last_block = length / 64;
+    for (size_t first_block = 0; first_block <= last_block; first_block += WINDOW_BLOCKS) {
+        size_t bounds = carried;
+        for (size_t block = first_block; block <= last_block && block < first_block + WINDOW_BLOCKS; block++) {
+            uint64_t spaces = c->space[block], follows_space = spaces << 1 | spaces_before >> 63;
+            spaces_before = spaces;
+            bounds += list_positions(spaces ^ follows_space, 64 * block, c->bounds + bounds);
         }
-        uint64_t hash = finish_hash(sum, length);
+        size_t ends = bounds / 2;
+        uint64_t window_sums[2];
+        Py_ssize_t written = hash_window(c, ends, window_sums, word_hashes + *words_so_far, word_room - *words_so_far);
+        if (written < 0) return 0;
+        *words_so_far += written;
         for (int column = 0; column < 2; column++) {
-            exact_sum[column] += hash * exact_power[column];
-            exact_power[column] *= EXACT_RADIX[column];
+            exact_sum[column] += window_sums[column] * exact_power[column];
+            exact_power[column] *= EXACT_POWERS[column][ends];
         }
-        tokens++;
-        if (!punctuation) {
-            word_hashes[(*words)++] = hash;
-            continue;
-        }
-        /* Rarer: a token with punctuation, trimmed to its first and last word bytes (if any). */
-        Py_ssize_t first = 0, last = length - 1;
-        while (first < length && byte_class[token[first]] != WORD) first++;
-        while (last > first && byte_class[token[last]] != WORD) last--;
-        if (first < length)
-            word_hashes[(*words)++] = (first == 0 && last == length - 1) ? hash : hash_span(token + first, last + 1 - first);
+        tokens += ends;
+        carried = bounds % 2;
+        c->bounds[0] = c->bounds[bounds - carried];
     }
     for (int column = 0; column < 2; column++) exact[column] = mix64(exact_sum[column] ^ tokens * EXACT_RADIX[column]);
     return 1;
@@ -246,10 +448,18 @@ static PyObject *tokenize(PyObject *self, PyObject *args) {
     Py_ssize_t word_room = b[5].view.len / 8;
     if (b[3].view.len / 8 != docs || b[4].view.len / 16 != docs || b[6].view.len / 8 != docs)
         return refuse(b, 7, "starts, ends, exact and word_counts disagree on the number of documents");
+    size_t longest = 0;
     for (Py_ssize_t i = 0; i < docs; i++) {
         int in_data = ends[i] <= data_size, in_extra = starts[i] >= data_size && ends[i] <= data_size + extra_size;
         if (starts[i] < 0 || starts[i] > ends[i] || !(in_data || in_extra))
             return refuse(b, 7, "each document must lie inside data, or inside extra (positions from len(data) on)");
+        if ((size_t)(ends[i] - starts[i]) > longest) longest = (size_t)(ends[i] - starts[i]);
+    }
+    Classified classified;
+    uint8_t *room = classified_room(&classified, longest);
+    if (!room) {
+        release(b, 7);
+        return PyErr_NoMemory();
     }
     Py_ssize_t words = 0;
     int overflow = 0;
@@ -257,10 +467,13 @@ static PyObject *tokenize(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < docs && !overflow; i++) {
         Py_ssize_t words_before = words;
         const uint8_t *start = starts[i] < data_size || ends[i] == starts[i] ? data + starts[i] : extra + (starts[i] - data_size);
-        overflow = !tokenize_document(start, start + (ends[i] - starts[i]), exact + 2 * i, word_hashes, &words, word_room);
+        size_t length = (size_t)(ends[i] - starts[i]);
+        classify(start, length, &classified);
+        overflow = !tokenize_document(&classified, length, exact + 2 * i, word_hashes, &words, word_room);
         word_counts[i] = words - words_before;
     }
     Py_END_ALLOW_THREADS
+    free(room);
     if (overflow) return refuse(b, 7, "word_hashes is too small for the batch");
     release(b, 7);
     return PyLong_FromSsize_t(words);
