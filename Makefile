@@ -11,7 +11,7 @@ DEMO_DIR ?= demo-out
 .PHONY: install demo test wheel completions clean
 
 # setup.py builds the C kernels of dedup and pack (smolctl/data/_minhash.c, _pack.c): editing them re-runs the install.
-$(BIN)/smolctl: pyproject.toml setup.py smolctl/data/_minhash.c smolctl/data/_pack.c
+$(BIN)/smolctl: pyproject.toml setup.py smolctl/data/_minhash.c smolctl/data/_pack.c smolctl/data/_buffers.h
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIN)

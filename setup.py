@@ -13,6 +13,7 @@ STABLE_ABI = 0x030B0000  # Python 3.11: the first whose limited API has Py_buffe
 minhash_kernels = Extension(
     "smolctl.data._minhash",
     ["smolctl/data/_minhash.c"],
+    depends=["smolctl/data/_buffers.h"],
     extra_compile_args=["-O3", "-std=c11"],
     define_macros=[("Py_LIMITED_API", hex(STABLE_ABI))],
     py_limited_api=True,
@@ -22,6 +23,7 @@ minhash_kernels = Extension(
 pack_kernels = Extension(
     "smolctl.data._pack",
     ["smolctl/data/_pack.c"],
+    depends=["smolctl/data/_buffers.h"],
     extra_compile_args=["-O3", "-std=c11"],
     define_macros=[("Py_LIMITED_API", hex(STABLE_ABI))],
     py_limited_api=True,

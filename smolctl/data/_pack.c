@@ -9,53 +9,15 @@
        Items (int64 lengths, each 0..capacity) placed in the sequence `order` (int64, a permutation: longest
        first) into the open bin with the least room that fits, or into a new bin; open bins with equal room are a
        stack (the last one to reach that room is used first). Outputs: bin_of and offset (int64) of each item.
-       Exactly pack_rows.best_fit_decreasing_reference.
+       Exactly pack_rows.best_fit_decreasing_python.
    place(ids, lengths, slots, input_ids, position_ids)
        Document i is the next lengths[i] tokens of ids (int32, documents back to back); it is copied to
        input_ids[slots[i] ...] and position_ids there get 0, 1, ..., lengths[i] - 1 (both int32, flat).
 */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-typedef struct {
-    Py_buffer view;
-    int held;
-} Buffer;
-
-static void release(Buffer *buffers, int count) {
-    for (int i = 0; i < count; i++)
-        if (buffers[i].held) PyBuffer_Release(&buffers[i].view);
-}
-
-/* The buffers of objects[0..count): C-contiguous, of items of sizes[i] bytes, writable from first_output on.
-   On failure the ones taken are released and the Python error is set. */
-static int get_buffers(PyObject **objects, Buffer *b, int count, const char **names, const Py_ssize_t *sizes,
-                       int first_output) {
-    memset(b, 0, sizeof(Buffer) * count);
-    for (int i = 0; i < count; i++) {
-        int flags = PyBUF_C_CONTIGUOUS | (i >= first_output ? PyBUF_WRITABLE : 0);
-        if (PyObject_GetBuffer(objects[i], &b[i].view, flags) < 0) {
-            release(b, count);
-            return -1;
-        }
-        b[i].held = 1;
-        if (b[i].view.len % sizes[i] != 0) {
-            PyErr_Format(PyExc_ValueError, "%s: %zd bytes is not a whole number of %zd-byte items", names[i], b[i].view.len, sizes[i]);
-            release(b, count);
-            return -1;
-        }
-    }
-    return 0;
-}
-
-static PyObject *refuse(Buffer *b, int count, const char *message) {
-    release(b, count);
-    PyErr_SetString(PyExc_ValueError, message);
-    return NULL;
-}
+#include "_buffers.h"
 
 /* Open bins by free room: bins_at[r] is the top of the stack of bins with exactly r free slots (-1: none),
    below[bin] the next one down; bit r of `rooms` is set when that stack is not empty, so the best fit for
