@@ -10,24 +10,18 @@ from setuptools import Extension, setup
 
 STABLE_ABI = 0x030B0000  # Python 3.11: the first whose limited API has Py_buffer, which the kernels take
 
-minhash_kernels = Extension(
-    "smolctl.data._minhash",
-    ["smolctl/data/_minhash.c"],
-    depends=["smolctl/data/_buffers.h"],
-    extra_compile_args=["-O3", "-std=c11"],
-    define_macros=[("Py_LIMITED_API", hex(STABLE_ABI))],
-    py_limited_api=True,
-    optional=True,
-)
 
-pack_kernels = Extension(
-    "smolctl.data._pack",
-    ["smolctl/data/_pack.c"],
-    depends=["smolctl/data/_buffers.h"],
-    extra_compile_args=["-O3", "-std=c11"],
-    define_macros=[("Py_LIMITED_API", hex(STABLE_ABI))],
-    py_limited_api=True,
-    optional=True,
-)
+def kernels(name: str) -> Extension:
+    """smolctl/data/NAME.c as the optional abi3 extension smolctl.data.NAME (both share _buffers.h)."""
+    return Extension(
+        f"smolctl.data.{name}",
+        [f"smolctl/data/{name}.c"],
+        depends=["smolctl/data/_buffers.h"],
+        extra_compile_args=["-O3", "-std=c11"],
+        define_macros=[("Py_LIMITED_API", hex(STABLE_ABI))],
+        py_limited_api=True,
+        optional=True,
+    )
 
-setup(ext_modules=[minhash_kernels, pack_kernels], options={"bdist_wheel": {"py_limited_api": "cp311"}})
+
+setup(ext_modules=[kernels("_minhash"), kernels("_pack")], options={"bdist_wheel": {"py_limited_api": "cp311"}})
