@@ -325,6 +325,12 @@ def test_changing_documents_match_the_definition_on_text_and_malformed_bytes(ker
     assert out.tolist() == [int(e) for e in expected]
     with pytest.raises(ValueError, match="inside data"):
         kernel_impl.changing_documents(data, starts, ends + 1, normalization.changing_table(), out)
+    # ASCII never counts, whatever the table says of it; a table must cover ASCII; past its end everything counts.
+    everything = np.full(16, 0xFF, np.uint8)
+    kernel_impl.changing_documents(b"plain" + "é".encode(), np.array([0, 0]), np.array([5, 7]), everything, out[:2])
+    assert out[:2].tolist() == [0, 1]
+    with pytest.raises(ValueError, match="128 ASCII"):
+        kernel_impl.changing_documents(b"a", np.array([0]), np.array([1]), np.zeros(15, np.uint8), out[:1])
 
 
 def test_sorted_unique_is_np_unique():

@@ -181,6 +181,8 @@ def test_the_bfd_kernel_places_exactly_as_the_python_definition():
         np.testing.assert_array_equal(kernel[1], python[1])
     with pytest.raises(ValueError, match=r"0\.\.capacity"):
         best_fit_decreasing(np.array([3, 9]), 8)
+    with pytest.raises(ValueError, match=r"1\.\.2\^31-1"):  # sizes past this would overflow its allocations
+        best_fit_decreasing(np.array([3, 9]), 2**62)
 
 
 @pytest.mark.skipif(pack_rows._pack is None, reason="the C packing kernels were not built")

@@ -22,14 +22,15 @@
        out[i, p] = min over the shingles s of document i of (uint32)(multipliers[p] * (uint32)(s >> 32)),
        0xFFFFFFFF for a document without shingles. out: uint32[n, len(multipliers)], C order.
    changing_documents(data, starts, ends, table, out)
-       out[i] = 1 if the UTF-8 bytes [starts[i], ends[i]) of data hold a character whose bit is set in table
-       (one bit per code point below 8 * len(table), little-endian within each byte) or a character at or above
-       8 * len(table); else 0. A byte that does not begin a well-formed sequence is skipped on its own.
+       out[i] = 1 if the UTF-8 bytes [starts[i], ends[i]) of data hold a non-ASCII character whose bit is set in
+       table (one bit per code point below 8 * len(table), little-endian within each byte; len(table) >= 16) or
+       a character at or above 8 * len(table); else 0. ASCII characters never count. A byte that does not begin
+       a well-formed sequence is skipped on its own.
 */
+#include "_buffers.h" /* first: it includes Python.h, which must precede the standard headers */
+
 #include <stdint.h>
 #include <stdlib.h>
-
-#include "_buffers.h"
 
 #define RADIX 0x100000001B3ULL
 
@@ -620,6 +621,7 @@ static PyObject *changing_documents(PyObject *self, PyObject *args) {
     Py_ssize_t docs = b[1].view.len / 8, size = b[0].view.len;
     if (b[2].view.len / 8 != docs || b[4].view.len != docs)
         return refuse(b, 5, "changing_documents: starts, ends and out disagree on the number of documents");
+    if (b[3].view.len < 16) return refuse(b, 5, "changing_documents: the table must cover the 128 ASCII code points");
     for (Py_ssize_t i = 0; i < docs; i++)
         if (starts[i] < 0 || starts[i] > ends[i] || ends[i] > size)
             return refuse(b, 5, "changing_documents: each document must lie inside data");

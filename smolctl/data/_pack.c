@@ -2,8 +2,8 @@
 
    smolctl/data/pack_rows.py defines what is computed (its pure-Python/numpy functions are the reference and the
    fallback where this extension was not built); these functions only fill arrays the caller allocates (plain
-   buffers, no numpy C API). They run once per packing buffer, after the last batch of a unit is tokenised, so
-   their time is the tail of a pack.
+   buffers, no numpy C API). They run each time a packing buffer fills, and once more for the last, partly full
+   buffer of a unit after its last batch is tokenised: that run is the tail of a pack.
 
    best_fit_decreasing(lengths, order, capacity, bin_of, offset) -> bins
        Items (int64 lengths, each 0..capacity) placed in the sequence `order` (int64, a permutation: longest
@@ -14,10 +14,10 @@
        Document i is the next lengths[i] tokens of ids (int32, documents back to back); it is copied to
        input_ids[slots[i] ...] and position_ids there get 0, 1, ..., lengths[i] - 1 (both int32, flat).
 */
+#include "_buffers.h" /* first: it includes Python.h, which must precede the standard headers */
+
 #include <stdint.h>
 #include <stdlib.h>
-
-#include "_buffers.h"
 
 /* Open bins by free room: bins_at[r] is the top of the stack of bins with exactly r free slots (-1: none),
    below[bin] the next one down; bit r of `rooms` is set when that stack is not empty, so the best fit for
@@ -66,7 +66,8 @@ static PyObject *best_fit_decreasing(PyObject *self, PyObject *args) {
     if (get_buffers(objects, b, 4, names, sizes, 2) < 0) return NULL;
     Py_ssize_t n = b[0].view.len / 8;
     const int64_t *lengths = b[0].view.buf, *order = b[1].view.buf;
-    if (capacity < 1) return refuse(b, 4, "capacity must be at least 1");
+    /* A row longer than 2^31 tokens is no sequence length; the bound also keeps the allocations below exact. */
+    if (capacity < 1 || capacity > INT32_MAX) return refuse(b, 4, "capacity must be 1..2^31-1");
     if (b[1].view.len / 8 != n || b[2].view.len / 8 != n || b[3].view.len / 8 != n)
         return refuse(b, 4, "lengths, order, bin_of and offset must have the same length");
     for (Py_ssize_t i = 0; i < n; i++)

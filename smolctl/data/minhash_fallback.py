@@ -166,7 +166,7 @@ def _tokenize_slice(both: np.ndarray, starts: np.ndarray, ends: np.ndarray, exac
 
 
 def _span_hashes(text: np.ndarray, span_starts: np.ndarray, span_ends: np.ndarray) -> np.ndarray:
-    """finish_hash of each span [span_starts[k], span_ends[k]) of text: its lower-cased bytes as 8-byte
+    """The hash of each span [span_starts[k], span_ends[k]) of text (before its length is folded in): its lower-cased bytes as 8-byte
     little-endian chunks c_m summed as c_m * RADIX^(8m + 1); byte k of a span therefore weighs
     2^(8 (k mod 8)) * RADIX^(8 (k div 8) + 1)."""
     lengths = span_ends - span_starts
@@ -315,17 +315,21 @@ def agreements(signatures, perms: int, left, right, out) -> None:
 
 
 def changing_documents(data, starts, ends, table, out) -> None:
-    """out[i] = 1 if the UTF-8 bytes [starts[i], ends[i]) of data hold a character whose bit is set in table
-    (code points below 8 * len(table)) or a character at or above 8 * len(table); malformed bytes are skipped."""
+    """out[i] = 1 if the UTF-8 bytes [starts[i], ends[i]) of data hold a non-ASCII character whose bit is set in
+    table (code points below 8 * len(table), len(table) >= 16) or a character at or above 8 * len(table);
+    ASCII never counts; malformed bytes are skipped."""
     data = _array(data, "data", np.uint8)
     starts, ends = _array(starts, "starts", np.int64), _array(ends, "ends", np.int64)
     table = _array(table, "table", np.uint8)
     out = _array(out, "out", np.uint8, writable=True)
     if len(ends) != len(starts) or len(out) != len(starts):
         raise ValueError("changing_documents: starts, ends and out disagree on the number of documents")
+    if len(table) < 16:
+        raise ValueError("changing_documents: the table must cover the 128 ASCII code points")
     if ((starts < 0) | (starts > ends) | (ends > len(data))).any():
         raise ValueError("changing_documents: each document must lie inside data")
     bits = np.unpackbits(table, bitorder="little").astype(bool)
+    bits[:0x80] = False
     for i, (start, end) in enumerate(zip(starts.tolist(), ends.tolist())):
         code_points = np.frombuffer(_well_formed_text(data[start:end].tobytes()).encode("utf-32-le"), "<u4")
         beyond = code_points >= len(bits)

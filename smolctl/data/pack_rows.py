@@ -1,4 +1,4 @@
-"""Packing token batches into fixed-length rows: pure numpy, no I/O.
+"""Packing token batches into fixed-length rows: numpy and the optional C kernels of _pack.c, no I/O.
 
 Every document arrives with its EOS. Position ids restart at 0 at each document start (and at each row start),
 so the trainer and transformers' packed-sequence masking keep attention inside a document. Padding slots hold
@@ -112,7 +112,7 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray,
     if _pack is None:
         return best_fit_decreasing_python(lengths, capacity)
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
-    order = np.argsort(-lengths, kind="stable")
+    order = np.argsort(-lengths, kind="stable").astype(np.int64)
     bin_of, offset = np.empty(len(lengths), dtype=np.int64), np.empty(len(lengths), dtype=np.int64)
     bins = _pack.best_fit_decreasing(lengths, order, capacity, bin_of, offset)
     return bin_of, offset, bins

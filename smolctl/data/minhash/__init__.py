@@ -14,7 +14,7 @@
 - arrays:        integer-array helpers (a fixed 64-bit mixer, unique by sorting, union-find over edges)
 
 The per-document Python loop of the usual implementations (datasketch hashes every shingle with sha1 in Python)
-is replaced by passes over a whole batch: tokens and words are found and hashed in one pass over the UTF-8 bytes
-(_minhash.c), shingles are combinations of consecutive word hashes, and every permutation of every shingle is one
+is replaced by passes over a whole batch: tokens and words are found and hashed in one C call over the batch's
+UTF-8 bytes (_minhash.c), shingles are combinations of consecutive word hashes, and every permutation of every shingle is one
 uint32 multiply and minimum.
 """

@@ -40,7 +40,7 @@ class Tokens:
 
 
 def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
-    """Exact hashes and words of every document's normalised text (normalize(); nulls are empty), in one pass
+    """Exact hashes and words of every document's normalised text (normalize(); nulls are empty), in one call
     over the UTF-8 bytes of the batch (_minhash.c).
 
     Documents are hashed straight from the arrow buffer when normalize() would only lower-case their ASCII

@@ -82,4 +82,6 @@ def changing_table() -> np.ndarray:
                 changing.add(int(parts[1], 16))  # may compose with the character before it
     bits = np.zeros(TABLE_CODE_POINTS, bool)
     bits[sorted(changing)] = True
-    return np.packbits(bits, bitorder="little")
+    table = np.packbits(bits, bitorder="little")
+    table.flags.writeable = False  # cached for the whole process
+    return table
