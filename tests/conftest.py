@@ -11,6 +11,26 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "data" / "sample"
+# The files that take longest (CI's --durations, most first). `make test` runs `-n 2 --dist loadfile`, which hands
+# whole files to the two workers in collection order: collected alphabetically, test_slurm.py came last and ran
+# alone on one worker for its last four minutes while the other idled.
+LONGEST_FILES = (
+    "test_slurm.py",
+    "test_checkpoints.py",
+    "test_pretrain.py",
+    "test_pipeline.py",
+    "test_crash_safety.py",
+    "test_posttrain.py",
+    "test_examples.py",
+    "test_report.py",
+    "test_ppo.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest files first (longest-first scheduling), the rest in their usual order after them."""
+    rank = {name: position for position, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 def run_cli(
