@@ -19,6 +19,29 @@ def test_version_and_bare_command_show_the_pipeline():
     assert "train-tokenizer → dedup → mix → pack" in bare.stderr and "inspect" in bare.stderr
 
 
+def test_the_process_entry_collects_while_a_command_runs_and_freezes_only_at_exit(monkeypatch):
+    """`python -m smolctl` and the `smolctl` script pause the cyclic collector only while the CLI imports: a
+    command (a training loop among them) runs with it on and nothing frozen, and the freeze that spares the
+    last collection is the final exit handler."""
+    import atexit
+    import gc
+
+    import smolctl.__main__ as entry
+    import smolctl.cli
+
+    seen = {}
+    monkeypatch.setattr(smolctl.cli, "main", lambda: seen.update(on=gc.isenabled(), frozen=gc.get_freeze_count()))
+    gc.disable()  # a broken entry that never turns the collector back on must not be hidden by this test's state
+    try:
+        entry.main()
+    finally:
+        gc.enable()
+        atexit.unregister(gc.freeze)  # this test process keeps its own exit
+    assert seen == {"on": True, "frozen": 0}
+    scripts = (REPO / "pyproject.toml").read_text()
+    assert 'smolctl = "smolctl.__main__:main"' in scripts
+
+
 def test_every_command_is_listed_and_its_help_has_examples():
     from typer.testing import CliRunner
 
