@@ -3,6 +3,7 @@ torchrun (every rank raises the same error; rank 0 says it once)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,9 +55,16 @@ def resume_hint_on_interrupt(stage: str, recipe, run) -> Iterator[None]:
         ) from None
 
 
+QUIET_RANK_GRACE_S = 10.0
+"""How long a rank other than 0 waits before leaving on an error every rank raises. torchrun stops all ranks as
+soon as one exits with an error, so a quiet rank that left first could stop rank 0 before it said why; rank 0
+normally leaves within this grace and torchrun then stops the waiting ranks."""
+
+
 def quiet_on_other_ranks(exc: Exception) -> NoReturn:
-    """Every rank raises the same error; only rank 0 says it, the others leave with the same exit code."""
+    """Every rank raises the same error; only rank 0 says it, the others leave after it with the same exit code."""
     if rank_from_env() != 0:
+        time.sleep(QUIET_RANK_GRACE_S)
         raise typer.Exit(exc.exit_code)
     raise exc
 
