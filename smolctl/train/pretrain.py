@@ -39,7 +39,13 @@ from smolctl.train.checkpoint import (
     save_model_folder,
 )
 from smolctl.train.config import BatchPlan, TrainRecipe, check_keys, derive_batch, resolve_layout
-from smolctl.train.distributed import gradient_sync, init_distributed, load_full_state_dict, wrap_model
+from smolctl.train.distributed import (
+    gradient_sync,
+    init_distributed,
+    load_full_state_dict,
+    world_size_from_env,
+    wrap_model,
+)
 from smolctl.train.guards import Guards, Verdict
 from smolctl.train.loader import (
     IGNORE_INDEX,
@@ -149,11 +155,11 @@ class Trainer:
 
         self.recipe, self.run_dir, self.stage, self.show = recipe, Path(run_dir), stage, show
         self._replace_run = False
-        self.dist = init_distributed()
-        self.layout = resolve_layout(recipe, self.dist.world_size)
-        self.plan: BatchPlan = derive_batch(recipe.training, recipe.schedule, self.dist.world_size, self.layout)
-        # TP ranks of one group read the same rows: the data is split over data-parallel ranks only
-        self.dp_rank = self.dist.rank // self.layout.tp
+        # The layout, the batch and the resume point need only the world size and the run folder: a recipe or
+        # --resume they refuse fails here, before torch is imported and every rank waits to join the process group.
+        world_size = world_size_from_env()
+        self.layout = resolve_layout(recipe, world_size)
+        self.plan: BatchPlan = derive_batch(recipe.training, recipe.schedule, world_size, self.layout)
         self.finished: dict | None = None  # the final/ manifest when --resume auto finds nothing left to do
         self.resume_from = self._resume_point(resume, overwrite)
         self.init_from = (
@@ -161,6 +167,9 @@ class Trainer:
         )
         self.init_kind: str | None = None
         self.keep_optimizer = keep_optimizer
+        self.dist = init_distributed()
+        # TP ranks of one group read the same rows: the data is split over data-parallel ranks only
+        self.dp_rank = self.dist.rank // self.layout.tp
         self._validate_inputs()
         self.prefetch = Prefetcher(self._host_batch)
 
