@@ -238,8 +238,6 @@ def hub_unreachable(timeout_s: float = 3.0) -> str | None:
 
 def load_tokenizer(spec: str | Path):
     """A fast tokenizer from a local folder (ours, or any Hugging Face tokenizer folder) or a hub id."""
-    from transformers import AutoTokenizer
-
     path = Path(spec)
     looks_like_path = path.is_absolute() or str(spec).startswith((".", "~")) or str(spec).count("/") > 1
     if looks_like_path and not path.exists():
@@ -253,6 +251,8 @@ def load_tokenizer(spec: str | Path):
                 "is not a tokenizer folder (no tokenizer.json or tokenizer_config.json)",
                 "pass a folder written by `smolctl train-tokenizer` or a Hugging Face tokenizer folder",
             )
+    from transformers import AutoTokenizer  # after the checks above: a wrong path is refused without it
+
     offline = None if path.exists() else hub_unreachable()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(spec), local_files_only=path.exists() or offline is not None)
