@@ -1,18 +1,16 @@
 """The smolctl process: `python -m smolctl` and the `smolctl` script both start here."""
 
-import atexit
 import gc
 
 
 def main() -> None:
-    """Run one command. Start-up makes tens of thousands of objects (Typer, pydantic, rich, the command's
-    modules) that all live until the process ends, and Python's cyclic collector would walk them again and again
-    while they are made, and once more, in full, at exit. None of them is garbage, so the collector is off while
-    the CLI imports, what that made is frozen out of every later collection (the command then runs with the
-    collector on, as usual), and so is whatever is still alive at exit, after every other exit handler (they run
-    last-registered first). Finalisers of objects alive at exit are not guaranteed by Python anyway; outputs are
-    closed explicitly."""
-    atexit.register(gc.freeze)
+    """Run one command. Importing the CLI makes tens of thousands of objects (Typer, pydantic, rich, smolctl's
+    command modules) that all live until the process ends, and Python's cyclic collector would walk them again
+    and again while they are made, in every full collection after that, and once more at exit. None of them is
+    garbage, so the collector is off while the CLI imports and what that made is frozen out of later collections;
+    the command then runs with the collector on, as usual. What the command itself makes (torch, process groups)
+    is left to the usual collection at exit, the path torch is tested on: while that was frozen too, a
+    two-process gloo run aborted (SIGABRT) once in CI."""
     gc.disable()
     try:
         from smolctl.cli import main as run_command

@@ -22,7 +22,6 @@ def test_version_and_bare_command_show_the_pipeline():
 def test_the_process_entry_collects_while_a_command_runs(monkeypatch):
     """`python -m smolctl` and the `smolctl` script pause the cyclic collector only while the CLI imports and
     freeze what that made: a command (a training loop among them) runs with the collector on."""
-    import atexit
     import gc
 
     import smolctl.__main__ as entry
@@ -35,8 +34,7 @@ def test_the_process_entry_collects_while_a_command_runs(monkeypatch):
         entry.main()
     finally:
         gc.enable()
-        gc.unfreeze()  # this test process keeps its own collector and exit
-        atexit.unregister(gc.freeze)
+        gc.unfreeze()  # this test process keeps its own collector
     assert seen["on"] and seen["frozen"] > 10_000
     scripts = (REPO / "pyproject.toml").read_text()
     assert 'smolctl = "smolctl.__main__:main"' in scripts
