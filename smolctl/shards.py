@@ -20,7 +20,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,11 +57,18 @@ def sha256_file(path: Path, chunk: int = 4 * 1024**2) -> str:
 def atomic_write_bytes(path: Path, data: bytes, durable: bool = True) -> None:
     """Write under a temporary name in the same folder, fsync, then rename: readers see all or nothing.
     durable=False skips the fsync, for files a crash only costs recomputing (work areas)."""
+    atomic_write_parts(path, [data], durable)
+
+
+def atomic_write_parts(path: Path, parts: Iterable, durable: bool = True) -> None:
+    """atomic_write_bytes of the parts (bytes-like: bytes, C-contiguous numpy arrays) end to end, without
+    joining them into one copy first."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as handle:
-            handle.write(data)
+            for part in parts:
+                handle.write(part)
             handle.flush()
             if durable:
                 os.fsync(handle.fileno())

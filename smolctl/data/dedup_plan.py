@@ -75,12 +75,17 @@ class DedupPlan:
         return self.area.stage_done(stage, self.unit_count(stage))
 
 
+# Bumped whenever the layout of the files under OUTPUT/_work changes: a work area of another layout is not resumed.
+WORK_FILES_VERSION = 2
+
+
 def fingerprint(config: DedupConfig, source: DocumentSource, reference: DocumentSource | None) -> dict:
     return {
         "config": {k: v for k, v in asdict(config).items() if k not in ("overwrite", "output")},
         "input_files": file_identity(source.files),
         "reference_files": file_identity(reference.files) if reference else [],
         "hashing": HASHING_VERSION,
+        "work_files": WORK_FILES_VERSION,
     }
 
 

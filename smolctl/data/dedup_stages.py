@@ -7,6 +7,7 @@ reference shards.
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from smolctl.data.minhash.lsh import band_keys, bucket_pairs
 from smolctl.data.minhash.params import settle_margin
 from smolctl.data.minhash.shingles import sets_from_hashes, shingle_hashes
 from smolctl.errors import UserError
-from smolctl.shards import atomic_write_bytes
+from smolctl.shards import atomic_write_bytes, atomic_write_parts
 
 BATCH_ROWS = 4096
 # Shards are read with threads=False: the stages run one process per core (--workers, array tasks), and
@@ -41,7 +42,8 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     id_column = plan_.id_column if source is plan_.source else ("id" if "id" in source.columns else None)
     columns = [plan_.config.text_column] + ([id_column] if id_column else [])
     shard_name = source.files[file_index].stem
-    tables, key_parts, shingle_parts, shingle_counts, exact_parts, row = [], [], [], [], [], 0
+    tables, key_parts, signature_parts, shingle_parts, shingle_counts, exact_parts = [], [], [], [], [], []
+    row = 0
     permutations = params.permutations() if params else None
     for batch in source.iter_file_batches(file_index, columns, BATCH_ROWS, threads=False):
         texts = batch.column(plan_.config.text_column)
@@ -72,9 +74,7 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
                 shingle_parts.append((shingles >> np.uint64(32)).astype(np.uint32))
                 shingle_counts.append(np.diff(offsets))
             key_parts.append(keys)
-            columns_out["signature"] = pa.FixedSizeBinaryArray.from_buffers(
-                pa.binary(sigs.shape[1] * 4), len(sigs), [None, pa.py_buffer(np.ascontiguousarray(sigs))]
-            )
+            signature_parts.append(sigs)
         tables.append(pa.table(columns_out))
         row += len(texts)
         report("signatures", len(texts))
@@ -97,15 +97,26 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
             np.ascontiguousarray(keys.T, dtype="<u8").tobytes(),
             durable=False,
         )
+        # (docs, num_perm) raw little-endian uint32, written batch by batch: the components stage maps the file
+        # and reads only the rows of candidate pairs and removed documents.
+        atomic_write_parts(
+            plan_.work / "signatures" / f"{unit:05d}.signatures",
+            [np.ascontiguousarray(part, "<u4") for part in signature_parts],
+            durable=False,
+        )
     if params and plan_.config.verify:
         # Kept for the grey-zone pairs' exact Jaccard: reading them back is far cheaper than re-reading and
-        # re-hashing the texts (4 bytes a word on disk; only the pairs' documents are ever loaded).
+        # re-hashing the texts (4 bytes a word on disk; only the pairs' documents are ever loaded). Written part
+        # by part: joining the parts, then masking out the repeats, were two copies of every hash.
         counts = np.concatenate(shingle_counts) if shingle_counts else np.zeros(0, np.int64)
-        shingles = np.concatenate(shingle_parts) if shingle_parts else np.zeros(0, np.uint32)
         if repeats.any():
-            shingles = shingles[~np.repeat(repeats, counts)]
+            shingle_parts = _without_rows(shingle_parts, shingle_counts, repeats)
             counts = np.where(repeats, 0, counts)
-        _atomic_save(plan_.work / "signatures" / f"{unit:05d}.shingles.npy", shingles)
+        atomic_write_parts(
+            plan_.work / "signatures" / f"{unit:05d}.shingles.npy",
+            [_npy_header(np.uint32, int(counts.sum())), *shingle_parts],
+            durable=False,
+        )
         _atomic_save(
             plan_.work / "signatures" / f"{unit:05d}.shingle_offsets.npy",
             np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
@@ -149,7 +160,6 @@ def components_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
         ["id", "null"]
         + (["chars"] if config.keep == "longest" else [])
         + (["exact_hi", "exact_lo"] if config.exact else [])
-        + (["signature"] if config.minhash else [])
     )
     table = pa.concat_tables(
         read_parquet(plan_.work / "signatures" / f"{u:05d}.parquet", columns) for u in range(len(plan_.units))
@@ -167,18 +177,18 @@ def components_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     if exact is not None:
         edges.append(exact_edges(exact, null, n_input))
         representative[edges[-1][:, 1]] = edges[-1][:, 0]
-    sigs, stats = None, {"candidate_pairs": 0, "verified_pairs": 0}
+    stats = {"candidate_pairs": 0, "verified_pairs": 0}
     if config.minhash:
-        sigs = _signature_matrix(table.column("signature"), config.minhash.num_perm)
         pairs = sorted_unique(
             np.concatenate([np.load(plan_.work / "buckets" / f"{b:05d}.npy") for b in range(config.minhash.bands)])
         )
-        accepted, stats = verify_pairs(plan_, pairs, sigs, report, representative)
+        accepted, stats = verify_pairs(plan_, pairs, report, representative)
         edges.append(accepted)
     edges = np.concatenate(edges)
     chars = to_numpy_filled(table.column("chars")) if config.keep == "longest" else None
     removed = choose_kept(edges, n_input, chars, config.keep)
-    report_table = removal_report(removed, ids, exact, sigs)
+    estimate = estimated_jaccard(plan_, removed[:, 0], removed[:, 1]) if config.minhash else None
+    report_table = removal_report(removed, ids, exact, estimate)
     _write_table(plan_.work / "components" / "removed.parquet", report_table)
     reasons = report_table.column("reason").to_pylist()
     return {
@@ -225,11 +235,39 @@ def id_chunks(plan_: DedupPlan, file_index: int) -> list[pa.Array]:
     ]
 
 
-def _signature_matrix(column: pa.ChunkedArray, num_perm: int) -> np.ndarray:
-    array = column.combine_chunks()
-    width = num_perm * 4
-    raw = np.frombuffer(array.buffers()[1], dtype=np.uint8)[array.offset * width : (array.offset + len(array)) * width]
-    return raw.view(np.uint32).reshape(len(array), num_perm)
+def estimated_jaccard(plan_: DedupPlan, left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    """The MinHash estimate for each pair of global documents (left[k], right[k]), from the signature rows of
+    just those documents."""
+    docs = sorted_unique(np.concatenate([left, right]).astype(np.int64))
+    return estimate_jaccard(signatures_of(plan_, docs), np.searchsorted(docs, left), np.searchsorted(docs, right))
+
+
+def signatures_of(plan_: DedupPlan, docs: np.ndarray) -> np.ndarray:
+    """(len(docs), num_perm) signature rows of the given sorted global documents, in their order, from the raw
+    files the signatures stage wrote (memory-mapped: only these rows are read)."""
+    num_perm = plan_.config.minhash.num_perm
+    rows = [
+        np.memmap(
+            _checked_size(path, num_perm * 4 * count, f"{num_perm} x 4-byte values x {count} documents"),
+            dtype="<u4",
+            mode="r",
+            shape=(count, num_perm),
+        )[wanted]
+        for path, count, wanted in _rows_by_unit(plan_, docs, "signatures")
+    ]
+    return np.concatenate(rows) if rows else np.zeros((0, num_perm), np.uint32)
+
+
+def _rows_by_unit(plan_: DedupPlan, docs: np.ndarray, suffix: str):
+    """(path of the unit's `suffix` work file, the unit's document count, the unit's rows among the sorted
+    global `docs`) for each unit holding any of them, in order."""
+    start = 0
+    for unit, (source, file_index) in enumerate(plan_.units):
+        count = source.file_rows[file_index]
+        low, high = np.searchsorted(docs, [start, start + count])
+        if high > low:
+            yield plan_.work / "signatures" / f"{unit:05d}.{suffix}", count, docs[low:high] - start
+        start += count
 
 
 def exact_edges(exact: np.ndarray, null: np.ndarray, n_input: int) -> np.ndarray:
@@ -255,7 +293,7 @@ def exact_edges(exact: np.ndarray, null: np.ndarray, n_input: int) -> np.ndarray
 
 
 def verify_pairs(
-    plan_: DedupPlan, pairs: np.ndarray, sigs: np.ndarray, report: Report, representative: np.ndarray | None = None
+    plan_: DedupPlan, pairs: np.ndarray, report: Report, representative: np.ndarray | None = None
 ) -> tuple[np.ndarray, dict]:
     """Accepted candidate pairs as (k, 2) edges: settled by the signature estimate far from the threshold,
     by the exact Jaccard of the shingle sets in between (or by the estimate alone without verification).
@@ -274,7 +312,7 @@ def verify_pairs(
         report("verify", candidates - len(pairs))
     left = (pairs >> np.uint64(32)).astype(np.int64)
     right = (pairs & np.uint64(0xFFFFFFFF)).astype(np.int64)
-    estimate = estimate_jaccard(sigs, left, right)
+    estimate = estimated_jaccard(plan_, left, right)
     if not plan_.config.verify:
         accept = estimate >= params.threshold
         report("verify", len(pairs))
@@ -294,15 +332,10 @@ def verify_pairs(
 def shingle_sets_of(plan_: DedupPlan, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Shingle sets (values, bounds) of the given sorted global documents, in their order, from the shingle
     hashes the signatures stage kept (memory-mapped: only these documents' hashes are read)."""
-    hashes, offsets, start = [], [np.zeros(1, np.int64)], 0
-    for unit, (source, file_index) in enumerate(plan_.units):
-        rows = source.file_rows[file_index]
-        wanted = docs[(docs >= start) & (docs < start + rows)] - start
-        start += rows
-        if not len(wanted):
-            continue
-        unit_hashes = np.load(plan_.work / "signatures" / f"{unit:05d}.shingles.npy", mmap_mode="r")
-        unit_offsets = np.load(plan_.work / "signatures" / f"{unit:05d}.shingle_offsets.npy", mmap_mode="r")
+    hashes, offsets = [], [np.zeros(1, np.int64)]
+    for path, _, wanted in _rows_by_unit(plan_, docs, "shingles.npy"):
+        unit_hashes = np.load(path, mmap_mode="r")
+        unit_offsets = np.load(path.with_name(path.name.replace("shingles", "shingle_offsets")), mmap_mode="r")
         begin, counts = unit_offsets[wanted], unit_offsets[wanted + 1] - unit_offsets[wanted]
         index = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts - begin, counts)
         hashes.append(np.asarray(unit_hashes[index]).astype(np.uint64) << np.uint64(32))
@@ -330,17 +363,18 @@ def choose_kept(edges: np.ndarray, n_input: int, chars: np.ndarray | None, keep:
 
 
 def removal_report(
-    removed: np.ndarray, ids: pa.ChunkedArray, exact: np.ndarray | None, sigs: np.ndarray | None
+    removed: np.ndarray, ids: pa.ChunkedArray, exact: np.ndarray | None, estimate: np.ndarray | None
 ) -> pa.Table:
-    """One row per removed document: its index and id, the kept id, a cluster number, the reason, the Jaccard.
+    """One row per removed document: its index and id, the kept id, a cluster number, the reason, the Jaccard
+    (1 for exact copies, else the MinHash `estimate` of the pair, 1 without MinHash).
 
     Clusters are numbered by their kept document's position, so the numbers depend on the data only.
     """
     doc, kept = removed[:, 0], removed[:, 1]
     _, cluster = sorted_unique(kept, return_inverse=True)
     same_text = np.all(exact[doc] == exact[kept], axis=1) if exact is not None else np.zeros(len(doc), bool)
-    if sigs is not None:
-        similarity = np.where(same_text, 1.0, estimate_jaccard(sigs, doc, kept))
+    if estimate is not None:
+        similarity = np.where(same_text, 1.0, estimate)
     else:
         similarity = np.ones(len(doc))
     doc, kept = from_numpy(doc.astype(np.int64)), from_numpy(kept.astype(np.int64))
@@ -406,13 +440,37 @@ def read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table:
 
 
 def _band_row(path: Path, band: int, bands: int, rows: int) -> np.ndarray:
-    if path.stat().st_size != bands * rows * 8:
+    _checked_size(path, bands * rows * 8, f"{bands} bands x {rows} documents")
+    return np.fromfile(path, dtype="<u8", count=rows, offset=band * rows * 8)
+
+
+def _checked_size(path: Path, size: int, layout: str) -> Path:
+    if path.stat().st_size != size:
         raise UserError(
             path,
-            f"holds {path.stat().st_size} bytes, not {bands} bands x {rows} documents",
+            f"holds {path.stat().st_size} bytes, not {layout}",
             "the work area was changed by hand; re-run with --overwrite",
         )
-    return np.fromfile(path, dtype="<u8", count=rows, offset=band * rows * 8)
+    return path
+
+
+def _without_rows(parts: list[np.ndarray], counts: list[np.ndarray], dropped: np.ndarray) -> list[np.ndarray]:
+    """The per-batch value arrays (counts[i][d] values for batch i's document d) without the values of the
+    documents `dropped` marks; only batches holding such a document are copied."""
+    kept, row = [], 0
+    for part, part_counts in zip(parts, counts):
+        part_dropped = dropped[row : row + len(part_counts)]
+        row += len(part_counts)
+        kept.append(part[~np.repeat(part_dropped, part_counts)] if part_dropped.any() else part)
+    return kept
+
+
+def _npy_header(dtype, length: int) -> bytes:
+    """The .npy header np.save writes for a 1-D array of `length` values of `dtype` (native byte order)."""
+    header = io.BytesIO()
+    descr = np.lib.format.dtype_to_descr(np.dtype(dtype))
+    np.lib.format.write_array_header_1_0(header, {"descr": descr, "fortran_order": False, "shape": (length,)})
+    return header.getvalue()
 
 
 def _atomic_save(path: Path, array: np.ndarray) -> None:
