@@ -74,7 +74,8 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
                 shingle_parts.append((shingles >> np.uint64(32)).astype(np.uint32))
                 shingle_counts.append(np.diff(offsets))
             key_parts.append(keys)
-            signature_parts.append(sigs)
+            if not plan_.config.verify:
+                signature_parts.append(sigs)
         tables.append(pa.table(columns_out))
         row += len(texts)
         report("signatures", len(texts))
@@ -97,8 +98,10 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
             np.ascontiguousarray(keys.T, dtype="<u8").tobytes(),
             durable=False,
         )
+    if params and not plan_.config.verify:
         # (docs, num_perm) raw little-endian uint32, written batch by batch: the components stage maps the file
-        # and reads only the rows of candidate pairs and removed documents.
+        # and reads only the rows of candidate pairs and removed documents. Verifying, it recomputes those rows
+        # from the shingle hashes below instead: cheaper than writing every document's signature.
         atomic_write_parts(
             plan_.work / "signatures" / f"{unit:05d}.signatures",
             [np.ascontiguousarray(part, "<u4") for part in signature_parts],
@@ -187,7 +190,11 @@ def components_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     edges = np.concatenate(edges)
     chars = to_numpy_filled(table.column("chars")) if config.keep == "longest" else None
     removed = choose_kept(edges, n_input, chars, config.keep)
-    estimate = estimated_jaccard(plan_, removed[:, 0], removed[:, 1]) if config.minhash else None
+    estimate = (
+        estimated_jaccard(plan_, representative[removed[:, 0]], representative[removed[:, 1]])
+        if config.minhash
+        else None
+    )
     report_table = removal_report(removed, ids, exact, estimate)
     _write_table(plan_.work / "components" / "removed.parquet", report_table)
     reasons = report_table.column("reason").to_pylist()
@@ -243,9 +250,15 @@ def estimated_jaccard(plan_: DedupPlan, left: np.ndarray, right: np.ndarray) -> 
 
 
 def signatures_of(plan_: DedupPlan, docs: np.ndarray) -> np.ndarray:
-    """(len(docs), num_perm) signature rows of the given sorted global documents, in their order, from the raw
-    files the signatures stage wrote (memory-mapped: only these rows are read)."""
-    num_perm = plan_.config.minhash.num_perm
+    """(len(docs), num_perm) signature rows of the given sorted global documents, in their order: recomputed
+    from their kept shingle hashes (the 32 bits MinHash permutes) when verifying, else read from the raw files
+    the signatures stage wrote (memory-mapped: only these rows are read).
+
+    A later exact copy inside a shard keeps no shingles (signature_unit): pass the first of its exact group."""
+    params = plan_.config.minhash
+    if plan_.config.verify:
+        return signatures(*kept_shingles(plan_, docs), params.permutations())
+    num_perm = params.num_perm
     rows = [
         np.memmap(
             _checked_size(path, num_perm * 4 * count, f"{num_perm} x 4-byte values x {count} documents"),
@@ -330,8 +343,13 @@ def verify_pairs(
 
 
 def shingle_sets_of(plan_: DedupPlan, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Shingle sets (values, bounds) of the given sorted global documents, in their order, from the shingle
-    hashes the signatures stage kept (memory-mapped: only these documents' hashes are read)."""
+    """Shingle sets (values, bounds) of the given sorted global documents, in their order."""
+    return sets_from_hashes(*kept_shingles(plan_, docs))
+
+
+def kept_shingles(plan_: DedupPlan, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The shingle hashes (values, offsets; each hash's upper 32 bits, as kept) of the given sorted global
+    documents, in their order, from the signatures stage's files (memory-mapped: only these are read)."""
     hashes, offsets = [], [np.zeros(1, np.int64)]
     for path, _, wanted in _rows_by_unit(plan_, docs, "shingles.npy"):
         unit_hashes = np.load(path, mmap_mode="r")
@@ -340,7 +358,7 @@ def shingle_sets_of(plan_: DedupPlan, docs: np.ndarray) -> tuple[np.ndarray, np.
         index = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts - begin, counts)
         hashes.append(np.asarray(unit_hashes[index]).astype(np.uint64) << np.uint64(32))
         offsets.append(np.cumsum(counts) + offsets[-1][-1])
-    return sets_from_hashes(np.concatenate(hashes) if hashes else np.zeros(0, np.uint64), np.concatenate(offsets))
+    return np.concatenate(hashes) if hashes else np.zeros(0, np.uint64), np.concatenate(offsets)
 
 
 def choose_kept(edges: np.ndarray, n_input: int, chars: np.ndarray | None, keep: str) -> np.ndarray:
