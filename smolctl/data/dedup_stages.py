@@ -30,6 +30,7 @@ BATCH_ROWS = 4096
 # Shards are read with threads=False: the stages run one process per core (--workers, array tasks), and
 # arrow's machine-wide thread pool would only contend with them.
 NO_BUCKET = np.uint64(0)
+RECOMPUTED_SIGNATURES = 16384  # documents whose signatures the components stage recomputes in one go
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -255,10 +256,18 @@ def signatures_of(plan_: DedupPlan, docs: np.ndarray) -> np.ndarray:
     the signatures stage wrote (memory-mapped: only these rows are read).
 
     A later exact copy inside a shard keeps no shingles (signature_unit): pass the first of its exact group."""
-    params = plan_.config.minhash
+    params, num_perm = plan_.config.minhash, plan_.config.minhash.num_perm
     if plan_.config.verify:
-        return signatures(*kept_shingles(plan_, docs), params.permutations())
-    num_perm = params.num_perm
+        # A slice of documents at a time: their shingle hashes (8 bytes a word here) can outweigh the signatures
+        # many times over for long documents.
+        permutations = params.permutations()
+        return np.concatenate(
+            [np.zeros((0, num_perm), np.uint32)]
+            + [
+                signatures(*kept_shingles(plan_, docs[i : i + RECOMPUTED_SIGNATURES]), permutations)
+                for i in range(0, len(docs), RECOMPUTED_SIGNATURES)
+            ]
+        )
     rows = [
         np.memmap(
             _checked_size(path, num_perm * 4 * count, f"{num_perm} x 4-byte values x {count} documents"),
