@@ -348,6 +348,48 @@ def test_ids_default_to_shard_and_row(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("verify", [True, False])
+def test_each_removed_documents_jaccard_is_its_own_estimate_even_for_exact_copies(tmp_path, verify):
+    # Two spellings of I-dot-above with a combining mark below: equal as exact text (NFKC composes both), but
+    # their char shingles differ (ASCII lower-casing first keeps the marks apart in one of them). The copy is
+    # removed as a near duplicate of the first document, and its report row must carry its own estimate, not
+    # the one of its exact twin.
+    rng = random.Random(3)
+    vocabulary = ["".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 6))) for _ in range(300)]
+    words = [rng.choice(vocabulary) for _ in range(60)]
+    near = " ".join("\u0130\u0316" + w if k % 8 == 0 else w for k, w in enumerate(words))
+    others = [" ".join(rng.choice(vocabulary) for _ in range(60)) for _ in range(5)]
+    texts = [" ".join(words), near, near.replace("\u0130\u0316", "I\u0316\u0307"), *others]
+    params = MinHashParams(threshold=0.5, shingle="char")
+    exact = kernels.tokenize(texts).exact
+    assert (exact[1] == exact[2]).all()
+    src = tmp_path / "in"
+    write_shards(src, pa.table({"text": texts}), 1)
+    dedup(src, tmp_path / "out", minhash=params, verify=verify, workers=1)
+    _, report = read_output(tmp_path / "out")
+    signature = kernels.signatures(*shingles.shingle_hashes(texts, params.ngram, "char"), params.permutations())
+    own = kernels.estimate_jaccard(signature, np.array([1, 2]), np.array([0, 0]))
+    assert own[0] != own[1]
+    assert report.column("id").to_pylist() == ["part-00000:1", "part-00000:2"]
+    assert report.column("duplicate_of").to_pylist() == ["part-00000:0"] * 2
+    assert report.column("jaccard").to_pylist() == pytest.approx(own.tolist())
+
+
+def test_a_shard_without_rows_changes_nothing(planted, tmp_path):
+    # Filters upstream can leave empty shards; they hold no documents, so the output is that of the others.
+    with_empty = tmp_path / "with-empty"
+    with_empty.mkdir()
+    shards = sorted(planted["input"].glob("*.parquet"))
+    for shard in shards:
+        (with_empty / shard.name).write_bytes(shard.read_bytes())
+    pq.write_table(pq.read_table(shards[0]).slice(0, 0), with_empty / "part-00001a.parquet")
+    dedup(planted["input"], tmp_path / "plain", workers=1)
+    dedup(with_empty, tmp_path / "out", workers=1)
+    assert [t.to_pylist() for t in read_output(tmp_path / "out")] == [
+        t.to_pylist() for t in read_output(tmp_path / "plain")
+    ]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The CLI: demo path and bad input
 

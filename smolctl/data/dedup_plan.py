@@ -76,7 +76,7 @@ class DedupPlan:
 
 
 # Bumped whenever the layout of the files under OUTPUT/_work changes: a work area of another layout is not resumed.
-WORK_FILES_VERSION = 2
+WORK_FILES_VERSION = 3
 
 
 def fingerprint(config: DedupConfig, source: DocumentSource, reference: DocumentSource | None) -> dict:

@@ -83,8 +83,9 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     table = pa.concat_tables(tables)
     repeats = np.zeros(table.num_rows, bool)
     if params and exact_parts:
-        # A later exact copy of a document of this shard joins it through its exact edge and has its shingles:
-        # it stays out of the buckets (no pairs, no verification) and its shingles are not kept.
+        # A later exact copy of a document of this shard joins it through its exact edge: it stays out of the
+        # buckets (no pairs to verify). Its shingles are still kept: the report's estimate for it is its own
+        # (char shingles of exact copies can differ, e.g. in the order of combining marks).
         exact = np.concatenate(exact_parts)
         order = np.lexsort((exact[:, 1], exact[:, 0]))  # stable: an exact group's first document comes first
         ordered = exact[order]
@@ -111,11 +112,8 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     if params and plan_.config.verify:
         # Kept for the grey-zone pairs' exact Jaccard: reading them back is far cheaper than re-reading and
         # re-hashing the texts (4 bytes a word on disk; only the pairs' documents are ever loaded). Written part
-        # by part: joining the parts, then masking out the repeats, were two copies of every hash.
+        # by part: joining the parts first would be a second copy of every hash.
         counts = np.concatenate(shingle_counts) if shingle_counts else np.zeros(0, np.int64)
-        if repeats.any():
-            shingle_parts = _without_rows(shingle_parts, shingle_counts, repeats)
-            counts = np.where(repeats, 0, counts)
         atomic_write_parts(
             plan_.work / "signatures" / f"{unit:05d}.shingles.npy",
             [_npy_header(np.uint32, int(counts.sum())), *shingle_parts],
@@ -191,11 +189,7 @@ def components_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     edges = np.concatenate(edges)
     chars = to_numpy_filled(table.column("chars")) if config.keep == "longest" else None
     removed = choose_kept(edges, n_input, chars, config.keep)
-    estimate = (
-        estimated_jaccard(plan_, representative[removed[:, 0]], representative[removed[:, 1]])
-        if config.minhash
-        else None
-    )
+    estimate = estimated_jaccard(plan_, removed[:, 0], removed[:, 1]) if config.minhash else None
     report_table = removal_report(removed, ids, exact, estimate)
     _write_table(plan_.work / "components" / "removed.parquet", report_table)
     reasons = report_table.column("reason").to_pylist()
@@ -253,9 +247,7 @@ def estimated_jaccard(plan_: DedupPlan, left: np.ndarray, right: np.ndarray) -> 
 def signatures_of(plan_: DedupPlan, docs: np.ndarray) -> np.ndarray:
     """(len(docs), num_perm) signature rows of the given sorted global documents, in their order: recomputed
     from their kept shingle hashes (the 32 bits MinHash permutes) when verifying, else read from the raw files
-    the signatures stage wrote (memory-mapped: only these rows are read).
-
-    A later exact copy inside a shard keeps no shingles (signature_unit): pass the first of its exact group."""
+    the signatures stage wrote (memory-mapped: only these rows are read)."""
     params, num_perm = plan_.config.minhash, plan_.config.minhash.num_perm
     if plan_.config.verify:
         # A slice of documents at a time: their shingle hashes (8 bytes a word here) can outweigh the signatures
@@ -479,17 +471,6 @@ def _checked_size(path: Path, size: int, layout: str) -> Path:
             "the work area was changed by hand; re-run with --overwrite",
         )
     return path
-
-
-def _without_rows(parts: list[np.ndarray], counts: list[np.ndarray], dropped: np.ndarray) -> list[np.ndarray]:
-    """The per-batch value arrays (counts[i][d] values for batch i's document d) without the values of the
-    documents `dropped` marks; only batches holding such a document are copied."""
-    kept, row = [], 0
-    for part, part_counts in zip(parts, counts):
-        part_dropped = dropped[row : row + len(part_counts)]
-        row += len(part_counts)
-        kept.append(part[~np.repeat(part_dropped, part_counts)] if part_dropped.any() else part)
-    return kept
 
 
 def _npy_header(dtype, length: int) -> bytes:
