@@ -540,11 +540,18 @@ class DocumentSource:
         self, index: int, columns: Sequence[str] | None = None, batch_size: int = 8192, threads: bool = True
     ) -> Iterator[pa.RecordBatch]:
         """Batches of one file; threads=False decodes in this thread only (for callers that run one process
-        per core, where arrow's thread pool, sized to the whole machine, would only contend with them)."""
+        per core, where arrow's thread pool, sized to the whole machine, would only contend with them).
+
+        A file without rows gives one empty batch: callers that build a table per file still get its columns."""
         path = self.files[index]
         try:
             handle = pq.ParquetFile(path)
             columns = list(columns) if columns is not None else None
+            if handle.metadata.num_rows == 0:
+                schema = handle.schema_arrow
+                fields = [schema.field(name) for name in columns] if columns is not None else list(schema)
+                yield pa.RecordBatch.from_pylist([], schema=pa.schema(fields))
+                return
             for batch in handle.iter_batches(batch_size=batch_size, columns=columns, use_threads=threads):
                 if columns is not None and batch.schema.names != columns:
                     batch = batch.select(columns)
