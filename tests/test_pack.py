@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, run_cli
 
-from smolctl.data import pack_rows
+from smolctl.data import pack_rows, pack_tokens
 from smolctl.data.pack import PackConfig, pack
 from smolctl.data.pack_rows import best_fit_decreasing
 from smolctl.data.tokenizer import load_rust_tokenizer, load_tokenizer, tokenizer_fingerprint
@@ -206,6 +206,28 @@ def test_rows_are_the_same_with_and_without_the_kernels(monkeypatch):
         assert (kernel.input_ids[kernel.position_ids < 0] == 7).all() and (kernel.position_ids >= 0).sum() == (
             lengths.sum() + whole.size
         )
+
+
+@pytest.mark.skipif(pack_tokens._pack is None, reason="the C packing kernels were not built")
+def test_the_join_kernel_gives_exactly_the_python_definitions_arrays():
+    rng = np.random.default_rng(2)
+    for _ in range(200):
+        lengths = rng.integers(0, 40, size=rng.integers(0, 30))
+        lengths[rng.random(len(lengths)) < 0.3] = 0  # empty documents are dropped, the others get EOS
+        documents = [rng.integers(0, 2**31 - 1, size=n).tolist() for n in lengths]
+        eos_id = int(rng.integers(0, 2**31 - 1))
+        kernel, kernel_empty = pack_tokens.join_documents(documents, eos_id)
+        python, python_empty = pack_tokens.join_documents_python(documents, lengths, eos_id)
+        np.testing.assert_array_equal(kernel.ids, python.ids)
+        np.testing.assert_array_equal(kernel.lengths, python.lengths)
+        assert kernel_empty == python_empty == int((lengths == 0).sum())
+    joined, _ = pack_tokens.join_documents([[5, 6], [], [7]], 0)
+    assert joined.ids.tolist() == [5, 6, 0, 7, 0] and joined.lengths.tolist() == [3, 2]
+    for documents in ([[1, -1]], [[2**31]], [(1, 2)]):
+        with pytest.raises(ValueError):
+            pack_tokens.join_documents(documents, 0)
+    with pytest.raises(ValueError, match="exactly the tokens"):  # the caller's array must fit: no write past it
+        pack_tokens._pack.join_documents([[1, 2]], 0, np.empty(2, dtype=np.int32))
 
 
 def test_workers_give_the_same_rows(sample, tokenizer_dir, tmp_path):
@@ -476,8 +498,9 @@ def test_output_bytes_are_unchanged(sample, tokenizer_dir, tmp_path, name):
 
 @pytest.mark.parametrize("name", ["code-bfd-300-small-buffer-rows", "web-bfd-2048-seed"])
 def test_output_bytes_are_unchanged_without_the_kernels(sample, tokenizer_dir, tmp_path, monkeypatch, name):
-    """An install without a C compiler packs with best_fit_decreasing_python and numpy: the same bytes."""
+    """An install without a C compiler packs with the Python and numpy definitions: the same bytes."""
     monkeypatch.setattr(pack_rows, "_pack", None)
+    monkeypatch.setattr(pack_tokens, "_pack", None)
     folder, options = GOLDEN_CONFIGS[name]
     pack(str(sample / folder), tmp_path / "out", tokenizer_spec=str(tokenizer_dir), config=PackConfig(**options))
     assert output_digests(tmp_path / "out") == GOLDEN[name]

@@ -10,6 +10,11 @@
        first) into the open bin with the least room that fits, or into a new bin; open bins with equal room are a
        stack (the last one to reach that room is used first). Outputs: bin_of and offset (int64) of each item.
        Exactly pack_rows.best_fit_decreasing_python.
+   join_documents(documents, eos_id, ids)
+       documents is a list of lists of ints (each document's token ids, as the tokenizer's
+       Encoding.ids gives them); the non-empty ones are written to ids (int32) back to back, each followed by
+       eos_id, so ids must hold exactly their tokens plus one per non-empty document. Exactly
+       pack_tokens.join_documents_python.
    place(ids, lengths, slots, input_ids, position_ids)
        Document i is the next lengths[i] tokens of ids (int32, documents back to back); it is copied to
        input_ids[slots[i] ...] and position_ids there get 0, 1, ..., lengths[i] - 1 (both int32, flat).
@@ -106,6 +111,47 @@ done:
     return result;
 }
 
+/* Token ids arrive as Python lists of ints (the tokenizers API has no array output); one C pass over them
+   replaces a numpy.fromiter over a chain of lists and the EOS insertion after it. Holds the GIL throughout: it
+   reads Python objects. Lists only, read with the stable ABI's PyList_GetItem (no direct item access there). */
+static PyObject *join_documents(PyObject *self, PyObject *args) {
+    PyObject *documents, *out;
+    long long eos_id;
+    if (!PyArg_ParseTuple(args, "O!LO", &PyList_Type, &documents, &eos_id, &out)) return NULL;
+    if (eos_id < 0 || eos_id > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "eos_id must be 0..2^31-1");
+        return NULL;
+    }
+    const char *names[] = {"ids"};
+    const Py_ssize_t sizes[] = {4};
+    Buffer b[1];
+    if (get_buffers(&out, b, 1, names, sizes, 0) < 0) return NULL;
+    const char *wrong_size = "ids must hold exactly the tokens plus one EOS per non-empty document";
+    int32_t *ids = b[0].view.buf;
+    Py_ssize_t room = b[0].view.len / 4, written = 0, n = PyList_Size(documents);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *document = PyList_GetItem(documents, i);
+        if (!PyList_Check(document)) return refuse(b, 1, "each document must be a list of token ids");
+        Py_ssize_t length = PyList_Size(document);
+        if (length && written + length + 1 > room) return refuse(b, 1, wrong_size);
+        for (Py_ssize_t k = 0; k < length; k++) {
+            long value = PyLong_AsLong(PyList_GetItem(document, k));
+            if (value < 0 || value > INT32_MAX) {
+                if (PyErr_Occurred()) {
+                    release(b, 1);
+                    return NULL;
+                }
+                return refuse(b, 1, "token ids must be 0..2^31-1");
+            }
+            ids[written++] = (int32_t)value;
+        }
+        if (length) ids[written++] = (int32_t)eos_id;
+    }
+    if (written != room) return refuse(b, 1, wrong_size);
+    release(b, 1);
+    Py_RETURN_NONE;
+}
+
 static PyObject *place(PyObject *self, PyObject *args) {
     PyObject *objects[5];
     if (!PyArg_ParseTuple(args, "OOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4])) return NULL;
@@ -142,6 +188,7 @@ static PyObject *place(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"best_fit_decreasing", best_fit_decreasing, METH_VARARGS, "Best-fit-decreasing bins and offsets (see the file's header)."},
+    {"join_documents", join_documents, METH_VARARGS, "Token id lists to one int32 array, EOS after each non-empty one (see the file's header)."},
     {"place", place, METH_VARARGS, "Copy documents to their slots with their positions (see the file's header)."},
     {NULL, NULL, 0, NULL},
 };

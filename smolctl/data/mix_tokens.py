@@ -27,7 +27,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from smolctl.data.mix_blocks import BINS, row_bins, row_hash, source_key
-from smolctl.data.pack_tokens import encode_texts
 from smolctl.errors import UserError
 
 Arrays = dict[str, np.ndarray]
@@ -39,8 +38,12 @@ def text_bytes(texts: pa.Array) -> np.ndarray:
 
 
 def text_tokens(texts: pa.Array, backend) -> np.ndarray:
-    """Token ids of each document without the EOS `pack` appends (0 for an empty one)."""
-    return encode_texts(backend, [t if t is not None else "" for t in texts.to_pylist()]).lengths
+    """Token ids of each document without the EOS `pack` appends (0 for an empty one), as `pack` encodes them
+    (no special tokens); only counted, so the ids never leave the tokenizer as Python lists."""
+    encodings = backend.encode_batch_fast(
+        [t if t is not None else "" for t in texts.to_pylist()], add_special_tokens=False
+    )
+    return np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
 
 
 def document_sizes(texts: pa.Array, backend) -> np.ndarray:

@@ -3,7 +3,8 @@
 The Rust batch encoder releases the GIL, so Python can work beside it: while the tokenizer's threads encode
 one batch, the next is already submitted (two calls in flight share the Rust thread pool, so the long last
 documents of one batch do not leave the other threads idle), and the ids of a finished batch are turned into one
-numpy array. With `--workers N`, N single-threaded tokenizer processes take the batches instead.
+numpy array (in C, _pack.c, where the extension was built). With `--workers N`, N single-threaded tokenizer
+processes take the batches instead.
 """
 
 from __future__ import annotations
@@ -21,17 +22,31 @@ import numpy as np
 from smolctl.data.pack_rows import TokenBatch
 from smolctl.data.tokenizer import RustTokenizer
 
+try:
+    from smolctl.data import _pack
+except ImportError:  # built without a C compiler: join_documents_python gives the same arrays
+    _pack = None
+
 ENCODER_CALLS_IN_FLIGHT = 2
 """Batches being encoded at once in this process: one to keep the Rust threads busy, one to overlap."""
 
 
-def encode_texts(backend, texts: list[str]) -> TokenBatch:
-    """Token ids of each text, no special tokens, via the Rust tokenizer's batch encoder (no offsets computed)."""
-    encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
-    ids = [encoding.ids for encoding in encodings]
-    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
-    return TokenBatch(flat, lengths)
+def join_documents(documents: list[list[int]], eos_id: int) -> tuple[TokenBatch, int]:
+    """The token id lists of a batch of documents as one int32 array with EOS after each; empty documents are
+    dropped. Returns (batch, number of empty documents dropped). _pack.c's kernel, or `join_documents_python`
+    (its definition) without the extension."""
+    lengths = np.fromiter(map(len, documents), dtype=np.int64, count=len(documents))
+    if _pack is None:
+        return join_documents_python(documents, lengths, eos_id)
+    kept = lengths[lengths > 0] + 1
+    ids = np.empty(int(kept.sum()), dtype=np.int32)
+    _pack.join_documents(documents, eos_id, ids)
+    return TokenBatch(ids, kept), len(documents) - len(kept)
+
+
+def join_documents_python(documents: list[list[int]], lengths: np.ndarray, eos_id: int) -> tuple[TokenBatch, int]:
+    flat = np.fromiter(chain.from_iterable(documents), dtype=np.int32, count=int(lengths.sum()))
+    return append_document_end(TokenBatch(flat, lengths), eos_id)
 
 
 def append_document_end(batch: TokenBatch, eos_id: int) -> tuple[TokenBatch, int]:
@@ -48,8 +63,10 @@ def append_document_end(batch: TokenBatch, eos_id: int) -> tuple[TokenBatch, int
 
 
 def encode_documents(backend, texts: list[str], eos_id: int) -> tuple[TokenBatch, int, int]:
-    """(the non-empty documents' ids, each + EOS; documents read; empty documents dropped)."""
-    batch, empty = append_document_end(encode_texts(backend, texts), eos_id)
+    """(the non-empty documents' ids, each + EOS; documents read; empty documents dropped), via the Rust
+    tokenizer's batch encoder (no special tokens, no offsets computed)."""
+    encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
+    batch, empty = join_documents([encoding.ids for encoding in encodings], eos_id)
     return batch, len(texts), empty
 
 
