@@ -24,6 +24,7 @@ query then insert) on those shingles. All write the kept documents as smolctl do
 from __future__ import annotations
 
 import argparse
+import compileall
 import gzip
 import json
 import os
@@ -403,6 +404,9 @@ def main() -> None:
     if args.child:
         child(args.child, args.corpus, args.work, args.threshold)
         return
+    # Python caches bytecode on the first import, but where PYTHONDONTWRITEBYTECODE is set (this sandbox sets it)
+    # every smolctl run would compile its modules again, which neither an installed smolctl nor rensa pays.
+    compileall.compile_dir(str(REPO / "smolctl"), quiet=1)
     if args.scale:
         scaled_run(args.scale, args.threshold, args.cpu, args.repeat, args.scale_corpus)
         return
