@@ -51,3 +51,16 @@ def to_numpy_filled(values: pa.Array | pa.ChunkedArray, fill: int | bool = 0) ->
 def _bits(buffer: pa.Buffer, start: int, stop: int) -> np.ndarray:
     """Bits start..stop of an arrow bitmap (least significant bit first) as 0/1 bytes."""
     return np.unpackbits(np.frombuffer(buffer, np.uint8), bitorder="little", count=stop)[start:stop]
+
+
+def plain_strings(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> pa.Array:
+    """A string or large_string arrow array (offsets and one data buffer) of any texts: arrow's string kernels
+    (binary_length, utf8_length, ...) and smolctl's C kernels take only these, while parquet writers also give
+    string_view (Polars) and dictionary-encoded strings (pandas categoricals)."""
+    if isinstance(texts, pa.ChunkedArray):
+        texts = texts.combine_chunks()
+    elif not isinstance(texts, pa.Array):
+        texts = pa.array(list(texts), pa.large_string())
+    if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
+        texts = texts.cast(pa.large_string())
+    return texts

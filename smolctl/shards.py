@@ -495,6 +495,19 @@ def check_listed_shards(folder: Path, manifest: dict) -> list[Path]:
     return files
 
 
+def readable_schema(schema: pa.Schema) -> pa.Schema:
+    """The schema smolctl reads a parquet file as: string_view and binary_view columns (Polars writes them) become
+    large_string and large_binary, the same values in the layout arrow's filter, take and string kernels accept."""
+    views = {pa.string_view(): pa.large_string(), pa.binary_view(): pa.large_binary()}
+    return pa.schema([f.with_type(views.get(f.type, f.type)) for f in schema], metadata=schema.metadata)
+
+
+def readable(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch | pa.Table:
+    """A batch or table read from parquet, in `readable_schema` (unchanged, not copied, when it has no views)."""
+    schema = readable_schema(data.schema)
+    return data if schema.equals(data.schema) else data.cast(schema)
+
+
 @dataclass
 class DocumentSource:
     """A streamable set of parquet files, schema-checked up front; nothing is read whole into memory."""
@@ -528,8 +541,14 @@ class DocumentSource:
                 )
         for name in text:
             kind = self.schema.field(name).type
+            if pa.types.is_dictionary(kind):  # pandas categoricals: strings stored once, read back decoded
+                kind = kind.value_type
             if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
-                raise UserError(self.spec, f"column '{name}' holds {kind}, not text", "pass a column of strings")
+                raise UserError(
+                    self.spec,
+                    f"column '{name}' holds {self.schema.field(name).type}, not text",
+                    "pass a column of strings",
+                )
 
     def lineage(self) -> list[dict]:
         if self.folder is not None:
@@ -550,12 +569,12 @@ class DocumentSource:
             if handle.metadata.num_rows == 0:
                 schema = handle.schema_arrow
                 fields = [schema.field(name) for name in columns] if columns is not None else list(schema)
-                yield pa.RecordBatch.from_pylist([], schema=pa.schema(fields))
+                yield pa.RecordBatch.from_pylist([], schema=readable_schema(pa.schema(fields)))
                 return
             for batch in handle.iter_batches(batch_size=batch_size, columns=columns, use_threads=threads):
                 if columns is not None and batch.schema.names != columns:
                     batch = batch.select(columns)
-                yield batch
+                yield readable(batch)
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
             raise UserError(
                 path,
@@ -584,7 +603,7 @@ def open_documents(spec: str | Path) -> DocumentSource:
                 f"cannot be read as parquet ({str(exc).splitlines()[0]})",
                 "the file is corrupt or truncated; re-create it",
             ) from exc
-        file_schema = file_schema.remove_metadata()
+        file_schema = readable_schema(file_schema.remove_metadata())
         if schema is None:
             schema = file_schema
         elif not file_schema.equals(schema):

@@ -390,6 +390,28 @@ def test_a_shard_without_rows_changes_nothing(planted, tmp_path):
     ]
 
 
+@pytest.mark.parametrize("kind", ["string_view", "dictionary"])
+def test_text_and_ids_written_as_views_or_dictionaries_dedup_alike(planted, tmp_path, kind):
+    """Polars writes string_view columns and pandas categoricals come back dictionary-encoded: the same values
+    give the same documents kept and the same duplicates (arrow's string, filter and take kernels refuse views,
+    so they are read as large_string)."""
+    recast = tmp_path / kind
+    recast.mkdir()
+    for shard in sorted(planted["input"].glob("*.parquet")):
+        table = pq.read_table(shard)
+        for name in ("id", "text"):
+            column = table.column(name)
+            column = column.cast(pa.string_view()) if kind == "string_view" else column.dictionary_encode()
+            table = table.set_column(table.schema.get_field_index(name), name, column)
+        pq.write_table(table, recast / shard.name)
+    assert pq.read_schema(next(recast.glob("*.parquet"))).field("text").type != pa.string()
+    dedup(planted["input"], tmp_path / "plain", workers=1)
+    dedup(recast, tmp_path / "out", workers=1)
+    for got, want in zip(read_output(tmp_path / "out"), read_output(tmp_path / "plain"), strict=True):
+        assert got.to_pylist() == want.to_pylist()
+    assert len(read_output(tmp_path / "out")[1]) > 0
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The CLI: demo path and bad input
 

@@ -371,6 +371,30 @@ def test_schema_clash_is_an_error(sample, tmp_path):
         prepare_mix(schedule_from_flags([f"web={sample}/web:1", f"other={tmp_path}/other.parquet:1"]), tmp_path / "out")
 
 
+@pytest.mark.parametrize("estimate", ["exact", "sample"])
+def test_sources_written_by_different_tools_mix_as_one(sample, tokenizer_dir, tmp_path, estimate):
+    """pandas writes string (and categoricals as dictionaries), Polars large_string or string_view: the same
+    values mix into the same rows, in the widest of the types, whichever way tokens are estimated."""
+    recast = {"web": lambda c: c, "code": lambda c: c.cast(pa.large_string()), "math": lambda c: c.dictionary_encode()}
+    for name, as_type in recast.items():
+        (tmp_path / name).mkdir()
+        for shard in sorted((sample / name).glob("*.parquet")):
+            table = pq.ParquetFile(shard).read()
+            table = table.set_column(table.schema.get_field_index("text"), "text", as_type(table.column("text")))
+            ids = table.column("id").cast(pa.string_view())
+            pq.write_table(
+                table.set_column(table.schema.get_field_index("id"), "id", ids), tmp_path / name / shard.name
+            )
+    options = dict(tokens="200K", tokenizer=str(tokenizer_dir), token_estimate=estimate, token_sample=300)
+    mix([s.format(sample) for s in SOURCES], tmp_path / "plain", **options)
+    mix([s.format(tmp_path) for s in SOURCES], tmp_path / "mixed", **options)
+    plain, mixed = read_rows(tmp_path / "plain"), read_rows(tmp_path / "mixed")
+    assert mixed.schema.field("text").type == pa.large_string() and mixed.schema.field("id").type == pa.large_string()
+    assert set(mixed["source"].to_pylist()) == {"web", "code", "math"}
+    for column in ("source", "id", "text"):
+        assert mixed[column].to_pylist() == plain[column].to_pylist()
+
+
 def test_cli_recipe_with_overrides_then_pack(sample, tokenizer_dir, tmp_path):
     out = tmp_path / "mix"
     done = run_cli(

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from smolctl.arrow_arrays import from_numpy, strings, to_numpy_filled
+from smolctl.arrow_arrays import from_numpy, plain_strings, strings, to_numpy_filled
 from smolctl.data.dedup_plan import DedupPlan, Report
 from smolctl.data.minhash.arrays import connected_components, sorted_unique
 from smolctl.data.minhash.kernels import estimate_jaccard, jaccard_many, signatures, tokenize
@@ -47,7 +47,7 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     row = 0
     permutations = params.permutations() if params else None
     for batch in source.iter_file_batches(file_index, columns, BATCH_ROWS, threads=False):
-        texts = batch.column(plan_.config.text_column)
+        texts = plain_strings(batch.column(plan_.config.text_column))
         if id_column:
             ids = pc.cast(batch.column(id_column), pa.string())
         else:

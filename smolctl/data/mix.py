@@ -239,10 +239,19 @@ def bin_ranges(begin: int, end: int) -> list[tuple[int, int]]:
 def output_schema(schemas: dict[str, pa.Schema]) -> pa.Schema:
     """The union of the sources' columns (a column a source lacks is null in its rows), plus `source`.
 
-    A `source` column already in a source (e.g. an earlier mix) is replaced by the name given here.
+    A `source` column already in a source (e.g. an earlier mix) is replaced by the name given here. Types that
+    hold the same values widen to one (string and large_string to large_string, int32 and int64 to int64;
+    dictionary-encoded columns are read as their values), as sources written by different tools differ there.
     """
+
+    def plain(field: pa.Field) -> pa.Field:
+        return field.with_type(field.type.value_type) if pa.types.is_dictionary(field.type) else field
+
     try:
-        merged = pa.unify_schemas([pa.schema([f for f in s if f.name != SOURCE_COLUMN]) for s in schemas.values()])
+        merged = pa.unify_schemas(
+            [pa.schema([plain(f) for f in s if f.name != SOURCE_COLUMN]) for s in schemas.values()],
+            promote_options="permissive",
+        )
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         first: dict[str, tuple[str, pa.DataType]] = {}
         for name, schema in schemas.items():

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from smolctl.data.mix_schedule import ORDER_COLUMN, MixSchedule, Stage, ascending_stream, block_order
 from smolctl.errors import UserError
-from smolctl.shards import sha256_file
+from smolctl.shards import readable, sha256_file
 
 BIN_BITS = 16
 BINS = 1 << BIN_BITS
@@ -56,13 +56,17 @@ def row_bins(key: int, rows: np.ndarray) -> np.ndarray:
 
 
 def conform(batch: pa.RecordBatch, schema: pa.Schema, name: str) -> pa.Table:
-    columns = [
-        batch.column(f.name) if f.name in batch.schema.names else pa.nulls(batch.num_rows, f.type)
-        for f in schema
-        if f.name != SOURCE_COLUMN
-    ]
+    """A source's rows in the output schema: its columns widened to the output's types, the ones it lacks null."""
+    columns = [widened(batch, f) for f in schema if f.name != SOURCE_COLUMN]
     columns.append(pa.array([name] * batch.num_rows, pa.string()))
     return pa.Table.from_arrays(columns, schema=schema)
+
+
+def widened(batch: pa.RecordBatch, field: pa.Field):
+    if field.name not in batch.schema.names:
+        return pa.nulls(batch.num_rows, field.type)
+    column = batch.column(field.name)
+    return column if column.type == field.type else column.cast(field.type)
 
 
 def due_points(stage: Stage, name: str, progress: np.ndarray) -> np.ndarray:
@@ -143,7 +147,7 @@ def read_rows(path, positions: np.ndarray) -> pa.Table:
             f"cannot be read as parquet ({str(exc).splitlines()[0]})",
             "the file is corrupt or truncated; re-create it",
         ) from exc
-    return table.take(pa.array(positions - bounds[first]))
+    return readable(table).take(pa.array(positions - bounds[first]))
 
 
 def slice_rows(source, key: int, pieces: list[list[int]], begin: int, end: int) -> list[pa.Table]:

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from smolctl.arrow_arrays import plain_strings
 from smolctl.errors import UserError
 from smolctl.recipe import Section, load_recipe
 from smolctl.units import parse_bytes, parse_count
@@ -361,7 +362,7 @@ def check_order_columns(plan: MixSchedule, schemas: dict[str, pa.Schema]) -> Non
 def order_scores(table: pa.Table, key: str, text_column: str, where: str) -> np.ndarray:
     """Each row's difficulty: a proxy computed from the text, or the score column (nulls are an error)."""
     if key == "length":
-        return pc.fill_null(pc.binary_length(table.column(text_column)), 0).to_numpy().astype(np.float64)
+        return pc.fill_null(pc.binary_length(plain_strings(table.column(text_column))), 0).to_numpy().astype(np.float64)
     if key == "compression":
         raw = [(text or "").encode() for text in table.column(text_column).to_pylist()]
         return np.array([len(zlib.compress(b)) / len(b) if b else 0.0 for b in raw], dtype=np.float64)

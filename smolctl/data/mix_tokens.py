@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from smolctl.arrow_arrays import plain_strings
 from smolctl.data.mix_blocks import BINS, row_bins, row_hash, source_key
 from smolctl.errors import UserError
 
@@ -34,7 +35,7 @@ Arrays = dict[str, np.ndarray]
 
 def text_bytes(texts: pa.Array) -> np.ndarray:
     """UTF-8 bytes of each document (0 for a null)."""
-    return pc.fill_null(pc.binary_length(texts), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    return pc.fill_null(pc.binary_length(plain_strings(texts)), 0).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def text_tokens(texts: pa.Array, backend) -> np.ndarray:

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from smolctl.arrow_arrays import from_numpy, to_numpy_filled
+from smolctl.arrow_arrays import from_numpy, plain_strings, to_numpy_filled
 from smolctl.data.minhash.arrays import odd_constants, offsets_from_counts
-from smolctl.data.minhash.normalization import changing_table, normalize, plain_strings
+from smolctl.data.minhash.normalization import changing_table, normalize
 
 try:
     from smolctl.data import _minhash

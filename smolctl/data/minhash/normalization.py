@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import functools
 import unicodedata
-from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from smolctl.arrow_arrays import plain_strings
 
 _OTHER_SPACES = {0x85: " ", 0x1680: " ", 0x2028: " ", 0x2029: " "}
 _OTHER_SPACES_TEXT = [chr(c) for c in _OTHER_SPACES]
@@ -35,17 +36,6 @@ def normalize_array(texts: pa.Array | pa.ChunkedArray) -> pa.LargeStringArray:
     others = np.flatnonzero(~is_ascii)
     folded = pa.array([normalize(t) for t in texts.take(pa.array(others)).to_pylist()], pa.large_string())
     return pc.replace_with_mask(texts, pa.array(~is_ascii), folded)
-
-
-def plain_strings(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> pa.Array:
-    """A string or large_string arrow array (offsets and one data buffer) of any texts."""
-    if isinstance(texts, pa.ChunkedArray):
-        texts = texts.combine_chunks()
-    elif not isinstance(texts, pa.Array):
-        texts = pa.array(list(texts), pa.large_string())
-    if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
-        texts = texts.cast(pa.large_string())
-    return texts
 
 
 # Code points below this are looked up in changing_table(); every one from here on counts as changing.

@@ -9,9 +9,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from smolctl.arrow_arrays import plain_strings
 from smolctl.data.minhash.arrays import mix64
 from smolctl.data.minhash.kernels import Tokens, ngrams, tokenize
-from smolctl.data.minhash.normalization import normalize_array, plain_strings
+from smolctl.data.minhash.normalization import normalize_array
 
 # Characters kept for char shingles: letters, combining marks (Indic and Arabic letters stay whole), digits, '_'.
 NON_WORD = r"[^\p{L}\p{M}\p{N}_]+"
