@@ -496,10 +496,34 @@ def check_listed_shards(folder: Path, manifest: dict) -> list[Path]:
 
 
 def readable_schema(schema: pa.Schema) -> pa.Schema:
-    """The schema smolctl reads a parquet file as: string_view and binary_view columns (Polars writes them) become
-    large_string and large_binary, the same values in the layout arrow's filter, take and string kernels accept."""
-    views = {pa.string_view(): pa.large_string(), pa.binary_view(): pa.large_binary()}
-    return pa.schema([f.with_type(views.get(f.type, f.type)) for f in schema], metadata=schema.metadata)
+    """The schema smolctl reads a parquet file as: string_view and binary_view (Polars writes them), at any depth
+    of lists, structs and maps, become large_string and large_binary, the same values in the layout arrow's
+    filter, take and string kernels accept."""
+    return pa.schema([f.with_type(_without_views(f.type)) for f in schema], metadata=schema.metadata)
+
+
+def _without_views(kind: pa.DataType) -> pa.DataType:
+    if kind == pa.string_view():
+        return pa.large_string()
+    if kind == pa.binary_view():
+        return pa.large_binary()
+    if pa.types.is_list(kind) or pa.types.is_list_view(kind):
+        return pa.list_(kind.value_field.with_type(_without_views(kind.value_type)))
+    if pa.types.is_large_list(kind) or pa.types.is_large_list_view(kind):
+        return pa.large_list(kind.value_field.with_type(_without_views(kind.value_type)))
+    if pa.types.is_fixed_size_list(kind):
+        return pa.list_(kind.value_field.with_type(_without_views(kind.value_type)), kind.list_size)
+    if pa.types.is_map(kind):
+        return pa.map_(
+            kind.key_field.with_type(_without_views(kind.key_type)),
+            kind.item_field.with_type(_without_views(kind.item_type)),
+            kind.keys_sorted,
+        )
+    if pa.types.is_struct(kind):
+        return pa.struct([kind.field(i).with_type(_without_views(kind.field(i).type)) for i in range(kind.num_fields)])
+    if pa.types.is_dictionary(kind):
+        return pa.dictionary(kind.index_type, _without_views(kind.value_type), kind.ordered)
+    return kind
 
 
 def readable(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch | pa.Table:

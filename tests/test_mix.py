@@ -371,6 +371,34 @@ def test_schema_clash_is_an_error(sample, tmp_path):
         prepare_mix(schedule_from_flags([f"web={sample}/web:1", f"other={tmp_path}/other.parquet:1"]), tmp_path / "out")
 
 
+@pytest.mark.parametrize(
+    "left, right, widest",
+    [
+        (pa.int32(), pa.int64(), pa.int64()),
+        (pa.uint8(), pa.uint32(), pa.uint32()),
+        (pa.dictionary(pa.int32(), pa.int16()), pa.int16(), pa.int16()),
+        (pa.null(), pa.string(), pa.string()),
+        (pa.binary(), pa.large_binary(), pa.large_binary()),
+        (pa.int64(), pa.float64(), None),  # a wide int would silently lose digits as a double
+        (pa.uint64(), pa.int64(), None),
+        (pa.int64(), pa.decimal128(10, 2), None),
+        (pa.string(), pa.binary(), None),
+    ],
+)
+def test_only_lossless_widening_combines_sources(tmp_path, left, right, widest):
+    for name, kind in (("a", left), ("b", right)):
+        texts = [f"document {i} of source {name}" for i in range(30)]
+        pq.write_table(pa.table({"text": texts, "n": pa.nulls(30).cast(kind)}), tmp_path / f"{name}.parquet")
+    flags = schedule_from_flags([f"a={tmp_path}/a.parquet:1", f"b={tmp_path}/b.parquet:1"], documents="20")
+    if widest is None:
+        with pytest.raises(UserError, match=r"column 'n' is .* in source"):
+            prepare_mix(flags, tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+        return
+    prepare_mix(flags, tmp_path / "out").run()
+    assert open_documents(tmp_path / "out").schema.field("n").type == widest
+
+
 @pytest.mark.parametrize("estimate", ["exact", "sample"])
 def test_sources_written_by_different_tools_mix_as_one(sample, tokenizer_dir, tmp_path, estimate):
     """pandas writes string (and categoricals as dictionaries), Polars large_string or string_view: the same
@@ -382,9 +410,10 @@ def test_sources_written_by_different_tools_mix_as_one(sample, tokenizer_dir, tm
             table = pq.ParquetFile(shard).read()
             table = table.set_column(table.schema.get_field_index("text"), "text", as_type(table.column("text")))
             ids = table.column("id").cast(pa.string_view())
-            pq.write_table(
-                table.set_column(table.schema.get_field_index("id"), "id", ids), tmp_path / name / shard.name
-            )
+            table = table.set_column(table.schema.get_field_index("id"), "id", ids)
+            if name == "code":  # Polars' List(String): views inside a list
+                table = table.append_column("tags", pa.array([["py"]] * len(table), pa.large_list(pa.string_view())))
+            pq.write_table(table, tmp_path / name / shard.name)
     options = dict(tokens="200K", tokenizer=str(tokenizer_dir), token_estimate=estimate, token_sample=300)
     mix([s.format(sample) for s in SOURCES], tmp_path / "plain", **options)
     mix([s.format(tmp_path) for s in SOURCES], tmp_path / "mixed", **options)
@@ -393,6 +422,8 @@ def test_sources_written_by_different_tools_mix_as_one(sample, tokenizer_dir, tm
     assert set(mixed["source"].to_pylist()) == {"web", "code", "math"}
     for column in ("source", "id", "text"):
         assert mixed[column].to_pylist() == plain[column].to_pylist()
+    tags = {(source, str(tags)) for source, tags in zip(mixed["source"].to_pylist(), mixed["tags"].to_pylist())}
+    assert tags == {("code", "['py']"), ("web", "None"), ("math", "None")}
 
 
 def test_cli_recipe_with_overrides_then_pack(sample, tokenizer_dir, tmp_path):

@@ -223,11 +223,19 @@ def test_the_join_kernel_gives_exactly_the_python_definitions_arrays():
         assert kernel_empty == python_empty == int((lengths == 0).sum())
     joined, _ = pack_tokens.join_documents([[5, 6], [], [7]], 0)
     assert joined.ids.tolist() == [5, 6, 0, 7, 0] and joined.lengths.tolist() == [3, 2]
-    for documents in ([[1, -1]], [[2**31]], [(1, 2)]):
+    for documents in ([[1, -1]], [[2**31]], [[2**70]], [(1, 2)], [[1.0]], [[np.int64(3)]]):
         with pytest.raises(ValueError):
             pack_tokens.join_documents(documents, 0)
-    with pytest.raises(ValueError, match="exactly the tokens"):  # the caller's array must fit: no write past it
-        pack_tokens._pack.join_documents([[1, 2]], 0, np.empty(2, dtype=np.int32))
+    # The caller's array must be exactly the size: never a write past it (the sentinel after the view stays).
+    for size in (2, 3, 4):  # [1, 2] and its EOS take exactly 3
+        memory = np.full(size + 1, -7, dtype=np.int32)
+        if size == 3:
+            pack_tokens._pack.join_documents([[1, 2]], 0, memory[:size])
+            assert memory.tolist() == [1, 2, 0, -7]
+        else:
+            with pytest.raises(ValueError, match="exactly the tokens"):
+                pack_tokens._pack.join_documents([[1, 2]], 0, memory[:size])
+            assert memory[size] == -7
 
 
 def test_workers_give_the_same_rows(sample, tokenizer_dir, tmp_path):

@@ -135,12 +135,12 @@ static PyObject *join_documents(PyObject *self, PyObject *args) {
         Py_ssize_t length = PyList_Size(document);
         if (length && written + length + 1 > room) return refuse(b, 1, wrong_size);
         for (Py_ssize_t k = 0; k < length; k++) {
-            long value = PyLong_AsLong(PyList_GetItem(document, k));
+            PyObject *item = PyList_GetItem(document, k);
+            /* ints only: anything else would run its __index__, Python code that could change the lists read here */
+            if (!PyLong_Check(item)) return refuse(b, 1, "token ids must be ints");
+            long value = PyLong_AsLong(item);
             if (value < 0 || value > INT32_MAX) {
-                if (PyErr_Occurred()) {
-                    release(b, 1);
-                    return NULL;
-                }
+                if (PyErr_Occurred()) PyErr_Clear(); /* past a C long: out of range all the same */
                 return refuse(b, 1, "token ids must be 0..2^31-1");
             }
             ids[written++] = (int32_t)value;

@@ -239,18 +239,17 @@ def bin_ranges(begin: int, end: int) -> list[tuple[int, int]]:
 def output_schema(schemas: dict[str, pa.Schema]) -> pa.Schema:
     """The union of the sources' columns (a column a source lacks is null in its rows), plus `source`.
 
-    A `source` column already in a source (e.g. an earlier mix) is replaced by the name given here. Types that
-    hold the same values widen to one (string and large_string to large_string, int32 and int64 to int64;
-    dictionary-encoded columns are read as their values), as sources written by different tools differ there.
+    A `source` column already in a source (e.g. an earlier mix) is replaced by the name given here. Sources
+    written by different tools may store the same values in types of different widths: those widen to the widest
+    (`widest_types`); any other difference is an error.
     """
-
-    def plain(field: pa.Field) -> pa.Field:
-        return field.with_type(field.type.value_type) if pa.types.is_dictionary(field.type) else field
-
+    widest = widest_types(schemas)
     try:
         merged = pa.unify_schemas(
-            [pa.schema([plain(f) for f in s if f.name != SOURCE_COLUMN]) for s in schemas.values()],
-            promote_options="permissive",
+            [
+                pa.schema([f.with_type(widest.get(f.name, f.type)) for f in s if f.name != SOURCE_COLUMN])
+                for s in schemas.values()
+            ]
         )
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         first: dict[str, tuple[str, pa.DataType]] = {}
@@ -267,6 +266,30 @@ def output_schema(schemas: dict[str, pa.Schema]) -> pa.Schema:
             "--source", f"the sources' schemas do not combine ({exc})", "give them compatible columns"
         ) from exc
     return merged.append(pa.field(SOURCE_COLUMN, pa.string()))
+
+
+def widest_types(schemas: dict[str, pa.Schema]) -> dict[str, pa.DataType]:
+    """The one type for each column whose values the sources hold in types that differ only in width, lossless
+    either way: dictionary-encoded or not, string and large_string, binary and large_binary, and integers of one
+    signedness. Other differences (int and float, string and binary, ...) are left for the caller to refuse."""
+    types: dict[str, set[pa.DataType]] = {}
+    for schema in schemas.values():
+        for column in schema:
+            types.setdefault(column.name, set()).add(column.type)
+    widest = {}
+    for name, both in types.items():
+        kinds = {t.value_type if pa.types.is_dictionary(t) else t for t in both} - {pa.null()}
+        if len(both) == 1 or not kinds:
+            continue  # one type already (a column dictionary-encoded in every source stays so)
+        if len(kinds) == 1:
+            widest[name] = kinds.pop()
+        elif kinds <= {pa.string(), pa.large_string()}:
+            widest[name] = pa.large_string()
+        elif kinds <= {pa.binary(), pa.large_binary()}:
+            widest[name] = pa.large_binary()
+        elif all(pa.types.is_signed_integer(k) for k in kinds) or all(pa.types.is_unsigned_integer(k) for k in kinds):
+            widest[name] = max(kinds, key=lambda k: k.bit_width)
+    return widest
 
 
 # ---------------------------------------------------------------------------------------------------------------
