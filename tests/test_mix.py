@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import decimal
 import hashlib
 import json
 from pathlib import Path
@@ -386,9 +387,25 @@ def test_schema_clash_is_an_error(sample, tmp_path):
     ],
 )
 def test_only_lossless_widening_combines_sources(tmp_path, left, right, widest):
+    expected = {}
     for name, kind in (("a", left), ("b", right)):
         texts = [f"document {i} of source {name}" for i in range(30)]
-        pq.write_table(pa.table({"text": texts, "n": pa.nulls(30).cast(kind)}), tmp_path / f"{name}.parquet")
+        plain = kind.value_type if pa.types.is_dictionary(kind) else kind
+        if pa.types.is_null(plain):
+            values = [None] * 30
+        elif pa.types.is_string(plain) or pa.types.is_binary(plain) or pa.types.is_large_binary(plain):
+            values = [f"{name}{i}" if pa.types.is_string(plain) else f"{name}{i}".encode() for i in range(30)]
+        else:  # numbers: each source its own, and for integers the largest its type holds
+            largest = (
+                2 ** (plain.bit_width - pa.types.is_signed_integer(plain)) - 1 if pa.types.is_integer(plain) else 0
+            )
+            values = [i + (50 if name == "b" else 0) for i in range(29)] + [largest]
+        if pa.types.is_decimal(plain):
+            values = [decimal.Decimal(v) for v in values]
+        column = pa.array(values, plain)
+        column = column.dictionary_encode() if pa.types.is_dictionary(kind) else column
+        expected.update(zip(texts, values, strict=True))
+        pq.write_table(pa.table({"text": texts, "n": column}), tmp_path / f"{name}.parquet")
     flags = schedule_from_flags([f"a={tmp_path}/a.parquet:1", f"b={tmp_path}/b.parquet:1"], documents="20")
     if widest is None:
         with pytest.raises(UserError, match=r"column 'n' is .* in source"):
@@ -397,6 +414,10 @@ def test_only_lossless_widening_combines_sources(tmp_path, left, right, widest):
         return
     prepare_mix(flags, tmp_path / "out").run()
     assert open_documents(tmp_path / "out").schema.field("n").type == widest
+    rows = read_rows(tmp_path / "out")
+    assert rows.num_rows == 20 and set(rows["source"].to_pylist()) == {"a", "b"}
+    for text, value in zip(rows["text"].to_pylist(), rows["n"].to_pylist(), strict=True):
+        assert value == expected[text]  # every value carried over, none turned null or truncated
 
 
 @pytest.mark.parametrize("estimate", ["exact", "sample"])
