@@ -244,16 +244,15 @@ def output_schema(schemas: dict[str, pa.Schema]) -> pa.Schema:
     (`widest_types`); any other difference is an error.
     """
     widest = widest_types(schemas)
+    widened = {
+        name: pa.schema([f.with_type(widest.get(f.name, f.type)) for f in schema if f.name != SOURCE_COLUMN])
+        for name, schema in schemas.items()
+    }
     try:
-        merged = pa.unify_schemas(
-            [
-                pa.schema([f.with_type(widest.get(f.name, f.type)) for f in s if f.name != SOURCE_COLUMN])
-                for s in schemas.values()
-            ]
-        )
+        merged = pa.unify_schemas(list(widened.values()))
     except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
         first: dict[str, tuple[str, pa.DataType]] = {}
-        for name, schema in schemas.items():
+        for name, schema in widened.items():  # a column that widens is not the one to blame
             for column in schema:
                 seen = first.setdefault(column.name, (name, column.type))
                 if seen[1] != column.type:
