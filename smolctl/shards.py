@@ -567,7 +567,7 @@ class DocumentSource:
             kind = self.schema.field(name).type
             if pa.types.is_dictionary(kind):  # pandas categoricals: strings stored once, read back decoded
                 kind = kind.value_type
-            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):  # views were read as large_string
                 raise UserError(
                     self.spec,
                     f"column '{name}' holds {self.schema.field(name).type}, not text",
@@ -595,10 +595,11 @@ class DocumentSource:
                 fields = [schema.field(name) for name in columns] if columns is not None else list(schema)
                 yield pa.RecordBatch.from_pylist([], schema=readable_schema(pa.schema(fields)))
                 return
+            has_views = not readable_schema(handle.schema_arrow).equals(handle.schema_arrow)
             for batch in handle.iter_batches(batch_size=batch_size, columns=columns, use_threads=threads):
                 if columns is not None and batch.schema.names != columns:
                     batch = batch.select(columns)
-                yield readable(batch)
+                yield readable(batch) if has_views else batch
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
             raise UserError(
                 path,
