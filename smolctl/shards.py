@@ -168,7 +168,8 @@ class OutputFolder:
     ):
         """resumable=True keeps an existing staging folder (a stage that resumes by shard decides what in it to
         reuse) and keeps it when the stage fails, for the next run to continue."""
-        self.path = Path(path)
+        # Absolute: arrow reads a relative path whose first folder looks like a URI scheme (`run:1/...`) as a URI.
+        self.path = Path(path).absolute()
         self.kind = kind
         self.inputs = list(inputs)
         self.resumable = resumable
@@ -436,8 +437,14 @@ def _check_parquet_magic(path: Path) -> None:
 def resolve_parquet_files(spec: str | Path) -> tuple[list[Path], dict | None, Path | None]:
     """Files named by a dataset folder, a plain folder of parquet files, a single file or a glob.
 
-    Returns (files, manifest or None, folder or None).
+    Returns (files, manifest or None, folder or None). The files are absolute: arrow reads a relative path
+    whose first folder looks like a URI scheme (`run:1/docs.parquet`) as a URI.
     """
+    files, manifest, folder = _parquet_files(spec)
+    return [file.absolute() for file in files], manifest, folder
+
+
+def _parquet_files(spec: str | Path) -> tuple[list[Path], dict | None, Path | None]:
     text = str(spec)
     if any(ch in text for ch in "*?[") and not Path(text).exists():
         files = sorted(Path(p) for p in globlib.glob(text, recursive=True) if Path(p).is_file())

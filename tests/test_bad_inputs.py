@@ -302,7 +302,19 @@ CASES = [
             t / "out",
         ),
     ),
+    Case(
+        "dedup: zero tasks",
+        lambda t: (["dedup", SAMPLE / "math", t / "out", "--tasks", "0"], "--tasks: 0 is not a task count", t / "out"),
+    ),
     # mix
+    Case(
+        "mix: zero tasks",
+        lambda t: (
+            ["mix", t / "out", "--source", f"web={SAMPLE / 'web'}:1", "--stage", "measure", "--tasks", "0"],
+            "--tasks: 0 is not a task count",
+            t / "out",
+        ),
+    ),
     Case(
         "mix: weight does not parse",
         lambda t: (["mix", t / "out", "--source", f"web={SAMPLE / 'web'}:lots"], "lots", t / "out"),
@@ -385,6 +397,14 @@ CASES = [
             t / "out",
         ),
         env={"HF_HUB_OFFLINE": "1"},
+    ),
+    Case(
+        "pack: zero tasks",
+        lambda t: (
+            ["pack", SAMPLE / "math", t / "out", "--tokenizer", tok(), "--seq-len", "64", "--tasks", "0"],
+            "--tasks: 0 is not a task count",
+            t / "out",
+        ),
     ),
     Case(
         "pack: input without a text column",

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO
+from conftest import REPO, run_cli
 
 from smolctl.errors import UserError
 from smolctl.shards import (
@@ -148,6 +148,22 @@ def test_reads_foreign_parquet_folders_files_and_globs(tmp_path):
     assert open_documents(spark / "lang=en" / "c001.snappy.parquet").num_rows == 20
     assert open_documents(str(spark / "**" / "*.parquet")).num_rows == 50
     assert open_documents(str(spark / "lang=en" / "c00[01].snappy.parquet")).num_rows == 50
+
+
+def test_relative_paths_whose_first_folder_looks_like_a_uri_scheme_are_local(tmp_path, tokenizer_dir):
+    """Arrow reads `run:1/docs.parquet` as a URI of scheme `run`; as input and as output it is a local folder."""
+    (tmp_path / "run:1").mkdir()
+    pq.write_table(_table(40), tmp_path / "run:1" / "docs.parquet")
+    for argv in (
+        ["dedup", "run:1", "dedup:out", "--minhash"],
+        ["mix", "mix:out", "--source", "a=run:1:1", "--documents", "10"],
+        ["pack", "run:1", "pack:out", "--tokenizer", tokenizer_dir, "--seq-len", "64"],
+    ):
+        result = run_cli(*argv, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+    assert open_documents(tmp_path / "dedup:out").num_rows == 40
+    assert open_documents(tmp_path / "mix:out").num_rows >= 10
+    assert open_packed(tmp_path / "pack:out").manifest["tokens"] > 40
 
 
 def test_schema_mismatch_between_files_names_the_file(tmp_path):

@@ -201,7 +201,7 @@ def dedup_command(
         result = run(
             config,
             stage=stage,
-            tasks=tasks or 1,
+            tasks=1 if tasks is None else tasks,
             task_id=task_id,
             workers=workers or len(os.sched_getaffinity(0)),
             report=_stage_progress(bar),

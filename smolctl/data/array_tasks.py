@@ -31,7 +31,9 @@ WORK = "_work"
 FINGERPRINT_KEY = "work_fingerprint"
 
 
-def check_task(tasks: int, task_id: int) -> None:
+def check_task(tasks: int | None, task_id: int) -> None:
+    """`tasks` None is a plain run (one task); 0 is refused, not taken for None."""
+    tasks = 1 if tasks is None else tasks
     if tasks < 1:
         raise UserError("--tasks", f"{tasks} is not a task count", "use 1 or more (the size of the Slurm array)")
     if not 0 <= task_id < tasks:
@@ -63,6 +65,9 @@ class WorkArea:
     output: Path
     stages: tuple[str, ...]
     fingerprint: dict
+
+    def __post_init__(self):
+        self.output = Path(self.output).absolute()  # see OutputFolder: arrow takes `run:1/...` for a URI
 
     @property
     def root(self) -> Path:

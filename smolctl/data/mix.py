@@ -367,7 +367,7 @@ class MixJob:
                 "mix runs as two arrays, the writing one after the measuring one",
                 "add --stage measure (and, once every task has finished, --stage write)",
             )
-        check_task(tasks or 1, task_id)
+        check_task(tasks, task_id)
         if stage is None:
             return self._run(STAGES, 1, 0, on_measure, on_stage, array_task=False)
         if not self.overwrite and self.area.committed():

@@ -135,7 +135,7 @@ class PackJob:
         """Pack every unit, or task `task_id`'s share of `tasks` (an array task); skip finished units and commit
         OUTPUT when the last one is done. `on_progress(documents read, tokens packed)` follows every batch."""
         array_task = tasks is not None
-        check_task(tasks or 1, task_id)
+        check_task(tasks, task_id)
         if array_task and not self.overwrite and self.area.committed():
             return self._result(PackStats(), 0.0, already_committed=True)
         if not array_task:
