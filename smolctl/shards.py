@@ -558,6 +558,12 @@ class DocumentSource:
     def columns(self) -> list[str]:
         return list(self.schema.names)
 
+    def file_labels(self) -> list[str]:
+        """How to name each file to a reader: its path under the files' common folder without `.parquet`, i.e. the
+        stem of files side by side, and `en/000` apart from `fr/000` in a per-language layout."""
+        root = Path(os.path.commonpath([file.parent for file in self.files]))
+        return [str(file.relative_to(root).with_suffix("")) for file in self.files]
+
     def require(self, *columns: str, text: Sequence[str] = (), flags: Mapping[str, str] | None = None) -> None:
         """Every named column must exist; those in `text` must hold strings. A missing column's error names the
         flag that chose it (`flags`: column → flag; text columns default to --text-column) and the columns there are."""

@@ -303,6 +303,44 @@ CASES = [
         ),
     ),
     Case(
+        "dedup: the id column is the text column",
+        lambda t: (["dedup", SAMPLE / "math", t / "out", "--id-column", "text"], "also the text column", t / "out"),
+    ),
+    Case(
+        "dedup: ids that are lists",
+        lambda t: (
+            ["dedup", parquet_with(t, "d.parquet", {"id": [[1], [2]], "text": ["x y z", "a b c"]}), t / "out"],
+            "column 'id' holds list<element: int64>, which cannot be written as text ids",
+            t / "out",
+        ),
+    ),
+    Case(
+        "dedup: binary ids that are not UTF-8",
+        lambda t: (
+            [
+                "dedup",
+                parquet_with(t, "d.parquet", {"id": [b"\xff\x00", b"\xff\x01"], "text": ["x y", "a b"]}),
+                t / "out",
+            ],
+            "d.parquet: column 'id' holds ids that are not UTF-8 text",
+            t / "out",
+        ),
+    ),
+    Case(
+        "dedup: a reference whose ids are structs",
+        lambda t: (
+            [
+                "dedup",
+                SAMPLE / "math",
+                t / "out",
+                "--against",
+                parquet_with(t, "ref.parquet", {"id": [{"n": 1}], "text": ["x y z"]}),
+            ],
+            "ref.parquet: column 'id' holds struct<n: int64>",
+            t / "out",
+        ),
+    ),
+    Case(
         "dedup: zero tasks",
         lambda t: (["dedup", SAMPLE / "math", t / "out", "--tasks", "0"], "--tasks: 0 is not a task count", t / "out"),
     ),

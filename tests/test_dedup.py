@@ -375,6 +375,31 @@ def test_each_removed_documents_jaccard_is_its_own_estimate_even_for_exact_copie
     assert report.column("jaccard").to_pylist() == pytest.approx(own.tolist())
 
 
+def test_made_up_ids_tell_files_of_one_name_apart_and_mark_the_reference(tmp_path):
+    """Without an id column, ids are shard:row: in a per-language layout (en/000, fr/000) and against a reference
+    written by the same tool (part-00000 in both), each id must point at one document only."""
+    texts = [f"document {i} about {i * 7} things in several words" for i in range(6)]
+    (tmp_path / "in" / "en").mkdir(parents=True)
+    (tmp_path / "in" / "fr").mkdir()
+    pq.write_table(pa.table({"text": texts}), tmp_path / "in" / "en" / "000.parquet")
+    pq.write_table(
+        pa.table({"text": ["autre chose entierement", texts[2], texts[0]]}), tmp_path / "in" / "fr" / "000.parquet"
+    )
+    dedup(tmp_path / "in", tmp_path / "out", workers=1)
+    _, report = read_output(tmp_path / "out")
+    assert report.select(["id", "duplicate_of"]).to_pylist() == [
+        {"id": "fr/000:1", "duplicate_of": "en/000:2"},
+        {"id": "fr/000:2", "duplicate_of": "en/000:0"},
+    ]
+    reference = write_shards(tmp_path / "reference", pa.table({"text": texts[3:]}), 1)
+    fresh = write_shards(tmp_path / "fresh", pa.table({"text": [texts[4], "something else entirely"]}), 1)
+    dedup(fresh, tmp_path / "against", against=str(reference), workers=1)
+    _, report = read_output(tmp_path / "against")
+    assert report.select(["id", "duplicate_of"]).to_pylist() == [
+        {"id": "part-00000:0", "duplicate_of": "against:part-00000:1"}
+    ]
+
+
 def test_a_shard_without_rows_changes_nothing(planted, tmp_path):
     # Filters upstream can leave empty shards; they hold no documents, so the output is that of the others.
     with_empty = tmp_path / "with-empty"

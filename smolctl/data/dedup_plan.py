@@ -8,6 +8,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from smolctl.data.array_tasks import WorkArea, file_identity
 from smolctl.data.minhash.params import HASHING_VERSION, MinHashParams
 from smolctl.errors import UserError
@@ -48,6 +51,7 @@ class DedupPlan:
     reference: DocumentSource | None
     id_column: str | None
     area: WorkArea
+    reference_id_column: str | None = None
 
     @property
     def work(self) -> Path:
@@ -100,12 +104,20 @@ def plan(config: DedupConfig) -> DedupPlan:
     if source.num_rows == 0:
         raise UserError(config.input, "holds no documents", "pass a non-empty dataset")
     id_column = _resolve_ids(source, config)
-    reference = None
+    reference, reference_ids = None, None
     if config.against is not None:
         reference = open_documents(config.against)
         reference.require(text=[config.text_column])
         if Path(config.against).resolve() == Path(config.input).resolve():
             raise UserError("--against", "is the input itself", "pass a different reference dataset")
+        reference_ids = default_id_column(reference, config.text_column)
+        if reference_ids:
+            check_id_type(
+                reference,
+                reference_ids,
+                config.against,
+                "make its ids strings or integers (without an id column, reference rows are named against:shard:row)",
+            )
     total = source.num_rows + (reference.num_rows if reference else 0)
     if total >= 2**32:
         raise UserError(
@@ -114,12 +126,44 @@ def plan(config: DedupConfig) -> DedupPlan:
             "split the corpus and chain runs with --against",
         )
     area = WorkArea(Path(config.output), STAGES, fingerprint(config, source, reference))
-    return DedupPlan(config, source, reference, id_column, area)
+    return DedupPlan(config, source, reference, id_column, area, reference_ids)
 
 
 def _resolve_ids(source: DocumentSource, config: DedupConfig) -> str | None:
     if config.id_column is not None:
+        if config.id_column == config.text_column:
+            raise UserError(
+                "--id-column",
+                f"'{config.id_column}' is also the text column",
+                "pass a column of unique ids, or leave --id-column out (ids are then shard:row)",
+            )
         source.require(config.id_column, text=[config.text_column], flags={config.id_column: "--id-column"})
+        check_id_type(source, config.id_column, config.input, ID_FIX)
         return config.id_column
     source.require(text=[config.text_column])
-    return "id" if "id" in source.columns else None
+    id_column = default_id_column(source, config.text_column)
+    if id_column:
+        check_id_type(source, id_column, config.input, ID_FIX)
+    return id_column
+
+
+def default_id_column(source: DocumentSource, text_column: str) -> str | None:
+    """`id` when the documents have one (and it is not the text), else None: ids are then made up as shard:row."""
+    return "id" if "id" in source.columns and text_column != "id" else None
+
+
+ID_FIX = "pass --id-column with a column of strings or integers"
+
+
+def check_id_type(source: DocumentSource, column: str, where: str, fix: str) -> None:
+    """The report writes ids as text: a column arrow cannot cast to string (lists, structs, ...) is refused
+    before any work."""
+    kind = source.schema.field(column).type
+    try:
+        pc.cast(pa.nulls(0, kind), pa.string())  # not pa.array: it imports pandas
+    except (pa.ArrowNotImplementedError, pa.ArrowInvalid):
+        raise UserError(
+            where,
+            f"column '{column}' holds {kind}, which cannot be written as text ids",
+            fix,
+        ) from None

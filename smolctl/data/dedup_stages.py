@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from smolctl.arrow_arrays import from_numpy, plain_strings, strings, to_numpy_filled
-from smolctl.data.dedup_plan import DedupPlan, Report
+from smolctl.data.dedup_plan import ID_FIX, DedupPlan, Report
 from smolctl.data.minhash.arrays import connected_components, sorted_unique
 from smolctl.data.minhash.kernels import estimate_jaccard, jaccard_many, signatures, tokenize
 from smolctl.data.minhash.lsh import band_keys, bucket_pairs
@@ -40,16 +40,19 @@ RECOMPUTED_SIGNATURES = 16384  # documents whose signatures the components stage
 def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     source, file_index = plan_.units[unit]
     params = plan_.config.minhash
-    id_column = plan_.id_column if source is plan_.source else ("id" if "id" in source.columns else None)
+    is_input = source is plan_.source
+    id_column = plan_.id_column if is_input else plan_.reference_id_column
     columns = [plan_.config.text_column] + ([id_column] if id_column else [])
-    shard_name = source.files[file_index].stem
+    # Made-up ids name the file as a reader finds it; the reference's are marked, so a report row's duplicate_of
+    # never reads as one of the input's own documents.
+    shard_name = source.file_labels()[file_index] if is_input else f"against:{source.file_labels()[file_index]}"
     tables, key_parts, signature_parts, shingle_parts, shingle_counts, exact_parts = [], [], [], [], [], []
     row = 0
     permutations = params.permutations() if params else None
     for batch in source.iter_file_batches(file_index, columns, BATCH_ROWS, threads=False):
         texts = plain_strings(batch.column(plan_.config.text_column))
         if id_column:
-            ids = pc.cast(batch.column(id_column), pa.string())
+            ids = id_strings(batch.column(id_column), source.files[file_index], id_column)
         else:
             ids = strings([f"{shard_name}:{r}" for r in range(row, row + len(texts))])
         columns_out = {
@@ -231,10 +234,19 @@ def check_unique_ids(ids: pa.ChunkedArray, where: str, id_column: str | None) ->
 
 
 def id_chunks(plan_: DedupPlan, file_index: int) -> list[pa.Array]:
+    file = plan_.source.files[file_index]
     return [
-        pc.cast(batch.column(0), pa.string())
+        id_strings(batch.column(0), file, plan_.id_column)
         for batch in plan_.source.iter_file_batches(file_index, [plan_.id_column], 65536, threads=False)
     ]
+
+
+def id_strings(ids: pa.Array, file: Path, column: str) -> pa.Array:
+    """The ids as text (the plan checked that the column's type casts); binary ids must be UTF-8."""
+    try:
+        return pc.cast(ids, pa.string())
+    except pa.ArrowInvalid as exc:
+        raise UserError(file, f"column '{column}' holds ids that are not UTF-8 text ({exc})", ID_FIX) from None
 
 
 def estimated_jaccard(plan_: DedupPlan, left: np.ndarray, right: np.ndarray) -> np.ndarray:
