@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -142,6 +143,15 @@ def model_missing_weights(tmp: Path) -> Path:
     shutil.copytree(model(), copy)
     (copy / "model.safetensors").unlink()
     return copy
+
+
+def tokenizer_without_eos(tmp: Path) -> Path:
+    folder = tmp / "no-eos"
+    shutil.copytree(tok(), folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["eos_token"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
 
 
 def _existing_output(tmp: Path) -> Path:
@@ -354,6 +364,29 @@ CASES = [
         ),
     ),
     Case(
+        "mix: the text column is named source",
+        lambda t: (
+            [
+                "mix",
+                t / "out",
+                "--source",
+                f"code={parquet_with(t, 's.parquet', {'source': ['def f(): pass']})}:1",
+                "--text-column",
+                "source",
+            ],
+            "'source' is where mix writes each document's source name",
+            t / "out",
+        ),
+    ),
+    Case(
+        "mix: a tokenizer without an end-of-sequence token",
+        lambda t: (
+            ["mix", t / "out", "--source", f"web={SAMPLE / 'web'}:1", "--tokenizer", tokenizer_without_eos(t)],
+            "no-eos: has no end-of-sequence token",
+            t / "out",
+        ),
+    ),
+    Case(
         "mix: weight does not parse",
         lambda t: (["mix", t / "out", "--source", f"web={SAMPLE / 'web'}:lots"], "lots", t / "out"),
     ),
@@ -435,6 +468,14 @@ CASES = [
             t / "out",
         ),
         env={"HF_HUB_OFFLINE": "1"},
+    ),
+    Case(
+        "pack: a tokenizer without an end-of-sequence token",
+        lambda t: (
+            ["pack", SAMPLE / "math", t / "out", "--tokenizer", tokenizer_without_eos(t), "--seq-len", "64"],
+            "no-eos: has no end-of-sequence token",
+            t / "out",
+        ),
     ),
     Case(
         "pack: zero tasks",

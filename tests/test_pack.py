@@ -274,6 +274,45 @@ def test_datatrove_token_files(sample, tokenizer_dir, tokenizer, tmp_path):
         open_packed(tmp_path / "tokens")
 
 
+def _tokenizer_with_id(tokenizer_dir: Path, folder: Path, token: str, new_id: int) -> Path:
+    """A copy of the tokenizer with `token` moved to `new_id`, far above the count of its vocabulary (ids with a
+    gap, as some real vocabularies have)."""
+    shutil.copytree(tokenizer_dir, folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["model"]["vocab"][token] = new_id
+    for added in spec["added_tokens"]:
+        if added["content"] == token:
+            added["id"] = new_id
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    return folder
+
+
+def test_token_files_hold_ids_above_the_vocabularys_count(sample, tokenizer_dir, tmp_path):
+    """The uint16/uint32 width of token files follows the ids, not the count of the vocabulary's entries: an EOS
+    at 70000 is written as 70000 (uint16 wrapped it to 4464), and an id that uint16 cannot hold is refused."""
+    high_eos = _tokenizer_with_id(tokenizer_dir, tmp_path / "high-eos", "<|endoftext|>", 70_000)
+    pack(
+        str(sample / "math"),
+        tmp_path / "tokens",
+        tokenizer_spec=str(high_eos),
+        config=PackConfig(seq_len=64, format="datatrove"),
+    )
+    manifest = read_manifest(tmp_path / "tokens")
+    assert manifest["token_size"] == 4 and manifest["tokenizer"]["vocab_size"] == 70_001
+    ids = np.fromfile(tmp_path / "tokens" / manifest["shards"][0]["name"], dtype="<u4")
+    ends = np.fromfile(tmp_path / "tokens" / manifest["shards"][0]["index"], dtype="<u8")
+    assert (ids[ends - 1] == 70_000).all() and (np.delete(ids, ends - 1) < 2048).all()
+    gap = _tokenizer_with_id(tokenizer_dir, tmp_path / "gap", "e", 70_000)  # a letter every document holds
+    with pytest.raises(UserError, match="gives token id 70000, beyond the 2048 ids its vocabulary counts"):
+        pack(
+            str(sample / "math"),
+            tmp_path / "gap-out",
+            tokenizer_spec=str(gap),
+            config=PackConfig(seq_len=64, format="datatrove"),
+        )
+    assert not (tmp_path / "gap-out").exists()
+
+
 def test_empty_documents_are_skipped_and_counted(tokenizer_dir, tmp_path):
     table = pa.table({"text": ["first document", "", None, "second one"]})
     pq.write_table(table, tmp_path / "docs.parquet")

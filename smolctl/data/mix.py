@@ -638,6 +638,12 @@ def totals(stages: list[StageReport], unit: str) -> dict:
 def prepare_mix(plan: MixSchedule, output: str | Path, *, overwrite: bool = False) -> MixJob:
     """Open and check every source, unify their schemas, load the tokenizer: before any work. The output folder
     is checked by `MixJob.run` (an array task may find it already committed by its own run)."""
+    if plan.text_column == SOURCE_COLUMN:
+        raise UserError(
+            "--text-column",
+            f"'{SOURCE_COLUMN}' is where mix writes each document's source name, so the text would be lost",
+            "rename the sources' text column (e.g. to text)",
+        )
     used = [name for name in plan.sources if any(stage.share(name) > 0 for stage in plan.stages)]
     sources = {}
     for name in used:
@@ -648,10 +654,11 @@ def prepare_mix(plan: MixSchedule, output: str | Path, *, overwrite: bool = Fals
     check_order_columns(plan, {name: source.schema for name, source in sources.items()})
     backend, tokenizer = None, None
     if plan.tokenizer:
-        from smolctl.data.tokenizer import load_tokenizer, tokenizer_fingerprint
+        from smolctl.data.tokenizer import document_end_id, load_rust_tokenizer
 
-        loaded = load_tokenizer(plan.tokenizer)
-        backend, tokenizer = loaded.backend_tokenizer, tokenizer_fingerprint(loaded)
+        loaded = load_rust_tokenizer(plan.tokenizer)
+        document_end_id(plan.tokenizer, loaded)  # counted after every document, as pack appends it
+        backend, tokenizer = loaded.backend, loaded.fingerprint
     fingerprint = {
         "plan": asdict(plan),
         "input_files": {name: file_identity(s.files) for name, s in sources.items()},

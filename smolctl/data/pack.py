@@ -44,7 +44,7 @@ from smolctl.data.pack_config import PackConfig
 from smolctl.data.pack_rows import PackStats, TokenBatch
 from smolctl.data.pack_sinks import DatatroveSink, RowSink, manifest_fields
 from smolctl.data.pack_tokens import tokenised_batches
-from smolctl.data.tokenizer import RustTokenizer, load_rust_tokenizer
+from smolctl.data.tokenizer import RustTokenizer, document_end_id, load_rust_tokenizer
 from smolctl.errors import UserError
 from smolctl.shards import (
     KIND_PACKED,
@@ -94,16 +94,16 @@ class PackResult:
 def tokenizer_record(spec: str, tokenizer: RustTokenizer) -> dict:
     """How the packed manifest names its tokenizer (the convention `pretrain` and `inspect` read)."""
     local = Path(spec).exists()
-    if tokenizer.eos_token_id is None:
-        raise UserError(spec, "has no end-of-sequence token", "use a tokenizer that defines eos_token")
-    eos = int(tokenizer.eos_token_id)
+    eos = document_end_id(spec, tokenizer)
+    pad = int(tokenizer.pad_token_id) if tokenizer.pad_token_id is not None else eos
     return {
         "path": str(Path(spec).resolve()) if local else spec,
         "name": Path(spec).resolve().name if local else spec,
         "fingerprint": tokenizer.fingerprint,
-        "vocab_size": tokenizer.vocab_size,
+        # The ids the data can hold: a special token may sit above the count of the vocabulary's entries.
+        "vocab_size": max(tokenizer.vocab_size, eos + 1, pad + 1),
         "eos_token_id": eos,
-        "pad_token_id": tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
+        "pad_token_id": pad,
     }
 
 

@@ -344,13 +344,8 @@ def backend_fingerprint(backend) -> str:
     return hashlib.sha256(backend.to_str().encode()).hexdigest()[:16]
 
 
-def document_end_id(tokenizer) -> int:
-    """The token appended after every document: the tokenizer's EOS (SmolLM3's and ours alike)."""
-    token_id = tokenizer.eos_token_id
-    if token_id is None:
-        raise UserError(
-            getattr(tokenizer, "name_or_path", "tokenizer"),
-            "has no end-of-sequence token",
-            "use a tokenizer that defines eos_token",
-        )
-    return int(token_id)
+def document_end_id(spec: str | Path, tokenizer: RustTokenizer) -> int:
+    """The token `pack` appends after every document (and `mix` counts): the tokenizer's EOS."""
+    if tokenizer.eos_token_id is None:
+        raise UserError(spec, "has no end-of-sequence token", "use a tokenizer that defines eos_token")
+    return int(tokenizer.eos_token_id)
