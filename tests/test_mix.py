@@ -595,3 +595,17 @@ def test_bad_curriculum_orders(sample, tmp_path, order, message):
     with pytest.raises(UserError, match=message):
         prepare_mix(schedule_from_recipe(recipe), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_budget_in_documents_gives_exactly_that_many(sample, tmp_path):
+    """The slices that meet the weights hold about the budget in documents (1,029 for 1,000 on the sample); the
+    mix scales them to hold exactly the budget, each source keeping its share of those documents."""
+    for budget in (1, 7, 1000):
+        result = mix([f"web={sample}/web:1"], tmp_path / f"one-{budget}", documents=str(budget))
+        assert result.stages[0].documents == read_rows(tmp_path / f"one-{budget}").num_rows == budget
+    result = mix([s.format(sample) for s in SOURCES], tmp_path / "three", documents="1000")
+    rows = read_rows(tmp_path / "three")
+    assert result.stages[0].documents == rows.num_rows == 1000
+    shares = byte_shares(rows)
+    for name, target in {"web": 0.5, "code": 0.3, "math": 0.2}.items():
+        assert abs(shares[name] - target) < 0.01, shares

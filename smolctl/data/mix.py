@@ -135,13 +135,20 @@ class StageReport:
 
 
 def bin_boundary(cumulative: np.ndarray, position: float) -> int:
-    """The global bin boundary (epochs × BINS + bin) whose walk position is nearest `position` units."""
+    """The global bin boundary (epochs × BINS + bin) whose walk position is nearest `position` units (or
+    documents, walking the cumulative documents)."""
     total = int(cumulative[-1])
     epoch, within = divmod(position, total)
     right = int(np.searchsorted(cumulative, within))
     left = max(0, right - 1)
     best = left if abs(cumulative[left] - within) <= abs(cumulative[min(right, BINS)] - within) else min(right, BINS)
     return int(epoch) * BINS + best
+
+
+def slice_end(cumulative: np.ndarray, begin: int, amount: float) -> int:
+    """The bin boundary that ends a slice starting at `begin` and holding nearest `amount` of what `cumulative`
+    counts (units, or documents)."""
+    return max(begin, bin_boundary(cumulative, walk_units(cumulative, begin) + amount))
 
 
 def walk_units(cumulative: np.ndarray, boundary: int) -> int:
@@ -152,6 +159,7 @@ def walk_units(cumulative: np.ndarray, boundary: int) -> int:
 def allocate(plan: MixSchedule, profiles: dict[str, SourceProfile]) -> list[list[SourceReport]]:
     """Each stage's per-source slices. Raises a UserError for a weight that needs more than max_repeat."""
     cumulative = {n: np.concatenate([[0], np.cumsum(p.units)]) for n, p in profiles.items()}
+    cumulative_documents = {n: np.concatenate([[0], np.cumsum(p.documents)]) for n, p in profiles.items()}
     position = {name: 0 for name in profiles}  # global bin boundary reached by earlier stages
     allocations = []
     for stage in plan.stages:
@@ -162,9 +170,19 @@ def allocate(plan: MixSchedule, profiles: dict[str, SourceProfile]) -> list[list
                     f"source {name!r}", f"has no {plan.unit} (every document is empty)", "drop it or give it weight 0"
                 )
         room = {n: plan.max_repeat * profiles[n].total_units - walk_units(cumulative[n], position[n]) for n in used}
+        documents = None  # per source, with a budget in documents: each slice ends at a document count
         if stage.budget_kind == "documents":
             units_per_doc = {n: profiles[n].total_units / max(1, profiles[n].total_documents) for n in used}
             total = stage.budget / sum(share / units_per_doc[n] for n, share in used.items())
+            # Slices that match the weights hold about the budget in documents; scaled to hold exactly it, each
+            # source keeps its share of the documents of the weighted slices.
+            weighted = {
+                n: walk_units(cumulative_documents[n], slice_end(cumulative[n], position[n], share * total))
+                - walk_units(cumulative_documents[n], position[n])
+                for n, share in used.items()
+            }
+            counted = max(1, sum(weighted.values()))
+            documents = whole_documents(stage.budget, {n: d * stage.budget / counted for n, d in weighted.items()})
         elif stage.budget is not None:
             total = float(stage.budget)
         else:
@@ -189,7 +207,11 @@ def allocate(plan: MixSchedule, profiles: dict[str, SourceProfile]) -> list[list
             if share > 0:
                 check_room(plan, stage, profile, share, total, room[name])
                 begin = position[name]
-                end = max(begin, bin_boundary(cumulative[name], walk_units(cumulative[name], begin) + share * total))
+                end = (
+                    slice_end(cumulative[name], begin, share * total)
+                    if documents is None
+                    else slice_end(cumulative_documents[name], begin, documents[name])
+                )
                 report.ranges = bin_ranges(begin, end)
                 report.units = sum(int(profile.units[lo:hi].sum()) for lo, hi in report.ranges)
                 report.documents = sum(int(profile.documents[lo:hi].sum()) for lo, hi in report.ranges)
@@ -202,6 +224,15 @@ def allocate(plan: MixSchedule, profiles: dict[str, SourceProfile]) -> list[list
             report.achieved_weight = report.units / stage_units if stage_units else 0.0
         allocations.append(reports)
     return allocations
+
+
+def whole_documents(budget: int, shares: dict[str, float]) -> dict[str, int]:
+    """Each source's documents, `shares` (which add up to `budget`) rounded so that they still add up to it:
+    the largest remainders round up."""
+    counts = {name: int(share) for name, share in shares.items()}
+    for name in sorted(shares, key=lambda n: counts[n] - shares[n])[: budget - sum(counts.values())]:
+        counts[name] += 1
+    return counts
 
 
 def check_room(
