@@ -558,6 +558,15 @@ class DocumentSource:
     def columns(self) -> list[str]:
         return list(self.schema.names)
 
+    def check_output_spares(self, output: str | Path) -> None:
+        """Refuse an OUTPUT that is this input or holds any of its files: --overwrite (or a failed run's clean-up)
+        would delete the data being read."""
+        out = Path(output).resolve()
+        for path in [Path(p).resolve() for p in ([self.folder] if self.folder else []) + self.files]:
+            if path == out or out in path.parents:
+                what = f"is the input {self.spec}" if path == out else f"holds the input {path}"
+                raise UserError(output, what, "write the output to another folder")
+
     def file_labels(self) -> list[str]:
         """How to name each file to a reader: its path under the files' common folder without `.parquet`, i.e. the
         stem of files side by side, and `en/000` apart from `fr/000` in a per-language layout."""

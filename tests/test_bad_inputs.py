@@ -351,10 +351,26 @@ CASES = [
         ),
     ),
     Case(
+        "dedup: the output is the input, with --overwrite",
+        lambda t: (
+            ["dedup", _existing_output(t), t / "existing", "--overwrite"],
+            "existing: is the input",
+            t / "existing",
+        ),
+    ),
+    Case(
         "dedup: zero tasks",
         lambda t: (["dedup", SAMPLE / "math", t / "out", "--tasks", "0"], "--tasks: 0 is not a task count", t / "out"),
     ),
     # mix
+    Case(
+        "mix: the output holds a source, with --overwrite",
+        lambda t: (
+            ["mix", t, "--source", f"math={_existing_output(t)}:1", "--overwrite"],
+            "holds the input",
+            t / "existing",
+        ),
+    ),
     Case(
         "mix: zero tasks",
         lambda t: (
@@ -475,6 +491,23 @@ CASES = [
             ["pack", SAMPLE / "math", t / "out", "--tokenizer", tokenizer_without_eos(t), "--seq-len", "64"],
             "no-eos: has no end-of-sequence token",
             t / "out",
+        ),
+    ),
+    Case(
+        "pack: the output holds the input file, with --overwrite",
+        lambda t: (
+            [
+                "pack",
+                parquet_with(_existing_output(t), "extra.parquet", {"text": ["a b c"]}),
+                t / "existing",
+                "--tokenizer",
+                tok(),
+                "--seq-len",
+                "64",
+                "--overwrite",
+            ],
+            "holds the input",
+            t / "existing",
         ),
     ),
     Case(

@@ -101,6 +101,7 @@ def plan(config: DedupConfig) -> DedupPlan:
     if config.keep not in KEEP_POLICIES:
         raise UserError("--keep", f"unknown policy {config.keep!r}", "use first or longest")
     source = open_documents(config.input)
+    source.check_output_spares(config.output)
     if source.num_rows == 0:
         raise UserError(config.input, "holds no documents", "pass a non-empty dataset")
     id_column = _resolve_ids(source, config)
@@ -108,6 +109,7 @@ def plan(config: DedupConfig) -> DedupPlan:
     if config.against is not None:
         reference = open_documents(config.against)
         reference.require(text=[config.text_column])
+        reference.check_output_spares(config.output)
         if Path(config.against).resolve() == Path(config.input).resolve():
             raise UserError("--against", "is the input itself", "pass a different reference dataset")
         reference_ids = default_id_column(reference, config.text_column)

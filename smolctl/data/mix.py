@@ -680,6 +680,7 @@ def prepare_mix(plan: MixSchedule, output: str | Path, *, overwrite: bool = Fals
     for name in used:
         source = open_documents(plan.sources[name])
         source.require(text=[plan.text_column])
+        source.check_output_spares(output)
         sources[name] = source
     schema = output_schema({name: source.schema for name, source in sources.items()})
     check_order_columns(plan, {name: source.schema for name, source in sources.items()})

@@ -302,6 +302,7 @@ def prepare_pack(
     config.validate()
     config.rows_per_shard()
     source = open_documents(input_spec)
+    source.check_output_spares(output)
     source.require(text=[config.text_column])
     tokenizer = load_rust_tokenizer(tokenizer_spec)
     record = tokenizer_record(tokenizer_spec, tokenizer)

@@ -140,6 +140,7 @@ def train_tokenizer(
             raise UserError(flag, f"{value} is not a positive amount", "pass e.g. 1M documents or 2GB")
     source = open_documents(input_path)
     source.require(text=[text_column])
+    source.check_output_spares(output)
     check_output_path(Path(output), overwrite)
     if on_start:
         on_start(source.num_rows)
