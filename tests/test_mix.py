@@ -609,3 +609,13 @@ def test_a_budget_in_documents_gives_exactly_that_many(sample, tmp_path):
     shares = byte_shares(rows)
     for name, target in {"web": 0.5, "code": 0.3, "math": 0.2}.items():
         assert abs(shares[name] - target) < 0.01, shares
+
+
+def test_recipe_budgets_are_written_as_the_flags_take_them(sample, tmp_path):
+    """`bytes = "60KB"` and `documents = 1e2` in a recipe mean what --bytes 60KB and --documents 1e2 mean."""
+    body = '[[stages]]\nname = "a"\nweights = {web = 1}\nbytes = "60KB"\n\n[[stages]]\nname = "b"\nweights = {code = 1}\ndocuments = 1e2\n'
+    recipe = write_recipe(tmp_path / "mix.toml", sample, body)
+    stages = schedule_from_recipe(recipe).stages
+    assert [(s.budget, s.budget_kind) for s in stages] == [(60_000, "bytes"), (100, "documents")]
+    with pytest.raises(UserError, match=r"stages\[0\] \(a\)\.bytes: -5 must be a positive count"):
+        schedule_from_recipe(write_recipe(tmp_path / "bad.toml", sample, body.replace('"60KB"', "-5")))

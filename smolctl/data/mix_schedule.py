@@ -53,10 +53,10 @@ class StageSection(Section):
     """Weights at the end of the stage: they move linearly from `weights` across the stage."""
     interpolate: bool = False
     """Move linearly to the next stage's weights across this stage."""
-    tokens: int | None = None
-    bytes: int | None = None
-    documents: int | None = None
-    """One budget (or none: as much as max_repeat allows)."""
+    tokens: int | float | str | None = None
+    bytes: int | float | str | None = None
+    documents: int | float | str | None = None
+    """One budget (or none: as much as max_repeat allows), written as the flags take it: 2.5M, 1e5, "100MB"."""
     order: str = "shuffle"
     """shuffle (seeded), or ascending:SCORE, easy to hard: SCORE is a numeric column of every source the stage
     uses, or a built-in proxy, `length` (UTF-8 bytes) or `compression` (zlib ratio)."""
@@ -253,8 +253,8 @@ def schedule_from_recipe(
                 "give one of tokens, bytes, documents",
             )
         kind, amount = budgets[0] if budgets else (None, None)
-        if amount is not None and amount < 1:
-            raise UserError(where, f"{kind} = {amount}", "budgets are positive")
+        if amount is not None:
+            amount = (parse_bytes if kind == "bytes" else parse_count)(amount, f"{where}.{kind}")
         stages.append(Stage(section.name, start, end, amount, kind, section.order))
     plan = MixSchedule(
         sources,
