@@ -1,6 +1,7 @@
 """The smolctl process: `python -m smolctl` and the `smolctl` script both start here."""
 
 import gc
+import os
 
 
 def main() -> None:
@@ -10,7 +11,13 @@ def main() -> None:
     garbage, so the collector is off while the CLI imports and what that made is frozen out of later collections;
     the command then runs with the collector on, as usual. What the command itself makes (torch, process groups)
     is left to the usual collection at exit, the path torch is tested on: while that was frozen too, a
-    two-process gloo run aborted (SIGABRT) once in CI."""
+    two-process gloo run aborted (SIGABRT) once in CI.
+
+    numpy asks the kernel for transparent huge pages on every array of 4 MB or more. smolctl's big arrays are
+    written once and streamed out, and the heap ranges numpy advised then fault in (and zero) 2 MB pages each
+    time the allocator grows back into them: `pack` spent ~2 s of kernel time per 68 M tokens doing that, 6% of
+    its run (benchmarks/RESULTS.md). Set NUMPY_MADVISE_HUGEPAGE=1 to have numpy ask again."""
+    os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")  # read once, when numpy is imported
     gc.disable()
     try:
         from smolctl.cli import main as run_command

@@ -326,6 +326,27 @@ def test_empty_documents_are_skipped_and_counted(tokenizer_dir, tmp_path):
     assert read_manifest(tmp_path / "packed")["skipped_empty"] == 2
 
 
+def test_the_collector_is_as_it_was_after_pack_succeeds_or_fails(sample, tokenizer_dir, tmp_path, monkeypatch):
+    """Tokenising collects young objects less often; a library caller's collector settings come back after it,
+    also when a batch fails."""
+    import gc
+
+    before = gc.get_threshold()
+    pack(str(sample / "math"), tmp_path / "ok", tokenizer_spec=str(tokenizer_dir), config=PackConfig(seq_len=64))
+    assert gc.get_threshold() == before
+
+    def failing(*args):
+        assert gc.get_threshold()[0] == pack_tokens.YOUNG_COLLECTION_THRESHOLD
+        raise RuntimeError("a batch fails")
+
+    monkeypatch.setattr(pack_tokens, "encode_documents", failing)
+    with pytest.raises(RuntimeError, match="a batch fails"):
+        pack(
+            str(sample / "math"), tmp_path / "failed", tokenizer_spec=str(tokenizer_dir), config=PackConfig(seq_len=64)
+        )
+    assert gc.get_threshold() == before
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_packed_documents_do_not_see_each_other(sample, tokenizer_dir, tokenizer, tmp_path, attention):
     """Each document's logits in a packed row equal the document run alone (SmolLM3, no mask, no cache)."""

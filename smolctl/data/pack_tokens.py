@@ -9,6 +9,7 @@ processes take the batches instead.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 from collections import deque
@@ -26,6 +27,9 @@ try:
     from smolctl.data import _pack
 except ImportError:  # built without a C compiler: join_documents_python gives the same arrays
     _pack = None
+
+YOUNG_COLLECTION_THRESHOLD = 10_000
+"""Allocations between collections of the young generation while tokenising (Python's default: 700)."""
 
 ENCODER_CALLS_IN_FLIGHT = 2
 """Batches being encoded at once in this process: one to keep the Rust threads busy, one to overlap."""
@@ -116,11 +120,16 @@ def tokenised_batches(
     texts = document_texts(source, text_column, batch_documents, units)
     executor, window = encoder(tokenizer, workers)
     encode = _encode_in_worker if workers > 1 else partial(encode_documents, tokenizer.backend)
+    # A batch makes thousands of objects the collector tracks (Encodings, id lists) that all die with it, none in
+    # a cycle; at the default threshold of 700 the young generation would be walked several times per batch.
+    thresholds = gc.get_threshold()
+    gc.set_threshold(max(thresholds[0], YOUNG_COLLECTION_THRESHOLD), *thresholds[1:])
     try:
         chunks = ((unit, executor.submit(encode, chunk, tokenizer.eos_token_id)) for unit, chunk in texts)
         for unit, (batch, read, empty) in in_order(chunks, window):
             yield unit, batch, read, empty
     finally:
+        gc.set_threshold(*thresholds)
         executor.shutdown(wait=True, cancel_futures=True)
 
 
