@@ -14,9 +14,9 @@ def main() -> None:
     two-process gloo run aborted (SIGABRT) once in CI.
 
     numpy asks the kernel for transparent huge pages on every array of 4 MB or more. smolctl's big arrays are
-    written once and streamed out, and the heap ranges numpy advised then fault in (and zero) 2 MB pages each
-    time the allocator grows back into them: `pack` spent ~2 s of kernel time per 68 M tokens doing that, 6% of
-    its run (benchmarks/RESULTS.md). Set NUMPY_MADVISE_HUGEPAGE=1 to have numpy ask again."""
+    written once and streamed out, and with that advice `pack` spent ~2 s more of kernel time zeroing fresh
+    2 MB pages per 68 M tokens, 6% of its run (benchmarks/RESULTS.md). Set NUMPY_MADVISE_HUGEPAGE=1 to have
+    numpy ask again."""
     os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")  # read once, when numpy is imported
     gc.disable()
     try:
