@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -567,9 +568,11 @@ class DocumentSource:
                 what = f"is the input {self.spec}" if path == out else f"holds the input {path}"
                 raise UserError(output, what, "write the output to another folder")
 
+    @cached_property
     def file_labels(self) -> list[str]:
         """How to name each file to a reader: its path under the files' common folder without `.parquet`, i.e. the
-        stem of files side by side, and `en/000` apart from `fr/000` in a per-language layout."""
+        stem of files side by side, and `en/000` apart from `fr/000` in a per-language layout. (Cached: every
+        unit of a many-shard input asks.)"""
         root = Path(os.path.commonpath([file.parent for file in self.files]))
         return [str(file.relative_to(root).with_suffix("")) for file in self.files]
 

@@ -45,7 +45,7 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     columns = [plan_.config.text_column] + ([id_column] if id_column else [])
     # Made-up ids name the file as a reader finds it; the reference's are marked, so a report row's duplicate_of
     # never reads as one of the input's own documents.
-    shard_name = source.file_labels()[file_index] if is_input else f"against:{source.file_labels()[file_index]}"
+    shard_name = source.file_labels[file_index] if is_input else f"against:{source.file_labels[file_index]}"
     tables, key_parts, signature_parts, shingle_parts, shingle_counts, exact_parts = [], [], [], [], [], []
     row = 0
     permutations = params.permutations() if params else None
