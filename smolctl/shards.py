@@ -534,6 +534,30 @@ def _without_views(kind: pa.DataType) -> pa.DataType:
     return kind
 
 
+def widest_types(schemas: dict[str, pa.Schema]) -> dict[str, pa.DataType]:
+    """The one type for each column whose values the sources hold in types that differ only in width, lossless
+    either way: dictionary-encoded or not, string and large_string, binary and large_binary, and integers of one
+    signedness. Other differences (int and float, string and binary, ...) are left for the caller to refuse."""
+    types: dict[str, set[pa.DataType]] = {}
+    for schema in schemas.values():
+        for column in schema:
+            types.setdefault(column.name, set()).add(column.type)
+    widest = {}
+    for name, both in types.items():
+        kinds = {t.value_type if pa.types.is_dictionary(t) else t for t in both} - {pa.null()}
+        if len(both) == 1 or not kinds:
+            continue  # one type already (a column dictionary-encoded in every source stays so)
+        if len(kinds) == 1:
+            widest[name] = kinds.pop()
+        elif kinds <= {pa.string(), pa.large_string()}:
+            widest[name] = pa.large_string()
+        elif kinds <= {pa.binary(), pa.large_binary()}:
+            widest[name] = pa.large_binary()
+        elif all(pa.types.is_signed_integer(k) for k in kinds) or all(pa.types.is_unsigned_integer(k) for k in kinds):
+            widest[name] = max(kinds, key=lambda k: k.bit_width)
+    return widest
+
+
 def readable(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch | pa.Table:
     """A batch or table read from parquet, in `readable_schema` (unchanged, not copied, when it has no views)."""
     schema = readable_schema(data.schema)
@@ -615,16 +639,19 @@ class DocumentSource:
         try:
             handle = pq.ParquetFile(path)
             columns = list(columns) if columns is not None else None
+            # Read as the source's schema: a file holding views, or a narrower type than another shard, is cast
+            # (decided once per file; most files are read as they are).
+            names = columns if columns is not None else self.schema.names
+            wanted = pa.schema([self.schema.field(name) for name in names])
+            written = handle.schema_arrow
+            as_written = pa.schema([written.field(name) for name in names]).equals(wanted)
             if handle.metadata.num_rows == 0:
-                schema = handle.schema_arrow
-                fields = [schema.field(name) for name in columns] if columns is not None else list(schema)
-                yield pa.RecordBatch.from_pylist([], schema=readable_schema(pa.schema(fields)))
+                yield pa.RecordBatch.from_pylist([], schema=wanted)
                 return
-            has_views = not readable_schema(handle.schema_arrow).equals(handle.schema_arrow)
             for batch in handle.iter_batches(batch_size=batch_size, columns=columns, use_threads=threads):
                 if columns is not None and batch.schema.names != columns:
                     batch = batch.select(columns)
-                yield readable(batch) if has_views else batch
+                yield batch if as_written else batch.cast(wanted)
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
             raise UserError(
                 path,
@@ -640,7 +667,7 @@ class DocumentSource:
 def open_documents(spec: str | Path) -> DocumentSource:
     """Open a dataset folder, a plain folder of parquet files, a single parquet file or a glob."""
     files, manifest, folder = resolve_parquet_files(spec)
-    schema: pa.Schema | None = None
+    schemas: list[pa.Schema] = []
     rows: list[int] = []
     for path in files:
         _check_parquet_magic(path)
@@ -653,22 +680,27 @@ def open_documents(spec: str | Path) -> DocumentSource:
                 f"cannot be read as parquet ({str(exc).splitlines()[0]})",
                 "the file is corrupt or truncated; re-create it",
             ) from exc
-        file_schema = readable_schema(file_schema.remove_metadata())
-        if schema is None:
-            schema = file_schema
-        elif not file_schema.equals(schema):
+        schemas.append(readable_schema(file_schema.remove_metadata()))
+        rows.append(meta.num_rows)
+    return DocumentSource(str(spec), files, manifest, folder, common_schema(files, schemas), rows)
+
+
+def common_schema(files: list[Path], schemas: list[pa.Schema]) -> pa.Schema:
+    """The one schema a source's files are read in: theirs, or where shards written by different tools hold a
+    column in types that differ only in width (`widest_types`), the widest; anything else is refused."""
+    widest = widest_types({str(path): schema for path, schema in zip(files, schemas)})
+    widened = [pa.schema([f.with_type(widest.get(f.name, f.type)) for f in schema]) for schema in schemas]
+    for path, schema in zip(files[1:], widened[1:]):
+        if not schema.equals(widened[0]):
             mismatched = [
-                n
-                for n in schema.names
-                if n not in file_schema.names or file_schema.field(n).type != schema.field(n).type
+                n for n in widened[0].names if n not in schema.names or schema.field(n).type != widened[0].field(n).type
             ]
             raise UserError(
                 path,
                 f"has a different schema from {files[0].name} (columns {', '.join(mismatched) or 'extra'} differ)",
                 "make all shards share one schema",
             )
-        rows.append(meta.num_rows)
-    return DocumentSource(str(spec), files, manifest, folder, schema, rows)
+    return widened[0]
 
 
 @dataclass

@@ -70,6 +70,7 @@ from smolctl.shards import (
     open_documents,
     read_manifest,
     schema_to_dict,
+    widest_types,
 )
 
 STAGES = ("measure", "write")
@@ -296,30 +297,6 @@ def output_schema(schemas: dict[str, pa.Schema]) -> pa.Schema:
             "--source", f"the sources' schemas do not combine ({exc})", "give them compatible columns"
         ) from exc
     return merged.append(pa.field(SOURCE_COLUMN, pa.string()))
-
-
-def widest_types(schemas: dict[str, pa.Schema]) -> dict[str, pa.DataType]:
-    """The one type for each column whose values the sources hold in types that differ only in width, lossless
-    either way: dictionary-encoded or not, string and large_string, binary and large_binary, and integers of one
-    signedness. Other differences (int and float, string and binary, ...) are left for the caller to refuse."""
-    types: dict[str, set[pa.DataType]] = {}
-    for schema in schemas.values():
-        for column in schema:
-            types.setdefault(column.name, set()).add(column.type)
-    widest = {}
-    for name, both in types.items():
-        kinds = {t.value_type if pa.types.is_dictionary(t) else t for t in both} - {pa.null()}
-        if len(both) == 1 or not kinds:
-            continue  # one type already (a column dictionary-encoded in every source stays so)
-        if len(kinds) == 1:
-            widest[name] = kinds.pop()
-        elif kinds <= {pa.string(), pa.large_string()}:
-            widest[name] = pa.large_string()
-        elif kinds <= {pa.binary(), pa.large_binary()}:
-            widest[name] = pa.large_binary()
-        elif all(pa.types.is_signed_integer(k) for k in kinds) or all(pa.types.is_unsigned_integer(k) for k in kinds):
-            widest[name] = max(kinds, key=lambda k: k.bit_width)
-    return widest
 
 
 # ---------------------------------------------------------------------------------------------------------------
