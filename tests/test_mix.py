@@ -619,3 +619,25 @@ def test_recipe_budgets_are_written_as_the_flags_take_them(sample, tmp_path):
     assert [(s.budget, s.budget_kind) for s in stages] == [(60_000, "bytes"), (100, "documents")]
     with pytest.raises(UserError, match=r"stages\[0\] \(a\)\.bytes: -5 must be a positive count"):
         schedule_from_recipe(write_recipe(tmp_path / "bad.toml", sample, body.replace('"60KB"', "-5")))
+
+
+def test_a_source_left_short_of_its_weight_is_warned_about(sample, tmp_path):
+    """One 100 KB document against a 50-document source at 0.5/0.5 with no budget: the small source's size
+    bounds the stage, so the big document cannot be taken and its weight ends at 0; the summary must say so."""
+    pq.write_table(pa.table({"text": ["x" * 100_000]}), tmp_path / "big.parquet")
+    pq.write_table(pa.table({"text": [f"small doc {i}" for i in range(50)]}), tmp_path / "small.parquet")
+    done = run_cli(
+        "mix",
+        tmp_path / "out",
+        "--source",
+        f"big={tmp_path}/big.parquet:0.5",
+        "--source",
+        f"small={tmp_path}/small.parquet:0.5",
+    )
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "source 'big': achieved weight 0.000 against 0.500" in warnings[0], warnings
+    balanced = run_cli(
+        "mix", tmp_path / "sample", "--source", f"web={sample}/web:0.5", "--source", f"code={sample}/code:0.5"
+    )
+    assert balanced.returncode == 0 and "warning:" not in balanced.stdout + balanced.stderr

@@ -19,6 +19,7 @@ from smolctl.console import (
     show,
     styled,
     table,
+    warn,
 )
 from smolctl.errors import UserError
 from smolctl.units import BYTES_HELP, COUNT_HELP, parse_bytes, parse_count
@@ -430,6 +431,13 @@ def mix_command(
                 ),
             )
         )
+        for s in report.short_of_target():
+            warn(
+                f"stage {report.name!r}, source {s.name!r}: achieved weight {s.achieved_weight:.3f} against "
+                f"{s.target_weight:.3f}: slices end at whole documents, and the stage's budget holds too few of its "
+                f"(~{s.source_units / max(1, s.source_documents):,.0f} {report.unit} each) to come closer; a larger "
+                "budget (or --max-repeat, with none) does"
+            )
     for name, estimate in (result.token_estimates or {}).items():
         if estimate["mode"] == "sample":
             show(

@@ -121,6 +121,10 @@ class SourceReport:
     """Bin ranges [lo, hi) read in this stage, one pass each (a range repeats when the slice wraps)."""
 
 
+OFF_TARGET_POINTS = 0.02
+"""How far (2 points) an achieved weight may be from its target before the summary warns."""
+
+
 @dataclass
 class StageReport:
     name: str
@@ -133,6 +137,12 @@ class StageReport:
     sources: list[SourceReport]
     shards: int = 0
     order: str = "shuffle"
+
+    def short_of_target(self, points: float = OFF_TARGET_POINTS) -> list[SourceReport]:
+        """Sources whose achieved weight is more than `points` (a fraction) below their target: a slice ends at a
+        whole document (or bin), and a budget that holds only a few of a source's documents cannot split finer.
+        (The others then carry more than theirs.)"""
+        return [s for s in self.sources if s.target_weight - s.achieved_weight > points]
 
 
 def bin_boundary(cumulative: np.ndarray, position: float) -> int:
