@@ -158,3 +158,37 @@ def test_a_plain_run_that_fails_leaves_nothing(tokenizer_dir, tmp_path):
     with pytest.raises(UserError, match="holds no non-empty documents"):
         run_pack(tmp_path / "empty.parquet", tmp_path / "out", tokenizer_dir)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_plain_run_while_another_task_commits_leaves_the_work_alone(four_shards, tokenizer_dir, tmp_path):
+    """Array tasks finished every unit and one on another node holds the assembly lock: a plain run of the same
+    command must say so and delete nothing (it removed OUTPUT/_work, the files the lock holder was linking)."""
+    out = tmp_path / "packed"
+    for task_id in range(3):
+        run_pack(four_shards, out, tokenizer_dir, tasks=3, task_id=task_id)
+        if task_id == 1:
+            (out / "_work" / "assemble.lock").write_text('{"host": "another-node", "pid": 5}')
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    with pytest.raises(UserError, match=r"another process .* is writing OUTPUT"):
+        run_pack(four_shards, out, tokenizer_dir)
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before and len(before) > 8
+
+
+def test_a_rerun_with_other_settings_over_an_unfinished_run_starts_again(four_shards, tokenizer_dir, tmp_path):
+    """Half an array run, then the command again with another seq_len and --overwrite: the old markers must not
+    count (they made it skip units whose work the new run had cleared, and crash)."""
+    out = tmp_path / "packed"
+    run_pack(four_shards, out, tokenizer_dir, tasks=2, task_id=0)
+    redone = prepare_pack(
+        str(four_shards), out, tokenizer_spec=str(tokenizer_dir), config=PackConfig(seq_len=64), overwrite=True
+    ).run()
+    plain = prepare_pack(
+        str(four_shards), tmp_path / "plain", tokenizer_spec=str(tokenizer_dir), config=PackConfig(seq_len=64)
+    ).run()
+    assert redone.finished and redone.units_done == 4
+    assert shard_bytes(out) == shard_bytes(tmp_path / "plain") and redone.stats == plain.stats
+    done = run_cli("dedup", four_shards, tmp_path / "dedup", "--stage", "signatures", "--tasks", "2", "--task-id", "0")
+    assert done.returncode == 0, done.stderr
+    done = run_cli("dedup", four_shards, tmp_path / "dedup", "--minhash", "--overwrite", "--workers", "1")
+    assert done.returncode == 0, done.stderr
+    assert read_manifest(tmp_path / "dedup")["rows"] > 0

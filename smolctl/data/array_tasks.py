@@ -82,6 +82,13 @@ class WorkArea:
     def is_done(self, stage: str, unit: int) -> bool:
         return self.marker(stage, unit).is_file()
 
+    def pending(self, stage: str, units: list[int]) -> list[int]:
+        """The units still to do: those without a marker, or all of them when the work area is another run's
+        (`prepare` clears it, markers and all)."""
+        recorded = self.root / "config.json"
+        current = recorded.is_file() and json.loads(recorded.read_text()) == self._canonical()
+        return [unit for unit in units if not (current and self.is_done(stage, unit))]
+
     def stage_done(self, stage: str, count: int) -> bool:
         return all(self.is_done(stage, unit) for unit in range(count))
 
@@ -127,7 +134,10 @@ class WorkArea:
         atomic_write_json(recorded, self._canonical())
 
     def discard(self) -> None:
-        """Remove the work area, and OUTPUT when nothing else is in it (a plain run that failed on bad input)."""
+        """Remove the work area, and OUTPUT when nothing else is in it (a plain run that failed on bad input);
+        never while another task holds the assembly lock, linking from it into OUTPUT."""
+        if (self.root / "assemble.lock").exists():
+            return
         shutil.rmtree(self.root, ignore_errors=True)
         if self.output.is_dir() and not any(self.output.iterdir()):
             self.output.rmdir()

@@ -204,7 +204,7 @@ def _run_units(
     if stage is not None:
         plan_.area.check_ready(stage, plan_.unit_count)
     mine = {name: task_units(plan_.unit_count(name), tasks, task_id) for name in stages}
-    todo = {name: [u for u in units if not plan_.marker(name, u).is_file()] for name, units in mine.items()}
+    todo = {name: plan_.area.pending(name, units) for name, units in mine.items()}
     if stage is None or todo[stage]:  # a task with nothing left to do writes nothing
         plan_.area.prepare()
     done = skipped = 0

@@ -407,7 +407,7 @@ class MixJob:
         try:
             for name in stages:
                 mine = task_units(self.unit_count(name), tasks, task_id)
-                todo = [unit for unit in mine if not self.area.is_done(name, unit)]
+                todo = self.area.pending(name, mine)
                 if todo or not array_task:  # a task with nothing left to do writes nothing
                     self.area.prepare()
                 self._run_units(name, todo, on_measure, on_stage)

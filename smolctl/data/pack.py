@@ -149,7 +149,7 @@ class PackJob:
     def _run(self, on_progress, tasks: int, task_id: int, array_task: bool) -> PackResult:
         self.area.check(self.overwrite)
         mine = task_units(self.units, tasks, task_id)
-        todo = [unit for unit in mine if not self.area.is_done(STAGE, unit)]
+        todo = self.area.pending(STAGE, mine)
         if todo or not array_task:  # a task with nothing left to do writes nothing
             self.area.prepare()
         try:
