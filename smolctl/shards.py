@@ -223,6 +223,11 @@ class OutputFolder:
             "stats": stats or {},
             **fields,
         }
+        # safetensors 0.8 writes through a temporary file made 0600 whatever the umask (safetensors#782): on a
+        # cluster, other users could not read the packed data or models. Its files get the mode any other file has.
+        mode = 0o666 & ~process_umask()
+        for file in self.staging.rglob("*.safetensors"):
+            os.chmod(file, mode)
         atomic_write_json(self.staging / MANIFEST_NAME, manifest)
         self._swap_into_place()
         return manifest
@@ -253,6 +258,20 @@ class OutputFolder:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None and not self.resumable:
             self.abort()
+
+
+def process_umask() -> int:
+    """The process's umask: read where Linux shows it, else set (to the strict 077, so a file another thread
+    makes meanwhile is private, never open) and put back."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def check_output_path(path: Path, overwrite: bool) -> None:

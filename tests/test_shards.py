@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -256,3 +257,22 @@ def test_manifest_is_written_last_and_names_its_inputs(tmp_path):
     assert manifest["inputs"][0]["path"] == str(first.resolve())
     chain = lineage_chain(tmp_path / "second")
     assert [e["depth"] for e in chain] == [0, 1] and chain[1]["status"] == "ok"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_safetensors_shards_get_the_mode_the_umask_gives(tmp_path, umask):
+    """safetensors 0.8 makes its files 0600 whatever the umask; other users of a cluster must be able to read
+    packed data and models as they can read the manifest next to them."""
+    previous = os.umask(umask)
+    try:
+        with OutputFolder(tmp_path / "packed", kind=KIND_PACKED) as folder:
+            writer = PackedWriter(folder, rows_per_shard=2)
+            writer.write({"input_ids": np.zeros((3, 4), np.int32)}, np.full(3, 4))
+            writer.close()
+            folder.commit()
+    finally:
+        os.umask(previous)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "packed").iterdir()}
+    assert modes == {
+        name: 0o666 & ~umask for name in ("part-00000.safetensors", "part-00001.safetensors", "manifest.json")
+    }
