@@ -228,6 +228,14 @@ CASES = [
         ),
     ),
     Case(
+        "train-tokenizer: --sample-bytes smaller than every document",
+        lambda t: (
+            ["train-tokenizer", SAMPLE / "math", t / "out", "--sample-bytes", "5"],
+            "--sample-bytes: 5 bytes hold none of the documents drawn",
+            t / "out",
+        ),
+    ),
+    Case(
         "train-tokenizer: output exists",
         lambda t: (
             ["train-tokenizer", SAMPLE / "math", _existing_output(t)],

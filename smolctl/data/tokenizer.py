@@ -108,6 +108,12 @@ def sample_texts(
                     kept_bytes, cutoff = kept_bytes - dropped, min(cutoff, -priority)
             if on_batch:
                 on_batch(len(texts))
+    if not heap and cutoff < 1.0:  # documents were drawn, and every one was over the budget alone
+        raise UserError(
+            "--sample-bytes",
+            f"{bytes_:,} bytes hold none of the documents drawn",
+            "raise it: the sample is whole documents",
+        )
     return [text for _, text, _ in sorted(heap, reverse=True)]
 
 
