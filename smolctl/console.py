@@ -105,6 +105,9 @@ def progress(enabled: bool = True) -> Iterator[Progress]:
     )
     try:
         yield bar
+    except BaseException:
+        bar.live.transient = True  # a command that fails ends with its one error line, not a half-drawn bar
+        raise
     finally:
         if bar.live.is_started:
             bar.stop()
