@@ -192,3 +192,21 @@ def test_a_rerun_with_other_settings_over_an_unfinished_run_starts_again(four_sh
     done = run_cli("dedup", four_shards, tmp_path / "dedup", "--minhash", "--overwrite", "--workers", "1")
     assert done.returncode == 0, done.stderr
     assert read_manifest(tmp_path / "dedup")["rows"] > 0
+
+
+@pytest.mark.parametrize("damage", ["truncated", "removed"])
+def test_a_work_file_damaged_between_tasks_is_never_committed(four_shards, tokenizer_dir, tmp_path, damage):
+    """A unit's shard truncated or deleted under OUTPUT/_work before the last task: the commit must refuse it,
+    not link it into an OUTPUT whose manifest then passes the size check with a wrong sha256."""
+    out = tmp_path / "packed"
+    run_pack(four_shards, out, tokenizer_dir, tasks=3, task_id=0)
+    shard = next((out / "_work" / "pack" / "00000").glob("part-*.safetensors"))
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:100])
+    else:
+        shard.unlink()
+    run_pack(four_shards, out, tokenizer_dir, tasks=3, task_id=1)
+    message = "is 100 bytes, not the" if damage == "truncated" else "is missing from the work area"
+    with pytest.raises(UserError, match=message):
+        run_pack(four_shards, out, tokenizer_dir, tasks=3, task_id=2)
+    assert not (out / "manifest.json").exists()

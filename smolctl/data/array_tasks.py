@@ -235,8 +235,16 @@ def _alive(pid: int) -> bool:
     return pid > 0
 
 
-def link_or_copy(src: Path, dst: Path) -> None:
-    """A hard link keeps the work area intact until the commit: a crash while assembling loses nothing."""
+def link_or_copy(src: Path, dst: Path, size: int | None = None) -> None:
+    """A hard link keeps the work area intact until the commit: a crash while assembling loses nothing. A work
+    file that is gone, or not the `size` its unit wrote, is refused: OUTPUT would look complete and not be."""
+    actual = src.stat().st_size if src.is_file() else None
+    if actual is None or (size is not None and actual != size):
+        raise UserError(
+            src,
+            "is missing from the work area" if actual is None else f"is {actual} bytes, not the {size} its unit wrote",
+            "it changed after its unit finished; re-run with --overwrite to start again",
+        )
     try:
         os.link(src, dst)
     except OSError:

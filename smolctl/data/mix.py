@@ -610,7 +610,7 @@ class MixJob:
         for unit in units:
             for shard in self.area.read_marker("write", unit)["shards"]:
                 name = f"part-{len(folder.shards):05d}.parquet"
-                link_or_copy(self.area.stage_dir("write") / shard["file"], folder.file(name))
+                link_or_copy(self.area.stage_dir("write") / shard["file"], folder.file(name), shard.get("bytes"))
                 folder.add_shard(name, shard["rows"], sha256=shard["sha256"])
 
     def _result(self, stages: list[StageReport], seconds: float, **fields) -> MixResult:

@@ -254,7 +254,7 @@ def write_shard(table: pa.Table, path: Path) -> dict:
     tmp = path.with_name(f".{path.name}.tmp")
     pq.write_table(table.combine_chunks(), tmp, compression="zstd")
     tmp.replace(path)
-    return {"file": path.name, "rows": table.num_rows, "sha256": sha256_file(path)}
+    return {"file": path.name, "rows": table.num_rows, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def merged_blocks(

@@ -239,7 +239,7 @@ class PackJob:
                         if key in shard:
                             link_or_copy(unit_folder / shard[key], folder.file(new))
                             extra[key] = new
-                    link_or_copy(unit_folder / shard["name"], folder.file(name))
+                    link_or_copy(unit_folder / shard["name"], folder.file(name), shard["bytes"])
                     folder.add_shard(name, shard["rows"], tokens=shard.get("tokens"), sha256=shard["sha256"], **extra)
             return folder.commit(
                 stats=asdict(stats) | {"padding_fraction": stats.padding_fraction},
