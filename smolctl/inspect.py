@@ -53,8 +53,13 @@ def decode_packed_row(tokenizer, input_ids, position_ids) -> str:
 
 def _packed_samples(path: Path, count: int, tokenizer_spec: str | None, manifest: dict) -> list[dict]:
     source = open_packed(path)
-    spec = tokenizer_spec or (manifest.get("tokenizer") or {}).get("path")
-    tokenizer = load_tokenizer(spec) if spec else None
+    recorded = (manifest.get("tokenizer") or {}).get("path")
+    tokenizer = load_tokenizer(tokenizer_spec) if tokenizer_spec else None
+    if tokenizer is None and recorded:
+        try:
+            tokenizer = load_tokenizer(recorded)
+        except UserError:  # moved or deleted since the pack: the rows show as token ids (--tokenizer decodes)
+            tokenizer = None
     shard = source.load_shard(0) if source.files else {}
     samples = []
     for row in range(min(count, len(shard.get("input_ids", [])))):
@@ -206,15 +211,15 @@ def inspect_path(
         folders=[_summary(folder, target) for folder in nested],
         **{key: manifest[key] for key in ("seq_len", "tokenizer", "strategy", "parent") if key in manifest},
     )
-    if samples and manifest["kind"] == KIND_DOCUMENTS:
-        result.samples = _document_samples(target, samples)
-    elif samples and manifest["kind"] == KIND_PACKED:
-        result.samples = _packed_samples(target, samples, tokenizer, manifest)
-    if lineage:
-        result.lineage = lineage_chain(target)
-    if verify:
+    if verify:  # first: a damaged shard is what --verify reports, not an error reading samples from it
         # a mix's stages are its own shards: hash each file once
         listed = {shard["name"] for shard in manifest.get("shards", [])}
         separate = [f for f in nested if not any(name.startswith(f"{f.relative_to(target)}/") for name in listed)]
         result.verify([target, *separate])
+    if samples and not result.problems and manifest["kind"] == KIND_DOCUMENTS:
+        result.samples = _document_samples(target, samples)
+    elif samples and not result.problems and manifest["kind"] == KIND_PACKED:
+        result.samples = _packed_samples(target, samples, tokenizer, manifest)
+    if lineage:
+        result.lineage = lineage_chain(target)
     return result

@@ -104,6 +104,29 @@ def test_verify_exits_1_on_a_flipped_byte(tmp_path, sample):
     assert result.returncode == 1 and "sha256 differs" in result.stdout
 
 
+def test_verify_reports_a_truncated_shard_and_a_moved_tokenizer_does_not_stop_inspect(tmp_path, sample, tokenizer_dir):
+    """--verify on a shard cut short reports it (exit 1), as for a flipped byte, instead of failing to read samples
+    from it; once the tokenizer a packed folder records has moved, inspect still shows it (rows as token ids)."""
+    import shutil
+
+    copy = tmp_path / "math"
+    shutil.copytree(sample / "math", copy)
+    shard = sorted(copy.glob("part-*.parquet"))[0]
+    shard.write_bytes(shard.read_bytes()[:-8])
+    result = run_cli("inspect", copy, "--verify")
+    assert result.returncode == 1 and f"{shard.name}: size" in result.stdout, result.stderr
+    moved = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, moved)
+    assert (
+        run_cli("pack", sample / "math", tmp_path / "packed", "--tokenizer", moved, "--seq-len", "64").returncode == 0
+    )
+    shutil.rmtree(moved)
+    result = run_cli("inspect", tmp_path / "packed", "--verify", "--lineage", "--json")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["verified"] and info["samples"][0]["text"].split()[0].isdigit()
+
+
 def test_completions_are_in_sync_with_the_cli():
     for name, text in completion_scripts().items():
         assert (REPO / "completions" / name).read_text() == text, f"regenerate with `make completions` ({name})"
