@@ -274,6 +274,29 @@ def test_datatrove_token_files(sample, tokenizer_dir, tokenizer, tmp_path):
         open_packed(tmp_path / "tokens")
 
 
+@pytest.mark.parametrize("shard_size", ["6KB", "30rows"])
+def test_token_files_roll_inside_a_batch(sample, tokenizer_dir, tmp_path, shard_size):
+    """--shard-size smaller than a tokenizer batch (1,000 documents): files roll at the document that fills the
+    size (or after that many documents), not once per batch, and together still hold every document once."""
+    pq.write_table(pa.table({"text": sample_texts(sample / "math")}), tmp_path / "math.parquet")  # one unit
+    pack(
+        str(tmp_path / "math.parquet"),
+        tmp_path / "tokens",
+        tokenizer_spec=str(tokenizer_dir),
+        config=PackConfig(seq_len=64, format="datatrove", shard_size=shard_size),
+    )
+    manifest = read_manifest(tmp_path / "tokens")
+    ends = [np.fromfile(tmp_path / "tokens" / s["index"], dtype="<u8") for s in manifest["shards"]]
+    sizes = [(tmp_path / "tokens" / s["name"]).stat().st_size for s in manifest["shards"]]
+    assert sum(map(len, ends)) == manifest["documents"] and len(sizes) > 5
+    if shard_size == "30rows":
+        assert [len(e) for e in ends[:-1]] == [30] * (len(ends) - 1) and 0 < len(ends[-1]) <= 30
+    else:  # each file ends with the document that reached 6,000 bytes: without it, it was under
+        for file_ends, size in zip(ends[:-1], sizes[:-1]):
+            before_last = int(file_ends[-2]) * 2 if len(file_ends) > 1 else 0
+            assert size >= 6000 > before_last
+
+
 def _tokenizer_with_id(tokenizer_dir: Path, folder: Path, token: str, new_id: int) -> Path:
     """A copy of the tokenizer with `token` moved to `new_id`, far above the count of its vocabulary (ids with a
     gap, as some real vocabularies have)."""
@@ -524,20 +547,21 @@ GOLDEN = {
         "part-00002.safetensors": "fefa67ef20b9c0b79cd65bf0322735ce8253b2754be1219f0234657a0e534719",
         "part-00003.safetensors": "ec810ae34ec0a948bac45e1026eb739f92e05648da79136d94b1e96d922777b8",
     },
+    # Re-recorded when token files began to roll inside a batch, at the document that fills --shard-size
     "math-datatrove": {
-        "manifest.json": "5f337506c0c03ae3cd6fc34b871488b24ae3c9faaede9a7d8da58479804100f4",
-        "part-00000.ds": "9601d7d9af7e92aad473aec55d2d9be0bd2f45063e1fb266cedc2b6f7b9becf0",
-        "part-00000.ds.index": "f85e8ebd9896e8a58aa791aaf6c04df75980665f5a834aeb8b1f561f179b4e5a",
-        "part-00000.ds.metadata": "e010ec6f46389131ec621f52d9ca835aedb000a4b2b0d6807f556bc8c8843d03",
-        "part-00001.ds": "9be153eb60f7f5738ceb02aadbd4fc3e793a78d9b8b4bbd301718b4d4833e196",
-        "part-00001.ds.index": "2ca0fae8abf8402d73a78e5aad9a3466a67ab95fd8591ece1d268d5e9cd31155",
-        "part-00001.ds.metadata": "0bf5e4b7d8c4bef826d2d1bf2aed98b8e424f18801808c6ea3de5e359d564bac",
-        "part-00002.ds": "3461588321d081e3477dae11d1cae49eaca03e03c593b812ec04e673ace0cc5b",
-        "part-00002.ds.index": "645fc20bc0beb7cf50bc3025e99d73874a8342c9bfcf35153af02188ecc4d24e",
-        "part-00002.ds.metadata": "612a44eb28cace4d66374b67b88fea53aa7ff7a350baaab2995f851fad3d115e",
-        "part-00003.ds": "eab55136b5e231752791df7548db95137b9c2a252040ab8f115745fb67cafcff",
-        "part-00003.ds.index": "9cd64923decdc899d35fa1c3a3a55db72069c4c95ae37f11c062075a68039328",
-        "part-00003.ds.metadata": "87207f108648b2124aef0efe8e5d1a85d40e45eccb12ec2a11dd9cedc5db8a69",
+        "manifest.json": "9c9b40dd48eb01c1489da7f01a5641afbec77b809b59dd1c7d57e6346204216a",
+        "part-00000.ds": "a3f1103563428ceec0f7e97daeda693eb057aecd0755c3c25830ad1deee9273b",
+        "part-00000.ds.index": "da0c3ba3dab194360da75e27834adefdef52041739bbca3151beb8643ccb447f",
+        "part-00000.ds.metadata": "735ee4063ae3fcd96a046216817f6f5871bb7caf8d41c25da2497e5e749411df",
+        "part-00001.ds": "c4ff3ab29cfc365502cd4a94e9d883e54ccefd47496ffcce772326432fb06c56",
+        "part-00001.ds.index": "47044686e8556e3200c40c03fe6982d2c7bad776d47857aab607d41de6862088",
+        "part-00001.ds.metadata": "815f34d580b97142ead5339b38f37567ffe361617869226c7ca224a1cd8c9a46",
+        "part-00002.ds": "635fb7f09f3be8873025eaf929f9ce73b60d41c52cbe8d772921218d680b2755",
+        "part-00002.ds.index": "dbc3bf0952ee60bf83764110a0197eb1681b8331dfd357dc38f37a21f52b8587",
+        "part-00002.ds.metadata": "7c04c08f2519db489e20813a502cdabce65e2ec7002c62c58c0ce11684208e01",
+        "part-00003.ds": "01b9aa3257dd0095b5582f3fbc512591d3550a0be6c3bb8f6d1dee42fc61234d",
+        "part-00003.ds.index": "9ccd4178a9499a2123bff6a62785ea8ad0c55980044cc43c085f83098e7d017b",
+        "part-00003.ds.metadata": "9d8e283aaeec0dd15f4188fb1ccca790bba64462079ff13b88b52e0fe25d0224",
     },
 }
 

@@ -12,7 +12,7 @@ from smolctl.errors import UserError
 from smolctl.shards import OutputFolder, PackedWriter
 from smolctl.units import parse_shard_size
 
-DEFAULT_TOKEN_FILE_BYTES = 2**30  # token files roll by size; a --shard-size given in rows falls back to this
+DEFAULT_TOKEN_FILE_BYTES = 2**30  # token files roll at this size when --shard-size gives none
 
 
 class RowSink:
@@ -61,14 +61,36 @@ class DatatroveSink:
     def __init__(self, folder: OutputFolder, config: PackConfig, record: dict, stats: PackStats, unit: int):
         self.folder, self.record, self.stats = folder, record, stats
         self.token_size = token_size(record)
-        self.shard_bytes = parse_shard_size(config.shard_size)[0] or DEFAULT_TOKEN_FILE_BYTES
+        shard_bytes, shard_documents = parse_shard_size(config.shard_size)
+        # A file rolls after the document that reaches its size, in tokens, or after so many documents ("rows").
+        self.file_tokens = (shard_bytes or DEFAULT_TOKEN_FILE_BYTES) // self.token_size if not shard_documents else None
+        self.file_documents = shard_documents
         self.handle = None
 
     def add(self, batch: TokenBatch) -> None:
-        if self.handle is None:
-            self.name = f"part-{len(self.folder.shards):05d}.ds"
-            self.handle = open(self.folder.file(self.name), "wb")  # noqa: SIM115  (open across calls; close() ends it)
-            self.ends, self.tokens = [], 0
+        """Write the batch's documents, rolling to a new file wherever the current one fills (whole documents,
+        at least one per file)."""
+        ends = np.cumsum(batch.lengths)
+        first = 0
+        while first < len(ends):
+            if self.handle is None:
+                self.name = f"part-{len(self.folder.shards):05d}.ds"
+                self.handle = open(self.folder.file(self.name), "wb")  # noqa: SIM115  (open across calls; close() ends it)
+                self.ends, self.tokens, self.documents = [], 0, 0
+            done = int(ends[first - 1]) if first else 0
+            if self.file_documents:
+                last = min(len(ends), first + self.file_documents - self.documents)
+            else:  # the first document that reaches the size ends the file
+                last = int(np.searchsorted(ends, done + self.file_tokens - self.tokens, side="left")) + 1
+            last = min(len(ends), max(first + 1, last))
+            self._write(TokenBatch(batch.ids[done : ends[last - 1]], batch.lengths[first:last]))
+            if (self.file_documents and self.documents >= self.file_documents) or (
+                not self.file_documents and self.tokens >= self.file_tokens
+            ):
+                self._close_file()
+            first = last
+
+    def _write(self, batch: TokenBatch) -> None:
         if self.token_size == 2 and len(batch.ids) and int(batch.ids.max()) >= 2**16:
             # Ids above the vocabulary's count (a tokenizer with gaps): uint16 would wrap them silently.
             raise UserError(
@@ -80,9 +102,8 @@ class DatatroveSink:
         self.handle.write(batch.ids.astype("<u2" if self.token_size == 2 else "<u4").tobytes())
         self.ends.append(self.tokens + np.cumsum(batch.lengths))
         self.tokens += len(batch.ids)
+        self.documents += len(batch.lengths)
         self.stats.tokens += len(batch.ids)
-        if self.tokens * self.token_size >= self.shard_bytes:
-            self._close_file()
 
     def _close_file(self) -> None:
         if self.handle is None:
