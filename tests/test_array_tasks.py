@@ -210,3 +210,20 @@ def test_a_work_file_damaged_between_tasks_is_never_committed(four_shards, token
     with pytest.raises(UserError, match=message):
         run_pack(four_shards, out, tokenizer_dir, tasks=3, task_id=2)
     assert not (out / "manifest.json").exists()
+
+
+def test_a_requeued_task_with_overwrite_finds_its_run_committed(four_shards, tokenizer_dir, tmp_path):
+    """An sbatch that passes --overwrite to every task: a task requeued after the commit has nothing to do. It
+    redid its units and left OUTPUT/_work inside the committed folder."""
+    out = tmp_path / "packed"
+    config = PackConfig(seq_len=128, batch_documents=64, buffer_tokens=4096, shard_size="40rows")
+
+    def task(task_id: int):
+        job = prepare_pack(str(four_shards), out, tokenizer_spec=str(tokenizer_dir), config=config, overwrite=True)
+        return job.run(tasks=3, task_id=task_id)
+
+    assert [task(i).finished for i in (0, 1, 2)] == [False, False, True]
+    committed = shard_bytes(out)
+    again = task(1)
+    assert again.already_committed and again.units_done == 0
+    assert shard_bytes(out) == committed and not (out / "_work").exists()

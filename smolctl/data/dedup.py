@@ -160,9 +160,10 @@ def run(
     if stage == "components" and tasks != 1:
         raise UserError("--tasks", "the components stage is a single task", "run it with --tasks 1 --task-id 0")
     plan_ = plan(config)
-    # A task of an array (not a plain local run, which refuses a full OUTPUT) finds a committed run done.
+    # A task of an array (not a plain local run, which refuses a full OUTPUT) finds a committed run done, with
+    # --overwrite too: that replaces another run's OUTPUT, and the same run would write the same bytes again.
     array_task = stage is not None or tasks > 1
-    if array_task and plan_.area.committed() and not config.overwrite:
+    if array_task and plan_.area.committed():
         return DedupResult(
             output=str(config.output),
             stage=stage or "all",

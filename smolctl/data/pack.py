@@ -136,7 +136,7 @@ class PackJob:
         OUTPUT when the last one is done. `on_progress(documents read, tokens packed)` follows every batch."""
         array_task = tasks is not None
         check_task(tasks, task_id)
-        if array_task and not self.overwrite and self.area.committed():
+        if array_task and self.area.committed():  # this very run, even with --overwrite (see dedup's run)
             return self._result(PackStats(), 0.0, already_committed=True)
         if not array_task:
             return self._run(on_progress, 1, 0, array_task)
