@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -46,6 +47,12 @@ ENVIRONMENT_ERRNOS = {
 def environment_error(exc: BaseException) -> str | None:
     """`PATH: No space left on device — free some space ...` when `exc` is the file system refusing (full disk or
     quota, permissions, read-only), else None."""
+    if isinstance(exc, FileNotFoundError) and exc.filename and "_work" in Path(str(exc.filename)).parts:
+        # OUTPUT/_work (array_tasks.WORK) holds finished units: a file of one removed since cannot be redone in place
+        return (
+            f"{exc.filename}: is missing from the work area (removed after its unit finished) — re-run with "
+            "--overwrite to start again"
+        )
     # Rust-backed libraries (tokenizers, safetensors) report OS errors as plain exceptions: "(os error 28)".
     number = exc.errno if isinstance(exc, OSError) else None
     if number is None and (match := re.search(r"\(os error (\d+)\)", str(exc))):

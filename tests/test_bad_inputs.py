@@ -154,6 +154,16 @@ def tokenizer_without_eos(tmp: Path) -> Path:
     return folder
 
 
+def dedup_work_missing_a_file(tmp: Path) -> Path:
+    """OUTPUT/_work of a dedup run whose first two stages finished, one signatures file removed since."""
+    out = tmp / "out"
+    for stage in ("signatures", "buckets"):
+        done = run_cli("dedup", SAMPLE / "math", out, "--minhash", "--stage", stage, "--tasks", "1", "--task-id", "0")
+        assert done.returncode == 0, done.stderr
+    next((out / "_work" / "signatures").glob("*.shingles.npy")).unlink()
+    return out
+
+
 def _existing_output(tmp: Path) -> Path:
     out = tmp / "existing"
     shutil.copytree(SAMPLE / "math", out)
@@ -364,6 +374,25 @@ CASES = [
             ["dedup", _existing_output(t), t / "existing", "--overwrite"],
             "existing: is the input",
             t / "existing",
+        ),
+    ),
+    Case(
+        "dedup: a work file removed between stages",
+        lambda t: (
+            [
+                "dedup",
+                SAMPLE / "math",
+                dedup_work_missing_a_file(t),
+                "--minhash",
+                "--stage",
+                "components",
+                "--tasks",
+                "1",
+                "--task-id",
+                "0",
+            ],
+            "shingles.npy: is missing from the work area",
+            t / "out",
         ),
     ),
     Case(
