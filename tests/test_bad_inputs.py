@@ -154,13 +154,17 @@ def tokenizer_without_eos(tmp: Path) -> Path:
     return folder
 
 
-def dedup_work_missing_a_file(tmp: Path) -> Path:
-    """OUTPUT/_work of a dedup run whose first two stages finished, one signatures file removed since."""
+def dedup_work_with_a_damaged_file(tmp: Path, how: str) -> Path:
+    """OUTPUT/_work of a dedup run whose first two stages finished, one signatures file removed or cut short since."""
     out = tmp / "out"
     for stage in ("signatures", "buckets"):
         done = run_cli("dedup", SAMPLE / "math", out, "--minhash", "--stage", stage, "--tasks", "1", "--task-id", "0")
         assert done.returncode == 0, done.stderr
-    next((out / "_work" / "signatures").glob("*.shingles.npy")).unlink()
+    shingles = next((out / "_work" / "signatures").glob("*.shingles.npy"))
+    if how == "removed":
+        shingles.unlink()
+    else:
+        shingles.write_bytes(shingles.read_bytes()[:100])
     return out
 
 
@@ -382,7 +386,7 @@ CASES = [
             [
                 "dedup",
                 SAMPLE / "math",
-                dedup_work_missing_a_file(t),
+                dedup_work_with_a_damaged_file(t, "removed"),
                 "--minhash",
                 "--stage",
                 "components",
@@ -392,6 +396,25 @@ CASES = [
                 "0",
             ],
             "shingles.npy: is missing from the work area",
+            t / "out",
+        ),
+    ),
+    Case(
+        "dedup: a work file cut short between stages",
+        lambda t: (
+            [
+                "dedup",
+                SAMPLE / "math",
+                dedup_work_with_a_damaged_file(t, "truncated"),
+                "--minhash",
+                "--stage",
+                "components",
+                "--tasks",
+                "1",
+                "--task-id",
+                "0",
+            ],
+            "shingles.npy: cannot be read as its unit wrote it",
             t / "out",
         ),
     ),

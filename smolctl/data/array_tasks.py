@@ -23,11 +23,13 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from smolctl.errors import UserError
 from smolctl.shards import atomic_write_json, check_output_path, read_manifest
 
 WORK = "_work"
+T = TypeVar("T")
 FINGERPRINT_KEY = "work_fingerprint"
 
 
@@ -93,7 +95,7 @@ class WorkArea:
         return all(self.is_done(stage, unit) for unit in range(count))
 
     def read_marker(self, stage: str, unit: int) -> dict:
-        return json.loads(self.marker(stage, unit).read_text())
+        return read_work_file(self.marker(stage, unit), lambda path: json.loads(path.read_text()))
 
     # -- the run's identity ---------------------------------------------------------------------------------
 
@@ -233,6 +235,22 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return pid > 0
+
+
+def read_work_file(path: Path, read: Callable[[Path], T]) -> T:
+    """`read(path)` for a file of the work area. One that no longer reads as its unit wrote it (truncated,
+    garbled) is a one-line error; one that is gone is reported by the CLI (errors.environment_error)."""
+    try:
+        return read(path)
+    except Exception as exc:
+        # zipfile's BadZipFile (a truncated .npz) is matched by module: importing zipfile costs every start-up
+        if not isinstance(exc, (ValueError, EOFError, KeyError)) and type(exc).__module__ != "zipfile":
+            raise
+        raise UserError(
+            path,
+            f"cannot be read as its unit wrote it ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})",
+            "it changed after its unit finished; re-run with --overwrite to start again",
+        ) from exc
 
 
 def link_or_copy(src: Path, dst: Path, size: int | None = None) -> None:

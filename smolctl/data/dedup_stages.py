@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from smolctl.arrow_arrays import from_numpy, plain_strings, strings, to_numpy_filled
+from smolctl.data.array_tasks import read_work_file
 from smolctl.data.dedup_plan import ID_FIX, DedupPlan, Report
 from smolctl.data.minhash.arrays import connected_components, sorted_unique
 from smolctl.data.minhash.kernels import estimate_jaccard, jaccard_many, signatures, tokenize
@@ -185,7 +186,9 @@ def components_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     stats = {"candidate_pairs": 0, "verified_pairs": 0}
     if config.minhash:
         pairs = sorted_unique(
-            np.concatenate([np.load(plan_.work / "buckets" / f"{b:05d}.npy") for b in range(config.minhash.bands)])
+            np.concatenate(
+                [read_work_file(plan_.work / "buckets" / f"{b:05d}.npy", np.load) for b in range(config.minhash.bands)]
+            )
         )
         accepted, stats = verify_pairs(plan_, pairs, report, representative)
         edges.append(accepted)
@@ -365,8 +368,9 @@ def kept_shingles(plan_: DedupPlan, docs: np.ndarray) -> tuple[np.ndarray, np.nd
     documents, in their order, from the signatures stage's files (memory-mapped: only these are read)."""
     hashes, offsets = [], [np.zeros(1, np.int64)]
     for path, _, wanted in _rows_by_unit(plan_, docs, "shingles.npy"):
-        unit_hashes = np.load(path, mmap_mode="r")
-        unit_offsets = np.load(path.with_name(path.name.replace("shingles", "shingle_offsets")), mmap_mode="r")
+        unit_hashes = read_work_file(path, lambda p: np.load(p, mmap_mode="r"))
+        offsets_path = path.with_name(path.name.replace("shingles", "shingle_offsets"))
+        unit_offsets = read_work_file(offsets_path, lambda p: np.load(p, mmap_mode="r"))
         begin, counts = unit_offsets[wanted], unit_offsets[wanted + 1] - unit_offsets[wanted]
         index = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts - begin, counts)
         hashes.append(np.asarray(unit_hashes[index]).astype(np.uint64) << np.uint64(32))

@@ -47,6 +47,7 @@ from smolctl.data.array_tasks import (
     digest,
     file_identity,
     link_or_copy,
+    read_work_file,
     task_units,
     unless_committed,
 )
@@ -483,7 +484,7 @@ class MixJob:
         order. Computed by the first task that needs it and kept in the work area (the same bytes whoever does)."""
         path = self.area.root / "allocation.json"
         if path.is_file():
-            saved = json.loads(path.read_text())
+            saved = read_work_file(path, lambda p: json.loads(p.read_text()))
             return {
                 "reports": [
                     [SourceReport(**{**r, "ranges": [tuple(x) for x in r["ranges"]]}) for r in stage]
@@ -493,7 +494,8 @@ class MixJob:
                 "calibrations": {n: TokenCalibration(**c) for n, c in saved["calibrations"].items()},
             }
         per_file = [
-            np.load(self.area.stage_dir("measure") / f"{unit:05d}.npz") for unit in range(len(self.measure_units))
+            read_work_file(self.area.stage_dir("measure") / f"{unit:05d}.npz", lambda p: dict(np.load(p)))
+            for unit in range(len(self.measure_units))
         ]
         profiles, calibrations = {}, {}
         for name, source in self.sources.items():
