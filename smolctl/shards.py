@@ -22,7 +22,6 @@ import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -593,6 +592,9 @@ class DocumentSource:
     folder: Path | None
     schema: pa.Schema
     file_rows: list[int] = field(default_factory=list)
+    file_labels: list[str] = field(default_factory=list)
+    """How to name each file to a reader: its path under the files' common folder without `.parquet`, i.e. the
+    stem of files side by side, and `en/000` apart from `fr/000` in a per-language layout."""
 
     @property
     def num_rows(self) -> int:
@@ -610,14 +612,6 @@ class DocumentSource:
             if path == out or out in path.parents:
                 what = f"is the input {self.spec}" if path == out else f"holds the input {path}"
                 raise UserError(output, what, "write the output to another folder")
-
-    @cached_property
-    def file_labels(self) -> list[str]:
-        """How to name each file to a reader: its path under the files' common folder without `.parquet`, i.e. the
-        stem of files side by side, and `en/000` apart from `fr/000` in a per-language layout. (Cached: every
-        unit of a many-shard input asks.)"""
-        root = Path(os.path.commonpath([file.parent for file in self.files]))
-        return [str(file.relative_to(root).with_suffix("")) for file in self.files]
 
     def require(self, *columns: str, text: Sequence[str] = (), flags: Mapping[str, str] | None = None) -> None:
         """Every named column must exist; those in `text` must hold strings. A missing column's error names the
@@ -701,7 +695,9 @@ def open_documents(spec: str | Path) -> DocumentSource:
             ) from exc
         schemas.append(readable_schema(file_schema.remove_metadata()))
         rows.append(meta.num_rows)
-    return DocumentSource(str(spec), files, manifest, folder, common_schema(files, schemas), rows)
+    root = Path(os.path.commonpath([file.parent for file in files]))
+    labels = [str(file.relative_to(root).with_suffix("")) for file in files]
+    return DocumentSource(str(spec), files, manifest, folder, common_schema(files, schemas), rows, labels)
 
 
 def common_schema(files: list[Path], schemas: list[pa.Schema]) -> pa.Schema:

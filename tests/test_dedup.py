@@ -638,3 +638,23 @@ def test_the_dedup_command_imports_only_what_it_needs(tmp_path):
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
     assert "smolctl.data.dedup" in imported
     assert not imported & {"pandas", "pyarrow.dataset", "torch", "transformers", "trl", "datasets"}
+
+
+def test_an_input_shard_rewritten_while_dedup_runs_is_refused(tmp_path, monkeypatch):
+    """A shard rewritten between the signatures and the filter would be filtered with the other documents' marks:
+    its new text kept, the originals' copies elsewhere removed as duplicates of rows that no longer hold them."""
+    from smolctl.data import dedup as dedup_module
+
+    texts = [f"document {i} with its own words {i * 13}" for i in range(20)]
+    source = write_shards(tmp_path / "in", pa.table({"text": texts + texts}), 2)
+    filter_unit = dedup_module.UNIT_RUNNERS["filter"]
+
+    def rewritten_first(plan_, unit, report):
+        if unit == 0:
+            pq.write_table(pa.table({"text": [f"new {i}" for i in range(25)]}), source / "part-00000.parquet")
+        return filter_unit(plan_, unit, report)
+
+    monkeypatch.setitem(dedup_module.UNIT_RUNNERS, "filter", rewritten_first)
+    with pytest.raises(UserError, match=r"part-00000\.parquet: changed while dedup was running"):
+        dedup(source, tmp_path / "out", workers=1)
+    assert not (tmp_path / "out" / "manifest.json").exists()

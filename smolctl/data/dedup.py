@@ -279,7 +279,7 @@ class _Workers:
             return
         from concurrent.futures import FIRST_COMPLETED, wait
 
-        pending = {self._pool().submit(_unit_in_worker, plan_, stage, unit) for unit in units}
+        pending = {self._pool(plan_).submit(_unit_in_worker, stage, unit) for unit in units}
         while pending:
             finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
             _drain(self.queue, report)
@@ -289,7 +289,9 @@ class _Workers:
                     raise UserError(*error)
         _drain(self.queue, report)
 
-    def _pool(self):
+    def _pool(self, plan_: DedupPlan):
+        """The pool, its workers forked with the run's plan: a plan sent with every unit would be pickled once per
+        unit, and it lists every input file (quadratic in the shards: 2,000 of them took minutes)."""
         if self.pool is None:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
@@ -297,7 +299,7 @@ class _Workers:
             context = multiprocessing.get_context("fork")
             self.queue = context.Queue()
             self.pool = ProcessPoolExecutor(
-                self.size, mp_context=context, initializer=_init_worker, initargs=(self.queue,)
+                self.size, mp_context=context, initializer=_init_worker, initargs=(self.queue, plan_)
             )
         return self.pool
 
@@ -310,15 +312,18 @@ class _Workers:
 
 
 _WORKER_QUEUE = None
+_WORKER_PLAN: DedupPlan | None = None  # the run a forked pool process works for (set by _init_worker)
 
 
-def _init_worker(queue) -> None:
-    global _WORKER_QUEUE
-    _WORKER_QUEUE = queue
+def _init_worker(queue, plan_: DedupPlan) -> None:
+    global _WORKER_QUEUE, _WORKER_PLAN
+    _WORKER_QUEUE, _WORKER_PLAN = queue, plan_
 
 
-def _unit_in_worker(plan_: DedupPlan, stage: str, unit: int) -> tuple | None:
-    """Run one unit in a pool process; a UserError comes back as its parts (it does not pickle as raised)."""
+def _unit_in_worker(stage: str, unit: int) -> tuple | None:
+    """Run one unit of the run's plan in a pool process; a UserError comes back as its parts (it does not pickle
+    as raised)."""
+    plan_ = _WORKER_PLAN
     try:
         plan_.area.mark_done(stage, unit, UNIT_RUNNERS[stage](plan_, unit, _report_to_parent))
     except UserError as exc:

@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from smolctl.arrow_arrays import from_numpy, plain_strings, strings, to_numpy_filled
-from smolctl.data.array_tasks import read_work_file
+from smolctl.data.array_tasks import file_identity, read_work_file
 from smolctl.data.dedup_plan import ID_FIX, DedupPlan, Report
 from smolctl.data.minhash.arrays import connected_components, sorted_unique
 from smolctl.data.minhash.kernels import estimate_jaccard, jaccard_many, signatures, tokenize
@@ -50,6 +50,7 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     tables, key_parts, signature_parts, shingle_parts, shingle_counts, exact_parts = [], [], [], [], [], []
     row = 0
     permutations = params.permutations() if params else None
+    check_unchanged(plan_, source, file_index)
     for batch in source.iter_file_batches(file_index, columns, BATCH_ROWS, threads=False):
         texts = plain_strings(batch.column(plan_.config.text_column))
         if id_column:
@@ -436,6 +437,7 @@ def filter_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     path = plan_.work / "filter" / f"{unit:05d}.parquet"
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     writer, offset, kept = None, 0, 0
+    check_unchanged(plan_, plan_.source, unit)
     for batch in plan_.source.iter_file_batches(unit, None, BATCH_ROWS, threads=False):
         mask = np.ones(batch.num_rows, bool)
         mask[local[(local >= offset) & (local < offset + batch.num_rows)] - offset] = False
@@ -453,8 +455,27 @@ def filter_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
         report("filter", batch.num_rows)
     if writer is not None:
         writer.close()
+        if not unchanged(plan_, plan_.source, unit):
+            tmp.unlink()
+        check_unchanged(plan_, plan_.source, unit)  # rewritten while it was read
         os.replace(tmp, path)
     return {"kept": kept}
+
+
+def unchanged(plan_: DedupPlan, source, file_index: int) -> bool:
+    """Whether a shard is still the file the run was planned on (path, size, modification time): rewritten, its
+    rows would no longer be the documents the signatures and removals were computed from."""
+    key = "input_files" if source is plan_.source else "reference_files"
+    return file_identity([source.files[file_index]])[0] == plan_.area.fingerprint[key][file_index]
+
+
+def check_unchanged(plan_: DedupPlan, source, file_index: int) -> None:
+    if not unchanged(plan_, source, file_index):
+        raise UserError(
+            source.files[file_index],
+            "changed while dedup was running (its size or modification time)",
+            "let whatever writes the input finish, then re-run dedup with --overwrite",
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
