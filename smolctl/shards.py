@@ -435,8 +435,24 @@ class PackedWriter:
 # Readers
 
 
-def _is_hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith((".", "_")) for part in path.relative_to(root).parts)
+def parquet_files_under(root: Path) -> list[Path]:
+    """Every parquet file under a folder, sorted: `.parquet` in any case (`PART-2.PARQUET`), through symlinked
+    folders (each real folder once), skipping hidden and underscore entries (`.cache/`, `_temporary/`, Spark's
+    `_SUCCESS`)."""
+    found, seen = [], set()
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:  # a link back up the tree
+            subfolders[:] = []
+            continue
+        seen.add(real)
+        subfolders[:] = [name for name in subfolders if not name.startswith((".", "_"))]
+        found += [
+            Path(folder) / name
+            for name in names
+            if name.lower().endswith(".parquet") and not name.startswith((".", "_")) and (Path(folder) / name).is_file()
+        ]
+    return sorted(found)
 
 
 def _check_parquet_magic(path: Path) -> None:
@@ -492,7 +508,7 @@ def _parquet_files(spec: str | Path) -> tuple[list[Path], dict | None, Path | No
                 path, "holds no shards (its manifest lists none)", "re-run the stage with a non-empty input"
             )
         return files, manifest, path
-    files = sorted(p for p in path.rglob("*.parquet") if p.is_file() and not _is_hidden(p, path))
+    files = parquet_files_under(path)
     if not files:
         others = [p.name for p in path.iterdir() if not p.name.startswith(".")][:5]
         hint = f" (it holds {', '.join(others)})" if others else " (it is empty)"

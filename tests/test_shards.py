@@ -151,6 +151,27 @@ def test_reads_foreign_parquet_folders_files_and_globs(tmp_path):
     assert open_documents(str(spark / "lang=en" / "c00[01].snappy.parquet")).num_rows == 50
 
 
+def test_folders_read_upper_case_parquet_and_symlinked_folders_once(tmp_path):
+    """Files named PART-2.PARQUET, and shards behind a symlinked folder (lang=de -> elsewhere), are part of the
+    dataset; a link back up the tree is not followed round, and hidden or underscore entries stay out."""
+    data = tmp_path / "data"
+    (data / "lang=en").mkdir(parents=True)
+    (data / "lang=fr").mkdir()
+    (data / ".cache").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    pq.write_table(_table(3), data / "lang=en" / "part-0.parquet")
+    pq.write_table(_table(4, 3), data / "lang=fr" / "PART-2.PARQUET")
+    pq.write_table(_table(1, 7), data / "lang=fr" / "part-3.Parquet")
+    pq.write_table(_table(6, 8), tmp_path / "elsewhere" / "part-5.parquet")
+    pq.write_table(_table(9), data / ".cache" / "stale.parquet")
+    (data / "lang=de").symlink_to(tmp_path / "elsewhere")
+    (data / "lang=en" / "up").symlink_to(data)
+    source = open_documents(data)
+    assert source.num_rows == 14 and len(source.files) == 4
+    ids = [i for batch in source.iter_batches(["id"]) for i in batch.column(0).to_pylist()]
+    assert sorted(ids) == sorted(f"doc-{i}" for i in range(14))
+
+
 def test_relative_paths_whose_first_folder_looks_like_a_uri_scheme_are_local(tmp_path, tokenizer_dir):
     """Arrow reads `run:1/docs.parquet` as a URI of scheme `run`; as input and as output it is a local folder."""
     (tmp_path / "run:1").mkdir()
