@@ -91,6 +91,23 @@ def test_usage_errors_exit_2():
     assert run_cli("no-such-command").returncode == 2
 
 
+def test_a_negative_seed_is_a_usage_error_not_a_crash(tmp_path, sample, tokenizer_dir):
+    """numpy's seed sequences take 0 or more: -5 crashed pack, mix and train-tokenizer with an internal error."""
+    for argv in (
+        ["pack", sample / "math", tmp_path / "p", "--tokenizer", tokenizer_dir, "--seq-len", "64", "--seed", "-5"],
+        ["mix", tmp_path / "m", "--source", f"math={sample / 'math'}:1", "--seed", "-5"],
+        ["train-tokenizer", sample / "math", tmp_path / "t", "--sample-documents", "5", "--seed", "-5"],
+    ):
+        result = run_cli(*argv)
+        assert result.returncode == 2 and "--seed" in result.stderr and "internal error" not in result.stderr
+    recipe = tmp_path / "mix.toml"
+    recipe.write_text(
+        f'seed = -5\n[sources.math]\npath = "{sample / "math"}"\n[[stages]]\nname = "a"\nweights = {{math = 1}}\n'
+    )
+    result = run_cli("mix", tmp_path / "r", "--recipe", recipe)
+    assert result.returncode == 2 and "seed: Input should be greater than or equal to 0" in result.stderr
+
+
 def test_verify_exits_1_on_a_flipped_byte(tmp_path, sample):
     import shutil
 

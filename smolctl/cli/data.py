@@ -56,7 +56,7 @@ def train_tokenizer_command(
         "this much text, e.g. 2GB (with --sample-documents: both limits; "
         f"{BYTES_HELP}).",
     ),
-    seed: int = typer.Option(0, "--seed", help="Seeds the sample."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seeds the sample."),
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -337,7 +337,7 @@ def mix_command(
         "100,000 documents, count smaller ones "
         "exactly.",
     ),
-    seed: int | None = typer.Option(None, "--seed", help="Seeds sampling and shuffling (default 0)."),
+    seed: int | None = typer.Option(None, "--seed", min=0, help="Seeds sampling and shuffling (default 0)."),
     max_repeat: float | None = typer.Option(
         None,
         "--max-repeat",
@@ -499,7 +499,7 @@ def pack_command(
         "--shard-size",
         help=f"Shard size in bytes, e.g. 256MB ({BYTES_HELP}), or in rows, e.g. 8192rows or 8Krows.",
     ),
-    seed: int = typer.Option(0, "--seed", help="Seeds the shuffle of each bfd buffer's rows."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seeds the shuffle of each bfd buffer's rows."),
     format: str = typer.Option(
         "safetensors",
         "--format",

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from pydantic import Field
 
 from smolctl.arrow_arrays import plain_strings
 from smolctl.errors import UserError
@@ -63,7 +64,8 @@ class StageSection(Section):
 
 
 class MixRecipe(Section):
-    seed: int = 0
+    seed: int = Field(0, ge=0)
+    """Seeds sampling and shuffling (numpy's seed sequences take 0 or more)."""
     max_repeat: float = 1.0
     """How many times each source may be used across all stages together."""
     tokenizer: str | None = None
