@@ -182,6 +182,8 @@ def inspect_path(
             )
         return inspect_collection(target, verify=verify)
     if manifest is None:
+        if not target.exists() and not any(ch in str(path) for ch in "*?["):
+            raise UserError(path, "no such file or folder", "check the path")
         if verify:
             raise UserError(
                 path, "has no manifest.json to verify against", "only folders written by smolctl can be verified"
@@ -216,6 +218,7 @@ def inspect_path(
         listed = {shard["name"] for shard in manifest.get("shards", [])}
         separate = [f for f in nested if not any(name.startswith(f"{f.relative_to(target)}/") for name in listed)]
         result.verify([target, *separate])
+    samples = samples if manifest.get("shards") else 0  # a folder written empty (every document removed, say)
     if samples and not result.problems and manifest["kind"] == KIND_DOCUMENTS:
         result.samples = _document_samples(target, samples)
     elif samples and not result.problems and manifest["kind"] == KIND_PACKED:

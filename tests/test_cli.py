@@ -144,6 +144,20 @@ def test_verify_reports_a_truncated_shard_and_a_moved_tokenizer_does_not_stop_in
     assert info["verified"] and info["samples"][0]["text"].split()[0].isdigit()
 
 
+def test_inspect_shows_an_empty_output_and_names_a_missing_path(tmp_path, sample):
+    """dedup against a copy of its input keeps nothing and writes a folder with no shards: inspect shows it (0
+    rows) and --verify passes, where both said the folder held no shards; --verify on a typo says no such path."""
+    import shutil
+
+    shutil.copytree(sample / "math", tmp_path / "copy")
+    assert run_cli("dedup", sample / "math", tmp_path / "none", "--against", tmp_path / "copy").returncode == 0
+    result = run_cli("inspect", tmp_path / "none", "--verify", "--json")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["rows"] == 0 and info["verified"]
+    _assert_one_line_error(run_cli("inspect", tmp_path / "typo", "--verify"), "typo: no such file or folder")
+
+
 def test_completions_are_in_sync_with_the_cli():
     for name, text in completion_scripts().items():
         assert (REPO / "completions" / name).read_text() == text, f"regenerate with `make completions` ({name})"
