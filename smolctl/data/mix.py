@@ -54,6 +54,7 @@ from smolctl.data.array_tasks import (
 from smolctl.data.mix_blocks import (
     BINS,
     SOURCE_COLUMN,
+    file_rows_in_ranges,
     save_arrays,
     slice_pieces,
     source_key,
@@ -493,35 +494,45 @@ class MixJob:
                 "pieces": saved["pieces"],
                 "calibrations": {n: TokenCalibration(**c) for n, c in saved["calibrations"].items()},
             }
-        per_file = [
-            read_work_file(self.area.stage_dir("measure") / f"{unit:05d}.npz", lambda p: dict(np.load(p)))
-            for unit in range(len(self.measure_units))
-        ]
+        # Each source's files are read one at a time, twice (their sums, then their rows in each slice's ranges):
+        # memory holds a few bin arrays, not every file's (1.6 MB each: 2,000 small shards took 3 GB).
+        files = {name: [u for u, (owner, _) in enumerate(self.measure_units) if owner == name] for name in self.sources}
+
+        def measured(unit: int) -> dict:
+            return read_work_file(self.area.stage_dir("measure") / f"{unit:05d}.npz", lambda p: dict(np.load(p)))
+
         profiles, calibrations = {}, {}
         for name, source in self.sources.items():
-            mine = [per_file[u] for u, (owner, _) in enumerate(self.measure_units) if owner == name]
-            units, documents = sum(m["units"] for m in mine), sum(m["documents"] for m in mine)
-            if "sample_bytes" in mine[0]:  # units are bytes outside the sample: estimate their tokens from it
+            totals: dict[str, np.ndarray] = {}
+            samples: dict[str, list[np.ndarray]] = {"sample_bytes": [], "sample_tokens": []}
+            for unit in files[name]:
+                for key, value in measured(unit).items():
+                    if key in samples:
+                        samples[key].append(value)
+                    else:
+                        totals[key] = totals[key] + value if key in totals else value
+            units, documents = totals["units"], totals["documents"]
+            if samples["sample_bytes"]:  # units are bytes outside the sample: estimate their tokens from it
                 calibrations[name] = calibrate(
                     name,
                     int(documents.sum()),
-                    np.concatenate([m["sample_bytes"] for m in mine]),
-                    np.concatenate([m["sample_tokens"] for m in mine]),
+                    np.concatenate(samples["sample_bytes"]),
+                    np.concatenate(samples["sample_tokens"]),
                 )
-                units = calibrations[name].estimate(units, sum(m["nonempty"] for m in mine)) + sum(
-                    m["sampled"] for m in mine
-                )
+                units = calibrations[name].estimate(units, totals["nonempty"]) + totals["sampled"]
             profiles[name] = SourceProfile(name, source, source_key(self.plan.seed, name), units, documents)
         reports = allocate(self.plan, profiles)
+        ranges = {
+            name: sorted({tuple(span) for stage in reports for r in stage if r.name == name for span in r.ranges})
+            for name in self.sources
+        }
+        rows_in = {}
+        for name in self.sources:
+            if ranges[name]:
+                rows_in[name] = file_rows_in_ranges((measured(u)["documents"] for u in files[name]), ranges[name])
         pieces = [
             {
-                r.name: slice_pieces(
-                    self.plan,
-                    index,
-                    r.ranges,
-                    profiles[r.name].key,
-                    [per_file[u]["documents"] for u, (owner, _) in enumerate(self.measure_units) if owner == r.name],
-                )
+                r.name: slice_pieces(self.plan, index, r.ranges, profiles[r.name].key, rows_in[r.name])
                 for r in stage_reports
                 if r.ranges
             }

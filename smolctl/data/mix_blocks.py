@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -167,19 +167,28 @@ def slice_rows(source, key: int, pieces: list[list[int]], begin: int, end: int) 
     return tables
 
 
+def file_rows_in_ranges(file_documents: Iterable[np.ndarray], ranges: list[tuple[int, int]]) -> dict:
+    """{(lo, hi): each file's documents in bins [lo, hi)}, from each file's documents per bin, read one at a time."""
+    rows: dict[tuple[int, int], list[int]] = {span: [] for span in ranges}
+    for documents in file_documents:
+        cumulative = np.concatenate([[0], np.cumsum(documents)])
+        for lo, hi in ranges:
+            rows[(lo, hi)].append(int(cumulative[hi] - cumulative[lo]))
+    return rows
+
+
 def slice_pieces(
-    plan: MixSchedule, stage_index: int, ranges: list, key: int, file_documents: list[np.ndarray]
+    plan: MixSchedule, stage_index: int, ranges: list, key: int, rows_in: dict[tuple[int, int], list[int]]
 ) -> list[list[int]]:
     """A source's slice as [pass, lo, hi, file, rows] runs in reading order: each bin range one pass, the files of
-    a pass in a seeded order, the rows of a file in the range in file order."""
-    cumulative = [np.concatenate([[0], np.cumsum(documents)]) for documents in file_documents]
+    a pass in a seeded order, the rows of a file in the range in file order. `rows_in`: `file_rows_in_ranges`."""
     pieces = []
     for pass_index, (lo, hi) in enumerate(ranges):
         rng = np.random.default_rng([plan.seed, key % 2**32, stage_index, pass_index])
-        for file_index in rng.permutation(len(file_documents)).tolist():
-            rows = int(cumulative[file_index][hi] - cumulative[file_index][lo])
-            if rows:
-                pieces.append([pass_index, lo, hi, file_index, rows])
+        in_range = rows_in[(lo, hi)]
+        for file_index in rng.permutation(len(in_range)).tolist():
+            if in_range[file_index]:
+                pieces.append([pass_index, lo, hi, file_index, in_range[file_index]])
     return pieces
 
 
