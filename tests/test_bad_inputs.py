@@ -168,6 +168,11 @@ def dedup_work_with_a_damaged_file(tmp: Path, how: str) -> Path:
     return out
 
 
+def components_over_damaged_work(tmp: Path, how: str) -> list:
+    out = dedup_work_with_a_damaged_file(tmp, how)
+    return ["dedup", SAMPLE / "math", out, "--minhash", "--stage", "components", "--tasks", "1", "--task-id", "0"]
+
+
 def _existing_output(tmp: Path) -> Path:
     out = tmp / "existing"
     shutil.copytree(SAMPLE / "math", out)
@@ -383,18 +388,7 @@ CASES = [
     Case(
         "dedup: a work file removed between stages",
         lambda t: (
-            [
-                "dedup",
-                SAMPLE / "math",
-                dedup_work_with_a_damaged_file(t, "removed"),
-                "--minhash",
-                "--stage",
-                "components",
-                "--tasks",
-                "1",
-                "--task-id",
-                "0",
-            ],
+            components_over_damaged_work(t, "removed"),
             "shingles.npy: is missing from the work area",
             t / "out",
         ),
@@ -402,18 +396,7 @@ CASES = [
     Case(
         "dedup: a work file cut short between stages",
         lambda t: (
-            [
-                "dedup",
-                SAMPLE / "math",
-                dedup_work_with_a_damaged_file(t, "truncated"),
-                "--minhash",
-                "--stage",
-                "components",
-                "--tasks",
-                "1",
-                "--task-id",
-                "0",
-            ],
+            components_over_damaged_work(t, "truncated"),
             "shingles.npy: cannot be read as its unit wrote it",
             t / "out",
         ),
