@@ -624,7 +624,8 @@ class DocumentSource:
         """Refuse an OUTPUT that is this input or holds any of its files: --overwrite (or a failed run's clean-up)
         would delete the data being read."""
         out = Path(output).resolve()
-        for path in [Path(p).resolve() for p in ([self.folder] if self.folder else []) + self.files]:
+        # A folder's files are under it (a symlinked one is not removed with OUTPUT): the folder alone is checked.
+        for path in [Path(p).resolve() for p in ([self.folder] if self.folder else self.files)]:
             if path == out or out in path.parents:
                 what = f"is the input {self.spec}" if path == out else f"holds the input {path}"
                 raise UserError(output, what, "write the output to another folder")

@@ -29,8 +29,9 @@ from smolctl.errors import UserError
 from smolctl.shards import atomic_write_json, check_output_path, read_manifest
 
 WORK = "_work"
-T = TypeVar("T")
 FINGERPRINT_KEY = "work_fingerprint"
+START_AGAIN = "it changed after its unit finished; re-run with --overwrite to start again"
+T = TypeVar("T")
 
 
 def check_task(tasks: int | None, task_id: int) -> None:
@@ -87,8 +88,7 @@ class WorkArea:
     def pending(self, stage: str, units: list[int]) -> list[int]:
         """The units still to do: those without a marker, or all of them when the work area is another run's
         (`prepare` clears it, markers and all)."""
-        recorded = self.root / "config.json"
-        current = recorded.is_file() and json.loads(recorded.read_text()) == self._canonical()
+        current = self._records_this_run()
         return [unit for unit in units if not (current and self.is_done(stage, unit))]
 
     def stage_done(self, stage: str, count: int) -> bool:
@@ -111,8 +111,7 @@ class WorkArea:
         only_work = self.output.is_dir() and {p.name for p in self.output.iterdir()} <= {WORK}
         if not only_work:
             check_output_path(self.output, overwrite)
-        recorded = self.root / "config.json"
-        if recorded.is_file() and json.loads(recorded.read_text()) != self._canonical() and not overwrite:
+        if (self.root / "config.json").is_file() and not self._records_this_run() and not overwrite:
             raise UserError(
                 self.root,
                 "holds an unfinished run with other inputs or settings",
@@ -123,7 +122,7 @@ class WorkArea:
         """Create the work area and record the fingerprint; an older run's area is cleared (--overwrite)."""
         recorded = self.root / "config.json"
         if recorded.is_file():
-            if json.loads(recorded.read_text()) == self._canonical():
+            if self._records_this_run():
                 return
             shutil.rmtree(self.root)
         try:
@@ -143,6 +142,11 @@ class WorkArea:
         shutil.rmtree(self.root, ignore_errors=True)
         if self.output.is_dir() and not any(self.output.iterdir()):
             self.output.rmdir()
+
+    def _records_this_run(self) -> bool:
+        """Whether the work area's config.json is this run's fingerprint (False when there is none)."""
+        recorded = self.root / "config.json"
+        return recorded.is_file() and json.loads(recorded.read_text()) == self._canonical()
 
     def _canonical(self) -> dict:
         return json.loads(json.dumps(self.fingerprint, default=str))
@@ -249,7 +253,7 @@ def read_work_file(path: Path, read: Callable[[Path], T]) -> T:
         raise UserError(
             path,
             f"cannot be read as its unit wrote it ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})",
-            "it changed after its unit finished; re-run with --overwrite to start again",
+            START_AGAIN,
         ) from exc
 
 
@@ -261,7 +265,7 @@ def link_or_copy(src: Path, dst: Path, size: int | None = None) -> None:
         raise UserError(
             src,
             "is missing from the work area" if actual is None else f"is {actual} bytes, not the {size} its unit wrote",
-            "it changed after its unit finished; re-run with --overwrite to start again",
+            START_AGAIN,
         )
     try:
         os.link(src, dst)

@@ -455,22 +455,20 @@ def filter_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
         report("filter", batch.num_rows)
     if writer is not None:
         writer.close()
-        if not unchanged(plan_, plan_.source, unit):
+        try:
+            check_unchanged(plan_, plan_.source, unit)  # rewritten while it was read
+        except UserError:
             tmp.unlink()
-        check_unchanged(plan_, plan_.source, unit)  # rewritten while it was read
+            raise
         os.replace(tmp, path)
     return {"kept": kept}
 
 
-def unchanged(plan_: DedupPlan, source, file_index: int) -> bool:
-    """Whether a shard is still the file the run was planned on (path, size, modification time): rewritten, its
-    rows would no longer be the documents the signatures and removals were computed from."""
-    key = "input_files" if source is plan_.source else "reference_files"
-    return file_identity([source.files[file_index]])[0] == plan_.area.fingerprint[key][file_index]
-
-
 def check_unchanged(plan_: DedupPlan, source, file_index: int) -> None:
-    if not unchanged(plan_, source, file_index):
+    """A shard must still be the file the run was planned on (path, size, modification time): rewritten, its rows
+    would no longer be the documents the signatures and removals were computed from."""
+    key = "input_files" if source is plan_.source else "reference_files"
+    if file_identity([source.files[file_index]])[0] != plan_.area.fingerprint[key][file_index]:
         raise UserError(
             source.files[file_index],
             "changed while dedup was running (its size or modification time)",

@@ -498,8 +498,8 @@ class MixJob:
         # memory holds a few bin arrays, not every file's (1.6 MB each: 2,000 small shards took 3 GB).
         files = {name: [u for u, (owner, _) in enumerate(self.measure_units) if owner == name] for name in self.sources}
 
-        def measured(unit: int) -> dict:
-            return read_work_file(self.area.stage_dir("measure") / f"{unit:05d}.npz", lambda p: dict(np.load(p)))
+        def measured(unit: int, read=lambda p: dict(np.load(p))):
+            return read_work_file(self.area.stage_dir("measure") / f"{unit:05d}.npz", read)
 
         profiles, calibrations = {}, {}
         for name, source in self.sources.items():
@@ -522,14 +522,16 @@ class MixJob:
                 units = calibrations[name].estimate(units, totals["nonempty"]) + totals["sampled"]
             profiles[name] = SourceProfile(name, source, source_key(self.plan.seed, name), units, documents)
         reports = allocate(self.plan, profiles)
-        ranges = {
-            name: sorted({tuple(span) for stage in reports for r in stage if r.name == name for span in r.ranges})
-            for name in self.sources
+        ranges: dict[str, set] = {}
+        for report in (r for stage in reports for r in stage):
+            ranges.setdefault(report.name, set()).update(report.ranges)
+        rows_in = {
+            name: file_rows_in_ranges(
+                (measured(u, lambda p: np.load(p)["documents"]) for u in files[name]), sorted(spans)
+            )
+            for name, spans in ranges.items()
+            if spans
         }
-        rows_in = {}
-        for name in self.sources:
-            if ranges[name]:
-                rows_in[name] = file_rows_in_ranges((measured(u)["documents"] for u in files[name]), ranges[name])
         pieces = [
             {
                 r.name: slice_pieces(self.plan, index, r.ranges, profiles[r.name].key, rows_in[r.name])
