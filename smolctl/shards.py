@@ -627,7 +627,7 @@ class DocumentSource:
         # A folder's files are under it (a symlinked one is not removed with OUTPUT): the folder alone is checked.
         for path in [Path(p).resolve() for p in ([self.folder] if self.folder else self.files)]:
             if path == out or out in path.parents:
-                what = f"is the input {self.spec}" if path == out else f"holds the input {path}"
+                what = "is the input itself" if path == out else f"holds the input {path}"
                 raise UserError(output, what, "write the output to another folder")
 
     def require(self, *columns: str, text: Sequence[str] = (), flags: Mapping[str, str] | None = None) -> None:
