@@ -208,33 +208,53 @@ def test_rows_are_the_same_with_and_without_the_kernels(monkeypatch):
         )
 
 
+class Encoded:
+    """What the join kernel reads of a tokenizers Encoding: its length and its `ids` list."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def __len__(self):
+        return len(self.ids)
+
+
 @pytest.mark.skipif(pack_tokens._pack is None, reason="the C packing kernels were not built")
-def test_the_join_kernel_gives_exactly_the_python_definitions_arrays():
+def test_the_join_kernel_gives_exactly_the_python_definitions_arrays(tokenizer_dir):
     rng = np.random.default_rng(2)
     for _ in range(200):
         lengths = rng.integers(0, 40, size=rng.integers(0, 30))
         lengths[rng.random(len(lengths)) < 0.3] = 0  # empty documents are dropped, the others get EOS
         documents = [rng.integers(0, 2**31 - 1, size=n).tolist() for n in lengths]
         eos_id = int(rng.integers(0, 2**31 - 1))
-        kernel, kernel_empty = pack_tokens.join_documents(documents, eos_id)
+        kernel, kernel_empty = pack_tokens.join_encodings([Encoded(d) for d in documents], eos_id)
         python, python_empty = pack_tokens.join_documents_python(documents, lengths, eos_id)
         np.testing.assert_array_equal(kernel.ids, python.ids)
         np.testing.assert_array_equal(kernel.lengths, python.lengths)
         assert kernel_empty == python_empty == int((lengths == 0).sum())
-    joined, _ = pack_tokens.join_documents([[5, 6], [], [7]], 0)
+    joined, _ = pack_tokens.join_encodings([Encoded([5, 6]), Encoded([]), Encoded([7])], 0)
     assert joined.ids.tolist() == [5, 6, 0, 7, 0] and joined.lengths.tolist() == [3, 2]
+    # The tokenizer's own Encodings, as pack hands them over.
+    backend = load_rust_tokenizer(str(tokenizer_dir)).backend
+    texts = ["The cat sat.", "", "Ünïcödé and 数学 and emoji 🙂", "x" * 500]
+    encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
+    joined, empty = pack_tokens.join_encodings(encodings, 3)
+    expected = [i for e in encodings if len(e) for i in [*e.ids, 3]]
+    assert joined.ids.tolist() == expected and empty == 1
+    assert joined.lengths.tolist() == [len(e) + 1 for e in encodings if len(e)]
     for documents in ([[1, -1]], [[2**31]], [[2**70]], [(1, 2)], [[1.0]], [[np.int64(3)]]):
         with pytest.raises(ValueError):
-            pack_tokens.join_documents(documents, 0)
+            pack_tokens.join_encodings([Encoded(d) for d in documents], 0)
+    with pytest.raises(AttributeError):
+        pack_tokens.join_encodings([[1, 2]], 0)  # id lists, not encodings
     # The caller's array must be exactly the size: never a write past it (the sentinel after the view stays).
     for size in (2, 3, 4):  # [1, 2] and its EOS take exactly 3
         memory = np.full(size + 1, -7, dtype=np.int32)
         if size == 3:
-            pack_tokens._pack.join_documents([[1, 2]], 0, memory[:size])
+            pack_tokens._pack.join_encodings([Encoded([1, 2])], 0, memory[:size])
             assert memory.tolist() == [1, 2, 0, -7]
         else:
             with pytest.raises(ValueError, match="exactly the tokens"):
-                pack_tokens._pack.join_documents([[1, 2]], 0, memory[:size])
+                pack_tokens._pack.join_encodings([Encoded([1, 2])], 0, memory[:size])
             assert memory[size] == -7
 
 

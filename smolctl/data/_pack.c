@@ -10,11 +10,11 @@
        first) into the open bin with the least room that fits, or into a new bin; open bins with equal room are a
        stack (the last one to reach that room is used first). Outputs: bin_of and offset (int64) of each item.
        Exactly pack_rows.best_fit_decreasing_python.
-   join_documents(documents, eos_id, ids)
-       documents is a list of lists of ints (each document's token ids, as the tokenizer's
-       Encoding.ids gives them); the non-empty ones are written to ids (int32) back to back, each followed by
+   join_encodings(encodings, eos_id, ids)
+       encodings is a list of the tokenizer's Encodings (any objects whose `ids` attribute is a list of ints:
+       each document's token ids); the non-empty ones are written to ids (int32) back to back, each followed by
        eos_id, so ids must hold exactly their tokens plus one per non-empty document. Exactly
-       pack_tokens.join_documents_python.
+       pack_tokens.join_documents_python of their id lists.
    place(ids, lengths, slots, input_ids, position_ids)
        Document i is the next lengths[i] tokens of ids (int32, documents back to back); it is copied to
        input_ids[slots[i] ...] and position_ids there get 0, 1, ..., lengths[i] - 1 (both int32, flat).
@@ -111,13 +111,16 @@ done:
     return result;
 }
 
-/* Token ids arrive as Python lists of ints (the tokenizers API has no array output); one C pass over them
-   replaces a numpy.fromiter over a chain of lists and the EOS insertion after it. Holds the GIL throughout: it
-   reads Python objects. Lists only, read with the stable ABI's PyList_GetItem (no direct item access there). */
-static PyObject *join_documents(PyObject *self, PyObject *args) {
-    PyObject *documents, *out;
+/* Token ids arrive as one Python list of ints per document (Encoding.ids: the tokenizers API has no array
+   output); one C pass replaces a numpy.fromiter over a chain of lists and the EOS insertion after it. Each
+   document's list is asked for, copied and dropped in turn, so only one document's ints are alive at a time:
+   the interpreter's small-object pools are reused document after document instead of a batch's worth of fresh
+   pages being touched (and returned to the kernel) every batch. Holds the GIL throughout: it reads Python
+   objects. Lists read with the stable ABI's PyList_GetItem (no direct item access there). */
+static PyObject *join_encodings(PyObject *self, PyObject *args) {
+    PyObject *encodings, *out;
     long long eos_id;
-    if (!PyArg_ParseTuple(args, "O!LO", &PyList_Type, &documents, &eos_id, &out)) return NULL;
+    if (!PyArg_ParseTuple(args, "O!LO", &PyList_Type, &encodings, &eos_id, &out)) return NULL;
     if (eos_id < 0 || eos_id > INT32_MAX) {
         PyErr_SetString(PyExc_ValueError, "eos_id must be 0..2^31-1");
         return NULL;
@@ -127,27 +130,39 @@ static PyObject *join_documents(PyObject *self, PyObject *args) {
     Buffer b[1];
     if (get_buffers(&out, b, 1, names, sizes, 0) < 0) return NULL;
     const char *wrong_size = "ids must hold exactly the tokens plus one EOS per non-empty document";
+    const char *problem = NULL;
     int32_t *ids = b[0].view.buf;
-    Py_ssize_t room = b[0].view.len / 4, written = 0, n = PyList_Size(documents);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *document = PyList_GetItem(documents, i);
-        if (!PyList_Check(document)) return refuse(b, 1, "each document must be a list of token ids");
-        Py_ssize_t length = PyList_Size(document);
-        if (length && written + length + 1 > room) return refuse(b, 1, wrong_size);
-        for (Py_ssize_t k = 0; k < length; k++) {
+    Py_ssize_t room = b[0].view.len / 4, written = 0, n = PyList_Size(encodings);
+    for (Py_ssize_t i = 0; i < n && !problem; i++) {
+        /* A new reference: the list stays alive while it is read, whatever the attribute's getter does. */
+        PyObject *document = PyObject_GetAttrString(PyList_GetItem(encodings, i), "ids");
+        if (document == NULL) {
+            release(b, 1);
+            return NULL;
+        }
+        if (!PyList_Check(document)) problem = "each encoding's ids must be a list of token ids";
+        Py_ssize_t length = problem ? 0 : PyList_Size(document);
+        if (length && written + length + 1 > room) problem = wrong_size;
+        for (Py_ssize_t k = 0; k < length && !problem; k++) {
             PyObject *item = PyList_GetItem(document, k);
-            /* ints only: anything else would run its __index__, Python code that could change the lists read here */
-            if (!PyLong_Check(item)) return refuse(b, 1, "token ids must be ints");
+            /* ints only: anything else would run its __index__, Python code that could change the list read here */
+            if (!PyLong_Check(item)) {
+                problem = "token ids must be ints";
+                break;
+            }
             long value = PyLong_AsLong(item);
             if (value < 0 || value > INT32_MAX) {
                 if (PyErr_Occurred()) PyErr_Clear(); /* past a C long: out of range all the same */
-                return refuse(b, 1, "token ids must be 0..2^31-1");
+                problem = "token ids must be 0..2^31-1";
+                break;
             }
             ids[written++] = (int32_t)value;
         }
-        if (length) ids[written++] = (int32_t)eos_id;
+        if (length && !problem) ids[written++] = (int32_t)eos_id;
+        Py_DECREF(document);
     }
-    if (written != room) return refuse(b, 1, wrong_size);
+    if (!problem && written != room) problem = wrong_size;
+    if (problem) return refuse(b, 1, problem);
     release(b, 1);
     Py_RETURN_NONE;
 }
@@ -188,7 +203,7 @@ static PyObject *place(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"best_fit_decreasing", best_fit_decreasing, METH_VARARGS, "Best-fit-decreasing bins and offsets (see the file's header)."},
-    {"join_documents", join_documents, METH_VARARGS, "Token id lists to one int32 array, EOS after each non-empty one (see the file's header)."},
+    {"join_encodings", join_encodings, METH_VARARGS, "Encodings' token ids to one int32 array, EOS after each non-empty one (see the file's header)."},
     {"place", place, METH_VARARGS, "Copy documents to their slots with their positions (see the file's header)."},
     {NULL, NULL, 0, NULL},
 };

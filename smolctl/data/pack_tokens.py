@@ -35,17 +35,17 @@ ENCODER_CALLS_IN_FLIGHT = 2
 """Batches being encoded at once in this process: one to keep the Rust threads busy, one to overlap."""
 
 
-def join_documents(documents: list[list[int]], eos_id: int) -> tuple[TokenBatch, int]:
-    """The token id lists of a batch of documents as one int32 array with EOS after each; empty documents are
-    dropped. Returns (batch, number of empty documents dropped). _pack.c's kernel, or `join_documents_python`
-    (its definition) without the extension."""
-    lengths = np.fromiter(map(len, documents), dtype=np.int64, count=len(documents))
+def join_encodings(encodings: list, eos_id: int) -> tuple[TokenBatch, int]:
+    """The token ids of a batch of documents (the tokenizer's Encodings) as one int32 array with EOS after each;
+    empty documents are dropped. Returns (batch, number of empty documents dropped). _pack.c's kernel, or
+    `join_documents_python` of the id lists (its definition) without the extension."""
+    lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
     if _pack is None:
-        return join_documents_python(documents, lengths, eos_id)
+        return join_documents_python([encoding.ids for encoding in encodings], lengths, eos_id)
     kept = lengths[lengths > 0] + 1
     ids = np.empty(int(kept.sum()), dtype=np.int32)
-    _pack.join_documents(documents, eos_id, ids)
-    return TokenBatch(ids, kept), len(documents) - len(kept)
+    _pack.join_encodings(encodings, eos_id, ids)
+    return TokenBatch(ids, kept), len(encodings) - len(kept)
 
 
 def join_documents_python(documents: list[list[int]], lengths: np.ndarray, eos_id: int) -> tuple[TokenBatch, int]:
@@ -69,8 +69,7 @@ def append_document_end(batch: TokenBatch, eos_id: int) -> tuple[TokenBatch, int
 def encode_documents(backend, texts: list[str], eos_id: int) -> tuple[TokenBatch, int, int]:
     """(the non-empty documents' ids, each + EOS; documents read; empty documents dropped), via the Rust
     tokenizer's batch encoder (no special tokens, no offsets computed)."""
-    encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
-    batch, empty = join_documents([encoding.ids for encoding in encodings], eos_id)
+    batch, empty = join_encodings(backend.encode_batch_fast(texts, add_special_tokens=False), eos_id)
     return batch, len(texts), empty
 
 
