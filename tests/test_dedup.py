@@ -493,6 +493,7 @@ def _bad_inputs(tmp: Path) -> list[tuple[list, str]]:
         ([web, "OUT", "--threshold", "0.7"], "add --minhash"),
         ([web, "OUT", "--minhash", "--stage", "signatures", "--tasks", "4", "--task-id", "4"], "out of range"),
         ([web, "OUT", "--minhash", "--stage", "filter"], "has not finished"),
+        ([web, "OUT", "--minhash", "--tasks", "2", "--task-id", "0"], "add --stage signatures"),
         ([web, "OUT", "--no-exact"], "both exact and MinHash"),
     ]
 

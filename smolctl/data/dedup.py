@@ -157,12 +157,19 @@ def run(
     if stage is not None and stage not in STAGES:
         raise UserError("--stage", f"unknown stage {stage!r}", f"use one of {', '.join(STAGES)}")
     check_task(tasks, task_id)
+    if stage is None and tasks > 1:
+        # Without a stage each task would start the later stages before the other tasks finished the earlier ones.
+        raise UserError(
+            "--tasks",
+            "dedup runs as one array per stage, each after the one before",
+            "add --stage signatures (then buckets, components with --tasks 1, and filter)",
+        )
     if stage == "components" and tasks != 1:
         raise UserError("--tasks", "the components stage is a single task", "run it with --tasks 1 --task-id 0")
     plan_ = plan(config)
     # A task of an array (not a plain local run, which refuses a full OUTPUT) finds a committed run done, with
     # --overwrite too: that replaces another run's OUTPUT, and the same run would write the same bytes again.
-    array_task = stage is not None or tasks > 1
+    array_task = stage is not None
     if array_task and plan_.area.committed():
         return DedupResult(
             output=str(config.output),
