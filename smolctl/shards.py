@@ -666,18 +666,18 @@ class DocumentSource:
         path = self.files[index]
         try:
             handle = pq.ParquetFile(path)
-            columns = list(columns) if columns is not None else None
+            # All columns in the source's order: a file may order them differently from the first.
+            columns = list(columns) if columns is not None else list(self.schema.names)
             # Read as the source's schema: a file holding views, or a narrower type than another shard, is cast
             # (decided once per file; most files are read as they are).
-            names = columns if columns is not None else self.schema.names
-            wanted = pa.schema([self.schema.field(name) for name in names])
+            wanted = pa.schema([self.schema.field(name) for name in columns])
             written = handle.schema_arrow
-            as_written = pa.schema([written.field(name) for name in names]).equals(wanted)
+            as_written = pa.schema([written.field(name) for name in columns]).equals(wanted)
             if handle.metadata.num_rows == 0:
                 yield pa.RecordBatch.from_pylist([], schema=wanted)
                 return
             for batch in handle.iter_batches(batch_size=batch_size, columns=columns, use_threads=threads):
-                if columns is not None and batch.schema.names != columns:
+                if batch.schema.names != columns:
                     batch = batch.select(columns)
                 yield batch if as_written else batch.cast(wanted)
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
@@ -716,21 +716,39 @@ def open_documents(spec: str | Path) -> DocumentSource:
 
 
 def common_schema(files: list[Path], schemas: list[pa.Schema]) -> pa.Schema:
-    """The one schema a source's files are read in: theirs, or where shards written by different tools hold a
-    column in types that differ only in width (`widest_types`), the widest; anything else is refused."""
+    """The one schema a source's files are read in: the first file's columns in its order, each in the widest
+    type any file holds it in where the types differ only in width (`widest_types`), nullable where any file's
+    is. Files may order their columns differently (writers do); any other difference is refused, naming it."""
     widest = widest_types({str(path): schema for path, schema in zip(files, schemas)})
-    widened = [pa.schema([f.with_type(widest.get(f.name, f.type)) for f in schema]) for schema in schemas]
-    for path, schema in zip(files[1:], widened[1:]):
-        if not schema.equals(widened[0]):
-            mismatched = [
-                n for n in widened[0].names if n not in schema.names or schema.field(n).type != widened[0].field(n).type
-            ]
+    first = schemas[0]
+    for path, schema in zip(files[1:], schemas[1:]):
+        if schema.equals(first):
+            continue
+        extra = [n for n in schema.names if n not in first.names]
+        missing = [n for n in first.names if n not in schema.names]
+        retyped = [
+            n
+            for n in first.names
+            if n in schema.names and widest.get(n, first.field(n).type) != widest.get(n, schema.field(n).type)
+        ]
+        if extra or missing or retyped or len(schema.names) != len(first.names):
+            differences = [
+                *([f"has {', '.join(extra)}, which {files[0].name} lacks"] if extra else []),
+                *([f"lacks {', '.join(missing)}"] if missing else []),
+                *(
+                    f"holds {n} as {schema.field(n).type} where {files[0].name} has {first.field(n).type}"
+                    for n in retyped
+                ),
+            ] or ["repeats a column name"]
             raise UserError(
                 path,
-                f"has a different schema from {files[0].name} (columns {', '.join(mismatched) or 'extra'} differ)",
+                f"has other columns than {files[0].name}: {'; '.join(differences)}",
                 "make all shards share one schema",
             )
-    return widened[0]
+    nullable = {n for schema in schemas for field in schema if field.nullable for n in [field.name]}
+    return pa.schema(
+        [f.with_type(widest.get(f.name, f.type)).with_nullable(f.name in nullable) for f in first], first.metadata
+    )
 
 
 @dataclass

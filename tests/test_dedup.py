@@ -439,7 +439,8 @@ def test_text_and_ids_written_as_views_or_dictionaries_dedup_alike(planted, tmp_
 
 def test_shards_of_one_input_written_in_different_widths_dedup_as_one(planted, tmp_path):
     """Shards of one dataset appended by different tools: string beside large_string text, int32 beside int64
-    counts. Read in the widest of each, they dedup as the plain input does, and the output keeps the widest."""
+    counts, the columns in another order. Read in the widest of each and the first shard's order, they dedup as
+    the plain input does, and the output keeps the widest."""
     mixed = tmp_path / "mixed"
     mixed.mkdir()
     for index, shard in enumerate(sorted(planted["input"].glob("*.parquet"))):
@@ -449,7 +450,8 @@ def test_shards_of_one_input_written_in_different_widths_dedup_as_one(planted, t
             table = table.set_column(
                 table.schema.get_field_index("text"), "text", table["text"].cast(pa.large_string())
             )
-        pq.write_table(table.append_column("n", count), mixed / shard.name)
+        table = table.append_column("n", count)
+        pq.write_table(table.select(table.column_names[::-1]) if index % 2 else table, mixed / shard.name)
     dedup(planted["input"], tmp_path / "plain", workers=1)
     dedup(mixed, tmp_path / "out", workers=1)
     kept, report = read_output(tmp_path / "out")
@@ -457,6 +459,7 @@ def test_shards_of_one_input_written_in_different_widths_dedup_as_one(planted, t
     assert kept.drop_columns(["n"]).cast(want_kept.schema).to_pylist() == want_kept.to_pylist()
     assert report.to_pylist() == want_report.to_pylist() and len(report) > 0
     assert kept.schema.field("text").type == pa.large_string() and kept.schema.field("n").type == pa.int64()
+    assert kept.column_names == ["id", "text", "origin", "n"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

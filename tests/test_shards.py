@@ -188,11 +188,30 @@ def test_relative_paths_whose_first_folder_looks_like_a_uri_scheme_are_local(tmp
     assert open_packed(tmp_path / "pack:out").manifest["tokens"] > 40
 
 
-def test_schema_mismatch_between_files_names_the_file(tmp_path):
+@pytest.mark.parametrize(
+    "other, message",
+    [
+        ({"id": ["x"], "text": [1]}, "holds text as int64 where a.parquet has string"),
+        ({"id": ["x"], "text": ["t"], "lang": ["de"]}, "has lang, which a.parquet lacks"),
+        ({"text": ["t"]}, "lacks id"),
+    ],
+)
+def test_schema_mismatch_between_files_names_the_file_and_the_column(tmp_path, other, message):
     pq.write_table(_table(3), tmp_path / "a.parquet")
-    pq.write_table(pa.table({"id": ["x"], "text": [1]}), tmp_path / "b.parquet")
-    with pytest.raises(UserError, match=r"b\.parquet: has a different schema"):
+    pq.write_table(pa.table(other), tmp_path / "b.parquet")
+    with pytest.raises(UserError, match=rf"b\.parquet: has other columns than a\.parquet: {message} —"):
         open_documents(tmp_path)
+
+
+def test_shards_with_their_columns_in_another_order_are_read_in_the_first_ones_order(tmp_path):
+    """Writers order columns as they please; every command reads each shard in the first shard's order."""
+    pq.write_table(_table(3), tmp_path / "a.parquet")
+    pq.write_table(_table(2, start=3).select(["text", "id"]), tmp_path / "b.parquet")
+    source = open_documents(tmp_path)
+    assert source.schema.names == ["id", "text"]
+    batches = list(source.iter_batches())
+    assert all(b.schema.names == ["id", "text"] for b in batches)
+    assert pa.Table.from_batches(batches).column("id").to_pylist() == [f"doc-{i}" for i in range(5)]
 
 
 @pytest.mark.parametrize("case", ["missing", "empty_folder", "not_parquet", "truncated", "empty_file"])
