@@ -620,8 +620,14 @@ class DocumentSource:
 
     def check_output_spares(self, output: str | Path) -> None:
         """Refuse an OUTPUT that is this input or holds any of its files: --overwrite (or a failed run's clean-up)
-        would delete the data being read."""
+        would delete the data being read. Or one inside the input folder: the next run would read it as input."""
         out = Path(output).resolve()
+        if self.folder is not None and Path(self.folder).resolve() in out.parents:
+            raise UserError(
+                output,
+                f"is inside the input folder {self.folder}, whose files are all read: the next run would read it too",
+                "write the output beside the input folder",
+            )
         # A folder's files are under it (a symlinked one is not removed with OUTPUT): the folder alone is checked.
         for path in [Path(p).resolve() for p in ([self.folder] if self.folder else self.files)]:
             if path == out or out in path.parents:

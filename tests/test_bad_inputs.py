@@ -173,6 +173,15 @@ def components_over_damaged_work(tmp: Path, how: str) -> list:
     return ["dedup", SAMPLE / "math", out, "--minhash", "--stage", "components", "--tasks", "1", "--task-id", "0"]
 
 
+def plain_folder(tmp: Path) -> Path:
+    """A folder of parquet files without a manifest (every file under it is input)."""
+    folder = tmp / "plain"
+    folder.mkdir()
+    for shard in (SAMPLE / "math").glob("*.parquet"):
+        shutil.copy(shard, folder / shard.name)
+    return folder
+
+
 def _existing_output(tmp: Path) -> Path:
     out = tmp / "existing"
     shutil.copytree(SAMPLE / "math", out)
@@ -399,6 +408,14 @@ CASES = [
             components_over_damaged_work(t, "truncated"),
             "shingles.npy: cannot be read as its unit wrote it",
             t / "out",
+        ),
+    ),
+    Case(
+        "dedup: the output inside the input folder, which the next run would read",
+        lambda t: (
+            ["dedup", plain_folder(t), t / "plain" / "deduped"],
+            "is inside the input folder",
+            t / "plain",
         ),
     ),
     Case(
