@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 from conftest import REPO, SAMPLE
 from test_dedup import sample_table, write_shards
@@ -283,3 +284,55 @@ def test_sft_killed_then_resumed(tmp_path, tiny_model, rng):
         check_refusal=False,
     )
     assert straight["steps"] == resumed["steps"] == 6
+
+
+def _children(parent: int) -> set[int]:
+    children = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                children.add(int(entry.name))
+        except (OSError, IndexError):
+            continue  # ended while we looked
+    return children
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.add(pid)
+    return alive
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
+def test_pool_workers_end_when_the_command_is_killed(tmp_path, tokenizer_dir):
+    """A command killed outright (kill -9, the OOM killer) takes its worker processes with it: nothing else closes
+    their task queues, and they used to wait there for ever, holding their memory."""
+    web = sample_table("web")
+    rows = 20_500  # dedup uses its pool from 20,000 documents
+    table = pa.table({"text": [f"{web['text'][i % len(web)].as_py()} {i}" for i in range(rows)]})
+    source = write_shards(tmp_path / "input", table, 4)
+    commands = {
+        "dedup": cli("dedup", source, tmp_path / "deduped", "--minhash", "--workers", "2"),
+        "pack": cli(
+            "pack", source, tmp_path / "packed", "--tokenizer", tokenizer_dir, "--seq-len", "64", "--workers", "2"
+        ),
+    }
+    for name, command in commands.items():
+        process = subprocess.Popen(command, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while len(_children(process.pid)) < 2 and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = _children(process.pid)
+        assert process.poll() is None and len(workers) >= 2, f"{name}: its workers were not seen running"
+        process.kill()
+        process.wait()
+        deadline = time.monotonic() + 15
+        while _alive(workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(workers), f"{name}: workers {sorted(_alive(workers))} outlived the killed command"

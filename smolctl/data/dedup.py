@@ -22,6 +22,7 @@ is a function of that order only.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from smolctl.child_processes import exit_with_parent
 from smolctl.data.array_tasks import (
     FINGERPRINT_KEY,
     AlreadyCommitted,
@@ -306,7 +308,7 @@ class _Workers:
             context = multiprocessing.get_context("fork")
             self.queue = context.Queue()
             self.pool = ProcessPoolExecutor(
-                self.size, mp_context=context, initializer=_init_worker, initargs=(self.queue, plan_)
+                self.size, mp_context=context, initializer=_init_worker, initargs=(self.queue, plan_, os.getpid())
             )
         return self.pool
 
@@ -322,8 +324,9 @@ _WORKER_QUEUE = None
 _WORKER_PLAN: DedupPlan | None = None  # the run a forked pool process works for (set by _init_worker)
 
 
-def _init_worker(queue, plan_: DedupPlan) -> None:
+def _init_worker(queue, plan_: DedupPlan, parent: int) -> None:
     global _WORKER_QUEUE, _WORKER_PLAN
+    exit_with_parent(parent)
     _WORKER_QUEUE, _WORKER_PLAN = queue, plan_
 
 

@@ -20,6 +20,7 @@ from itertools import chain
 
 import numpy as np
 
+from smolctl.child_processes import exit_with_parent
 from smolctl.data.pack_rows import TokenBatch
 from smolctl.data.tokenizer import RustTokenizer
 
@@ -76,8 +77,9 @@ def encode_documents(backend, texts: list[str], eos_id: int) -> tuple[TokenBatch
 _worker_backend = None
 
 
-def _init_worker(tokenizer_json: str) -> None:
+def _init_worker(tokenizer_json: str, parent: int) -> None:
     global _worker_backend
+    exit_with_parent(parent)
     # One Rust thread per worker process: the processes are the parallelism, threads would oversubscribe.
     os.environ["RAYON_NUM_THREADS"] = "1"
     from tokenizers import Tokenizer
@@ -138,5 +140,5 @@ def encoder(tokenizer: RustTokenizer, workers: int) -> tuple[Executor, int]:
         return ThreadPoolExecutor(ENCODER_CALLS_IN_FLIGHT, thread_name_prefix="encode"), ENCODER_CALLS_IN_FLIGHT + 1
     context = multiprocessing.get_context("spawn")  # fork after Rust threads have started can deadlock
     return ProcessPoolExecutor(
-        workers, mp_context=context, initializer=_init_worker, initargs=(tokenizer.backend.to_str(),)
+        workers, mp_context=context, initializer=_init_worker, initargs=(tokenizer.backend.to_str(), os.getpid())
     ), 2 * workers

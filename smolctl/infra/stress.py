@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import os
 import queue
 import re
 import statistics
@@ -29,6 +30,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 
+from smolctl.child_processes import exit_with_parent
 from smolctl.errors import CheckFailed, UserError
 from smolctl.infra.telemetry import health_findings, nvidia_smi_gpus, open_telemetry, why_no_gpu
 from smolctl.results import Result
@@ -261,9 +263,11 @@ def judge(reports: list[DeviceReport], tolerance: float, expect_tflops: float | 
     return reports
 
 
-def _device_main(index: int, config: StressConfig, updates, stop) -> None:
+def _device_main(index: int, config: StressConfig, updates, stop, parent: int) -> None:
     """One device's worker, in a thread or a spawned process: runs the burn and posts its report after every
     window, the last time with done=True."""
+    if os.getpid() != parent:  # a process: it must not go on burning a GPU after the command is killed
+        exit_with_parent(parent)
     report = DeviceReport(config.devices[index])
     try:
         DeviceStress(index, config, report, stop, publish=lambda: updates.put((index, asdict(report), False))).run()
@@ -282,7 +286,7 @@ def run_stress(
     stop = stop or (context.Event() if in_processes else threading.Event())
     make = context.Process if in_processes else threading.Thread
     workers = [
-        make(target=_device_main, args=(i, config, updates, stop), name=f"stress-{device}", daemon=True)
+        make(target=_device_main, args=(i, config, updates, stop, os.getpid()), name=f"stress-{device}", daemon=True)
         for i, device in enumerate(config.devices)
     ]
     reports = [DeviceReport(device) for device in config.devices]
