@@ -677,3 +677,70 @@ def test_a_shard_failing_mid_run_leaves_nothing_and_no_threads(sample, tokenizer
         )
     assert not (tmp_path / "packed").exists() and not (tmp_path / ".packed.partial").exists()
     assert threading.active_count() == threads
+
+
+def tokenizer_variant(tokenizer_dir: Path, folder: Path, backend_edit=None, **config) -> Path:
+    """A copy of the trained tokenizer folder with its tokenizer.json edited through the tokenizers API and
+    keys added to its tokenizer_config.json, as hub folders come."""
+    from tokenizers import Tokenizer
+
+    shutil.copytree(tokenizer_dir, folder)
+    if backend_edit is not None:
+        backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        backend_edit(backend)
+        backend.save(str(folder / "tokenizer.json"))
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings | config))
+    return folder
+
+
+def test_truncation_and_padding_in_tokenizer_json_never_cut_or_pad_documents(sample, tokenizer_dir, tmp_path):
+    """Some hub tokenizer.json files truncate (at 512, say) or pad to the batch's longest: pack (and mix, which loads
+    tokenizers the same way) encodes whole documents regardless, with the same fingerprint (pretrain's check sees
+    one tokenizer)."""
+
+    def truncate_and_pad(backend):
+        backend.enable_truncation(8)
+        backend.enable_padding(pad_id=1, pad_token="<|pad|>")
+
+    clipped = tokenizer_variant(tokenizer_dir, tmp_path / "clipped", truncate_and_pad)
+    config = PackConfig(seq_len=64)
+    pack(str(sample / "math"), tmp_path / "plain", tokenizer_spec=str(tokenizer_dir), config=config)
+    pack(str(sample / "math"), tmp_path / "clipped-out", tokenizer_spec=str(clipped), config=config)
+    assert output_digests(tmp_path / "clipped-out") == output_digests(tmp_path / "plain")
+    assert tokenizer_fingerprint(load_tokenizer(str(clipped))) == tokenizer_fingerprint(
+        load_tokenizer(str(tokenizer_dir))
+    )
+    loaded = load_rust_tokenizer(str(clipped)).backend
+    assert loaded.truncation is None and loaded.padding is None
+
+
+def test_split_special_tokens_holds_in_worker_processes_and_in_the_fingerprint(tokenizer_dir, tmp_path):
+    """A folder with split_special_tokens encodes `<|endoftext|>` inside a document as text, in this process and in
+    --workers processes alike (the serialised tokenizer does not carry the flag), and its fingerprint says so."""
+    texts = [f"before <|endoftext|> after {i}" for i in range(50)] + ["plain text"] * 50
+    pq.write_table(pa.table({"text": texts}), tmp_path / "docs.parquet")
+    splitting = tokenizer_variant(tokenizer_dir, tmp_path / "splitting", split_special_tokens=True)
+    runs = {}
+    for name, spec, workers in (("plain", tokenizer_dir, 1), ("one", splitting, 1), ("two", splitting, 2)):
+        config = PackConfig(seq_len=64, workers=workers, batch_documents=10)
+        pack(str(tmp_path / "docs.parquet"), tmp_path / name, tokenizer_spec=str(spec), config=config)
+        runs[name] = read_manifest(tmp_path / name)
+    assert output_digests(tmp_path / "two") == output_digests(tmp_path / "one")
+    assert runs["one"]["tokens"] > runs["plain"]["tokens"] + 50  # the marker as text takes several tokens
+    assert runs["one"]["tokenizer"]["fingerprint"] != runs["plain"]["tokenizer"]["fingerprint"]
+    assert runs["one"]["tokenizer"]["fingerprint"] == tokenizer_fingerprint(load_tokenizer(str(splitting)))
+
+
+def test_a_tokenizer_json_without_post_processor_packs_under_the_fingerprint_pretrain_checks(
+    sample, tokenizer_dir, tmp_path
+):
+    """tokenizers' own save() writes no post-processor; transformers (and so pretrain) adds one on loading."""
+
+    def drop_post_processor(backend):
+        backend.post_processor = None
+
+    bare = tokenizer_variant(tokenizer_dir, tmp_path / "bare", drop_post_processor)
+    pack(str(sample / "math"), tmp_path / "out", tokenizer_spec=str(bare), config=PackConfig(seq_len=64))
+    recorded = read_manifest(tmp_path / "out")["tokenizer"]["fingerprint"]
+    assert recorded == tokenizer_fingerprint(load_tokenizer(str(bare)))

@@ -77,7 +77,7 @@ def encode_documents(backend, texts: list[str], eos_id: int) -> tuple[TokenBatch
 _worker_backend = None
 
 
-def _init_worker(tokenizer_json: str, parent: int) -> None:
+def _init_worker(tokenizer_json: str, split_special_tokens: bool, parent: int) -> None:
     global _worker_backend
     exit_with_parent(parent)
     # One Rust thread per worker process: the processes are the parallelism, threads would oversubscribe.
@@ -85,6 +85,8 @@ def _init_worker(tokenizer_json: str, parent: int) -> None:
     from tokenizers import Tokenizer
 
     _worker_backend = Tokenizer.from_str(tokenizer_json)
+    # Not in the serialised form: transformers sets it from the folder's split_special_tokens.
+    _worker_backend.encode_special_tokens = split_special_tokens
 
 
 def _encode_in_worker(texts: list[str], eos_id: int) -> tuple[TokenBatch, int, int]:
@@ -140,5 +142,8 @@ def encoder(tokenizer: RustTokenizer, workers: int) -> tuple[Executor, int]:
         return ThreadPoolExecutor(ENCODER_CALLS_IN_FLIGHT, thread_name_prefix="encode"), ENCODER_CALLS_IN_FLIGHT + 1
     context = multiprocessing.get_context("spawn")  # fork after Rust threads have started can deadlock
     return ProcessPoolExecutor(
-        workers, mp_context=context, initializer=_init_worker, initargs=(tokenizer.backend.to_str(), os.getpid())
+        workers,
+        mp_context=context,
+        initializer=_init_worker,
+        initargs=(tokenizer.backend.to_str(), tokenizer.backend.encode_special_tokens, os.getpid()),
     ), 2 * workers

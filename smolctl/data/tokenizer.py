@@ -305,12 +305,17 @@ class RustTokenizer:
 
 def load_rust_tokenizer(spec: str | Path) -> RustTokenizer:
     """A tokenizer folder written by `train-tokenizer` straight from tokenizer.json (transformers and torch take
-    seconds to import); any other folder or hub id through transformers, exactly as `load_tokenizer`."""
-    plain = _plain_tokenizer(Path(spec))
-    if plain is not None:
-        return plain
-    tokenizer = load_tokenizer(spec)
-    return RustTokenizer(tokenizer.backend_tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, len(tokenizer))
+    seconds to import); any other folder or hub id through transformers, exactly as `load_tokenizer`.
+
+    Whole documents are what pack and mix encode: truncation or padding that a tokenizer.json carries (some hub
+    folders do: truncation at 512, padding to the batch's longest) is switched off on the backend returned."""
+    tokenizer = _plain_tokenizer(Path(spec))
+    if tokenizer is None:
+        loaded = load_tokenizer(spec)
+        tokenizer = RustTokenizer(loaded.backend_tokenizer, loaded.eos_token_id, loaded.pad_token_id, len(loaded))
+    tokenizer.backend.no_truncation()
+    tokenizer.backend.no_padding()
+    return tokenizer
 
 
 def _plain_tokenizer(path: Path) -> RustTokenizer | None:
@@ -328,6 +333,8 @@ def _plain_tokenizer(path: Path) -> RustTokenizer | None:
         backend = Tokenizer.from_file(str(path / "tokenizer.json"))
     except Exception:
         return None
+    if backend.post_processor is None:
+        return None  # transformers adds one: its fingerprint (what pretrain checks) is of the rewired tokenizer
     extra = config.get("extra_special_tokens", [])
     named = [config.get("eos_token"), config.get("pad_token"), *(extra if isinstance(extra, list) else [None])]
     special = {token.content for token in backend.get_added_tokens_decoder().values() if token.special}
@@ -347,8 +354,18 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def backend_fingerprint(backend) -> str:
-    """`tokenizer_fingerprint` of a bare `tokenizers.Tokenizer`."""
-    return hashlib.sha256(backend.to_str().encode()).hexdigest()[:16]
+    """`tokenizer_fingerprint` of a bare `tokenizers.Tokenizer`: its serialised rules, without the truncation and
+    padding (call settings that pack and mix switch off, and transformers sets per call), plus whether special
+    tokens' text is encoded as text (`split_special_tokens`, a flag the serialised form does not hold)."""
+    split_special_tokens = bool(getattr(backend, "encode_special_tokens", False))
+    if backend.truncation is not None or backend.padding is not None:
+        from tokenizers import Tokenizer
+
+        backend = Tokenizer.from_str(backend.to_str())
+        backend.no_truncation()
+        backend.no_padding()
+    rules = backend.to_str() + ("\nsplit_special_tokens" if split_special_tokens else "")
+    return hashlib.sha256(rules.encode()).hexdigest()[:16]
 
 
 def document_end_id(spec: str | Path, tokenizer: RustTokenizer) -> int:
