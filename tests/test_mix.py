@@ -159,6 +159,55 @@ def test_sample_estimate_reaches_the_token_shares_pack_counts_within_half_a_poin
     assert len(shards[0]) > 1 and shards[0] == shards[1]
 
 
+def whitespace_word_tokenizer(folder: Path, words: list[str]) -> Path:
+    """A word-level tokenizer folder (as BERT-like and SentencePiece folders behave): whitespace alone gives no ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<eos>": 0, "<unk>": 1} | {word: i + 2 for i, word in enumerate(sorted(set(words)))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(["<eos>"])
+    folder.mkdir()
+    backend.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_sample_estimate_counts_no_end_for_documents_that_tokenize_to_nothing(tmp_path):
+    """pack appends EOS only to documents with ids; under a word-level or SentencePiece tokenizer a whitespace-only
+    document has none. The estimate measures that share on the sample instead of giving every such document an EOS."""
+    from smolctl.data.mix_blocks import source_key
+    from smolctl.data.mix_tokens import calibrate, document_sizes, measure_file, sample_key
+    from smolctl.data.tokenizer import load_rust_tokenizer
+
+    rng = np.random.default_rng(5)
+    words = [f"w{i}" for i in range(300)]
+    texts = [" \n " if i % 2 else " ".join(rng.choice(words, size=rng.integers(1, 12))) for i in range(6000)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "docs.parquet")
+    backend = load_rust_tokenizer(str(whitespace_word_tokenizer(tmp_path / "tok", words))).backend
+    source = open_documents(tmp_path / "docs.parquet")
+    exact = int(document_sizes(pa.array(texts), backend).sum())
+    for seed in range(3):
+        measured = measure_file(source, 0, source_key(seed, "s"), "text", backend, (sample_key(seed, "s"), 0.1))
+        calibration = calibrate("s", len(texts), measured["sample_bytes"], measured["sample_tokens"])
+        estimate = calibration.estimate(measured["units"], measured["nonempty"]).sum() + measured["sampled"].sum()
+        assert abs(estimate / exact - 1) < 0.02, (seed, estimate, exact)  # each whitespace EOS was +13%
+        assert 0.4 < calibration.ends_per_document < 0.6
+
+
+def test_estimates_are_rounded_along_the_running_total():
+    """Bins of one short document each: rounded one by one, every 1.75-token estimate became 2 (a bias of +3%)."""
+    from smolctl.data.mix_tokens import TokenCalibration
+
+    calibration = TokenCalibration(1000, 100, 1000, 250, 50, None, None)  # 0.25 tokens per byte, half end in EOS
+    text_bytes = np.tile([5, 22], 500)
+    estimate = calibration.estimate(text_bytes, np.ones(1000, dtype=np.int64))
+    expected = (text_bytes * 0.25 + 0.5).sum()
+    assert abs(estimate.sum() - expected) <= 1 and np.abs(estimate - (text_bytes * 0.25 + 0.5)).max() < 1
+    assert estimate.dtype == np.int64
+
+
 def test_auto_samples_only_large_sources():
     plan = MixSchedule({}, [], tokenizer="tok", token_sample=1000)
     assert plan.sample_fraction(10_000) is None and plan.sample_fraction(10_001) == pytest.approx(1000 / 10_001)

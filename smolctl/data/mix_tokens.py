@@ -10,8 +10,10 @@ full tokenizer pass at corpus scale. The estimate tokenizes only a seeded sample
 2. Calibrate. tokens per byte = the sample's token ids / its UTF-8 bytes (a ratio estimator: long documents weigh
    more, as they do in a token share). Its relative standard error and a split-half check are recorded.
 3. Estimate. A bin's tokens = tokens per byte x the bytes of its documents outside the sample + one EOS per
-   such non-empty document, as `pack` counts, + the sampled documents' tokens, counted exactly (they are known:
-   a sample that is a large part of a small source leaves little to estimate).
+   such non-empty document that tokenizes to something (`pack` appends none to a document of no ids, e.g.
+   whitespace under a SentencePiece tokenizer: the sample measures that share), + the sampled documents'
+   tokens, counted exactly (they are known: a sample that is a large part of a small source leaves little to
+   estimate).
 A source whose estimate is off by a relative error e moves its share s by about s x (1 - s) x e (less the
 others' errors), so calibrations within 1% keep the shares within about half a point, and usually well inside.
 """
@@ -133,6 +135,8 @@ class TokenCalibration:
     sample_bytes: int
     sample_tokens: int
     """Token ids of the sample, without EOS."""
+    sample_documents_with_tokens: int
+    """Sampled documents that tokenize to at least one id: `pack` appends EOS to those only."""
     relative_standard_error: float | None
     """Standard error of tokens per byte over its value (ratio estimator, finite-population corrected); None
     with fewer than two documents."""
@@ -149,9 +153,19 @@ class TokenCalibration:
     def bytes_per_token(self) -> float:
         return self.sample_bytes / self.sample_tokens if self.sample_tokens else math.inf
 
+    @property
+    def ends_per_document(self) -> float:
+        """EOS tokens `pack` appends per non-empty document, estimated on the sample."""
+        return self.sample_documents_with_tokens / self.sample_documents
+
     def estimate(self, text_bytes: np.ndarray, nonempty: np.ndarray) -> np.ndarray:
-        """Tokens, EOS included, of documents (or bins of them) holding `text_bytes` in `nonempty` documents."""
-        return np.rint(text_bytes * self.tokens_per_byte).astype(np.int64) + nonempty
+        """Tokens, EOS included, of documents (or bins of them) holding `text_bytes` in `nonempty` documents.
+
+        Whole tokens, rounded along the running total: each item is within one token of its estimate and any
+        run of them sums to its estimate. Rounding each item alone is biased where items are alike (bins of one
+        short document each: every whitespace-only one rounded 1.7 up to 2)."""
+        running = np.rint(np.cumsum(text_bytes * self.tokens_per_byte + nonempty * self.ends_per_document))
+        return np.diff(running, prepend=0).astype(np.int64)
 
     def sizes(self, texts: pa.Array) -> np.ndarray:
         """Each document's estimated tokens, EOS included (0 for an empty one)."""
@@ -166,6 +180,7 @@ class TokenCalibration:
             "sample_documents": self.sample_documents,
             "sample_bytes": self.sample_bytes,
             "sample_tokens": self.sample_tokens,
+            "sample_documents_with_tokens": self.sample_documents_with_tokens,
             "relative_standard_error": self.relative_standard_error,
             "holdout_error": self.holdout_error,
         }
@@ -193,9 +208,15 @@ def calibrate(
         halves = [(b[i::2], t[i::2]) for i in (0, 1)]
         if all(hb.sum() > 0 and ht.sum() > 0 for hb, ht in halves):
             holdout = max(
-                abs((ft.sum() / fb.sum() * hb.sum() + len(hb)) / (ht.sum() + len(hb)) - 1)
+                abs((ft.sum() / fb.sum() * hb.sum() + (ft > 0).mean() * len(hb)) / (ht.sum() + (ht > 0).sum()) - 1)
                 for (fb, ft), (hb, ht) in (halves, halves[::-1])
             )
     return TokenCalibration(
-        source_documents, n, int(b.sum()), int(t.sum()), standard_error, None if holdout is None else float(holdout)
+        source_documents,
+        n,
+        int(b.sum()),
+        int(t.sum()),
+        int((t > 0).sum()),
+        standard_error,
+        None if holdout is None else float(holdout),
     )
