@@ -43,12 +43,17 @@ def _document_samples(path: Path, count: int) -> list[dict]:
 
 
 def decode_packed_row(tokenizer, input_ids, position_ids) -> str:
-    """Decode one packed row with a visible marker wherever a document starts (position id back to 0)."""
-    starts = [i for i, p in enumerate(position_ids) if p == 0]
+    """Decode one packed row with a visible marker wherever a document starts (position id back to 0). The padding
+    at the row's end (position -1) shows as one marker with its length: decoded, it would read as the last document
+    ending in a run of EOS (the pad id of every tokenizer without a pad token)."""
+    positions = [int(p) for p in position_ids]
+    real = next((i for i, p in enumerate(positions) if p < 0), len(positions))
+    starts = [i for i, p in enumerate(positions[:real]) if p == 0]
     pieces = []
-    for begin, end in zip(starts, starts[1:] + [len(input_ids)]):
+    for begin, end in zip(starts, starts[1:] + [real]):
         pieces.append(tokenizer.decode([int(t) for t in input_ids[begin:end]]))
-    return DOCUMENT_BOUNDARY.join(pieces)
+    padding = f" [padding ×{len(positions) - real}]" if real < len(positions) else ""
+    return DOCUMENT_BOUNDARY.join(pieces) + padding
 
 
 def _packed_samples(path: Path, count: int, tokenizer_spec: str | None, manifest: dict) -> list[dict]:

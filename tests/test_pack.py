@@ -744,3 +744,19 @@ def test_a_tokenizer_json_without_post_processor_packs_under_the_fingerprint_pre
     pack(str(sample / "math"), tmp_path / "out", tokenizer_spec=str(bare), config=PackConfig(seq_len=64))
     recorded = read_manifest(tmp_path / "out")["tokenizer"]["fingerprint"]
     assert recorded == tokenizer_fingerprint(load_tokenizer(str(bare)))
+
+
+def test_inspect_shows_a_rows_padding_as_padding_not_as_the_last_documents_tokens(tokenizer_dir):
+    """With pad = EOS (every tokenizer without a pad token) decoded padding reads as a document ending in 20 EOS."""
+    from smolctl.inspect import decode_packed_row
+
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    first, second = (tokenizer("Hello world")["input_ids"], tokenizer("second doc")["input_ids"])
+    eos = tokenizer.eos_token_id
+    ids = [*first, eos, *second, eos] + [eos] * 5
+    positions = [*range(len(first) + 1), *range(len(second) + 1)] + [-1] * 5
+    shown = decode_packed_row(tokenizer, np.array(ids), np.array(positions))
+    assert shown == f"Hello world{tokenizer.eos_token} ⟂ second doc{tokenizer.eos_token} [padding ×5]"
+    assert decode_packed_row(tokenizer, np.array(ids[:-5]), np.array(positions[:-5])).endswith(
+        f"doc{tokenizer.eos_token}"
+    )
