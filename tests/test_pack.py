@@ -331,8 +331,9 @@ def _tokenizer_with_id(tokenizer_dir: Path, folder: Path, token: str, new_id: in
 
 
 def test_token_files_hold_ids_above_the_vocabularys_count(sample, tokenizer_dir, tmp_path):
-    """The uint16/uint32 width of token files follows the ids, not the count of the vocabulary's entries: an EOS
-    at 70000 is written as 70000 (uint16 wrapped it to 4464), and an id that uint16 cannot hold is refused."""
+    """The uint16/uint32 width of token files, and the manifest's vocab_size, follow the ids, not the count of the
+    vocabulary's entries: an EOS at 70000 is written as 70000 (uint16 wrapped it to 4464), and so is an ordinary
+    token at 70000 in a vocabulary with gaps (vocab_size said 2048)."""
     high_eos = _tokenizer_with_id(tokenizer_dir, tmp_path / "high-eos", "<|endoftext|>", 70_000)
     pack(
         str(sample / "math"),
@@ -346,14 +347,13 @@ def test_token_files_hold_ids_above_the_vocabularys_count(sample, tokenizer_dir,
     ends = np.fromfile(tmp_path / "tokens" / manifest["shards"][0]["index"], dtype="<u8")
     assert (ids[ends - 1] == 70_000).all() and (np.delete(ids, ends - 1) < 2048).all()
     gap = _tokenizer_with_id(tokenizer_dir, tmp_path / "gap", "e", 70_000)  # a letter every document holds
-    with pytest.raises(UserError, match="gives token id 70000, beyond the 2048 ids its vocabulary counts"):
-        pack(
-            str(sample / "math"),
-            tmp_path / "gap-out",
-            tokenizer_spec=str(gap),
-            config=PackConfig(seq_len=64, format="datatrove"),
-        )
-    assert not (tmp_path / "gap-out").exists()
+    for form in ("datatrove", "safetensors"):
+        config = PackConfig(seq_len=64, format=form)
+        pack(str(sample / "math"), tmp_path / form, tokenizer_spec=str(gap), config=config)
+        assert read_manifest(tmp_path / form)["tokenizer"]["vocab_size"] == 70_001
+    manifest = read_manifest(tmp_path / "datatrove")
+    ids = np.fromfile(tmp_path / "datatrove" / manifest["shards"][0]["name"], dtype="<u4")
+    assert manifest["token_size"] == 4 and (ids == 70_000).any()
 
 
 def test_empty_documents_are_skipped_and_counted(tokenizer_dir, tmp_path):

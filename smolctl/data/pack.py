@@ -100,8 +100,9 @@ def tokenizer_record(spec: str, tokenizer: RustTokenizer) -> dict:
         "path": str(Path(spec).resolve()) if local else spec,
         "name": Path(spec).resolve().name if local else spec,
         "fingerprint": tokenizer.fingerprint,
-        # The ids the data can hold: a special token may sit above the count of the vocabulary's entries.
-        "vocab_size": max(tokenizer.vocab_size, eos + 1, pad + 1),
+        # The ids the data can hold: a special token, or any entry of a vocabulary with gaps in its ids, may sit
+        # above the count of its entries.
+        "vocab_size": max(tokenizer.vocab_size, tokenizer.largest_id + 1, eos + 1, pad + 1),
         "eos_token_id": eos,
         "pad_token_id": pad,
     }

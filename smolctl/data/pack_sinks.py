@@ -8,7 +8,6 @@ import numpy as np
 
 from smolctl.data.pack_config import PackConfig
 from smolctl.data.pack_rows import BfdPacker, ConcatPacker, PackStats, Rows, TokenBatch
-from smolctl.errors import UserError
 from smolctl.shards import OutputFolder, PackedWriter
 from smolctl.units import parse_shard_size
 
@@ -91,14 +90,6 @@ class DatatroveSink:
             first = last
 
     def _write(self, batch: TokenBatch) -> None:
-        if self.token_size == 2 and len(batch.ids) and int(batch.ids.max()) >= 2**16:
-            # Ids above the vocabulary's count (a tokenizer with gaps): uint16 would wrap them silently.
-            raise UserError(
-                self.record["path"],
-                f"gives token id {int(batch.ids.max())}, beyond the {self.record['vocab_size']} ids its vocabulary "
-                "counts, which does not fit the uint16 token files",
-                "use --format safetensors, or a tokenizer whose ids run from 0 without gaps",
-            )
         self.handle.write(batch.ids.astype("<u2" if self.token_size == 2 else "<u4").tobytes())
         self.ends.append(self.tokens + np.cumsum(batch.lengths))
         self.tokens += len(batch.ids)

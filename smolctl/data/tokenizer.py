@@ -302,6 +302,11 @@ class RustTokenizer:
     def fingerprint(self) -> str:
         return backend_fingerprint(self.backend)
 
+    @property
+    def largest_id(self) -> int:
+        """The highest id the tokenizer gives (its vocabulary and added tokens)."""
+        return max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+
 
 def load_rust_tokenizer(spec: str | Path) -> RustTokenizer:
     """A tokenizer folder written by `train-tokenizer` straight from tokenizer.json (transformers and torch take
