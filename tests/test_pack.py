@@ -288,6 +288,9 @@ def test_datatrove_token_files(sample, tokenizer_dir, tokenizer, tmp_path):
     for ids, file_ends in zip(stream, ends):  # each file's index: the cumulative end of each of its documents
         assert file_ends[-1] == len(ids) and (ids[file_ends - 1] == tokenizer.eos_token_id).all()
     assert sum(map(len, ends)) == len(documents) == result.stats.documents
+    # Token files are not rows: no row count, padding or sequence length beside the top-level counts.
+    assert manifest["stats"] == {"documents": len(documents), "tokens": manifest["tokens"], "skipped_empty": 0}
+    assert "seq_len" not in result.to_dict() and result.to_dict()["stats"] == manifest["stats"]
     first_line = (tmp_path / "tokens" / manifest["shards"][0]["metadata"]).read_text().splitlines()[0]
     assert first_line == f"{tokenizer_dir.resolve()}|2"
     with pytest.raises(UserError, match="is a tokens folder, not a packed folder"):
@@ -567,9 +570,10 @@ GOLDEN = {
         "part-00002.safetensors": "fefa67ef20b9c0b79cd65bf0322735ce8253b2754be1219f0234657a0e534719",
         "part-00003.safetensors": "ec810ae34ec0a948bac45e1026eb739f92e05648da79136d94b1e96d922777b8",
     },
-    # Re-recorded when token files began to roll inside a batch, at the document that fills --shard-size
+    # Re-recorded when token files began to roll inside a batch, at the document that fills --shard-size; its
+    # manifest when its stats dropped the rows and padding that token files do not have
     "math-datatrove": {
-        "manifest.json": "9c9b40dd48eb01c1489da7f01a5641afbec77b809b59dd1c7d57e6346204216a",
+        "manifest.json": "759dfeee0e1914056a846ce9f194404d1d8ced8ce35617db78b2bf78259cf982",
         "part-00000.ds": "a3f1103563428ceec0f7e97daeda693eb057aecd0755c3c25830ad1deee9273b",
         "part-00000.ds.index": "da0c3ba3dab194360da75e27834adefdef52041739bbca3151beb8643ccb447f",
         "part-00000.ds.metadata": "735ee4063ae3fcd96a046216817f6f5871bb7caf8d41c25da2497e5e749411df",

@@ -42,7 +42,7 @@ from smolctl.data.array_tasks import (
 )
 from smolctl.data.pack_config import PackConfig
 from smolctl.data.pack_rows import PackStats, TokenBatch
-from smolctl.data.pack_sinks import DatatroveSink, RowSink, manifest_fields
+from smolctl.data.pack_sinks import DatatroveSink, RowSink, manifest_fields, recorded_stats
 from smolctl.data.pack_tokens import tokenised_batches
 from smolctl.data.tokenizer import RustTokenizer, document_end_id, load_rust_tokenizer
 from smolctl.errors import UserError
@@ -82,8 +82,10 @@ class PackResult:
     units_skipped: int = 0
 
     def to_dict(self) -> dict:
-        out = asdict(self)
-        out["stats"]["padding_fraction"] = self.stats.padding_fraction
+        out = asdict(self) | {"stats": recorded_stats(self.format, self.stats)}
+        if self.format == "datatrove":  # token files are not rows: no length, strategy or long-document rule
+            for key in ("seq_len", "strategy", "long_docs"):
+                del out[key]
         return out
 
 
@@ -243,7 +245,7 @@ class PackJob:
                     link_or_copy(unit_folder / shard["name"], folder.file(name), shard["bytes"])
                     folder.add_shard(name, shard["rows"], tokens=shard.get("tokens"), sha256=shard["sha256"], **extra)
             return folder.commit(
-                stats=asdict(stats) | {"padding_fraction": stats.padding_fraction},
+                stats=recorded_stats(config.format, stats),
                 tokenizer=self.record,
                 documents=stats.documents,
                 skipped_empty=stats.skipped_empty,

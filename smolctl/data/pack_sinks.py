@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import asdict
 
 import numpy as np
 
@@ -116,6 +117,17 @@ class DatatroveSink:
 
 def token_size(record: dict) -> int:
     return 2 if record["vocab_size"] <= 2**16 else 4
+
+
+TOKEN_FILE_STATS = ("documents", "tokens", "skipped_empty")
+"""The statistics token files have: rows, padding, split and truncated documents are the packed rows'."""
+
+
+def recorded_stats(form: str, stats: PackStats) -> dict:
+    """The statistics a folder of this format records (manifest, --json)."""
+    if form == "datatrove":
+        return {key: getattr(stats, key) for key in TOKEN_FILE_STATS}
+    return asdict(stats) | {"padding_fraction": stats.padding_fraction}
 
 
 def manifest_fields(config: PackConfig, record: dict, stats: PackStats) -> dict:
