@@ -751,10 +751,8 @@ def common_schema(files: list[Path], schemas: list[pa.Schema]) -> pa.Schema:
                 f"has other columns than {files[0].name}: {'; '.join(differences)}",
                 "make all shards share one schema",
             )
-    nullable = {n for schema in schemas for field in schema if field.nullable for n in [field.name]}
-    return pa.schema(
-        [f.with_type(widest.get(f.name, f.type)).with_nullable(f.name in nullable) for f in first], first.metadata
-    )
+    nullable = {field.name for schema in schemas for field in schema if field.nullable}
+    return pa.schema([f.with_type(widest.get(f.name, f.type)).with_nullable(f.name in nullable) for f in first])
 
 
 @dataclass
