@@ -44,8 +44,12 @@ def _split(text: str | int | float, flag: str, example: str) -> tuple[float, str
     return value, prefix.upper(), bool(iec), bool(byte)
 
 
-def _whole(value: float) -> int:
-    return round(value)
+def _whole(value: float, text: str | int | float, flag: str) -> int:
+    """The amount rounded to a whole number, at least 1 (0.4 documents would be none at all)."""
+    whole = round(value)
+    if whole < 1:
+        raise UserError(flag, f"{text!r} rounds to 0", "write an amount of at least 1")
+    return whole
 
 
 def parse_count(text: str | int | float, flag: str) -> int:
@@ -53,12 +57,12 @@ def parse_count(text: str | int | float, flag: str) -> int:
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         if not math.isfinite(text) or text <= 0:
             raise UserError(flag, f"{text!r} must be a positive count", "write e.g. 2.5M, 11.2T or 5e9")
-        return _whole(text)
+        return _whole(text, text, flag)
     value, prefix, iec, byte = _split(text, flag, "2.5M, 11.2T or 5e9")
     if byte or iec:
         billions = f"{value:g}G or {value:g}e9" if prefix == "" else "a number with K, M, G or T"
         raise UserError(flag, f"{text!r} is a count, and B means bytes", f"for {value:g} billion write {billions}")
-    return _whole(value * SI[prefix])
+    return _whole(value * SI[prefix], text, flag)
 
 
 def parse_bytes(text: str | int | float, flag: str) -> int:
@@ -68,7 +72,7 @@ def parse_bytes(text: str | int | float, flag: str) -> int:
     value, prefix, iec, _ = _split(text, flag, "100MB, 1GiB or 4096")
     if iec and prefix + "I" not in IEC:
         raise UserError(flag, f"cannot read {text!r} as bytes", "write e.g. 100MB, 1GiB or 4096")
-    return _whole(value * (IEC[prefix + "I"] if iec else SI[prefix]))
+    return _whole(value * (IEC[prefix + "I"] if iec else SI[prefix]), text, flag)
 
 
 def parse_nccl_bytes(text: str, flag: str) -> int:
@@ -78,7 +82,7 @@ def parse_nccl_bytes(text: str, flag: str) -> int:
         return parse_bytes(text, flag)
     if prefix not in NCCL:
         raise UserError(flag, f"cannot read {text!r} as a message size", "write e.g. 8, 64K, 1M or 8G")
-    return _whole(value * NCCL[prefix])
+    return _whole(value * NCCL[prefix], text, flag)
 
 
 def parse_shard_size(text: str, flag: str = "--shard-size") -> tuple[int | None, int | None]:

@@ -91,8 +91,9 @@ def test_shard_sizes_are_bytes_or_rows():
     assert parse_shard_size("8Krows") == (None, 8000)
 
 
-@pytest.mark.parametrize("text", ["lots", "1.2X", "-5", "0", "T", "", "1Ki", "nan"])
+@pytest.mark.parametrize("text", ["lots", "1.2X", "-5", "0", "T", "", "1Ki", "nan", "0.4", 0.3, "0.0004K"])
 def test_junk_is_one_user_error(text):
+    """Including amounts that round to 0: `--documents 0.4` committed an empty dataset."""
     for parse in (parse_count, parse_bytes, parse_nccl_bytes):
         with pytest.raises(UserError):
             parse(text, "--flag")
