@@ -357,6 +357,12 @@ weights = {{ web = 1, extra = 1 }}
     assert rows.filter(pc.invert(from_web))["id"].null_count == rows.filter(pc.invert(from_web)).num_rows
 
 
+def test_weights_near_the_float_limit_normalise():
+    """1e308 + 1e308 is inf: the weights are scaled by the largest before they are summed."""
+    plan = schedule_from_flags(["web=data/sample/web:1e308", "code=data/sample/code:1e308"], documents="10")
+    assert plan.stages[0].start == {"web": 0.5, "code": 0.5}
+
+
 def test_parse_source_splits_on_the_last_colon():
     assert parse_source("web=C:/data/web:0.5") == ("web", "C:/data/web", 0.5)
     assert parse_source("code=s3://bucket/code:12") == ("code", "s3://bucket/code", 12.0)
@@ -405,6 +411,7 @@ weights = { web = 1 }
             "interpolate = true on the last stage",
         ),
         (base.replace('"one"', '"../up"'), "is not a usable folder name"),
+        (base.replace('"one"', '"manifest.json"'), "is the name of the mix's own manifest"),
         (
             base.replace("weights = { web = 1 }", "weights = { web = 1 }\nbytes = 10\ndocuments = 5"),
             "more than one budget",

@@ -22,6 +22,7 @@ from pydantic import Field
 from smolctl.arrow_arrays import plain_strings
 from smolctl.errors import UserError
 from smolctl.recipe import Section, load_recipe
+from smolctl.shards import MANIFEST_NAME
 from smolctl.units import parse_bytes, parse_count
 
 BUDGET_KINDS = ("tokens", "bytes", "documents")
@@ -152,10 +153,12 @@ def normalise(weights: dict[str, float], where: str, sources: dict[str, str]) ->
             raise UserError(where, f"weight for unknown source {name!r}", f"known sources: {', '.join(sources)}")
         if not math.isfinite(weight) or weight < 0:
             raise UserError(where, f"weight of {name!r} is {weight}", "weights are finite numbers >= 0")
-    total = sum(weights.values())
-    if total <= 0:
+    largest = max(weights.values(), default=0.0)
+    if largest <= 0:
         raise UserError(where, "the weights sum to zero", "give at least one source a positive weight")
-    return {name: weights.get(name, 0.0) / total for name in sources}
+    # Scaled by the largest first: weights near the float limit (1e308) would sum to inf.
+    total = sum(weight / largest for weight in weights.values())
+    return {name: weights.get(name, 0.0) / largest / total for name in sources}
 
 
 def schedule_from_flags(
@@ -301,6 +304,8 @@ def check_schedule(plan: MixSchedule) -> None:
     for name in names:
         if not STAGE_NAME.fullmatch(name):
             raise UserError(f"stage {name!r}", "is not a usable folder name", "use letters, digits, '.', '_' and '-'")
+        if name == MANIFEST_NAME:
+            raise UserError(f"stage {name!r}", "is the name of the mix's own manifest", "give the stage another name")
     if len(set(names)) != len(names):
         raise UserError("stages", f"a stage name is used twice ({', '.join(names)})", "give each stage its own name")
     for stage in plan.stages:
