@@ -363,6 +363,36 @@ def test_weights_near_the_float_limit_normalise():
     assert plan.stages[0].start == {"web": 0.5, "code": 0.5}
 
 
+def _save_in_step(barrier, path):
+    from smolctl.data import mix_blocks
+
+    saving = np.savez_compressed
+
+    def save_then_wait(file, **arrays):  # both copies have written their temporary file before either renames it
+        saving(file, **arrays)
+        barrier.wait(timeout=30)
+
+    mix_blocks.np.savez_compressed = save_then_wait
+    mix_blocks.save_arrays(path, documents=np.arange(5))
+
+
+def test_two_copies_of_one_array_task_write_the_same_unit_at_once(tmp_path):
+    """A requeued task can run while its first copy still does: each writes its own temporary file, so neither
+    finds the other's renamed away (which failed the task, and an `afterok` array chain with it)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(2)
+    copies = [context.Process(target=_save_in_step, args=(barrier, tmp_path / "00000.npz")) for _ in range(2)]
+    for copy in copies:
+        copy.start()
+    for copy in copies:
+        copy.join(timeout=60)
+    assert [copy.exitcode for copy in copies] == [0, 0]
+    assert np.load(tmp_path / "00000.npz")["documents"].tolist() == [0, 1, 2, 3, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["00000.npz"]
+
+
 def test_parse_source_splits_on_the_last_colon():
     assert parse_source("web=C:/data/web:0.5") == ("web", "C:/data/web", 0.5)
     assert parse_source("code=s3://bucket/code:12") == ("code", "s3://bucket/code", 12.0)

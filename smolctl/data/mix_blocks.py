@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -260,7 +261,8 @@ def write_curriculum(
 
 
 def write_shard(table: pa.Table, path: Path) -> dict:
-    tmp = path.with_name(f".{path.name}.tmp")
+    # The process's own temporary name: a requeued task may run while its first copy still does.
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     pq.write_table(table.combine_chunks(), tmp, compression="zstd")
     tmp.replace(path)
     return {"file": path.name, "rows": table.num_rows, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
@@ -313,6 +315,6 @@ def merged_blocks(
 
 
 def save_arrays(path: Path, **arrays: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.stem}.tmp.npz")
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.npz")  # a copy of the same task may be writing it too
     np.savez_compressed(tmp, **arrays)
     tmp.replace(path)
