@@ -208,6 +208,26 @@ def test_estimates_are_rounded_along_the_running_total():
     assert estimate.dtype == np.int64
 
 
+def test_max_repeat_is_a_ceiling_and_documents_that_fit_it_are_taken(tmp_path):
+    """A slice ends at the bin boundary nearest its amount, which could lie past max_repeat (1.53 uses at 1.5);
+    a documents budget that fits max_repeat exactly (4 + 6 of 10 documents) was judged by the average document
+    size and refused whenever the first stage took the longer documents."""
+    texts = [f"ten-{i} " + "w" * (10 + i) for i in range(10)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "ten.parquet")
+    for max_repeat in (1.5, 2.5, 3.3):
+        result = mix([f"ten={tmp_path / 'ten.parquet'}:1"], tmp_path / f"no-budget-{max_repeat}", max_repeat=max_repeat)
+        assert result.stages[0].sources[0].repeat <= max_repeat
+    recipe = tmp_path / "walk.toml"
+    stages = "".join(
+        f'[[stages]]\nname = "s{i}"\ndocuments = {n}\nweights = {{ t = 1 }}\n' for i, n in ((1, 4), (2, 6))
+    )
+    recipe.write_text(f'[sources.t]\npath = "{tmp_path / "ten.parquet"}"\n' + stages)
+    for seed in range(8):
+        prepare_mix(schedule_from_recipe(recipe, seed=seed), tmp_path / f"walk-{seed}").run()
+        rows = read_rows(tmp_path / f"walk-{seed}")
+        assert sorted(rows["text"].to_pylist()) == sorted(texts), seed  # every document once, across the stages
+
+
 def test_auto_samples_only_large_sources():
     plan = MixSchedule({}, [], tokenizer="tok", token_sample=1000)
     assert plan.sample_fraction(10_000) is None and plan.sample_fraction(10_001) == pytest.approx(1000 / 10_001)

@@ -158,6 +158,12 @@ def bin_boundary(cumulative: np.ndarray, position: float) -> int:
     return int(epoch) * BINS + best
 
 
+def floor_boundary(cumulative: np.ndarray, position: float) -> int:
+    """The furthest global bin boundary whose walk position is at most `position` units: where max_repeat stops."""
+    epoch, within = divmod(position, int(cumulative[-1]))
+    return int(epoch) * BINS + int(np.searchsorted(cumulative, within, side="right")) - 1
+
+
 def slice_end(cumulative: np.ndarray, begin: int, amount: float) -> int:
     """The bin boundary that ends a slice starting at `begin` and holding nearest `amount` of what `cumulative`
     counts (units, or documents)."""
@@ -218,13 +224,17 @@ def allocate(plan: MixSchedule, profiles: dict[str, SourceProfile]) -> list[list
                 source_documents=profile.total_documents,
             )
             if share > 0:
-                check_room(plan, stage, profile, share, total, room[name])
                 begin = position[name]
-                end = (
-                    slice_end(cumulative[name], begin, share * total)
-                    if documents is None
-                    else slice_end(cumulative_documents[name], begin, documents[name])
-                )
+                # The nearest bin boundary to a slice's amount may lie past the max_repeat limit: it stops there.
+                limit = floor_boundary(cumulative[name], walk_units(cumulative[name], begin) + room[name] * (1 + 1e-9))
+                if documents is None:
+                    check_room(plan, stage, profile, share, total, room[name])
+                    end = slice_end(cumulative[name], begin, share * total)
+                else:  # the documents themselves must fit (an average document size would misjudge a few)
+                    left = walk_units(cumulative_documents[name], limit) - walk_units(cumulative_documents[name], begin)
+                    check_document_room(plan, stage, profile, documents[name], left)
+                    end = slice_end(cumulative_documents[name], begin, documents[name])
+                end = max(begin, min(end, limit))
                 report.ranges = bin_ranges(begin, end)
                 report.units = sum(int(profile.units[lo:hi].sum()) for lo, hi in report.ranges)
                 report.documents = sum(int(profile.documents[lo:hi].sum()) for lo, hi in report.ranges)
@@ -261,6 +271,17 @@ def check_room(
         f"has {profile.total_units:,} {plan.unit} in {profile.total_documents:,} documents; weight {share:.4g} of "
         f"{total:,.0f} {plan.unit} needs {need:,.0f}, {need / profile.total_units:.2f}x the source, beyond "
         f"max_repeat {plan.max_repeat:g}{used_before}: it can carry a weight of at most {max(0.0, room) / total:.4g}",
+        "lower its weight or the budget, or raise --max-repeat (max_repeat in a recipe)",
+    )
+
+
+def check_document_room(plan: MixSchedule, stage: Stage, profile: SourceProfile, wanted: int, left: int) -> None:
+    if wanted <= left:
+        return
+    raise UserError(
+        f"stage {stage.name!r}, source {profile.name!r}",
+        f"has {profile.total_documents:,} documents; the stage's budget gives it {wanted:,}, but only {left:,} more "
+        f"fit max_repeat {plan.max_repeat:g} after the earlier stages",
         "lower its weight or the budget, or raise --max-repeat (max_repeat in a recipe)",
     )
 
