@@ -12,6 +12,7 @@ from smolctl.shards import (
     KIND_DOCUMENTS,
     KIND_MODEL,
     KIND_PACKED,
+    KIND_TOKENS,
     MANIFEST_NAME,
     lineage_chain,
     open_documents,
@@ -65,13 +66,18 @@ def _packed_samples(path: Path, count: int, tokenizer_spec: str | None, manifest
             tokenizer = load_tokenizer(recorded)
         except UserError:  # moved or deleted since the pack: the rows show as token ids (--tokenizer decodes)
             tokenizer = None
-    shard = source.load_shard(0) if source.files else {}
     samples = []
-    for row in range(min(count, len(shard.get("input_ids", [])))):
-        ids, positions = shard["input_ids"][row], shard["position_ids"][row]
-        documents = int((positions == 0).sum())
-        text = decode_packed_row(tokenizer, ids, positions) if tokenizer else " ".join(map(str, ids[:64]))
-        samples.append({"row": row, "documents": documents, "text": _clip(text, 600)})
+    first_row = 0
+    for index in range(len(source.files)):  # the first rows, from as many shards as they take (a shard may be small)
+        if len(samples) == count:
+            break
+        shard = source.load_shard(index)
+        for row in range(min(count - len(samples), len(shard["input_ids"]))):
+            ids, positions = shard["input_ids"][row], shard["position_ids"][row]
+            documents = int((positions == 0).sum())
+            text = decode_packed_row(tokenizer, ids, positions) if tokenizer else " ".join(map(str, ids[:64]))
+            samples.append({"row": first_row + row, "documents": documents, "text": _clip(text, 600)})
+        first_row += len(shard["input_ids"])
     return samples
 
 
@@ -80,7 +86,7 @@ def _packed_samples(path: Path, count: int, tokenizer_spec: str | None, manifest
 COUNTS_BY_KIND = {
     KIND_DOCUMENTS: ("rows", "tokens", "shards"),
     KIND_PACKED: ("rows", "tokens", "shards"),
-    "tokens": ("rows", "tokens", "shards"),
+    KIND_TOKENS: ("rows", "tokens", "shards"),
     KIND_MODEL: ("shards",),
     "tokenizer": (),
 }

@@ -38,6 +38,7 @@ MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
 KIND_DOCUMENTS = "documents"
 KIND_PACKED = "packed"
+KIND_TOKENS = "tokens"  # datatrove token files (pack --format datatrove)
 KIND_MODEL = "model"
 DEFAULT_SHARD_BYTES = 256 * 1024**2
 PARQUET_MAGIC = b"PAR1"
@@ -794,6 +795,12 @@ def open_packed(spec: str | Path) -> PackedSource:
     manifest = read_manifest(path)
     if manifest is None:
         raise UserError(path, "has no manifest.json, so it is not a packed folder", "create it with `smolctl pack`")
+    if manifest["kind"] == KIND_TOKENS:
+        raise UserError(
+            path,
+            "holds datatrove token files (pack --format datatrove), for nanotron, not packed rows",
+            "pack its documents again without --format datatrove",
+        )
     if manifest["kind"] != KIND_PACKED:
         raise UserError(path, f"is a {manifest['kind']} folder, not a packed folder", "run `smolctl pack` on it first")
     return PackedSource(path, manifest, check_listed_shards(path, manifest))

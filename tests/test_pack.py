@@ -293,7 +293,9 @@ def test_datatrove_token_files(sample, tokenizer_dir, tokenizer, tmp_path):
     assert "seq_len" not in result.to_dict() and result.to_dict()["stats"] == manifest["stats"]
     first_line = (tmp_path / "tokens" / manifest["shards"][0]["metadata"]).read_text().splitlines()[0]
     assert first_line == f"{tokenizer_dir.resolve()}|2"
-    with pytest.raises(UserError, match="is a tokens folder, not a packed folder"):
+    with pytest.raises(
+        UserError, match=r"holds datatrove token files .* pack its documents again without --format datatrove"
+    ):
         open_packed(tmp_path / "tokens")
 
 
@@ -764,3 +766,14 @@ def test_inspect_shows_a_rows_padding_as_padding_not_as_the_last_documents_token
     assert decode_packed_row(tokenizer, np.array(ids[:-5]), np.array(positions[:-5])).endswith(
         f"doc{tokenizer.eos_token}"
     )
+
+
+def test_inspect_samples_come_from_as_many_shards_as_they_take(sample, tokenizer_dir, tmp_path):
+    pack(
+        str(sample / "math"),
+        tmp_path / "packed",
+        tokenizer_spec=str(tokenizer_dir),
+        config=PackConfig(seq_len=256, shard_size="2rows"),
+    )
+    shown = run_cli("inspect", tmp_path / "packed", "--samples", "5", "--json")
+    assert [row["row"] for row in json.loads(shown.stdout)["samples"]] == [0, 1, 2, 3, 4]

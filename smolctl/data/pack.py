@@ -48,13 +48,13 @@ from smolctl.data.tokenizer import RustTokenizer, document_end_id, load_rust_tok
 from smolctl.errors import UserError
 from smolctl.shards import (
     KIND_PACKED,
+    KIND_TOKENS,
     OutputFolder,
     lineage_ref,
     open_documents,
     read_manifest,
 )
 
-KIND_TOKENS = "tokens"
 STAGE = "pack"
 PACK_QUEUE_BATCHES = 8
 """Token batches waiting for the packing thread: the tokenizer runs ahead while a buffer is packed and written."""
