@@ -777,3 +777,15 @@ def test_inspect_samples_come_from_as_many_shards_as_they_take(sample, tokenizer
     )
     shown = run_cli("inspect", tmp_path / "packed", "--samples", "5", "--json")
     assert [row["row"] for row in json.loads(shown.stdout)["samples"]] == [0, 1, 2, 3, 4]
+
+
+def test_options_follow_what_the_format_and_strategy_use(sample, tokenizer_dir, tmp_path):
+    """--buffer-tokens is best-fit-decreasing's (concat and token files never buffer: a small one was refused
+    against the default seq_len); token files hold whole documents, so a truncation asked of them is refused,
+    not silently ignored."""
+    for name, options in {"concat": dict(strategy="concat"), "tokens": dict(format="datatrove")}.items():
+        config = PackConfig(seq_len=4096, buffer_tokens=1000, **options)
+        pack(str(sample / "math"), tmp_path / name, tokenizer_spec=str(tokenizer_dir), config=config)
+    for options, flag in ((dict(long_docs="truncate"), "--long-docs"), (dict(strategy="concat"), "--strategy")):
+        with pytest.raises(UserError, match=f"{flag}.*does not apply to --format datatrove"):
+            PackConfig(seq_len=64, format="datatrove", **options).validate()

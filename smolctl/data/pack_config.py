@@ -44,12 +44,23 @@ class PackConfig:
             raise UserError("--format", f"unknown format {self.format!r}", f"use one of {', '.join(FORMATS)}")
         if self.workers < 1:
             raise UserError("--workers", f"{self.workers} is not a worker count", "use 1 or more")
-        if self.buffer_tokens < self.seq_len:
+        if self.format == "datatrove" and (self.long_docs, self.strategy) != ("split", "bfd"):
+            # Token files hold whole documents, unpacked: a truncation or a packing strategy would be ignored.
+            flag = "--long-docs truncate" if self.long_docs != "split" else f"--strategy {self.strategy}"
+            raise UserError(
+                flag, "does not apply to --format datatrove (whole documents, not rows)", "leave it out, or pack rows"
+            )
+        if self.packs_by_buffer and self.buffer_tokens < self.seq_len:
             raise UserError(
                 "--buffer-tokens",
                 f"{self.buffer_tokens} is smaller than seq_len {self.seq_len}",
                 "use a buffer of many rows (the default is 8M tokens)",
             )
+
+    @property
+    def packs_by_buffer(self) -> bool:
+        """Only best-fit-decreasing rows are packed a buffer at a time."""
+        return self.format == "safetensors" and self.strategy == "bfd"
 
     def rows_per_shard(self) -> int:
         shard_bytes, shard_rows = parse_shard_size(self.shard_size)
