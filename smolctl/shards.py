@@ -827,4 +827,11 @@ def verify_checksums(folder: Path, manifest: dict | None = None) -> list[str]:
             problems.append(f"{path}: size {path.stat().st_size} != {shard['bytes']} in the manifest")
         elif sha256_file(path) != shard["sha256"]:
             problems.append(f"{path}: sha256 differs from the manifest")
+        for companion in ("index", "metadata"):  # a token file's document ends and its tokenizer line
+            if f"{companion}_sha256" in shard:
+                path = folder / shard[companion]
+                if not path.is_file():
+                    problems.append(f"{path}: missing")
+                elif sha256_file(path) != shard[f"{companion}_sha256"]:
+                    problems.append(f"{path}: sha256 differs from the manifest")
     return problems

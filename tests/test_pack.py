@@ -24,7 +24,7 @@ from smolctl.data.pack import PackConfig, pack
 from smolctl.data.pack_rows import best_fit_decreasing
 from smolctl.data.tokenizer import load_rust_tokenizer, load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import UserError
-from smolctl.shards import open_documents, open_packed, read_manifest
+from smolctl.shards import open_documents, open_packed, read_manifest, verify_checksums
 
 
 def sample_texts(folder: Path) -> list[str]:
@@ -293,6 +293,13 @@ def test_datatrove_token_files(sample, tokenizer_dir, tokenizer, tmp_path):
     assert "seq_len" not in result.to_dict() and result.to_dict()["stats"] == manifest["stats"]
     first_line = (tmp_path / "tokens" / manifest["shards"][0]["metadata"]).read_text().splitlines()[0]
     assert first_line == f"{tokenizer_dir.resolve()}|2"
+    # A .ds file is unreadable without its index: verification checks the index and metadata files too.
+    assert verify_checksums(tmp_path / "tokens") == []
+    (tmp_path / "tokens" / manifest["shards"][0]["index"]).unlink()
+    with open(tmp_path / "tokens" / manifest["shards"][1]["metadata"], "a") as metadata:
+        metadata.write("x")
+    problems = verify_checksums(tmp_path / "tokens")
+    assert len(problems) == 2 and "part-00000.ds.index: missing" in problems[0] and "metadata: sha256" in problems[1]
     with pytest.raises(
         UserError, match=r"holds datatrove token files .* pack its documents again without --format datatrove"
     ):
@@ -521,6 +528,8 @@ def output_digests(folder: Path) -> dict[str, str]:
         digests[metadata.name] = hashlib.sha256(metadata.read_bytes().split(b"|", 1)[1]).hexdigest()
     manifest = {k: v for k, v in read_manifest(folder).items() if k not in MACHINE_FIELDS}
     manifest["tokenizer"] = {k: v for k, v in manifest["tokenizer"].items() if k not in ("path", "name")}
+    # A .metadata file starts with the tokenizer's path, so its sha256 is the machine's too
+    manifest["shards"] = [{k: v for k, v in s.items() if k != "metadata_sha256"} for s in manifest["shards"]]
     digests["manifest.json"] = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
     return digests
 
@@ -573,9 +582,10 @@ GOLDEN = {
         "part-00003.safetensors": "ec810ae34ec0a948bac45e1026eb739f92e05648da79136d94b1e96d922777b8",
     },
     # Re-recorded when token files began to roll inside a batch, at the document that fills --shard-size; its
-    # manifest when its stats dropped the rows and padding that token files do not have
+    # manifest when its stats dropped the rows and padding that token files do not have, and when it began to
+    # record the sha256 of each index and metadata file
     "math-datatrove": {
-        "manifest.json": "759dfeee0e1914056a846ce9f194404d1d8ced8ce35617db78b2bf78259cf982",
+        "manifest.json": "bc023d9f9fb8aabcc8f7fe62c33b02dee9bdab659051a24ceab8987aa7239f80",
         "part-00000.ds": "a3f1103563428ceec0f7e97daeda693eb057aecd0755c3c25830ad1deee9273b",
         "part-00000.ds.index": "da0c3ba3dab194360da75e27834adefdef52041739bbca3151beb8643ccb447f",
         "part-00000.ds.metadata": "735ee4063ae3fcd96a046216817f6f5871bb7caf8d41c25da2497e5e749411df",

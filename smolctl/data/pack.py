@@ -53,6 +53,7 @@ from smolctl.shards import (
     lineage_ref,
     open_documents,
     read_manifest,
+    sha256_file,
 )
 
 STAGE = "pack"
@@ -241,7 +242,8 @@ class PackJob:
                     for key, new in (("index", f"{name}.index"), ("metadata", f"{name}.metadata")):
                         if key in shard:
                             link_or_copy(unit_folder / shard[key], folder.file(new))
-                            extra[key] = new
+                            # A .ds file is unreadable without its index: verify checks them too.
+                            extra |= {key: new, f"{key}_sha256": sha256_file(folder.file(new))}
                     link_or_copy(unit_folder / shard["name"], folder.file(name), shard["bytes"])
                     folder.add_shard(name, shard["rows"], tokens=shard.get("tokens"), sha256=shard["sha256"], **extra)
             return folder.commit(
