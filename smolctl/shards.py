@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save_file
 
 from smolctl import __version__
@@ -786,6 +786,29 @@ class PackedSource:
             ) from exc
 
 
+def packed_shape_problems(folder: Path, manifest: dict) -> list[str]:
+    """Shards whose tensors are not the manifest's [rows, seq_len] (read from their headers only): a hand-edited
+    row count would have training read past a shard's end, or quietly other rows than it meant."""
+    problems = []
+    for shard in manifest.get("shards", []):
+        path = Path(folder) / shard["name"]
+        if not path.is_file():
+            continue  # reported as missing
+        want = [int(shard["rows"]), int(manifest["seq_len"])]
+        try:
+            with safe_open(str(path), "numpy") as tensors:
+                shapes = {name: tensors.get_slice(name).get_shape() for name in ("input_ids", "position_ids")}
+        except (SafetensorError, OSError, KeyError) as exc:
+            problems.append(f"{path}: cannot be read as packed rows ({str(exc).splitlines()[0]})")
+            continue
+        problems += [
+            f"{path}: {name} is {shape}, the manifest says {want} (rows, seq_len)"
+            for name, shape in shapes.items()
+            if list(shape) != want
+        ]
+    return problems
+
+
 def open_packed(spec: str | Path) -> PackedSource:
     path = Path(spec)
     if not path.exists():
@@ -803,7 +826,12 @@ def open_packed(spec: str | Path) -> PackedSource:
         )
     if manifest["kind"] != KIND_PACKED:
         raise UserError(path, f"is a {manifest['kind']} folder, not a packed folder", "run `smolctl pack` on it first")
-    return PackedSource(path, manifest, check_listed_shards(path, manifest))
+    files = check_listed_shards(path, manifest)
+    problems = packed_shape_problems(path, manifest)
+    if problems:
+        where, what = problems[0].split(": ", 1)
+        raise UserError(where, what, "the manifest and its shards disagree; re-run pack")
+    return PackedSource(path, manifest, files)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -834,4 +862,6 @@ def verify_checksums(folder: Path, manifest: dict | None = None) -> list[str]:
                     problems.append(f"{path}: missing")
                 elif sha256_file(path) != shard[f"{companion}_sha256"]:
                     problems.append(f"{path}: sha256 differs from the manifest")
+    if manifest.get("kind") == KIND_PACKED and not problems:
+        problems += packed_shape_problems(folder, manifest)
     return problems

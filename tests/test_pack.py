@@ -799,3 +799,24 @@ def test_options_follow_what_the_format_and_strategy_use(sample, tokenizer_dir, 
     for options, flag in ((dict(long_docs="truncate"), "--long-docs"), (dict(strategy="concat"), "--strategy")):
         with pytest.raises(UserError, match=f"{flag}.*does not apply to --format datatrove"):
             PackConfig(seq_len=64, format="datatrove", **options).validate()
+
+
+def test_a_manifest_whose_rows_or_seq_len_disagree_with_its_shards_is_refused(sample, tokenizer_dir, tmp_path):
+    """Edited by hand (or by a tool), a shard's row count or seq_len that its tensors do not have made pretrain
+    read past the shard's end (an internal error) or quietly train on other rows; verify passed it."""
+    config = PackConfig(seq_len=256, shard_size="100rows")
+    pack(str(sample / "math"), tmp_path / "packed", tokenizer_spec=str(tokenizer_dir), config=config)
+    assert verify_checksums(tmp_path / "packed") == []
+    manifest_path = tmp_path / "packed" / "manifest.json"
+    original = json.loads(manifest_path.read_text())
+    for field, edit in (("rows", lambda m: m["shards"][1].update(rows=m["shards"][1]["rows"] - 3)), ("seq_len", None)):
+        manifest = json.loads(json.dumps(original))
+        if edit:
+            edit(manifest)
+        else:
+            manifest["seq_len"] = 128
+        manifest_path.write_text(json.dumps(manifest))
+        problems = verify_checksums(tmp_path / "packed")
+        assert problems and "the manifest says" in problems[0], field
+        with pytest.raises(UserError, match=r"the manifest says .* re-run pack"):
+            open_packed(tmp_path / "packed")
