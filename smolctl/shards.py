@@ -164,9 +164,12 @@ class OutputFolder:
         overwrite: bool = False,
         inputs: Sequence[dict] = (),
         resumable: bool = False,
+        per_process: bool = False,
     ):
         """resumable=True keeps an existing staging folder (a stage that resumes by shard decides what in it to
-        reuse) and keeps it when the stage fails, for the next run to continue."""
+        reuse) and keeps it when the stage fails, for the next run to continue. per_process=True is for a unit of
+        a work area that two copies of one array task may write at once (a requeued task whose first copy still
+        runs): each stages in its own folder, and whichever is moved into place last stays (the same bytes)."""
         # Absolute: arrow reads a relative path whose first folder looks like a URI scheme (`run:1/...`) as a URI.
         self.path = Path(path).absolute()
         self.kind = kind
@@ -174,7 +177,9 @@ class OutputFolder:
         self.resumable = resumable
         self.shards: list[dict] = []
         check_output_path(self.path, overwrite)
-        self.staging = self.path.parent / f".{self.path.name}.partial"
+        self.per_process = per_process
+        own = f"-{os.getpid()}" if per_process else ""
+        self.staging = self.path.parent / f".{self.path.name}.partial{own}"
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if self.staging.exists() and not resumable:
@@ -231,6 +236,9 @@ class OutputFolder:
         return manifest
 
     def _swap_into_place(self) -> None:
+        if self.per_process:
+            self._replace_copy()
+            return
         old = self.path.parent / f".{self.path.name}.old"
         try:
             if old.exists():
@@ -246,6 +254,19 @@ class OutputFolder:
                 f"cannot move the finished output into place: {exc.strerror or exc}",
                 f"the complete output is in {self.staging}",
             ) from exc
+
+    def _replace_copy(self) -> None:
+        """Move this process's staging folder into place over whatever another copy put there."""
+        old = self.path.parent / f".{self.path.name}.old-{os.getpid()}"
+        try:
+            os.replace(self.path, old)
+        except FileNotFoundError:
+            pass  # none yet, or another copy is between its two moves
+        try:
+            os.replace(self.staging, self.path)
+        except OSError:  # another copy's folder went in meanwhile: it holds the same bytes
+            shutil.rmtree(self.staging, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
     def abort(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)

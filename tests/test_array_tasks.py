@@ -227,3 +227,47 @@ def test_a_requeued_task_with_overwrite_finds_its_run_committed(four_shards, tok
     again = task(1)
     assert again.already_committed and again.units_done == 0
     assert shard_bytes(out) == committed and not (out / "_work").exists()
+
+
+def _stage_unit_in_step(barrier, path: Path, content: str) -> None:
+    from smolctl.shards import KIND_PACKED, OutputFolder
+
+    folder = OutputFolder(path, kind=KIND_PACKED, overwrite=True, per_process=True)
+    barrier.wait(timeout=30)  # both copies have staged before either writes or moves into place
+    (folder.file("part.bin")).write_text(content)
+    barrier.wait(timeout=30)
+    folder.commit()
+
+
+def test_two_copies_of_one_task_stage_a_unit_side_by_side(tmp_path):
+    """A requeued task may run while its first copy still does: a unit's staging folder was shared, so one copy
+    deleted the other's half-written shard (an internal SafetensorError)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(2)
+    unit = tmp_path / "_work" / "pack" / "00000"
+    unit.parent.mkdir(parents=True)
+    copies = [context.Process(target=_stage_unit_in_step, args=(barrier, unit, "same bytes")) for _ in range(2)]
+    for copy in copies:
+        copy.start()
+    for copy in copies:
+        copy.join(timeout=60)
+    assert [copy.exitcode for copy in copies] == [0, 0]
+    assert (unit / "part.bin").read_text() == "same bytes" and read_manifest(unit)["kind"] == "packed"
+    assert sorted(p.name for p in unit.parent.iterdir()) == ["00000"]  # no staging or old folder left
+
+
+def test_a_task_that_fails_after_another_committed_has_nothing_to_do(tmp_path):
+    """Whatever failed (here a shard whose folder the committing copy removed) is moot once OUTPUT is committed."""
+    from smolctl.data.array_tasks import FINGERPRINT_KEY, AlreadyCommitted, WorkArea, digest, unless_committed
+
+    area = WorkArea(tmp_path / "out", ("pack",), {"run": 1})
+    (tmp_path / "out").mkdir()
+    manifest = tmp_path / "out" / "manifest.json"
+    manifest.write_text(json.dumps({"kind": "packed", FINGERPRINT_KEY: digest({"run": 2})}))
+    with pytest.raises(RuntimeError), unless_committed(area):  # another run's OUTPUT: the failure stands
+        raise RuntimeError("Error while serializing: I/O error")
+    manifest.write_text(json.dumps({"kind": "packed", FINGERPRINT_KEY: digest({"run": 1})}))
+    with pytest.raises(AlreadyCommitted), unless_committed(area):
+        raise RuntimeError("Error while serializing: I/O error")

@@ -222,10 +222,11 @@ class AlreadyCommitted(Exception):
 @contextmanager
 def unless_committed(area: WorkArea):
     """A task that finds its work area gone or OUTPUT full because another task of the same run committed
-    it a moment ago (array tasks start together) has nothing to do: AlreadyCommitted, not an error."""
+    it a moment ago (array tasks start together, a requeued copy may still run) has nothing to do:
+    AlreadyCommitted, not an error. Whatever failed (a work file, a shard being written, a read) is moot then."""
     try:
         yield
-    except (UserError, FileNotFoundError):
+    except Exception:
         if area.committed():
             raise AlreadyCommitted from None
         raise

@@ -276,7 +276,9 @@ class UnitPacking:
     def __init__(self, job: PackJob, unit: int):
         self.job, self.unit, self.stats = job, unit, PackStats()
         kind, sink_type = (KIND_PACKED, RowSink) if job.config.format == "safetensors" else (KIND_TOKENS, DatatroveSink)
-        self.folder = OutputFolder(job.area.stage_dir(STAGE) / f"{unit:05d}", kind=kind, overwrite=True)
+        self.folder = OutputFolder(
+            job.area.stage_dir(STAGE) / f"{unit:05d}", kind=kind, overwrite=True, per_process=True
+        )
         self.sink = sink_type(self.folder, job.config, job.record, self.stats, unit)
 
     def add(self, batch: TokenBatch, empty: int) -> None:
