@@ -387,6 +387,22 @@ CASES = [
         ),
     ),
     Case(
+        "dedup: a reference that holds the input's own file (a folder around it): every document would go",
+        lambda t: (
+            ["dedup", next(plain_folder(t).glob("*.parquet")), t / "out", "--against", t / "plain"],
+            "--against: also holds the input",
+            t / "out",
+        ),
+    ),
+    Case(
+        "dedup: a reference that is the input's files by a glob",
+        lambda t: (
+            ["dedup", plain_folder(t), t / "out", "--against", str(t / "plain" / "*.parquet")],
+            "--against: is the input itself",
+            t / "out",
+        ),
+    ),
+    Case(
         "dedup: the output is the input, with --overwrite",
         lambda t: (
             ["dedup", _existing_output(t), t / "existing", "--overwrite"],

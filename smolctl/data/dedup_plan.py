@@ -110,8 +110,12 @@ def plan(config: DedupConfig) -> DedupPlan:
         reference = open_documents(config.against)
         reference.require(text=[config.text_column])
         reference.check_output_spares(config.output)
-        if Path(config.against).resolve() == Path(config.input).resolve():
-            raise UserError("--against", "is the input itself", "pass a different reference dataset")
+        # Compared by the files read, not the arguments: a file of the input's reached through another spelling
+        # (a folder holding it, a glob) would match itself, and every document would be removed.
+        inputs, references = ({Path(f).resolve() for f in s.files} for s in (source, reference))
+        if shared := inputs & references:
+            what = "is the input itself" if inputs == references else f"also holds the input {min(shared)}"
+            raise UserError("--against", what, "pass a different reference dataset")
         reference_ids = default_id_column(reference, config.text_column)
         if reference_ids:
             check_id_type(
