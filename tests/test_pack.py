@@ -786,7 +786,9 @@ def test_inspect_samples_come_from_as_many_shards_as_they_take(sample, tokenizer
         config=PackConfig(seq_len=256, shard_size="2rows"),
     )
     shown = run_cli("inspect", tmp_path / "packed", "--samples", "5", "--json")
-    assert [row["row"] for row in json.loads(shown.stdout)["samples"]] == [0, 1, 2, 3, 4]
+    samples = json.loads(shown.stdout)["samples"]
+    assert [row["row"] for row in samples] == [0, 1, 2, 3, 4]
+    assert len({row["text"] for row in samples}) == 5  # each row its own, not the first shard's shown again
 
 
 def test_options_follow_what_the_format_and_strategy_use(sample, tokenizer_dir, tmp_path):
