@@ -17,6 +17,7 @@ the pad id and position -1.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -194,20 +195,32 @@ def assemble_rows(
     position_ids = np.empty((rows, seq_len), dtype=np.int32)
     flat_ids, flat_positions = input_ids.reshape(-1), position_ids.reshape(-1)
     slots = (row_of * seq_len + offset).astype(np.int64, copy=False)  # the kernel takes int64 slots
-    first = 0
-    for batch in batches:
-        batch_slots = slots[first : first + len(batch.lengths)]
-        first += len(batch.lengths)
-        if _pack is None:
-            place_documents_numpy(batch, batch_slots, flat_ids, flat_positions)
-        else:
-            _pack.place(
-                np.ascontiguousarray(batch.ids, dtype=np.int32),
-                np.ascontiguousarray(batch.lengths, dtype=np.int64),
-                batch_slots,
-                flat_ids,
-                flat_positions,
-            )
+    # Batch i's documents are slots[first[i]:first[i + 1]].
+    first = np.concatenate([[0], np.cumsum([len(batch.lengths) for batch in batches])])
+    if _pack is None:
+        for i, batch in enumerate(batches):
+            place_documents_numpy(batch, slots[first[i] : first[i + 1]], flat_ids, flat_positions)
+    else:
+        # The kernel releases the GIL: two threads place half of the tokens each. The last buffer is packed after
+        # the tokenizer has finished, when a core would otherwise idle, and most of the time goes to the kernel
+        # handing out the fresh pages of the rows, which it does for both threads at once.
+        tokens = np.cumsum([len(batch.ids) for batch in batches])
+        half = int(np.argmin(np.abs(tokens[:-1] - tokens[-1] / 2))) + 1 if len(batches) > 1 else 1
+
+        def place(start: int, stop: int) -> None:
+            for i in range(start, stop):
+                _pack.place(
+                    np.ascontiguousarray(batches[i].ids, dtype=np.int32),
+                    np.ascontiguousarray(batches[i].lengths, dtype=np.int64),
+                    slots[first[i] : first[i + 1]],
+                    flat_ids,
+                    flat_positions,
+                )
+
+        with ThreadPoolExecutor(1, thread_name_prefix="place") as helper:
+            second_half = helper.submit(place, half, len(batches))
+            place(0, half)
+            second_half.result()
     input_ids[whole_row_of] = whole
     position_ids[whole_row_of] = np.arange(seq_len, dtype=np.int32)
     lengths = np.concatenate([batch.lengths for batch in batches])
