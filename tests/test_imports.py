@@ -178,3 +178,25 @@ def test_light_entry_points_do_not_import_heavy_libraries(module, heavy):
     probe = f"import sys, {module}; print(','.join(m for m in {heavy!r} if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "", f"importing {module} loads {result.stdout.strip()}"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["pack", "missing.parquet", "out", "--tokenizer", "tok", "--seq-len", "4096", "--workers", "1"],
+        ["dedup", "missing", "out", "--minhash", "--threshold", "0.8", "--num-perm", "128", "--workers", "1"],
+    ],
+)
+def test_data_commands_parse_their_options_without_pydantic(command, tmp_path):
+    """The data commands take str, int and path options; parsing them must not import pydantic and build
+    its validators (Typer 0.29 does, before every command) — at corpus scale pack and dedup run as thousands of
+    array tasks, and their start-up is part of the time the benchmarks compare with the raw tokenizer and rensa."""
+    probe = (
+        "import sys\nfrom smolctl.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n"
+        "    print(exc.code, 'pydantic' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe, *command], capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False
+    )
+    assert "missing" in result.stderr and "no such file" in result.stderr, result.stderr  # parsed, then refused
+    assert result.stdout.split() == ["2", "False"], result.stdout

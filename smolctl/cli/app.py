@@ -29,7 +29,7 @@ class _ReadableHelp:
     """Help that reads as written. Docstrings and argument/option help are plain text, so `[model]` or
     `[rows, seq_len]` are shown, not taken for Rich markup (epilogs keep their markup: `[bold]Examples[/]`).
     Usage lines and option columns read as values: `smolctl pretrain [OPTIONS] RECIPE [RUN]` (Typer writes
-    required arguments as `{recipe}`), no `<bool>` after a flag, `--set <str>` for a repeatable option."""
+    required arguments as `{recipe}`), no `<bool>` after a flag."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -58,8 +58,6 @@ class _ReadableHelp:
                 continue
             if param.is_flag:
                 param.metavar = ""
-            elif param.multiple and (label := param.display_type_rich(ctx) or "").startswith("<list["):
-                param.metavar = "<" + label[len("<list[") : -len("]>")] + ">"
         return params
 
 
