@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -187,16 +188,26 @@ def test_light_entry_points_do_not_import_heavy_libraries(module, heavy):
         ["dedup", "missing", "out", "--minhash", "--threshold", "0.8", "--num-perm", "128", "--workers", "1"],
     ],
 )
-def test_data_commands_parse_their_options_without_pydantic(command, tmp_path):
-    """The data commands take str, int and path options; parsing them must not import pydantic and build
-    its validators (Typer 0.29 does, before every command) — at corpus scale pack and dedup run as thousands of
-    array tasks, and their start-up is part of the time the benchmarks compare with the raw tokenizer and rensa."""
+def test_data_commands_start_with_what_they_need(command, tmp_path):
+    """pack and dedup run as thousands of array tasks at corpus scale, and their start-up is part of the time the
+    benchmarks compare with the raw tokenizer and rensa. Their options are str, int and paths: parsing them must
+    not import pydantic and build its validators (Typer 0.29 does, before every command). They import numpy to
+    index arrays: OpenBLAS must not start its thread per core (counted among the threads, on Linux, that carry the process's name:
+    pyarrow's allocator names its own)."""
     probe = (
-        "import sys\nfrom smolctl.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n"
-        "    print(exc.code, 'pydantic' in sys.modules)"
+        "import os, sys\nfrom smolctl.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n"
+        "    names = [open(f'/proc/self/task/{t}/comm').read() for t in os.listdir('/proc/self/task')]\n"
+        "    print(exc.code, 'pydantic' in sys.modules, 'numpy' in sys.modules, names.count(open('/proc/self/comm').read()))"
     )
+    environment = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
     result = subprocess.run(
-        [sys.executable, "-c", probe, *command], capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False
+        [sys.executable, "-c", probe, *command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=environment,
+        check=False,
     )
     assert "missing" in result.stderr and "no such file" in result.stderr, result.stderr  # parsed, then refused
-    assert result.stdout.split() == ["2", "False"], result.stdout
+    assert result.stdout.split() == ["2", "False", "True", "1"], result.stdout  # exit 2, no pydantic, numpy, one thread

@@ -25,6 +25,14 @@ from smolctl.errors import UserError
 from smolctl.units import BYTES_HELP, COUNT_HELP, parse_bytes, parse_count
 
 
+def _numpy_without_blas_threads() -> None:
+    """The data commands bring their own parallelism (the tokenizer's threads, worker processes) and use numpy
+    only to index and copy arrays, never for linear algebra; unless told otherwise, OpenBLAS would start a
+    thread per core when numpy is imported, costing more CPU than the rest of the import. Called before the
+    command's first numpy import; worker processes inherit it."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
 @app.command(
     "train-tokenizer",
     epilog="""[bold]Examples[/]
@@ -61,6 +69,7 @@ def train_tokenizer_command(
     json_out: JsonOpt = False,
 ) -> None:
     """Train a byte-level BPE tokenizer with ChatML chat template and special tokens for document end and padding."""
+    _numpy_without_blas_threads()
     from smolctl.data.tokenizer import train_tokenizer
 
     documents = parse_count(sample_documents, "--sample-documents") if sample_documents is not None else None
@@ -169,6 +178,7 @@ def dedup_command(
     json_out: JsonOpt = False,
 ) -> None:
     """Remove exact and near-duplicate documents; the same result on one core, many, or a Slurm array."""
+    _numpy_without_blas_threads()
     from smolctl.data.dedup import DedupConfig, run
     from smolctl.data.minhash.params import MinHashParams
 
@@ -359,6 +369,7 @@ def mix_command(
     json_out: JsonOpt = False,
 ) -> None:
     """Mix document sources by weight (tokens or bytes) in stages, with repetition limits and a seeded shuffle."""
+    _numpy_without_blas_threads()
     from smolctl.data.mix import prepare_mix
     from smolctl.data.mix_schedule import schedule_from_flags, schedule_from_recipe
 
@@ -512,7 +523,7 @@ def pack_command(
     json_out: JsonOpt = False,
 ) -> None:
     """Tokenise documents and pack them into fixed-length rows with document-masked position ids."""
-
+    _numpy_without_blas_threads()
     from smolctl.data.pack import PackConfig, prepare_pack
 
     config = PackConfig(
