@@ -192,8 +192,8 @@ def test_data_commands_start_with_what_they_need(command, tmp_path):
     """pack and dedup run as thousands of array tasks at corpus scale, and their start-up is part of the time the
     benchmarks compare with the raw tokenizer and rensa. Their options are str, int and paths: parsing them must
     not import pydantic and build its validators (Typer 0.29 does, before every command). They import numpy to
-    index arrays: OpenBLAS must not start its thread per core (counted among the threads, on Linux, that carry the process's name:
-    pyarrow's allocator names its own)."""
+    index arrays: OpenBLAS must not start its thread per core (counted, on Linux, among the threads that carry
+    the process's name; pyarrow's allocator names its own)."""
     probe = (
         "import os, sys\nfrom smolctl.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n"
         "    names = [open(f'/proc/self/task/{t}/comm').read() for t in os.listdir('/proc/self/task')]\n"
