@@ -21,6 +21,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -405,6 +406,49 @@ class DatasetWriter:
         return self.schema
 
 
+def int32_safetensors_prefix(tensors: Mapping[str, np.ndarray]) -> bytes | None:
+    """The first bytes safetensors writes for int32 tensors: the header's length (u64, little-endian) and the
+    header, compact JSON of each tensor's dtype, shape and data offsets in name order (the format orders tensors
+    by dtype, then name), padded with spaces to 8 bytes. None for tensors of any other dtype."""
+    if any(array.dtype != np.dtype("<i4") for array in tensors.values()):
+        return None
+    entries, offset = {}, 0
+    for name in sorted(tensors):
+        size = tensors[name].nbytes
+        entries[name] = {"dtype": "I32", "shape": list(tensors[name].shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header
+
+
+def save_file_and_sha256(tensors: dict[str, np.ndarray], path: Path) -> str:
+    """`save_file(tensors, path)`, returning the sha256 of the file. For int32 tensors the digest is taken from
+    memory, on another thread (hashlib releases the GIL), while the file is written: the expected header and the
+    arrays in file order. The header in the written file is then compared with the expected one, and on any
+    difference the file itself is hashed, so the digest is always the file's."""
+    tensors = {name: np.ascontiguousarray(array) for name, array in tensors.items()}
+    prefix = int32_safetensors_prefix(tensors)
+    if prefix is None:
+        save_file(tensors, str(path))
+        return sha256_file(path)
+
+    def digest_from_memory() -> str:
+        digest = hashlib.sha256(prefix)
+        for name in sorted(tensors):
+            digest.update(tensors[name].reshape(-1).view(np.uint8))
+        return digest.hexdigest()
+
+    with ThreadPoolExecutor(1, thread_name_prefix="sha256") as helper:
+        expected = helper.submit(digest_from_memory)
+        save_file(tensors, str(path))
+        digest = expected.result()
+    with open(path, "rb") as handle:
+        written = handle.read(len(prefix))
+    size = len(prefix) + sum(array.nbytes for array in tensors.values())
+    return digest if written == prefix and path.stat().st_size == size else sha256_file(path)
+
+
 class PackedWriter:
     """Safetensors shards of equal-length rows (e.g. input_ids and position_ids, both [rows, seq_len])."""
 
@@ -434,14 +478,14 @@ class PackedWriter:
         name = f"{self.prefix}-{len(self.folder.shards):05d}.safetensors"
         tmp = self.folder.file(f".{name}.tmp")
         try:
-            save_file(head, str(tmp))
+            sha256 = save_file_and_sha256(head, tmp)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise UserError(
                 self.folder.path, f"cannot write a shard: {exc}", "check free space and permissions"
             ) from exc
         os.replace(tmp, self.folder.file(name))
-        self.folder.add_shard(name, rows, tokens=int(tokens[:rows].sum()))
+        self.folder.add_shard(name, rows, tokens=int(tokens[:rows].sum()), sha256=sha256)
         self._pending_rows -= rows
         self._pending = [{k: v[rows:] for k, v in merged.items()}] if self._pending_rows else []
         self._pending_tokens = [tokens[rows:]] if self._pending_rows else []

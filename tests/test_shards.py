@@ -316,3 +316,42 @@ def test_safetensors_shards_get_the_mode_the_umask_gives(tmp_path, umask):
     assert modes == {
         name: 0o666 & ~umask for name in ("part-00000.safetensors", "part-00001.safetensors", "manifest.json")
     }
+
+
+def file_sha256(path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        {"position_ids": (3, 5), "input_ids": (3, 5)},  # given out of name order
+        {"input_ids": (257, 4096), "position_ids": (257, 4096)},
+        {"b": (1,), "a": (2, 3, 4), "c": (0, 7)},  # a zero-size tensor among them
+    ],
+)
+def test_a_shard_hashed_while_written_gets_its_files_sha256(shapes, tmp_path, monkeypatch):
+    """The digest taken from memory is the file's own, and no file was read back to get it."""
+    import smolctl.shards as shards
+
+    rng = np.random.default_rng(len(shapes))
+    tensors = {name: rng.integers(-(2**31), 2**31 - 1, size=shape, dtype=np.int32) for name, shape in shapes.items()}
+    monkeypatch.setattr(shards, "sha256_file", lambda path: pytest.fail("hashed the file instead of memory"))
+    digest = shards.save_file_and_sha256(tensors, tmp_path / "shard.safetensors")
+    assert digest == file_sha256(tmp_path / "shard.safetensors")
+    loaded = shards.load_file(str(tmp_path / "shard.safetensors"))
+    assert all(np.array_equal(loaded[name], tensors[name]) for name in tensors)
+
+
+def test_a_shard_whose_header_differs_from_the_expected_one_is_hashed_from_the_file(tmp_path, monkeypatch):
+    import smolctl.shards as shards
+
+    tensors = {"input_ids": np.arange(12, dtype=np.int32).reshape(3, 4)}
+    expected = shards.int32_safetensors_prefix(tensors)
+    # A library that wrote, say, one more space of padding: the memory digest would not be the file's.
+    monkeypatch.setattr(shards, "int32_safetensors_prefix", lambda tensors: expected[:-1] + b"  ")
+    assert shards.save_file_and_sha256(tensors, tmp_path / "a.safetensors") == file_sha256(tmp_path / "a.safetensors")
+    mixed = {"ids": np.zeros(4, dtype=np.int32), "weights": np.ones(4, dtype=np.float32)}  # not predicted at all
+    assert shards.save_file_and_sha256(mixed, tmp_path / "b.safetensors") == file_sha256(tmp_path / "b.safetensors")
