@@ -182,18 +182,20 @@ def test_light_entry_points_do_not_import_heavy_libraries(module, heavy):
 
 
 @pytest.mark.parametrize(
-    "command",
+    ("command", "schema_needs_pydantic"),
     [
-        ["pack", "missing.parquet", "out", "--tokenizer", "tok", "--seq-len", "4096", "--workers", "1"],
-        ["dedup", "missing", "out", "--minhash", "--threshold", "0.8", "--num-perm", "128", "--workers", "1"],
+        (["pack", "missing.parquet", "out", "--tokenizer", "tok", "--seq-len", "4096", "--workers", "1"], False),
+        (["dedup", "missing", "out", "--minhash", "--threshold", "0.8", "--num-perm", "128", "--workers", "1"], False),
+        (["train-tokenizer", "missing", "tok", "--vocab-size", "300"], False),
+        (["mix", "out", "--source", "web=missing:1", "--bytes", "1MB"], True),  # its stage schedule is a pydantic model
     ],
 )
-def test_data_commands_start_with_what_they_need(command, tmp_path):
+def test_data_commands_start_with_what_they_need(command, schema_needs_pydantic, tmp_path):
     """pack and dedup run as thousands of array tasks at corpus scale, and their start-up is part of the time the
     benchmarks compare with the raw tokenizer and rensa. Their options are str, int and paths: parsing them must
-    not import pydantic and build its validators (Typer 0.29 does, before every command). They import numpy to
-    index arrays: OpenBLAS must not start its thread per core (counted, on Linux, among the threads that carry
-    the process's name; pyarrow's allocator names its own)."""
+    not import pydantic and build its validators (Typer 0.29 does, before every command). The data commands
+    import numpy to index arrays: OpenBLAS must not start its thread per core (counted, on Linux, among the
+    threads that carry the process's name; pyarrow's allocator names its own)."""
     probe = (
         "import os, sys\nfrom smolctl.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n"
         "    names = [open(f'/proc/self/task/{t}/comm').read() for t in os.listdir('/proc/self/task')]\n"
@@ -210,4 +212,5 @@ def test_data_commands_start_with_what_they_need(command, tmp_path):
         check=False,
     )
     assert "missing" in result.stderr and "no such file" in result.stderr, result.stderr  # parsed, then refused
-    assert result.stdout.split() == ["2", "False", "True", "1"], result.stdout  # exit 2, no pydantic, numpy, one thread
+    # exit 2, pydantic only where the command's own schema needs it, numpy, one thread
+    assert result.stdout.split() == ["2", str(schema_needs_pydantic), "True", "1"], result.stdout
