@@ -266,6 +266,32 @@ def test_same_output_whatever_workers_tasks_or_shard_layout(planted, tmp_path):
             assert (tmp_path / name / shard).read_bytes() == (tmp_path / "local" / shard).read_bytes()
 
 
+def test_repeated_ids_are_found_once_locally_and_by_the_components_task(tmp_path, monkeypatch):
+    """A local run checks the ids before any work and the components stage does not count them again; an array
+    has no such first check, so its components task must find them."""
+    table = sample_table()
+    ids = table.column("id").to_pylist()
+    ids[7] = ids[3]
+    write_shards(tmp_path / "input", table.set_column(0, "id", pa.array(ids)), 2)
+    checks = []
+    counting = dedup_stages.check_unique_ids
+    monkeypatch.setattr(dedup_stages, "check_unique_ids", lambda *a: checks.append(len(a[0])) or counting(*a))
+    monkeypatch.setattr("smolctl.data.dedup.check_unique_ids", dedup_stages.check_unique_ids)
+    with pytest.raises(UserError, match=f"holds 1 repeated id\\(s\\), e.g. '{ids[3]}' x2"):
+        dedup(tmp_path / "input", tmp_path / "local", workers=1)
+    assert checks == [table.num_rows] and not (tmp_path / "local").exists()
+    fine = write_shards(tmp_path / "fine", table, 2)
+    checks.clear()
+    dedup(fine, tmp_path / "fine-out", workers=1)
+    assert checks == [table.num_rows]  # once, before the work
+    staged = tmp_path / "staged"
+    for stage, tasks in (("signatures", 2), ("buckets", 2)):
+        for task in range(tasks):
+            dedup(tmp_path / "input", staged, stage=stage, tasks=tasks, task_id=task)
+    with pytest.raises(UserError, match="repeated id"):
+        dedup(tmp_path / "input", staged, stage="components", tasks=1, task_id=0)
+
+
 def test_staged_markers_skip_finished_tasks_and_a_rerun_resumes(planted, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(UserError, match="signatures stage has not finished"):

@@ -208,6 +208,7 @@ def _run_units(
             config.input,
             plan_.id_column,
         )
+        plan_.ids_checked = True
     plan_.area.check(config.overwrite)
     started = time.perf_counter()  # after the checks (and the imports they trigger): the time the work takes
     stages = STAGES if stage is None else (stage,)

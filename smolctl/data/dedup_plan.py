@@ -52,6 +52,8 @@ class DedupPlan:
     id_column: str | None
     area: WorkArea
     reference_id_column: str | None = None
+    # A local run checks the input's ids before any work; the components stage then need not read them twice.
+    ids_checked: bool = False
 
     @property
     def work(self) -> Path:

@@ -172,7 +172,8 @@ def components_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
         read_parquet(plan_.work / "signatures" / f"{u:05d}.parquet", columns) for u in range(len(plan_.units))
     )
     ids = table.column("id")
-    check_unique_ids(ids.slice(0, n_input), config.input, plan_.id_column)
+    if not plan_.ids_checked:
+        check_unique_ids(ids.slice(0, n_input), config.input, plan_.id_column)
     null = to_numpy_filled(table.column("null"))
     edges = [np.zeros((0, 2), np.int64)]
     exact = (
@@ -226,6 +227,8 @@ def check_unique_ids(ids: pa.ChunkedArray, where: str, id_column: str | None) ->
         raise UserError(
             where, f"column '{id_column}' has {nulls} null id(s)", "give every document an id, or pass --id-column"
         )
+    if len(pc.unique(ids)) == len(ids):  # a hash set alone: half the time of counting every id
+        return
     counts = pc.value_counts(ids)
     repeated = np.flatnonzero(to_numpy_filled(counts.field("counts")) > 1)
     if len(repeated):
