@@ -218,6 +218,38 @@ def test_intersections_of_random_sets_of_every_size(kernel_impl):
     assert common.tolist() == [len(set(sets[a].tolist()) & set(sets[b].tolist())) for a, b in zip(left, right)]
 
 
+def test_sorted_sets_are_each_documents_sorted_unique_values(kernel_impl):
+    """Sizes around the insertion-sort cut-off and far past it, runs of one value, two values alternating (a
+    quicksort's worst cases), values that differ only in their top or bottom bit, and empty documents."""
+    rng = np.random.default_rng(9)
+    top = 2**63
+    documents = [
+        [],
+        [5],
+        [top + 1, 1, top, top + 1, 0],
+        [2**64 - 1, 0, 2**64 - 1],
+        [7] * 1000,
+        [3, 9] * 600,
+        list(range(2000, 0, -1)),
+        [],
+        *[rng.integers(0, 2**64, size, dtype=np.uint64, endpoint=False).tolist() for size in (15, 16, 17, 33, 300)],
+        *[rng.integers(0, size // 3 + 1, size).tolist() for size in (17, 64, 5000)],
+    ]
+    values = np.array([v for d in documents for v in d], np.uint64)
+    offsets = np.concatenate([[0], np.cumsum([len(d) for d in documents])]).astype(np.int64)
+    sets, bounds = kernels.sorted_sets(values, offsets)
+    assert [sets[bounds[i] : bounds[i + 1]].tolist() for i in range(len(documents))] == [
+        sorted(set(d)) for d in documents
+    ]
+    assert sets.dtype == np.uint64 and bounds[-1] == len(sets)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernel_impl.sorted_sets(values, offsets, np.empty(len(values) - 1, np.uint64), np.empty(len(offsets), np.int64))
+    with pytest.raises(ValueError, match="do not fit"):
+        kernel_impl.sorted_sets(
+            values, offsets[::-1].copy(), np.empty(len(values), np.uint64), np.empty(len(offsets), np.int64)
+        )
+
+
 def test_kernels_refuse_buffers_that_do_not_fit(kernel_impl):
     exact, room, counts = np.empty((2, 2), np.uint64), np.empty(8, np.uint64), np.empty(2, np.int64)
     for starts, ends in (

@@ -14,6 +14,10 @@
    shingles(tokens, offsets, weights, out, out_counts) -> total
        The n-grams of consecutive tokens of each document, as mix64(sum_k tokens[j + k] * weights[k]); a
        document with 1 to n - 1 tokens has one, of all its tokens. out: uint64 end to end, out_counts per document.
+   sorted_sets(values, offsets, out, out_bounds) -> total
+       Each document's values[offsets[i]:offsets[i + 1]] sorted and without repeats, end to end in out (at
+       least len(values) long), document i owning out[out_bounds[i]:out_bounds[i + 1]]. Each set is sorted where
+       it lands, small enough to stay in cache: one sort of every document's values at once runs from memory.
    intersections(values, bounds, left, right, out)
        out[k] = |set left[k] & set right[k]|, set i being the sorted unique values[bounds[i]:bounds[i + 1]].
    agreements(signatures, perms, left, right, out)
@@ -31,6 +35,7 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define RADIX 0x100000001B3ULL
 
@@ -516,6 +521,104 @@ static PyObject *shingles(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(total);
 }
 
+/* Introsort: quicksort with median-of-three pivots and Hoare partitions (a run of equal values splits evenly),
+   insertion sort for short ranges, heapsort past 2 log2(n) levels, so that no document (one shingle repeated,
+   two alternating) costs more than n log n. The median of three samples at distinct positions is never a
+   unique maximum, so each partition leaves both sides non-empty. */
+static void insertion_sort(uint64_t *a, Py_ssize_t n) {
+    for (Py_ssize_t i = 1; i < n; i++) {
+        uint64_t x = a[i];
+        Py_ssize_t j = i;
+        for (; j > 0 && a[j - 1] > x; j--) a[j] = a[j - 1];
+        a[j] = x;
+    }
+}
+
+static void sift_down(uint64_t *a, Py_ssize_t root, Py_ssize_t n) {
+    uint64_t x = a[root];
+    for (Py_ssize_t child = 2 * root + 1; child < n; child = 2 * root + 1) {
+        if (child + 1 < n && a[child + 1] > a[child]) child++;
+        if (a[child] <= x) break;
+        a[root] = a[child];
+        root = child;
+    }
+    a[root] = x;
+}
+
+static void heap_sort(uint64_t *a, Py_ssize_t n) {
+    for (Py_ssize_t i = n / 2 - 1; i >= 0; i--) sift_down(a, i, n);
+    for (Py_ssize_t end = n - 1; end > 0; end--) {
+        uint64_t top = a[0];
+        a[0] = a[end];
+        a[end] = top;
+        sift_down(a, 0, end);
+    }
+}
+
+static void intro_sort(uint64_t *a, Py_ssize_t n, int depth) {
+    while (n > 16) {
+        if (depth-- == 0) {
+            heap_sort(a, n);
+            return;
+        }
+        uint64_t x = a[0], y = a[n / 2], z = a[n - 1];
+        uint64_t pivot = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
+        Py_ssize_t i = -1, j = n;
+        for (;;) {
+            do i++; while (a[i] < pivot);
+            do j--; while (a[j] > pivot);
+            if (i >= j) break;
+            uint64_t t = a[i];
+            a[i] = a[j];
+            a[j] = t;
+        }
+        Py_ssize_t left = j + 1; /* a[0, left) <= pivot <= a[left, n); the smaller side recurses */
+        if (left < n - left) {
+            intro_sort(a, left, depth);
+            a += left;
+            n -= left;
+        } else {
+            intro_sort(a + left, n - left, depth);
+            n = left;
+        }
+    }
+    insertion_sort(a, n);
+}
+
+static PyObject *sorted_sets(PyObject *self, PyObject *args) {
+    PyObject *objects[4];
+    if (!PyArg_ParseTuple(args, "OOOO", &objects[0], &objects[1], &objects[2], &objects[3])) return NULL;
+    Buffer b[4];
+    static const char *names[4] = {"values", "offsets", "out", "out_bounds"};
+    static const Py_ssize_t sizes[4] = {8, 8, 8, 8};
+    if (get_buffers(objects, b, 4, names, sizes, 2) < 0) return NULL;
+    const uint64_t *values = b[0].view.buf;
+    const int64_t *offsets = b[1].view.buf;
+    uint64_t *out = b[2].view.buf;
+    int64_t *bounds = b[3].view.buf;
+    Py_ssize_t docs = b[1].view.len / 8 - 1, items = b[0].view.len / 8;
+    if (!check_offsets(offsets, docs, items) || b[2].view.len / 8 < items || b[3].view.len / 8 != docs + 1)
+        return refuse(b, 4, "sorted_sets: values, offsets and outputs do not fit together");
+    Py_ssize_t total = 0;
+    Py_BEGIN_ALLOW_THREADS
+    bounds[0] = 0;
+    for (Py_ssize_t i = 0; i < docs; i++) {
+        Py_ssize_t count = offsets[i + 1] - offsets[i], kept = count > 0;
+        uint64_t *set = out + total;
+        memmove(set, values + offsets[i], (size_t)count * sizeof(uint64_t));
+        int depth = 0;
+        for (Py_ssize_t m = count; m > 1; m >>= 1) depth += 2;
+        intro_sort(set, count, depth);
+        for (Py_ssize_t k = 1; k < count; k++)
+            if (set[k] != set[kept - 1]) set[kept++] = set[k];
+        total += kept;
+        bounds[i + 1] = total;
+    }
+    Py_END_ALLOW_THREADS
+    release(b, 4);
+    return PyLong_FromSsize_t(total);
+}
+
 static PyObject *intersections(PyObject *self, PyObject *args) {
     PyObject *objects[5];
     if (!PyArg_ParseTuple(args, "OOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4])) return NULL;
@@ -636,6 +739,7 @@ static PyObject *changing_documents(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"tokenize", tokenize, METH_VARARGS, "Hash every token and word of a batch of documents (see the file's header)."},
     {"shingles", shingles, METH_VARARGS, "Word (or character) n-gram shingle hashes (see the file's header)."},
+    {"sorted_sets", sorted_sets, METH_VARARGS, "Each document's values sorted and without repeats (see the file's header)."},
     {"intersections", intersections, METH_VARARGS, "Sizes of the intersections of pairs of sorted sets (see the file's header)."},
     {"agreements", agreements, METH_VARARGS, "Equal signature values of pairs of documents (see the file's header)."},
     {"signatures", signatures, METH_VARARGS, "MinHash signatures of a batch of documents (see the file's header)."},

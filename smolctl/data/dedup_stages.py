@@ -20,10 +20,10 @@ from smolctl.arrow_arrays import from_numpy, plain_strings, strings, to_numpy_fi
 from smolctl.data.array_tasks import file_identity, read_work_file
 from smolctl.data.dedup_plan import ID_FIX, DedupPlan, Report
 from smolctl.data.minhash.arrays import connected_components, sorted_unique
-from smolctl.data.minhash.kernels import estimate_jaccard, jaccard_many, signatures, tokenize
+from smolctl.data.minhash.kernels import estimate_jaccard, jaccard_many, signatures, sorted_sets, tokenize
 from smolctl.data.minhash.lsh import band_keys, bucket_pairs
 from smolctl.data.minhash.params import settle_margin
-from smolctl.data.minhash.shingles import sets_from_hashes, shingle_hashes
+from smolctl.data.minhash.shingles import shingle_hashes
 from smolctl.errors import UserError
 from smolctl.shards import atomic_write_bytes, atomic_write_parts
 
@@ -364,7 +364,7 @@ def verify_pairs(
 
 def shingle_sets_of(plan_: DedupPlan, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Shingle sets (values, bounds) of the given sorted global documents, in their order."""
-    return sets_from_hashes(*kept_shingles(plan_, docs))
+    return sorted_sets(*kept_shingles(plan_, docs))
 
 
 def kept_shingles(plan_: DedupPlan, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -244,6 +244,28 @@ def signatures(shingles, offsets, multipliers, out) -> None:
             rows[filled, p] = np.minimum.reduceat(keys * multipliers[p], segment_starts)
 
 
+def sorted_sets(values, offsets, out, out_bounds) -> int:
+    """Each document's values sorted and without repeats, end to end in out; see _minhash.c's header."""
+    values, offsets = _array(values, "values", np.uint64), _array(offsets, "offsets", np.int64)
+    out = _array(out, "out", np.uint64, writable=True)
+    out_bounds = _array(out_bounds, "out_bounds", np.int64, writable=True)
+    docs = len(offsets) - 1
+    if not _offsets_fit(offsets, len(values)) or len(out) < len(values) or len(out_bounds) != docs + 1:
+        raise ValueError("sorted_sets: values, offsets and outputs do not fit together")
+    counts = np.diff(offsets)
+    owner = np.repeat(np.arange(docs), counts)
+    members = values[np.arange(len(owner)) + np.repeat(offsets[:-1] - (np.cumsum(counts) - counts), counts)]
+    order = np.lexsort((members, owner))
+    members, owner = members[order], owner[order]
+    first = np.ones(len(members), bool)
+    first[1:] = (members[1:] != members[:-1]) | (owner[1:] != owner[:-1])
+    total = int(first.sum())
+    out[:total] = members[first]
+    out_bounds[0] = 0
+    np.cumsum(np.bincount(owner[first], minlength=docs), out=out_bounds[1:])
+    return total
+
+
 def intersections(values, bounds, left, right, out) -> None:
     """out[k] = |set left[k] & set right[k]|, set i being the sorted unique values[bounds[i]:bounds[i + 1]]."""
     values, bounds = _array(values, "values", np.uint64), _array(bounds, "bounds", np.int64)

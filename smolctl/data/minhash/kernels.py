@@ -112,6 +112,16 @@ def signatures(shingles: np.ndarray, offsets: np.ndarray, multipliers: np.ndarra
     return out
 
 
+def sorted_sets(values: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(values, bounds) of each document's sorted unique values, from (values, offsets) end to end: set i is
+    values[bounds[i]:bounds[i + 1]] (_minhash.c)."""
+    out, bounds = np.empty(len(values), np.uint64), np.empty(len(offsets), np.int64)
+    total = _minhash.sorted_sets(
+        np.ascontiguousarray(values, np.uint64), np.ascontiguousarray(offsets, np.int64), out, bounds
+    )
+    return out[:total], bounds
+
+
 def jaccard_many(values: np.ndarray, bounds: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
     """Exact Jaccard of many pairs of sets stored end to end (set i = values[bounds[i]:bounds[i+1]], sorted
     unique): one merge of the two sorted sets per pair (_minhash.c); two empty sets are identical."""
