@@ -18,6 +18,11 @@
        Each document's values[offsets[i]:offsets[i + 1]] sorted and without repeats, end to end in out (at
        least len(values) long), document i owning out[out_bounds[i]:out_bounds[i + 1]]. Each set is sorted where
        it lands, small enough to stay in cache: one sort of every document's values at once runs from memory.
+   repeated_values(values, scratch, out) -> count
+       The values that occur more than once, sorted and unique, in out[0:count]; scratch and out hold at least
+       len(values). The values are spread over buckets by their top bits (one counting pass and one scatter
+       into scratch), each bucket is sorted where it lies, in cache, and runs of equal values are read off in
+       bucket order. Meant for hash values (the top bits uniform); any input is correct, a skewed one slower.
    intersections(values, bounds, left, right, out)
        out[k] = |set left[k] & set right[k]|, set i being the sorted unique values[bounds[i]:bounds[i + 1]].
    agreements(signatures, perms, left, right, out)
@@ -585,6 +590,12 @@ static void intro_sort(uint64_t *a, Py_ssize_t n, int depth) {
     insertion_sort(a, n);
 }
 
+static int sort_depth(Py_ssize_t count) {
+    int depth = 0;
+    for (Py_ssize_t m = count; m > 1; m >>= 1) depth += 2;
+    return depth;
+}
+
 static PyObject *sorted_sets(PyObject *self, PyObject *args) {
     PyObject *objects[4];
     if (!PyArg_ParseTuple(args, "OOOO", &objects[0], &objects[1], &objects[2], &objects[3])) return NULL;
@@ -606,9 +617,7 @@ static PyObject *sorted_sets(PyObject *self, PyObject *args) {
         Py_ssize_t count = offsets[i + 1] - offsets[i], kept = count > 0;
         uint64_t *set = out + total;
         memmove(set, values + offsets[i], (size_t)count * sizeof(uint64_t));
-        int depth = 0;
-        for (Py_ssize_t m = count; m > 1; m >>= 1) depth += 2;
-        intro_sort(set, count, depth);
+        intro_sort(set, count, sort_depth(count));
         for (Py_ssize_t k = 1; k < count; k++)
             if (set[k] != set[kept - 1]) set[kept++] = set[k];
         total += kept;
@@ -617,6 +626,53 @@ static PyObject *sorted_sets(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     release(b, 4);
     return PyLong_FromSsize_t(total);
+}
+
+static PyObject *repeated_values(PyObject *self, PyObject *args) {
+    PyObject *objects[3];
+    if (!PyArg_ParseTuple(args, "OOO", &objects[0], &objects[1], &objects[2])) return NULL;
+    Buffer b[3];
+    static const char *names[3] = {"values", "scratch", "out"};
+    static const Py_ssize_t sizes[3] = {8, 8, 8};
+    if (get_buffers(objects, b, 3, names, sizes, 1) < 0) return NULL;
+    const uint64_t *values = b[0].view.buf;
+    uint64_t *scratch = b[1].view.buf, *out = b[2].view.buf;
+    Py_ssize_t n = b[0].view.len / 8;
+    if (b[1].view.len / 8 < n || b[2].view.len / 8 < n)
+        return refuse(b, 3, "repeated_values: scratch and out are shorter than values");
+    /* ~16 values a bucket, at most 2^20 buckets (8 MB of bucket ends). */
+    int bits = 1;
+    while (bits < 20 && ((Py_ssize_t)1 << (bits + 4)) < n) bits++;
+    Py_ssize_t buckets = (Py_ssize_t)1 << bits;
+    Py_ssize_t *ends = calloc((size_t)buckets, sizeof(Py_ssize_t));
+    if (ends == NULL) {
+        release(b, 3);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t count = 0;
+    Py_BEGIN_ALLOW_THREADS
+    const int shift = 64 - bits;
+    for (Py_ssize_t i = 0; i < n; i++) ends[values[i] >> shift]++;
+    Py_ssize_t start = 0;
+    for (Py_ssize_t k = 0; k < buckets; k++) { /* each bucket's start; the scatter moves it to the bucket's end */
+        Py_ssize_t size = ends[k];
+        ends[k] = start;
+        start += size;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) scratch[ends[values[i] >> shift]++] = values[i];
+    start = 0;
+    for (Py_ssize_t k = 0; k < buckets; k++) {
+        uint64_t *bucket = scratch + start;
+        Py_ssize_t size = ends[k] - start;
+        start = ends[k];
+        intro_sort(bucket, size, sort_depth(size));
+        for (Py_ssize_t i = 1; i < size; i++)
+            if (bucket[i] == bucket[i - 1] && (count == 0 || out[count - 1] != bucket[i])) out[count++] = bucket[i];
+    }
+    Py_END_ALLOW_THREADS
+    free(ends);
+    release(b, 3);
+    return PyLong_FromSsize_t(count);
 }
 
 static PyObject *intersections(PyObject *self, PyObject *args) {
@@ -740,6 +796,7 @@ static PyMethodDef methods[] = {
     {"tokenize", tokenize, METH_VARARGS, "Hash every token and word of a batch of documents (see the file's header)."},
     {"shingles", shingles, METH_VARARGS, "Word (or character) n-gram shingle hashes (see the file's header)."},
     {"sorted_sets", sorted_sets, METH_VARARGS, "Each document's values sorted and without repeats (see the file's header)."},
+    {"repeated_values", repeated_values, METH_VARARGS, "The values occurring more than once, sorted (see the file's header)."},
     {"intersections", intersections, METH_VARARGS, "Sizes of the intersections of pairs of sorted sets (see the file's header)."},
     {"agreements", agreements, METH_VARARGS, "Equal signature values of pairs of documents (see the file's header)."},
     {"signatures", signatures, METH_VARARGS, "MinHash signatures of a batch of documents (see the file's header)."},

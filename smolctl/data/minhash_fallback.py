@@ -266,6 +266,23 @@ def sorted_sets(values, offsets, out, out_bounds) -> int:
     return total
 
 
+def repeated_values(values, scratch, out) -> int:
+    """The values occurring more than once, sorted and unique, in out[:count]; see _minhash.c's header."""
+    values = _array(values, "values", np.uint64)
+    scratch, out = _array(scratch, "scratch", np.uint64, writable=True), _array(out, "out", np.uint64, writable=True)
+    if len(scratch) < len(values) or len(out) < len(values):
+        raise ValueError("repeated_values: scratch and out are shorter than values")
+    ordered = scratch[: len(values)]
+    ordered[:] = values
+    ordered.sort()
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    first = np.ones(len(repeated), bool)
+    first[1:] = repeated[1:] != repeated[:-1]
+    count = int(first.sum())
+    out[:count] = repeated[first]
+    return count
+
+
 def intersections(values, bounds, left, right, out) -> None:
     """out[k] = |set left[k] & set right[k]|, set i being the sorted unique values[bounds[i]:bounds[i + 1]]."""
     values, bounds = _array(values, "values", np.uint64), _array(bounds, "bounds", np.int64)

@@ -122,6 +122,14 @@ def sorted_sets(values: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np
     return out[:total], bounds
 
 
+def repeated_values(values: np.ndarray) -> np.ndarray:
+    """The values occurring more than once, sorted and unique (_minhash.c: sorted by buckets of their top bits,
+    which are uniform for hashes)."""
+    values = np.ascontiguousarray(values, np.uint64)
+    out = np.empty(len(values), np.uint64)
+    return out[: _minhash.repeated_values(values, np.empty(len(values), np.uint64), out)]
+
+
 def jaccard_many(values: np.ndarray, bounds: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
     """Exact Jaccard of many pairs of sets stored end to end (set i = values[bounds[i]:bounds[i+1]], sorted
     unique): one merge of the two sorted sets per pair (_minhash.c); two empty sets are identical."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from smolctl.data.minhash.arrays import mix64, sorted_unique
-from smolctl.data.minhash.kernels import NGRAM_WEIGHTS
+from smolctl.data.minhash.kernels import NGRAM_WEIGHTS, repeated_values
 
 # A band bucket larger than this yields pairs only between near neighbours in document order plus a star from
 # its first member: a bucket of k documents would otherwise cost k²/2 verifications.
@@ -63,16 +63,15 @@ def bucket_pairs(keys: np.ndarray, docs: np.ndarray) -> np.ndarray:
 
 def _shared_keys(keys: np.ndarray, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The (keys, docs) whose key another document shares: the only ones that pair. Nearly every key of a band is
-    unique, so one sort of the keys alone (no indices to carry) and a lookup leave few documents to arrange.
+    unique, so the repeated keys are found from the keys alone (no indices to carry; _minhash.repeated_values
+    sorts them by buckets of their top bits) and a lookup leaves few documents to arrange.
 
     The lookup first tests each key's low bits against a table of the shared keys' low bits (keys are mix64
     outputs, so their low bits are uniform): a binary search of every key, cache miss after cache miss, is
     left to the few that pass."""
-    ordered = np.sort(keys)
-    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
-    if not len(repeated):
+    shared = repeated_values(keys)
+    if not len(shared):
         return keys[:0], docs[:0]
-    shared = sorted_unique(repeated)
     low_bits = np.uint64(SHARED_KEY_TABLE_SIZE - 1)
     table = np.zeros(SHARED_KEY_TABLE_SIZE, bool)
     table[(shared & low_bits).astype(np.intp)] = True
