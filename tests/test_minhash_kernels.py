@@ -303,16 +303,16 @@ def test_kernels_refuse_buffers_that_do_not_fit(kernel_impl):
 
 
 def changes(text: str) -> bool:
-    """Whether changing_table() (or its beyond-the-table rule) catches a character of text."""
-    bits = np.unpackbits(normalization.changing_table(), bitorder="little")
+    """Whether normalization_tables().changing (or its beyond-the-table rule) catches a character of text."""
+    bits = np.unpackbits(normalization.normalization_tables().changing, bitorder="little")
     return any(ord(c) >= len(bits) or bits[ord(c)] for c in text)
 
 
 def test_characters_outside_the_changing_class_are_left_alone_by_normalisation():
-    """The tokeniser hashes a non-ASCII document in place unless it holds a character of changing_table():
+    """The tokeniser hashes a non-ASCII document in place unless it holds a character of normalization_tables().changing:
     every other character of planes 0-1 must come out of normalize() unchanged, alone, doubled, and after an
     ASCII letter it could compose with, and the class must catch what does change."""
-    bits = np.unpackbits(normalization.changing_table(), bitorder="little")
+    bits = np.unpackbits(normalization.normalization_tables().changing, bitorder="little")
     assert len(bits) == normalization.TABLE_CODE_POINTS == 0x20000
     kept = [chr(c) for c in range(0x80, len(bits)) if not 0xD800 <= c < 0xE000 and not bits[c]]
     assert len(kept) > 100_000
@@ -372,18 +372,102 @@ def test_changing_documents_match_the_definition_on_text_and_malformed_bytes(ker
     ends = np.cumsum([len(d) for d in docs]).astype(np.int64)
     starts = ends - np.array([len(d) for d in docs], dtype=np.int64)
     out = np.full(len(docs), 7, np.uint8)
-    kernel_impl.changing_documents(data, starts, ends, normalization.changing_table(), out)
+    kernel_impl.changing_documents(data, starts, ends, normalization.normalization_tables().changing, out)
     expected = [changing_by_definition(d) for d in docs]
     assert 100 < sum(expected) < 500
     assert out.tolist() == [int(e) for e in expected]
     with pytest.raises(ValueError, match="inside data"):
-        kernel_impl.changing_documents(data, starts, ends + 1, normalization.changing_table(), out)
+        kernel_impl.changing_documents(data, starts, ends + 1, normalization.normalization_tables().changing, out)
     # ASCII never counts, whatever the table says of it; a table must cover ASCII; past its end everything counts.
     everything = np.full(16, 0xFF, np.uint8)
     kernel_impl.changing_documents(b"plain" + "é".encode(), np.array([0, 0]), np.array([5, 7]), everything, out[:2])
     assert out[:2].tolist() == [0, 1]
     with pytest.raises(ValueError, match="128 ASCII"):
         kernel_impl.changing_documents(b"a", np.array([0]), np.array([1]), np.zeros(15, np.uint8), out[:1])
+
+
+def foldable() -> list[str]:
+    folds = normalization.normalization_tables().folds
+    return [chr(c) for c in np.flatnonzero(folds).tolist()]
+
+
+def test_case_folds_are_what_normalisation_makes_of_those_characters_anywhere():
+    """Every character with a fold in C comes out of normalize() as its fold, wherever it stands: alone, after
+    an ASCII letter it could compose with, doubled, beside every other foldable character and beside characters
+    that normalisation leaves alone; and the fold's bytes are the ones packed in the table."""
+    tables = normalization.normalization_tables()
+    chars = foldable()
+    assert len(chars) > 1000 and {"Я", "Σ", "É", "ß", "Ա", "\U00010400"} <= set(chars)
+    for c in chars:
+        assert normalization.normalize(f"Ae{c}{c}x") == f"ae{c.casefold() * 2}x", hex(ord(c))
+        assert int(tables.folds[ord(c)]).to_bytes(len(c.encode()), "little") == c.casefold().encode(), hex(ord(c))
+    joined = "".join(chars)
+    assert normalization.normalize(joined) == "".join(c.casefold() for c in chars)
+    kept = "’机я—é"
+    mixed = "".join(c + kept[i % len(kept)] for i, c in enumerate(chars))
+    assert normalization.normalize(mixed) == "".join(c.casefold() + kept[i % len(kept)] for i, c in enumerate(chars))
+    # Not folded in C: compatibility forms, characters whose folding changes their length, composing marks.
+    for c in ("Ａ", "ﬁ", "\u0130", "\u1e9e", "\u0301", "\u00a0", "\u212a"):
+        assert not tables.folds[ord(c)], hex(ord(c))
+
+
+def test_fold_documents_match_the_definition(kernel_impl):
+    """Documents of foldable capitals, characters left alone, characters only Python normalises and malformed
+    bytes (between characters: they must be copied, not decoded across): each document folded in C is
+    normalize()'s bytes (ASCII aside, lowered as the tokeniser reads), and a document is refused exactly when it
+    holds a changing character without a fold."""
+    rng = random.Random(11)
+    pieces = ["ASCII words ", "Я", "ЖЁЛТЫЙ", "Σ", "Ωμέγα", "ÉCOLE", "Straße", "ԱՐԵՎ", "\U00010400", "я", "机", "’", "é"]
+    needs_python = ["\u00a0", "ﬁ", "Ａ", "\u0301", "\u0130", "\U00020000"]
+    malformed = [b"\x80", b"\xc3", b"\xe2\x80", b"\xc0\xaf", b"\xed\xa0\x80", b"\xf5"]
+    docs, wanted = [], []
+    for k in range(500):
+        chosen = [rng.choice(pieces) for _ in range(rng.randrange(0, 10))]
+        if k % 5 == 0:
+            chosen.insert(rng.randrange(len(chosen) + 1), rng.choice(needs_python))
+        raw = [c.encode() for c in chosen]
+        folded = ["".join(x.casefold() if ord(x) >= 0x80 else x for x in c).encode() for c in chosen]
+        if k % 7 == 0:
+            at, bad = rng.randrange(len(raw) + 1), rng.choice(malformed)
+            raw.insert(at, bad)
+            folded.insert(at, bad)
+        docs.append(b"".join(raw))
+        wanted.append(None if k % 5 == 0 else b"".join(folded))
+    data = b"".join(docs)
+    ends = np.cumsum([len(d) for d in docs]).astype(np.int64)
+    starts = ends - np.array([len(d) for d in docs], dtype=np.int64)
+    tables = normalization.normalization_tables()
+    out, ok = np.zeros(len(data), np.uint8), np.full(len(docs), 7, np.uint8)
+    kernel_impl.fold_documents(data, starts, ends, tables.changing, tables.folds, out, ok)
+    assert ok.tolist() == [int(w is not None) for w in wanted]
+    for i, (raw, want) in enumerate(zip(docs, wanted)):
+        if want is None:
+            continue
+        got = out[starts[i] : ends[i]].tobytes()
+        assert got == want, raw
+        if i % 7:  # well-formed: what normalize() makes of the document, ASCII letters aside
+            assert got.decode().lower() == normalization.normalize(raw.decode()), raw
+    with pytest.raises(ValueError, match="shorter than the documents"):
+        kernel_impl.fold_documents(data, starts, ends, tables.changing, tables.folds, out[:-1], ok)
+    with pytest.raises(ValueError, match="one entry per code point"):
+        kernel_impl.fold_documents(data, starts, ends, tables.changing, tables.folds[:-1], out, ok)
+
+
+def test_tokenize_folds_capitals_as_python_does(kernel_impl):
+    """Text that is mostly capitals of other scripts (folded in C) beside text that Python must normalise."""
+    texts = [
+        "МОСКВА Москва москва",
+        "ΑΘΗΝΑ Αθήνα, ΣΟΦΙΑ",
+        "ÉCOLE Élève — «\u00a0oui\u00a0»",
+        "Straße STRASSE ẞ",
+        "ԱՐԵՎ and ᏣᎳᎩ 𐐀𐐁",
+        "İstanbul ǅemal",
+        "",
+        "ЖЁЛТЫЙ\tжёлтый\nЖЁЛТЫЙ",
+    ]
+    check_against_reference(kernels.tokenize(pa.array(texts)), texts)
+    tokens = kernels.tokenize(pa.array(["МОСКВА ÉCOLE", "москва école"]))
+    assert np.array_equal(tokens.exact[0], tokens.exact[1])
 
 
 def test_sorted_unique_is_np_unique():

@@ -35,6 +35,12 @@
        table (one bit per code point below 8 * len(table), little-endian within each byte; len(table) >= 16) or
        a character at or above 8 * len(table); else 0. ASCII characters never count. A byte that does not begin
        a well-formed sequence is skipped on its own.
+   fold_documents(data, starts, ends, table, folds, out, out_ok)
+       Document i's bytes copied to out (end to end, from 0), each character whose bit is set in table replaced
+       by folds[code point]: the UTF-8 bytes of its replacement, of the same length, packed little-endian into a
+       uint32 (len(folds) == 8 * len(table)). out_ok[i] = 0 if the document holds a character of the table
+       without a replacement (0 in folds) or at or above 8 * len(table): its bytes in out are then not meant to
+       be used. ASCII, characters outside the table and malformed bytes are copied as they are.
 */
 #include "_buffers.h" /* first: it includes Python.h, which must precede the standard headers */
 
@@ -792,6 +798,75 @@ static PyObject *changing_documents(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Copies [p, end) to out with the table's characters replaced; 0 as soon as one has no replacement. */
+static int fold_document(const uint8_t *p, const uint8_t *end, uint8_t *out, const uint8_t *table,
+                         const uint32_t *folds, uint64_t table_bits) {
+    while (p < end) {
+        if (end - p >= 8) {
+            uint64_t x;
+            memcpy(&x, p, 8);
+            if (!(x & HIGHS)) {
+                memcpy(out, p, 8);
+                p += 8;
+                out += 8;
+                continue;
+            }
+        }
+        uint32_t code_point;
+        int length = *p < 0x80 ? 0 : decode_utf8(p, end, &code_point);
+        if (length == 0) {
+            *out++ = *p++;
+            continue;
+        }
+        if (code_point >= table_bits) return 0;
+        if (table[code_point >> 3] >> (code_point & 7) & 1) {
+            uint32_t folded = folds[code_point];
+            if (folded == 0) return 0;
+            for (int k = 0; k < length; k++) out[k] = (uint8_t)(folded >> (8 * k));
+        } else {
+            memcpy(out, p, (size_t)length);
+        }
+        p += length;
+        out += length;
+    }
+    return 1;
+}
+
+static PyObject *fold_documents(PyObject *self, PyObject *args) {
+    PyObject *objects[7];
+    if (!PyArg_ParseTuple(args, "OOOOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4],
+                          &objects[5], &objects[6]))
+        return NULL;
+    Buffer b[7];
+    static const char *names[7] = {"data", "starts", "ends", "table", "folds", "out", "out_ok"};
+    static const Py_ssize_t sizes[7] = {1, 8, 8, 1, 4, 1, 1};
+    if (get_buffers(objects, b, 7, names, sizes, 5) < 0) return NULL;
+    const uint8_t *data = b[0].view.buf, *table = b[3].view.buf;
+    const int64_t *starts = b[1].view.buf, *ends = b[2].view.buf;
+    const uint32_t *folds = b[4].view.buf;
+    uint8_t *out = b[5].view.buf, *ok = b[6].view.buf;
+    Py_ssize_t docs = b[1].view.len / 8, size = b[0].view.len, total = 0;
+    if (b[2].view.len / 8 != docs || b[6].view.len != docs)
+        return refuse(b, 7, "fold_documents: starts, ends and out_ok disagree on the number of documents");
+    if (b[3].view.len < 16 || b[4].view.len / 4 != b[3].view.len * 8)
+        return refuse(b, 7, "fold_documents: folds must hold one entry per code point of the table");
+    for (Py_ssize_t i = 0; i < docs; i++) {
+        if (starts[i] < 0 || starts[i] > ends[i] || ends[i] > size)
+            return refuse(b, 7, "fold_documents: each document must lie inside data");
+        total += ends[i] - starts[i];
+    }
+    if (b[5].view.len < total) return refuse(b, 7, "fold_documents: out is shorter than the documents");
+    uint64_t table_bits = (uint64_t)b[3].view.len * 8;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < docs; i++) {
+        ok[i] = (uint8_t)fold_document(data + starts[i], data + ends[i], out, table, folds, table_bits);
+        out += ends[i] - starts[i];
+    }
+    Py_END_ALLOW_THREADS
+    release(b, 7);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"tokenize", tokenize, METH_VARARGS, "Hash every token and word of a batch of documents (see the file's header)."},
     {"shingles", shingles, METH_VARARGS, "Word (or character) n-gram shingle hashes (see the file's header)."},
@@ -800,6 +875,7 @@ static PyMethodDef methods[] = {
     {"intersections", intersections, METH_VARARGS, "Sizes of the intersections of pairs of sorted sets (see the file's header)."},
     {"agreements", agreements, METH_VARARGS, "Equal signature values of pairs of documents (see the file's header)."},
     {"signatures", signatures, METH_VARARGS, "MinHash signatures of a batch of documents (see the file's header)."},
+    {"fold_documents", fold_documents, METH_VARARGS, "Documents with the table's characters replaced (see the file's header)."},
     {"changing_documents", changing_documents, METH_VARARGS, "Documents holding a character of a table (see the file's header)."},
     {NULL, NULL, 0, NULL},
 };

@@ -375,6 +375,53 @@ def changing_documents(data, starts, ends, table, out) -> None:
         out[i] = bool(beyond.any() or bits[code_points[~beyond]].any())
 
 
+def fold_documents(data, starts, ends, table, folds, out, out_ok) -> None:
+    """Each document's bytes end to end in out, the table's characters replaced by their folds; out_ok[i] = 0
+    where one has none (or lies beyond the table). See _minhash.c's header."""
+    data = _array(data, "data", np.uint8)
+    starts, ends = _array(starts, "starts", np.int64), _array(ends, "ends", np.int64)
+    table, folds = _array(table, "table", np.uint8), _array(folds, "folds", np.uint32)
+    out, out_ok = _array(out, "out", np.uint8, writable=True), _array(out_ok, "out_ok", np.uint8, writable=True)
+    if len(ends) != len(starts) or len(out_ok) != len(starts):
+        raise ValueError("fold_documents: starts, ends and out_ok disagree on the number of documents")
+    if len(table) < 16 or len(folds) != 8 * len(table):
+        raise ValueError("fold_documents: folds must hold one entry per code point of the table")
+    if ((starts < 0) | (starts > ends) | (ends > len(data))).any():
+        raise ValueError("fold_documents: each document must lie inside data")
+    if int((ends - starts).sum()) > len(out):
+        raise ValueError("fold_documents: out is shorter than the documents")
+    bits = np.unpackbits(table, bitorder="little").astype(bool)
+    position = 0
+    for i, (start, end) in enumerate(zip(starts.tolist(), ends.tolist())):
+        folded = _folded(data[start:end].tobytes(), bits, folds)
+        out_ok[i] = folded is not None
+        if folded is not None:
+            out[position : position + len(folded)] = np.frombuffer(folded, np.uint8)
+        position += end - start
+
+
+def _folded(raw: bytes, bits: np.ndarray, folds: np.ndarray) -> bytes | None:
+    """raw with each well-formed character of the table replaced by its fold; None where one has none."""
+    pieces, i = [], 0
+    while i < len(raw):
+        lead = raw[i]
+        length = 1 if lead < 0x80 else 2 if 0xC2 <= lead < 0xE0 else 3 if 0xE0 <= lead < 0xF0 else 4
+        sequence = raw[i : i + length]
+        try:
+            code_point = ord(sequence.decode("utf-8")) if 0xC2 <= lead < 0xF5 else None
+        except UnicodeDecodeError:
+            code_point = None
+        if code_point is None:  # ASCII, or a malformed byte: copied alone
+            pieces.append(raw[i : i + 1])
+            i += 1
+            continue
+        if code_point >= len(bits) or (bits[code_point] and not folds[code_point]):
+            return None
+        pieces.append(int(folds[code_point]).to_bytes(length, "little") if bits[code_point] else sequence)
+        i += length
+    return b"".join(pieces)
+
+
 def _well_formed_text(raw: bytes) -> str:
     """The characters of raw's well-formed UTF-8 sequences, a malformed byte skipped on its own (as _minhash.c)."""
     try:

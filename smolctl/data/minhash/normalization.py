@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import unicodedata
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -38,19 +39,32 @@ def normalize_array(texts: pa.Array | pa.ChunkedArray) -> pa.LargeStringArray:
     return pc.replace_with_mask(texts, pa.array(~is_ascii), folded)
 
 
-# Code points below this are looked up in changing_table(); every one from here on counts as changing.
+# Code points below this are looked up in normalization_tables(); every one from here on counts as changing.
 TABLE_CODE_POINTS = 0x20000
 
 
-@functools.cache
-def changing_table() -> np.ndarray:
+@dataclass(frozen=True)
+class NormalizationTables:
+    """What the kernels need to know of normalize(), per code point below TABLE_CODE_POINTS (read-only arrays)."""
+
+    changing: np.ndarray
     """The characters a document must hold for normalize() to do more than lower-case its ASCII letters, as a
-    bitmap over the code points below TABLE_CODE_POINTS (uint8, bit c & 7 of byte c >> 3; what the kernel
-    `changing_documents` reads): those that NFKC or case folding change, those that compose with or reorder
-    around their neighbours (combining marks, the second characters of canonical compositions, Hangul vowel
-    and final jamo) and the extra spaces. Every character beyond plane 1 counts as changing (not examined:
-    rare, and always safe to normalise). Derived from this Python's Unicode tables once per process."""
+    bitmap (uint8, bit c & 7 of byte c >> 3; what the kernel `changing_documents` reads): those that NFKC or case
+    folding change, those that compose with or reorder around their neighbours (combining marks, the second
+    characters of canonical compositions, Hangul vowel and final jamo) and the extra spaces. Every character
+    beyond plane 1 counts as changing (not examined: rare, and always safe to normalise)."""
+    folds: np.ndarray
+    """uint32 per code point: for a changing character that normalize() turns into its case folding wherever it
+    stands (NFKC leaves it alone, it neither combines nor composes, and the folding is as long in UTF-8: Cyrillic,
+    Greek, Armenian and accented Latin capitals, ß), the folding's UTF-8 bytes packed little-endian; else 0. A
+    document whose changing characters all have one is folded in C (`fold_documents`), not in Python."""
+
+
+@functools.cache
+def normalization_tables() -> NormalizationTables:
+    """Derived from this Python's Unicode tables once per process."""
     changing = set(_OTHER_SPACES) | set(range(0x1161, 0x1176)) | set(range(0x11A8, 0x11C3))
+    case_only = set()  # changed by case folding alone: candidates for a fold in C
     for block in range(0x80, TABLE_CODE_POINTS, 128):
         if 0xD800 <= block < 0xE000:
             continue  # surrogates: never in UTF-8 text
@@ -61,7 +75,7 @@ def changing_table() -> np.ndarray:
             continue
         for i, c in enumerate(chars):
             if c.casefold() != c:
-                changing.add(block + i)
+                case_only.add(block + i)
             decomposition = unicodedata.decomposition(c)
             if not decomposition:
                 continue
@@ -70,8 +84,13 @@ def changing_table() -> np.ndarray:
             parts = decomposition.split()
             if not decomposition.startswith("<") and len(parts) == 2:
                 changing.add(int(parts[1], 16))  # may compose with the character before it
+    folds = np.zeros(TABLE_CODE_POINTS, np.uint32)
+    for code_point in case_only - changing:
+        source, folded = chr(code_point).encode(), chr(code_point).casefold().encode()
+        if len(folded) == len(source):
+            folds[code_point] = int.from_bytes(folded, "little")
     bits = np.zeros(TABLE_CODE_POINTS, bool)
-    bits[sorted(changing)] = True
-    table = np.packbits(bits, bitorder="little")
-    table.flags.writeable = False  # cached for the whole process
-    return table
+    bits[sorted(changing | case_only)] = True
+    tables = NormalizationTables(np.packbits(bits, bitorder="little"), folds)
+    tables.changing.flags.writeable = tables.folds.flags.writeable = False  # cached for the whole process
+    return tables
