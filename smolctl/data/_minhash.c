@@ -35,12 +35,14 @@
        table (one bit per code point below 8 * len(table), little-endian within each byte; len(table) >= 16) or
        a character at or above 8 * len(table); else 0. ASCII characters never count. A byte that does not begin
        a well-formed sequence is skipped on its own.
-   fold_documents(data, starts, ends, table, folds, out, out_ok)
-       Document i's bytes copied to out (end to end, from 0), each character whose bit is set in table replaced
-       by folds[code point]: the UTF-8 bytes of its replacement, of the same length, packed little-endian into a
-       uint32 (len(folds) == 8 * len(table)). out_ok[i] = 0 if the document holds a character of the table
-       without a replacement (0 in folds) or at or above 8 * len(table): its bytes in out are then not meant to
-       be used. ASCII, characters outside the table and malformed bytes are copied as they are.
+   fold_documents(data, starts, ends, table, folds, out, out_ends)
+       Document i's bytes copied to out, the documents end to end from 0, each character whose bit is set in table
+       replaced by folds[code point]: uint64, the replacement's UTF-8 bytes packed little-endian in the low 7
+       bytes and their number in the top byte (len(folds) == 8 * len(table)). out_ends[i] is where document i
+       ends in out (it starts where the one before it that was folded ends), or -1 when it holds a character of
+       the table without a replacement (0 in folds) or at or above 8 * len(table): nothing of it is kept then.
+       ASCII, characters outside the table and malformed bytes are copied as they are. A replacement is at most
+       7 bytes for at least 2, so out must hold 4 x the documents' bytes.
 */
 #include "_buffers.h" /* first: it includes Python.h, which must precede the standard headers */
 
@@ -798,9 +800,11 @@ static PyObject *changing_documents(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* Copies [p, end) to out with the table's characters replaced; 0 as soon as one has no replacement. */
-static int fold_document(const uint8_t *p, const uint8_t *end, uint8_t *out, const uint8_t *table,
-                         const uint32_t *folds, uint64_t table_bits) {
+/* Copies [p, end) to out with the table's characters replaced: the bytes written, or -1 as soon as one has no
+   replacement. */
+static Py_ssize_t fold_document(const uint8_t *p, const uint8_t *end, uint8_t *out, const uint8_t *table,
+                                const uint64_t *folds, uint64_t table_bits) {
+    uint8_t *start = out;
     while (p < end) {
         if (end - p >= 8) {
             uint64_t x;
@@ -818,18 +822,20 @@ static int fold_document(const uint8_t *p, const uint8_t *end, uint8_t *out, con
             *out++ = *p++;
             continue;
         }
-        if (code_point >= table_bits) return 0;
+        if (code_point >= table_bits) return -1;
         if (table[code_point >> 3] >> (code_point & 7) & 1) {
-            uint32_t folded = folds[code_point];
-            if (folded == 0) return 0;
-            for (int k = 0; k < length; k++) out[k] = (uint8_t)(folded >> (8 * k));
+            uint64_t folded = folds[code_point];
+            int folded_length = (int)(folded >> 56);
+            if (folded_length == 0) return -1;
+            for (int k = 0; k < folded_length; k++) out[k] = (uint8_t)(folded >> (8 * k));
+            out += folded_length;
         } else {
             memcpy(out, p, (size_t)length);
+            out += length;
         }
         p += length;
-        out += length;
     }
-    return 1;
+    return out - start;
 }
 
 static PyObject *fold_documents(PyObject *self, PyObject *args) {
@@ -838,29 +844,32 @@ static PyObject *fold_documents(PyObject *self, PyObject *args) {
                           &objects[5], &objects[6]))
         return NULL;
     Buffer b[7];
-    static const char *names[7] = {"data", "starts", "ends", "table", "folds", "out", "out_ok"};
-    static const Py_ssize_t sizes[7] = {1, 8, 8, 1, 4, 1, 1};
+    static const char *names[7] = {"data", "starts", "ends", "table", "folds", "out", "out_ends"};
+    static const Py_ssize_t sizes[7] = {1, 8, 8, 1, 8, 1, 8};
     if (get_buffers(objects, b, 7, names, sizes, 5) < 0) return NULL;
     const uint8_t *data = b[0].view.buf, *table = b[3].view.buf;
     const int64_t *starts = b[1].view.buf, *ends = b[2].view.buf;
-    const uint32_t *folds = b[4].view.buf;
-    uint8_t *out = b[5].view.buf, *ok = b[6].view.buf;
+    const uint64_t *folds = b[4].view.buf;
+    uint8_t *out = b[5].view.buf;
+    int64_t *out_ends = b[6].view.buf;
     Py_ssize_t docs = b[1].view.len / 8, size = b[0].view.len, total = 0;
-    if (b[2].view.len / 8 != docs || b[6].view.len != docs)
-        return refuse(b, 7, "fold_documents: starts, ends and out_ok disagree on the number of documents");
-    if (b[3].view.len < 16 || b[4].view.len / 4 != b[3].view.len * 8)
+    if (b[2].view.len / 8 != docs || b[6].view.len / 8 != docs)
+        return refuse(b, 7, "fold_documents: starts, ends and out_ends disagree on the number of documents");
+    if (b[3].view.len < 16 || b[4].view.len / 8 != b[3].view.len * 8)
         return refuse(b, 7, "fold_documents: folds must hold one entry per code point of the table");
     for (Py_ssize_t i = 0; i < docs; i++) {
         if (starts[i] < 0 || starts[i] > ends[i] || ends[i] > size)
             return refuse(b, 7, "fold_documents: each document must lie inside data");
         total += ends[i] - starts[i];
     }
-    if (b[5].view.len < total) return refuse(b, 7, "fold_documents: out is shorter than the documents");
+    if (b[5].view.len / 4 < total) return refuse(b, 7, "fold_documents: out holds less than 4 x the documents' bytes");
     uint64_t table_bits = (uint64_t)b[3].view.len * 8;
     Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t position = 0;
     for (Py_ssize_t i = 0; i < docs; i++) {
-        ok[i] = (uint8_t)fold_document(data + starts[i], data + ends[i], out, table, folds, table_bits);
-        out += ends[i] - starts[i];
+        Py_ssize_t written = fold_document(data + starts[i], data + ends[i], out + position, table, folds, table_bits);
+        if (written >= 0) position += written;
+        out_ends[i] = written >= 0 ? position : -1;
     }
     Py_END_ALLOW_THREADS
     release(b, 7);

@@ -375,29 +375,29 @@ def changing_documents(data, starts, ends, table, out) -> None:
         out[i] = bool(beyond.any() or bits[code_points[~beyond]].any())
 
 
-def fold_documents(data, starts, ends, table, folds, out, out_ok) -> None:
-    """Each document's bytes end to end in out, the table's characters replaced by their folds; out_ok[i] = 0
+def fold_documents(data, starts, ends, table, folds, out, out_ends) -> None:
+    """Each document's bytes end to end in out, the table's characters replaced by their folds; out_ends[i] = -1
     where one has none (or lies beyond the table). See _minhash.c's header."""
     data = _array(data, "data", np.uint8)
     starts, ends = _array(starts, "starts", np.int64), _array(ends, "ends", np.int64)
-    table, folds = _array(table, "table", np.uint8), _array(folds, "folds", np.uint32)
-    out, out_ok = _array(out, "out", np.uint8, writable=True), _array(out_ok, "out_ok", np.uint8, writable=True)
-    if len(ends) != len(starts) or len(out_ok) != len(starts):
-        raise ValueError("fold_documents: starts, ends and out_ok disagree on the number of documents")
+    table, folds = _array(table, "table", np.uint8), _array(folds, "folds", np.uint64)
+    out, out_ends = _array(out, "out", np.uint8, writable=True), _array(out_ends, "out_ends", np.int64, writable=True)
+    if len(ends) != len(starts) or len(out_ends) != len(starts):
+        raise ValueError("fold_documents: starts, ends and out_ends disagree on the number of documents")
     if len(table) < 16 or len(folds) != 8 * len(table):
         raise ValueError("fold_documents: folds must hold one entry per code point of the table")
     if ((starts < 0) | (starts > ends) | (ends > len(data))).any():
         raise ValueError("fold_documents: each document must lie inside data")
-    if int((ends - starts).sum()) > len(out):
-        raise ValueError("fold_documents: out is shorter than the documents")
+    if len(out) // 4 < int((ends - starts).sum()):
+        raise ValueError("fold_documents: out holds less than 4 x the documents' bytes")
     bits = np.unpackbits(table, bitorder="little").astype(bool)
     position = 0
     for i, (start, end) in enumerate(zip(starts.tolist(), ends.tolist())):
         folded = _folded(data[start:end].tobytes(), bits, folds)
-        out_ok[i] = folded is not None
         if folded is not None:
             out[position : position + len(folded)] = np.frombuffer(folded, np.uint8)
-        position += end - start
+            position += len(folded)
+        out_ends[i] = position if folded is not None else -1
 
 
 def _folded(raw: bytes, bits: np.ndarray, folds: np.ndarray) -> bytes | None:
@@ -415,9 +415,15 @@ def _folded(raw: bytes, bits: np.ndarray, folds: np.ndarray) -> bytes | None:
             pieces.append(raw[i : i + 1])
             i += 1
             continue
-        if code_point >= len(bits) or (bits[code_point] and not folds[code_point]):
+        if code_point >= len(bits):
             return None
-        pieces.append(int(folds[code_point]).to_bytes(length, "little") if bits[code_point] else sequence)
+        if bits[code_point]:
+            folded = int(folds[code_point])
+            if not folded >> 56:
+                return None
+            pieces.append(folded.to_bytes(8, "little")[: folded >> 56])
+        else:
+            pieces.append(sequence)
         i += length
     return b"".join(pieces)
 

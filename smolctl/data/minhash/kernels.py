@@ -46,9 +46,9 @@ def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
     Documents are hashed straight from the arrow buffer when normalize() would only lower-case their ASCII
     letters, which the kernel does as it reads: ASCII documents, and those whose other characters are all
     left alone by NFKC and case folding (curly quotes, dashes, accented lower-case letters, most scripts).
-    The rest go to a second buffer that the kernel reads instead: folded in C where their other characters
-    only need a case folding of the same length (capitals of Cyrillic, Greek, accented Latin), else
-    normalised in Python.
+    The rest go to a second buffer that the kernel reads instead: folded in C where normalize() makes the
+    same of each of their other characters wherever it stands (capitals, no-break spaces, full-width forms:
+    NormalizationTables.folds), else normalised in Python.
 
     A token is a run of bytes other than ASCII whitespace; its hash (and a word's) is sum_m c_m * R^(8m + 1)
     mod 2^64 over its 8-byte little-endian chunks c_m, finished with its length and a multiply-xorshift, so
@@ -70,21 +70,21 @@ def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
     _minhash.changing_documents(data, starts, ends, tables.changing, changing)
     others = np.flatnonzero(changing)
     if len(others):
-        # Positions from len(data) on address the second buffer: first the documents folded in C, each in the
-        # place of its bytes, then those normalised in Python.
-        lengths = ends[others] - starts[others]
-        folded, in_c = np.empty(int(lengths.sum()), np.uint8), np.empty(len(others), np.uint8)
-        _minhash.fold_documents(data, starts[others], ends[others], tables.changing, tables.folds, folded, in_c)
-        in_c = in_c.astype(bool)
-        ends[others] = data.size + np.cumsum(lengths)
-        starts[others] = ends[others] - lengths
-        by_python, normalised = others[~in_c], b""
+        # Positions from len(data) on address the second buffer: first the documents folded in C, then those
+        # normalised in Python.
+        folded_ends = np.empty(len(others), np.int64)
+        folded = np.empty(4 * int((ends[others] - starts[others]).sum()), np.uint8)
+        _minhash.fold_documents(data, starts[others], ends[others], tables.changing, tables.folds, folded, folded_ends)
+        in_c, size = others[folded_ends >= 0], int(folded_ends.max(initial=0))
+        ends[in_c] = data.size + folded_ends[folded_ends >= 0]
+        starts[in_c] = np.concatenate([[data.size], ends[in_c][:-1]])
+        by_python, normalised = others[folded_ends < 0], b""
         if len(by_python):
             pieces = [normalize(t).encode() for t in texts.take(from_numpy(by_python)).to_pylist()]
-            ends[by_python] = data.size + len(folded) + np.cumsum([len(p) for p in pieces], dtype=np.int64)
-            starts[by_python] = np.concatenate([[data.size + len(folded)], ends[by_python][:-1]])
+            ends[by_python] = data.size + size + np.cumsum([len(p) for p in pieces], dtype=np.int64)
+            starts[by_python] = np.concatenate([[data.size + size], ends[by_python][:-1]])
             normalised = b"".join(pieces)
-        extra = np.concatenate([folded, np.frombuffer(normalised, np.uint8)])
+        extra = np.concatenate([folded[:size], np.frombuffer(normalised, np.uint8)])
     # A word takes at least one byte and a separator: a document of n bytes has at most (n + 1) // 2 of them.
     room = (int((ends - starts).sum()) + len(texts)) // 2 + 1
     exact, word_hashes, word_counts = (

@@ -43,6 +43,10 @@ def normalize_array(texts: pa.Array | pa.ChunkedArray) -> pa.LargeStringArray:
 TABLE_CODE_POINTS = 0x20000
 
 
+# A fold's UTF-8 bytes fill at most the low 7 bytes of its uint64 entry; the top byte holds their number.
+FOLD_BYTES = 7
+
+
 @dataclass(frozen=True)
 class NormalizationTables:
     """What the kernels need to know of normalize(), per code point below TABLE_CODE_POINTS (read-only arrays)."""
@@ -54,43 +58,48 @@ class NormalizationTables:
     characters of canonical compositions, Hangul vowel and final jamo) and the extra spaces. Every character
     beyond plane 1 counts as changing (not examined: rare, and always safe to normalise)."""
     folds: np.ndarray
-    """uint32 per code point: for a changing character that normalize() turns into its case folding wherever it
-    stands (NFKC leaves it alone, it neither combines nor composes, and the folding is as long in UTF-8: Cyrillic,
-    Greek, Armenian and accented Latin capitals, ß), the folding's UTF-8 bytes packed little-endian; else 0. A
-    document whose changing characters all have one is folded in C (`fold_documents`), not in Python."""
+    """uint64 per code point: for a changing character that normalize() turns into the same text wherever it
+    stands, that text's UTF-8 bytes packed little-endian with their number in the top byte (at most FOLD_BYTES);
+    else 0. Such a character neither combines nor composes, nor does anything NFKC makes of it: capitals of
+    Cyrillic, Greek, Armenian and accented Latin, ß, no-break and other spaces, ligatures, full-width forms and
+    punctuation. A document whose changing characters all have one is folded in C (`fold_documents`)."""
 
 
 @functools.cache
 def normalization_tables() -> NormalizationTables:
     """Derived from this Python's Unicode tables once per process."""
-    changing = set(_OTHER_SPACES) | set(range(0x1161, 0x1176)) | set(range(0x11A8, 0x11C3))
-    case_only = set()  # changed by case folding alone: candidates for a fold in C
+    # Characters that compose with or reorder around their neighbours: no rule per character holds beside them.
+    composing = set(range(0x1161, 0x1176)) | set(range(0x11A8, 0x11C3))
+    changed = set(_OTHER_SPACES)  # characters that normalize() changes on their own
     for block in range(0x80, TABLE_CODE_POINTS, 128):
         if 0xD800 <= block < 0xE000:
             continue  # surrogates: never in UTF-8 text
         chars = np.arange(block, block + 128, dtype="<u4").tobytes().decode("utf-32-le")
-        changing.update(block + i for i, c in enumerate(chars) if unicodedata.combining(c))
+        composing.update(block + i for i, c in enumerate(chars) if unicodedata.combining(c))
         # A block that case folding and NFKD leave alone as a whole holds no character either changes.
         if chars.casefold() == chars and unicodedata.normalize("NFKD", chars) == chars:
             continue
         for i, c in enumerate(chars):
             if c.casefold() != c:
-                case_only.add(block + i)
+                changed.add(block + i)
             decomposition = unicodedata.decomposition(c)
             if not decomposition:
                 continue
             if unicodedata.normalize("NFKC", c) != c:
-                changing.add(block + i)
+                changed.add(block + i)
             parts = decomposition.split()
             if not decomposition.startswith("<") and len(parts) == 2:
-                changing.add(int(parts[1], 16))  # may compose with the character before it
-    folds = np.zeros(TABLE_CODE_POINTS, np.uint32)
-    for code_point in case_only - changing:
-        source, folded = chr(code_point).encode(), chr(code_point).casefold().encode()
-        if len(folded) == len(source):
-            folds[code_point] = int.from_bytes(folded, "little")
+                composing.add(int(parts[1], 16))  # may compose with the character before it
+    folds = np.zeros(TABLE_CODE_POINTS, np.uint64)
+    for code_point in changed - composing:
+        made = unicodedata.normalize("NFKC", chr(code_point))
+        if any(ord(part) in composing or unicodedata.combining(part) for part in made):
+            continue
+        folded = normalize(chr(code_point)).encode()
+        if len(folded) <= FOLD_BYTES:
+            folds[code_point] = int.from_bytes(folded, "little") | len(folded) << 8 * FOLD_BYTES
     bits = np.zeros(TABLE_CODE_POINTS, bool)
-    bits[sorted(changing | case_only)] = True
+    bits[sorted(changed | composing)] = True
     tables = NormalizationTables(np.packbits(bits, bitorder="little"), folds)
     tables.changing.flags.writeable = tables.folds.flags.writeable = False  # cached for the whole process
     return tables
