@@ -54,6 +54,34 @@ def test_every_command_is_listed_and_its_help_has_examples():
         assert "smolctl " + name in result.output, f"{name}: an example runs the command"
 
 
+def test_a_command_run_builds_only_itself_and_leaves_every_command_registered(monkeypatch, tmp_path):
+    """`smolctl inspect PATH` makes inspect's click command alone; `--version`, a mistyped name and a failing
+    command still leave all of them registered for the next call in the same process."""
+    import typer.main
+
+    from smolctl.cli import app, main
+
+    everything = [command.name for command in app.registered_commands]
+    built = []
+    make = typer.main.get_command_from_info
+
+    def recording(*args, **kwargs):
+        built.append((args[0] if args else kwargs["command_info"]).name)
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(typer.main, "get_command_from_info", recording)
+    for argv, code, names in (
+        (["inspect", str(tmp_path / "missing")], 2, ["inspect"]),
+        (["--version"], 0, everything),
+        (["pakc"], 2, everything),
+    ):
+        built.clear()
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == code and built == names, argv
+        assert [command.name for command in app.registered_commands] == everything
+
+
 def test_inspect_json_describes_a_dataset_folder(sample):
     result = run_cli("inspect", sample / "math", "--json", "--samples", "2", "--verify", "--lineage")
     assert result.returncode == 0, result.stderr
