@@ -248,6 +248,11 @@ def test_sorted_sets_are_each_documents_sorted_unique_values(kernel_impl):
         kernel_impl.sorted_sets(
             values, offsets[::-1].copy(), np.empty(len(values), np.uint64), np.empty(len(offsets), np.int64)
         )
+    for lone in ([5], [-3]):  # no documents: the one offset must still lie inside the (empty) values
+        with pytest.raises(ValueError, match="do not fit"):
+            kernel_impl.sorted_sets(
+                np.zeros(0, np.uint64), np.array(lone, np.int64), np.zeros(0, np.uint64), np.zeros(1, np.int64)
+            )
 
 
 @pytest.mark.parametrize("size", [0, 1, 2, 17, 40_000])
@@ -465,6 +470,13 @@ def test_fold_documents_match_the_definition(kernel_impl):
         kernel_impl.fold_documents(data, starts, ends, tables.changing, tables.folds, out[:-1], out_ends)
     with pytest.raises(ValueError, match="one entry per code point"):
         kernel_impl.fold_documents(data, starts, ends, tables.changing, tables.folds[:-1], out, out_ends)
+    # A fold longer than the format's 7 bytes is no fold: never written past the 4x room out was given.
+    long_folds = tables.folds.copy()
+    long_folds[ord("É")] = np.uint64(20 << 56 | 0x41414141414141)
+    room, room_ends = np.zeros(16, np.uint8), np.zeros(2, np.int64)
+    data = "É".encode() + b"ax"
+    kernel_impl.fold_documents(data, np.array([0, 2]), np.array([2, 4]), tables.changing, long_folds, room, room_ends)
+    assert room_ends.tolist() == [-1, 2] and room[:2].tobytes() == b"ax" and not room[2:].any()
 
 
 def test_tokenize_folds_capitals_as_python_does(kernel_impl):

@@ -40,7 +40,8 @@
        replaced by folds[code point]: uint64, the replacement's UTF-8 bytes packed little-endian in the low 7
        bytes and their number in the top byte (len(folds) == 8 * len(table)). out_ends[i] is where document i
        ends in out (it starts where the one before it that was folded ends), or -1 when it holds a character of
-       the table without a replacement (0 in folds) or at or above 8 * len(table): nothing of it is kept then.
+       the table without a replacement (0 in folds, or a length past 7) or at or above 8 * len(table): nothing of
+       it is kept then.
        ASCII, characters outside the table and malformed bytes are copied as they are. A replacement is at most
        7 bytes for at least 2, so out must hold 4 x the documents' bytes.
 */
@@ -78,11 +79,12 @@ static inline uint64_t little_endian(uint64_t x) {
 #endif
 }
 
-/* docs + 1 offsets into `items` values: ascending, and inside. */
+/* docs + 1 offsets into `items` values: ascending, and inside (the one offset of zero documents too). */
 static int check_offsets(const int64_t *offsets, Py_ssize_t docs, Py_ssize_t items) {
+    if (docs < 0 || offsets[0] < 0 || offsets[docs] > items) return 0;
     for (Py_ssize_t i = 0; i < docs; i++)
-        if (offsets[i] < 0 || offsets[i] > offsets[i + 1] || offsets[i + 1] > items) return 0;
-    return docs >= 0;
+        if (offsets[i] > offsets[i + 1]) return 0;
+    return 1;
 }
 
 /* Every pair (left[k], right[k]) names one of `count` rows. */
@@ -826,7 +828,7 @@ static Py_ssize_t fold_document(const uint8_t *p, const uint8_t *end, uint8_t *o
         if (table[code_point >> 3] >> (code_point & 7) & 1) {
             uint64_t folded = folds[code_point];
             int folded_length = (int)(folded >> 56);
-            if (folded_length == 0) return -1;
+            if (folded_length == 0 || folded_length > 7) return -1; /* none, or not one the format allows */
             for (int k = 0; k < folded_length; k++) out[k] = (uint8_t)(folded >> (8 * k));
             out += folded_length;
         } else {

@@ -3,7 +3,8 @@
     from smolctl.data import minhash_fallback as kernels
     kernels.signatures(shingles, offsets, multipliers, out)   # same arguments, results and errors as _minhash
 
-Each function takes the same buffers as its C twin, fills the same outputs bit for bit and refuses the same
+Each function takes the same buffers as its C twin, fills the same outputs bit for bit (sorted_sets and
+fold_documents: up to the end they report; past it the C kernels leave scratch) and refuses the same
 malformed arguments with the same ValueError (tests/test_minhash_kernels.py runs every kernel test against both).
 The definitions are stated in _minhash.c's header; here they are whole-array passes, processed a bounded slice at
 a time so that the temporaries (several uint64 per input byte) stay small. Dedup gives identical output with
@@ -419,7 +420,7 @@ def _folded(raw: bytes, bits: np.ndarray, folds: np.ndarray) -> bytes | None:
             return None
         if bits[code_point]:
             folded = int(folds[code_point])
-            if not folded >> 56:
+            if not 0 < folded >> 56 <= 7:
                 return None
             pieces.append(folded.to_bytes(8, "little")[: folded >> 56])
         else:
