@@ -40,10 +40,9 @@
        replaced by folds[code point]: uint64, the replacement's UTF-8 bytes packed little-endian in the low 7
        bytes and their number in the top byte (len(folds) == 8 * len(table)). out_ends[i] is where document i
        ends in out (it starts where the one before it that was folded ends), or -1 when it holds a character of
-       the table without a replacement (0 in folds, or a length past 7) or at or above 8 * len(table): nothing of
-       it is kept then.
-       ASCII, characters outside the table and malformed bytes are copied as they are. A replacement is at most
-       7 bytes for at least 2, so out must hold 4 x the documents' bytes.
+       the table without a replacement (0 in folds, or a length past 7) or at or above 8 * len(table), or when
+       its folding does not fit in what is left of out: nothing of it is kept then. ASCII, characters outside
+       the table and malformed bytes are copied as they are.
 */
 #include "_buffers.h" /* first: it includes Python.h, which must precede the standard headers */
 
@@ -802,13 +801,13 @@ static PyObject *changing_documents(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* Copies [p, end) to out with the table's characters replaced: the bytes written, or -1 as soon as one has no
-   replacement. */
-static Py_ssize_t fold_document(const uint8_t *p, const uint8_t *end, uint8_t *out, const uint8_t *table,
-                                const uint64_t *folds, uint64_t table_bits) {
+/* Copies [p, end) to [out, limit) with the table's characters replaced: the bytes written, or -1 as soon as one
+   has no replacement or the next piece would not fit before limit. */
+static Py_ssize_t fold_document(const uint8_t *p, const uint8_t *end, uint8_t *out, const uint8_t *limit,
+                                const uint8_t *table, const uint64_t *folds, uint64_t table_bits) {
     uint8_t *start = out;
     while (p < end) {
-        if (end - p >= 8) {
+        if (end - p >= 8 && limit - out >= 8) {
             uint64_t x;
             memcpy(&x, p, 8);
             if (!(x & HIGHS)) {
@@ -821,6 +820,7 @@ static Py_ssize_t fold_document(const uint8_t *p, const uint8_t *end, uint8_t *o
         uint32_t code_point;
         int length = *p < 0x80 ? 0 : decode_utf8(p, end, &code_point);
         if (length == 0) {
+            if (out == limit) return -1;
             *out++ = *p++;
             continue;
         }
@@ -828,10 +828,11 @@ static Py_ssize_t fold_document(const uint8_t *p, const uint8_t *end, uint8_t *o
         if (table[code_point >> 3] >> (code_point & 7) & 1) {
             uint64_t folded = folds[code_point];
             int folded_length = (int)(folded >> 56);
-            if (folded_length == 0 || folded_length > 7) return -1; /* none, or not one the format allows */
+            if (folded_length == 0 || folded_length > 7 || limit - out < folded_length) return -1;
             for (int k = 0; k < folded_length; k++) out[k] = (uint8_t)(folded >> (8 * k));
             out += folded_length;
         } else {
+            if (limit - out < length) return -1;
             memcpy(out, p, (size_t)length);
             out += length;
         }
@@ -854,7 +855,7 @@ static PyObject *fold_documents(PyObject *self, PyObject *args) {
     const uint64_t *folds = b[4].view.buf;
     uint8_t *out = b[5].view.buf;
     int64_t *out_ends = b[6].view.buf;
-    Py_ssize_t docs = b[1].view.len / 8, size = b[0].view.len, total = 0;
+    Py_ssize_t docs = b[1].view.len / 8, size = b[0].view.len;
     if (b[2].view.len / 8 != docs || b[6].view.len / 8 != docs)
         return refuse(b, 7, "fold_documents: starts, ends and out_ends disagree on the number of documents");
     if (b[3].view.len < 16 || b[4].view.len / 8 != b[3].view.len * 8)
@@ -862,14 +863,14 @@ static PyObject *fold_documents(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < docs; i++) {
         if (starts[i] < 0 || starts[i] > ends[i] || ends[i] > size)
             return refuse(b, 7, "fold_documents: each document must lie inside data");
-        total += ends[i] - starts[i];
     }
-    if (b[5].view.len / 4 < total) return refuse(b, 7, "fold_documents: out holds less than 4 x the documents' bytes");
     uint64_t table_bits = (uint64_t)b[3].view.len * 8;
+    const uint8_t *limit = out + b[5].view.len;
     Py_BEGIN_ALLOW_THREADS
     Py_ssize_t position = 0;
     for (Py_ssize_t i = 0; i < docs; i++) {
-        Py_ssize_t written = fold_document(data + starts[i], data + ends[i], out + position, table, folds, table_bits);
+        Py_ssize_t written =
+            fold_document(data + starts[i], data + ends[i], out + position, limit, table, folds, table_bits);
         if (written >= 0) position += written;
         out_ends[i] = written >= 0 ? position : -1;
     }

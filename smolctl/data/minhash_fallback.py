@@ -378,7 +378,7 @@ def changing_documents(data, starts, ends, table, out) -> None:
 
 def fold_documents(data, starts, ends, table, folds, out, out_ends) -> None:
     """Each document's bytes end to end in out, the table's characters replaced by their folds; out_ends[i] = -1
-    where one has none (or lies beyond the table). See _minhash.c's header."""
+    where one has none (or lies beyond the table) or the folding does not fit. See _minhash.c's header."""
     data = _array(data, "data", np.uint8)
     starts, ends = _array(starts, "starts", np.int64), _array(ends, "ends", np.int64)
     table, folds = _array(table, "table", np.uint8), _array(folds, "folds", np.uint64)
@@ -389,16 +389,16 @@ def fold_documents(data, starts, ends, table, folds, out, out_ends) -> None:
         raise ValueError("fold_documents: folds must hold one entry per code point of the table")
     if ((starts < 0) | (starts > ends) | (ends > len(data))).any():
         raise ValueError("fold_documents: each document must lie inside data")
-    if len(out) // 4 < int((ends - starts).sum()):
-        raise ValueError("fold_documents: out holds less than 4 x the documents' bytes")
     bits = np.unpackbits(table, bitorder="little").astype(bool)
     position = 0
     for i, (start, end) in enumerate(zip(starts.tolist(), ends.tolist())):
         folded = _folded(data[start:end].tobytes(), bits, folds)
-        if folded is not None:
+        if folded is not None and position + len(folded) <= len(out):
             out[position : position + len(folded)] = np.frombuffer(folded, np.uint8)
             position += len(folded)
-        out_ends[i] = position if folded is not None else -1
+            out_ends[i] = position
+        else:
+            out_ends[i] = -1
 
 
 def _folded(raw: bytes, bits: np.ndarray, folds: np.ndarray) -> bytes | None:

@@ -72,8 +72,11 @@ def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
     if len(others):
         # Positions from len(data) on address the second buffer: first the documents folded in C, then those
         # normalised in Python.
+        # Folds shrink or keep most characters (a no-break space, a full-width comma, a capital): a document
+        # whose folding outgrows this room is left to Python.
         folded_ends = np.empty(len(others), np.int64)
-        folded = np.empty(4 * int((ends[others] - starts[others]).sum()), np.uint8)
+        size = int((ends[others] - starts[others]).sum())
+        folded = np.empty(size + size // 4 + 64, np.uint8)
         _minhash.fold_documents(data, starts[others], ends[others], tables.changing, tables.folds, folded, folded_ends)
         in_c, size = others[folded_ends >= 0], int(folded_ends.max(initial=0))
         ends[in_c] = data.size + folded_ends[folded_ends >= 0]
