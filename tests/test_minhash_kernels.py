@@ -7,6 +7,7 @@ malformed buffers."""
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 import sys
 
@@ -400,42 +401,57 @@ def folds() -> dict[str, bytes]:
 def test_folds_are_what_normalisation_makes_of_those_characters_anywhere():
     """Every character with a fold in C comes out of normalize() as its fold wherever it stands: alone, after an
     ASCII letter it could compose with, doubled, beside every other foldable character, beside characters that
-    normalisation leaves alone, and in random pairs of all of these."""
+    normalisation leaves alone, and in random pairs and triples of all of these. Marks folded as themselves
+    keep that only while the classes of consecutive marks never go down (the kernel refuses the rest)."""
+    tables = normalization.normalization_tables()
     table = folds()
     assert len(table) > 5000
-    assert {"Я", "Σ", "É", "ß", "Ա", "\U00010400", "\u00a0", "\u202f", "，", "（", "\u3000", "Ａ", "ﬁ", "…"} <= set(
-        table
-    )
+    wanted = {"Я", "Σ", "É", "ß", "Ա", "\U00010400", "\u00a0", "\u202f", "，", "（", "\u3000", "Ａ", "ﬁ", "…"}
+    assert wanted | {"\u094d", "\u064e", "\u0651", "\u0e48", "\u05b4"} <= set(table)
     for c, folded in table.items():
         assert normalization.normalize(c).encode() == folded, hex(ord(c))
         assert normalization.normalize(f"Ae{c}{c}x") == f"ae{folded.decode() * 2}x", hex(ord(c))
-    chars = list(table)
-    assert normalization.normalize("".join(chars)) == b"".join(table.values()).decode()
+        assert normalization.normalize(f"\u00c9{c}\u01c4{c}") == f"\u00e9{folded.decode()}d\u017e{folded.decode()}"
+    marks = sorted((c for c in table if tables.classes[ord(c)]), key=lambda c: tables.classes[ord(c)])
+    letters = [c for c in table if not tables.classes[ord(c)]]
+    assert len(marks) > 500
+    assert normalization.normalize("".join(letters)) == b"".join(table[c] for c in letters).decode()
+    assert normalization.normalize("a" + "".join(marks)) == "a" + "".join(marks)  # classes in order: unmoved
     kept = "’机я—éaZ"
-    mixed = "".join(c + kept[i % len(kept)] for i, c in enumerate(chars))
-    want = "".join(table[c].decode() + kept[i % len(kept)].lower() for i, c in enumerate(chars))
+    mixed = "".join(c + kept[i % len(kept)] for i, c in enumerate(table))
+    want = "".join(table[c].decode() + kept[i % len(kept)].lower() for i, c in enumerate(table))
     assert normalization.normalize(mixed) == want
+
+    def class_of(c: str) -> int:
+        return int(tables.classes[ord(c)]) if ord(c) < len(tables.classes) else 0
+
     rng = random.Random(12)
-    pool = chars + list(kept) + ["가", "\u1100", "ก", "\u0915"]
+    pool = list(table) + list(kept) + ["가", "\u1100", "ก", "\u0915", "\u00ea", "\u1ec7", "\u01c5", "\u0928"]
+    checked = 0
     for _ in range(100_000):
-        a, b = rng.choice(pool), rng.choice(pool)
-        got = normalization.normalize(a + b)
-        assert got == normalization.normalize(a) + normalization.normalize(b), (hex(ord(a)), hex(ord(b)))
-    # Left to Python: marks, what NFKC turns into a mark (the half-width voiced sound mark), Hangul vowel and
-    # final jamo that compose with the syllable before them, and the second character of a composition.
-    for c in ("\u0301", "\uff9e", "\u1161", "\u11a8", "\u0dcf"):
+        text = "".join(rng.choice(pool) for _ in range(rng.choice([2, 3])))
+        if any(0 < class_of(b) < class_of(a) for a, b in itertools.pairwise(text)):
+            continue  # refused by the kernel: NFKC would reorder these marks
+        assert normalization.normalize(text) == "".join(normalization.normalize(c) for c in text), text.encode()
+        checked += 1
+    assert checked > 90_000
+    # Left to Python: marks that compose (the acute accent, the nukta after na), what NFKC turns into a mark
+    # (the half-width voiced sound mark), Hangul vowel and final jamo, and the second character of a composition.
+    for c in ("\u0301", "\u093c", "\uff9e", "\u1161", "\u11a8", "\u0dcf"):
         assert c not in table, hex(ord(c))
+    assert normalization.normalize("\u0645\u0651\u064e") != "\u0645\u0651\u064e"  # shadda, then fatha: reordered
 
 
 def test_fold_documents_match_the_definition(kernel_impl):
-    """Documents of foldable characters, characters left alone, characters only Python normalises and malformed
-    bytes (between characters: they must be copied, not decoded across): each document folded in C is
-    normalize()'s bytes (ASCII aside, lowered as the tokeniser reads), and a document is refused exactly when it
-    holds a changing character without a fold."""
+    """Documents of foldable characters, characters left alone, marks in canonical order, characters only Python
+    normalises and malformed bytes (between characters: they must be copied, not decoded across): each document
+    folded in C is normalize()'s bytes (ASCII aside, lowered as the tokeniser reads), and a document is refused
+    exactly when it holds a changing character without a fold, or marks whose classes go down."""
     rng = random.Random(11)
     pieces = ["ASCII words ", "Я", "ЖЁЛТЫЙ", "Σ", "Ωμέγα", "ÉCOLE", "Straße", "ԱՐԵՎ", "\U00010400", "я", "机", "’"]
     pieces += ["é", "«\u00a0oui\u00a0»", "中文，（测试）：", "ﬁn", "…", "½", "\u3000", "ＡＢＣ", "\u2028", "™"]
-    needs_python = ["\u0301", "\uff9e", "\u1161", "\U00020000"]
+    pieces += ["क्षत्रिय", "ที่นี่", "مَّدْرَسَة", "שָׁלוֹם", "Ꭰ"]
+    needs_python = ["\u0301", "\uff9e", "\u1161", "\U00020000", "न\u093c", "\u0645\u0651\u064e"]
     malformed = [b"\x80", b"\xc3", b"\xe2\x80", b"\xc0\xaf", b"\xed\xa0\x80", b"\xf5"]
     docs, wanted = [], []
     for k in range(500):
@@ -455,7 +471,7 @@ def test_fold_documents_match_the_definition(kernel_impl):
     starts = ends - np.array([len(d) for d in docs], dtype=np.int64)
     tables = normalization.normalization_tables()
     out, out_ends = np.zeros(4 * len(data), np.uint8), np.full(len(docs), 7, np.int64)
-    kernel_impl.fold_documents(data, starts, ends, tables.changing, tables.folds, out, out_ends)
+    kernel_impl.fold_documents(data, starts, ends, tables.changing, tables.folds, tables.classes, out, out_ends)
     assert (out_ends < 0).tolist() == [w is None for w in wanted]
     position = 0
     for i, (raw, want) in enumerate(zip(docs, wanted)):
@@ -465,12 +481,12 @@ def test_fold_documents_match_the_definition(kernel_impl):
         position = out_ends[i]
         assert got == want, raw
         if i % 7:  # well-formed: what normalize() makes of the document, ASCII letters aside
-            assert got.decode().lower() == normalization.normalize(raw.decode()), raw
+            assert got.lower() == normalization.normalize(raw.decode()).encode(), raw
     # Room for part of them: the documents that fit are folded as before, the first that does not is refused,
     # and a later one that fits in what is left still goes in.
     cut = int(out_ends[np.flatnonzero(out_ends >= 0)[len(docs) // 8]])
     short, short_ends = np.zeros(cut + 3, np.uint8), np.zeros(len(docs), np.int64)
-    kernel_impl.fold_documents(data, starts, ends, tables.changing, tables.folds, short, short_ends)
+    kernel_impl.fold_documents(data, starts, ends, tables.changing, tables.folds, tables.classes, short, short_ends)
     fits = short_ends >= 0
     assert (short_ends[: len(docs) // 8 + 1] == out_ends[: len(docs) // 8 + 1]).all()
     assert 0 < fits.sum() < (out_ends >= 0).sum() and short_ends.max() <= len(short)
@@ -478,13 +494,17 @@ def test_fold_documents_match_the_definition(kernel_impl):
     pieces = np.split(short[: short_ends[kept[-1]]], short_ends[kept][:-1])
     assert [p.tobytes() for p in pieces] == [wanted[i] for i in kept]
     with pytest.raises(ValueError, match="one entry per code point"):
-        kernel_impl.fold_documents(data, starts, ends, tables.changing, tables.folds[:-1], out, out_ends)
+        kernel_impl.fold_documents(
+            data, starts, ends, tables.changing, tables.folds[:-1], tables.classes, out, out_ends
+        )
     # A fold longer than the format's 7 bytes is no fold: never written past the 4x room out was given.
     long_folds = tables.folds.copy()
     long_folds[ord("É")] = np.uint64(20 << 56 | 0x41414141414141)
     room, room_ends = np.zeros(16, np.uint8), np.zeros(2, np.int64)
     data = "É".encode() + b"ax"
-    kernel_impl.fold_documents(data, np.array([0, 2]), np.array([2, 4]), tables.changing, long_folds, room, room_ends)
+    kernel_impl.fold_documents(
+        data, np.array([0, 2]), np.array([2, 4]), tables.changing, long_folds, tables.classes, room, room_ends
+    )
     assert room_ends.tolist() == [-1, 2] and room[:2].tobytes() == b"ax" and not room[2:].any()
 
 

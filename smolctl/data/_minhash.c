@@ -35,14 +35,15 @@
        table (one bit per code point below 8 * len(table), little-endian within each byte; len(table) >= 16) or
        a character at or above 8 * len(table); else 0. ASCII characters never count. A byte that does not begin
        a well-formed sequence is skipped on its own.
-   fold_documents(data, starts, ends, table, folds, out, out_ends)
+   fold_documents(data, starts, ends, table, folds, classes, out, out_ends)
        Document i's bytes copied to out, the documents end to end from 0, each character whose bit is set in table
        replaced by folds[code point]: uint64, the replacement's UTF-8 bytes packed little-endian in the low 7
        bytes and their number in the top byte (len(folds) == 8 * len(table)). out_ends[i] is where document i
        ends in out (it starts where the one before it that was folded ends), or -1 when it holds a character of
-       the table without a replacement (0 in folds, or a length past 7) or at or above 8 * len(table), or when
-       its folding does not fit in what is left of out: nothing of it is kept then. ASCII, characters outside
-       the table and malformed bytes are copied as they are.
+       the table without a replacement (0 in folds, or a length past 7) or at or above 8 * len(table), when a
+       character of the table with a class (classes[code point], uint8, same length as folds) follows one with a
+       higher class directly, or when its folding does not fit in what is left of out: nothing of it is kept
+       then. ASCII, characters outside the table and malformed bytes are copied as they are (class 0).
 */
 #include "_buffers.h" /* first: it includes Python.h, which must precede the standard headers */
 
@@ -802,10 +803,12 @@ static PyObject *changing_documents(PyObject *self, PyObject *args) {
 }
 
 /* Copies [p, end) to [out, limit) with the table's characters replaced: the bytes written, or -1 as soon as one
-   has no replacement or the next piece would not fit before limit. */
+   has no replacement, a class goes down or the next piece would not fit before limit. */
 static Py_ssize_t fold_document(const uint8_t *p, const uint8_t *end, uint8_t *out, const uint8_t *limit,
-                                const uint8_t *table, const uint64_t *folds, uint64_t table_bits) {
+                                const uint8_t *table, const uint64_t *folds, const uint8_t *classes,
+                                uint64_t table_bits) {
     uint8_t *start = out;
+    int previous_class = 0;
     while (p < end) {
         if (end - p >= 8 && limit - out >= 8) {
             uint64_t x;
@@ -814,6 +817,7 @@ static Py_ssize_t fold_document(const uint8_t *p, const uint8_t *end, uint8_t *o
                 memcpy(out, p, 8);
                 p += 8;
                 out += 8;
+                previous_class = 0;
                 continue;
             }
         }
@@ -822,19 +826,23 @@ static Py_ssize_t fold_document(const uint8_t *p, const uint8_t *end, uint8_t *o
         if (length == 0) {
             if (out == limit) return -1;
             *out++ = *p++;
+            previous_class = 0;
             continue;
         }
         if (code_point >= table_bits) return -1;
         if (table[code_point >> 3] >> (code_point & 7) & 1) {
             uint64_t folded = folds[code_point];
-            int folded_length = (int)(folded >> 56);
+            int folded_length = (int)(folded >> 56), combining_class = classes[code_point];
             if (folded_length == 0 || folded_length > 7 || limit - out < folded_length) return -1;
+            if (combining_class != 0 && combining_class < previous_class) return -1;
+            previous_class = combining_class;
             for (int k = 0; k < folded_length; k++) out[k] = (uint8_t)(folded >> (8 * k));
             out += folded_length;
         } else {
             if (limit - out < length) return -1;
             memcpy(out, p, (size_t)length);
             out += length;
+            previous_class = 0;
         }
         p += length;
     }
@@ -842,40 +850,40 @@ static Py_ssize_t fold_document(const uint8_t *p, const uint8_t *end, uint8_t *o
 }
 
 static PyObject *fold_documents(PyObject *self, PyObject *args) {
-    PyObject *objects[7];
-    if (!PyArg_ParseTuple(args, "OOOOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4],
-                          &objects[5], &objects[6]))
+    PyObject *objects[8];
+    if (!PyArg_ParseTuple(args, "OOOOOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4],
+                          &objects[5], &objects[6], &objects[7]))
         return NULL;
-    Buffer b[7];
-    static const char *names[7] = {"data", "starts", "ends", "table", "folds", "out", "out_ends"};
-    static const Py_ssize_t sizes[7] = {1, 8, 8, 1, 8, 1, 8};
-    if (get_buffers(objects, b, 7, names, sizes, 5) < 0) return NULL;
-    const uint8_t *data = b[0].view.buf, *table = b[3].view.buf;
+    Buffer b[8];
+    static const char *names[8] = {"data", "starts", "ends", "table", "folds", "classes", "out", "out_ends"};
+    static const Py_ssize_t sizes[8] = {1, 8, 8, 1, 8, 1, 1, 8};
+    if (get_buffers(objects, b, 8, names, sizes, 6) < 0) return NULL;
+    const uint8_t *data = b[0].view.buf, *table = b[3].view.buf, *classes = b[5].view.buf;
     const int64_t *starts = b[1].view.buf, *ends = b[2].view.buf;
     const uint64_t *folds = b[4].view.buf;
-    uint8_t *out = b[5].view.buf;
-    int64_t *out_ends = b[6].view.buf;
+    uint8_t *out = b[6].view.buf;
+    int64_t *out_ends = b[7].view.buf;
     Py_ssize_t docs = b[1].view.len / 8, size = b[0].view.len;
-    if (b[2].view.len / 8 != docs || b[6].view.len / 8 != docs)
-        return refuse(b, 7, "fold_documents: starts, ends and out_ends disagree on the number of documents");
-    if (b[3].view.len < 16 || b[4].view.len / 8 != b[3].view.len * 8)
-        return refuse(b, 7, "fold_documents: folds must hold one entry per code point of the table");
+    if (b[2].view.len / 8 != docs || b[7].view.len / 8 != docs)
+        return refuse(b, 8, "fold_documents: starts, ends and out_ends disagree on the number of documents");
+    if (b[3].view.len < 16 || b[4].view.len / 8 != b[3].view.len * 8 || b[5].view.len != b[3].view.len * 8)
+        return refuse(b, 8, "fold_documents: folds and classes must hold one entry per code point of the table");
     for (Py_ssize_t i = 0; i < docs; i++) {
         if (starts[i] < 0 || starts[i] > ends[i] || ends[i] > size)
-            return refuse(b, 7, "fold_documents: each document must lie inside data");
+            return refuse(b, 8, "fold_documents: each document must lie inside data");
     }
     uint64_t table_bits = (uint64_t)b[3].view.len * 8;
-    const uint8_t *limit = out + b[5].view.len;
+    const uint8_t *limit = out + b[6].view.len;
     Py_BEGIN_ALLOW_THREADS
     Py_ssize_t position = 0;
     for (Py_ssize_t i = 0; i < docs; i++) {
-        Py_ssize_t written =
-            fold_document(data + starts[i], data + ends[i], out + position, limit, table, folds, table_bits);
+        Py_ssize_t written = fold_document(data + starts[i], data + ends[i], out + position, limit, table, folds,
+                                           classes, table_bits);
         if (written >= 0) position += written;
         out_ends[i] = written >= 0 ? position : -1;
     }
     Py_END_ALLOW_THREADS
-    release(b, 7);
+    release(b, 8);
     Py_RETURN_NONE;
 }
 

@@ -376,23 +376,25 @@ def changing_documents(data, starts, ends, table, out) -> None:
         out[i] = bool(beyond.any() or bits[code_points[~beyond]].any())
 
 
-def fold_documents(data, starts, ends, table, folds, out, out_ends) -> None:
+def fold_documents(data, starts, ends, table, folds, classes, out, out_ends) -> None:
     """Each document's bytes end to end in out, the table's characters replaced by their folds; out_ends[i] = -1
-    where one has none (or lies beyond the table) or the folding does not fit. See _minhash.c's header."""
+    where one has none (or lies beyond the table), where a class goes down, or where the folding does not fit.
+    See _minhash.c's header."""
     data = _array(data, "data", np.uint8)
     starts, ends = _array(starts, "starts", np.int64), _array(ends, "ends", np.int64)
     table, folds = _array(table, "table", np.uint8), _array(folds, "folds", np.uint64)
+    classes = _array(classes, "classes", np.uint8)
     out, out_ends = _array(out, "out", np.uint8, writable=True), _array(out_ends, "out_ends", np.int64, writable=True)
     if len(ends) != len(starts) or len(out_ends) != len(starts):
         raise ValueError("fold_documents: starts, ends and out_ends disagree on the number of documents")
-    if len(table) < 16 or len(folds) != 8 * len(table):
-        raise ValueError("fold_documents: folds must hold one entry per code point of the table")
+    if len(table) < 16 or len(folds) != 8 * len(table) or len(classes) != 8 * len(table):
+        raise ValueError("fold_documents: folds and classes must hold one entry per code point of the table")
     if ((starts < 0) | (starts > ends) | (ends > len(data))).any():
         raise ValueError("fold_documents: each document must lie inside data")
     bits = np.unpackbits(table, bitorder="little").astype(bool)
     position = 0
     for i, (start, end) in enumerate(zip(starts.tolist(), ends.tolist())):
-        folded = _folded(data[start:end].tobytes(), bits, folds)
+        folded = _folded(data[start:end].tobytes(), bits, folds, classes)
         if folded is not None and position + len(folded) <= len(out):
             out[position : position + len(folded)] = np.frombuffer(folded, np.uint8)
             position += len(folded)
@@ -401,9 +403,10 @@ def fold_documents(data, starts, ends, table, folds, out, out_ends) -> None:
             out_ends[i] = -1
 
 
-def _folded(raw: bytes, bits: np.ndarray, folds: np.ndarray) -> bytes | None:
-    """raw with each well-formed character of the table replaced by its fold; None where one has none."""
-    pieces, i = [], 0
+def _folded(raw: bytes, bits: np.ndarray, folds: np.ndarray, classes: np.ndarray) -> bytes | None:
+    """raw with each well-formed character of the table replaced by its fold; None where one has none or
+    where the classes of consecutive characters go down."""
+    pieces, i, previous = [], 0, 0
     while i < len(raw):
         lead = raw[i]
         length = 1 if lead < 0x80 else 2 if 0xC2 <= lead < 0xE0 else 3 if 0xE0 <= lead < 0xF0 else 4
@@ -414,17 +417,19 @@ def _folded(raw: bytes, bits: np.ndarray, folds: np.ndarray) -> bytes | None:
             code_point = None
         if code_point is None:  # ASCII, or a malformed byte: copied alone
             pieces.append(raw[i : i + 1])
-            i += 1
+            i, previous = i + 1, 0
             continue
         if code_point >= len(bits):
             return None
         if bits[code_point]:
-            folded = int(folds[code_point])
-            if not 0 < folded >> 56 <= 7:
+            folded, combining_class = int(folds[code_point]), int(classes[code_point])
+            if not 0 < folded >> 56 <= 7 or 0 < combining_class < previous:
                 return None
             pieces.append(folded.to_bytes(8, "little")[: folded >> 56])
+            previous = combining_class
         else:
             pieces.append(sequence)
+            previous = 0
         i += length
     return b"".join(pieces)
 

@@ -47,8 +47,8 @@ def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
     letters, which the kernel does as it reads: ASCII documents, and those whose other characters are all
     left alone by NFKC and case folding (curly quotes, dashes, accented lower-case letters, most scripts).
     The rest go to a second buffer that the kernel reads instead: folded in C where normalize() makes the
-    same of each of their other characters wherever it stands (capitals, no-break spaces, full-width forms:
-    NormalizationTables.folds), else normalised in Python.
+    same of each of their other characters wherever it stands (capitals, no-break spaces, full-width forms,
+    marks that compose with nothing, in canonical order: NormalizationTables.folds), else normalised in Python.
 
     A token is a run of bytes other than ASCII whitespace; its hash (and a word's) is sum_m c_m * R^(8m + 1)
     mod 2^64 over its 8-byte little-endian chunks c_m, finished with its length and a multiply-xorshift, so
@@ -77,7 +77,9 @@ def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
         folded_ends = np.empty(len(others), np.int64)
         size = int((ends[others] - starts[others]).sum())
         folded = np.empty(size + size // 4 + 64, np.uint8)
-        _minhash.fold_documents(data, starts[others], ends[others], tables.changing, tables.folds, folded, folded_ends)
+        _minhash.fold_documents(
+            data, starts[others], ends[others], tables.changing, tables.folds, tables.classes, folded, folded_ends
+        )
         in_c, size = others[folded_ends >= 0], int(folded_ends.max(initial=0))
         ends[in_c] = data.size + folded_ends[folded_ends >= 0]
         starts[in_c] = np.concatenate([[data.size], ends[in_c][:-1]])

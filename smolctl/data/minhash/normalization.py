@@ -62,20 +62,28 @@ class NormalizationTables:
     stands, that text's UTF-8 bytes packed little-endian with their number in the top byte (at most FOLD_BYTES);
     else 0. Such a character neither combines nor composes, nor does anything NFKC makes of it: capitals of
     Cyrillic, Greek, Armenian and accented Latin, ß, no-break and other spaces, ligatures, full-width forms and
-    punctuation. A document whose changing characters all have one is folded in C (`fold_documents`)."""
+    punctuation. Combining marks that compose with nothing and that NFKC and case folding leave alone have
+    themselves as their fold (virama, harakat, Thai vowel and tone marks). A document whose changing characters
+    all have one is folded in C (`fold_documents`)."""
+    classes: np.ndarray
+    """uint8 per code point: the canonical combining class of the marks folded as themselves, 0 elsewhere. Where
+    the classes of consecutive marks go down, NFKC would reorder them: such a document goes to Python."""
 
 
 @functools.cache
 def normalization_tables() -> NormalizationTables:
     """Derived from this Python's Unicode tables once per process."""
-    # Characters that compose with or reorder around their neighbours: no rule per character holds beside them.
-    composing = set(range(0x1161, 0x1176)) | set(range(0x11A8, 0x11C3))
+    # Second characters of canonical compositions (and the Hangul vowel and final jamo): they may compose with
+    # the character before them. With the combining marks, no rule per character holds beside them.
+    seconds = set(range(0x1161, 0x1176)) | set(range(0x11A8, 0x11C3))
+    composed = set()  # the seconds of the compositions NFKC makes (not of the excluded ones)
+    marks = {}  # combining marks: their canonical combining class
     changed = set(_OTHER_SPACES)  # characters that normalize() changes on their own
     for block in range(0x80, TABLE_CODE_POINTS, 128):
         if 0xD800 <= block < 0xE000:
             continue  # surrogates: never in UTF-8 text
         chars = np.arange(block, block + 128, dtype="<u4").tobytes().decode("utf-32-le")
-        composing.update(block + i for i, c in enumerate(chars) if unicodedata.combining(c))
+        marks.update((block + i, unicodedata.combining(c)) for i, c in enumerate(chars) if unicodedata.combining(c))
         # A block that case folding and NFKD leave alone as a whole holds no character either changes.
         if chars.casefold() == chars and unicodedata.normalize("NFKD", chars) == chars:
             continue
@@ -89,8 +97,11 @@ def normalization_tables() -> NormalizationTables:
                 changed.add(block + i)
             parts = decomposition.split()
             if not decomposition.startswith("<") and len(parts) == 2:
-                composing.add(int(parts[1], 16))  # may compose with the character before it
-    folds = np.zeros(TABLE_CODE_POINTS, np.uint64)
+                seconds.add(int(parts[1], 16))
+                if unicodedata.normalize("NFC", chr(int(parts[0], 16)) + chr(int(parts[1], 16))) == c:
+                    composed.add(int(parts[1], 16))  # c is no composition exclusion: NFKC makes it
+    composing = seconds | set(marks)
+    folds, classes = np.zeros(TABLE_CODE_POINTS, np.uint64), np.zeros(TABLE_CODE_POINTS, np.uint8)
     for code_point in changed - composing:
         made = unicodedata.normalize("NFKC", chr(code_point))
         if any(ord(part) in composing or unicodedata.combining(part) for part in made):
@@ -98,8 +109,16 @@ def normalization_tables() -> NormalizationTables:
         folded = normalize(chr(code_point)).encode()
         if len(folded) <= FOLD_BYTES:
             folds[code_point] = int.from_bytes(folded, "little") | len(folded) << 8 * FOLD_BYTES
+    # A mark that composes with nothing and that NFKC and case folding leave alone stays where it is, unless
+    # canonical ordering moves it: a document is folded in C only where its marks' classes never go down.
+    for code_point, combining_class in marks.items():
+        if code_point not in composed and code_point not in changed:
+            itself = chr(code_point).encode()
+            folds[code_point] = int.from_bytes(itself, "little") | len(itself) << 8 * FOLD_BYTES
+            classes[code_point] = combining_class
     bits = np.zeros(TABLE_CODE_POINTS, bool)
     bits[sorted(changed | composing)] = True
-    tables = NormalizationTables(np.packbits(bits, bitorder="little"), folds)
-    tables.changing.flags.writeable = tables.folds.flags.writeable = False  # cached for the whole process
+    tables = NormalizationTables(np.packbits(bits, bitorder="little"), folds, classes)
+    for array in (tables.changing, tables.folds, tables.classes):
+        array.flags.writeable = False  # cached for the whole process
     return tables
