@@ -405,7 +405,40 @@ def fold_documents(data, starts, ends, table, folds, classes, out, out_ends) -> 
 
 def _folded(raw: bytes, bits: np.ndarray, folds: np.ndarray, classes: np.ndarray) -> bytes | None:
     """raw with each well-formed character of the table replaced by its fold; None where one has none or
-    where the classes of consecutive characters go down."""
+    where the classes of consecutive characters go down. Well-formed text is checked with numpy and each of its
+    few distinct characters to replace replaced with str.replace (a document at about the cost of normalising
+    it); malformed bytes one at a time."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return _folded_bytewise(raw, bits, folds, classes)
+    points = np.frombuffer(text.encode("utf-32-le"), "<u4")
+    if (points >= len(bits)).any():
+        return None
+    marked = bits[points] & (points >= 0x80)
+    entries = folds[points[marked]]
+    lengths = entries >> np.uint64(56)
+    if ((lengths == 0) | (lengths > 7)).any():
+        return None
+    ranks = np.where(marked, classes[points], 0)
+    if ((ranks[1:] > 0) & (ranks[1:] < ranks[:-1])).any():
+        return None
+    replacements = {}
+    for point in np.unique(points[marked]).tolist():
+        entry = int(folds[point])
+        try:
+            replacements[chr(point)] = entry.to_bytes(8, "little")[: entry >> 56].decode("utf-8")
+        except UnicodeDecodeError:  # a table whose fold is not text: bytes, one at a time
+            return _folded_bytewise(raw, bits, folds, classes)
+    if any(source in folded for folded in replacements.values() for source in replacements):
+        return text.translate({ord(source): folded for source, folded in replacements.items()}).encode()
+    for source, folded in replacements.items():  # a few characters each time: str.replace runs in C
+        text = text.replace(source, folded)
+    return text.encode()
+
+
+def _folded_bytewise(raw: bytes, bits: np.ndarray, folds: np.ndarray, classes: np.ndarray) -> bytes | None:
+    """_folded one UTF-8 sequence at a time: a malformed byte is copied alone."""
     pieces, i, previous = [], 0, 0
     while i < len(raw):
         lead = raw[i]
