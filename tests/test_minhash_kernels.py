@@ -219,9 +219,70 @@ def test_intersections_of_random_sets_of_every_size(kernel_impl):
     assert common.tolist() == [len(set(sets[a].tolist()) & set(sets[b].tolist())) for a, b in zip(left, right)]
 
 
+def quicksort_killer(n: int) -> tuple[list[int], bool]:
+    """n values that drive _minhash.c's intro_sort (median-of-three pivots, Hoare partitions, insertion sort
+    under 17) into its heapsort, found by McIlroy's adversary: the sort below, step for step the C one, runs on
+    values that are fixed only as it compares them, each time so as to make the worst pivot. Returns the values
+    and whether the sort ran out of depth (the heapsort was reached)."""
+    gas, val = n, [n] * n
+    state = {"solid": 0, "candidate": -1, "heapsort": False}
+
+    def less(x: int, y: int) -> bool:
+        if val[x] == gas and val[y] == gas:
+            frozen = x if x == state["candidate"] else y
+            val[frozen], state["solid"] = state["solid"], state["solid"] + 1
+        if val[x] == gas:
+            state["candidate"] = x
+        elif val[y] == gas:
+            state["candidate"] = y
+        return val[x] < val[y]
+
+    def intro_sort(a: list[int], lo: int, n: int, depth: int) -> None:
+        while n > 16:
+            if depth == 0:
+                state["heapsort"] = True
+                return
+            depth -= 1
+            x, y, z = a[lo], a[lo + n // 2], a[lo + n - 1]
+            if less(x, y):
+                pivot = y if less(y, z) else (z if less(x, z) else x)
+            else:
+                pivot = x if less(x, z) else (z if less(y, z) else y)
+            i, j = lo - 1, lo + n
+            while True:
+                i += 1
+                while less(a[i], pivot):
+                    i += 1
+                j -= 1
+                while less(pivot, a[j]):
+                    j -= 1
+                if i >= j:
+                    break
+                a[i], a[j] = a[j], a[i]
+            left = j + 1 - lo
+            if left < n - left:
+                intro_sort(a, lo, left, depth)
+                lo, n = lo + left, n - left
+            else:
+                intro_sort(a, lo + left, n - left, depth)
+                n = left
+        for i in range(lo + 1, lo + n):  # insertion sort: the comparisons only matter before the depth runs out
+            x, k = a[i], i
+            while k > lo and less(x, a[k - 1]):
+                a[k] = a[k - 1]
+                k -= 1
+            a[k] = x
+
+    intro_sort(list(range(n)), 0, n, 2 * (n.bit_length() - 1))
+    return [v if v != gas else gas + i for i, v in enumerate(val)], state["heapsort"]
+
+
 def test_sorted_sets_are_each_documents_sorted_unique_values(kernel_impl):
     """Sizes around the insertion-sort cut-off and far past it, runs of one value, two values alternating (a
-    quicksort's worst cases), values that differ only in their top or bottom bit, and empty documents."""
+    quicksort's worst cases), values that differ only in their top or bottom bit, empty documents, and values
+    that send the quicksort into its heapsort."""
+    killer, reaches_heapsort = quicksort_killer(3000)
+    assert reaches_heapsort
     rng = np.random.default_rng(9)
     top = 2**63
     documents = [
@@ -233,6 +294,7 @@ def test_sorted_sets_are_each_documents_sorted_unique_values(kernel_impl):
         [3, 9] * 600,
         list(range(2000, 0, -1)),
         [],
+        killer,
         *[rng.integers(0, 2**64, size, dtype=np.uint64, endpoint=False).tolist() for size in (15, 16, 17, 33, 300)],
         *[rng.integers(0, size // 3 + 1, size).tolist() for size in (17, 64, 5000)],
     ]
@@ -451,6 +513,7 @@ def test_fold_documents_match_the_definition(kernel_impl):
     pieces = ["ASCII words ", "Я", "ЖЁЛТЫЙ", "Σ", "Ωμέγα", "ÉCOLE", "Straße", "ԱՐԵՎ", "\U00010400", "я", "机", "’"]
     pieces += ["é", "«\u00a0oui\u00a0»", "中文，（测试）：", "ﬁn", "…", "½", "\u3000", "ＡＢＣ", "\u2028", "™"]
     pieces += ["क्षत्रिय", "ที่นี่", "مَّدْرَسَة", "שָׁלוֹם", "Ꭰ"]
+    pieces += ["\u0645\u0651 \u064e", "\u0645\u0651ASCII_8+\u064e"]  # after ASCII, a lower class starts afresh
     needs_python = ["\u0301", "\uff9e", "\u1161", "\U00020000", "न\u093c", "\u0645\u0651\u064e"]
     malformed = [b"\x80", b"\xc3", b"\xe2\x80", b"\xc0\xaf", b"\xed\xa0\x80", b"\xf5"]
     docs, wanted = [], []
