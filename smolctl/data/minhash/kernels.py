@@ -71,25 +71,24 @@ def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
     others = np.flatnonzero(changing)
     if len(others):
         # Positions from len(data) on address the second buffer: first the documents folded in C, then those
-        # normalised in Python.
-        # Folds shrink or keep most characters (a no-break space, a full-width comma, a capital): a document
-        # whose folding outgrows this room is left to Python.
+        # normalised in Python. Folds shrink or keep most characters (a no-break space, a full-width comma, a
+        # capital): a document whose folding outgrows this room is left to Python.
+        changing_bytes = int((ends[others] - starts[others]).sum())
+        folded = np.empty(changing_bytes + changing_bytes // 4 + 64, np.uint8)
         folded_ends = np.empty(len(others), np.int64)
-        size = int((ends[others] - starts[others]).sum())
-        folded = np.empty(size + size // 4 + 64, np.uint8)
         _minhash.fold_documents(
             data, starts[others], ends[others], tables.changing, tables.folds, tables.classes, folded, folded_ends
         )
-        in_c, size = others[folded_ends >= 0], int(folded_ends.max(initial=0))
+        in_c, folded_size = others[folded_ends >= 0], int(folded_ends.max(initial=0))
         ends[in_c] = data.size + folded_ends[folded_ends >= 0]
         starts[in_c] = np.concatenate([[data.size], ends[in_c][:-1]])
         by_python, normalised = others[folded_ends < 0], b""
         if len(by_python):
             pieces = [normalize(t).encode() for t in texts.take(from_numpy(by_python)).to_pylist()]
-            ends[by_python] = data.size + size + np.cumsum([len(p) for p in pieces], dtype=np.int64)
-            starts[by_python] = np.concatenate([[data.size + size], ends[by_python][:-1]])
+            ends[by_python] = data.size + folded_size + np.cumsum([len(p) for p in pieces], dtype=np.int64)
+            starts[by_python] = np.concatenate([[data.size + folded_size], ends[by_python][:-1]])
             normalised = b"".join(pieces)
-        extra = np.concatenate([folded[:size], np.frombuffer(normalised, np.uint8)])
+        extra = np.concatenate([folded[:folded_size], np.frombuffer(normalised, np.uint8)])
     # A word takes at least one byte and a separator: a document of n bytes has at most (n + 1) // 2 of them.
     room = (int((ends - starts).sum()) + len(texts)) // 2 + 1
     exact, word_hashes, word_counts = (
