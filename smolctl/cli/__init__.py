@@ -45,7 +45,7 @@ def _report_unexpected(exc: Exception) -> int:
 @contextmanager
 def _only_the_invoked_command(args: list[str]) -> Iterator[None]:
     """Typer makes every registered command's click command (its parameters, from the function's type hints)
-    before it parses anything, ~20 ms for all of them; `smolctl pack ...` needs pack's alone. Anything else
+    before it parses anything, ~10 ms for all of them; `smolctl pack ...` needs pack's alone. Anything else
     (`smolctl --help`, a mistyped name, shell completion) still finds every command."""
     commands = app.registered_commands
     if args and args[0] in {command.name for command in commands}:

@@ -52,7 +52,7 @@ class DedupPlan:
     id_column: str | None
     area: WorkArea
     reference_id_column: str | None = None
-    # A local run checks the input's ids before any work; the components stage then need not read them twice.
+    # A local run checks the input's ids before any work; the components stage then need not count them again.
     ids_checked: bool = False
 
     @property
