@@ -5,6 +5,7 @@ one-line errors."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -80,6 +81,8 @@ def test_a_pack_task_killed_mid_unit_resumes_to_the_same_bytes(four_shards, toke
 
     def dies_on_the_third_batch(self, *batch):
         calls.append(self.unit)
+        if len(calls) == 1:
+            time.sleep(0.5)  # the reader runs ahead: the unit's last batch and the next unit's first wait queued
         if len(calls) == 3:
             raise KeyboardInterrupt  # a kill between batches: shards of the unit already written, no marker
         return original(self, *batch)
@@ -87,6 +90,9 @@ def test_a_pack_task_killed_mid_unit_resumes_to_the_same_bytes(four_shards, toke
     monkeypatch.setattr(pack_module.UnitPacking, "add", dies_on_the_third_batch)
     with pytest.raises(KeyboardInterrupt):
         run_pack(four_shards, tmp_path / "tasks", tokenizer_dir, tasks=2, task_id=1)
+    # Nothing queued behind the failed batch is packed: its unit's last batch and then the next unit's first
+    # would finish the unit without it, and mark it done.
+    assert calls == [1, 1, 1]
     monkeypatch.setattr(pack_module.UnitPacking, "add", original)
     work = tmp_path / "tasks" / "_work" / "pack"
     (staging,) = work.glob(".00001.partial*")  # the killed copy's own staging folder

@@ -21,6 +21,7 @@ manifest, so the bytes are the same for any N and any order the tasks run in.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -191,16 +192,25 @@ class PackJob:
         Packing and writing run on their own thread, in batch order, so the tokenizer never waits for them."""
         config = self.config
         state: dict[str, UnitPacking] = {}
+        failed = threading.Event()
 
         def add(unit: int, batch: TokenBatch, read: int, empty: int) -> None:
-            current = state.get("unit")
-            if current is None or current.unit != unit:
-                if current is not None:
-                    current.finish()
-                current = state["unit"] = UnitPacking(self, unit)
-            current.add(batch, empty)
-            if on_progress:
-                on_progress(read, len(batch.ids))
+            # Batches queued behind a failed one are dropped: packing them would finish that unit without the
+            # failed batch and mark it done, and a resumed array task would skip it.
+            if failed.is_set():
+                return
+            try:
+                current = state.get("unit")
+                if current is None or current.unit != unit:
+                    if current is not None:
+                        current.finish()
+                    current = state["unit"] = UnitPacking(self, unit)
+                current.add(batch, empty)
+                if on_progress:
+                    on_progress(read, len(batch.ids))
+            except BaseException:
+                failed.set()
+                raise
 
         batches = tokenised_batches(
             self.source, self.tokenizer, config.text_column, config.batch_documents, config.workers, units
