@@ -161,6 +161,9 @@ def test_ctrl_c_in_pretrain_says_how_to_resume_and_the_run_folder_has_events(tmp
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"},
+        # As from a terminal: a suite started in the background (`make test &`) ignores SIGINT, and a child
+        # inherits that, so Python would never raise KeyboardInterrupt in it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.time() + 300
     while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().strip()):
