@@ -317,6 +317,28 @@ def test_staged_markers_skip_finished_tasks_and_a_rerun_resumes(planted, tmp_pat
         dedup(planted["input"], out, workers=1)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "removed", "another unit's"])
+def test_a_filter_piece_damaged_between_tasks_is_never_committed(planted, tmp_path, damage):
+    """A unit's filtered piece lost or changed under OUTPUT/_work before the last filter task: the commit must
+    refuse it. It used to skip a missing piece and commit an output short of those documents."""
+    out = tmp_path / "out"
+    for stage in ("signatures", "buckets", "components"):
+        dedup(planted["input"], out, stage=stage)
+    dedup(planted["input"], out, stage="filter", tasks=2, task_id=0)  # units 0 and 2
+    pieces = out / "_work" / "filter"
+    piece = pieces / "00000.parquet"
+    if damage == "truncated":
+        piece.write_bytes(piece.read_bytes()[:100])
+    elif damage == "removed":
+        piece.unlink()
+    else:
+        piece.write_bytes((pieces / "00002.parquet").read_bytes())
+    message = {"truncated": "is 100 bytes, not the", "removed": "is missing from the work area"}.get(damage, "")
+    with pytest.raises(UserError, match=message or "bytes, not the|rows, not the"):
+        dedup(planted["input"], out, stage="filter", tasks=2, task_id=1)
+    assert not (out / "manifest.json").exists()
+
+
 def test_a_work_area_hashed_by_another_version_is_not_resumed(planted, tmp_path, monkeypatch):
     out = tmp_path / "out"
     dedup(planted["input"], out, stage="signatures", tasks=2, task_id=0)

@@ -33,6 +33,7 @@ import pyarrow.parquet as pq
 from smolctl.child_processes import exit_with_parent
 from smolctl.data.array_tasks import (
     FINGERPRINT_KEY,
+    START_AGAIN,
     AlreadyCommitted,
     check_task,
     digest,
@@ -99,11 +100,20 @@ def assemble(plan_: DedupPlan, stats: dict) -> dict:
     inputs = plan_.source.lineage() + (plan_.reference.lineage() if plan_.reference else [])
     with OutputFolder(config.output, kind=KIND_DOCUMENTS, overwrite=True, inputs=inputs) as folder:
         for unit in range(len(plan_.source.files)):
+            marker = plan_.area.read_marker("filter", unit)
+            if not marker["kept"]:  # a unit whose every document was removed writes no piece
+                continue
             piece = plan_.work / "filter" / f"{unit:05d}.parquet"
-            if piece.is_file():
-                name = f"part-{len(folder.shards):05d}.parquet"
-                link_or_copy(piece, folder.file(name))
-                folder.add_shard(name, pq.read_metadata(folder.file(name)).num_rows)
+            name = f"part-{len(folder.shards):05d}.parquet"
+            # A piece lost or damaged under OUTPUT/_work is refused, not committed as a smaller output.
+            link_or_copy(piece, folder.file(name), marker.get("bytes"))
+            try:
+                rows = pq.read_metadata(folder.file(name)).num_rows
+            except (OSError, pa.ArrowException) as exc:
+                raise UserError(piece, f"is not readable parquet ({exc})", START_AGAIN) from exc
+            if rows != marker["kept"]:
+                raise UserError(piece, f"holds {rows} rows, not the {marker['kept']} its unit kept", START_AGAIN)
+            folder.add_shard(name, rows)
         removed = read_parquet(plan_.work / "components" / "removed.parquet").drop_columns(["index"])
         with OutputFolder(folder.file("duplicates"), kind=KIND_DOCUMENTS, inputs=[]) as report_folder:
             writer = DatasetWriter(report_folder, schema=DUPLICATES_SCHEMA)

@@ -464,6 +464,7 @@ def filter_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
             tmp.unlink()
             raise
         os.replace(tmp, path)
+        return {"kept": kept, "bytes": path.stat().st_size}
     return {"kept": kept}
 
 
