@@ -13,6 +13,7 @@ the next run removes, never a folder that looks complete when it is not.
 
 from __future__ import annotations
 
+import contextlib
 import glob as globlib
 import hashlib
 import json
@@ -265,9 +266,21 @@ class OutputFolder:
             pass  # none yet, or another copy is between its two moves
         try:
             os.replace(self.staging, self.path)
-        except OSError:  # another copy's folder went in meanwhile: it holds the same bytes
+        except OSError as exc:
             shutil.rmtree(self.staging, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
+            # Another copy's committed folder went in meanwhile: it holds the same bytes. Without one, the move
+            # itself failed: the folder moved aside goes back (its copy may have marked the unit done), and this
+            # copy must not mark it done with no folder.
+            if not (self.path / "manifest.json").is_file():
+                with contextlib.suppress(OSError):
+                    os.replace(old, self.path)
+                raise UserError(
+                    self.path,
+                    f"cannot move the finished unit into place: {exc.strerror or exc}",
+                    "check the file system's space and permissions, then re-run the task",
+                ) from exc
+        finally:
+            shutil.rmtree(old, ignore_errors=True)
 
     def abort(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)

@@ -5,6 +5,7 @@ one-line errors."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -263,6 +264,47 @@ def test_two_copies_of_one_task_stage_a_unit_side_by_side(tmp_path):
     assert [copy.exitcode for copy in copies] == [0, 0]
     assert (unit / "part.bin").read_text() == "same bytes" and read_manifest(unit)["kind"] == "packed"
     assert sorted(p.name for p in unit.parent.iterdir()) == ["00000"]  # no staging or old folder left
+
+
+def test_a_unit_whose_move_into_place_fails_is_not_marked_and_keeps_the_other_copy(
+    four_shards, tokenizer_dir, tmp_path, monkeypatch
+):
+    """Any failed move of a unit's staging folder was taken for another copy winning the race: the staging folder
+    was deleted and the unit marked done with no folder, and every later task failed assembling it."""
+    import smolctl.shards as shards
+    from smolctl.shards import KIND_PACKED, OutputFolder
+
+    rename = os.replace
+
+    def moves_into_place_fail(unit: str):
+        def replace(source, target):
+            if ".partial-" in str(source) and Path(target).name == unit:
+                raise PermissionError(13, "Permission denied")
+            return rename(source, target)
+
+        monkeypatch.setattr(shards.os, "replace", replace)
+
+    out = tmp_path / "tasks"
+    moves_into_place_fail("00000")
+    with pytest.raises(UserError, match="cannot move the finished unit into place: Permission denied"):
+        run_pack(four_shards, out, tokenizer_dir, tasks=2, task_id=0)
+    assert not (out / "_work" / "pack" / "00000.done").exists()
+    # A copy that already put its unit in place keeps it there when another copy's move fails.
+    unit = tmp_path / "unit"
+    first = OutputFolder(unit, kind=KIND_PACKED, overwrite=True, per_process=True)
+    first.file("part.bin").write_text("first copy")
+    first.commit()
+    second = OutputFolder(unit, kind=KIND_PACKED, overwrite=True, per_process=True)
+    moves_into_place_fail("unit")
+    with pytest.raises(UserError, match="cannot move"):
+        second.commit()
+    assert (unit / "part.bin").read_text() == "first copy" and read_manifest(unit)["kind"] == "packed"
+    assert sorted(p.name for p in tmp_path.iterdir() if "unit" in p.name) == ["unit"]
+    monkeypatch.setattr(shards.os, "replace", rename)
+    for task in (0, 1):
+        run_pack(four_shards, out, tokenizer_dir, tasks=2, task_id=task)
+    run_pack(four_shards, tmp_path / "plain", tokenizer_dir)
+    assert shard_bytes(out) == shard_bytes(tmp_path / "plain")
 
 
 def test_a_task_that_fails_after_another_committed_has_nothing_to_do(tmp_path):
