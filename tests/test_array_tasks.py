@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow as pa
@@ -14,8 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import run_cli
 
+from smolctl.data import array_tasks
 from smolctl.data import mix as mix_module
 from smolctl.data import pack as pack_module
+from smolctl.data.array_tasks import WorkArea
 from smolctl.data.mix import prepare_mix
 from smolctl.data.mix_schedule import schedule_from_recipe
 from smolctl.data.pack import PackConfig, prepare_pack
@@ -168,18 +171,62 @@ def test_a_plain_run_that_fails_leaves_nothing(tokenizer_dir, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_plain_run_while_another_task_commits_leaves_the_work_alone(four_shards, tokenizer_dir, tmp_path):
+def test_a_plain_run_while_another_task_commits_leaves_the_work_alone(
+    four_shards, tokenizer_dir, tmp_path, monkeypatch
+):
     """Array tasks finished every unit and one on another node holds the assembly lock: a plain run of the same
     command must say so and delete nothing (it removed OUTPUT/_work, the files the lock holder was linking)."""
     out = tmp_path / "packed"
-    for task_id in range(3):
+    for task_id in range(2):
         run_pack(four_shards, out, tokenizer_dir, tasks=3, task_id=task_id)
-        if task_id == 1:
-            (out / "_work" / "assemble.lock").write_text('{"host": "another-node", "pid": 5}')
+    (out / "_work" / "assemble.lock").write_text('{"host": "another-node", "pid": 5}')
+    with monkeypatch.context() as patch:  # the last task finishes its unit and waits for the holder, still at work
+        patch.setattr(WorkArea, "commit_once", lambda self, assemble, wait=False: None)
+        run_pack(four_shards, out, tokenizer_dir, tasks=3, task_id=2)
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
     with pytest.raises(UserError, match=r"another process .* is writing OUTPUT"):
         run_pack(four_shards, out, tokenizer_dir)
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before and len(before) > 8
+
+
+@pytest.mark.parametrize("lock", ['{"host": "another-node", "pid": 5}', ""], ids=["another node", "empty"])
+def test_a_lock_left_by_a_dead_assembler_is_taken_over(four_shards, tokenizer_dir, tmp_path, monkeypatch, lock):
+    """An assembler killed on another node, or before it wrote its lock: every later task returned unfinished,
+    exited 0 and left no OUTPUT, so an afterok job started on nothing."""
+    monkeypatch.setattr(array_tasks, "LOCK_STALE_S", 0.3)
+    monkeypatch.setattr(array_tasks, "LOCK_POLL_S", 0.05)
+    out = tmp_path / "tasks"
+    for task_id in range(2):
+        run_pack(four_shards, out, tokenizer_dir, tasks=3, task_id=task_id)
+    (out / "_work" / "assemble.lock").write_text(lock)
+    assert run_pack(four_shards, out, tokenizer_dir, tasks=3, task_id=2).finished
+    run_pack(four_shards, tmp_path / "plain", tokenizer_dir)
+    assert shard_bytes(out) == shard_bytes(tmp_path / "plain")
+
+
+def test_a_task_waits_for_a_live_assembler_and_does_not_take_over(four_shards, tokenizer_dir, tmp_path, monkeypatch):
+    """The assembler refreshes its lock: a task that finds it held waits until OUTPUT is committed, longer than
+    LOCK_STALE_S, and assembles nothing itself."""
+    monkeypatch.setattr(array_tasks, "LOCK_STALE_S", 0.3)
+    monkeypatch.setattr(array_tasks, "LOCK_REFRESH_S", 0.05)
+    monkeypatch.setattr(array_tasks, "LOCK_POLL_S", 0.05)
+    original, assembled = pack_module.PackJob._assemble, []
+
+    def slow_assembly(self):
+        assembled.append(time.monotonic())
+        time.sleep(1.5)
+        return original(self)
+
+    monkeypatch.setattr(pack_module.PackJob, "_assemble", slow_assembly)
+    out = tmp_path / "tasks"
+    run_pack(four_shards, out, tokenizer_dir, tasks=2, task_id=0)
+    with ThreadPoolExecutor(1) as other:
+        holder = other.submit(run_pack, four_shards, out, tokenizer_dir, tasks=2, task_id=1)
+        while not assembled:
+            time.sleep(0.01)
+        waiter = run_pack(four_shards, out, tokenizer_dir, tasks=2, task_id=0)  # its units are done: it commits
+        assert (out / "manifest.json").is_file() and time.monotonic() - assembled[0] >= 1.5
+        assert not waiter.finished and holder.result().finished and len(assembled) == 1
 
 
 def test_a_rerun_with_other_settings_over_an_unfinished_run_starts_again(four_shards, tokenizer_dir, tmp_path):

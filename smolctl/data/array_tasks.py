@@ -13,11 +13,13 @@ afterwards (a re-submitted array, a task with no units left) sees the run is don
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -31,6 +33,12 @@ from smolctl.shards import atomic_write_json, check_output_path, read_manifest
 WORK = "_work"
 FINGERPRINT_KEY = "work_fingerprint"
 START_AGAIN = "it changed after its unit finished; re-run with --overwrite to start again"
+LOCK_REFRESH_S = 10.0
+"""How often the task assembling OUTPUT touches its lock."""
+LOCK_STALE_S = 300.0
+"""A lock unchanged this long is its dead holder's (generous: a shared file system may cache a file's time for
+up to a minute)."""
+LOCK_POLL_S = 2.0
 T = TypeVar("T")
 
 
@@ -179,31 +187,61 @@ class WorkArea:
 
     # -- the one commit ------------------------------------------------------------------------------------
 
-    def commit_once(self, assemble: Callable[[], dict]) -> dict | None:
-        """Run `assemble` unless another task holds the assembly lock (a lock left by a dead process on this
-        host is taken over). Returns the manifest, or None when another task is committing."""
+    def commit_once(self, assemble: Callable[[], T], *, wait: bool = False) -> T | None:
+        """Run `assemble` unless another task holds the assembly lock. Returns what `assemble` returned, or None
+        when another task holds the lock (a plain run then refuses) or, with `wait`, once it has committed.
+
+        An array task waits (`wait`): it exits 0 whether it committed or another did, so returning while the
+        holder may be dead would let an `afterok` job start on no output. The holder refreshes its lock while it
+        assembles; a lock left by a dead process on this host, or left unchanged for LOCK_STALE_S wherever its
+        holder ran (a node that died mid-assembly, a kill before the lock was written), is taken over."""
         lock = self.root / "assemble.lock"
         owner = {"host": socket.gethostname(), "pid": os.getpid()}
         try:
             handle = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
-            try:
-                holder = json.loads(lock.read_text() or "{}")
-            except FileNotFoundError:  # released, or the work area is gone with the commit
-                return None
-            if holder.get("host") == owner["host"] and not _alive(holder.get("pid", -1)):
-                lock.unlink(missing_ok=True)
-                return self.commit_once(assemble)
-            return None
+            return self._wait_for_holder(lock, assemble, wait)
         except FileNotFoundError:  # the work area is gone: another task has just committed
             return None
         with os.fdopen(handle, "w") as out:
             json.dump(owner, out)
+        refreshing = threading.Event()
+        heartbeat = threading.Thread(target=_refresh, args=(lock, refreshing), daemon=True, name="assemble-lock")
+        heartbeat.start()
         try:
             return assemble()
         except BaseException:
             lock.unlink(missing_ok=True)
             raise
+        finally:
+            refreshing.set()
+            heartbeat.join()
+
+    def _wait_for_holder(self, lock: Path, assemble: Callable[[], T], wait: bool) -> T | None:
+        seen, unchanged_since = None, time.monotonic()
+        while True:
+            try:
+                state = lock.stat()
+                holder = json.loads(lock.read_text() or "{}")
+            except FileNotFoundError:  # released: committed, or the holder failed and this task tries
+                return None if self.committed() or not self.root.is_dir() else self.commit_once(assemble, wait=wait)
+            except ValueError:  # caught mid-write
+                holder = {}
+            this_state = (state.st_ino, state.st_mtime_ns, state.st_size)
+            if this_state != seen:
+                seen, unchanged_since = this_state, time.monotonic()
+            dead_here = holder.get("host") == socket.gethostname() and not _alive(holder.get("pid", -1))
+            if dead_here or (wait and time.monotonic() - unchanged_since > LOCK_STALE_S):
+                with contextlib.suppress(FileNotFoundError):
+                    current = lock.stat()
+                    if (current.st_ino, current.st_mtime_ns, current.st_size) == seen:
+                        lock.unlink()
+                return self.commit_once(assemble, wait=wait)
+            if not wait:
+                return None
+            time.sleep(LOCK_POLL_S)
+            if self.committed():
+                return None
 
     def busy_error(self) -> UserError:
         lock = self.root / "assemble.lock"
@@ -230,6 +268,13 @@ def unless_committed(area: WorkArea):
         if area.committed():
             raise AlreadyCommitted from None
         raise
+
+
+def _refresh(lock: Path, stop: threading.Event) -> None:
+    """Touch the lock every LOCK_REFRESH_S until `stop`: waiting tasks see its holder is alive."""
+    while not stop.wait(LOCK_REFRESH_S):
+        with contextlib.suppress(OSError):
+            os.utime(lock)
 
 
 def _alive(pid: int) -> bool:

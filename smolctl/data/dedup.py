@@ -245,7 +245,7 @@ def _run_units(
     )
     if plan_.done("filter"):
         stats = _final_stats(plan_)
-        manifest = plan_.area.commit_once(lambda: assemble(plan_, stats))
+        manifest = plan_.area.commit_once(lambda: assemble(plan_, stats), wait=stage is not None)
         result.finished = manifest is not None
         if not result.finished and stage is None:
             raise plan_.area.busy_error()

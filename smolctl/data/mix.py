@@ -446,7 +446,7 @@ class MixJob:
             if self.area.stage_done("measure", self.unit_count("measure")) and self.area.stage_done(
                 "write", self.unit_count("write")
             ):
-                stage_reports = self.area.commit_once(self._assemble)
+                stage_reports = self.area.commit_once(self._assemble, wait=array_task)
                 if stage_reports is None and not array_task:
                     raise self.area.busy_error()
                 result.finished, result.stages = stage_reports is not None, stage_reports or []

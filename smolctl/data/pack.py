@@ -178,7 +178,7 @@ class PackJob:
             tokens_per_second=packed.tokens / seconds if seconds else 0.0,
         )
         if self.area.stage_done(STAGE, self.units):
-            manifest = self.area.commit_once(self._assemble)
+            manifest = self.area.commit_once(self._assemble, wait=array_task)
             if manifest is None and not array_task:
                 raise self.area.busy_error()
             if manifest is not None:
