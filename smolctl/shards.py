@@ -248,14 +248,17 @@ class OutputFolder:
             if self.path.exists():
                 os.replace(self.path, old)
             os.replace(self.staging, self.path)
-            if old.exists():
-                shutil.rmtree(old)
         except OSError as exc:
+            # The output moved aside goes back (an array run's work area is in it); the new one is discarded.
+            if old.exists() and not self.path.exists():
+                with contextlib.suppress(OSError):
+                    os.replace(old, self.path)
             raise UserError(
                 self.path,
                 f"cannot move the finished output into place: {exc.strerror or exc}",
-                f"the complete output is in {self.staging}",
+                "nothing was replaced; check the file system's space and permissions, then re-run",
             ) from exc
+        shutil.rmtree(old, ignore_errors=True)
 
     def _replace_copy(self) -> None:
         """Move this process's staging folder into place over whatever another copy put there."""

@@ -354,6 +354,31 @@ def test_a_unit_whose_move_into_place_fails_is_not_marked_and_keeps_the_other_co
     assert shard_bytes(out) == shard_bytes(tmp_path / "plain")
 
 
+def test_a_commit_whose_final_move_fails_keeps_the_work_area(four_shards, tokenizer_dir, tmp_path, monkeypatch):
+    """OUTPUT, with the work area in it, was moved aside for the commit; when the move into place then failed it
+    stayed hidden (and the next commit deleted it), and the error named a staging folder already deleted."""
+    import smolctl.shards as shards
+
+    rename = os.replace
+
+    def fails_into_output(source, target):
+        if Path(source).name == ".tasks.partial":
+            raise PermissionError(13, "Permission denied")
+        return rename(source, target)
+
+    out = tmp_path / "tasks"
+    run_pack(four_shards, out, tokenizer_dir, tasks=2, task_id=0)
+    monkeypatch.setattr(shards.os, "replace", fails_into_output)
+    with pytest.raises(UserError, match="nothing was replaced"):
+        run_pack(four_shards, out, tokenizer_dir, tasks=2, task_id=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tasks"]
+    assert sorted(p.name for p in (out / "_work" / "pack").glob("*.done")) == [f"0000{u}.done" for u in range(4)]
+    monkeypatch.setattr(shards.os, "replace", rename)
+    assert run_pack(four_shards, out, tokenizer_dir, tasks=2, task_id=1).finished
+    run_pack(four_shards, tmp_path / "plain", tokenizer_dir)
+    assert shard_bytes(out) == shard_bytes(tmp_path / "plain")
+
+
 def test_a_task_that_fails_after_another_committed_has_nothing_to_do(tmp_path):
     """Whatever failed (here a shard whose folder the committing copy removed) is moot once OUTPUT is committed."""
     from smolctl.data.array_tasks import FINGERPRINT_KEY, AlreadyCommitted, WorkArea, digest, unless_committed
