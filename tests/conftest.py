@@ -33,6 +33,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+def work_area(output: Path) -> Path:
+    """OUTPUT/_work/<run>/ of the one run under OUTPUT."""
+    (run,) = (output / "_work").iterdir()
+    return run
+
+
 def run_cli(
     *args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 300
 ) -> subprocess.CompletedProcess:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import run_cli
+from conftest import run_cli, work_area
 
 from smolctl.data import array_tasks
 from smolctl.data import mix as mix_module
@@ -98,7 +98,7 @@ def test_a_pack_task_killed_mid_unit_resumes_to_the_same_bytes(four_shards, toke
     # would finish the unit without it, and mark it done.
     assert calls == [1, 1, 1]
     monkeypatch.setattr(pack_module.UnitPacking, "add", original)
-    work = tmp_path / "tasks" / "_work" / "pack"
+    work = work_area(tmp_path / "tasks") / "pack"
     (staging,) = work.glob(".00001.partial*")  # the killed copy's own staging folder
     assert staging.is_dir() and not (work / "00001.done").exists()
     for task in (1, 0):
@@ -179,7 +179,7 @@ def test_a_plain_run_while_another_task_commits_leaves_the_work_alone(
     out = tmp_path / "packed"
     for task_id in range(2):
         run_pack(four_shards, out, tokenizer_dir, tasks=3, task_id=task_id)
-    (out / "_work" / "assemble.lock").write_text('{"host": "another-node", "pid": 5}')
+    (work_area(out) / "assemble.lock").write_text('{"host": "another-node", "pid": 5}')
     with monkeypatch.context() as patch:  # the last task finishes its unit and waits for the holder, still at work
         patch.setattr(WorkArea, "commit_once", lambda self, assemble, wait=False: None)
         run_pack(four_shards, out, tokenizer_dir, tasks=3, task_id=2)
@@ -198,7 +198,7 @@ def test_a_lock_left_by_a_dead_assembler_is_taken_over(four_shards, tokenizer_di
     out = tmp_path / "tasks"
     for task_id in range(2):
         run_pack(four_shards, out, tokenizer_dir, tasks=3, task_id=task_id)
-    (out / "_work" / "assemble.lock").write_text(lock)
+    (work_area(out) / "assemble.lock").write_text(lock)
     assert run_pack(four_shards, out, tokenizer_dir, tasks=3, task_id=2).finished
     run_pack(four_shards, tmp_path / "plain", tokenizer_dir)
     assert shard_bytes(out) == shard_bytes(tmp_path / "plain")
@@ -249,13 +249,42 @@ def test_a_rerun_with_other_settings_over_an_unfinished_run_starts_again(four_sh
     assert read_manifest(tmp_path / "dedup")["rows"] > 0
 
 
+def test_a_task_of_a_replaced_run_never_writes_into_the_new_run(four_shards, tokenizer_dir, tmp_path, monkeypatch):
+    """The command re-run with other settings and --overwrite while a task of the first run is mid-unit: that task
+    wrote its unit and marker into the new run's work area, which the new run then trusted."""
+    out = tmp_path / "packed"
+
+    def task(seq_len: int, task_id: int):
+        config = PackConfig(seq_len=seq_len, batch_documents=64, buffer_tokens=4096, shard_size="40rows")
+        job = prepare_pack(str(four_shards), out, tokenizer_spec=str(tokenizer_dir), config=config, overwrite=True)
+        return job.run(tasks=2, task_id=task_id)
+
+    task(128, 0)
+    original = pack_module.UnitPacking.add
+
+    def rerun_meanwhile(self, *batch):
+        monkeypatch.setattr(pack_module.UnitPacking, "add", original)
+        task(64, 0)  # the new run starts while this task of the first is packing its unit
+        return original(self, *batch)
+
+    monkeypatch.setattr(pack_module.UnitPacking, "add", rerun_meanwhile)
+    first = task(128, 1)
+    assert first.finished and read_manifest(out)["seq_len"] == 128  # the first run had all its units: it commits
+    assert not task(64, 1).finished  # the new run's earlier units went with that commit
+    assert task(64, 0).finished
+    plain = tmp_path / "plain"
+    config = PackConfig(seq_len=64, batch_documents=64, buffer_tokens=4096, shard_size="40rows")
+    prepare_pack(str(four_shards), plain, tokenizer_spec=str(tokenizer_dir), config=config).run()
+    assert shard_bytes(out) == shard_bytes(plain)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "removed"])
 def test_a_work_file_damaged_between_tasks_is_never_committed(four_shards, tokenizer_dir, tmp_path, damage):
     """A unit's shard truncated or deleted under OUTPUT/_work before the last task: the commit must refuse it,
     not link it into an OUTPUT whose manifest then passes the size check with a wrong sha256."""
     out = tmp_path / "packed"
     run_pack(four_shards, out, tokenizer_dir, tasks=3, task_id=0)
-    shard = next((out / "_work" / "pack" / "00000").glob("part-*.safetensors"))
+    shard = next((work_area(out) / "pack" / "00000").glob("part-*.safetensors"))
     if damage == "truncated":
         shard.write_bytes(shard.read_bytes()[:100])
     else:
@@ -335,7 +364,7 @@ def test_a_unit_whose_move_into_place_fails_is_not_marked_and_keeps_the_other_co
     moves_into_place_fail("00000")
     with pytest.raises(UserError, match="cannot move the finished unit into place: Permission denied"):
         run_pack(four_shards, out, tokenizer_dir, tasks=2, task_id=0)
-    assert not (out / "_work" / "pack" / "00000.done").exists()
+    assert not (work_area(out) / "pack" / "00000.done").exists()
     # A copy that already put its unit in place keeps it there when another copy's move fails.
     unit = tmp_path / "unit"
     first = OutputFolder(unit, kind=KIND_PACKED, overwrite=True, per_process=True)
@@ -372,7 +401,7 @@ def test_a_commit_whose_final_move_fails_keeps_the_work_area(four_shards, tokeni
     with pytest.raises(UserError, match="nothing was replaced"):
         run_pack(four_shards, out, tokenizer_dir, tasks=2, task_id=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tasks"]
-    assert sorted(p.name for p in (out / "_work" / "pack").glob("*.done")) == [f"0000{u}.done" for u in range(4)]
+    assert sorted(p.name for p in (work_area(out) / "pack").glob("*.done")) == [f"0000{u}.done" for u in range(4)]
     monkeypatch.setattr(shards.os, "replace", rename)
     assert run_pack(four_shards, out, tokenizer_dir, tasks=2, task_id=1).finished
     run_pack(four_shards, tmp_path / "plain", tokenizer_dir)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import SAMPLE, run_cli
+from conftest import SAMPLE, run_cli, work_area
 
 
 @dataclass
@@ -160,7 +160,7 @@ def dedup_work_with_a_damaged_file(tmp: Path, how: str) -> Path:
     for stage in ("signatures", "buckets"):
         done = run_cli("dedup", SAMPLE / "math", out, "--minhash", "--stage", stage, "--tasks", "1", "--task-id", "0")
         assert done.returncode == 0, done.stderr
-    shingles = next((out / "_work" / "signatures").glob("*.shingles.npy"))
+    shingles = next((work_area(out) / "signatures").glob("*.shingles.npy"))
     if how == "removed":
         shingles.unlink()
     else:

@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import SAMPLE, run_cli
+from conftest import SAMPLE, run_cli, work_area
 
 from smolctl.data import dedup_stages
 from smolctl.data.dedup import DedupConfig, run
@@ -325,7 +325,7 @@ def test_a_filter_piece_damaged_between_tasks_is_never_committed(planted, tmp_pa
     for stage in ("signatures", "buckets", "components"):
         dedup(planted["input"], out, stage=stage)
     dedup(planted["input"], out, stage="filter", tasks=2, task_id=0)  # units 0 and 2
-    pieces = out / "_work" / "filter"
+    pieces = work_area(out) / "filter"
     piece = pieces / "00000.parquet"
     if damage == "truncated":
         piece.write_bytes(piece.read_bytes()[:100])

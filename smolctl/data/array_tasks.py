@@ -3,9 +3,10 @@
     smolctl pack mix/ packed/ --tokenizer tok/ --seq-len 4096 --tasks 64 --task-id $SLURM_ARRAY_TASK_ID
 
 A command's work is a fixed sequence of stages, each cut into units that depend only on the input. Task I of N
-runs units I, I+N, ... of a stage; each finished unit leaves an atomic `.done` marker under OUTPUT/_work/<stage>/,
-so a re-run (after a kill, a pre-emption, a re-submitted array) skips it. The work area records a fingerprint of
-the inputs and settings: a task with other arguments is refused rather than mixing two runs. The task that
+runs units I, I+N, ... of a stage; each finished unit leaves an atomic `.done` marker under
+OUTPUT/_work/<run>/<stage>/, so a re-run (after a kill, a pre-emption, a re-submitted array) skips it. <run> is
+named by a fingerprint of the inputs and settings: a task with other arguments is refused (without --overwrite)
+and never mixes its work with another run's. The task that
 completes the last stage assembles OUTPUT (under a lock, so exactly one does) and swaps it into place, which
 also removes the work area; the committed manifest keeps the fingerprint, so any task of that run started
 afterwards (a re-submitted array, a task with no units left) sees the run is done and exits cleanly.
@@ -71,7 +72,12 @@ def file_identity(files) -> list:
 
 @dataclass
 class WorkArea:
-    """OUTPUT/_work of one run: its fingerprint, stages and markers."""
+    """OUTPUT/_work/<run>/ of one run: its fingerprint, stages and markers.
+
+    Each run (fingerprint) has its own folder. A command re-run with other settings and --overwrite while tasks
+    of the first run still go on (an array re-submitted without cancelling the first, or its throttled tasks
+    starting late) would otherwise have those tasks write units and markers into the new run's work, or clear
+    it. Other runs' folders are left alone and go with OUTPUT's commit."""
 
     output: Path
     stages: tuple[str, ...]
@@ -79,10 +85,16 @@ class WorkArea:
 
     def __post_init__(self):
         self.output = Path(self.output).absolute()  # see OutputFolder: arrow takes `run:1/...` for a URI
+        self.run_id = digest(self.fingerprint)[:16]
 
     @property
     def root(self) -> Path:
-        return self.output / WORK
+        return self.output / WORK / self.run_id
+
+    def other_runs(self) -> list[Path]:
+        """The work of runs with other inputs or settings under OUTPUT/_work."""
+        base = self.output / WORK
+        return sorted(p for p in base.iterdir() if p.name != self.run_id) if base.is_dir() else []
 
     def stage_dir(self, stage: str) -> Path:
         return self.root / stage
@@ -119,20 +131,21 @@ class WorkArea:
         only_work = self.output.is_dir() and {p.name for p in self.output.iterdir()} <= {WORK}
         if not only_work:
             check_output_path(self.output, overwrite)
-        if (self.root / "config.json").is_file() and not self._records_this_run() and not overwrite:
+        others = self.other_runs()
+        if others and not overwrite:
             raise UserError(
-                self.root,
+                others[0],
                 "holds an unfinished run with other inputs or settings",
                 "re-run with the original arguments, or pass --overwrite to start again",
             )
 
     def prepare(self) -> None:
-        """Create the work area and record the fingerprint; an older run's area is cleared (--overwrite)."""
+        """Create this run's work area and record its fingerprint (other runs' areas are left alone)."""
         recorded = self.root / "config.json"
         if recorded.is_file():
             if self._records_this_run():
                 return
-            shutil.rmtree(self.root)
+            shutil.rmtree(self.root)  # another fingerprint under the same 16 digits, or edited by hand
         try:
             for stage in self.stages:
                 self.stage_dir(stage).mkdir(parents=True, exist_ok=True)
@@ -148,8 +161,9 @@ class WorkArea:
         if (self.root / "assemble.lock").exists():
             return
         shutil.rmtree(self.root, ignore_errors=True)
-        if self.output.is_dir() and not any(self.output.iterdir()):
-            self.output.rmdir()
+        for folder in (self.output / WORK, self.output):
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
 
     def _records_this_run(self) -> bool:
         """Whether the work area's config.json is this run's fingerprint (False when there is none)."""

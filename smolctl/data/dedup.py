@@ -12,7 +12,7 @@
 This module chains the stages and assembles OUTPUT; the plan (settings, inputs, units) is in dedup_plan.py,
 the units themselves in dedup_stages.py.
 
-Intermediates live in OUTPUT/_work/<stage>/, each unit finished by an atomic `.done` marker
+Intermediates live in OUTPUT/_work/<run>/<stage>/, each unit finished by an atomic `.done` marker
 (smolctl/data/array_tasks.py), so any split of units into Slurm array tasks (`--tasks N --task-id I`), a local
 process pool, or a re-run after a kill gives the same bytes: documents are identified by their global position
 (input shards in order, then reference shards), and every choice (kept document, cluster number, report order)

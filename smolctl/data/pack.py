@@ -13,7 +13,7 @@ packed-folder manifest that `pretrain` and `inspect` read, or, with `--format da
 imports transformers or torch.
 
 The unit of work is one input shard: it is packed on its own (no row holds documents of two shards, so no row
-mixes two stages of a mix either) into OUTPUT/_work/pack/<unit>/ and marked done (smolctl/data/array_tasks.py).
+mixes two stages of a mix either) into OUTPUT/_work/<run>/pack/<unit>/ and marked done (smolctl/data/array_tasks.py).
 A plain run packs every unit in order; `--tasks N --task-id I` packs units I, I+N, ... as one task of a Slurm
 array. Whichever call finishes the last unit links the units' shards, in unit order, into OUTPUT with one
 manifest, so the bytes are the same for any N and any order the tasks run in.
@@ -281,7 +281,7 @@ class PackJob:
 
 
 class UnitPacking:
-    """One unit (input file) being packed into OUTPUT/_work/pack/<unit>/, committed and marked when finished."""
+    """One unit (input file) being packed into OUTPUT/_work/<run>/pack/<unit>/, committed and marked when finished."""
 
     def __init__(self, job: PackJob, unit: int):
         self.job, self.unit, self.stats = job, unit, PackStats()
