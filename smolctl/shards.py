@@ -283,7 +283,8 @@ class OutputFolder:
                     "check the file system's space and permissions, then re-run the task",
                 ) from exc
         finally:
-            shutil.rmtree(old, ignore_errors=True)
+            if (self.path / "manifest.json").is_file():  # else the folder moved aside could not go back: keep it
+                shutil.rmtree(old, ignore_errors=True)
 
     def abort(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)

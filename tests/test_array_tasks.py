@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -204,6 +205,50 @@ def test_a_lock_left_by_a_dead_assembler_is_taken_over(four_shards, tokenizer_di
     assert shard_bytes(out) == shard_bytes(tmp_path / "plain")
 
 
+def test_a_dead_lock_is_removed_by_one_task_at_a_time_and_only_while_unchanged(tmp_path, monkeypatch):
+    """Every task of a re-submitted array judges the same dead lock at once: one must not remove the lock that
+    another has just taken over, nor may two check and remove at the same time."""
+    lock, guard = tmp_path / "assemble.lock", tmp_path / "assemble.lock.takeover"
+    lock.write_text('{"host": "another-node", "pid": 5}')
+    dead = array_tasks._identity(lock.stat())
+    taken = tmp_path / "taken"
+    taken.write_text('{"host": "this-node", "pid": 6}')
+    os.replace(taken, lock)  # another task took it over: same path, another file
+    array_tasks._remove_if_unchanged(lock, dead)
+    assert lock.read_text() == '{"host": "this-node", "pid": 6}'
+    seen = array_tasks._identity(lock.stat())
+    guard.write_text("")  # another task is checking this very lock
+    array_tasks._remove_if_unchanged(lock, seen)
+    assert lock.exists() and guard.exists()
+    monkeypatch.setattr(array_tasks, "LOCK_STALE_S", 60.0)
+    os.utime(guard, (time.time() - 120, time.time() - 120))  # its task was killed between the two calls
+    array_tasks._remove_if_unchanged(lock, seen)
+    assert lock.exists() and not guard.exists()
+    array_tasks._remove_if_unchanged(lock, seen)
+    assert not lock.exists() and not guard.exists()
+
+
+def test_a_holder_taken_over_while_paused_leaves_its_successors_lock_alone(tmp_path, monkeypatch):
+    """A holder paused past LOCK_STALE_S (SIGSTOP, a suspended job) is taken over; when it resumes and fails, it
+    removed and refreshed by path the lock that was now its successor's."""
+    monkeypatch.setattr(array_tasks, "LOCK_REFRESH_S", 0.02)
+    area = WorkArea(tmp_path / "out", ("units",), {"run": 1})
+    area.prepare()
+    lock = area.root / "assemble.lock"
+
+    def paused_then_failing() -> None:
+        successor = lock.with_name("successor")
+        successor.write_text('{"host": "another-node", "pid": 7}')
+        os.utime(successor, (1_000_000, 1_000_000))
+        os.replace(successor, lock)  # taken over while this holder was paused
+        time.sleep(0.2)  # its heartbeat goes on meanwhile
+        raise OSError("the disk went away")
+
+    with pytest.raises(OSError, match="went away"):
+        area.commit_once(paused_then_failing, wait=True)
+    assert lock.read_text() == '{"host": "another-node", "pid": 7}' and lock.stat().st_mtime == 1_000_000
+
+
 def test_a_task_waits_for_a_live_assembler_and_does_not_take_over(four_shards, tokenizer_dir, tmp_path, monkeypatch):
     """The assembler refreshes its lock: a task that finds it held waits until OUTPUT is committed, longer than
     LOCK_STALE_S, and assembles nothing itself."""
@@ -251,7 +296,8 @@ def test_a_rerun_with_other_settings_over_an_unfinished_run_starts_again(four_sh
 
 def test_a_task_of_a_replaced_run_never_writes_into_the_new_run(four_shards, tokenizer_dir, tmp_path, monkeypatch):
     """The command re-run with other settings and --overwrite while a task of the first run is mid-unit: that task
-    wrote its unit and marker into the new run's work area, which the new run then trusted."""
+    wrote its unit and marker into the new run's work area, which the new run then trusted; or, finishing the
+    first run, committed it and took the new run's work away with the old OUTPUT."""
     out = tmp_path / "packed"
 
     def task(seq_len: int, task_id: int):
@@ -268,27 +314,51 @@ def test_a_task_of_a_replaced_run_never_writes_into_the_new_run(four_shards, tok
         return original(self, *batch)
 
     monkeypatch.setattr(pack_module.UnitPacking, "add", rerun_meanwhile)
-    first = task(128, 1)
-    assert first.finished and read_manifest(out)["seq_len"] == 128  # the first run had all its units: it commits
-    assert not task(64, 1).finished  # the new run's earlier units went with that commit
-    assert task(64, 0).finished
+    # The first run has all its units, but the later run is the one wanted: it does not commit over it (the swap
+    # of OUTPUT would take the later run's work with it).
+    with pytest.raises(UserError, match="started after this one"):
+        task(128, 1)
+    assert not (out / "manifest.json").exists()
+    assert task(64, 1).finished
     plain = tmp_path / "plain"
     config = PackConfig(seq_len=64, batch_documents=64, buffer_tokens=4096, shard_size="40rows")
     prepare_pack(str(four_shards), plain, tokenizer_spec=str(tokenizer_dir), config=config).run()
     assert shard_bytes(out) == shard_bytes(plain)
 
 
-@pytest.mark.parametrize("damage", ["truncated", "removed"])
+def test_a_work_area_of_an_earlier_version_is_named_and_replaced_only_with_overwrite(
+    four_shards, tokenizer_dir, tmp_path
+):
+    """Work areas before runs had folders: OUTPUT/_work/config.json and the stages beside it."""
+    out = tmp_path / "packed"
+    (out / "_work" / "pack" / "00000").mkdir(parents=True)
+    (out / "_work" / "config.json").write_text("{}")
+    (out / "_work" / "pack" / "00000.done").write_text("{}")
+    with pytest.raises(UserError, match="an earlier smolctl version"):
+        run_pack(four_shards, out, tokenizer_dir, tasks=2, task_id=0)
+    for task_id in (0, 1):
+        config = PackConfig(seq_len=128, batch_documents=64, buffer_tokens=4096, shard_size="40rows")
+        job = prepare_pack(str(four_shards), out, tokenizer_spec=str(tokenizer_dir), config=config, overwrite=True)
+        assert job.run(tasks=2, task_id=task_id).units_done == 2
+    run_pack(four_shards, tmp_path / "plain", tokenizer_dir)
+    assert shard_bytes(out) == shard_bytes(tmp_path / "plain") and not (out / "_work").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "removed", "unit folder removed"])
 def test_a_work_file_damaged_between_tasks_is_never_committed(four_shards, tokenizer_dir, tmp_path, damage):
     """A unit's shard truncated or deleted under OUTPUT/_work before the last task: the commit must refuse it,
-    not link it into an OUTPUT whose manifest then passes the size check with a wrong sha256."""
+    not link it into an OUTPUT whose manifest then passes the size check with a wrong sha256. A whole unit
+    folder gone was an internal TypeError."""
     out = tmp_path / "packed"
     run_pack(four_shards, out, tokenizer_dir, tasks=3, task_id=0)
-    shard = next((work_area(out) / "pack" / "00000").glob("part-*.safetensors"))
+    unit = work_area(out) / "pack" / "00000"
+    shard = next(unit.glob("part-*.safetensors"))
     if damage == "truncated":
         shard.write_bytes(shard.read_bytes()[:100])
-    else:
+    elif damage == "removed":
         shard.unlink()
+    else:
+        shutil.rmtree(unit)
     run_pack(four_shards, out, tokenizer_dir, tasks=3, task_id=1)
     message = "is 100 bytes, not the" if damage == "truncated" else "is missing from the work area"
     with pytest.raises(UserError, match=message):

@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import threading
@@ -40,6 +41,7 @@ LOCK_STALE_S = 300.0
 """A lock unchanged this long is its dead holder's (generous: a shared file system may cache a file's time for
 up to a minute)."""
 LOCK_POLL_S = 2.0
+RUN_FOLDER = re.compile(r"[0-9a-f]{16}")
 T = TypeVar("T")
 
 
@@ -92,9 +94,14 @@ class WorkArea:
         return self.output / WORK / self.run_id
 
     def other_runs(self) -> list[Path]:
-        """The work of runs with other inputs or settings under OUTPUT/_work."""
+        """The work of runs with other inputs or settings under OUTPUT/_work: their folders, or the whole work
+        area of a version before runs had folders (its config.json at the top)."""
         base = self.output / WORK
-        return sorted(p for p in base.iterdir() if p.name != self.run_id) if base.is_dir() else []
+        if not base.is_dir():
+            return []
+        if (base / "config.json").is_file():
+            return [base]
+        return sorted(p for p in base.iterdir() if p.is_dir() and p.name != self.run_id)
 
     def stage_dir(self, stage: str) -> Path:
         return self.root / stage
@@ -132,6 +139,12 @@ class WorkArea:
         if not only_work:
             check_output_path(self.output, overwrite)
         others = self.other_runs()
+        if others == [self.output / WORK] and not overwrite:
+            raise UserError(
+                others[0],
+                "holds an unfinished run of an earlier smolctl version, which this one cannot resume",
+                "finish it with that version, or pass --overwrite to start again",
+            )
         if others and not overwrite:
             raise UserError(
                 others[0],
@@ -146,6 +159,13 @@ class WorkArea:
             if self._records_this_run():
                 return
             shutil.rmtree(self.root)  # another fingerprint under the same 16 digits, or edited by hand
+        base = self.output / WORK
+        if (base / "config.json").is_file():  # an earlier version's work area (--overwrite): its files only
+            for entry in base.iterdir():
+                if entry.is_dir() and not RUN_FOLDER.fullmatch(entry.name):
+                    shutil.rmtree(entry)
+                elif not entry.is_dir():
+                    entry.unlink()
         try:
             for stage in self.stages:
                 self.stage_dir(stage).mkdir(parents=True, exist_ok=True)
@@ -153,7 +173,7 @@ class WorkArea:
             raise UserError(
                 self.output, f"cannot create the work area: {exc.strerror or exc}", "check the path and its permissions"
             ) from exc
-        atomic_write_json(recorded, self._canonical())
+        atomic_write_json(recorded, {"fingerprint": self._canonical(), "started": time.time()})
 
     def discard(self) -> None:
         """Remove the work area, and OUTPUT when nothing else is in it (a plain run that failed on bad input);
@@ -168,7 +188,7 @@ class WorkArea:
     def _records_this_run(self) -> bool:
         """Whether the work area's config.json is this run's fingerprint (False when there is none)."""
         recorded = self.root / "config.json"
-        return recorded.is_file() and json.loads(recorded.read_text()) == self._canonical()
+        return recorded.is_file() and json.loads(recorded.read_text()).get("fingerprint") == self._canonical()
 
     def _canonical(self) -> dict:
         return json.loads(json.dumps(self.fingerprint, default=str))
@@ -208,7 +228,10 @@ class WorkArea:
         An array task waits (`wait`): it exits 0 whether it committed or another did, so returning while the
         holder may be dead would let an `afterok` job start on no output. The holder refreshes its lock while it
         assembles; a lock left by a dead process on this host, or left unchanged for LOCK_STALE_S wherever its
-        holder ran (a node that died mid-assembly, a kill before the lock was written), is taken over."""
+        holder ran (a node that died mid-assembly, a kill before the lock was written), is taken over.
+
+        A run started after this one (the command again, with other settings and --overwrite) is the one wanted:
+        this run does not commit over it."""
         lock = self.root / "assemble.lock"
         owner = {"host": socket.gethostname(), "pid": os.getpid()}
         try:
@@ -217,19 +240,23 @@ class WorkArea:
             return self._wait_for_holder(lock, assemble, wait)
         except FileNotFoundError:  # the work area is gone: another task has just committed
             return None
-        with os.fdopen(handle, "w") as out:
-            json.dump(owner, out)
+        os.write(handle, json.dumps(owner).encode())
         refreshing = threading.Event()
-        heartbeat = threading.Thread(target=_refresh, args=(lock, refreshing), daemon=True, name="assemble-lock")
+        heartbeat = threading.Thread(target=_refresh, args=(handle, refreshing), daemon=True, name="assemble-lock")
         heartbeat.start()
         try:
+            self._refuse_if_replaced()
             return assemble()
         except BaseException:
-            lock.unlink(missing_ok=True)
+            # Only this task's own lock: a holder taken over while it was paused must not free its successor's.
+            with contextlib.suppress(OSError):
+                if os.fstat(handle).st_ino == lock.stat().st_ino:
+                    lock.unlink()
             raise
         finally:
             refreshing.set()
             heartbeat.join()
+            os.close(handle)
 
     def _wait_for_holder(self, lock: Path, assemble: Callable[[], T], wait: bool) -> T | None:
         seen, unchanged_since = None, time.monotonic()
@@ -241,21 +268,35 @@ class WorkArea:
                 return None if self.committed() or not self.root.is_dir() else self.commit_once(assemble, wait=wait)
             except ValueError:  # caught mid-write
                 holder = {}
-            this_state = (state.st_ino, state.st_mtime_ns, state.st_size)
-            if this_state != seen:
-                seen, unchanged_since = this_state, time.monotonic()
+            if _identity(state) != seen:
+                seen, unchanged_since = _identity(state), time.monotonic()
             dead_here = holder.get("host") == socket.gethostname() and not _alive(holder.get("pid", -1))
             if dead_here or (wait and time.monotonic() - unchanged_since > LOCK_STALE_S):
-                with contextlib.suppress(FileNotFoundError):
-                    current = lock.stat()
-                    if (current.st_ino, current.st_mtime_ns, current.st_size) == seen:
-                        lock.unlink()
+                _remove_if_unchanged(lock, seen)
                 return self.commit_once(assemble, wait=wait)
             if not wait:
                 return None
             time.sleep(LOCK_POLL_S)
             if self.committed():
                 return None
+
+    def _refuse_if_replaced(self) -> None:
+        started = self._started(self.root)
+        newer = [run for run in self.other_runs() if self._started(run) > started]
+        if newer:
+            raise UserError(
+                newer[0],
+                "holds a run of this command started after this one (other settings, --overwrite): this run does "
+                "not commit over it",
+                "cancel this run's tasks; if that later run was abandoned instead, delete its folder and re-run",
+            )
+
+    @staticmethod
+    def _started(run: Path) -> float:
+        try:
+            return float(json.loads((run / "config.json").read_text()).get("started", 0.0))
+        except (OSError, ValueError, AttributeError):
+            return 0.0
 
     def busy_error(self) -> UserError:
         lock = self.root / "assemble.lock"
@@ -284,11 +325,40 @@ def unless_committed(area: WorkArea):
         raise
 
 
-def _refresh(lock: Path, stop: threading.Event) -> None:
-    """Touch the lock every LOCK_REFRESH_S until `stop`: waiting tasks see its holder is alive."""
+def _refresh(handle: int, stop: threading.Event) -> None:
+    """Touch the lock every LOCK_REFRESH_S until `stop`: waiting tasks see its holder is alive. Through the open
+    file, not the path: a holder taken over while it was paused touches only its own, removed, lock."""
     while not stop.wait(LOCK_REFRESH_S):
         with contextlib.suppress(OSError):
-            os.utime(lock)
+            os.utime(handle)
+
+
+def _identity(state: os.stat_result) -> tuple[int, int, int]:
+    return state.st_ino, state.st_mtime_ns, state.st_size
+
+
+def _remove_if_unchanged(lock: Path, seen: tuple[int, int, int]) -> None:
+    """Remove a dead holder's lock, unless it changed since it was judged dead. The check and the removal run
+    under a guard file, one task at a time: the many tasks of a re-submitted array all judge the same lock dead
+    at once, and one must not remove the lock another has just taken."""
+    guard = lock.with_name(lock.name + ".takeover")
+    try:
+        handle = os.open(guard, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        # Held for two system calls; one much older was left by a task killed between them.
+        with contextlib.suppress(FileNotFoundError):
+            if time.time() - guard.stat().st_mtime > LOCK_STALE_S:
+                guard.unlink()
+        return
+    except FileNotFoundError:  # the work area is gone
+        return
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            if _identity(lock.stat()) == seen:
+                lock.unlink()
+    finally:
+        os.close(handle)
+        guard.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:

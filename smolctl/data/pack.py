@@ -32,6 +32,7 @@ from pathlib import Path
 
 from smolctl.data.array_tasks import (
     FINGERPRINT_KEY,
+    START_AGAIN,
     AlreadyCommitted,
     WorkArea,
     check_task,
@@ -246,7 +247,10 @@ class PackJob:
         with OutputFolder(self.output, kind=kind, overwrite=True, inputs=self.inputs) as folder:
             for unit in range(self.units):
                 unit_folder = self.area.stage_dir(STAGE) / f"{unit:05d}"
-                for shard in read_manifest(unit_folder)["shards"]:
+                unit_manifest = read_manifest(unit_folder)
+                if unit_manifest is None:
+                    raise UserError(unit_folder, "is missing from the work area", START_AGAIN)
+                for shard in unit_manifest["shards"]:
                     name = f"part-{len(folder.shards):05d}{suffix}"
                     extra = {}
                     for key, new in (("index", f"{name}.index"), ("metadata", f"{name}.metadata")):
