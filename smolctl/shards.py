@@ -242,20 +242,20 @@ class OutputFolder:
             self._replace_copy()
             return
         old = self.path.parent / f".{self.path.name}.old"
+        moved_aside = False
         try:
             if old.exists():
                 shutil.rmtree(old)
             if self.path.exists():
                 os.replace(self.path, old)
+                moved_aside = True
             os.replace(self.staging, self.path)
         except OSError as exc:
             # The output moved aside goes back (an array run's work area is in it); the new one is discarded.
-            if old.exists() and not self.path.exists():
-                with contextlib.suppress(OSError):
-                    os.replace(old, self.path)
-            raise UserError(
-                self.path,
-                f"cannot move the finished output into place: {exc.strerror or exc}",
+            raise self._move_failed(
+                exc,
+                old if moved_aside else None,
+                "output",
                 "nothing was replaced; check the file system's space and permissions, then re-run",
             ) from exc
         shutil.rmtree(old, ignore_errors=True)
@@ -263,8 +263,10 @@ class OutputFolder:
     def _replace_copy(self) -> None:
         """Move this process's staging folder into place over whatever another copy put there."""
         old = self.path.parent / f".{self.path.name}.old-{os.getpid()}"
+        moved_aside = False
         try:
             os.replace(self.path, old)
+            moved_aside = True
         except FileNotFoundError:
             pass  # none yet, or another copy is between its two moves
         try:
@@ -275,16 +277,26 @@ class OutputFolder:
             # itself failed: the folder moved aside goes back (its copy may have marked the unit done), and this
             # copy must not mark it done with no folder.
             if not (self.path / "manifest.json").is_file():
-                with contextlib.suppress(OSError):
-                    os.replace(old, self.path)
-                raise UserError(
-                    self.path,
-                    f"cannot move the finished unit into place: {exc.strerror or exc}",
+                raise self._move_failed(
+                    exc,
+                    old if moved_aside else None,
+                    "unit",
                     "check the file system's space and permissions, then re-run the task",
                 ) from exc
         finally:
             if (self.path / "manifest.json").is_file():  # else the folder moved aside could not go back: keep it
                 shutil.rmtree(old, ignore_errors=True)
+
+    def _move_failed(self, exc: OSError, moved_aside: Path | None, what: str, fix: str) -> UserError:
+        """Put back the folder that was moved aside for the move that failed, and say so in one line."""
+        if moved_aside is not None and not self.path.exists():
+            with contextlib.suppress(OSError):
+                os.replace(moved_aside, self.path)
+        return UserError(
+            self.path,
+            f"cannot move the finished {what} into place: {exc.strerror or exc}",
+            fix,
+        )
 
     def abort(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)

@@ -41,7 +41,8 @@ LOCK_STALE_S = 300.0
 """A lock unchanged this long is its dead holder's (generous: a shared file system may cache a file's time for
 up to a minute)."""
 LOCK_POLL_S = 2.0
-RUN_FOLDER = re.compile(r"[0-9a-f]{16}")
+RUN_ID_DIGITS = 16
+RUN_FOLDER = re.compile(rf"[0-9a-f]{{{RUN_ID_DIGITS}}}")
 T = TypeVar("T")
 
 
@@ -87,7 +88,8 @@ class WorkArea:
 
     def __post_init__(self):
         self.output = Path(self.output).absolute()  # see OutputFolder: arrow takes `run:1/...` for a URI
-        self.run_id = digest(self.fingerprint)[:16]
+        self.digest = digest(self.fingerprint)
+        self.run_id = self.digest[:RUN_ID_DIGITS]
 
     @property
     def root(self) -> Path:
@@ -129,7 +131,7 @@ class WorkArea:
     def committed(self) -> dict | None:
         """The manifest of OUTPUT when this very run (same fingerprint) already committed it, else None."""
         manifest = read_manifest(self.output) if (self.output / "manifest.json").is_file() else None
-        if manifest is not None and manifest.get(FINGERPRINT_KEY) == digest(self.fingerprint):
+        if manifest is not None and manifest.get(FINGERPRINT_KEY) == self.digest:
             return manifest
         return None
 
@@ -158,14 +160,14 @@ class WorkArea:
         if recorded.is_file():
             if self._records_this_run():
                 return
-            shutil.rmtree(self.root)  # another fingerprint under the same 16 digits, or edited by hand
+            shutil.rmtree(self.root)  # another fingerprint under the same RUN_ID_DIGITS, or edited by hand
         base = self.output / WORK
         if (base / "config.json").is_file():  # an earlier version's work area (--overwrite): its files only
             for entry in base.iterdir():
-                if entry.is_dir() and not RUN_FOLDER.fullmatch(entry.name):
-                    shutil.rmtree(entry)
-                elif not entry.is_dir():
+                if not entry.is_dir():
                     entry.unlink()
+                elif not RUN_FOLDER.fullmatch(entry.name):
+                    shutil.rmtree(entry)
         try:
             for stage in self.stages:
                 self.stage_dir(stage).mkdir(parents=True, exist_ok=True)

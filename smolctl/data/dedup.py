@@ -36,7 +36,6 @@ from smolctl.data.array_tasks import (
     START_AGAIN,
     AlreadyCommitted,
     check_task,
-    digest,
     link_or_copy,
     task_units,
     unless_committed,
@@ -124,7 +123,7 @@ def assemble(plan_: DedupPlan, stats: dict) -> dict:
             schema=schema_to_dict(plan_.source.schema),
             stats=stats,
             dedup=_settings(plan_),
-            **{FINGERPRINT_KEY: digest(plan_.area.fingerprint)},
+            **{FINGERPRINT_KEY: plan_.area.digest},
         )
 
 

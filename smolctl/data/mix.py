@@ -44,7 +44,6 @@ from smolctl.data.array_tasks import (
     AlreadyCommitted,
     WorkArea,
     check_task,
-    digest,
     file_identity,
     link_or_copy,
     read_work_file,
@@ -638,7 +637,7 @@ class MixJob:
                 stats=totals(stages, plan.unit),
                 mix=self._mix_field(stages),
                 stages=[s.name for s in stages] if plan.staged else None,
-                **{FINGERPRINT_KEY: digest(self.area.fingerprint)},
+                **{FINGERPRINT_KEY: self.area.digest},
             )
         return stages
 

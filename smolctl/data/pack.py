@@ -36,7 +36,6 @@ from smolctl.data.array_tasks import (
     AlreadyCommitted,
     WorkArea,
     check_task,
-    digest,
     file_identity,
     link_or_copy,
     task_units,
@@ -266,7 +265,7 @@ class PackJob:
                 documents=stats.documents,
                 skipped_empty=stats.skipped_empty,
                 **manifest_fields(config, self.record, stats),
-                **{FINGERPRINT_KEY: digest(self.area.fingerprint)},
+                **{FINGERPRINT_KEY: self.area.digest},
             )
 
     def _result(self, stats: PackStats, seconds: float, **fields) -> PackResult:
