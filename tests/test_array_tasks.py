@@ -205,6 +205,41 @@ def test_a_lock_left_by_a_dead_assembler_is_taken_over(four_shards, tokenizer_di
     assert shard_bytes(out) == shard_bytes(tmp_path / "plain")
 
 
+def test_a_refreshed_lock_from_another_node_is_waited_for_until_it_goes(
+    four_shards, tokenizer_dir, tmp_path, monkeypatch
+):
+    """A holder on another node (its pid means nothing here) is alive as long as its lock is refreshed: the last
+    task must not take it over after LOCK_STALE_S, only assemble once the holder lets go."""
+    monkeypatch.setattr(array_tasks, "LOCK_STALE_S", 0.3)
+    monkeypatch.setattr(array_tasks, "LOCK_POLL_S", 0.05)
+    original, assembled = pack_module.PackJob._assemble, []
+
+    def timed_assembly(self):
+        assembled.append(time.monotonic())
+        return original(self)
+
+    monkeypatch.setattr(pack_module.PackJob, "_assemble", timed_assembly)
+    out = tmp_path / "tasks"
+    for task_id in range(2):
+        run_pack(four_shards, out, tokenizer_dir, tasks=3, task_id=task_id)
+    lock = work_area(out) / "assemble.lock"
+    lock.write_text('{"host": "another-node", "pid": 5}')
+    released = []
+
+    def holder_on_another_node() -> None:
+        for _ in range(20):  # 1 s of refreshes, three times LOCK_STALE_S
+            time.sleep(0.05)
+            os.utime(lock)
+        released.append(time.monotonic())
+        lock.unlink()  # it failed: the waiting task assembles
+
+    with ThreadPoolExecutor(1) as other:
+        holder = other.submit(holder_on_another_node)
+        assert run_pack(four_shards, out, tokenizer_dir, tasks=3, task_id=2).finished
+        holder.result()
+    assert len(assembled) == 1 and assembled[0] >= released[0]
+
+
 def test_a_dead_lock_is_removed_by_one_task_at_a_time_and_only_while_unchanged(tmp_path, monkeypatch):
     """Every task of a re-submitted array judges the same dead lock at once: one must not remove the lock that
     another has just taken over, nor may two check and remove at the same time."""
