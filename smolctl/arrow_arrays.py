@@ -8,7 +8,7 @@ buffers, which never asks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -64,3 +64,32 @@ def plain_strings(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> pa.Array
     if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
         texts = texts.cast(pa.large_string())
     return texts
+
+
+TEXT_BYTES_PER_CALL = 8 * 2**20
+"""The most UTF-8 text one call of the Rust batch encoder is given (a longer document goes alone). Its Encodings
+hold, per token, the id, type id, offsets, masks and the token's string: ~40 bytes of memory per byte of text
+while a call runs, so a batch of 1,000 book-length documents (~700 MB of text) would need tens of GB at once."""
+
+
+def text_pieces(texts: pa.Array) -> Iterator[tuple[pa.Array, bool]]:
+    """(piece, last) for consecutive slices of texts holding at most TEXT_BYTES_PER_CALL bytes of text each (a
+    longer document alone); `last` marks the final one. Texts of web or code size fill one piece: a batch
+    is split only where its documents are long."""
+    offsets = text_offsets(texts) if len(texts) else None
+    if offsets is None or offsets[-1] - offsets[0] <= TEXT_BYTES_PER_CALL:
+        yield texts, True
+        return
+    start = 0
+    while start < len(texts):
+        stop = int(np.searchsorted(offsets, offsets[start] + TEXT_BYTES_PER_CALL, side="right")) - 1
+        stop = max(stop, start + 1)
+        yield texts.slice(start, stop - start), stop == len(texts)
+        start = stop
+
+
+def text_offsets(texts: pa.Array) -> np.ndarray:
+    """Where each text starts in the UTF-8 bytes of all of them, and where the last ends (len(texts) + 1 values)."""
+    texts = plain_strings(texts)
+    width = np.int64 if pa.types.is_large_string(texts.type) else np.int32
+    return np.frombuffer(texts.buffers()[1], width)[texts.offset : texts.offset + len(texts) + 1]

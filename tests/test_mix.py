@@ -747,3 +747,32 @@ def test_a_source_left_short_of_its_weight_is_warned_about(sample, tmp_path):
         "mix", tmp_path / "sample", "--source", f"web={sample}/web:0.5", "--source", f"code={sample}/code:0.5"
     )
     assert balanced.returncode == 0 and "warning:" not in balanced.stdout + balanced.stderr
+
+
+def test_tokens_are_counted_in_pieces_of_text_the_same_as_whole(sample, tokenizer_dir, monkeypatch):
+    """mix counts tokens in batches of 4,096 documents: a batch of long documents goes to the tokenizer in pieces
+    of at most TEXT_BYTES_PER_CALL bytes (its Encodings take ~40 bytes per byte of text), with the same counts."""
+    from smolctl import arrow_arrays
+    from smolctl.data.mix_tokens import text_tokens
+    from smolctl.data.tokenizer import load_rust_tokenizer
+
+    texts = pa.concat_arrays(
+        [
+            pq.read_table(f, columns=["text"])["text"].combine_chunks()
+            for f in sorted((sample / "code").glob("*.parquet"))
+        ]
+        + [pa.array([None, ""], pa.string())]
+    )
+    backend = load_rust_tokenizer(str(tokenizer_dir)).backend
+    whole = [len(e) for e in backend.encode_batch_fast([t or "" for t in texts.to_pylist()], add_special_tokens=False)]
+    monkeypatch.setattr(arrow_arrays, "TEXT_BYTES_PER_CALL", 5_000)
+    calls = []
+
+    class Recording:
+        def encode_batch_fast(self, batch, **options):
+            calls.append([len(text.encode()) for text in batch])
+            return backend.encode_batch_fast(batch, **options)
+
+    assert text_tokens(texts, Recording()).tolist() == whole
+    assert len(calls) > 10 and all(sum(call) <= 5_000 or len(call) == 1 for call in calls)
+    assert sum(map(len, calls)) == len(texts)

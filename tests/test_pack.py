@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, run_cli
 
+from smolctl import arrow_arrays
 from smolctl.data import pack_rows, pack_tokens
 from smolctl.data.pack import PackConfig, pack
 from smolctl.data.pack_rows import best_fit_decreasing
@@ -632,6 +633,57 @@ def test_output_bytes_are_unchanged_without_the_kernels(sample, tokenizer_dir, t
     folder, options = GOLDEN_CONFIGS[name]
     pack(str(sample / folder), tmp_path / "out", tokenizer_spec=str(tokenizer_dir), config=PackConfig(**options))
     assert output_digests(tmp_path / "out") == GOLDEN[name]
+
+
+@pytest.mark.parametrize("name, workers", [("web-bfd-256", 1), ("math-truncate-64", 1), ("math-datatrove", 2)])
+def test_batches_of_long_documents_are_encoded_in_pieces_and_pack_the_same_bytes(
+    sample, tokenizer_dir, tmp_path, monkeypatch, name, workers
+):
+    """The tokenizer's Encodings take ~40 bytes per byte of text while a call runs, so a batch is given to it in
+    pieces of at most TEXT_BYTES_PER_CALL bytes (a longer document alone), and the pieces are joined again before
+    packing: the rows are those of whole batches, byte for byte."""
+    limit = 3_000  # the sample's batches hold 60-400 KB: every batch is cut, and its longest documents go alone
+    monkeypatch.setattr(arrow_arrays, "TEXT_BYTES_PER_CALL", limit)
+    calls: list[list[int]] = []
+    encode = pack_tokens.encode_documents
+
+    def recording(backend, texts, eos_id):
+        calls.append([len(text.encode()) for text in texts])
+        return encode(backend, texts, eos_id)
+
+    monkeypatch.setattr(pack_tokens, "encode_documents", recording)
+    folder, options = GOLDEN_CONFIGS[name]
+    result = pack(
+        str(sample / folder),
+        tmp_path / "out",
+        tokenizer_spec=str(tokenizer_dir),
+        config=PackConfig(**options, workers=workers),
+    )
+    assert output_digests(tmp_path / "out") == GOLDEN[name]
+    if workers == 1:  # worker processes encode out of sight; their bytes above are the check
+        assert sum(map(len, calls)) == result.stats.documents + result.stats.skipped_empty
+        assert len(calls) > 5 * len(sample_texts(sample / folder)) // options.get("batch_documents", 1000)
+        assert all(sum(call) <= limit or len(call) == 1 for call in calls)
+        assert any(len(call) == 1 and call[0] > limit for call in calls)
+
+
+def test_text_pieces_cut_at_the_byte_limit_for_every_kind_of_string_column(monkeypatch):
+    monkeypatch.setattr(arrow_arrays, "TEXT_BYTES_PER_CALL", 10)
+    texts = ["abc", None, "défg", "x" * 25, "", "hij", "kl", "mnopqrs", "t"]
+    plain = pa.array(texts, pa.string())
+    for column in (plain, plain.cast(pa.large_string()), plain.cast(pa.string_view()), plain.dictionary_encode()):
+        for start in (0, 1, 3):  # a slice of a column starts at an offset into its buffers
+            part = column.slice(start)
+            pieces = list(arrow_arrays.text_pieces(part))
+            assert [t for piece, _ in pieces for t in piece.to_pylist()] == texts[start:]
+            assert [last for _, last in pieces] == [False] * (len(pieces) - 1) + [True]
+            for piece, _ in pieces:
+                sizes = [len((t or "").encode()) for t in piece.to_pylist()]
+                assert sum(sizes) <= 10 or len(sizes) == 1
+            # each piece takes as many documents as fit: with the next document added it would be over the limit
+            for (piece, _), (following, _) in itertools.pairwise(pieces):
+                assert sum(len((t or "").encode()) for t in piece.to_pylist() + following.to_pylist()[:1]) > 10
+    assert [(len(piece), last) for piece, last in arrow_arrays.text_pieces(plain.slice(0, 0))] == [(0, True)]
 
 
 def test_pack_starts_without_transformers(sample, tokenizer_dir, tmp_path):

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from smolctl.arrow_arrays import plain_strings
+from smolctl.arrow_arrays import plain_strings, text_pieces
 from smolctl.data.mix_blocks import BINS, row_bins, row_hash, source_key
 from smolctl.errors import UserError
 
@@ -42,11 +42,15 @@ def text_bytes(texts: pa.Array) -> np.ndarray:
 
 def text_tokens(texts: pa.Array, backend) -> np.ndarray:
     """Token ids of each document without the EOS `pack` appends (0 for an empty one), as `pack` encodes them
-    (no special tokens); only counted, so the ids never leave the tokenizer as Python lists."""
-    encodings = backend.encode_batch_fast(
-        [t if t is not None else "" for t in texts.to_pylist()], add_special_tokens=False
-    )
-    return np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
+    (no special tokens), in pieces of at most TEXT_BYTES_PER_CALL bytes of text; only counted, so the ids never
+    leave the tokenizer as Python lists."""
+    counts = []
+    for piece, _ in text_pieces(texts):
+        encodings = backend.encode_batch_fast(
+            [t if t is not None else "" for t in piece.to_pylist()], add_special_tokens=False
+        )
+        counts.append(np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings)))
+    return np.concatenate(counts)
 
 
 def document_sizes(texts: pa.Array, backend) -> np.ndarray:

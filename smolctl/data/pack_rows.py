@@ -273,7 +273,9 @@ class BfdPacker:
     def finish(self) -> Iterator[Rows]:
         if not self.pending_tokens:
             return
-        batches, whole = self.pending, np.concatenate(self.pending_full)
+        # One batch's full rows as they are: a batch of long documents can hold many times buffer_tokens.
+        whole = self.pending_full[0] if len(self.pending_full) == 1 else np.concatenate(self.pending_full)
+        batches = self.pending
         self.pending, self.pending_full, self.pending_tokens = [], [], 0
         bin_of, offset, bins = best_fit_decreasing(np.concatenate([b.lengths for b in batches]), self.seq_len)
         # Shuffle by sending each BFD bin and each whole row to a random output row.

@@ -20,6 +20,7 @@ from itertools import chain
 
 import numpy as np
 
+from smolctl.arrow_arrays import text_pieces
 from smolctl.child_processes import exit_with_parent
 from smolctl.data.pack_rows import TokenBatch
 from smolctl.data.tokenizer import RustTokenizer
@@ -67,6 +68,15 @@ def append_document_end(batch: TokenBatch, eos_id: int) -> tuple[TokenBatch, int
     return TokenBatch(ids, lengths), int((~keep).sum())
 
 
+def joined(pieces: list[tuple[TokenBatch, int, int]]) -> tuple[TokenBatch, int, int]:
+    """(batch, documents read, empty documents dropped) of a batch from those of its pieces, in order."""
+    if len(pieces) == 1:
+        return pieces[0]
+    batches = [batch for batch, _, _ in pieces]
+    batch = TokenBatch(np.concatenate([b.ids for b in batches]), np.concatenate([b.lengths for b in batches]))
+    return batch, sum(read for _, read, _ in pieces), sum(empty for _, _, empty in pieces)
+
+
 def encode_documents(backend, texts: list[str], eos_id: int) -> tuple[TokenBatch, int, int]:
     """(the non-empty documents' ids, each + EOS; documents read; empty documents dropped), via the Rust
     tokenizer's batch encoder (no special tokens, no offsets computed)."""
@@ -93,13 +103,17 @@ def _encode_in_worker(texts: list[str], eos_id: int) -> tuple[TokenBatch, int, i
     return encode_documents(_worker_backend, texts, eos_id)
 
 
-def document_texts(source, text_column: str, batch_documents: int, units: list[int]) -> Iterator[tuple[int, list[str]]]:
-    """(unit, texts) in batches, units (input files) in order; a null text is an empty document."""
+def document_texts(
+    source, text_column: str, batch_documents: int, units: list[int]
+) -> Iterator[tuple[int, list[str], bool]]:
+    """(unit, texts, last) in batches of batch_documents, units (input files) in order, each batch in pieces of
+    at most TEXT_BYTES_PER_CALL bytes of text (`last` ends the batch); a null text is an empty document."""
     for unit in units:
         for batch in source.iter_file_batches(unit, columns=[text_column], batch_size=batch_documents):
-            texts = batch.column(0).to_pylist()
-            # Not pyarrow's fill_null: its string scalar imports pandas (start-up the raw pass does not pay).
-            yield unit, texts if not batch.column(0).null_count else [t if t is not None else "" for t in texts]
+            for piece, last in text_pieces(batch.column(0)):
+                texts = piece.to_pylist()
+                # Not pyarrow's fill_null: its string scalar imports pandas (start-up the raw pass does not pay).
+                yield unit, texts if not piece.null_count else [t if t is not None else "" for t in texts], last
 
 
 def in_order(futures: Iterable[tuple[int, Future]], window: int) -> Iterator[tuple[int, object]]:
@@ -120,7 +134,7 @@ def tokenised_batches(
     source, tokenizer: RustTokenizer, text_column: str, batch_documents: int, workers: int, units: list[int]
 ) -> Iterator[tuple[int, TokenBatch, int, int]]:
     """(unit, token batch with EOS, documents read, empty documents dropped) for the units in input order."""
-    texts = document_texts(source, text_column, batch_documents, units)
+    pieces = document_texts(source, text_column, batch_documents, units)
     executor, window = encoder(tokenizer, workers)
     encode = _encode_in_worker if workers > 1 else partial(encode_documents, tokenizer.backend)
     # A batch makes thousands of objects the collector tracks (Encodings, id lists) that all die with it, none in
@@ -128,9 +142,16 @@ def tokenised_batches(
     thresholds = gc.get_threshold()
     gc.set_threshold(max(thresholds[0], YOUNG_COLLECTION_THRESHOLD), *thresholds[1:])
     try:
-        chunks = ((unit, executor.submit(encode, chunk, tokenizer.eos_token_id)) for unit, chunk in texts)
-        for unit, (batch, read, empty) in in_order(chunks, window):
-            yield unit, batch, read, empty
+        submitted = (
+            ((unit, last), executor.submit(encode, texts, tokenizer.eos_token_id)) for unit, texts, last in pieces
+        )
+        encoded: list[tuple[TokenBatch, int, int]] = []
+        # A batch's pieces are joined again: the packer gets whole batches, so its rows do not depend on the pieces.
+        for (unit, last), piece in in_order(submitted, window):
+            encoded.append(piece)
+            if last:
+                batch, encoded = joined(encoded), []  # the pieces go before the batch is packed, not after
+                yield unit, *batch
     finally:
         gc.set_threshold(*thresholds)
         executor.shutdown(wait=True, cancel_futures=True)
