@@ -7,6 +7,7 @@ padding at seq_len 2048/4096/8192.
     mkdir /tmp/before && git archive 4c26c8b | tar -x -C /tmp/before     # pack before issue 23, side by side:
     PYTHONPATH=$PWD .venv/bin/python benchmarks/pack_bench.py --end-to-end-only --rounds 3 --baseline /tmp/before
     PYTHONPATH=$PWD .venv/bin/python benchmarks/pack_bench.py --tail-only --rounds 10 --baseline /tmp/before
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/pack_bench.py --long-documents 400 --baseline /tmp/before
 
 The raw pass is the floor `pack` is measured against: a fresh `python` that imports pyarrow and tokenizers,
 loads tokenizer.json, reads the parquet in batches of 1,000 documents and calls `Tokenizer.encode_batch_fast` on
@@ -18,6 +19,10 @@ shards, manifest). Both run with RAYON_NUM_THREADS = --threads and TOKENIZERS_PA
 sha256, the manifests): `pack()` in a fresh process whose tokenising is replaced by replaying the token batches
 of one real run, from the last batch's progress callback to the return. The replay patches
 `smolctl.data.pack.tokenised_batches`, so a --baseline tree must have that function.
+
+--long-documents N measures pack and mix (tokens counted exactly) on N book-length documents (whole
+/usr/share/doc files joined to at least 200,000 characters each): time and peak resident memory, of which the
+tokenizer's Encodings are most.
 
 The corpus is real, mixed-length text found on any Linux machine: the sample corpus, the plain-text and gzipped
 documentation under /usr/share/doc and Python sources of the virtual environment, cut at blank lines into
@@ -149,22 +154,27 @@ def compile_sources(tree: Path) -> None:
 
 
 def timed(command: list[str], env: dict) -> tuple[float, float, str]:
-    """Wall and CPU seconds (the process and its threads) of one fresh process, and its stdout.
+    """Wall and CPU seconds (the process and its threads) of one fresh process, and its stdout."""
+    wall, cpu, out, _ = measured(command, env)
+    return wall, cpu, out
+
+
+def measured(command: list[str], env: dict) -> tuple[float, float, str, float]:
+    """timed(), and the process's peak resident memory in GiB.
 
     It runs in the source tree of its PYTHONPATH: `python -m` and `python -c` put the working directory first on
     sys.path, so from this repository's root a --baseline run would import this tree's smolctl, not the
     baseline's."""
-    before = os.times()
     started = time.perf_counter()
-    done = subprocess.run(
-        command, env=env, cwd=env["PYTHONPATH"], capture_output=True, text=True, timeout=1800, check=False
-    )
-    wall = time.perf_counter() - started
-    after = os.times()
-    if done.returncode:
-        raise SystemExit(f"{command[:4]} failed:\n{done.stderr[-2000:]}")
-    cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
-    return wall, cpu, done.stdout
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(command, env=env, cwd=env["PYTHONPATH"], stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(process.pid, 0)
+        wall = time.perf_counter() - started
+        if os.waitstatus_to_exitcode(status):
+            err.seek(0)
+            raise SystemExit(f"{command[:4]} failed:\n{err.read()[-2000:]}")
+        out.seek(0)
+        return wall, usage.ru_utime + usage.ru_stime, out.read(), usage.ru_maxrss / 2**20
 
 
 def end_to_end(work: Path, rounds: int, threads: int, seq_len: int, baseline: Path | None) -> list[list]:
@@ -252,6 +262,55 @@ def tail(work: Path, rounds: int, threads: int, seq_len: int, baseline: Path | N
         ]
         for name in trees
     ]
+
+
+BOOK_CHARS = 200_000
+
+
+def book_texts(count: int) -> list[str]:
+    """`count` book-length documents: whole /usr/share/doc files (decompressed) joined until each holds at least
+    BOOK_CHARS characters, repeated when the files run out."""
+    books, current = [], []
+    for path in sorted(p for p in Path("/usr/share/doc").rglob("*") if p.is_file()):
+        try:
+            raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+            current.append(raw.decode("utf-8"))
+        except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile):
+            continue
+        if sum(map(len, current)) >= BOOK_CHARS:
+            books.append("\n".join(current))
+            current = []
+    if not books:
+        raise SystemExit("no text under /usr/share/doc to build book-length documents from")
+    return [books[i % len(books)] for i in range(count)]
+
+
+def long_documents(work: Path, count: int, threads: int, seq_len: int, baseline: Path | None) -> list[list]:
+    """pack and mix (tokens counted exactly) on `count` book-length documents, one file: time and peak memory,
+    this tree and --baseline."""
+    folder = work / f"books-{count}"
+    if not (folder / "part-00000.parquet").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"text": book_texts(count)}), folder / "part-00000.parquet")
+    characters = pc.sum(pc.utf8_length(pq.read_table(folder)["text"])).as_py()
+    print(f"{count:,} book-length documents, {characters / 1e6:.0f} M characters\n", flush=True)
+    env = {**os.environ, "RAYON_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "true", "PYTHONPATH": str(REPO)}
+    tokenizer = ["--tokenizer", str(work / "tok")]
+    commands = {
+        f"pack --seq-len {seq_len}": ["pack", str(folder), str(work / "books-packed"), "--seq-len", str(seq_len)],
+        "mix --token-estimate exact": ["mix", str(work / "books-mix"), "--source", f"books={folder}:1"]
+        + ["--token-estimate", "exact"],
+    }
+    trees = {"this tree": REPO} | ({str(baseline): baseline} if baseline else {})
+    rows = []
+    for label, arguments in commands.items():
+        for tree_label, tree in trees.items():
+            compile_sources(tree)
+            command = [sys.executable, "-m", "smolctl", *arguments, *tokenizer, "--overwrite", "--json"]
+            wall, cpu, _, peak = measured(command, {**env, "PYTHONPATH": str(tree)})
+            rows.append([f"`smolctl {label}`, {tree_label}", f"{wall:.1f}", f"{cpu:.1f}", f"{peak:.2f}"])
+            print(" | ".join(rows[-1]), flush=True)
+    return rows
 
 
 def smolctl_pack_arrays(batch: TokenBatch, seq_len: int, buffer_tokens: int) -> PackStats:
@@ -389,6 +448,12 @@ def main() -> None:
         "--baseline", type=Path, help="Also time pack from this source tree (its PYTHONPATH, run from there)."
     )
     parser.add_argument("--work", type=Path, help="Keep the corpus and tokenizer here (reused when present).")
+    parser.add_argument(
+        "--long-documents",
+        type=int,
+        metavar="N",
+        help="Only pack and mix on N book-length documents: time and peak memory (the tokenizer's, mostly).",
+    )
     args = parser.parse_args()
 
     baseline = args.baseline.resolve() if args.baseline else None
@@ -403,7 +468,15 @@ def main() -> None:
         f"{args.vocab_size}, {args.threads} tokenizer threads, {args.rounds} interleaved rounds\n",
         flush=True,
     )
-    if args.tail_only:
+    if args.long_documents:
+        print(
+            markdown(
+                f"{args.long_documents:,} book-length documents: one run each",
+                ["what", "wall s", "CPU s", "peak memory GiB"],
+                long_documents(work, args.long_documents, args.threads, args.seq_len, baseline),
+            )
+        )
+    elif args.tail_only:
         print(
             markdown(
                 f"The tail of pack after its last token batch, {args.rounds} rounds (medians; min CPU)",
@@ -419,7 +492,7 @@ def main() -> None:
                 end_to_end(work, args.rounds, args.threads, args.seq_len, baseline),
             )
         )
-    if not args.end_to_end_only and not args.tail_only:
+    if not (args.end_to_end_only or args.tail_only or args.long_documents):
         packing_step(work, texts, 3)
     if not args.work:
         shutil.rmtree(work)
