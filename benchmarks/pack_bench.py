@@ -469,29 +469,18 @@ def main() -> None:
         flush=True,
     )
     if args.long_documents:
-        print(
-            markdown(
-                f"{args.long_documents:,} book-length documents: one run each",
-                ["what", "wall s", "CPU s", "peak memory GiB"],
-                long_documents(work, args.long_documents, args.threads, args.seq_len, baseline),
-            )
-        )
+        title = f"{args.long_documents:,} book-length documents: one run each"
+        columns = ["what", "wall s", "CPU s", "peak memory GiB"]
+        rows = long_documents(work, args.long_documents, args.threads, args.seq_len, baseline)
     elif args.tail_only:
-        print(
-            markdown(
-                f"The tail of pack after its last token batch, {args.rounds} rounds (medians; min CPU)",
-                ["what", "wall s", "CPU s", "min CPU s"],
-                tail(work, args.rounds, args.threads, args.seq_len, baseline),
-            )
-        )
+        title = f"The tail of pack after its last token batch, {args.rounds} rounds (medians; min CPU)"
+        columns = ["what", "wall s", "CPU s", "min CPU s"]
+        rows = tail(work, args.rounds, args.threads, args.seq_len, baseline)
     else:
-        print(
-            markdown(
-                "Whole process, medians over the rounds (ratios: the median of each round's time / raw time)",
-                ["what", "wall s", "CPU s", "/ raw (wall)", "/ raw (CPU)"],
-                end_to_end(work, args.rounds, args.threads, args.seq_len, baseline),
-            )
-        )
+        title = "Whole process, medians over the rounds (ratios: the median of each round's time / raw time)"
+        columns = ["what", "wall s", "CPU s", "/ raw (wall)", "/ raw (CPU)"]
+        rows = end_to_end(work, args.rounds, args.threads, args.seq_len, baseline)
+    print(markdown(title, columns, rows))
     if not (args.end_to_end_only or args.tail_only or args.long_documents):
         packing_step(work, texts, 3)
     if not args.work:

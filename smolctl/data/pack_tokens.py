@@ -116,7 +116,7 @@ def document_texts(
                 yield unit, texts if not piece.null_count else [t if t is not None else "" for t in texts], last
 
 
-def in_order(futures: Iterable[tuple[int, Future]], window: int) -> Iterator[tuple[int, object]]:
+def in_order(futures: Iterable[tuple[object, Future]], window: int) -> Iterator[tuple[object, object]]:
     """(tag, result) of each future in submission order, keeping at most `window` submitted ahead (memory stays
     bounded however fast the input is read)."""
     pending: deque = deque()
