@@ -369,16 +369,23 @@ def test_token_files_hold_ids_above_the_vocabularys_count(sample, tokenizer_dir,
     assert manifest["token_size"] == 4 and (ids == 70_000).any()
 
 
-def test_empty_documents_are_skipped_and_counted(tokenizer_dir, tmp_path):
-    table = pa.table({"text": ["first document", "", None, "second one"]})
+@pytest.mark.parametrize("piece_bytes", [None, 10])
+def test_empty_documents_are_skipped_and_counted(tokenizer_dir, tmp_path, monkeypatch, piece_bytes):
+    """Also when a batch reaches the tokenizer in pieces (one document each here): the counts add up over them."""
+    if piece_bytes:
+        monkeypatch.setattr(arrow_arrays, "TEXT_BYTES_PER_CALL", piece_bytes)
+    table = pa.table({"text": ["", "first document", None, "second one"]})
     pq.write_table(table, tmp_path / "docs.parquet")
+    progress = []
     result = pack(
         str(tmp_path / "docs.parquet"),
         tmp_path / "packed",
         tokenizer_spec=str(tokenizer_dir),
         config=PackConfig(seq_len=32),
+        on_progress=lambda read, tokens: progress.append(read),
     )
     assert result.stats.documents == 2 and result.stats.skipped_empty == 2
+    assert progress == [4]  # one batch, all four documents read
     assert read_manifest(tmp_path / "packed")["skipped_empty"] == 2
 
 
