@@ -194,10 +194,14 @@ def test_rows_are_the_same_with_and_without_the_kernels(monkeypatch):
         ids = rng.integers(0, 50_000, size=int(lengths.sum()), dtype=np.int32)
         cut = int(lengths[:200].sum())  # two batches of the buffer: documents 0..199 and 200..499
         batches = [pack_rows.TokenBatch(ids[:cut], lengths[:200]), pack_rows.TokenBatch(ids[cut:], lengths[200:])]
+        # Full rows cut from long documents: documents of seq_len tokens, each alone at offset 0 of its row.
         whole = rng.integers(0, 50_000, size=(3, seq_len), dtype=np.int32)
+        full_rows = pack_rows.TokenBatch(whole.reshape(-1), np.full(3, seq_len, dtype=np.int64))
         bin_of, offset, bins = best_fit_decreasing(lengths, seq_len)
         destination = rng.permutation(bins + len(whole))
-        layout = (batches, destination[bin_of], offset, whole, destination[bins:], bins + len(whole), seq_len, 7)
+        row_of = np.concatenate([destination[bin_of], destination[bins:]])
+        offsets = np.concatenate([offset, np.zeros(len(whole), dtype=np.int64)])
+        layout = ([*batches, full_rows], row_of, offsets, bins + len(whole), seq_len, 7)
         kernel = pack_rows.assemble_rows(*layout)
         with monkeypatch.context() as without:
             without.setattr(pack_rows, "_pack", None)
@@ -207,6 +211,9 @@ def test_rows_are_the_same_with_and_without_the_kernels(monkeypatch):
         assert (kernel.input_ids[kernel.position_ids < 0] == 7).all() and (kernel.position_ids >= 0).sum() == (
             lengths.sum() + whole.size
         )
+        np.testing.assert_array_equal(kernel.input_ids[destination[bins:]], whole)
+        assert (kernel.position_ids[destination[bins:]] == np.arange(seq_len)).all()
+        assert (kernel.row_tokens[destination[bins:]] == seq_len).all()
 
 
 class Encoded:
@@ -385,7 +392,8 @@ def test_empty_documents_are_skipped_and_counted(tokenizer_dir, tmp_path, monkey
         on_progress=lambda read, tokens: progress.append(read),
     )
     assert result.stats.documents == 2 and result.stats.skipped_empty == 2
-    assert progress == [4]  # one batch, all four documents read
+    # One batch; in pieces, progress moves as each piece is encoded: [""], ["first document"], [None, "second one"].
+    assert progress == ([1, 1, 2] if piece_bytes else [4])
     assert read_manifest(tmp_path / "packed")["skipped_empty"] == 2
 
 
@@ -642,13 +650,22 @@ def test_output_bytes_are_unchanged_without_the_kernels(sample, tokenizer_dir, t
     assert output_digests(tmp_path / "out") == GOLDEN[name]
 
 
-@pytest.mark.parametrize("name, workers", [("web-bfd-256", 1), ("math-truncate-64", 1), ("math-datatrove", 2)])
+@pytest.mark.parametrize(
+    "name, workers",
+    [
+        ("web-bfd-256", 1),
+        ("code-bfd-300-small-buffer-rows", 1),
+        ("math-truncate-64", 1),
+        ("math-concat-128", 1),
+        ("math-datatrove", 2),
+    ],
+)
 def test_batches_of_long_documents_are_encoded_in_pieces_and_pack_the_same_bytes(
     sample, tokenizer_dir, tmp_path, monkeypatch, name, workers
 ):
     """The tokenizer's Encodings take ~40 bytes per byte of text while a call runs, so a batch is given to it in
-    pieces of at most TEXT_BYTES_PER_CALL bytes (a longer document alone), and the pieces are joined again before
-    packing: the rows are those of whole batches, byte for byte."""
+    pieces of at most TEXT_BYTES_PER_CALL bytes (a longer document alone). The pieces go to the packer as they
+    are, and a bfd buffer closes only where a batch ends: the rows are those of whole batches, byte for byte."""
     limit = 3_000  # the sample's batches hold 60-400 KB: every batch is cut, and its longest documents go alone
     monkeypatch.setattr(arrow_arrays, "TEXT_BYTES_PER_CALL", limit)
     calls: list[list[int]] = []

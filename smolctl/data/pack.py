@@ -6,7 +6,8 @@
 
 Three stages overlap: this thread reads batches of documents and hands them to the Rust batch encoder
 (`smolctl.data.pack_tokens`: two calls in flight on the tokenizer's threads, or `--workers` processes), which
-appends EOS to every document; a packing thread takes the token batches in order, lays them into rows
+appends EOS to every document; a packing thread takes the token batches (a batch of long documents in pieces,
+as they were encoded) in order, lays them into rows
 (`smolctl.data.pack_rows`) and writes them (`smolctl.data.pack_sinks`) as safetensors shards with the
 packed-folder manifest that `pretrain` and `inspect` read, or, with `--format datatrove`, as datatrove/nanotron
 `.ds` token files. A folder from `train-tokenizer` is loaded from its tokenizer.json alone, so a pack never
@@ -44,7 +45,7 @@ from smolctl.data.array_tasks import (
 from smolctl.data.pack_config import PackConfig
 from smolctl.data.pack_rows import PackStats, TokenBatch
 from smolctl.data.pack_sinks import DatatroveSink, RowSink, manifest_fields, recorded_stats
-from smolctl.data.pack_tokens import tokenised_batches
+from smolctl.data.pack_tokens import tokenised_pieces
 from smolctl.data.tokenizer import RustTokenizer, document_end_id, load_rust_tokenizer
 from smolctl.errors import UserError
 from smolctl.shards import (
@@ -58,8 +59,9 @@ from smolctl.shards import (
 )
 
 STAGE = "pack"
-PACK_QUEUE_BATCHES = 8
-"""Token batches waiting for the packing thread: the tokenizer runs ahead while a buffer is packed and written."""
+PACK_QUEUE_PIECES = 8
+"""Token batches (or pieces of one) waiting for the packing thread: the tokenizer runs ahead while a buffer is
+packed and written."""
 __all__ = ["PackConfig", "PackJob", "PackResult", "pack", "prepare_pack"]
 
 
@@ -194,7 +196,7 @@ class PackJob:
         state: dict[str, UnitPacking] = {}
         failed = threading.Event()
 
-        def add(unit: int, batch: TokenBatch, read: int, empty: int) -> None:
+        def add(unit: int, batch: TokenBatch, read: int, empty: int, batch_ends: bool) -> None:
             # Batches queued behind a failed one are dropped: packing them would finish that unit without the
             # failed batch and mark it done, and a resumed array task would skip it.
             if failed.is_set():
@@ -205,22 +207,22 @@ class PackJob:
                     if current is not None:
                         current.finish()
                     current = state["unit"] = UnitPacking(self, unit)
-                current.add(batch, empty)
+                current.add(batch, empty, batch_ends)
                 if on_progress:
                     on_progress(read, len(batch.ids))
             except BaseException:
                 failed.set()
                 raise
 
-        batches = tokenised_batches(
+        pieces = tokenised_pieces(
             self.source, self.tokenizer, config.text_column, config.batch_documents, config.workers, units
         )
-        with ThreadPoolExecutor(1, thread_name_prefix="pack") as packer, closing(batches):
+        with ThreadPoolExecutor(1, thread_name_prefix="pack") as packer, closing(pieces):
             waiting: deque = deque()
             try:
-                for unit, batch, read, empty in batches:
-                    waiting.append(packer.submit(add, unit, batch, read, empty))
-                    while len(waiting) > PACK_QUEUE_BATCHES or (waiting and waiting[0].done()):
+                for piece in pieces:
+                    waiting.append(packer.submit(add, *piece))
+                    while len(waiting) > PACK_QUEUE_PIECES or (waiting and waiting[0].done()):
                         waiting.popleft().result()  # raises what the packing thread raised
                 while waiting:
                     waiting.popleft().result()
@@ -294,11 +296,12 @@ class UnitPacking:
         )
         self.sink = sink_type(self.folder, job.config, job.record, self.stats, unit)
 
-    def add(self, batch: TokenBatch, empty: int) -> None:
-        """Pack a batch of tokenised documents (each ending in EOS; `empty` documents were dropped)."""
+    def add(self, batch: TokenBatch, empty: int, batch_ends: bool) -> None:
+        """Pack a batch of tokenised documents, or a piece of one (`batch_ends` on its last piece); each document
+        ends in EOS, `empty` documents were dropped."""
         self.stats.skipped_empty += empty
         self.stats.documents += len(batch.lengths)
-        self.sink.add(batch)
+        self.sink.add(batch, batch_ends)
 
     def finish(self) -> None:
         self.sink.close()

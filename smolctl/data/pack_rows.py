@@ -75,13 +75,15 @@ def segment_positions(starts_mask: np.ndarray) -> np.ndarray:
     return (index - last_start).astype(np.int32)
 
 
-def split_long_documents(batch: TokenBatch, seq_len: int, mode: str, stats: PackStats) -> tuple[TokenBatch, np.ndarray]:
-    """Documents longer than seq_len: `split` cuts their leading full rows off (returned as an array of full rows,
-    the remainder stays a document); `truncate` keeps their first seq_len tokens. Copies spans, not tokens one
-    by one."""
+def split_long_documents(
+    batch: TokenBatch, seq_len: int, mode: str, stats: PackStats
+) -> tuple[TokenBatch, list[TokenBatch]]:
+    """Documents longer than seq_len: `split` cuts their leading full rows off (returned as batches of
+    seq_len-token documents, one per long document: views of the batch's ids, not copies), the remainder stays a
+    document; `truncate` keeps their first seq_len tokens. Copies the kept spans, not tokens one by one."""
     long = np.flatnonzero(batch.lengths > seq_len)
     if len(long) == 0:
-        return batch, np.empty((0, seq_len), dtype=np.int32)
+        return batch, []
     starts, long_lengths = batch.starts[long], batch.lengths[long]
     if mode == "truncate":
         stats.truncated_documents += len(long)
@@ -99,9 +101,12 @@ def split_long_documents(batch: TokenBatch, seq_len: int, mode: str, stats: Pack
     keep_to = [*removed_from.tolist(), len(batch.ids)]
     kept = np.concatenate([batch.ids[a:b] for a, b in zip(keep_from, keep_to)])
     if mode == "truncate":
-        return TokenBatch(kept, lengths), np.empty((0, seq_len), dtype=np.int32)
-    rows = np.concatenate([batch.ids[a:b] for a, b in zip(removed_from.tolist(), removed_to.tolist())])
-    return TokenBatch(kept, lengths), rows.reshape(-1, seq_len)
+        return TokenBatch(kept, lengths), []
+    full_rows = [
+        TokenBatch(batch.ids[a:b], np.full((b - a) // seq_len, seq_len, dtype=np.int64))
+        for a, b in zip(removed_from.tolist(), removed_to.tolist())
+    ]
+    return TokenBatch(kept, lengths), full_rows
 
 
 def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -178,18 +183,16 @@ def assemble_rows(
     batches: list[TokenBatch],
     row_of: np.ndarray,
     offset: np.ndarray,
-    whole: np.ndarray,
-    whole_row_of: np.ndarray,
     rows: int,
     seq_len: int,
     pad_id: int,
 ) -> Rows:
-    """Lay out documents (document i of the batches, in order, at `offset[i]` of row `row_of[i]`) and whole rows
-    (row `whole_row_of[j]`) as `rows` rows; each row's documents fill it from slot 0 without gaps, the rest is
-    padding.
+    """Lay out documents (document i of the batches, in order, at `offset[i]` of row `row_of[i]`) as `rows` rows;
+    each row's documents fill it from slot 0 without gaps, the rest is padding. A full row cut from a long
+    document is a document of seq_len tokens at offset 0: its positions run 0..seq_len-1 like any document's.
 
     Every slot is written exactly once: the documents' spans straight from each batch (no concatenated copy of
-    the buffer), the whole rows by one row assignment, and only the padding slots with the pad id.
+    the buffer), and only the padding slots with the pad id.
     """
     input_ids = np.empty((rows, seq_len), dtype=np.int32)
     position_ids = np.empty((rows, seq_len), dtype=np.int32)
@@ -221,11 +224,8 @@ def assemble_rows(
             second_half = helper.submit(place, half, len(batches))
             place(0, half)
             second_half.result()
-    input_ids[whole_row_of] = whole
-    position_ids[whole_row_of] = np.arange(seq_len, dtype=np.int32)
     lengths = np.concatenate([batch.lengths for batch in batches])
     fill = np.bincount(row_of, weights=lengths, minlength=rows).astype(np.int64)
-    fill[whole_row_of] = seq_len
     short = np.flatnonzero(fill < seq_len)
     padding = span_indices(short * seq_len + fill[short], seq_len - fill[short])
     flat_ids[padding] = pad_id
@@ -256,38 +256,37 @@ class BfdPacker:
         self.stream = stream
         self.pad_id, self.stats = pad_id, stats
         self.pending: list[TokenBatch] = []
-        self.pending_full: list[np.ndarray] = []
+        self.pending_full: list[TokenBatch] = []  # full rows cut from long documents, one row each
         self.pending_tokens = 0
         self.buffers = 0
         # numpy imports numpy.random on first use (~20 ms): here, while the tokenizer runs, not after the last batch.
         self.shuffles = np.random.default_rng
 
-    def add(self, batch: TokenBatch) -> Iterator[Rows]:
-        batch, whole = split_long_documents(batch, self.seq_len, self.long_docs, self.stats)
+    def add(self, batch: TokenBatch, batch_ends: bool = True) -> Iterator[Rows]:
+        """Buffer a batch of documents, or a piece of one. The buffer is packed only where an input batch ends
+        (`batch_ends`), so the rows do not depend on how a batch was cut into pieces for the tokenizer."""
+        batch, full_rows = split_long_documents(batch, self.seq_len, self.long_docs, self.stats)
         self.pending.append(batch)
-        self.pending_full.append(whole)
-        self.pending_tokens += len(batch.ids) + whole.size
-        if self.pending_tokens >= self.buffer_tokens:
+        self.pending_full.extend(full_rows)
+        self.pending_tokens += len(batch.ids) + sum(len(rows.ids) for rows in full_rows)
+        if batch_ends and self.pending_tokens >= self.buffer_tokens:
             yield from self.finish()
 
     def finish(self) -> Iterator[Rows]:
         if not self.pending_tokens:
             return
-        # One batch's full rows as they are: a batch of long documents can hold many times buffer_tokens.
-        whole = self.pending_full[0] if len(self.pending_full) == 1 else np.concatenate(self.pending_full)
-        batches = self.pending
+        batches, full_rows = self.pending, self.pending_full
         self.pending, self.pending_full, self.pending_tokens = [], [], 0
         bin_of, offset, bins = best_fit_decreasing(np.concatenate([b.lengths for b in batches]), self.seq_len)
-        # Shuffle by sending each BFD bin and each whole row to a random output row.
-        destination = self.shuffles([self.seed, self.stream, self.buffers]).permutation(bins + len(whole))
+        whole = sum(len(rows.lengths) for rows in full_rows)
+        # Shuffle by sending each BFD bin and each full row to a random output row.
+        destination = self.shuffles([self.seed, self.stream, self.buffers]).permutation(bins + whole)
         self.buffers += 1
         yield assemble_rows(
-            batches,
-            destination[bin_of],
-            offset,
-            whole,
-            destination[bins:],
-            bins + len(whole),
+            batches + full_rows,
+            np.concatenate([destination[bin_of], destination[bins:]]),
+            np.concatenate([offset, np.zeros(whole, dtype=np.int64)]),
+            bins + whole,
             self.seq_len,
             self.pad_id,
         )
@@ -301,7 +300,8 @@ class ConcatPacker:
         self.tail_ids = np.empty(0, dtype=np.int32)
         self.tail_starts = np.empty(0, dtype=bool)
 
-    def add(self, batch: TokenBatch) -> Iterator[Rows]:
+    def add(self, batch: TokenBatch, batch_ends: bool = True) -> Iterator[Rows]:
+        """Rows are cut every seq_len tokens of the stream, wherever its batches (or their pieces) end."""
         if self.long_docs == "truncate":
             batch, _ = split_long_documents(batch, self.seq_len, "truncate", self.stats)
         else:

@@ -36,8 +36,9 @@ class RowSink:
             else ConcatPacker(seq_len=config.seq_len, long_docs=config.long_docs, pad_id=pad_id, stats=stats)
         )
 
-    def add(self, batch: TokenBatch) -> None:
-        self._write(self.packer.add(batch))
+    def add(self, batch: TokenBatch, batch_ends: bool) -> None:
+        """Pack a batch of documents, or a piece of one (`batch_ends` on its last piece)."""
+        self._write(self.packer.add(batch, batch_ends))
 
     def _write(self, all_rows: Iterator[Rows]) -> None:
         for rows in all_rows:
@@ -67,9 +68,9 @@ class DatatroveSink:
         self.file_documents = shard_documents
         self.handle = None
 
-    def add(self, batch: TokenBatch) -> None:
+    def add(self, batch: TokenBatch, batch_ends: bool) -> None:
         """Write the batch's documents, rolling to a new file wherever the current one fills (whole documents,
-        at least one per file)."""
+        at least one per file): per document, so wherever batches (or their pieces) end."""
         ends = np.cumsum(batch.lengths)
         first = 0
         while first < len(ends):

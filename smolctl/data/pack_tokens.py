@@ -34,7 +34,7 @@ YOUNG_COLLECTION_THRESHOLD = 10_000
 """Allocations between collections of the young generation while tokenising (Python's default: 700)."""
 
 ENCODER_CALLS_IN_FLIGHT = 2
-"""Batches being encoded at once in this process: one to keep the Rust threads busy, one to overlap."""
+"""Pieces being encoded at once in this process: one to keep the Rust threads busy, one to overlap."""
 
 
 def join_encodings(encodings: list, eos_id: int) -> tuple[TokenBatch, int]:
@@ -66,15 +66,6 @@ def append_document_end(batch: TokenBatch, eos_id: int) -> tuple[TokenBatch, int
     ids[is_text] = batch.ids
     ids[ends] = eos_id
     return TokenBatch(ids, lengths), int((~keep).sum())
-
-
-def joined(pieces: list[tuple[TokenBatch, int, int]]) -> tuple[TokenBatch, int, int]:
-    """(batch, documents read, empty documents dropped) of a batch from those of its pieces, in order."""
-    if len(pieces) == 1:
-        return pieces[0]
-    batches = [batch for batch, _, _ in pieces]
-    batch = TokenBatch(np.concatenate([b.ids for b in batches]), np.concatenate([b.lengths for b in batches]))
-    return batch, sum(read for _, read, _ in pieces), sum(empty for _, _, empty in pieces)
 
 
 def encode_documents(backend, texts: list[str], eos_id: int) -> tuple[TokenBatch, int, int]:
@@ -130,10 +121,13 @@ def in_order(futures: Iterable[tuple[object, Future]], window: int) -> Iterator[
         yield tag, future.result()
 
 
-def tokenised_batches(
+def tokenised_pieces(
     source, tokenizer: RustTokenizer, text_column: str, batch_documents: int, workers: int, units: list[int]
-) -> Iterator[tuple[int, TokenBatch, int, int]]:
-    """(unit, token batch with EOS, documents read, empty documents dropped) for the units in input order."""
+) -> Iterator[tuple[int, TokenBatch, int, int, bool]]:
+    """(unit, token batch with EOS, documents read, empty documents dropped, batch_ends) for the units in input
+    order: a batch in the pieces it was encoded in, `batch_ends` on its last. The pieces are not joined again:
+    that would be one more copy of every token of a batch of books, made after its last piece, while the
+    packer only needs to know where batches end."""
     pieces = document_texts(source, text_column, batch_documents, units)
     executor, window = encoder(tokenizer, workers)
     encode = _encode_in_worker if workers > 1 else partial(encode_documents, tokenizer.backend)
@@ -145,13 +139,8 @@ def tokenised_batches(
         submitted = (
             ((unit, last), executor.submit(encode, texts, tokenizer.eos_token_id)) for unit, texts, last in pieces
         )
-        encoded: list[tuple[TokenBatch, int, int]] = []
-        # A batch's pieces are joined again: the packer gets whole batches, so its rows do not depend on the pieces.
-        for (unit, last), piece in in_order(submitted, window):
-            encoded.append(piece)
-            if last:
-                batch, encoded = joined(encoded), []  # the pieces go before the batch is packed, not after
-                yield unit, *batch
+        for (unit, last), (batch, read, empty) in in_order(submitted, window):
+            yield unit, batch, read, empty, last
     finally:
         gc.set_threshold(*thresholds)
         executor.shutdown(wait=True, cancel_futures=True)
