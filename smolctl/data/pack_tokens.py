@@ -36,6 +36,11 @@ YOUNG_COLLECTION_THRESHOLD = 10_000
 ENCODER_CALLS_IN_FLIGHT = 2
 """Pieces being encoded at once in this process: one to keep the Rust threads busy, one to overlap."""
 
+PIECES_AHEAD = 8
+"""Pieces submitted ahead of the one being packed. Results come back in order, so with only a few ahead one
+book-sized piece holds up the queue while the other encoder thread has nothing to take: the Rust pool runs
+on one core. Memory stays bounded by this many pieces of text and their ids."""
+
 
 def join_encodings(encodings: list, eos_id: int) -> tuple[TokenBatch, int]:
     """The token ids of a batch of documents (the tokenizer's Encodings) as one int32 array with EOS after each;
@@ -149,7 +154,7 @@ def tokenised_pieces(
 def encoder(tokenizer: RustTokenizer, workers: int) -> tuple[Executor, int]:
     """Where batches are encoded (threads of this process, or `workers` processes) and how many ahead."""
     if workers == 1:
-        return ThreadPoolExecutor(ENCODER_CALLS_IN_FLIGHT, thread_name_prefix="encode"), ENCODER_CALLS_IN_FLIGHT + 1
+        return ThreadPoolExecutor(ENCODER_CALLS_IN_FLIGHT, thread_name_prefix="encode"), PIECES_AHEAD
     context = multiprocessing.get_context("spawn")  # fork after Rust threads have started can deadlock
     return ProcessPoolExecutor(
         workers,
