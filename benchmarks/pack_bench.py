@@ -18,7 +18,7 @@ shards, manifest). Both run with RAYON_NUM_THREADS = --threads and TOKENIZERS_PA
 8M-token bfd buffer, all of a corpus this size is packed then: best-fit-decreasing, the rows, the shard, its
 sha256, the manifests): `pack()` in a fresh process whose tokenising is replaced by replaying the token batches
 of one real run, from the last batch's progress callback to the return. The replay patches
-`smolctl.data.pack.tokenised_batches`, so a --baseline tree must have that function.
+`smolctl.data.pack.tokenised_pieces` (`tokenised_batches` in trees up to 3897ee2).
 
 --long-documents N measures pack and mix (tokens counted exactly) on N book-length documents (whole
 /usr/share/doc files joined to at least 200,000 characters each): time and peak resident memory, of which the
@@ -76,19 +76,27 @@ from smolctl.data.pack_config import PackConfig
 from smolctl.data.pack_rows import TokenBatch
 
 corpus, tokenizer, output, batches_file, seq_len, mode = sys.argv[1:7]
+# Trees up to 3897ee2 yield whole batches from `tokenised_batches`, later ones pieces from `tokenised_pieces`;
+# on a corpus of short documents every batch is one piece, so one capture replays in either.
+pieces = hasattr(pack_module, "tokenised_pieces")
+name = "tokenised_pieces" if pieces else "tokenised_batches"
 if mode == "capture":
-    tokenised, kept = pack_module.tokenised_batches, []
+    tokenised, kept = getattr(pack_module, name), []
 
     def capturing(*args):
-        for unit, batch, read, empty in tokenised(*args):
-            kept.append((unit, batch.ids, batch.lengths, read, empty))
-            yield unit, batch, read, empty
+        for item in tokenised(*args):
+            unit, batch, read, empty, batch_ends = item if pieces else (*item, True)
+            kept.append((unit, batch.ids, batch.lengths, read, empty, batch_ends))
+            yield item
 
-    pack_module.tokenised_batches = capturing
+    setattr(pack_module, name, capturing)
 else:
     with open(batches_file, "rb") as handle:
         kept = pickle.load(handle)
-    pack_module.tokenised_batches = lambda *args: ((u, TokenBatch(i, n), r, e) for u, i, n, r, e in kept)
+    if not pieces and not all(batch_ends for *_, batch_ends in kept):
+        sys.exit("this capture has batches in pieces, which a tree without tokenised_pieces cannot replay")
+    replayed = [(u, TokenBatch(i, n), r, e, b) if pieces else (u, TokenBatch(i, n), r, e) for u, i, n, r, e, b in kept]
+    setattr(pack_module, name, lambda *args: (item for item in replayed))
 last = [0.0, 0.0]
 config = PackConfig(seq_len=int(seq_len))
 progress = lambda read, tokens: last.__setitem__(slice(None), [time.perf_counter(), time.process_time()])
