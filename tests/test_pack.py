@@ -155,6 +155,26 @@ def test_best_fit_decreasing_fills_the_tightest_row():
         assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
 
 
+@pytest.mark.parametrize("mode", ["split", "truncate"])
+def test_long_documents_are_cut_into_full_rows_that_are_views_of_the_batch(mode):
+    # Documents of 3, 10, 8 and 2 tokens at seq_len 4: the 10 gives two full rows and a remainder of 2, the 8 two
+    # full rows and nothing. A copy of the full rows would hold the same values, so the views are checked too.
+    lengths = np.array([3, 10, 8, 2])
+    batch = pack_rows.TokenBatch(np.arange(lengths.sum(), dtype=np.int32), lengths)
+    stats = pack_rows.PackStats()
+    kept, full_rows = pack_rows.split_long_documents(batch, 4, mode, stats)
+    if mode == "truncate":
+        assert full_rows == [] and kept.lengths.tolist() == [3, 4, 4, 2]
+        assert kept.ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 13, 14, 15, 16, 21, 22]
+        assert (stats.truncated_documents, stats.truncated_tokens) == (2, 10)
+        return
+    assert kept.lengths.tolist() == [3, 2, 2] and kept.ids.tolist() == [0, 1, 2, 11, 12, 21, 22]
+    assert [rows.ids.tolist() for rows in full_rows] == [list(range(3, 11)), list(range(13, 21))]
+    assert [rows.lengths.tolist() for rows in full_rows] == [[4, 4], [4, 4]]
+    assert all(np.shares_memory(rows.ids, batch.ids) for rows in full_rows)
+    assert stats.split_documents == 2
+
+
 def random_length_arrays(rng: np.random.Generator):
     """(lengths, capacity) for BFD: the edge cases, then random ones; few distinct lengths make many ties of
     both item lengths and bins' free room, where the placement depends on the tie-breaking."""
