@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import pyarrow as pa
@@ -30,6 +32,7 @@ import pyarrow.compute as pc
 
 from smolctl.arrow_arrays import plain_strings, text_pieces
 from smolctl.data.mix_blocks import BINS, row_bins, row_hash, source_key
+from smolctl.data.pack_tokens import ENCODER_CALLS_IN_FLIGHT
 from smolctl.errors import UserError
 
 Arrays = dict[str, np.ndarray]
@@ -43,14 +46,20 @@ def text_bytes(texts: pa.Array) -> np.ndarray:
 def text_tokens(texts: pa.Array, backend) -> np.ndarray:
     """Token ids of each document without the EOS `pack` appends (0 for an empty one), as `pack` encodes them
     (no special tokens), in pieces of at most TEXT_BYTES_PER_CALL bytes of text; only counted, so the ids never
-    leave the tokenizer as Python lists."""
-    counts = []
-    for piece, _ in text_pieces(texts):
-        encodings = backend.encode_batch_fast(
-            [t if t is not None else "" for t in piece.to_pylist()], add_special_tokens=False
-        )
-        counts.append(np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings)))
-    return np.concatenate(counts)
+    leave the tokenizer as Python lists. Pieces are counted two at a time, as `pack` encodes them: a piece that
+    is one book is one document, which the Rust pool cannot spread over its threads."""
+    pieces = [piece for piece, _ in text_pieces(texts)]
+    if len(pieces) == 1:
+        return piece_tokens(backend, pieces[0])
+    with ThreadPoolExecutor(ENCODER_CALLS_IN_FLIGHT, thread_name_prefix="count") as pool:
+        return np.concatenate(list(pool.map(partial(piece_tokens, backend), pieces)))
+
+
+def piece_tokens(backend, piece: pa.Array) -> np.ndarray:
+    encodings = backend.encode_batch_fast(
+        [t if t is not None else "" for t in piece.to_pylist()], add_special_tokens=False
+    )
+    return np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
 
 
 def document_sizes(texts: pa.Array, backend) -> np.ndarray:
