@@ -71,6 +71,11 @@ TEXT_BYTES_PER_CALL = 8 * 2**20
 hold, per token, the id, type id, offsets, masks and the token's string: ~40 bytes of memory per byte of text
 while a call runs, so a batch of 1,000 book-length documents (~700 MB of text) would need tens of GB at once."""
 
+ENCODER_CALLS_IN_FLIGHT = 2
+"""Pieces being encoded at once in one process (pack encodes them, mix counts them): one keeps the Rust threads
+busy, the other overlaps its end, where a piece's last long documents (or a piece that is one book) leave threads
+idle. Each holds up to TEXT_BYTES_PER_CALL of text in Encodings."""
+
 
 def text_pieces(texts: pa.Array) -> Iterator[tuple[pa.Array, bool]]:
     """(piece, last) for consecutive slices of texts holding at most TEXT_BYTES_PER_CALL bytes of text each (a

@@ -30,9 +30,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from smolctl.arrow_arrays import plain_strings, text_pieces
+from smolctl.arrow_arrays import ENCODER_CALLS_IN_FLIGHT, plain_strings, text_pieces
 from smolctl.data.mix_blocks import BINS, row_bins, row_hash, source_key
-from smolctl.data.pack_tokens import ENCODER_CALLS_IN_FLIGHT
 from smolctl.errors import UserError
 
 Arrays = dict[str, np.ndarray]

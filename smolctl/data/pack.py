@@ -140,7 +140,7 @@ class PackJob:
         self, on_progress: Callable[[int, int], None] | None = None, *, tasks: int | None = None, task_id: int = 0
     ) -> PackResult:
         """Pack every unit, or task `task_id`'s share of `tasks` (an array task); skip finished units and commit
-        OUTPUT when the last one is done. `on_progress(documents read, tokens packed)` follows every batch."""
+        OUTPUT when the last one is done. `on_progress(documents read, tokens packed)` follows every piece of a batch."""
         array_task = tasks is not None
         check_task(tasks, task_id)
         if array_task and self.area.committed():  # this very run, even with --overwrite (see dedup's run)
@@ -197,8 +197,8 @@ class PackJob:
         failed = threading.Event()
 
         def add(unit: int, batch: TokenBatch, read: int, empty: int, batch_ends: bool) -> None:
-            # Batches queued behind a failed one are dropped: packing them would finish that unit without the
-            # failed batch and mark it done, and a resumed array task would skip it.
+            # Pieces queued behind a failed one are dropped: packing them would finish that unit without the
+            # failed piece and mark it done, and a resumed array task would skip it.
             if failed.is_set():
                 return
             try:

@@ -1,10 +1,11 @@
 """The tokenizing stage of `smolctl pack`: documents in, token batches (EOS appended) out, in input order.
 
-The Rust batch encoder releases the GIL, so Python can work beside it: while the tokenizer's threads encode
-one batch, the next is already submitted (two calls in flight share the Rust thread pool, so the long last
-documents of one batch do not leave the other threads idle), and the ids of a finished batch are turned into one
-numpy array (in C, _pack.c, where the extension was built). With `--workers N`, N single-threaded tokenizer
-processes take the batches instead.
+Documents are read in batches, and a batch goes to the Rust batch encoder in pieces of at most
+TEXT_BYTES_PER_CALL bytes of text (most batches are one piece). The encoder releases the GIL, so Python can
+work beside it: while the tokenizer's threads encode one piece, the next is already submitted (two calls in
+flight share the Rust thread pool, so the long last documents of one piece do not leave the other threads
+idle), and the ids of a finished piece are turned into one numpy array (in C, _pack.c, where the extension was
+built). With `--workers N`, N single-threaded tokenizer processes take the pieces instead.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from itertools import chain
 
 import numpy as np
 
-from smolctl.arrow_arrays import text_pieces
+from smolctl.arrow_arrays import ENCODER_CALLS_IN_FLIGHT, text_pieces
 from smolctl.child_processes import exit_with_parent
 from smolctl.data.pack_rows import TokenBatch
 from smolctl.data.tokenizer import RustTokenizer
@@ -33,13 +34,11 @@ except ImportError:  # built without a C compiler: join_documents_python gives t
 YOUNG_COLLECTION_THRESHOLD = 10_000
 """Allocations between collections of the young generation while tokenising (Python's default: 700)."""
 
-ENCODER_CALLS_IN_FLIGHT = 2
-"""Pieces being encoded at once in this process: one to keep the Rust threads busy, one to overlap."""
-
 PIECES_AHEAD = 8
 """Pieces submitted ahead of the one being packed. Results come back in order, so with only a few ahead one
 book-sized piece holds up the queue while the other encoder thread has nothing to take: the Rust pool runs
-on one core. Memory stays bounded by this many pieces of text and their ids."""
+on one core. Memory stays bounded by this many pieces of text and their ids (a piece is at most
+TEXT_BYTES_PER_CALL of text, or one document longer than that)."""
 
 
 def join_encodings(encodings: list, eos_id: int) -> tuple[TokenBatch, int]:
@@ -152,7 +151,7 @@ def tokenised_pieces(
 
 
 def encoder(tokenizer: RustTokenizer, workers: int) -> tuple[Executor, int]:
-    """Where batches are encoded (threads of this process, or `workers` processes) and how many ahead."""
+    """Where pieces are encoded (threads of this process, or `workers` processes) and how many ahead."""
     if workers == 1:
         return ThreadPoolExecutor(ENCODER_CALLS_IN_FLIGHT, thread_name_prefix="encode"), PIECES_AHEAD
     context = multiprocessing.get_context("spawn")  # fork after Rust threads have started can deadlock
