@@ -158,7 +158,8 @@ def test_best_fit_decreasing_fills_the_tightest_row():
 @pytest.mark.parametrize("mode", ["split", "truncate"])
 def test_long_documents_are_cut_into_full_rows_that_are_views_of_the_batch(mode):
     # Documents of 3, 10, 8 and 2 tokens at seq_len 4: the 10 gives two full rows and a remainder of 2, the 8 two
-    # full rows and nothing. A copy of the full rows would hold the same values, so the views are checked too.
+    # full rows and nothing. A copy of the full rows would hold the same values, so the views are checked too:
+    # the full rows are 16 of the 23 tokens, so copying them would double the batch.
     lengths = np.array([3, 10, 8, 2])
     batch = pack_rows.TokenBatch(np.arange(lengths.sum(), dtype=np.int32), lengths)
     stats = pack_rows.PackStats()
@@ -173,6 +174,17 @@ def test_long_documents_are_cut_into_full_rows_that_are_views_of_the_batch(mode)
     assert [rows.lengths.tolist() for rows in full_rows] == [[4, 4], [4, 4]]
     assert all(np.shares_memory(rows.ids, batch.ids) for rows in full_rows)
     assert stats.split_documents == 2
+
+
+def test_full_rows_are_copied_where_a_view_would_keep_a_mostly_short_batch_alive():
+    # One document of 9 tokens among ten of 3 at seq_len 4: 8 tokens of full rows beside 31 kept. A view of
+    # them would hold all 39 tokens beside the copy of the 31 for as long as the rows wait in a bfd buffer.
+    lengths = np.array([3] * 5 + [9] + [3] * 5)
+    batch = pack_rows.TokenBatch(np.arange(lengths.sum(), dtype=np.int32), lengths)
+    kept, full_rows = pack_rows.split_long_documents(batch, 4, "split", pack_rows.PackStats())
+    assert [rows.ids.tolist() for rows in full_rows] == [list(range(15, 23))]
+    assert kept.lengths.tolist() == [3] * 5 + [1] + [3] * 5 and len(kept.ids) == 31
+    assert not np.shares_memory(full_rows[0].ids, batch.ids)
 
 
 def random_length_arrays(rng: np.random.Generator):

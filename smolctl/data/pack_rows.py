@@ -79,8 +79,12 @@ def split_long_documents(
     batch: TokenBatch, seq_len: int, mode: str, stats: PackStats
 ) -> tuple[TokenBatch, list[TokenBatch]]:
     """Documents longer than seq_len: `split` cuts their leading full rows off (returned as batches of
-    seq_len-token documents, one per long document: views of the batch's ids, not copies), the remainder stays a
-    document; `truncate` keeps their first seq_len tokens. Copies the kept spans, not tokens one by one."""
+    seq_len-token documents, one per long document), the remainder stays a document; `truncate` keeps their
+    first seq_len tokens. Copies the kept spans, not tokens one by one.
+
+    The full rows are views of the batch's ids where they are most of its tokens (a piece of books: copying
+    them would double it), else copies: a view keeps the whole batch alive beside the kept copy, so a few long
+    documents among many short ones would make a buffer hold its tokens twice."""
     long = np.flatnonzero(batch.lengths > seq_len)
     if len(long) == 0:
         return batch, []
@@ -102,10 +106,11 @@ def split_long_documents(
     kept = np.concatenate([batch.ids[a:b] for a, b in zip(keep_from, keep_to)])
     if mode == "truncate":
         return TokenBatch(kept, lengths), []
-    full_rows = [
-        TokenBatch(batch.ids[a:b], np.full((b - a) // seq_len, seq_len, dtype=np.int64))
-        for a, b in zip(removed_from.tolist(), removed_to.tolist())
-    ]
+    as_views = len(kept) <= len(batch.ids) - len(kept)
+    full_rows = []
+    for a, b in zip(removed_from.tolist(), removed_to.tolist()):
+        ids = batch.ids[a:b] if as_views else batch.ids[a:b].copy()
+        full_rows.append(TokenBatch(ids, np.full((b - a) // seq_len, seq_len, dtype=np.int64)))
     return TokenBatch(kept, lengths), full_rows
 
 
