@@ -6,12 +6,11 @@
 
 Three stages overlap: this thread reads batches of documents and hands them to the Rust batch encoder
 (`smolctl.data.pack_tokens`: two calls in flight on the tokenizer's threads, or `--workers` processes), which
-appends EOS to every document; a packing thread takes the token batches (a batch of long documents in pieces,
-as they were encoded) in order, lays them into rows
-(`smolctl.data.pack_rows`) and writes them (`smolctl.data.pack_sinks`) as safetensors shards with the
-packed-folder manifest that `pretrain` and `inspect` read, or, with `--format datatrove`, as datatrove/nanotron
-`.ds` token files. A folder from `train-tokenizer` is loaded from its tokenizer.json alone, so a pack never
-imports transformers or torch.
+appends EOS to every document; a packing thread takes the token batches (a batch of long documents in the
+pieces it was encoded in) in order, lays them into rows (`smolctl.data.pack_rows`) and writes them
+(`smolctl.data.pack_sinks`) as safetensors shards with the packed-folder manifest that `pretrain` and `inspect`
+read, or, with `--format datatrove`, as datatrove/nanotron `.ds` token files. A folder from `train-tokenizer`
+is loaded from its tokenizer.json alone, so a pack never imports transformers or torch.
 
 The unit of work is one input shard: it is packed on its own (no row holds documents of two shards, so no row
 mixes two stages of a mix either) into OUTPUT/_work/<run>/pack/<unit>/ and marked done (smolctl/data/array_tasks.py).
@@ -140,7 +139,8 @@ class PackJob:
         self, on_progress: Callable[[int, int], None] | None = None, *, tasks: int | None = None, task_id: int = 0
     ) -> PackResult:
         """Pack every unit, or task `task_id`'s share of `tasks` (an array task); skip finished units and commit
-        OUTPUT when the last one is done. `on_progress(documents read, tokens packed)` follows every piece of a batch."""
+        OUTPUT when the last one is done. `on_progress(documents read, tokens packed)` follows every piece of a
+        batch."""
         array_task = tasks is not None
         check_task(tasks, task_id)
         if array_task and self.area.committed():  # this very run, even with --overwrite (see dedup's run)
