@@ -17,6 +17,7 @@ import contextlib
 import glob as globlib
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -31,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from smolctl import __version__
 from smolctl.errors import UserError
@@ -435,89 +436,95 @@ class DatasetWriter:
         return self.schema
 
 
-def int32_safetensors_prefix(tensors: Mapping[str, np.ndarray]) -> bytes | None:
-    """The first bytes safetensors writes for int32 tensors: the header's length (u64, little-endian) and the
-    header, compact JSON of each tensor's dtype, shape and data offsets in name order (the format orders tensors
-    by dtype, then name), padded with spaces to 8 bytes. None for tensors of any other dtype."""
-    if any(array.dtype != np.dtype("<i4") for array in tensors.values()):
-        return None
+def int32_safetensors_prefix(shapes: Mapping[str, Sequence[int]]) -> bytes:
+    """The first bytes of a safetensors file of int32 tensors of these shapes: the header's length (u64,
+    little-endian) and the header, compact JSON of each tensor's dtype, shape and data offsets in name order (the
+    format orders tensors by dtype, then name), padded with spaces to 8 bytes."""
     entries, offset = {}, 0
-    for name in sorted(tensors):
-        size = tensors[name].nbytes
-        entries[name] = {"dtype": "I32", "shape": list(tensors[name].shape), "data_offsets": [offset, offset + size]}
+    for name in sorted(shapes):
+        size = 4 * math.prod(shapes[name])
+        entries[name] = {"dtype": "I32", "shape": list(shapes[name]), "data_offsets": [offset, offset + size]}
         offset += size
     header = json.dumps(entries, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
     return len(header).to_bytes(8, "little") + header
 
 
-def save_file_and_sha256(tensors: dict[str, np.ndarray], path: Path) -> str:
-    """`save_file(tensors, path)`, returning the sha256 of the file. For int32 tensors the digest is taken from
-    memory, on another thread (hashlib releases the GIL), while the file is written: the expected header and the
-    arrays in file order. The header in the written file is then compared with the expected one, and on any
-    difference the file itself is hashed, so the digest is always the file's."""
-    tensors = {name: np.ascontiguousarray(array) for name, array in tensors.items()}
-    prefix = int32_safetensors_prefix(tensors)
-    if prefix is None:
-        save_file(tensors, str(path))
-        return sha256_file(path)
+def write_int32_safetensors(blocks: Mapping[str, Sequence[np.ndarray]], path: Path) -> str:
+    """Write int32 tensors, each given as blocks of rows stacked in order, as one safetensors file, and return
+    the file's sha256: the bytes `safetensors.numpy.save_file` writes for the stacked tensors.
 
-    def digest_from_memory() -> str:
-        digest = hashlib.sha256(prefix)
-        for name in sorted(tensors):
-            digest.update(tensors[name].reshape(-1).view(np.uint8))
-        return digest.hexdigest()
+    The blocks go to the file from where they lie. save_file would need each tensor joined into one array and
+    then copied into bytes, two copies of a shard (256 MB by default) in fresh memory before the write. The
+    digest is taken from the same memory on another thread (hashlib releases the GIL) while they are written."""
+    shapes = {}
+    for name, parts in blocks.items():
+        if not parts or any(part.dtype != np.dtype("<i4") or part.shape[1:] != parts[0].shape[1:] for part in parts):
+            raise ValueError(f"tensor {name!r}: blocks must be little-endian int32 arrays with the same row shape")
+        shapes[name] = (sum(len(part) for part in parts), *parts[0].shape[1:])
+    prefix = int32_safetensors_prefix(shapes)
+    data = [np.ascontiguousarray(part).reshape(-1).view(np.uint8) for name in sorted(blocks) for part in blocks[name]]
+
+    def digest() -> str:
+        hasher = hashlib.sha256(prefix)
+        for part in data:
+            hasher.update(part)
+        return hasher.hexdigest()
 
     with ThreadPoolExecutor(1, thread_name_prefix="sha256") as helper:
-        expected = helper.submit(digest_from_memory)
-        save_file(tensors, str(path))
-        digest = expected.result()
-    with open(path, "rb") as handle:
-        written = handle.read(len(prefix))
-    size = len(prefix) + sum(array.nbytes for array in tensors.values())
-    return digest if written == prefix and path.stat().st_size == size else sha256_file(path)
+        expected = helper.submit(digest)
+        with open(path, "wb") as handle:
+            handle.write(prefix)
+            for part in data:
+                handle.write(part)
+        return expected.result()
 
 
 class PackedWriter:
-    """Safetensors shards of equal-length rows (e.g. input_ids and position_ids, both [rows, seq_len])."""
+    """Safetensors shards of equal-length int32 rows (e.g. input_ids and position_ids, both [rows, seq_len])."""
 
     def __init__(self, folder: OutputFolder, *, rows_per_shard: int, prefix: str = "part"):
         self.folder = folder
         self.rows_per_shard = rows_per_shard
         self.prefix = prefix
-        self._pending: list[dict[str, np.ndarray]] = []
-        self._pending_tokens: list[np.ndarray] = []
+        self._pending: list[tuple[dict[str, np.ndarray], np.ndarray]] = []  # (tensors, real tokens of each row)
         self._pending_rows = 0
 
     def write(self, tensors: dict[str, np.ndarray], row_tokens: np.ndarray) -> None:
         """Add rows; `row_tokens[i]` counts the real (non-padding) tokens of row i, for the manifest. The arrays are
         kept, not copied, until their shard is written: the caller must not change them."""
-        self._pending.append(tensors)
-        self._pending_tokens.append(np.asarray(row_tokens, dtype=np.int64))
+        self._pending.append((tensors, np.asarray(row_tokens, dtype=np.int64)))
         self._pending_rows += len(row_tokens)
         while self._pending_rows >= self.rows_per_shard:
             self._flush(self.rows_per_shard)
 
     def _flush(self, rows: int) -> None:
-        # One pending write (e.g. a pack's single buffer of rows) is written as it is, not copied once more.
-        pending = self._pending
-        merged = pending[0] if len(pending) == 1 else {k: np.concatenate([p[k] for p in pending]) for k in pending[0]}
-        tokens = np.concatenate(self._pending_tokens)
-        head = {k: np.ascontiguousarray(v[:rows]) for k, v in merged.items()}
+        # The shard is written from the pending blocks themselves; a block that straddles it is split by views.
+        blocks: dict[str, list[np.ndarray]] = {name: [] for name in self._pending[0][0]}
+        tokens, taken = 0, 0
+        while taken < rows:
+            tensors, row_tokens = self._pending[0]
+            take = min(rows - taken, len(row_tokens))
+            for name, array in tensors.items():
+                blocks[name].append(array[:take])
+            tokens += int(row_tokens[:take].sum())
+            taken += take
+            if take == len(row_tokens):
+                self._pending.pop(0)
+            else:
+                self._pending[0] = ({name: array[take:] for name, array in tensors.items()}, row_tokens[take:])
         name = f"{self.prefix}-{len(self.folder.shards):05d}.safetensors"
         tmp = self.folder.file(f".{name}.tmp")
         try:
-            sha256 = save_file_and_sha256(head, tmp)
+            sha256 = write_int32_safetensors(blocks, tmp)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise UserError(
                 self.folder.path, f"cannot write a shard: {exc}", "check free space and permissions"
             ) from exc
         os.replace(tmp, self.folder.file(name))
-        self.folder.add_shard(name, rows, tokens=int(tokens[:rows].sum()), sha256=sha256)
+        self.folder.add_shard(name, rows, tokens=tokens, sha256=sha256)
         self._pending_rows -= rows
-        self._pending = [{k: v[rows:] for k, v in merged.items()}] if self._pending_rows else []
-        self._pending_tokens = [tokens[rows:]] if self._pending_rows else []
 
     def close(self) -> None:
         if self._pending_rows:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -330,28 +331,67 @@ def file_sha256(path) -> str:
         {"position_ids": (3, 5), "input_ids": (3, 5)},  # given out of name order
         {"input_ids": (257, 4096), "position_ids": (257, 4096)},
         {"b": (1,), "a": (2, 3, 4), "c": (0, 7)},  # a zero-size tensor among them
+        {"ids": (10_001, 3)},  # data offsets of another width: the header's padding changes
     ],
 )
-def test_a_shard_hashed_while_written_gets_its_files_sha256(shapes, tmp_path, monkeypatch):
-    """The digest taken from memory is the file's own, and no file was read back to get it."""
+def test_a_shard_written_from_blocks_is_the_file_safetensors_writes(shapes, tmp_path):
+    """Blocks of rows written where they lie make the bytes save_file writes for the stacked tensors, and the
+    digest taken from memory is the file's own."""
+    from safetensors.numpy import save_file
+
     import smolctl.shards as shards
 
     rng = np.random.default_rng(len(shapes))
     tensors = {name: rng.integers(-(2**31), 2**31 - 1, size=shape, dtype=np.int32) for name, shape in shapes.items()}
-    monkeypatch.setattr(shards, "sha256_file", lambda path: pytest.fail("hashed the file instead of memory"))
-    digest = shards.save_file_and_sha256(tensors, tmp_path / "shard.safetensors")
-    assert digest == file_sha256(tmp_path / "shard.safetensors")
-    loaded = shards.load_file(str(tmp_path / "shard.safetensors"))
-    assert all(np.array_equal(loaded[name], tensors[name]) for name in tensors)
+    # Uneven blocks, an empty one among them, each tensor cut at different rows.
+    blocks = {}
+    for i, (name, array) in enumerate(tensors.items()):
+        cuts = sorted({0, min(len(array), 1 + i), len(array) // 2, len(array)})
+        blocks[name] = [array[a:b] for a, b in itertools.pairwise(cuts)] + [array[len(array) :]]
+    digest = shards.write_int32_safetensors(blocks, tmp_path / "blocks.safetensors")
+    save_file(tensors, str(tmp_path / "stacked.safetensors"))
+    assert (tmp_path / "blocks.safetensors").read_bytes() == (tmp_path / "stacked.safetensors").read_bytes()
+    assert digest == file_sha256(tmp_path / "blocks.safetensors")
 
 
-def test_a_shard_whose_header_differs_from_the_expected_one_is_hashed_from_the_file(tmp_path, monkeypatch):
+def test_a_shard_of_anything_but_int32_blocks_is_refused(tmp_path):
     import smolctl.shards as shards
 
-    tensors = {"input_ids": np.arange(12, dtype=np.int32).reshape(3, 4)}
-    expected = shards.int32_safetensors_prefix(tensors)
-    # A library that wrote, say, one more space of padding: the memory digest would not be the file's.
-    monkeypatch.setattr(shards, "int32_safetensors_prefix", lambda tensors: expected[:-1] + b"  ")
-    assert shards.save_file_and_sha256(tensors, tmp_path / "a.safetensors") == file_sha256(tmp_path / "a.safetensors")
-    mixed = {"ids": np.zeros(4, dtype=np.int32), "weights": np.ones(4, dtype=np.float32)}  # not predicted at all
-    assert shards.save_file_and_sha256(mixed, tmp_path / "b.safetensors") == file_sha256(tmp_path / "b.safetensors")
+    for blocks in (
+        {"ids": [np.zeros(4, np.int32), np.zeros(4, np.int64)]},
+        {"ids": [np.zeros(4, np.float32)]},
+        {"ids": [np.zeros((2, 4), np.int32), np.zeros((2, 5), np.int32)]},
+        {"ids": [np.zeros(4, ">i4")]},
+        {"ids": []},
+    ):
+        with pytest.raises(ValueError, match="little-endian int32"):
+            shards.write_int32_safetensors(blocks, tmp_path / "x.safetensors")
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_packed_shards_cut_across_writes_hold_their_rows_and_tokens(tmp_path):
+    """Rows written in uneven blocks land in shards of rows_per_shard, each block split where a shard ends, and
+    each shard's manifest entry counts the real tokens of its own rows."""
+    from safetensors.numpy import load_file
+
+    rng = np.random.default_rng(0)
+    written = [rng.integers(0, 1000, size=(n, 6), dtype=np.int32) for n in (3, 3, 5, 1, 7)]
+    row_tokens = [rng.integers(1, 7, size=len(rows)) for rows in written]
+    with OutputFolder(tmp_path / "packed", kind=KIND_PACKED) as folder:
+        writer = PackedWriter(folder, rows_per_shard=4)
+        for rows, tokens in zip(written, row_tokens):
+            writer.write({"input_ids": rows, "position_ids": rows + 1}, tokens)
+        writer.close()
+        folder.commit()
+    everything, tokens = np.concatenate(written), np.concatenate(row_tokens)
+    manifest = json.loads((tmp_path / "packed" / MANIFEST_NAME).read_text())
+    assert [shard["rows"] for shard in manifest["shards"]] == [4, 4, 4, 4, 3]
+    start = 0
+    for shard in manifest["shards"]:
+        loaded = load_file(str(tmp_path / "packed" / shard["name"]))
+        end = start + shard["rows"]
+        assert np.array_equal(loaded["input_ids"], everything[start:end])
+        assert np.array_equal(loaded["position_ids"], everything[start:end] + 1)
+        assert shard["tokens"] == int(tokens[start:end].sum())
+        assert shard["sha256"] == file_sha256(tmp_path / "packed" / shard["name"])
+        start = end
