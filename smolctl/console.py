@@ -1,59 +1,79 @@
 """Everything a command shows. Results (summaries, tables, reports) go to stdout through `show`, so that
-`smolctl inspect X > file` or `| less` captures them; progress, logs and warnings go to stderr through `console`
-and `warn`; `--json` prints one JSON object on stdout instead of the results.
+`smolctl inspect X > file` or `| less` captures them; progress, logs and warnings go to stderr through
+`stderr_console()` and `warn`; `--json` prints one JSON object on stdout instead of the results.
 
 Text given to a table, `show` or `warn` is printed as it is: brackets in paths and recipe keys (`/tmp/run[old]`,
 `[model]`) are not Rich markup. A renderer that wants colour passes `styled("[green]OK[/]")` (its own markup,
 with any user text inside it escaped) or a rich renderable.
+
+Rich is imported when something is first drawn, not with the CLI: it is ~50 ms of start-up, and a command run
+with `--json` in a pipe (a Slurm array task, a script) draws nothing unless it fails.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
-
-from rich.console import Console
-from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskProgressColumn,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any
 
 from smolctl.units import format_bytes as human_bytes  # noqa: F401  (one formatter: units.py)
 from smolctl.units import format_count as human_count  # noqa: F401
 
-console = Console(stderr=True, highlight=False)  # progress, logs, warnings, errors
-results = Console(highlight=False)  # what a command found or made: stdout
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+    from rich.text import Text
+
+
+@functools.cache
+def stderr_console() -> Console:
+    """Progress, logs, warnings and errors."""
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+@functools.cache
+def stdout_console() -> Console:
+    """What a command found or made."""
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def escape(text: str) -> str:
+    """`text` as Rich markup that shows it verbatim (rich.markup.escape)."""
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
 
 
 def styled(markup: str) -> Text:
     """Text whose Rich markup is meant (colours, bold); interpolate user text through `escape`."""
+    from rich.text import Text
+
     return Text.from_markup(markup)
 
 
 def literal(value: Any) -> Text:
     """A value shown exactly as it is, whatever brackets it holds."""
+    from rich.text import Text
+
     return value if isinstance(value, Text) else Text(str(value))
 
 
 def warn(message: str) -> None:
-    console.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
+    stderr_console().print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
 
 
 def error_line(label: str, message: str) -> None:
     """The one line a command ends with when it fails: `error: ...` (label) in red, the message verbatim."""
-    console.print(f"[red]{label}:[/] {escape(message)}", soft_wrap=True)
+    stderr_console().print(f"[red]{label}:[/] {escape(message)}", soft_wrap=True)
 
 
 def emit_json(payload: Any) -> None:
@@ -70,27 +90,64 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-class _LazyProgress(Progress):
-    """Shows nothing until a visible task exists, so an input error raised before any work prints one clean line."""
+@functools.cache
+def _lazy_progress_type() -> type[Progress]:
+    from rich.progress import Progress
 
-    def _start_if_visible(self) -> None:
-        if not self.live.is_started and any(task.visible for task in self.tasks):
-            self.start()
+    class LazyProgress(Progress):
+        """Shows nothing until a visible task exists, so an input error raised before any work prints one clean
+        line."""
 
-    def add_task(self, *args, **kwargs):
-        task = super().add_task(*args, **kwargs)
-        self._start_if_visible()
-        return task
+        def _start_if_visible(self) -> None:
+            if not self.live.is_started and any(task.visible for task in self.tasks):
+                self.start()
 
-    def update(self, *args, **kwargs) -> None:
-        super().update(*args, **kwargs)
-        self._start_if_visible()
+        def add_task(self, *args, **kwargs):
+            task = super().add_task(*args, **kwargs)
+            self._start_if_visible()
+            return task
+
+        def update(self, *args, **kwargs) -> None:
+            super().update(*args, **kwargs)
+            self._start_if_visible()
+
+    return LazyProgress
+
+
+class SilentProgress:
+    """The bar of a run that shows none (`progress(False)`): it takes the calls commands make on a rich Progress
+    and draws nothing, without importing Rich. Lines printed through its `console` still go to stderr."""
+
+    def add_task(self, description: str, **fields: Any) -> int:
+        return 0
+
+    def update(self, task: int, **fields: Any) -> None:
+        pass
+
+    def advance(self, task: int, advance: float = 1) -> None:
+        pass
+
+    @property
+    def console(self) -> Console:
+        return stderr_console()
 
 
 @contextmanager
-def progress(enabled: bool = True) -> Iterator[Progress]:
-    """A progress bar with rate and ETA on stderr; silent when disabled (e.g. under --json in a pipe)."""
-    bar = _LazyProgress(
+def progress(enabled: bool = True) -> Iterator[Progress | SilentProgress]:
+    """A progress bar with rate and ETA on stderr; `SilentProgress` when disabled (e.g. under --json)."""
+    if not enabled:
+        yield SilentProgress()
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        TaskProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    bar = _lazy_progress_type()(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -99,8 +156,7 @@ def progress(enabled: bool = True) -> Iterator[Progress]:
         TimeElapsedColumn(),
         TextColumn("eta"),
         TimeRemainingColumn(),
-        console=console,
-        disable=not enabled,
+        console=stderr_console(),
         transient=False,
     )
     try:
@@ -132,6 +188,8 @@ def _cell(value: Any) -> Any:
 
 def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], justify: str = "right") -> Table:
     """A table whose first column is left-aligned and the rest `justify`-aligned (numbers read best right)."""
+    from rich.table import Table
+
     out = Table(title=literal(title), title_justify="left", header_style="bold")
     for i, name in enumerate(columns):
         out.add_column(literal(name), justify="left" if i == 0 else justify)
@@ -141,6 +199,8 @@ def table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], jus
 
 
 def key_values(title: str, pairs: Iterable[tuple[str, Any]]) -> Table:
+    from rich.table import Table
+
     out = Table(title=literal(title), title_justify="left", show_header=False)
     out.add_column(style="bold")
     out.add_column()
@@ -151,4 +211,4 @@ def key_values(title: str, pairs: Iterable[tuple[str, Any]]) -> Table:
 
 def show(renderable: Any, **options: Any) -> None:
     """Print a result on stdout: a table, a `styled` line, or plain text (printed verbatim, never as markup)."""
-    results.print(literal(renderable) if isinstance(renderable, str) else renderable, **options)
+    stdout_console().print(literal(renderable) if isinstance(renderable, str) else renderable, **options)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -214,3 +215,34 @@ def test_data_commands_start_with_what_they_need(command, schema_needs_pydantic,
     assert "missing" in result.stderr and "no such file" in result.stderr, result.stderr  # parsed, then refused
     # exit 2, pydantic only where the command's own schema needs it, numpy, one thread
     assert result.stdout.split() == ["2", str(schema_needs_pydantic), "True", "1"], result.stdout
+
+
+@pytest.mark.parametrize("command", ["pack", "dedup"])
+def test_a_json_run_that_draws_nothing_does_not_import_rich(command, sample, tokenizer_dir, tmp_path):
+    """Under --json in a pipe (an array task, a script) pack and dedup draw nothing: no bar, no table. Rich is
+    ~50 ms of their start-up, so it is not imported; the same run without --json draws its summary with it."""
+    template = {
+        "pack": ["pack", str(sample / "math"), "OUT", "--tokenizer", str(tokenizer_dir), "--seq-len", "64"],
+        "dedup": ["dedup", str(sample / "web"), "OUT", "--minhash", "--workers", "1"],
+    }[command]
+    probe = (
+        "import sys\nfrom smolctl.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n"
+        "    print(exc.code, file=sys.stderr)\n"
+        "print('RICH', any(m == 'rich' or m.startswith('rich.') for m in sys.modules), file=sys.stderr)"
+    )
+    for flags, output, draws in (["--json"], "quiet", False), ([], "drawn", True):
+        arguments = [a if a != "OUT" else str(tmp_path / output) for a in template]
+        result = subprocess.run(
+            [sys.executable, "-c", probe, *arguments, *flags],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            check=False,
+        )
+        assert f"RICH {draws}" in result.stderr, result.stderr
+        assert (tmp_path / output / "manifest.json").exists(), result.stderr
+        if draws:
+            assert "rows" in result.stdout or "kept" in result.stdout, result.stdout
+        else:
+            json.loads(result.stdout)

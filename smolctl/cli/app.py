@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 from typer.core import TyperCommand, TyperGroup
 
 from smolctl import __version__
-from smolctl.console import console
+from smolctl.console import escape, stderr_console
 
 PIPELINE = """\
 [bold]smolctl[/] — train small language models the SmolLM3 way, one composable stage at a time.
@@ -31,8 +30,16 @@ class _ReadableHelp:
     Usage lines and option columns read as values: `smolctl pretrain [OPTIONS] RECIPE [RUN]` (Typer writes
     required arguments as `{recipe}`), no `<bool>` after a flag."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def format_help(self, ctx, formatter):
+        self.escape_help()
+        super().format_help(ctx, formatter)
+
+    def escape_help(self) -> None:
+        """Escape the help texts once, when help is drawn: escaping imports Rich, which a run that draws nothing
+        (`--json` in a pipe) does not otherwise import."""
+        if getattr(self, "_help_escaped", False):
+            return
+        self._help_escaped = True
         self.help = escape(self.help) if self.help else self.help
         for param in self.params:
             if getattr(param, "help", None):
@@ -66,7 +73,10 @@ class Command(_ReadableHelp, TyperCommand):
 
 
 class Group(_ReadableHelp, TyperGroup):
-    pass
+    def format_help(self, ctx, formatter):
+        for name in self.list_commands(ctx):  # the command list shows each command's help
+            self.get_command(ctx, name).escape_help()
+        super().format_help(ctx, formatter)
 
 
 app = typer.Typer(
@@ -95,5 +105,5 @@ def root(
     ] = False,
 ) -> None:
     if ctx.invoked_subcommand is None:
-        console.print(PIPELINE)
+        stderr_console().print(PIPELINE)
         typer.echo(ctx.get_help(), err=True)

@@ -4,13 +4,13 @@ memory pattern test, as gpu-burn)."""
 from __future__ import annotations
 
 import typer
-from rich.markup import escape
 
 from smolctl.cli.app import app
 from smolctl.cli.common import quiet_on_other_ranks
 from smolctl.cli.options import JsonOpt
 from smolctl.console import (
     emit_json,
+    escape,
     human_bytes,
     key_values,
     progress,

@@ -6,18 +6,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import typer
-from rich.markup import escape
 
 from smolctl.cli.app import app
 from smolctl.cli.options import JsonOpt, SetOpt
 from smolctl.console import (
-    console,
     emit_json,
+    escape,
     human_bytes,
     human_count,
     human_duration,
     key_values,
     show,
+    stderr_console,
     styled,
     table,
 )
@@ -182,7 +182,7 @@ def estimate_command(
     if validate:
         from smolctl.infra.measure import validate as run_validation
 
-        with console.status("validating: forward + backward on this machine", spinner="dots"):
+        with stderr_console().status("validating: forward + backward on this machine", spinner="dots"):
             result.validate = run_validation(scenario, transformers_config(scenario))
     if json_out:
         emit_json(result.to_dict())

@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import typer
-from rich.markup import escape
 
 from smolctl.cli.app import app
 from smolctl.cli.options import JsonOpt
-from smolctl.console import emit_json, human_count, key_values, show, styled, table
+from smolctl.console import emit_json, escape, human_count, key_values, show, styled, table
 from smolctl.errors import CheckFailed
 
 if TYPE_CHECKING:

@@ -24,13 +24,13 @@ from smolctl.cli.options import (
     SetOpt,
 )
 from smolctl.console import (
-    console,
     emit_json,
     human_count,
     human_duration,
     key_values,
     progress,
     show,
+    stderr_console,
     table,
 )
 from smolctl.errors import CheckFailed, Interrupted, UserError
@@ -92,7 +92,7 @@ def _post_train(
         emit_json(result.to_dict())
         return
     if result.nothing_to_do:
-        console.print(
+        stderr_console().print(
             f"nothing to do: {result.run} finished at step {result.steps}; {result.final} is unchanged "
             "(raise training.steps to train longer)"
         )
@@ -393,7 +393,7 @@ def merge_command(
         )
     recipe_path, output = (arguments[0], arguments[1]) if len(arguments) == 2 else (None, arguments[0])
     recipe, where = load_merge_recipe(recipe_path, overrides or [], method, model or [], base)
-    with console.status(f"merging {len(recipe.models)} model entries ({recipe.method})", spinner="dots"):
+    with stderr_console().status(f"merging {len(recipe.models)} model entries ({recipe.method})", spinner="dots"):
         result = run_merge(recipe, output, where=where, overwrite=overwrite)
     if json_out:
         emit_json(result.to_dict())

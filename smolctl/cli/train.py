@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
-from rich.markup import escape
 
 from smolctl.cli.app import app
 from smolctl.cli.common import (
@@ -30,12 +29,13 @@ from smolctl.cli.options import (
     WorldSizeOpt,
 )
 from smolctl.console import (
-    console,
     emit_json,
+    escape,
     human_bytes,
     human_count,
     key_values,
     show,
+    stderr_console,
     styled,
     table,
 )
@@ -298,9 +298,11 @@ def _render_train(r) -> None:
     from smolctl.train.monitor import CHECKPOINT_BUDGET_S_PER_1000_STEPS, flops_text
 
     if r.nothing_to_do:
-        console.print(f"nothing to do: {r.run} finished at step {r.steps:,}; {r.final} left as it was")
+        stderr_console().print(f"nothing to do: {r.run} finished at step {r.steps:,}; {r.final} left as it was")
     elif r.preempted:
-        console.print(f"[yellow]{r.preempted}[/]: stopped after saving step {r.steps:,}; continue with --resume auto")
+        stderr_console().print(
+            f"[yellow]{r.preempted}[/]: stopped after saving step {r.steps:,}; continue with --resume auto"
+        )
     speed = r.speed
     rate = f"{human_count(speed['tokens_per_s'])} tokens/s, " + (
         f"MFU {speed['mfu']:.1%}"
@@ -421,7 +423,7 @@ def _render_report(made) -> None:
     if len(reports) > 1:
         show(styled(legend(reports)))
     for metric in plotted_metrics(reports):
-        show(styled(text_plot(reports, metric, width=min(72, max(32, console.width - 16)))))
+        show(styled(text_plot(reports, metric, width=min(72, max(32, stderr_console().width - 16)))))
     for report in reports:
         show(
             table(

@@ -24,9 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from rich.markup import escape
-
-from smolctl.console import human_count, human_duration, progress
+from smolctl.console import escape, human_count, human_duration, progress
 from smolctl.train.trackers import NoTracker, Tracker
 
 # Dense bf16 tensor-core peak per device (vendor datasheets, no sparsity), matched against the device name.

@@ -9,8 +9,7 @@ from __future__ import annotations
 import html
 import math
 
-from rich.markup import escape
-
+from smolctl.console import escape
 from smolctl.train.report import PLOTTED, Finding, RunReport
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf"]
