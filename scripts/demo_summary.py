@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from smolctl.console import console, human_count, show, table
+from smolctl.console import human_count, show, stderr_console, stdout_console, table
 from smolctl.shards import read_manifest
 
 # What is worth a glance for each kind of folder, from its manifest's stats.
@@ -63,7 +63,8 @@ def sample_generation(model_dir: Path, prompt: str) -> str:
 
 
 def main(out: Path, final_model: str | None) -> None:
-    console.width = max(console.width, int(os.environ.get("COLUMNS", 0)) or 132)
+    for console in (stdout_console(), stderr_console()):  # the table goes to stdout, the sample to stderr
+        console.width = max(console.width, int(os.environ.get("COLUMNS", 0)) or 132)
     rows = []
     total = 0.0
     for line in (out / "stages.tsv").read_text().splitlines():
@@ -81,7 +82,7 @@ def main(out: Path, final_model: str | None) -> None:
     )
     if final_model:
         prompt = "What does `json.dumps` do?"
-        console.print(
+        stderr_console().print(
             f"[bold]sample from {short(final_model, out)}[/] (a 1.5M-parameter model trained for minutes: "
             f"expect babble)\n  user: {prompt}\n  assistant: {sample_generation(Path(final_model), prompt)}"
         )

@@ -7,10 +7,13 @@ final model back to data/sample, and the final model loads with transformers and
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import SAMPLE, run_cli
+from conftest import REPO, SAMPLE, run_cli
 
 from smolctl.shards import read_manifest, sha256_file, verify_checksums
 
@@ -198,3 +201,26 @@ def test_final_model_loads_with_transformers_and_generates(pipeline):
     assert output.shape[1] > inputs["input_ids"].shape[1]
     assert isinstance(tokenizer.decode(output[0, inputs["input_ids"].shape[1] :]), str)
     assert model.config.max_position_embeddings == 512  # the long-context midtraining carried through post-training
+
+
+@pytest.mark.slow
+def test_the_demo_closes_with_a_table_of_every_stage_and_a_sample(pipeline):
+    """scripts/demo_summary.py, which `make demo` ends with: one row per stage from OUT/stages.tsv, read from the
+    outputs' manifests, then a completion of the final model."""
+    out = pipeline["tokenizer"].parent
+    stages = ["tokenizer", "dedup/web", "mix", "packed", "pretrain", "ppo"]
+    (out / "stages.tsv").write_text("".join(f"{name}\t{pipeline[name]}\t1.5\n" for name in stages))
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "demo_summary.py"), str(out), str(pipeline["ppo"])],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "200"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = {line.split("│")[1].strip(): line for line in done.stdout.splitlines() if line.count("│") > 2}
+    assert set(stages) | {"total"} <= set(rows), done.stdout
+    assert "2.05K" in rows["tokenizer"] or "vocab size 2048" in rows["tokenizer"], rows["tokenizer"]
+    assert "9.0s" in rows["total"], rows["total"]  # six stages of 1.5 s
+    assert "sample from" in done.stderr and "assistant:" in done.stderr, done.stderr
