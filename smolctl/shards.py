@@ -493,6 +493,8 @@ class PackedWriter:
     def write(self, tensors: dict[str, np.ndarray], row_tokens: np.ndarray) -> None:
         """Add rows; `row_tokens[i]` counts the real (non-padding) tokens of row i, for the manifest. The arrays are
         kept, not copied, until their shard is written: the caller must not change them."""
+        if self._pending and tensors.keys() != self._pending[0][0].keys():
+            raise ValueError(f"rows of {sorted(tensors)} after rows of {sorted(self._pending[0][0])}")
         self._pending.append((tensors, np.asarray(row_tokens, dtype=np.int64)))
         self._pending_rows += len(row_tokens)
         while self._pending_rows >= self.rows_per_shard:

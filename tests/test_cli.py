@@ -206,6 +206,20 @@ def test_each_completion_script_is_answered_by_the_cli(shell, env):
     assert result.returncode == 0 and "dedup" in result.stdout and "mix" not in result.stdout, result
 
 
+@pytest.mark.parametrize(
+    "words, shown",
+    [
+        ("smolctl mix --", "TOML recipe with [sources.NAME] and [[stages]]."),  # an option's help
+        ("smolctl pretrain --", "replacing the recipe''s [data] paths"),  # an option shared by commands
+    ],
+)
+def test_completion_descriptions_read_as_written(words, shown):
+    """Typer passes completion descriptions through Rich markup to strip it: help with brackets must come out as
+    written, as it does in --help."""
+    result = run_cli(env={"_SMOLCTL_COMPLETE": "complete_zsh", "_TYPER_COMPLETE_ARGS": words})
+    assert result.returncode == 0 and shown in result.stdout, result.stdout
+
+
 def test_mix_options_given_override_the_recipe_even_at_their_default(tmp_path):
     """--shuffle-buffer 20000 is 20000 with a recipe of 5000, although 20000 is also MixSchedule's default."""
     from smolctl.data.mix_schedule import MixSchedule, schedule_from_recipe

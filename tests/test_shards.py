@@ -381,6 +381,8 @@ def test_packed_shards_cut_across_writes_hold_their_rows_and_tokens(tmp_path):
         writer = PackedWriter(folder, rows_per_shard=4)
         for rows, tokens in zip(written, row_tokens):
             writer.write({"input_ids": rows, "position_ids": rows + 1}, tokens)
+        with pytest.raises(ValueError, match="input_ids"):  # every write must give every tensor
+            writer.write({"input_ids": written[0]}, row_tokens[0])
         writer.close()
         folder.commit()
     everything, tokens = np.concatenate(written), np.concatenate(row_tokens)

@@ -31,12 +31,20 @@ class _ReadableHelp:
     required arguments as `{recipe}`), no `<bool>` after a flag."""
 
     def format_help(self, ctx, formatter):
-        self.escape_help()
+        self.escape_shown_help(ctx)
         super().format_help(ctx, formatter)
 
+    def shell_complete(self, ctx, incomplete):
+        # Typer renders completion descriptions as Rich markup too (to strip it).
+        self.escape_shown_help(ctx)
+        return super().shell_complete(ctx, incomplete)
+
+    def escape_shown_help(self, ctx) -> None:
+        self.escape_help()
+
     def escape_help(self) -> None:
-        """Escape the help texts once, when help is drawn: escaping imports Rich, which a run that draws nothing
-        (`--json` in a pipe) does not otherwise import."""
+        """Escape the help texts once, when help or completions are shown: escaping imports Rich, which a run that
+        draws nothing (`--json` in a pipe) does not otherwise import."""
         if getattr(self, "_help_escaped", False):
             return
         self._help_escaped = True
@@ -73,10 +81,10 @@ class Command(_ReadableHelp, TyperCommand):
 
 
 class Group(_ReadableHelp, TyperGroup):
-    def format_help(self, ctx, formatter):
+    def escape_shown_help(self, ctx) -> None:
+        self.escape_help()
         for name in self.list_commands(ctx):  # the command list shows each command's help
             self.get_command(ctx, name).escape_help()
-        super().format_help(ctx, formatter)
 
 
 app = typer.Typer(
