@@ -221,6 +221,6 @@ def test_the_demo_closes_with_a_table_of_every_stage_and_a_sample(pipeline):
     assert done.returncode == 0, done.stderr
     rows = {line.split("│")[1].strip(): line for line in done.stdout.splitlines() if line.count("│") > 2}
     assert set(stages) | {"total"} <= set(rows), done.stdout
-    assert "2.05K" in rows["tokenizer"] or "vocab size 2048" in rows["tokenizer"], rows["tokenizer"]
+    assert "vocab size 2048" in rows["tokenizer"], rows["tokenizer"]  # read from the tokenizer's manifest
     assert "9.0s" in rows["total"], rows["total"]  # six stages of 1.5 s
     assert "sample from" in done.stderr and "assistant:" in done.stderr, done.stderr
