@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from pathlib import Path
 
 import typer
@@ -226,18 +227,19 @@ def dedup_command(
 def _stage_progress(bar):
     """Progress callback: one bar per stage, created when the stage announces its total."""
 
-    bars: dict[str, list] = {}  # stage -> [task, started, done]
+    bars: dict[str, tuple[int, float]] = {}  # stage -> (task, started)
+    done: Counter[str] = Counter()
     units = {"signatures": "docs", "filter": "docs", "buckets": "bands", "verify": "pairs"}
 
     def report(stage: str, advance: int, total: int | None = None) -> None:
         if stage not in bars:
             if not total:
                 return
-            bars[stage] = [bar.add_task(stage, total=total, rate=""), time.perf_counter(), 0]
-        stage_bar = bars[stage]
-        stage_bar[2] += advance
-        rate = stage_bar[2] / max(1e-9, time.perf_counter() - stage_bar[1])
-        bar.update(stage_bar[0], advance=advance, rate=f"{human_count(rate)} {units.get(stage, '')}/s")
+            bars[stage] = (bar.add_task(stage, total=total, rate=""), time.perf_counter())
+        task, started = bars[stage]
+        done[stage] += advance
+        rate = done[stage] / max(1e-9, time.perf_counter() - started)
+        bar.update(task, advance=advance, rate=f"{human_count(rate)} {units.get(stage, '')}/s")
 
     return report
 
