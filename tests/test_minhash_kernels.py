@@ -504,6 +504,50 @@ def test_folds_are_what_normalisation_makes_of_those_characters_anywhere():
     assert normalization.normalize("\u0645\u0651\u064e") != "\u0645\u0651\u064e"  # shadda, then fatha: reordered
 
 
+def test_normalisation_tables_are_derived_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    """The first process derives the tables and keeps them in smolctl's cache; later ones read the same arrays
+    back instead of deriving them. A short or damaged entry is derived again and replaced; a cache that cannot
+    be written costs only the time. The entry's name changes with this Python's Unicode version and with the
+    module's source, which define the tables."""
+    derived = normalization.derive_normalization_tables()
+    monkeypatch.setenv("SMOLCTL_CACHE", str(tmp_path / "cache"))
+
+    def fresh_tables() -> normalization.NormalizationTables:
+        normalization.normalization_tables.cache_clear()
+        return normalization.normalization_tables()
+
+    def same(tables: normalization.NormalizationTables) -> bool:
+        return all(
+            np.array_equal(getattr(tables, name), getattr(derived, name)) and not getattr(tables, name).flags.writeable
+            for name in ("changing", "folds", "classes")
+        )
+
+    try:
+        assert same(fresh_tables())
+        (entry,) = (tmp_path / "cache" / "unicode-tables").iterdir()
+        with monkeypatch.context() as patched:
+            patched.setattr(normalization, "derive_normalization_tables", lambda: pytest.fail("derived again"))
+            assert same(fresh_tables())
+        good = entry.read_bytes()
+        for damaged in (good[:-1], good[:1000] + bytes([good[1000] ^ 1]) + good[1001:]):
+            entry.write_bytes(damaged)
+            assert same(fresh_tables()) and entry.read_bytes() == good
+        monkeypatch.setenv("SMOLCTL_CACHE", str(entry))  # a file where the cache folder should be
+        assert same(fresh_tables())
+
+        monkeypatch.setenv("SMOLCTL_CACHE", str(tmp_path / "cache"))
+        with monkeypatch.context() as patched:
+            patched.setattr(normalization.unicodedata, "unidata_version", "0.0.0")
+            assert normalization._tables_entry() != entry
+        source = tmp_path / "normalization.py"
+        source.write_bytes(normalization.Path(normalization.__file__).read_bytes() + b"# changed\n")
+        with monkeypatch.context() as patched:
+            patched.setattr(normalization, "__file__", str(source))
+            assert normalization._tables_entry() not in (entry, None)
+    finally:
+        normalization.normalization_tables.cache_clear()
+
+
 def test_fold_documents_match_the_definition(kernel_impl):
     """Documents of foldable characters, characters left alone, marks in canonical order, characters only Python
     normalises and malformed bytes (between characters: they must be copied, not decoded across): each document

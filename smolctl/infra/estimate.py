@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from itertools import product
@@ -36,7 +35,7 @@ from smolctl.infra.memory import (
 from smolctl.infra.model_shape import PRESETS, ModelShape, ParamCounts, config_from_dict, measure_shape, resolve_config
 from smolctl.infra.scenario import TrainingScenario, accumulation, check_model_layout, data_parallel
 from smolctl.results import Result
-from smolctl.shards import atomic_write_json
+from smolctl.user_cache import cache_path, read_entry, save_entry
 
 # Llama 3 (Meta, 2024): 419 unexpected interruptions in 54 days on 16,384 H100s.
 FAILURES_PER_GPU_DAY = 419 / (54 * 16384)
@@ -74,8 +73,7 @@ def _shape_cache_path(model: dict | str) -> Path | None:
             return None
         described = path.read_text(errors="replace")
     key = hashlib.sha256(f"{described}|{metadata.version('transformers')}|{__version__}".encode()).hexdigest()[:24]
-    root = Path(os.environ.get("SMOLCTL_CACHE") or Path.home() / ".cache" / "smolctl")
-    return root / "model-shapes" / f"{key}.json"
+    return cache_path("model-shapes", f"{key}.json")
 
 
 def transformers_config(scenario: TrainingScenario):
@@ -88,9 +86,10 @@ def transformers_config(scenario: TrainingScenario):
 def load_model(scenario: TrainingScenario):
     """(config fields, shape measured on the meta device), from the cache when this model was measured before."""
     cache = _shape_cache_path(scenario.model)
-    if cache is not None and cache.is_file():
+    entry = read_entry(cache)
+    if entry is not None:
         try:
-            cached = json.loads(cache.read_text())
+            cached = json.loads(entry)
             shape = ModelShape(**{**cached["shape"], "params": ParamCounts(**cached["shape"]["params"])})
             return SimpleNamespace(**cached["config"]), shape
         except (ValueError, TypeError, KeyError):
@@ -98,12 +97,7 @@ def load_model(scenario: TrainingScenario):
     config = transformers_config(scenario)
     shape = measure_shape(config)
     fields = {name: getattr(config, name, None) for name in CONFIG_FIELDS}
-    if cache is not None:
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(cache, {"config": fields, "shape": shape.to_dict()})
-        except (OSError, UserError):
-            pass  # the cache is an optimisation; a read-only home only costs the next run its imports
+    save_entry(cache, json.dumps({"config": fields, "shape": shape.to_dict()}, indent=2, default=str).encode())
     return SimpleNamespace(**fields), shape
 
 

@@ -4,14 +4,18 @@ lower-casing (the tokeniser lower-cases ASCII as it reads; only the others go th
 from __future__ import annotations
 
 import functools
+import hashlib
+import sys
 import unicodedata
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from smolctl.arrow_arrays import plain_strings
+from smolctl.user_cache import cache_path, read_entry, save_entry
 
 _OTHER_SPACES = {0x85: " ", 0x1680: " ", 0x2028: " ", 0x2029: " "}
 _OTHER_SPACES_TEXT = [chr(c) for c in _OTHER_SPACES]
@@ -72,7 +76,55 @@ class NormalizationTables:
 
 @functools.cache
 def normalization_tables() -> NormalizationTables:
-    """Derived from this Python's Unicode tables once per process."""
+    """Derived from this Python's Unicode tables once per machine. Deriving them is a Python pass over every code
+    point, a large part of a small dedup's whole run, so they are kept in smolctl's cache (smolctl.user_cache),
+    under a name that covers this module's source and this Python's Unicode version."""
+    entry = _tables_entry()
+    tables = _tables_from_bytes(read_entry(entry))
+    if tables is None:
+        tables = derive_normalization_tables()
+        save_entry(entry, _tables_to_bytes(tables))
+    for array in (tables.changing, tables.folds, tables.classes):
+        array.flags.writeable = False  # cached for the whole process
+    return tables
+
+
+_TABLE_SIZES = (TABLE_CODE_POINTS // 8, TABLE_CODE_POINTS * 8, TABLE_CODE_POINTS)  # changing, folds, classes
+_DIGEST_SIZE = 32
+
+
+def _tables_entry() -> Path | None:
+    try:
+        source = Path(__file__).read_bytes()
+    except OSError:
+        return None
+    key = hashlib.sha256(source + f"|{unicodedata.unidata_version}|{sys.version}".encode()).hexdigest()[:24]
+    return cache_path("unicode-tables", f"{key}.bin")
+
+
+def _tables_to_bytes(tables: NormalizationTables) -> bytes:
+    """The three arrays end to end (little-endian), then their sha256."""
+    data = tables.changing.tobytes() + tables.folds.astype("<u8").tobytes() + tables.classes.tobytes()
+    return data + hashlib.sha256(data).digest()
+
+
+def _tables_from_bytes(entry: bytes | None) -> NormalizationTables | None:
+    """The tables of a cache entry, or None where it is missing, short or damaged."""
+    if entry is None or len(entry) != sum(_TABLE_SIZES) + _DIGEST_SIZE:
+        return None
+    data = memoryview(entry)[:-_DIGEST_SIZE]
+    if hashlib.sha256(data).digest() != entry[-_DIGEST_SIZE:]:
+        return None
+    changing_end, folds_end = _TABLE_SIZES[0], _TABLE_SIZES[0] + _TABLE_SIZES[1]
+    return NormalizationTables(
+        np.frombuffer(data[:changing_end], np.uint8),
+        np.frombuffer(data[changing_end:folds_end], "<u8").astype(np.uint64, copy=False),
+        np.frombuffer(data[folds_end:], np.uint8),
+    )
+
+
+def derive_normalization_tables() -> NormalizationTables:
+    """The tables, from this Python's unicodedata and str.casefold (what normalize() uses)."""
     # Second characters of canonical compositions (and the Hangul vowel and final jamo): they may compose with
     # the character before them. With the combining marks, no rule per character holds beside them.
     seconds = set(range(0x1161, 0x1176)) | set(range(0x11A8, 0x11C3))
@@ -118,7 +170,4 @@ def normalization_tables() -> NormalizationTables:
             classes[code_point] = combining_class
     bits = np.zeros(TABLE_CODE_POINTS, bool)
     bits[sorted(changed | composing)] = True
-    tables = NormalizationTables(np.packbits(bits, bitorder="little"), folds, classes)
-    for array in (tables.changing, tables.folds, tables.classes):
-        array.flags.writeable = False  # cached for the whole process
-    return tables
+    return NormalizationTables(np.packbits(bits, bitorder="little"), folds, classes)
