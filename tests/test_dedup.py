@@ -669,6 +669,34 @@ def test_signatures_recomputed_a_few_documents_at_a_time_give_the_recorded_outpu
             assert _output_digests(output) == PINNED_OUTPUTS[name], name
 
 
+def test_shards_kept_decoded_for_the_filter_stage_give_the_recorded_outputs(planted, tmp_path, monkeypatch):
+    """A run in one process keeps input shards decoded from the signatures stage for the filter stage, while
+    they fit its budget: here the first shard only. The filter stage reads the others again, and the output is
+    the recorded bytes either way."""
+    from smolctl.shards import DocumentSource, open_documents
+
+    source, options = _pinned_runs(planted)["planted minhash"]
+    first_shard = sum(b.nbytes for b in open_documents(source).iter_file_batches(0, batch_size=dedup_stages.BATCH_ROWS))
+    monkeypatch.setattr("smolctl.data.dedup.DECODED_INPUT_BYTES", first_shard + 1)
+    read = []
+    iter_file_batches = DocumentSource.iter_file_batches
+
+    def reading(self, index, columns=None, *args, **kwargs):
+        read.append((index, columns))
+        return iter_file_batches(self, index, columns, *args, **kwargs)
+
+    monkeypatch.setattr(DocumentSource, "iter_file_batches", reading)
+    output = tmp_path / "out"
+    dedup(source, output, workers=1, **options)
+    # After the ids are checked: shard 0 read once, with every column. Shard 1 was read whole too, but did not
+    # fit: from then on only the text and ids are read, and the filter stage reads shards 1 and 2 again.
+    assert read[3:] == [(0, None), (1, None), (2, ["text", "id"]), (1, None), (2, None)]
+    digests, expected = _output_digests(output), PINNED_OUTPUTS["planted minhash"]
+    if pa.__version__ != PINNED_PYARROW:
+        digests, expected = digests["removed ids"], expected["removed ids"]
+    assert digests == expected
+
+
 def test_the_dedup_command_imports_only_what_it_needs(tmp_path):
     """Start-up is most of a small run's time: no pandas (pyarrow imports it on its first pa.array or Python
     scalar, which dedup avoids), no pyarrow.dataset, no training stack."""

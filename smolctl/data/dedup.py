@@ -42,6 +42,7 @@ from smolctl.data.array_tasks import (
 )
 from smolctl.data.dedup_plan import STAGES, DedupConfig, DedupPlan, Report, plan
 from smolctl.data.dedup_stages import (
+    DECODED_INPUT_BYTES,
     bucket_unit,
     check_unique_ids,
     components_unit,
@@ -229,6 +230,8 @@ def _run_units(
         plan_.area.prepare()
     done = skipped = 0
     with _Workers(workers) as pool:
+        if stage is None and all(pool.runs_here(plan_, todo[name]) for name in ("signatures", "filter")):
+            plan_.decoded_room = DECODED_INPUT_BYTES
         for name in stages:
             report(name, 0, total=_stage_total(plan_, name, todo[name]))
             skipped += len(mine[name]) - len(todo[name])
@@ -290,9 +293,13 @@ class _Workers:
     def __init__(self, size: int):
         self.size, self.pool, self.queue = size, None, None
 
-    def run(self, plan_: DedupPlan, stage: str, units: list[int], report: Report) -> None:
+    def runs_here(self, plan_: DedupPlan, units: list[int]) -> bool:
+        """Whether these units of a stage run in this process rather than in the pool."""
         documents = plan_.source.num_rows + (plan_.reference.num_rows if plan_.reference else 0)
-        if self.size <= 1 or len(units) <= 1 or documents < POOL_MIN_DOCUMENTS:
+        return self.size <= 1 or len(units) <= 1 or documents < POOL_MIN_DOCUMENTS
+
+    def run(self, plan_: DedupPlan, stage: str, units: list[int], report: Report) -> None:
+        if self.runs_here(plan_, units):
             for unit in units:
                 plan_.area.mark_done(stage, unit, UNIT_RUNNERS[stage](plan_, unit, report))
             return

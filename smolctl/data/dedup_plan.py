@@ -5,7 +5,7 @@ area. The run (smolctl/data/dedup.py) and the stages' units (dedup_stages.py) bo
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
@@ -54,6 +54,10 @@ class DedupPlan:
     reference_id_column: str | None = None
     # A local run checks the input's ids before any work; the components stage then need not count them again.
     ids_checked: bool = False
+    # Input shards the signatures stage read whole and kept decoded for the filter stage of the same process
+    # (their batches by shard), and how many more bytes of them it may keep (dedup_stages.DECODED_INPUT_BYTES).
+    decoded: dict[int, list[pa.RecordBatch]] = field(default_factory=dict)
+    decoded_room: int = 0
 
     @property
     def work(self) -> Path:

@@ -28,6 +28,10 @@ from smolctl.errors import UserError
 from smolctl.shards import atomic_write_bytes, atomic_write_parts
 
 BATCH_ROWS = 4096
+DECODED_INPUT_BYTES = 256 * 2**20
+"""Input a run that does every stage in one process keeps decoded from the signatures stage to the filter stage,
+which then writes the kept documents without decoding their shard a second time. Shards are kept whole, in
+input order, until one does not fit; the rest are read again."""
 # Shards are read with threads=False: the stages run one process per core (--workers, array tasks), and
 # arrow's machine-wide thread pool would only contend with them.
 NO_BUCKET = np.uint64(0)
@@ -51,7 +55,14 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     row = 0
     permutations = params.permutations() if params else None
     check_unchanged(plan_, source, file_index)
-    for batch in source.iter_file_batches(file_index, columns, BATCH_ROWS, threads=False):
+    # Kept for the filter stage, a shard is read with all its columns: the batches the filter stage would read.
+    keep, kept, kept_bytes = is_input and plan_.decoded_room > 0, [], 0
+    for batch in source.iter_file_batches(file_index, None if keep else columns, BATCH_ROWS, threads=False):
+        if keep:
+            kept.append(batch)
+            kept_bytes += batch.nbytes
+            if kept_bytes > plan_.decoded_room:
+                keep, kept, plan_.decoded_room = False, [], 0
         texts = plain_strings(batch.column(plan_.config.text_column))
         if id_column:
             ids = id_strings(batch.column(id_column), source.files[file_index], id_column)
@@ -129,6 +140,8 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
             np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
         )
     _write_table(plan_.work / "signatures" / f"{unit:05d}.parquet", table)
+    if keep:
+        plan_.decoded[file_index], plan_.decoded_room = kept, plan_.decoded_room - kept_bytes
     return {"rows": table.num_rows}
 
 
@@ -441,7 +454,9 @@ def filter_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     writer, offset, kept = None, 0, 0
     check_unchanged(plan_, plan_.source, unit)
-    for batch in plan_.source.iter_file_batches(unit, None, BATCH_ROWS, threads=False):
+    decoded = plan_.decoded.pop(unit, None)
+    batches = decoded if decoded is not None else plan_.source.iter_file_batches(unit, None, BATCH_ROWS, threads=False)
+    for batch in batches:
         mask = np.ones(batch.num_rows, bool)
         mask[local[(local >= offset) & (local < offset + batch.num_rows)] - offset] = False
         offset += batch.num_rows
