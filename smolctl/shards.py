@@ -694,6 +694,46 @@ def widest_types(schemas: dict[str, pa.Schema]) -> dict[str, pa.DataType]:
     return widest
 
 
+def check_valid_values(data: pa.RecordBatch | pa.Table, path: Path, rows: int | np.ndarray) -> None:
+    """Refuse values arrow reads from parquet but that break whatever reads them next: above all text that is not
+    UTF-8, which a string column written by other tools can hold and which arrow reads as it is (a tokenizer,
+    Python and every reader of an output decode it). `rows`: the file row of the data's first row, or of each row.
+    One pass of arrow's full validation over the data; bisecting for the row only once it fails."""
+    try:
+        data.validate(full=True)
+        return
+    except pa.ArrowInvalid:
+        pass
+    for name, column in zip(data.schema.names, data.columns):
+        values = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        try:
+            values.validate(full=True)
+        except pa.ArrowInvalid as exc:
+            bad = _first_invalid_row(values)
+            row = int(rows[bad]) if isinstance(rows, np.ndarray) else rows + bad
+            if "utf8" in str(exc).lower().replace("-", ""):
+                what, fix = (
+                    "holds bytes that are not UTF-8 text",
+                    "write the column as UTF-8 (decode with errors='replace')",
+                )
+            else:
+                what, fix = f"holds a value arrow rejects ({str(exc).splitlines()[0]})", "re-create the file"
+            raise UserError(path, f"row {row} (from 0): column '{name}' {what}", fix) from None
+
+
+def _first_invalid_row(values: pa.Array) -> int:
+    """The first row whose value fails full validation: the shortest failing prefix, by bisection."""
+    valid, invalid = 0, len(values)  # the first `valid` rows pass; the first `invalid` rows fail
+    while invalid - valid > 1:
+        middle = (valid + invalid) // 2
+        try:
+            values.slice(0, middle).validate(full=True)
+            valid = middle
+        except pa.ArrowInvalid:
+            invalid = middle
+    return invalid - 1
+
+
 def readable(data: pa.RecordBatch | pa.Table) -> pa.RecordBatch | pa.Table:
     """A batch or table read from parquet, in `readable_schema` (unchanged, not copied, when it has no views)."""
     schema = readable_schema(data.schema)
@@ -786,10 +826,14 @@ class DocumentSource:
             if handle.metadata.num_rows == 0:
                 yield pa.RecordBatch.from_pylist([], schema=wanted)
                 return
+            row = 0
             for batch in handle.iter_batches(batch_size=batch_size, columns=columns, use_threads=threads):
                 if batch.schema.names != columns:
                     batch = batch.select(columns)
-                yield batch if as_written else batch.cast(wanted)
+                batch = batch if as_written else batch.cast(wanted)
+                check_valid_values(batch, path, row)
+                row += batch.num_rows
+                yield batch
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
             raise UserError(
                 path,

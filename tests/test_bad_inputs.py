@@ -154,6 +154,23 @@ def tokenizer_without_eos(tmp: Path) -> Path:
     return folder
 
 
+def documents_with_bytes_that_are_not_utf8(tmp: Path) -> Path:
+    """Two shards of documents; the second holds, in its row 2, bytes a string column must not (other tools than
+    arrow write such files, and arrow reads them as they are)."""
+    folder = tmp / "docs"
+    folder.mkdir()
+    texts = [f"document {i} talks about {i * 7} things" for i in range(6)]
+    pq.write_table(pa.table({"id": [f"a{i}" for i in range(6)], "text": texts}), folder / "part-00000.parquet")
+    raw = [t.encode() for t in texts]
+    raw[2] = b"caf\xc3 \xff\xfe cut off: \xe2\x82"
+    text = pa.array(raw, pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"id": [f"b{i}" for i in range(6)], "text": text}), folder / "part-00001.parquet")
+    return folder
+
+
+NOT_UTF8 = "part-00001.parquet: row 2 (from 0): column 'text' holds bytes that are not UTF-8 text"
+
+
 def dedup_work_with_a_damaged_file(tmp: Path, how: str) -> Path:
     """OUTPUT/_work of a dedup run whose first two stages finished, one signatures file removed or cut short since."""
     out = tmp / "out"
@@ -285,6 +302,27 @@ CASES = [
         lambda t: (["train-tokenizer", str(t / "*.parquet"), t / "out"], "the pattern matches no files", t / "out"),
     ),
     # dedup
+    *(
+        Case(
+            f"{name}: a string column holding bytes that are not UTF-8",
+            lambda t, arguments=arguments: (
+                arguments(documents_with_bytes_that_are_not_utf8(t), t / "out"),
+                NOT_UTF8,
+                t / "out",
+            ),
+        )
+        for name, arguments in (
+            ("dedup", lambda docs, out: ["dedup", docs, out]),
+            ("dedup --minhash", lambda docs, out: ["dedup", docs, out, "--minhash"]),
+            ("pack", lambda docs, out: ["pack", docs, out, "--tokenizer", tok(), "--seq-len", "64"]),
+            ("train-tokenizer", lambda docs, out: ["train-tokenizer", docs, out, "--vocab-size", "300"]),
+            ("mix by documents", lambda docs, out: ["mix", out, "--source", f"a={docs}:1", "--documents", "12"]),
+            (
+                "mix by tokens",
+                lambda docs, out: ["mix", out, "--source", f"a={docs}:1", "--tokens", "200", "--tokenizer", tok()],
+            ),
+        )
+    ),
     Case(
         "dedup: threshold outside (0,1)",
         lambda t: (["dedup", SAMPLE / "math", t / "out", "--minhash", "--threshold", "1.5"], "--threshold", t / "out"),

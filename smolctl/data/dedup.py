@@ -228,11 +228,32 @@ def _run_units(
     todo = {name: plan_.area.pending(name, units) for name, units in mine.items()}
     if stage is None or todo[stage]:  # a task with nothing left to do writes nothing
         plan_.area.prepare()
+    try:
+        result = _run_stages(plan_, stage, mine, todo, workers, report)
+    except UserError:
+        if stage is None:
+            plan_.area.discard()  # a plain run that fails leaves nothing behind (a rerun on mended input starts afresh)
+        raise
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _run_stages(
+    plan_: DedupPlan,
+    stage: str | None,
+    mine: dict[str, list[int]],
+    todo: dict[str, list[int]],
+    workers: int,
+    report: Report,
+) -> DedupResult:
+    """The units left to do of each stage (`todo`, of this task's share `mine`), then the commit where the filter
+    stage is complete."""
+    config = plan_.config
     done = skipped = 0
     with _Workers(workers) as pool:
         if stage is None and all(pool.runs_here(plan_, todo[name]) for name in ("signatures", "filter")):
             plan_.decoded_room = DECODED_INPUT_BYTES
-        for name in stages:
+        for name in mine:  # the stages of this call, in order
             report(name, 0, total=_stage_total(plan_, name, todo[name]))
             skipped += len(mine[name]) - len(todo[name])
             pool.run(plan_, name, todo[name], report)
@@ -253,7 +274,6 @@ def _run_units(
             raise plan_.area.busy_error()
         for key, value in stats.items():
             setattr(result, key, value)
-    result.seconds = time.perf_counter() - started
     return result
 
 

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from smolctl.data.mix_schedule import ORDER_COLUMN, MixSchedule, Stage, ascending_stream, block_order
 from smolctl.errors import UserError
-from smolctl.shards import readable, sha256_file
+from smolctl.shards import check_valid_values, readable, sha256_file
 
 BIN_BITS = 16
 BINS = 1 << BIN_BITS
@@ -148,7 +148,9 @@ def read_rows(path, positions: np.ndarray) -> pa.Table:
             f"cannot be read as parquet ({str(exc).splitlines()[0]})",
             "the file is corrupt or truncated; re-create it",
         ) from exc
-    return readable(table).take(pa.array(positions - bounds[first]))
+    rows = readable(table).take(pa.array(positions - bounds[first]))
+    check_valid_values(rows, path, positions)
+    return rows
 
 
 def slice_rows(source, key: int, pieces: list[list[int]], begin: int, end: int) -> list[pa.Table]:
