@@ -743,6 +743,19 @@ def test_a_source_left_short_of_its_weight_is_warned_about(sample, tmp_path):
     assert done.returncode == 0, done.stderr
     warnings = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "source 'big': achieved weight 0.000 against 0.500" in warnings[0], warnings
+    assert "(100,000 bytes in 1 document) to come closer" in warnings[0]
+    # With --json (scripts, Slurm) the warning is in the object and still on stderr.
+    scripted = run_cli(
+        "mix",
+        tmp_path / "scripted",
+        "--source",
+        f"big={tmp_path}/big.parquet:0.5",
+        "--source",
+        f"small={tmp_path}/small.parquet:0.5",
+        "--json",
+    )
+    (listed,) = json.loads(scripted.stdout)["warnings"]
+    assert listed in warnings[0] and scripted.stderr.strip() == warnings[0]
     balanced = run_cli(
         "mix", tmp_path / "sample", "--source", f"web={sample}/web:0.5", "--source", f"code={sample}/code:0.5"
     )

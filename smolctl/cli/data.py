@@ -419,6 +419,8 @@ def mix_command(
         )
     if json_out:
         emit_json(result.to_dict())
+        for message in result.warnings():  # stderr too: a Slurm log or a script's reader sees them there
+            warn(message)
         return
     if render_array_task(f"mix --stage {stage}" if stage else "mix", result, tasks or 1, task_id):
         return
@@ -444,13 +446,8 @@ def mix_command(
                 ),
             )
         )
-        for s in report.short_of_target():
-            warn(
-                f"stage {report.name!r}, source {s.name!r}: achieved weight {s.achieved_weight:.3f} against "
-                f"{s.target_weight:.3f}: slices end at whole documents, and the stage's budget holds too few of its "
-                f"(~{s.source_units / max(1, s.source_documents):,.0f} {report.unit} each) to come closer; a larger "
-                "budget (or --max-repeat, with none) does"
-            )
+    for message in result.warnings():
+        warn(message)
     for name, estimate in (result.token_estimates or {}).items():
         if estimate["mode"] == "sample":
             show(

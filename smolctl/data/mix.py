@@ -354,12 +354,24 @@ class MixResult:
     """How each source's tokens were counted ({"mode": "exact"} or its sample calibration); None without a
     tokenizer."""
 
+    def warnings(self) -> list[str]:
+        """What the run did not reach: each source of a stage that fell short of its target weight."""
+        return [
+            f"stage {report.name!r}, source {s.name!r}: achieved weight {s.achieved_weight:.3f} against "
+            f"{s.target_weight:.3f}: slices end at whole documents, and the stage's budget holds too few of its "
+            f"({s.source_units:,} {report.unit} in {s.source_documents:,} document{'s' * (s.source_documents != 1)}) to "
+            "come closer; a larger "
+            "budget (or --max-repeat, with none) does"
+            for report in self.stages
+            for s in report.short_of_target()
+        ]
+
     def to_dict(self) -> dict:
         out = asdict(self)
         for stage in out["stages"]:
             for source in stage["sources"]:
                 source.pop("ranges")
-        return out
+        return out | {"warnings": self.warnings()}
 
 
 @dataclass
