@@ -64,6 +64,40 @@ def test_cli_trains_with_json_and_rejects_tiny_vocab(tmp_path, sample):
     assert wrong_column.returncode == 2 and "columns: id, text, origin" in wrong_column.stderr
 
 
+def test_chars_per_token_is_measured_across_the_corpus_and_a_short_vocabulary_is_warned_about(tmp_path, sample):
+    """chars_per_token comes from documents spread over the whole corpus: a first file of one-letter documents
+    (an HF test split sorted first), then an empty one, must not decide it. A vocabulary the corpus cannot fill is said,
+    in the JSON and on stderr."""
+    import pyarrow as pa
+
+    from smolctl.data.tokenizer import CHARS_PER_TOKEN_DOCUMENTS, train_tokenizer
+
+    texts = [t for f in sorted((sample / "web").glob("part-*.parquet")) for t in pq.read_table(f)["text"].to_pylist()]
+    plain, split = tmp_path / "plain", tmp_path / "split"
+    plain.mkdir(), split.mkdir()
+    pq.write_table(pa.table({"text": texts}), plain / "train.parquet")
+    pq.write_table(pa.table({"text": ["x"] * 300}), split / "a-test.parquet")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), split / "b-empty.parquet")
+    pq.write_table(pa.table({"text": texts}), split / "c-train.parquet")
+    assert len(texts) > 2 * CHARS_PER_TOKEN_DOCUMENTS
+    whole = train_tokenizer(str(plain), str(tmp_path / "tok-plain"), vocab_size=2048).chars_per_token
+    sorted_first = train_tokenizer(str(split), str(tmp_path / "tok-split"), vocab_size=2048).chars_per_token
+    assert whole > 2.5 and abs(sorted_first - whole) < 0.1 * whole, (sorted_first, whole)
+
+    result = run_cli("train-tokenizer", sample / "math", tmp_path / "tok-short", "--vocab-size", "1000000", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    (warning,) = out["warnings"]
+    assert f"the vocabulary has {out['vocab_size']:,} tokens, not the 1,000,000 asked" in warning
+    assert result.stderr.strip() == f"warning: {warning}"
+    assert (
+        json.loads(run_cli("train-tokenizer", sample / "math", tmp_path / "t", "--vocab-size", "600", "--json").stdout)[
+            "warnings"
+        ]
+        == []
+    )
+
+
 def test_a_seeded_sample_is_the_lowest_priorities_within_the_budget(sample, tmp_path):
     from itertools import accumulate
 

@@ -92,21 +92,25 @@ def train_tokenizer_command(
         )
     if json_out:
         emit_json(result.to_dict())
-        return
-    sampled = f" (sampled from {human_count(result.corpus_documents)})" if result.corpus_documents is not None else ""
-    show(
-        key_values(
-            "train-tokenizer",
-            [
-                ("output", result.output),
-                ("vocab size", result.vocab_size),
-                ("documents", human_count(result.documents) + sampled),
-                ("characters", human_count(result.characters)),
-                ("chars/token", f"{result.chars_per_token:.2f}"),
-                ("time", f"{result.seconds:.1f}s"),
-            ],
+    else:
+        sampled = (
+            f" (sampled from {human_count(result.corpus_documents)})" if result.corpus_documents is not None else ""
         )
-    )
+        show(
+            key_values(
+                "train-tokenizer",
+                [
+                    ("output", result.output),
+                    ("vocab size", result.vocab_size),
+                    ("documents", human_count(result.documents) + sampled),
+                    ("characters", human_count(result.characters)),
+                    ("chars/token", f"{result.chars_per_token:.2f}"),
+                    ("time", f"{result.seconds:.1f}s"),
+                ],
+            )
+        )
+    for message in result.warnings:  # on stderr with --json too: a script's log shows it
+        warn(message)
 
 
 @app.command(

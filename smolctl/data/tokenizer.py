@@ -16,7 +16,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -58,14 +58,25 @@ class TokenizerTrainResult(Result):
     chars_per_token: float
     corpus_documents: int | None = None
     """Documents the sample was drawn from (None: trained on the whole corpus)."""
+    warnings: list[str] = field(default_factory=list)
 
 
-def _texts(batches: Iterator[list[str]], counter: dict) -> Iterator[list[str]]:
+CHARS_PER_TOKEN_DOCUMENTS = 200
+"""Documents chars_per_token is measured on, spread evenly over the training text (not the first batch's: a
+corpus's first file may be a split of a few short documents, or empty)."""
+
+
+def _texts(batches: Iterator[list[str]], counter: dict, total: int) -> Iterator[list[str]]:
+    """The non-empty texts of each batch, counted, every `stride`-th kept in counter["sample"]."""
+    stride = max(1, total // CHARS_PER_TOKEN_DOCUMENTS)
+    counter["sample"], row = [], 0
     for texts in batches:
+        picked = range(-row % stride, len(texts), stride)
+        counter["sample"] += [texts[i] for i in picked if texts[i]]
+        row += len(texts)
         texts = [t for t in texts if t]
         counter["documents"] += len(texts)
         counter["characters"] += sum(len(t) for t in texts)
-        counter.setdefault("sample", texts[:200])
         yield texts
 
 
@@ -168,8 +179,8 @@ def train_tokenizer(
         sample = sample_texts(
             source, text_column, documents=sample_documents, bytes_=sample_bytes, seed=seed, on_batch=on_batch
         )
-        texts = _texts((sample[i : i + 2048] for i in range(0, len(sample), 2048)), counter)
         length = len(sample)
+        texts = _texts((sample[i : i + 2048] for i in range(0, len(sample), 2048)), counter, length)
     else:
 
         def read() -> Iterator[list[str]]:
@@ -179,7 +190,7 @@ def train_tokenizer(
                     on_batch(len(texts))
                 yield texts
 
-        texts, length = _texts(read(), counter), source.num_rows
+        texts, length = _texts(read(), counter, source.num_rows), source.num_rows
     tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
     if counter["documents"] == 0:
         raise UserError(input_path, f"column '{text_column}' holds no text", "pass a dataset with non-empty documents")
@@ -213,6 +224,15 @@ def train_tokenizer(
             if sampled
             else None,
         )
+    short = (
+        [
+            f"the vocabulary has {len(wrapped):,} tokens, not the {vocab_size:,} asked: every pair of tokens seen "
+            f"at least --min-frequency ({min_frequency}) times is already merged; more text (or a lower "
+            "--min-frequency) gives more"
+        ]
+        if len(wrapped) < vocab_size
+        else []
+    )
     return TokenizerTrainResult(
         output,
         len(wrapped),
@@ -221,6 +241,7 @@ def train_tokenizer(
         time.perf_counter() - started,
         chars_per_token,
         source.num_rows if sampled else None,
+        short,
     )
 
 
