@@ -404,6 +404,29 @@ def test_ids_default_to_shard_and_row(tmp_path):
     ]
 
 
+def test_shard_and_row_ids_stand_in_for_an_id_column_whose_ids_repeat(tmp_path):
+    """Ids that restart in every file repeat across the input: `--id-column shard:row` names documents by shard
+    and row instead, exactly as without an id column, and the kept documents keep their own ids."""
+    texts = ["same text here", "other words entirely", "Same  TEXT here", "other words entirely", "alone"]
+    restarting = pa.table({"id": ["0", "1", "2", "0", "1"], "text": texts})
+    write_shards(tmp_path / "restarting", restarting, 2)
+    write_shards(tmp_path / "without", restarting.drop_columns(["id"]), 2)
+    with pytest.raises(UserError, match="--id-column shard:row"):
+        dedup(tmp_path / "restarting", tmp_path / "refused", minhash=None, workers=1)
+    dedup(tmp_path / "restarting", tmp_path / "out", minhash=None, workers=1, id_column="shard:row")
+    dedup(tmp_path / "without", tmp_path / "reference", minhash=None, workers=1)
+    kept, report = read_output(tmp_path / "out")
+    assert report.equals(read_output(tmp_path / "reference")[1])
+    assert report.column("id").to_pylist() == ["part-00001:0", "part-00001:1"]
+    assert kept.column("id").to_pylist() == ["0", "1", "1"] and kept.column("text").to_pylist() == [
+        texts[0],
+        texts[1],
+        texts[4],
+    ]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["dedup"]["id_column"] == "shard:row"
+
+
 @pytest.mark.parametrize("verify", [True, False])
 def test_each_removed_documents_jaccard_is_its_own_estimate_even_for_exact_copies(tmp_path, verify):
     # Two spellings of I-dot-above with a combining mark below: equal as exact text (NFKC composes both), but

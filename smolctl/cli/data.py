@@ -163,7 +163,10 @@ def dedup_command(
     ),
     text_column: TextColumnOpt = "text",
     id_column: str | None = typer.Option(
-        None, "--id-column", help="Column of unique ids (default: id if present, else shard:row)."
+        None,
+        "--id-column",
+        help="Column of unique ids (default: id if present, else shard:row); shard:row names documents by shard "
+        "and row even where an id column exists (ids that repeat).",
     ),
     against: str | None = typer.Option(
         None,

@@ -40,7 +40,7 @@ from smolctl.data.array_tasks import (
     task_units,
     unless_committed,
 )
-from smolctl.data.dedup_plan import STAGES, DedupConfig, DedupPlan, Report, plan
+from smolctl.data.dedup_plan import POSITIONAL_IDS, STAGES, DedupConfig, DedupPlan, Report, plan
 from smolctl.data.dedup_stages import (
     DECODED_INPUT_BYTES,
     bucket_unit,
@@ -136,7 +136,7 @@ def _settings(plan_: DedupPlan) -> dict:
         "verify": config.verify,
         "keep": config.keep,
         "text_column": config.text_column,
-        "id_column": plan_.id_column or "shard:row",
+        "id_column": plan_.id_column or POSITIONAL_IDS,
         "against": str(Path(config.against).resolve()) if config.against else None,
     }
 

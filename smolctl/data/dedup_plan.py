@@ -36,7 +36,7 @@ class DedupConfig:
     """Check candidate pairs by exact Jaccard of the shingle sets (estimate settles pairs far from the threshold)."""
     text_column: str = "text"
     id_column: str | None = None
-    """Id column; None means 'id' when present, else ids are `shard:row`."""
+    """Id column; None means 'id' when present, else ids are `shard:row`, as `shard:row` (POSITIONAL_IDS) means."""
     against: str | None = None
     """Reference dataset: remove INPUT documents that duplicate any of its documents; it is never changed."""
     keep: str = "first"
@@ -141,13 +141,21 @@ def plan(config: DedupConfig) -> DedupPlan:
     return DedupPlan(config, source, reference, id_column, area, reference_ids)
 
 
+POSITIONAL_IDS = "shard:row"
+"""--id-column's name for ids made up from each document's shard and row: the default without an `id` column,
+and the way round an `id` column whose ids repeat (URLs seen twice, ids restarting in every file)."""
+
+
 def _resolve_ids(source: DocumentSource, config: DedupConfig) -> str | None:
+    if config.id_column == POSITIONAL_IDS:
+        source.require(text=[config.text_column])
+        return None
     if config.id_column is not None:
         if config.id_column == config.text_column:
             raise UserError(
                 "--id-column",
                 f"'{config.id_column}' is also the text column",
-                "pass a column of unique ids, or leave --id-column out (ids are then shard:row)",
+                f"pass a column of unique ids, or --id-column {POSITIONAL_IDS} to name documents by shard and row",
             )
         source.require(config.id_column, text=[config.text_column], flags={config.id_column: "--id-column"})
         check_id_type(source, config.id_column, config.input, ID_FIX)

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from smolctl.arrow_arrays import from_numpy, plain_strings, strings, to_numpy_filled
 from smolctl.data.array_tasks import file_identity, read_work_file
-from smolctl.data.dedup_plan import ID_FIX, DedupPlan, Report
+from smolctl.data.dedup_plan import ID_FIX, POSITIONAL_IDS, DedupPlan, Report
 from smolctl.data.minhash.arrays import connected_components, sorted_unique
 from smolctl.data.minhash.kernels import estimate_jaccard, jaccard_many, signatures, sorted_sets, tokenize
 from smolctl.data.minhash.lsh import band_keys, bucket_pairs
@@ -238,7 +238,9 @@ def check_unique_ids(ids: pa.ChunkedArray, where: str, id_column: str | None) ->
     nulls = ids.null_count
     if nulls:
         raise UserError(
-            where, f"column '{id_column}' has {nulls} null id(s)", "give every document an id, or pass --id-column"
+            where,
+            f"column '{id_column}' has {nulls} null id(s)",
+            f"give every document an id, or pass --id-column {POSITIONAL_IDS} to name documents by shard and row",
         )
     if len(pc.unique(ids)) == len(ids):  # a hash set alone: half the time of counting every id
         return
@@ -249,7 +251,8 @@ def check_unique_ids(ids: pa.ChunkedArray, where: str, id_column: str | None) ->
         raise UserError(
             where,
             f"column '{id_column}' holds {len(repeated)} repeated id(s), e.g. {first['values']!r} x{first['counts']}",
-            "make ids unique (or pass --id-column with a unique column)",
+            f"make ids unique, pass --id-column with a unique column, or --id-column {POSITIONAL_IDS} to name "
+            "documents by shard and row",
         )
 
 
