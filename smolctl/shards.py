@@ -92,16 +92,27 @@ def command_line() -> list[str]:
 # Manifests and lineage
 
 
+OWN_MANIFEST_KEYS = {"kind", "format_version", "smolctl_version"}
+"""Keys every manifest smolctl writes holds: a manifest.json with none of them is another tool's."""
+
+
 def read_manifest(folder: Path) -> dict | None:
-    """The folder's manifest, or None when it has none. A manifest that is not valid JSON is a user error."""
+    """The folder's manifest, or None when it has none or it is another tool's (a JSON value without any of
+    OWN_MANIFEST_KEYS). A manifest that is not valid JSON is a user error."""
     path = Path(folder) / MANIFEST_NAME
     if not path.is_file():
         return None
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(path, f"is not valid JSON ({exc})", "re-run the stage that wrote this folder") from exc
-    if not isinstance(manifest, dict) or "kind" not in manifest:
+        raise UserError(
+            path,
+            f"is not valid JSON ({exc})",
+            "re-run the stage that wrote this folder (another tool's folder: pass its parquet files by a glob)",
+        ) from exc
+    if not isinstance(manifest, dict) or not OWN_MANIFEST_KEYS & manifest.keys():
+        return None  # another tool's manifest.json: the folder is read as a plain folder
+    if "kind" not in manifest:
         raise UserError(path, "is not a smolctl manifest (no 'kind')", "re-run the stage that wrote this folder")
     return manifest
 
@@ -875,6 +886,8 @@ def common_schema(files: list[Path], schemas: list[pa.Schema]) -> pa.Schema:
     is. Files may order their columns differently (writers do); any other difference is refused, naming it."""
     widest = widest_types({str(path): schema for path, schema in zip(files, schemas)})
     first = schemas[0]
+    # Named under the files' common folder: en/train-00000.parquet, not a name every language's split shares.
+    first_name = str(files[0].relative_to(os.path.commonpath([file.parent for file in files])))
     for path, schema in zip(files[1:], schemas[1:]):
         if schema.equals(first):
             continue
@@ -887,16 +900,16 @@ def common_schema(files: list[Path], schemas: list[pa.Schema]) -> pa.Schema:
         ]
         if extra or missing or retyped or len(schema.names) != len(first.names):
             differences = [
-                *([f"has {', '.join(extra)}, which {files[0].name} lacks"] if extra else []),
+                *([f"has {', '.join(extra)}, which {first_name} lacks"] if extra else []),
                 *([f"lacks {', '.join(missing)}"] if missing else []),
                 *(
-                    f"holds {n} as {schema.field(n).type} where {files[0].name} has {first.field(n).type}"
+                    f"holds {n} as {schema.field(n).type} where {first_name} has {first.field(n).type}"
                     for n in retyped
                 ),
             ] or ["repeats a column name"]
             raise UserError(
                 path,
-                f"has other columns than {files[0].name}: {'; '.join(differences)}",
+                f"has other columns than {first_name}: {'; '.join(differences)}",
                 "make all shards share one schema",
             )
     nullable = {field.name for schema in schemas for field in schema if field.nullable}

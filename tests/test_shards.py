@@ -152,6 +152,21 @@ def test_reads_foreign_parquet_folders_files_and_globs(tmp_path):
     assert open_documents(str(spark / "lang=en" / "c00[01].snappy.parquet")).num_rows == 50
 
 
+def test_a_folder_holding_another_tools_manifest_is_read_as_a_plain_folder(tmp_path):
+    """A manifest.json with none of smolctl's keys (a dataset card, a list) is another tool's: the folder's
+    parquet files are read. One that holds a smolctl key but no kind is a damaged smolctl manifest, refused."""
+    data = tmp_path / "data"
+    data.mkdir()
+    pq.write_table(_table(5), data / "train-00000-of-00001.parquet")
+    for foreign in ({"dataset": "web", "splits": ["train"]}, [1, 2], "card"):
+        (data / "manifest.json").write_text(json.dumps(foreign))
+        source = open_documents(data)
+        assert source.num_rows == 5 and source.manifest is None
+    (data / "manifest.json").write_text(json.dumps({"smolctl_version": "0.1.0", "shards": []}))
+    with pytest.raises(UserError, match="is not a smolctl manifest"):
+        open_documents(data)
+
+
 def test_folders_read_upper_case_parquet_and_symlinked_folders_once(tmp_path):
     """Files named PART-2.PARQUET, and shards behind a symlinked folder (lang=de -> elsewhere), are part of the
     dataset; a link back up the tree is not followed round, and hidden or underscore entries stay out."""
@@ -202,6 +217,12 @@ def test_schema_mismatch_between_files_names_the_file_and_the_column(tmp_path, o
     pq.write_table(pa.table(other), tmp_path / "b.parquet")
     with pytest.raises(UserError, match=rf"b\.parquet: has other columns than a\.parquet: {message} —"):
         open_documents(tmp_path)
+    # Per-language folders of files of one name: the first is named by its path under the common folder.
+    for language, table in (("en", _table(3)), ("fr", pa.table(other))):
+        (tmp_path / "langs" / language).mkdir(parents=True)
+        pq.write_table(table, tmp_path / "langs" / language / "train-00000.parquet")
+    with pytest.raises(UserError, match=r"fr/train-00000\.parquet: has other columns than en/train-00000\.parquet"):
+        open_documents(tmp_path / "langs")
 
 
 def test_shards_with_their_columns_in_another_order_are_read_in_the_first_ones_order(tmp_path):
