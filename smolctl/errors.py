@@ -23,6 +23,11 @@ class UserError(Exception):
         return f"{text} — {self.fix}" if self.fix else text
 
 
+class WriteRefused(UserError):
+    """The file system refused a write (full disk, quota, permissions): the environment, not the input, so a
+    plain run keeps its finished units for the run after the fix to resume."""
+
+
 class CheckFailed(Exception):
     """A check that ran and failed (a checksum, a bandwidth target, a faulty GPU): exit code 1."""
 
@@ -44,6 +49,16 @@ ENVIRONMENT_ERRNOS = {
 }
 
 
+_output: Path | None = None
+
+
+def writing_to(output: Path) -> None:
+    """Name the folder this command writes: a refused write whose error carries no file name (a write() on an open
+    file, arrow's and Rust's I/O errors) is reported against it."""
+    global _output
+    _output = Path(output)
+
+
 def environment_error(exc: BaseException) -> str | None:
     """`PATH: No space left on device — free some space ...` when `exc` is the file system refusing (full disk or
     quota, permissions, read-only), else None."""
@@ -59,5 +74,5 @@ def environment_error(exc: BaseException) -> str | None:
         number = int(match.group(1))
     if number not in ENVIRONMENT_ERRNOS:
         return None
-    where = getattr(exc, "filename", None) or "output"
+    where = getattr(exc, "filename", None) or _output or "output"
     return f"{where}: {os.strerror(number)} — {ENVIRONMENT_ERRNOS[number]}"

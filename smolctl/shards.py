@@ -35,7 +35,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file
 
 from smolctl import __version__
-from smolctl.errors import UserError
+from smolctl.errors import UserError, WriteRefused, writing_to
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
@@ -77,7 +77,7 @@ def atomic_write_parts(path: Path, parts: Iterable, durable: bool = True) -> Non
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise UserError(path, f"cannot write: {exc.strerror or exc}", "check free space and permissions") from exc
+        raise WriteRefused(path, f"cannot write: {exc.strerror or exc}", "check free space and permissions") from exc
 
 
 def atomic_write_json(path: Path, payload: Any) -> None:
@@ -338,6 +338,7 @@ def process_umask() -> int:
 def check_output_path(path: Path, overwrite: bool) -> None:
     """Refuse to clobber: a non-empty output folder needs --overwrite; a file is never a folder."""
     path = Path(path)
+    writing_to(path)
     if path.exists() and not path.is_dir():
         raise UserError(path, "exists and is a file, not a folder", "choose an output folder path")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
@@ -381,7 +382,7 @@ class DatasetWriter:
         try:
             self._writer = pq.ParquetWriter(self._tmp, self.schema, compression=self.compression)
         except OSError as exc:
-            raise UserError(
+            raise WriteRefused(
                 self.folder.path, f"cannot write a shard: {exc}", "check free space and permissions"
             ) from exc
         self._rows = self._bytes = 0
@@ -421,7 +422,7 @@ class DatasetWriter:
         try:
             self._writer.write_table(piece)
         except OSError as exc:
-            raise UserError(
+            raise WriteRefused(
                 self.folder.path, f"cannot write a shard: {exc}", "check free space and permissions"
             ) from exc
         self._rows += piece.num_rows
@@ -433,7 +434,7 @@ class DatasetWriter:
         try:
             self._writer.close()
         except OSError as exc:
-            raise UserError(
+            raise WriteRefused(
                 self.folder.path, f"cannot write a shard: {exc}", "check free space and permissions"
             ) from exc
         final = self._tmp.with_name(self._tmp.name[1 : -len(".tmp")])
@@ -532,7 +533,7 @@ class PackedWriter:
             sha256 = write_int32_safetensors(blocks, tmp)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
-            raise UserError(
+            raise WriteRefused(
                 self.folder.path, f"cannot write a shard: {exc}", "check free space and permissions"
             ) from exc
         os.replace(tmp, self.folder.file(name))
@@ -902,10 +903,7 @@ def common_schema(files: list[Path], schemas: list[pa.Schema]) -> pa.Schema:
             differences = [
                 *([f"has {', '.join(extra)}, which {first_name} lacks"] if extra else []),
                 *([f"lacks {', '.join(missing)}"] if missing else []),
-                *(
-                    f"holds {n} as {schema.field(n).type} where {first_name} has {first.field(n).type}"
-                    for n in retyped
-                ),
+                *(f"holds {n} as {schema.field(n).type} where {first_name} has {first.field(n).type}" for n in retyped),
             ] or ["repeats a column name"]
             raise UserError(
                 path,

@@ -1135,6 +1135,43 @@ def test_full_disk_stops_with_a_clear_error_and_keeps_the_earlier_output(small_d
     assert sorted(p.name for p in small_disk.iterdir()) == ["out"], "no staging folder is left behind"
 
 
+def test_a_full_disk_keeps_the_finished_units_for_the_run_after_the_fix(tmp_path):
+    """dedup onto a disk that fills up after the signatures stage: one line naming the output, no half-written
+    work file left, and the finished units kept (bad input discards them; a full disk must not), so that the same
+    command resumes once there is room and writes the bytes a run with room writes."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "size=1100k"):
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    try:
+        argv = ["dedup", SAMPLE / "web", disk / "out", "--minhash"]
+        full = run_cli(*argv)
+        line = full.stderr.strip()
+        assert full.returncode == 2 and "No space left on device" in line and len(line.splitlines()) == 1, line
+        assert line.startswith(f"error: {disk / 'out'}"), line
+        assert not [p for p in disk.rglob("*") if ".tmp-" in p.name]
+        assert list((disk / "out" / "_work").glob("*/signatures/*.done")), "finished units are kept"
+        subprocess.run(["mount", "-o", "remount,size=8m", str(disk)], check=True)
+        resumed = run_cli(*argv, "--json")
+        assert resumed.returncode == 0, resumed.stderr
+        assert json.loads(resumed.stdout)["units_skipped"] > 0
+        assert run_cli("dedup", SAMPLE / "web", tmp_path / "roomy", "--minhash").returncode == 0
+        for shard in ("part-00000.parquet", "duplicates/part-00000.parquet"):
+            assert (disk / "out" / shard).read_bytes() == (tmp_path / "roomy" / shard).read_bytes()
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_refused_write_without_a_file_name_names_the_output():
+    import errno
+
+    from smolctl.errors import environment_error, writing_to
+
+    writing_to(Path("/data/out"))
+    assert environment_error(OSError(errno.ENOSPC, "No space left on device")).startswith(
+        "/data/out: No space left on device — free some space"
+    )
+
+
 def test_read_only_output_folder(tmp_path):
     readonly = tmp_path / "ro"
     if not _mount_tmpfs(readonly, "ro,size=64k"):

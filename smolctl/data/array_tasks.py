@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from smolctl.errors import UserError
+from smolctl.errors import UserError, WriteRefused, writing_to
 from smolctl.shards import atomic_write_json, check_output_path, read_manifest
 
 WORK = "_work"
@@ -88,6 +88,7 @@ class WorkArea:
 
     def __post_init__(self):
         self.output = Path(self.output).absolute()  # see OutputFolder: arrow takes `run:1/...` for a URI
+        writing_to(self.output)
         self.digest = digest(self.fingerprint)
         self.run_id = self.digest[:RUN_ID_DIGITS]
 
@@ -172,7 +173,7 @@ class WorkArea:
             for stage in self.stages:
                 self.stage_dir(stage).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise UserError(
+            raise WriteRefused(
                 self.output, f"cannot create the work area: {exc.strerror or exc}", "check the path and its permissions"
             ) from exc
         atomic_write_json(recorded, {"fingerprint": self._canonical(), "started": time.time()})

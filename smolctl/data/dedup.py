@@ -51,7 +51,7 @@ from smolctl.data.dedup_stages import (
     read_parquet,
     signature_unit,
 )
-from smolctl.errors import UserError
+from smolctl.errors import UserError, WriteRefused
 from smolctl.results import Result
 from smolctl.shards import KIND_DOCUMENTS, DatasetWriter, OutputFolder, schema_to_dict
 
@@ -230,9 +230,9 @@ def _run_units(
         plan_.area.prepare()
     try:
         result = _run_stages(plan_, stage, mine, todo, workers, report)
-    except UserError:
-        if stage is None:
-            plan_.area.discard()  # a plain run that fails leaves nothing behind (a rerun on mended input starts afresh)
+    except UserError as exc:
+        if stage is None and not isinstance(exc, WriteRefused):
+            plan_.area.discard()  # a plain run that fails on its input leaves nothing behind: the mended input's starts afresh
         raise
     result.seconds = time.perf_counter() - started
     return result

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -459,31 +461,29 @@ def filter_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     check_unchanged(plan_, plan_.source, unit)
     decoded = plan_.decoded.pop(unit, None)
     batches = decoded if decoded is not None else plan_.source.iter_file_batches(unit, None, BATCH_ROWS, threads=False)
-    for batch in batches:
-        mask = np.ones(batch.num_rows, bool)
-        mask[local[(local >= offset) & (local < offset + batch.num_rows)] - offset] = False
-        offset += batch.num_rows
-        if mask.any():
-            # Dictionary encoding is only ever a wasted attempt on a column of documents.
-            writer = writer or pq.ParquetWriter(
-                tmp,
-                batch.schema,
-                compression="zstd",
-                use_dictionary=[n for n in batch.schema.names if n != plan_.config.text_column],
-            )
-            writer.write_batch(batch.filter(from_numpy(mask)))
-            kept += int(mask.sum())
-        report("filter", batch.num_rows)
-    if writer is not None:
-        writer.close()
-        try:
+    with _removed_on_failure(tmp):
+        for batch in batches:
+            mask = np.ones(batch.num_rows, bool)
+            mask[local[(local >= offset) & (local < offset + batch.num_rows)] - offset] = False
+            offset += batch.num_rows
+            if mask.any():
+                # Dictionary encoding is only ever a wasted attempt on a column of documents.
+                writer = writer or pq.ParquetWriter(
+                    tmp,
+                    batch.schema,
+                    compression="zstd",
+                    use_dictionary=[n for n in batch.schema.names if n != plan_.config.text_column],
+                )
+                writer.write_batch(batch.filter(from_numpy(mask)))
+                kept += int(mask.sum())
+            report("filter", batch.num_rows)
+        if writer is not None:
+            writer.close()
             check_unchanged(plan_, plan_.source, unit)  # rewritten while it was read
-        except UserError:
-            tmp.unlink()
-            raise
-        os.replace(tmp, path)
-        return {"kept": kept, "bytes": path.stat().st_size}
-    return {"kept": kept}
+    if writer is None:
+        return {"kept": kept}
+    os.replace(tmp, path)
+    return {"kept": kept, "bytes": path.stat().st_size}
 
 
 def check_unchanged(plan_: DedupPlan, source, file_index: int) -> None:
@@ -506,7 +506,8 @@ def _write_table(path: Path, table: pa.Table) -> None:
     """Work files are uncompressed and plain: hashes neither compress nor repeat, so zstd and dictionary
     encoding would only burn CPU on them."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp, compression="none", use_dictionary=False)
+    with _removed_on_failure(tmp):
+        pq.write_table(table, tmp, compression="none", use_dictionary=False)
     os.replace(tmp, path)
 
 
@@ -540,5 +541,17 @@ def _npy_header(dtype, length: int) -> bytes:
 
 def _atomic_save(path: Path, array: np.ndarray) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npy")
-    np.save(tmp, array)
+    with _removed_on_failure(tmp):
+        np.save(tmp, array)
     os.replace(tmp, path)
+
+
+@contextmanager
+def _removed_on_failure(tmp: Path) -> Iterator[None]:
+    """A work file's temporary copy goes if writing it fails: on a full disk it would hold on to the space the
+    resumed run needs."""
+    try:
+        yield
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -62,7 +62,7 @@ from smolctl.data.mix_blocks import (
 )
 from smolctl.data.mix_schedule import MixSchedule, Stage, check_order_columns
 from smolctl.data.mix_tokens import TokenCalibration, calibrate, document_sizes, measure_file, sample_key
-from smolctl.errors import UserError
+from smolctl.errors import UserError, WriteRefused
 from smolctl.shards import (
     KIND_DOCUMENTS,
     DocumentSource,
@@ -463,9 +463,9 @@ class MixJob:
                 result.finished, result.stages = stage_reports is not None, stage_reports or []
                 if result.finished and self.backend is not None:  # the work area is gone: read what was recorded
                     result.token_estimates = read_manifest(self.output)["mix"]["token_estimate"]["sources"]
-        except UserError:
-            if not array_task:
-                self.area.discard()  # a plain run that fails leaves nothing behind
+        except UserError as exc:
+            if not array_task and not isinstance(exc, WriteRefused):
+                self.area.discard()  # a plain run that fails on its input leaves nothing behind
             raise
         result.seconds = time.perf_counter() - started
         return result
