@@ -163,6 +163,8 @@ def progress(enabled: bool = True) -> Iterator[Progress | SilentProgress]:
         yield bar
     except BaseException:
         bar.live.transient = True  # a command that fails ends with its one error line, not a half-drawn bar
+        if bar.live.is_started:
+            bar.live.stop()  # not Progress.stop(): off a terminal that prints an empty line before the error
         raise
     finally:
         if bar.live.is_started:
