@@ -765,6 +765,9 @@ class DocumentSource:
     file_labels: list[str] = field(default_factory=list)
     """How to name each file to a reader: its path under the files' common folder without `.parquet`, i.e. the
     stem of files side by side, and `en/000` apart from `fr/000` in a per-language layout."""
+    file_bytes: list[int] = field(default_factory=list)
+    """Each file's size uncompressed, as its footer records it (its row groups' total_byte_size): about what it
+    takes decoded."""
 
     @property
     def num_rows(self) -> int:
@@ -863,6 +866,7 @@ def open_documents(spec: str | Path) -> DocumentSource:
     files, manifest, folder = resolve_parquet_files(spec)
     schemas: list[pa.Schema] = []
     rows: list[int] = []
+    sizes: list[int] = []
     for path in files:
         _check_parquet_magic(path)
         try:
@@ -876,9 +880,10 @@ def open_documents(spec: str | Path) -> DocumentSource:
             ) from exc
         schemas.append(readable_schema(file_schema.remove_metadata()))
         rows.append(meta.num_rows)
+        sizes.append(sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)))
     root = Path(os.path.commonpath([file.parent for file in files]))
     labels = [str(file.relative_to(root).with_suffix("")) for file in files]
-    return DocumentSource(str(spec), files, manifest, folder, common_schema(files, schemas), rows, labels)
+    return DocumentSource(str(spec), files, manifest, folder, common_schema(files, schemas), rows, labels, sizes)
 
 
 def common_schema(files: list[Path], schemas: list[pa.Schema]) -> pa.Schema:

@@ -692,15 +692,29 @@ def test_signatures_recomputed_a_few_documents_at_a_time_give_the_recorded_outpu
             assert _output_digests(output) == PINNED_OUTPUTS[name], name
 
 
-def test_shards_kept_decoded_for_the_filter_stage_give_the_recorded_outputs(planted, tmp_path, monkeypatch):
-    """A run in one process keeps input shards decoded from the signatures stage for the filter stage, while
-    they fit its budget: here the first shard only. The filter stage reads the others again, and the output is
-    the recorded bytes either way."""
+@pytest.mark.parametrize("budget", ["whole input", "less than the input", "first shard, footers understating"])
+def test_shards_kept_decoded_for_the_filter_stage_give_the_recorded_outputs(planted, tmp_path, monkeypatch, budget):
+    """A run in one process keeps its input decoded from the signatures stage for the filter stage where the
+    footers say it fits the budget, else reads it twice. Footers that understate are caught shard by shard: here
+    the first shard fits, the second does not, and from there on shards are read again. The output is the
+    recorded bytes every way."""
+    from smolctl.data import dedup_plan
     from smolctl.shards import DocumentSource, open_documents
 
     source, options = _pinned_runs(planted)["planted minhash"]
     first_shard = sum(b.nbytes for b in open_documents(source).iter_file_batches(0, batch_size=dedup_stages.BATCH_ROWS))
-    monkeypatch.setattr("smolctl.data.dedup.DECODED_INPUT_BYTES", first_shard + 1)
+    if budget == "less than the input":
+        monkeypatch.setattr("smolctl.data.dedup.DECODED_INPUT_BYTES", sum(open_documents(source).file_bytes) - 1)
+    elif budget == "first shard, footers understating":
+        monkeypatch.setattr("smolctl.data.dedup.DECODED_INPUT_BYTES", first_shard + 1)
+        opened = dedup_plan.open_documents
+
+        def understating(spec):
+            documents = opened(spec)
+            documents.file_bytes = [0] * len(documents.files)
+            return documents
+
+        monkeypatch.setattr(dedup_plan, "open_documents", understating)
     read = []
     iter_file_batches = DocumentSource.iter_file_batches
 
@@ -711,13 +725,18 @@ def test_shards_kept_decoded_for_the_filter_stage_give_the_recorded_outputs(plan
     monkeypatch.setattr(DocumentSource, "iter_file_batches", reading)
     output = tmp_path / "out"
     dedup(source, output, workers=1, **options)
-    # After the ids are checked: shard 0 read once, with every column. Shard 1 was read whole too, but did not
-    # fit: from then on only the text and ids are read, and the filter stage reads shards 1 and 2 again.
-    assert read[3:] == [(0, None), (1, None), (2, ["text", "id"]), (1, None), (2, None)]
-    digests, expected = _output_digests(output), PINNED_OUTPUTS["planted minhash"]
+    text = ["text", "id"]
+    expected = {  # after the ids are checked (three reads of ['id'])
+        "whole input": [(0, None), (1, None), (2, None)],
+        "less than the input": [(0, text), (1, text), (2, text), (0, None), (1, None), (2, None)],
+        # shard 1 was read whole too, but did not fit
+        "first shard, footers understating": [(0, None), (1, None), (2, text), (1, None), (2, None)],
+    }[budget]
+    assert read[:3] == [(0, ["id"]), (1, ["id"]), (2, ["id"])] and read[3:] == expected
+    digests, pinned = _output_digests(output), PINNED_OUTPUTS["planted minhash"]
     if pa.__version__ != PINNED_PYARROW:
-        digests, expected = digests["removed ids"], expected["removed ids"]
-    assert digests == expected
+        digests, pinned = digests["removed ids"], pinned["removed ids"]
+    assert digests == pinned
 
 
 def test_the_dedup_command_imports_only_what_it_needs(tmp_path):

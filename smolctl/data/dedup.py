@@ -251,7 +251,11 @@ def _run_stages(
     config = plan_.config
     done = skipped = 0
     with _Workers(workers) as pool:
-        if stage is None and all(pool.runs_here(plan_, todo[name]) for name in ("signatures", "filter")):
+        if (
+            stage is None
+            and all(pool.runs_here(plan_, todo[name]) for name in ("signatures", "filter"))
+            and sum(plan_.source.file_bytes) <= DECODED_INPUT_BYTES
+        ):
             plan_.decoded_room = DECODED_INPUT_BYTES
         for name in mine:  # the stages of this call, in order
             report(name, 0, total=_stage_total(plan_, name, todo[name]))

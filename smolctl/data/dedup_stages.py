@@ -31,9 +31,11 @@ from smolctl.shards import atomic_write_bytes, atomic_write_parts
 
 BATCH_ROWS = 4096
 DECODED_INPUT_BYTES = 256 * 2**20
-"""Input a run that does every stage in one process keeps decoded from the signatures stage to the filter stage,
-which then writes the kept documents without decoding their shard a second time. Shards are kept whole, in
-input order, until one does not fit; the rest are read again."""
+"""An input this small (decoded, as its footers record it) is kept decoded from the signatures stage to the
+filter stage by a run that does every stage in one process: the filter stage then writes the kept documents
+without decoding their shard a second time. A larger input is read twice: keeping part of it would cost as much
+memory for a small share of the time. (Footers can understate: shards are kept in input order until one does
+not fit, and the rest are read again.)"""
 # Shards are read with threads=False: the stages run one process per core (--workers, array tasks), and
 # arrow's machine-wide thread pool would only contend with them.
 NO_BUCKET = np.uint64(0)
