@@ -83,6 +83,12 @@ def test_chars_per_token_is_measured_across_the_corpus_and_a_short_vocabulary_is
     whole = train_tokenizer(str(plain), str(tmp_path / "tok-plain"), vocab_size=2048).chars_per_token
     sorted_first = train_tokenizer(str(split), str(tmp_path / "tok-split"), vocab_size=2048).chars_per_token
     assert whole > 2.5 and abs(sorted_first - whole) < 0.1 * whole, (sorted_first, whole)
+    # Every other row empty: the measured documents are the non-empty ones, not the rows at a stride.
+    gappy = tmp_path / "gappy"
+    gappy.mkdir()
+    pq.write_table(pa.table({"text": [t for text in texts for t in ("", text)]}), gappy / "train.parquet")
+    alternating = train_tokenizer(str(gappy), str(tmp_path / "tok-gappy"), vocab_size=2048).chars_per_token
+    assert abs(alternating - whole) < 0.1 * whole, (alternating, whole)
 
     result = run_cli("train-tokenizer", sample / "math", tmp_path / "tok-short", "--vocab-size", "1000000", "--json")
     assert result.returncode == 0, result.stderr

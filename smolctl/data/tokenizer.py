@@ -67,14 +67,13 @@ corpus's first file may be a split of a few short documents, or empty)."""
 
 
 def _texts(batches: Iterator[list[str]], counter: dict, total: int) -> Iterator[list[str]]:
-    """The non-empty texts of each batch, counted, every `stride`-th kept in counter["sample"]."""
+    """The non-empty texts of each batch, counted, every `stride`-th of them kept in counter["sample"] (`total`:
+    the rows to come, empty ones included, so at least CHARS_PER_TOKEN_DOCUMENTS where few are empty)."""
     stride = max(1, total // CHARS_PER_TOKEN_DOCUMENTS)
-    counter["sample"], row = [], 0
+    counter["sample"] = []
     for texts in batches:
-        picked = range(-row % stride, len(texts), stride)
-        counter["sample"] += [texts[i] for i in picked if texts[i]]
-        row += len(texts)
         texts = [t for t in texts if t]
+        counter["sample"] += texts[-counter["documents"] % stride :: stride]
         counter["documents"] += len(texts)
         counter["characters"] += sum(len(t) for t in texts)
         yield texts
