@@ -200,10 +200,10 @@ class OutputFolder:
                 shutil.rmtree(self.staging)
             self.staging.mkdir(exist_ok=resumable)
         except OSError as exc:
-            raise UserError(
+            raise WriteRefused(
                 self.path,
                 f"cannot create the output folder: {exc.strerror or exc}",
-                "check the path and its permissions",
+                "check free space and the path's permissions",
             ) from exc
 
     def file(self, name: str) -> Path:
@@ -299,12 +299,12 @@ class OutputFolder:
             if (self.path / "manifest.json").is_file():  # else the folder moved aside could not go back: keep it
                 shutil.rmtree(old, ignore_errors=True)
 
-    def _move_failed(self, exc: OSError, moved_aside: Path | None, what: str, fix: str) -> UserError:
+    def _move_failed(self, exc: OSError, moved_aside: Path | None, what: str, fix: str) -> WriteRefused:
         """Put back the folder that was moved aside for the move that failed, and say so in one line."""
         if moved_aside is not None and not self.path.exists():
             with contextlib.suppress(OSError):
                 os.replace(moved_aside, self.path)
-        return UserError(
+        return WriteRefused(
             self.path,
             f"cannot move the finished {what} into place: {exc.strerror or exc}",
             fix,
@@ -822,10 +822,17 @@ class DocumentSource:
         return [{"path": str(Path(f).resolve()), "kind": None, "manifest_sha256": None} for f in self.files[:1000]]
 
     def iter_file_batches(
-        self, index: int, columns: Sequence[str] | None = None, batch_size: int = 8192, threads: bool = True
+        self,
+        index: int,
+        columns: Sequence[str] | None = None,
+        batch_size: int = 8192,
+        threads: bool = True,
+        validated: Sequence[str] = (),
     ) -> Iterator[pa.RecordBatch]:
         """Batches of one file; threads=False decodes in this thread only (for callers that run one process
-        per core, where arrow's thread pool, sized to the whole machine, would only contend with them).
+        per core, where arrow's thread pool, sized to the whole machine, would only contend with them). Every
+        batch is checked (`check_valid_values`) but for the `validated` columns, which the caller read and
+        checked before from this same file.
 
         A file without rows gives one empty batch: callers that build a table per file still get its columns."""
         path = self.files[index]
@@ -846,7 +853,7 @@ class DocumentSource:
                 if batch.schema.names != columns:
                     batch = batch.select(columns)
                 batch = batch if as_written else batch.cast(wanted)
-                check_valid_values(batch, path, row)
+                check_valid_values(batch.drop_columns(list(validated)) if validated else batch, path, row)
                 row += batch.num_rows
                 yield batch
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:

@@ -1161,6 +1161,26 @@ def test_a_full_disk_keeps_the_finished_units_for_the_run_after_the_fix(tmp_path
         subprocess.run(["umount", str(disk)], check=False)
 
 
+def test_a_full_disk_under_the_worker_pool_keeps_the_finished_units_too(tmp_path, monkeypatch):
+    """The same with the stages in pool processes (the default on real inputs): a worker's refused write comes
+    back to the parent as one, not as bad input, so the finished units are not discarded."""
+    from smolctl.data.dedup import DedupConfig, run
+    from smolctl.data.minhash.params import MinHashParams
+    from smolctl.errors import WriteRefused
+
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "size=700k"):  # full in the signatures stage
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    try:
+        monkeypatch.setattr("smolctl.data.dedup.POOL_MIN_DOCUMENTS", 0)
+        config = DedupConfig(input=str(SAMPLE / "web"), output=str(disk / "out"), minhash=MinHashParams())
+        with pytest.raises(WriteRefused, match="cannot write: No space left on device"):
+            run(config, workers=2)
+        assert list((disk / "out" / "_work").glob("*/config.json")), "the work area is kept"
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
 def test_a_refused_write_without_a_file_name_names_the_output():
     import errno
 

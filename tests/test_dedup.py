@@ -739,6 +739,24 @@ def test_shards_kept_decoded_for_the_filter_stage_give_the_recorded_outputs(plan
     assert digests == pinned
 
 
+@pytest.mark.parametrize("kept_decoded", [True, False])
+def test_bytes_that_are_not_utf8_in_a_column_only_the_filter_stage_reads_are_refused(
+    tmp_path, monkeypatch, kept_decoded
+):
+    """The signatures stage reads the text and ids; the filter stage, reading the whole file again where the
+    input is not kept decoded, checks the columns the first read did not, and refuses the bad one by name."""
+    if not kept_decoded:
+        monkeypatch.setattr("smolctl.data.dedup.DECODED_INPUT_BYTES", 0)
+    table = sample_table().slice(0, 40)
+    origin = [o.encode() for o in table.column("origin").to_pylist()]
+    origin[17] = b"\xff\xfe"
+    bad = table.set_column(2, "origin", pa.array(origin, pa.binary()).view(pa.string()))
+    write_shards(tmp_path / "input", bad, 2)
+    with pytest.raises(UserError, match=r"part-00000\.parquet: row 17 \(from 0\): column 'origin' holds bytes that"):
+        dedup(tmp_path / "input", tmp_path / "out", workers=1)
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_dedup_command_imports_only_what_it_needs(tmp_path):
     """Start-up is most of a small run's time: no pandas (pyarrow imports it on its first pa.array or Python
     scalar, which dedup avoids), no pyarrow.dataset, no training stack."""

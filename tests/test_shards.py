@@ -120,6 +120,21 @@ def test_sigkill_mid_write_never_leaves_a_complete_looking_folder(tmp_path):
     assert manifest["rows"] == 250 and not (tmp_path / ".ds.partial").exists()
 
 
+def test_an_output_folder_the_disk_refuses_is_a_refused_write(tmp_path, monkeypatch):
+    """Not bad input: a plain run keeps its finished units for the run after the fix (a disk full at commit)."""
+    import errno
+    from pathlib import Path
+
+    from smolctl.errors import WriteRefused
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", full)
+    with pytest.raises(WriteRefused, match="cannot create the output folder: No space left on device"):
+        OutputFolder(tmp_path / "out", kind=KIND_DOCUMENTS)
+
+
 def test_overwrite_is_refused_without_the_flag(tmp_path):
     out = tmp_path / "ds"
     _write(out)

@@ -336,7 +336,8 @@ class _Workers:
             for future in finished:
                 error = future.result()
                 if error is not None:
-                    raise UserError(*error)
+                    kind, *parts = error
+                    raise (WriteRefused if kind == "refused" else UserError)(*parts)
         _drain(self.queue, report)
 
     def _pool(self, plan_: DedupPlan):
@@ -372,13 +373,13 @@ def _init_worker(queue, plan_: DedupPlan, parent: int) -> None:
 
 
 def _unit_in_worker(stage: str, unit: int) -> tuple | None:
-    """Run one unit of the run's plan in a pool process; a UserError comes back as its parts (it does not pickle
-    as raised)."""
+    """Run one unit of the run's plan in a pool process; a UserError comes back as its kind and parts (it does
+    not pickle as raised): a refused write must stay one, or the parent would discard the finished units."""
     plan_ = _WORKER_PLAN
     try:
         plan_.area.mark_done(stage, unit, UNIT_RUNNERS[stage](plan_, unit, _report_to_parent))
     except UserError as exc:
-        return exc.where, exc.what, exc.fix
+        return "refused" if isinstance(exc, WriteRefused) else "input", exc.where, exc.what, exc.fix
     return None
 
 

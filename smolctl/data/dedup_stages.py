@@ -461,8 +461,11 @@ def filter_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     writer, offset, kept = None, 0, 0
     check_unchanged(plan_, plan_.source, unit)
-    decoded = plan_.decoded.pop(unit, None)
-    batches = decoded if decoded is not None else plan_.source.iter_file_batches(unit, None, BATCH_ROWS, threads=False)
+    batches = plan_.decoded.pop(unit, None)
+    if batches is None:
+        # The signatures stage read and checked the text and ids of this file (check_unchanged: the same file).
+        checked = [plan_.config.text_column] + ([plan_.id_column] if plan_.id_column else [])
+        batches = plan_.source.iter_file_batches(unit, None, BATCH_ROWS, threads=False, validated=checked)
     with _removed_on_failure(tmp):
         for batch in batches:
             mask = np.ones(batch.num_rows, bool)
