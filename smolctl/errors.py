@@ -52,11 +52,13 @@ ENVIRONMENT_ERRNOS = {
 _output: Path | None = None
 
 
-def writing_to(output: Path) -> None:
+def writing_to(output: Path | None) -> None:
     """Name the folder this command writes: a refused write whose error carries no file name (a write() on an open
-    file, arrow's and Rust's I/O errors) is reported against it."""
+    file, arrow's and Rust's I/O errors) is reported against it. The first named is the command's OUTPUT (the
+    folders it then makes inside it are not); None forgets it, for the next command of the process."""
     global _output
-    _output = Path(output)
+    if output is None or _output is None:
+        _output = None if output is None else Path(output)
 
 
 def environment_error(exc: BaseException) -> str | None:

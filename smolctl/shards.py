@@ -92,13 +92,17 @@ def command_line() -> list[str]:
 # Manifests and lineage
 
 
-OWN_MANIFEST_KEYS = {"kind", "format_version", "smolctl_version"}
-"""Keys every manifest smolctl writes holds: a manifest.json with none of them is another tool's."""
+def is_own_manifest(manifest: Any) -> bool:
+    """Whether a folder's manifest.json is one smolctl wrote (every one holds smolctl_version, kind and
+    format_version; `kind` alone is a common key of other tools' manifests)."""
+    return isinstance(manifest, dict) and (
+        "smolctl_version" in manifest or {"kind", "format_version"} <= manifest.keys()
+    )
 
 
 def read_manifest(folder: Path) -> dict | None:
-    """The folder's manifest, or None when it has none or it is another tool's (a JSON value without any of
-    OWN_MANIFEST_KEYS). A manifest that is not valid JSON is a user error."""
+    """The folder's manifest, or None when it has none or it is another tool's (`is_own_manifest`). A manifest
+    that is not valid JSON, or one of smolctl's without its kind, is a user error."""
     path = Path(folder) / MANIFEST_NAME
     if not path.is_file():
         return None
@@ -110,7 +114,7 @@ def read_manifest(folder: Path) -> dict | None:
             f"is not valid JSON ({exc})",
             "re-run the stage that wrote this folder (another tool's folder: pass its parquet files by a glob)",
         ) from exc
-    if not isinstance(manifest, dict) or not OWN_MANIFEST_KEYS & manifest.keys():
+    if not is_own_manifest(manifest):
         return None  # another tool's manifest.json: the folder is read as a plain folder
     if "kind" not in manifest:
         raise UserError(path, "is not a smolctl manifest (no 'kind')", "re-run the stage that wrote this folder")

@@ -1186,10 +1186,13 @@ def test_a_refused_write_without_a_file_name_names_the_output():
 
     from smolctl.errors import environment_error, writing_to
 
+    writing_to(None)
     writing_to(Path("/data/out"))
+    writing_to(Path("/data/out/_work/run/pack/00003"))  # a folder the command makes inside its output
     assert environment_error(OSError(errno.ENOSPC, "No space left on device")).startswith(
         "/data/out: No space left on device — free some space"
     )
+    writing_to(None)
 
 
 def test_read_only_output_folder(tmp_path):

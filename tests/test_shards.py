@@ -173,7 +173,13 @@ def test_a_folder_holding_another_tools_manifest_is_read_as_a_plain_folder(tmp_p
     data = tmp_path / "data"
     data.mkdir()
     pq.write_table(_table(5), data / "train-00000-of-00001.parquet")
-    for foreign in ({"dataset": "web", "splits": ["train"]}, [1, 2], "card"):
+    for foreign in (
+        {"dataset": "web", "splits": ["train"]},
+        [1, 2],
+        "card",
+        {"kind": "dataset"},
+        {"format_version": 1},
+    ):
         (data / "manifest.json").write_text(json.dumps(foreign))
         source = open_documents(data)
         assert source.num_rows == 5 and source.manifest is None

@@ -18,7 +18,7 @@ import typer
 from smolctl.cli import cluster, data, estimate, inspect, posttrain, train  # noqa: F401  (each registers its commands)
 from smolctl.cli.app import Command, app
 from smolctl.console import error_line
-from smolctl.errors import CheckFailed, Interrupted, UserError, environment_error
+from smolctl.errors import CheckFailed, Interrupted, UserError, environment_error, writing_to
 
 # `smolctl --help` lists the commands in pipeline order, grouped by what they work on.
 PIPELINE_ORDER = {
@@ -59,6 +59,7 @@ def _only_the_invoked_command(args: list[str]) -> Iterator[None]:
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI: user mistakes are one line and exit 2, failed checks exit 1, bugs exit 1 with a hint."""
     debug = os.environ.get("SMOLCTL_DEBUG") == "1"
+    writing_to(None)  # this command names its own output (in-process callers run several)
     try:
         with _only_the_invoked_command(sys.argv[1:] if argv is None else argv):
             code = app(args=argv, prog_name="smolctl", standalone_mode=False)
