@@ -520,9 +520,10 @@ def test_a_task_that_fails_after_another_committed_has_nothing_to_do(tmp_path):
     area = WorkArea(tmp_path / "out", ("pack",), {"run": 1})
     (tmp_path / "out").mkdir()
     manifest = tmp_path / "out" / "manifest.json"
-    manifest.write_text(json.dumps({"kind": "packed", FINGERPRINT_KEY: digest({"run": 2})}))
+    own = {"kind": "packed", "format_version": 1, "smolctl_version": "0.1.0"}  # as every smolctl manifest has them
+    manifest.write_text(json.dumps({**own, FINGERPRINT_KEY: digest({"run": 2})}))
     with pytest.raises(RuntimeError), unless_committed(area):  # another run's OUTPUT: the failure stands
         raise RuntimeError("Error while serializing: I/O error")
-    manifest.write_text(json.dumps({"kind": "packed", FINGERPRINT_KEY: digest({"run": 1})}))
+    manifest.write_text(json.dumps({**own, FINGERPRINT_KEY: digest({"run": 1})}))
     with pytest.raises(AlreadyCommitted), unless_committed(area):
         raise RuntimeError("Error while serializing: I/O error")
