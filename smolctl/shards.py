@@ -894,17 +894,18 @@ def open_documents(spec: str | Path) -> DocumentSource:
         sizes.append(sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)))
     root = Path(os.path.commonpath([file.parent for file in files]))
     labels = [str(file.relative_to(root).with_suffix("")) for file in files]
-    return DocumentSource(str(spec), files, manifest, folder, common_schema(files, schemas), rows, labels, sizes)
+    schema = common_schema(files, schemas, root)
+    return DocumentSource(str(spec), files, manifest, folder, schema, rows, labels, sizes)
 
 
-def common_schema(files: list[Path], schemas: list[pa.Schema]) -> pa.Schema:
+def common_schema(files: list[Path], schemas: list[pa.Schema], root: Path) -> pa.Schema:
     """The one schema a source's files are read in: the first file's columns in its order, each in the widest
     type any file holds it in where the types differ only in width (`widest_types`), nullable where any file's
     is. Files may order their columns differently (writers do); any other difference is refused, naming it."""
     widest = widest_types({str(path): schema for path, schema in zip(files, schemas)})
     first = schemas[0]
-    # Named under the files' common folder: en/train-00000.parquet, not a name every language's split shares.
-    first_name = str(files[0].relative_to(os.path.commonpath([file.parent for file in files])))
+    # Named under the files' common folder (`root`): en/train-00000.parquet, not a name every language's split shares.
+    first_name = str(files[0].relative_to(root))
     for path, schema in zip(files[1:], schemas[1:]):
         if schema.equals(first):
             continue

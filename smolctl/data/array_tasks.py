@@ -178,6 +178,12 @@ class WorkArea:
             ) from exc
         atomic_write_json(recorded, {"fingerprint": self._canonical(), "started": time.time()})
 
+    def clean_up_after(self, error: UserError) -> None:
+        """After a plain run's failure: on its input, nothing is left behind (the run on the mended input starts
+        afresh); a refused write (a full disk) keeps the finished units for the run after the fix to resume."""
+        if not isinstance(error, WriteRefused):
+            self.discard()
+
     def discard(self) -> None:
         """Remove the work area, and OUTPUT when nothing else is in it (a plain run that failed on bad input);
         never while another task holds the assembly lock, linking from it into OUTPUT."""

@@ -231,8 +231,8 @@ def _run_units(
     try:
         result = _run_stages(plan_, stage, mine, todo, workers, report)
     except UserError as exc:
-        if stage is None and not isinstance(exc, WriteRefused):
-            plan_.area.discard()  # a plain run that fails on its input leaves nothing behind: the mended input's starts afresh
+        if stage is None:
+            plan_.area.clean_up_after(exc)
         raise
     result.seconds = time.perf_counter() - started
     return result

@@ -545,10 +545,8 @@ def _npy_header(dtype, length: int) -> bytes:
 
 
 def _atomic_save(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npy")
-    with _removed_on_failure(tmp):
-        np.save(tmp, array)
-    os.replace(tmp, path)
+    """A 1-D array as the .npy file np.save writes, atomically (a refused write leaves no temporary copy)."""
+    atomic_write_parts(path, [_npy_header(array.dtype, len(array)), np.ascontiguousarray(array)], durable=False)
 
 
 @contextmanager

@@ -62,7 +62,7 @@ from smolctl.data.mix_blocks import (
 )
 from smolctl.data.mix_schedule import MixSchedule, Stage, check_order_columns
 from smolctl.data.mix_tokens import TokenCalibration, calibrate, document_sizes, measure_file, sample_key
-from smolctl.errors import UserError, WriteRefused
+from smolctl.errors import UserError
 from smolctl.shards import (
     KIND_DOCUMENTS,
     DocumentSource,
@@ -359,9 +359,8 @@ class MixResult:
         return [
             f"stage {report.name!r}, source {s.name!r}: achieved weight {s.achieved_weight:.3f} against "
             f"{s.target_weight:.3f}: slices end at whole documents, and the stage's budget holds too few of its "
-            f"({s.source_units:,} {report.unit} in {s.source_documents:,} document{'s' * (s.source_documents != 1)}) to "
-            "come closer; a larger "
-            "budget (or --max-repeat, with none) does"
+            f"({s.source_units:,} {report.unit} in {s.source_documents:,} document{'s' * (s.source_documents != 1)}) "
+            "to come closer; a larger budget (or --max-repeat, with none) does"
             for report in self.stages
             for s in report.short_of_target()
         ]
@@ -464,8 +463,8 @@ class MixJob:
                 if result.finished and self.backend is not None:  # the work area is gone: read what was recorded
                     result.token_estimates = read_manifest(self.output)["mix"]["token_estimate"]["sources"]
         except UserError as exc:
-            if not array_task and not isinstance(exc, WriteRefused):
-                self.area.discard()  # a plain run that fails on its input leaves nothing behind
+            if not array_task:
+                self.area.clean_up_after(exc)
             raise
         result.seconds = time.perf_counter() - started
         return result

@@ -46,7 +46,7 @@ from smolctl.data.pack_rows import PackStats, TokenBatch
 from smolctl.data.pack_sinks import DatatroveSink, RowSink, manifest_fields, recorded_stats
 from smolctl.data.pack_tokens import tokenised_pieces
 from smolctl.data.tokenizer import RustTokenizer, document_end_id, load_rust_tokenizer
-from smolctl.errors import UserError, WriteRefused
+from smolctl.errors import UserError
 from smolctl.shards import (
     KIND_PACKED,
     KIND_TOKENS,
@@ -162,8 +162,8 @@ class PackJob:
         try:
             return self._pack_and_commit(on_progress, mine, todo, array_task)
         except UserError as exc:
-            if not array_task and not isinstance(exc, WriteRefused):
-                self.area.discard()  # a plain run that fails on its input leaves nothing behind
+            if not array_task:
+                self.area.clean_up_after(exc)
             raise
 
     def _pack_and_commit(self, on_progress, mine: list[int], todo: list[int], array_task: bool) -> PackResult:
