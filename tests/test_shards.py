@@ -167,6 +167,16 @@ def test_reads_foreign_parquet_folders_files_and_globs(tmp_path):
     assert open_documents(str(spark / "lang=en" / "c00[01].snappy.parquet")).num_rows == 50
 
 
+def test_bytes_that_are_not_utf8_are_named_by_their_row_in_the_file_not_in_the_batch(tmp_path):
+    raw = [f"document {i}".encode() for i in range(10)]
+    raw[7] = b"caf\xc3"
+    pq.write_table(pa.table({"text": pa.array(raw, pa.binary()).view(pa.string())}), tmp_path / "a.parquet")
+    source = open_documents(tmp_path / "a.parquet")
+    with pytest.raises(UserError, match=r"a\.parquet: row 7 \(from 0\): column 'text' holds bytes that are not UTF-8"):
+        list(source.iter_file_batches(0, batch_size=3))  # the second row of the third batch
+    assert len(list(source.iter_file_batches(0, batch_size=3, validated=["text"]))) == 4  # checked before: not again
+
+
 def test_a_folder_holding_another_tools_manifest_is_read_as_a_plain_folder(tmp_path):
     """A manifest.json with none of smolctl's keys (a dataset card, a list) is another tool's: the folder's
     parquet files are read. One that holds a smolctl key but no kind is a damaged smolctl manifest, refused."""
