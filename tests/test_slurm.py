@@ -177,10 +177,18 @@ def test_a_cancelled_task_and_a_resubmitted_array_give_the_same_bytes(slurm, tok
         TASKS="2",
         PACK_ARGS="--seq-len 128",
     )
-    job = submit(["bash", SLURM / "pack.sbatch"], slurm, tmp_path, SBATCH_ARGS=f"{SMALL} --hold", **settings).strip()
-    subprocess.run(["scontrol", "release", job], env=slurm, check=True, timeout=30)
+    # Task 1 of the first array waits before packing, so that the cancel lands while it runs whatever the
+    # machine's load (a shard this small is packed in about a second: a late scancel found it committed).
+    started = tmp_path / "task-1-started"
+    waiting = tmp_path / "smolctl-waiting"
+    waiting.write_text(
+        f'#!/bin/bash\nif [[ $SLURM_ARRAY_TASK_ID == 1 ]]; then touch {started}; sleep 600; fi\nexec smolctl "$@"\n'
+    )
+    waiting.chmod(0o755)
+    job = submit(["bash", SLURM / "pack.sbatch"], slurm, tmp_path, SBATCH_ARGS=SMALL, SMOLCTL=str(waiting), **settings)
+    job = job.strip()
     deadline = time.monotonic() + 300
-    while "RUNNING" not in job_states(f"{job}_1", slurm).values():  # cancel task 1 while it runs
+    while not started.exists():  # cancel task 1 while it runs
         assert time.monotonic() < deadline, job_states(job, slurm)
         time.sleep(0.2)
     subprocess.run(["scancel", f"{job}_1"], env=slurm, check=True, timeout=30)
