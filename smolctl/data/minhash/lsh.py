@@ -38,12 +38,16 @@ def bucket_pairs(keys: np.ndarray, docs: np.ndarray) -> np.ndarray:
     keys, docs = keys[order], docs[order].astype(np.uint64)
     # Members of a bucket in document order: only buckets of two or more (few) need sorting again.
     repeated = np.flatnonzero(keys[1:] == keys[:-1])
+    starts_group = np.concatenate([[True], keys[1:] != keys[:-1]])
     if len(repeated):
         in_bucket = np.zeros(len(keys), bool)
         in_bucket[repeated] = in_bucket[repeated + 1] = True
         members = np.flatnonzero(in_bucket)
-        docs[members] = docs[members][np.lexsort((docs[members], keys[members]))]
-    first_of_group = np.flatnonzero(np.concatenate([[True], keys[1:] != keys[:-1]]))
+        # Buckets lie in key order already: one sort of (bucket rank, document) puts each bucket's documents in
+        # order without moving any bucket (documents and ranks both fit 32 bits).
+        rank = np.cumsum(starts_group)[members].astype(np.uint64)
+        docs[members] = np.sort((rank << np.uint64(32)) | docs[members]) & np.uint64(0xFFFFFFFF)
+    first_of_group = np.flatnonzero(starts_group)
     sizes = np.diff(np.concatenate([first_of_group, [len(docs)]]))
     # Member at position p of a bucket of n pairs with the next min(n - 1 - p, span) members, all in one go.
     position = np.arange(len(docs)) - np.repeat(first_of_group, sizes)

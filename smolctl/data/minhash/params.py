@@ -6,6 +6,7 @@ MinHashParams.for_threshold(0.8)   # 100 permutations as 20 bands x 5 rows, word
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -115,5 +116,11 @@ class MinHashParams:
         real text the estimate's error matches ideal MinHash (the binomial spread of a perfect MinHash, checked by
         tests/test_dedup.py), and one multiply per value is all the work there is.
         """
-        rng = np.random.Generator(np.random.PCG64(self.seed))
-        return rng.integers(0, 2**32, size=self.num_perm, dtype=np.uint32) | np.uint32(1)
+        return _permutations(self.seed, self.num_perm).copy()
+
+
+@functools.cache
+def _permutations(seed: int, num_perm: int) -> np.ndarray:
+    # Every shard's signatures and the recomputed rows use the same multipliers: derived once per process.
+    rng = np.random.Generator(np.random.PCG64(seed))
+    return rng.integers(0, 2**32, size=num_perm, dtype=np.uint32) | np.uint32(1)
