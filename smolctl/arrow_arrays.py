@@ -13,6 +13,13 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 
+try:
+    # arrow's compute functions without pyarrow.compute, whose import generates a Python wrapper for each of
+    # ~300 functions: a share of a small dedup run's whole time. pyarrow.compute.call_function is this one.
+    from pyarrow._compute import CastOptions, call_function
+except ImportError:  # a pyarrow that moved its private module
+    from pyarrow.compute import CastOptions, call_function
+
 
 def from_numpy(values: np.ndarray) -> pa.Array:
     """A 1-D numpy array of numbers or bools as an arrow array without nulls (numbers share the memory)."""
@@ -21,6 +28,19 @@ def from_numpy(values: np.ndarray) -> pa.Array:
         return pa.Array.from_buffers(pa.bool_(), len(values), [None, pa.py_buffer(bits)])
     values = np.ascontiguousarray(values)
     return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
+
+
+def compute(name: str, *args, options=None):
+    """arrow's compute function `name` over arrow values (arrays, chunked arrays, batches, tables), as
+    pyarrow.compute.<name> and the arrays' own take/filter/cast methods call it, all of which import
+    pyarrow.compute."""
+    return call_function(name, list(args), options)
+
+
+def cast(values, target: pa.DataType):
+    """`values` (an array or chunked array) as `target`, checked as pyarrow.compute.cast checks (safe); the
+    values themselves when they already are."""
+    return values if values.type == target else call_function("cast", [values], CastOptions(target_type=target))
 
 
 def strings(texts: Sequence[str]) -> pa.StringArray:
@@ -62,7 +82,7 @@ def plain_strings(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> pa.Array
     elif not isinstance(texts, pa.Array):
         texts = pa.array(list(texts), pa.large_string())
     if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
-        texts = texts.cast(pa.large_string())
+        texts = cast(texts, pa.large_string())
     return texts
 
 

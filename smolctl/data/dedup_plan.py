@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
+from smolctl.arrow_arrays import cast
 from smolctl.data.array_tasks import WorkArea, file_identity
 from smolctl.data.minhash.params import HASHING_VERSION, MinHashParams
 from smolctl.errors import UserError
@@ -180,7 +180,7 @@ def check_id_type(source: DocumentSource, column: str, where: str, fix: str) -> 
     before any work."""
     kind = source.schema.field(column).type
     try:
-        pc.cast(pa.nulls(0, kind), pa.string())  # not pa.array: it imports pandas
+        cast(pa.nulls(0, kind), pa.string())  # not pa.array: it imports pandas
     except (pa.ArrowNotImplementedError, pa.ArrowInvalid):
         raise UserError(
             where,

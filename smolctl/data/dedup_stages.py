@@ -15,10 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from smolctl.arrow_arrays import from_numpy, plain_strings, strings, to_numpy_filled
+from smolctl.arrow_arrays import cast, compute, from_numpy, plain_strings, strings, to_numpy_filled
 from smolctl.data.array_tasks import file_identity, read_work_file
 from smolctl.data.dedup_plan import ID_FIX, POSITIONAL_IDS, DedupPlan, Report
 from smolctl.data.minhash.arrays import connected_components, sorted_unique
@@ -74,11 +73,11 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
             ids = strings([f"{shard_name}:{r}" for r in range(row, row + len(texts))])
         columns_out = {
             "id": ids,
-            "null": pc.is_null(texts),
-            "bytes": from_numpy(to_numpy_filled(pc.binary_length(texts)).astype(np.int64)),
+            "null": compute("is_null", texts),
+            "bytes": from_numpy(to_numpy_filled(compute("binary_length", texts)).astype(np.int64)),
         }
         if plan_.config.keep == "longest":  # counting characters is a pass over every byte: only when asked
-            columns_out["chars"] = from_numpy(to_numpy_filled(pc.utf8_length(texts)).astype(np.int64))
+            columns_out["chars"] = from_numpy(to_numpy_filled(compute("utf8_length", texts)).astype(np.int64))
         # Tokens give the exact hashes and the word shingles; character shingles make their own.
         tokens = tokenize(texts) if plan_.config.exact or (params and params.shingle == "word") else None
         if plan_.config.exact:
@@ -92,7 +91,7 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
             keys[np.diff(offsets) == 0] = NO_BUCKET  # documents without shingles (empty, null) match nothing
             if plan_.config.verify:
                 # The 32 bits MinHash permutes are what verification compares: half the disk of the full hashes.
-                shingle_parts.append((shingles >> np.uint64(32)).astype(np.uint32))
+                shingle_parts.append(high_halves(shingles))
                 shingle_counts.append(np.diff(offsets))
             key_parts.append(keys)
             if not plan_.config.verify:
@@ -246,9 +245,9 @@ def check_unique_ids(ids: pa.ChunkedArray, where: str, id_column: str | None) ->
             f"column '{id_column}' has {nulls} null id(s)",
             f"give every document an id, or pass --id-column {POSITIONAL_IDS} to name documents by shard and row",
         )
-    if len(pc.unique(ids)) == len(ids):  # a hash set alone: half the time of counting every id
+    if len(compute("unique", ids)) == len(ids):  # a hash set alone: half the time of counting every id
         return
-    counts = pc.value_counts(ids)
+    counts = compute("value_counts", ids)
     repeated = np.flatnonzero(to_numpy_filled(counts.field("counts")) > 1)
     if len(repeated):
         first = counts[int(repeated[0])].as_py()
@@ -271,7 +270,7 @@ def id_chunks(plan_: DedupPlan, file_index: int) -> list[pa.Array]:
 def id_strings(ids: pa.Array, file: Path, column: str) -> pa.Array:
     """The ids as text (the plan checked that the column's type casts); binary ids must be UTF-8."""
     try:
-        return pc.cast(ids, pa.string())
+        return cast(ids, pa.string())
     except pa.ArrowInvalid as exc:
         raise UserError(file, f"column '{column}' holds ids that are not UTF-8 text ({exc})", ID_FIX) from None
 
@@ -440,8 +439,8 @@ def removal_report(
     return pa.table(
         {
             "index": doc,
-            "id": ids.take(doc),
-            "duplicate_of": ids.take(kept),
+            "id": compute("take", ids, doc),
+            "duplicate_of": compute("take", ids, kept),
             "cluster": from_numpy(cluster.astype(np.int64)),
             "reason": strings(np.where(same_text, "exact", "minhash").tolist()),
             "jaccard": from_numpy(similarity.astype(np.float32)),
@@ -479,7 +478,7 @@ def filter_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
                     compression="zstd",
                     use_dictionary=[n for n in batch.schema.names if n != plan_.config.text_column],
                 )
-                writer.write_batch(batch.filter(from_numpy(mask)))
+                writer.write_batch(compute("filter", batch, from_numpy(mask)))
                 kept += int(mask.sum())
             report("filter", batch.num_rows)
         if writer is not None:
@@ -534,6 +533,13 @@ def _checked_size(path: Path, size: int, layout: str) -> Path:
             "the work area was changed by hand; re-run with --overwrite",
         )
     return path
+
+
+def high_halves(values: np.ndarray) -> np.ndarray:
+    """The upper 32 bits of each uint64, as a new uint32 array: one strided copy out of a view of the values (a
+    shift then a cast would write a second full-width array first)."""
+    values = np.ascontiguousarray(values, np.uint64)
+    return values.view(np.uint32)[1 if np.little_endian else 0 :: 2].copy()
 
 
 def _npy_header(dtype, length: int) -> bytes:

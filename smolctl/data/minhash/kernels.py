@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from smolctl.arrow_arrays import from_numpy, plain_strings, to_numpy_filled
+from smolctl.arrow_arrays import compute, from_numpy, plain_strings, to_numpy_filled
 from smolctl.data.minhash.arrays import odd_constants, offsets_from_counts
 from smolctl.data.minhash.normalization import normalization_tables, normalize
 
@@ -62,7 +62,7 @@ def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
     data = texts.buffers()[2] if texts.buffers()[2] is not None else pa.py_buffer(b"")
     starts, ends = offsets[:-1].copy(), offsets[1:].copy()
     if texts.null_count:
-        empty = to_numpy_filled(texts.is_null())
+        empty = to_numpy_filled(compute("is_null", texts))
         ends[empty] = starts[empty]
     extra = b""
     tables = normalization_tables()
@@ -84,7 +84,7 @@ def tokenize(texts: Sequence[str] | pa.Array | pa.ChunkedArray) -> Tokens:
         starts[in_c] = np.concatenate([[data.size], ends[in_c][:-1]])
         by_python, normalised = others[folded_ends < 0], b""
         if len(by_python):
-            pieces = [normalize(t).encode() for t in texts.take(from_numpy(by_python)).to_pylist()]
+            pieces = [normalize(t).encode() for t in compute("take", texts, from_numpy(by_python)).to_pylist()]
             ends[by_python] = data.size + folded_size + np.cumsum([len(p) for p in pieces], dtype=np.int64)
             starts[by_python] = np.concatenate([[data.size + folded_size], ends[by_python][:-1]])
             normalised = b"".join(pieces)

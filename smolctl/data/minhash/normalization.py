@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from smolctl.arrow_arrays import plain_strings
 from smolctl.user_cache import cache_path, read_entry, save_entry
@@ -34,6 +33,8 @@ def normalize(text: str) -> str:
 def normalize_array(texts: pa.Array | pa.ChunkedArray) -> pa.LargeStringArray:
     """normalize() over an arrow array of texts (nulls become ''): NFKC and case folding are plain ASCII
     lower-casing on ASCII text, which arrow does in bulk; only the other texts go through Python."""
+    import pyarrow.compute as pc  # character shingles only: word shingles never import it (see arrow_arrays)
+
     texts = pc.ascii_lower(pc.fill_null(plain_strings(texts).cast(pa.large_string()), ""))
     is_ascii = np.asarray(pc.string_is_ascii(texts), dtype=bool)
     if is_ascii.all():

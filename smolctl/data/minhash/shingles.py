@@ -7,7 +7,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from smolctl.arrow_arrays import plain_strings
 from smolctl.data.minhash.arrays import mix64
@@ -21,6 +20,8 @@ NON_WORD = r"[^\p{L}\p{M}\p{N}_]+"
 def char_tokens(texts: Sequence[str] | pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """Word-class characters of the normalised texts as tokens (code points), for languages without spaces
     (Chinese, Japanese, Thai)."""
+    import pyarrow.compute as pc  # character shingles only: word shingles never import it (see arrow_arrays)
+
     kept = pc.replace_substring_regex(normalize_array(plain_strings(texts)), NON_WORD, "").to_pylist()
     points = [np.frombuffer(t.encode("utf-32-le", "surrogatepass"), dtype="<u4") for t in kept]
     counts = np.array([len(p) for p in points], dtype=np.int64)
