@@ -319,10 +319,11 @@ def test_sorted_sets_are_each_documents_sorted_unique_values(kernel_impl):
 
 
 @pytest.mark.parametrize("size", [0, 1, 2, 17, 40_000])
-def test_repeated_values_are_the_values_seen_more_than_once(kernel_impl, size):
+def test_shared_positions_are_the_positions_of_values_seen_more_than_once(kernel_impl, size):
     """Uniform hashes with planted repeats (a value three times, pairs that differ only in the lowest bit, so
     neighbours within one bucket), plus a skewed tail: one top-bits bucket holding thousands of values, two
-    of them alternating (a quicksort's worst case), and the extremes 0 and 2^64 - 1."""
+    of them alternating (runs the merge must interleave), and the extremes 0 and 2^64 - 1. Each value's
+    positions come together and in order, the values ascending."""
     rng = np.random.default_rng(size)
     values = rng.integers(0, 2**64, size, dtype=np.uint64, endpoint=False)
     if size >= 17:
@@ -330,13 +331,20 @@ def test_repeated_values_are_the_values_seen_more_than_once(kernel_impl, size):
         values[2] = values[1] ^ np.uint64(1)
         skewed = np.array([3, 2**40 + 7] * 3000 + list(range(100, 3100)) + [0, 0, 2**64 - 1, 2**64 - 1], np.uint64)
         values = np.concatenate([values, skewed])
-    counts = {}
-    for value in values.tolist():
-        counts[value] = counts.get(value, 0) + 1
-    assert kernels.repeated_values(values).tolist() == sorted(v for v, c in counts.items() if c > 1)
+    positions = {}
+    for position, value in enumerate(values.tolist()):
+        positions.setdefault(value, []).append(position)
+    expected = [p for v in sorted(positions) if len(positions[v]) > 1 for p in positions[v]]
+    assert kernels.shared_positions(values).tolist() == expected
     if size:
-        with pytest.raises(ValueError, match="shorter than values"):
-            kernel_impl.repeated_values(values, np.empty(len(values), np.uint64), np.empty(len(values) - 1, np.uint64))
+        with pytest.raises(ValueError, match="shorter than 2 x values"):
+            kernel_impl.shared_positions(
+                values, np.empty(2 * len(values) - 1, np.uint64), np.empty(len(values), np.int64)
+            )
+        with pytest.raises(ValueError, match="out than values"):
+            kernel_impl.shared_positions(
+                values, np.empty(2 * len(values), np.uint64), np.empty(len(values) - 1, np.int64)
+            )
 
 
 def test_kernels_refuse_buffers_that_do_not_fit(kernel_impl):

@@ -18,11 +18,13 @@
        Each document's values[offsets[i]:offsets[i + 1]] sorted and without repeats, end to end in out (at
        least len(values) long), document i owning out[out_bounds[i]:out_bounds[i + 1]]. Each set is sorted where
        it lands, small enough to stay in cache: one sort of every document's values at once runs from memory.
-   repeated_values(values, scratch, out) -> count
-       The values that occur more than once, sorted and unique, in out[0:count]; scratch and out hold at least
-       len(values). The values are spread over buckets by their top bits (one counting pass and one scatter
-       into scratch), each bucket is sorted where it lies, in cache, and runs of equal values are read off in
-       bucket order. Meant for hash values (the top bits uniform); any input is correct, a skewed one slower.
+   shared_positions(values, scratch, out) -> count
+       The positions i of the values that occur more than once, ordered by (values[i], i), in out[0:count] (int64,
+       at least len(values)); scratch holds at least 2 * len(values) uint64. The (value, position) pairs are
+       spread over buckets by the values' top bits (one counting pass and one scatter into scratch, positions
+       ascending within each bucket), each bucket is sorted by value where it lies, in cache (stable: equal
+       values keep their positions' order), and runs of equal values are read off in bucket order. Meant for
+       hash values (the top bits uniform); any input is correct, a skewed one slower.
    intersections(values, bounds, left, right, out)
        out[k] = |set left[k] & set right[k]|, set i being the sorted unique values[bounds[i]:bounds[i + 1]].
    agreements(signatures, perms, left, right, out)
@@ -638,7 +640,39 @@ static PyObject *sorted_sets(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(total);
 }
 
-static PyObject *repeated_values(PyObject *self, PyObject *args) {
+typedef struct {
+    uint64_t value;
+    int64_t position;
+} Keyed;
+
+/* Both sorts are stable: equal values keep the order they were scattered in (ascending positions). */
+static void insertion_sort_keyed(Keyed *a, Py_ssize_t n) {
+    for (Py_ssize_t i = 1; i < n; i++) {
+        Keyed x = a[i];
+        Py_ssize_t j = i;
+        for (; j > 0 && a[j - 1].value > x.value; j--) a[j] = a[j - 1];
+        a[j] = x;
+    }
+}
+
+/* Runs of 16 by insertion, then merged bottom-up through tmp (room for n items): n log n for a
+   bucket of many equal or clustered values, as one large templated-page bucket gives. */
+static void merge_sort_keyed(Keyed *a, Py_ssize_t n, Keyed *tmp) {
+    const Py_ssize_t run = 16;
+    for (Py_ssize_t lo = 0; lo < n; lo += run) insertion_sort_keyed(a + lo, n - lo < run ? n - lo : run);
+    for (Py_ssize_t width = run; width < n; width *= 2) {
+        for (Py_ssize_t lo = 0; lo + width < n; lo += 2 * width) {
+            Py_ssize_t mid = lo + width, hi = mid + width < n ? mid + width : n;
+            if (a[mid - 1].value <= a[mid].value) continue; /* the two runs are in order already */
+            Py_ssize_t left = mid - lo, i = 0, j = mid, k = lo;
+            memcpy(tmp, a + lo, (size_t)left * sizeof(Keyed));
+            while (i < left && j < hi) a[k++] = a[j].value < tmp[i].value ? a[j++] : tmp[i++];
+            while (i < left) a[k++] = tmp[i++];
+        }
+    }
+}
+
+static PyObject *shared_positions(PyObject *self, PyObject *args) {
     PyObject *objects[3];
     if (!PyArg_ParseTuple(args, "OOO", &objects[0], &objects[1], &objects[2])) return NULL;
     Buffer b[3];
@@ -646,10 +680,11 @@ static PyObject *repeated_values(PyObject *self, PyObject *args) {
     static const Py_ssize_t sizes[3] = {8, 8, 8};
     if (get_buffers(objects, b, 3, names, sizes, 1) < 0) return NULL;
     const uint64_t *values = b[0].view.buf;
-    uint64_t *scratch = b[1].view.buf, *out = b[2].view.buf;
+    Keyed *scratch = b[1].view.buf;
+    int64_t *out = b[2].view.buf;
     Py_ssize_t n = b[0].view.len / 8;
-    if (b[1].view.len / 8 < n || b[2].view.len / 8 < n)
-        return refuse(b, 3, "repeated_values: scratch and out are shorter than values");
+    if (b[1].view.len / 16 < n || b[2].view.len / 8 < n)
+        return refuse(b, 3, "shared_positions: scratch is shorter than 2 x values or out than values");
     /* ~16 values a bucket, at most 2^20 buckets (8 MB of bucket ends). */
     int bits = 1;
     while (bits < 20 && ((Py_ssize_t)1 << (bits + 4)) < n) bits++;
@@ -659,27 +694,47 @@ static PyObject *repeated_values(PyObject *self, PyObject *args) {
         release(b, 3);
         return PyErr_NoMemory();
     }
-    Py_ssize_t count = 0;
-    Py_BEGIN_ALLOW_THREADS
     const int shift = 64 - bits;
+    Py_ssize_t largest = 0, start = 0;
     for (Py_ssize_t i = 0; i < n; i++) ends[values[i] >> shift]++;
-    Py_ssize_t start = 0;
     for (Py_ssize_t k = 0; k < buckets; k++) { /* each bucket's start; the scatter moves it to the bucket's end */
         Py_ssize_t size = ends[k];
+        if (size > largest) largest = size;
         ends[k] = start;
         start += size;
     }
-    for (Py_ssize_t i = 0; i < n; i++) scratch[ends[values[i] >> shift]++] = values[i];
+    Keyed *tmp = largest > 16 ? malloc((size_t)largest * sizeof(Keyed)) : NULL;
+    if (largest > 16 && tmp == NULL) {
+        free(ends);
+        release(b, 3);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t count = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Keyed *slot = scratch + ends[values[i] >> shift]++;
+        slot->value = values[i];
+        slot->position = (int64_t)i;
+    }
     start = 0;
     for (Py_ssize_t k = 0; k < buckets; k++) {
-        uint64_t *bucket = scratch + start;
+        Keyed *bucket = scratch + start;
         Py_ssize_t size = ends[k] - start;
         start = ends[k];
-        intro_sort(bucket, size, sort_depth(size));
-        for (Py_ssize_t i = 1; i < size; i++)
-            if (bucket[i] == bucket[i - 1] && (count == 0 || out[count - 1] != bucket[i])) out[count++] = bucket[i];
+        if (size > 16)
+            merge_sort_keyed(bucket, size, tmp);
+        else
+            insertion_sort_keyed(bucket, size);
+        for (Py_ssize_t i = 0; i < size;) {
+            Py_ssize_t j = i + 1;
+            while (j < size && bucket[j].value == bucket[i].value) j++;
+            if (j - i > 1)
+                for (Py_ssize_t m = i; m < j; m++) out[count++] = bucket[m].position;
+            i = j;
+        }
     }
     Py_END_ALLOW_THREADS
+    free(tmp);
     free(ends);
     release(b, 3);
     return PyLong_FromSsize_t(count);
@@ -891,7 +946,7 @@ static PyMethodDef methods[] = {
     {"tokenize", tokenize, METH_VARARGS, "Hash every token and word of a batch of documents (see the file's header)."},
     {"shingles", shingles, METH_VARARGS, "Word (or character) n-gram shingle hashes (see the file's header)."},
     {"sorted_sets", sorted_sets, METH_VARARGS, "Each document's values sorted and without repeats (see the file's header)."},
-    {"repeated_values", repeated_values, METH_VARARGS, "The values occurring more than once, sorted (see the file's header)."},
+    {"shared_positions", shared_positions, METH_VARARGS, "Positions of the values occurring more than once (see the file's header)."},
     {"intersections", intersections, METH_VARARGS, "Sizes of the intersections of pairs of sorted sets (see the file's header)."},
     {"agreements", agreements, METH_VARARGS, "Equal signature values of pairs of documents (see the file's header)."},
     {"signatures", signatures, METH_VARARGS, "MinHash signatures of a batch of documents (see the file's header)."},

@@ -267,20 +267,21 @@ def sorted_sets(values, offsets, out, out_bounds) -> int:
     return total
 
 
-def repeated_values(values, scratch, out) -> int:
-    """The values occurring more than once, sorted and unique, in out[:count]; see _minhash.c's header."""
+def shared_positions(values, scratch, out) -> int:
+    """The positions of the values occurring more than once, ordered by (value, position), in out[:count]; see
+    _minhash.c's header (scratch is the C kernel's room, unused here)."""
     values = _array(values, "values", np.uint64)
-    scratch, out = _array(scratch, "scratch", np.uint64, writable=True), _array(out, "out", np.uint64, writable=True)
-    if len(scratch) < len(values) or len(out) < len(values):
-        raise ValueError("repeated_values: scratch and out are shorter than values")
-    ordered = scratch[: len(values)]
-    ordered[:] = values
-    ordered.sort()
-    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
-    first = np.ones(len(repeated), bool)
-    first[1:] = repeated[1:] != repeated[:-1]
-    count = int(first.sum())
-    out[:count] = repeated[first]
+    scratch, out = _array(scratch, "scratch", np.uint64, writable=True), _array(out, "out", np.int64, writable=True)
+    if len(scratch) < 2 * len(values) or len(out) < len(values):
+        raise ValueError("shared_positions: scratch is shorter than 2 x values or out than values")
+    order = np.argsort(values, kind="stable")
+    ordered = values[order]
+    repeated = np.zeros(len(values), bool)
+    same = ordered[1:] == ordered[:-1]
+    repeated[1:] |= same
+    repeated[:-1] |= same
+    count = int(repeated.sum())
+    out[:count] = order[repeated]
     return count
 
 

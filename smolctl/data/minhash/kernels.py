@@ -139,12 +139,13 @@ def sorted_sets(values: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np
     return out[:total], bounds
 
 
-def repeated_values(values: np.ndarray) -> np.ndarray:
-    """The values occurring more than once, sorted and unique (_minhash.c: sorted by buckets of their top bits,
-    which are uniform for hashes)."""
+def shared_positions(values: np.ndarray) -> np.ndarray:
+    """The positions i of the values occurring more than once, ordered by (values[i], i): each group of equal
+    values together, in position order (_minhash.c: sorted by buckets of their top bits, which are uniform for
+    hashes)."""
     values = np.ascontiguousarray(values, np.uint64)
-    out = np.empty(len(values), np.uint64)
-    return out[: _minhash.repeated_values(values, np.empty(len(values), np.uint64), out)]
+    out = np.empty(len(values), np.int64)
+    return out[: _minhash.shared_positions(values, np.empty(2 * len(values), np.uint64), out)]
 
 
 def jaccard_many(values: np.ndarray, bounds: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
