@@ -675,21 +675,6 @@ def test_outputs_are_byte_identical_to_the_recorded_ones(planted, tmp_path):
         assert digests == expected, name
 
 
-def test_signatures_recomputed_a_few_documents_at_a_time_give_the_recorded_outputs(planted, tmp_path, monkeypatch):
-    """The components stage recomputes candidates' signatures in slices of documents: slices of 3 (the run's
-    candidates span many) must join back into exactly the rows of one whole pass."""
-    from smolctl.data import dedup_stages
-
-    monkeypatch.setattr(dedup_stages, "RECOMPUTED_SIGNATURES", 3)
-    for name in ("planted minhash", "web against planted"):
-        source, options = _pinned_runs(planted)[name]
-        output = tmp_path / name.replace(" ", "-")
-        dedup(source, output, workers=1, **options)
-        assert _output_digests(output)["removed ids"] == PINNED_OUTPUTS[name]["removed ids"], name
-        if pa.__version__ == PINNED_PYARROW:
-            assert _output_digests(output) == PINNED_OUTPUTS[name], name
-
-
 @pytest.mark.parametrize("budget", ["whole input", "less than the input", "first shard, footers understating"])
 def test_shards_kept_decoded_for_the_filter_stage_give_the_recorded_outputs(planted, tmp_path, monkeypatch, budget):
     """A run in one process keeps its input decoded from the signatures stage for the filter stage where the

@@ -168,6 +168,22 @@ def test_shingles_match_the_python_definition(kernel_impl):
             assert hashes[shingle_offsets[i] : shingle_offsets[i + 1]].tolist() == want
 
 
+def test_key_signatures_read_each_document_where_its_keys_lie(kernel_impl, tmp_path):
+    """Ranges out of order, overlapping, empty and at the very end of a memory-mapped file of keys (as the
+    components stage reads the kept keys) give the rows of the same documents laid end to end."""
+    rng = np.random.default_rng(5)
+    keys = rng.integers(0, 2**32, 200, dtype=np.uint32)
+    np.save(tmp_path / "keys.npy", keys)
+    mapped = np.load(tmp_path / "keys.npy", mmap_mode="r")
+    starts, ends = np.array([150, 0, 10, 40, 199, 7], np.int64), np.array([200, 30, 10, 45, 200, 12], np.int64)
+    multipliers = params.MinHashParams().permutations()
+    joined = np.concatenate([keys[s:e] for s, e in zip(starts, ends)]).astype(np.uint64) << np.uint64(32)
+    offsets = np.concatenate([[0], np.cumsum(ends - starts)]).astype(np.int64)
+    expected = kernels.signatures(joined, offsets, multipliers)
+    assert np.array_equal(kernels.key_signatures(mapped, starts, ends, multipliers), expected)
+    assert (expected[2] == 0xFFFFFFFF).all() and not (expected[0] == 0xFFFFFFFF).any()
+
+
 def test_signatures_are_the_minimum_over_shingles_of_each_permutation(kernel_impl):
     rng = np.random.default_rng(4)
     counts = [3, 0, 1, 50, 7]
@@ -368,10 +384,15 @@ def test_kernels_refuse_buffers_that_do_not_fit(kernel_impl):
             np.empty(2, np.uint64),
             np.empty(1, np.int64),
         )
-    with pytest.raises(ValueError, match="do not fit"):
-        kernel_impl.signatures(
-            np.zeros(3, np.uint64), np.array([0, 4], np.int64), np.ones(4, np.uint32), np.empty(4, np.uint32)
-        )
+    for starts, ends in (([0], [4]), ([2], [1]), ([-1], [1]), ([0, 1], [1])):  # past the end, reversed, short
+        with pytest.raises(ValueError, match="do not fit"):
+            kernel_impl.signatures(
+                np.zeros(3, np.uint32),
+                np.array(starts, np.int64),
+                np.array(ends, np.int64),
+                np.ones(4, np.uint32),
+                np.empty(4 * len(starts), np.uint32),
+            )
     with pytest.raises(ValueError, match="do not fit"):
         kernel_impl.intersections(
             np.zeros(2, np.uint64), np.array([0, 2], np.int64), np.array([0]), np.array([1]), np.empty(1, np.int64)

@@ -29,9 +29,11 @@
        out[k] = |set left[k] & set right[k]|, set i being the sorted unique values[bounds[i]:bounds[i + 1]].
    agreements(signatures, perms, left, right, out)
        out[k] = how many of the perms values of rows left[k] and right[k] of signatures (uint32[n, perms]) agree.
-   signatures(shingles, offsets, multipliers, out)
-       out[i, p] = min over the shingles s of document i of (uint32)(multipliers[p] * (uint32)(s >> 32)),
-       0xFFFFFFFF for a document without shingles. out: uint32[n, len(multipliers)], C order.
+   signatures(keys, starts, ends, multipliers, out)
+       out[i, p] = min over the keys k of document i, keys[starts[i]:ends[i]] (uint32: the upper halves of its
+       shingle hashes), of (uint32)(multipliers[p] * k); 0xFFFFFFFF for a document without keys. The ranges may
+       lie anywhere in keys, in any order (the verified documents' rows are read where the signatures stage
+       left them). out: uint32[n, len(multipliers)], C order.
    changing_documents(data, starts, ends, table, out)
        out[i] = 1 if the UTF-8 bytes [starts[i], ends[i]) of data hold a non-ASCII character whose bit is set in
        table (one bit per code point below 8 * len(table), little-endian within each byte; len(table) >= 16) or
@@ -86,6 +88,13 @@ static int check_offsets(const int64_t *offsets, Py_ssize_t docs, Py_ssize_t ite
     if (docs < 0 || offsets[0] < 0 || offsets[docs] > items) return 0;
     for (Py_ssize_t i = 0; i < docs; i++)
         if (offsets[i] > offsets[i + 1]) return 0;
+    return 1;
+}
+
+/* Every range [starts[i], ends[i]) lies inside `items` values. */
+static int ranges_inside(const int64_t *starts, const int64_t *ends, Py_ssize_t count, Py_ssize_t items) {
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (starts[i] < 0 || starts[i] > ends[i] || ends[i] > items) return 0;
     return 1;
 }
 
@@ -469,13 +478,13 @@ static PyObject *tokenize(PyObject *self, PyObject *args) {
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx2", "default")))
 #endif
-static void signature_rows(const uint64_t *shingles, const int64_t *offsets, Py_ssize_t docs,
+static void signature_rows(const uint32_t *keys, const int64_t *starts, const int64_t *ends, Py_ssize_t docs,
                            const uint32_t *restrict multipliers, Py_ssize_t perms, uint32_t *restrict out) {
     for (Py_ssize_t i = 0; i < docs; i++) {
         uint32_t *restrict row = out + i * perms;
         for (Py_ssize_t p = 0; p < perms; p++) row[p] = 0xFFFFFFFFu;
-        for (int64_t j = offsets[i]; j < offsets[i + 1]; j++) {
-            uint32_t key = (uint32_t)(shingles[j] >> 32);
+        for (int64_t j = starts[i]; j < ends[i]; j++) {
+            uint32_t key = keys[j];
             for (Py_ssize_t p = 0; p < perms; p++) {
                 uint32_t value = multipliers[p] * key;
                 row[p] = value < row[p] ? value : row[p];
@@ -485,19 +494,21 @@ static void signature_rows(const uint64_t *shingles, const int64_t *offsets, Py_
 }
 
 static PyObject *signatures(PyObject *self, PyObject *args) {
-    PyObject *objects[4];
-    if (!PyArg_ParseTuple(args, "OOOO", &objects[0], &objects[1], &objects[2], &objects[3])) return NULL;
-    Buffer b[4];
-    static const char *names[4] = {"shingles", "offsets", "multipliers", "out"};
-    static const Py_ssize_t sizes[4] = {8, 8, 4, 4};
-    if (get_buffers(objects, b, 4, names, sizes, 3) < 0) return NULL;
-    const int64_t *offsets = b[1].view.buf;
-    Py_ssize_t docs = b[1].view.len / 8 - 1, perms = b[2].view.len / 4, shingles = b[0].view.len / 8;
-    if (perms <= 0 || !check_offsets(offsets, docs, shingles) || b[3].view.len / 4 != docs * perms) return refuse(b, 4, "signatures: offsets, multipliers and out do not fit together");
+    PyObject *objects[5];
+    if (!PyArg_ParseTuple(args, "OOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4])) return NULL;
+    Buffer b[5];
+    static const char *names[5] = {"keys", "starts", "ends", "multipliers", "out"};
+    static const Py_ssize_t sizes[5] = {4, 8, 8, 4, 4};
+    if (get_buffers(objects, b, 5, names, sizes, 4) < 0) return NULL;
+    const int64_t *starts = b[1].view.buf, *ends = b[2].view.buf;
+    Py_ssize_t docs = b[1].view.len / 8, perms = b[3].view.len / 4, keys = b[0].view.len / 4;
+    if (perms <= 0 || b[2].view.len / 8 != docs || !ranges_inside(starts, ends, docs, keys) ||
+        b[4].view.len / 4 != docs * perms)
+        return refuse(b, 5, "signatures: ranges, multipliers and out do not fit together");
     Py_BEGIN_ALLOW_THREADS
-    signature_rows(b[0].view.buf, offsets, docs, b[2].view.buf, perms, b[3].view.buf);
+    signature_rows(b[0].view.buf, starts, ends, docs, b[3].view.buf, perms, b[4].view.buf);
     Py_END_ALLOW_THREADS
-    release(b, 4);
+    release(b, 5);
     Py_RETURN_NONE;
 }
 

@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 from smolctl.arrow_arrays import cast, compute, from_numpy, plain_strings, strings, to_numpy_filled
 from smolctl.data.array_tasks import file_identity, read_work_file
 from smolctl.data.dedup_plan import ID_FIX, POSITIONAL_IDS, DedupPlan, Report
-from smolctl.data.minhash.arrays import connected_components, sorted_unique
-from smolctl.data.minhash.kernels import estimate_jaccard, jaccard_many, signatures, sorted_sets, tokenize
+from smolctl.data.minhash.arrays import connected_components, high_halves, sorted_unique
+from smolctl.data.minhash.kernels import estimate_jaccard, jaccard_many, key_signatures, sorted_sets, tokenize
 from smolctl.data.minhash.lsh import band_keys, bucket_pairs
 from smolctl.data.minhash.params import settle_margin
 from smolctl.data.minhash.shingles import shingle_hashes
@@ -38,7 +38,6 @@ not fit, and the rest are read again.)"""
 # Shards are read with threads=False: the stages run one process per core (--workers, array tasks), and
 # arrow's machine-wide thread pool would only contend with them.
 NO_BUCKET = np.uint64(0)
-RECOMPUTED_SIGNATURES = 16384  # documents whose signatures the components stage recomputes in one go
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -86,12 +85,13 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
             exact_parts.append(exact)
         if params:
             shingles, offsets = shingle_hashes(texts, params.ngram, params.shingle, tokens)
-            sigs = signatures(shingles, offsets, permutations)
+            shingle_keys = high_halves(shingles)  # the 32 bits MinHash permutes (and verification compares)
+            sigs = key_signatures(shingle_keys, offsets[:-1], offsets[1:], permutations)
             keys = band_keys(sigs, params.bands, params.rows)
             keys[np.diff(offsets) == 0] = NO_BUCKET  # documents without shingles (empty, null) match nothing
             if plan_.config.verify:
-                # The 32 bits MinHash permutes are what verification compares: half the disk of the full hashes.
-                shingle_parts.append(high_halves(shingles))
+                # Kept as those 32 bits: half the disk of the full hashes.
+                shingle_parts.append(shingle_keys)
                 shingle_counts.append(np.diff(offsets))
             key_parts.append(keys)
             if not plan_.config.verify:
@@ -288,16 +288,12 @@ def signatures_of(plan_: DedupPlan, docs: np.ndarray) -> np.ndarray:
     the signatures stage wrote (memory-mapped: only these rows are read)."""
     params, num_perm = plan_.config.minhash, plan_.config.minhash.num_perm
     if plan_.config.verify:
-        # A slice of documents at a time: their shingle hashes (8 bytes a word here) can outweigh the signatures
-        # many times over for long documents.
-        permutations = params.permutations()
-        return np.concatenate(
-            [np.zeros((0, num_perm), np.uint32)]
-            + [
-                signatures(*kept_shingles(plan_, docs[i : i + RECOMPUTED_SIGNATURES]), permutations)
-                for i in range(0, len(docs), RECOMPUTED_SIGNATURES)
-            ]
-        )
+        # Each unit's rows straight from its kept keys, by their ranges (memory-mapped: only these are read).
+        rows = []
+        for path, _, wanted in _rows_by_unit(plan_, docs, "shingles.npy"):
+            keys, offsets = _kept_keys(path)
+            rows.append(key_signatures(keys, offsets[wanted], offsets[wanted + 1], params.permutations()))
+        return np.concatenate(rows) if rows else np.zeros((0, num_perm), np.uint32)
     rows = [
         np.memmap(
             _checked_size(path, num_perm * 4 * count, f"{num_perm} x 4-byte values x {count} documents"),
@@ -391,14 +387,19 @@ def kept_shingles(plan_: DedupPlan, docs: np.ndarray) -> tuple[np.ndarray, np.nd
     documents, in their order, from the signatures stage's files (memory-mapped: only these are read)."""
     hashes, offsets = [], [np.zeros(1, np.int64)]
     for path, _, wanted in _rows_by_unit(plan_, docs, "shingles.npy"):
-        unit_hashes = read_work_file(path, lambda p: np.load(p, mmap_mode="r"))
-        offsets_path = path.with_name(path.name.replace("shingles", "shingle_offsets"))
-        unit_offsets = read_work_file(offsets_path, lambda p: np.load(p, mmap_mode="r"))
+        unit_hashes, unit_offsets = _kept_keys(path)
         begin, counts = unit_offsets[wanted], unit_offsets[wanted + 1] - unit_offsets[wanted]
         index = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts - begin, counts)
         hashes.append(np.asarray(unit_hashes[index]).astype(np.uint64) << np.uint64(32))
         offsets.append(np.cumsum(counts) + offsets[-1][-1])
     return np.concatenate(hashes) if hashes else np.zeros(0, np.uint64), np.concatenate(offsets)
+
+
+def _kept_keys(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """A unit's kept shingle keys and their per-document offsets, memory-mapped."""
+    keys = read_work_file(path, lambda p: np.load(p, mmap_mode="r"))
+    offsets_path = path.with_name(path.name.replace("shingles", "shingle_offsets"))
+    return keys, read_work_file(offsets_path, lambda p: np.load(p, mmap_mode="r"))
 
 
 def choose_kept(edges: np.ndarray, n_input: int, chars: np.ndarray | None, keep: str) -> np.ndarray:
@@ -533,13 +534,6 @@ def _checked_size(path: Path, size: int, layout: str) -> Path:
             "the work area was changed by hand; re-run with --overwrite",
         )
     return path
-
-
-def high_halves(values: np.ndarray) -> np.ndarray:
-    """The upper 32 bits of each uint64, as a new uint32 array: one strided copy out of a view of the values (a
-    shift then a cast would write a second full-width array first)."""
-    values = np.ascontiguousarray(values, np.uint64)
-    return values.view(np.uint32)[1 if np.little_endian else 0 :: 2].copy()
 
 
 def _npy_header(dtype, length: int) -> bytes:
