@@ -1,11 +1,7 @@
 """The smolctl process: `python -m smolctl` and the `smolctl` script both start here."""
 
-import ctypes
 import gc
 import os
-
-M_TOP_PAD = -2  # glibc's mallopt parameter (malloc.h)
-HEAP_TOP_PAD = 64 * 2**20
 
 
 def main() -> None:
@@ -20,11 +16,8 @@ def main() -> None:
     numpy asks the kernel for transparent huge pages on every array of 4 MB or more. smolctl's big arrays are
     written once and streamed out, and with that advice `pack` spent ~2 s more of kernel time zeroing fresh
     2 MB pages per 68 M tokens, 6% of its run (benchmarks/RESULTS.md). Set NUMPY_MADVISE_HUGEPAGE=1 to have
-    numpy ask again.
-
-    glibc keeps a padding of free memory at the top of its heap (HEAP_TOP_PAD, see _pad_the_heap)."""
+    numpy ask again."""
     os.environ.setdefault("NUMPY_MADVISE_HUGEPAGE", "0")  # read once, when numpy is imported
-    _pad_the_heap()
     gc.disable()
     try:
         from smolctl.cli import main as run_command
@@ -32,18 +25,6 @@ def main() -> None:
         gc.freeze()
         gc.enable()
     run_command()
-
-
-def _pad_the_heap() -> None:
-    """By default glibc hands the free top of its heap back to the kernel once it passes 128 KB, so an array
-    freed there and made again (numpy's temporaries, batch after batch) is faulted in and zeroed page by page
-    each time: a third of a 25k-document dedup's page faults and ~6% of its CPU time (benchmarks/RESULTS.md).
-    With 64 MB kept at the top, that memory is reused as it is; the process holds at most that much more."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (macOS): its allocator keeps its own policy
-        return
-    mallopt(M_TOP_PAD, HEAP_TOP_PAD)
 
 
 if __name__ == "__main__":

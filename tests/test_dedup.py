@@ -790,3 +790,15 @@ def test_an_input_shard_rewritten_while_dedup_runs_is_refused(tmp_path, monkeypa
     with pytest.raises(UserError, match=r"part-00000\.parquet: changed while dedup was running"):
         dedup(source, tmp_path / "out", workers=1)
     assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_glibc_accepts_every_heap_setting_dedup_makes():
+    """A value glibc refuses (an mmap threshold past its 32 MB maximum) would leave its adaptive policy in place
+    without a word: reuse_freed_memory() says whether all three were taken."""
+    import platform
+
+    from smolctl import heap
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's mallopt only")
+    assert heap.reuse_freed_memory()

@@ -53,6 +53,7 @@ from smolctl.data.dedup_stages import (
     signature_unit,
 )
 from smolctl.errors import UserError, WriteRefused
+from smolctl.heap import reuse_freed_memory
 from smolctl.results import Result
 from smolctl.shards import KIND_DOCUMENTS, DatasetWriter, OutputFolder, schema_to_dict
 
@@ -183,6 +184,7 @@ def run(
         )
     if stage == "components" and tasks != 1:
         raise UserError("--tasks", "the components stage is a single task", "run it with --tasks 1 --task-id 0")
+    reuse_freed_memory()  # every stage makes and frees large numpy temporaries (forked workers inherit it)
     plan_ = plan(config)
     # A task of an array (not a plain local run, which refuses a full OUTPUT) finds a committed run done, with
     # --overwrite too: that replaces another run's OUTPUT, and the same run would write the same bytes again.
