@@ -1,7 +1,7 @@
 """The MinHash kernels of _minhash.c in numpy, for installs where the C extension could not be built.
 
     from smolctl.data import minhash_fallback as kernels
-    kernels.signatures(shingles, offsets, multipliers, out)   # same arguments, results and errors as _minhash
+    kernels.signatures(keys, starts, ends, multipliers, out)   # same arguments, results and errors as _minhash
 
 Each function takes the same buffers as its C twin, fills the same outputs bit for bit (sorted_sets and
 fold_documents: up to the end they report; past it the C kernels leave scratch) and refuses the same
