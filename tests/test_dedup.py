@@ -792,13 +792,37 @@ def test_an_input_shard_rewritten_while_dedup_runs_is_refused(tmp_path, monkeypa
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
-def test_glibc_accepts_every_heap_setting_dedup_makes():
-    """A value glibc refuses (an mmap threshold past its 32 MB maximum) would leave its adaptive policy in place
-    without a word: reuse_freed_memory() says whether all three were taken."""
+def test_the_heap_settings_let_a_freed_array_be_made_again_without_page_faults():
+    """With glibc's defaults a freed 24 MB array is unmapped, and the next one is faulted in page by page again;
+    with reuse_freed_memory() the second comes from the heap as it is. A fresh process: the test runner's own
+    heap history would decide otherwise."""
+    import os
     import platform
-
-    from smolctl import heap
+    import subprocess
+    import sys
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc's mallopt only")
-    assert heap.reuse_freed_memory()
+    probe = """
+import resource, sys
+import numpy as np
+from smolctl import heap
+applied = heap.reuse_freed_memory() if sys.argv[1] == "tuned" else True
+faults = []
+for _ in range(2):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    del_me = np.ones(3 * 2**20)  # 24 MB, every page written
+    del del_me
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(applied, *faults)
+"""
+    env = {**os.environ, "NUMPY_MADVISE_HUGEPAGE": "0"}
+    runs = {}
+    for mode in ("default", "tuned"):
+        done = subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True, env=env, timeout=60)
+        assert done.returncode == 0, done.stderr
+        applied, first, second = done.stdout.split()
+        runs[mode] = (applied == "True", int(first), int(second))
+    pages = 3 * 2**20 * 8 // 4096
+    assert runs["default"][2] > pages // 2  # the probe sees the faults it is meant to remove
+    assert runs["tuned"][0] and runs["tuned"][2] < pages // 10
