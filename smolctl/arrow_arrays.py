@@ -37,9 +37,11 @@ def compute(name: str, *args, options=None):
     return call_function(name, list(args), options)
 
 
-def cast(values, target: pa.DataType):
-    """`values` (an array or chunked array) as `target`, checked as pyarrow.compute.cast checks (safe); the
-    values themselves when they already are."""
+def cast(values, target: pa.DataType | pa.Schema):
+    """`values` (an array or chunked array) as the type `target`, or a table as the schema `target` column by
+    column, checked as pyarrow.compute.cast checks (safe); the values themselves when they already are."""
+    if isinstance(target, pa.Schema):
+        return pa.Table.from_arrays([cast(values.column(f.name), f.type) for f in target], schema=target)
     return values if values.type == target else call_function("cast", [values], CastOptions(target_type=target))
 
 

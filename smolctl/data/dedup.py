@@ -119,11 +119,7 @@ def assemble(plan_: DedupPlan, stats: dict) -> dict:
         removed = read_parquet(plan_.work / "components" / "removed.parquet").drop_columns(["index"])
         with OutputFolder(folder.file("duplicates"), kind=KIND_DOCUMENTS, inputs=[]) as report_folder:
             writer = DatasetWriter(report_folder, schema=DUPLICATES_SCHEMA)
-            writer.write(
-                pa.Table.from_arrays(
-                    [cast(removed.column(f.name), f.type) for f in DUPLICATES_SCHEMA], schema=DUPLICATES_SCHEMA
-                )
-            )
+            writer.write(cast(removed, DUPLICATES_SCHEMA))
             writer.close()
             report_folder.commit(schema=schema_to_dict(DUPLICATES_SCHEMA), stats={"removed": removed.num_rows})
         return folder.commit(

@@ -289,10 +289,10 @@ def signatures_of(plan_: DedupPlan, docs: np.ndarray) -> np.ndarray:
     params, num_perm = plan_.config.minhash, plan_.config.minhash.num_perm
     if plan_.config.verify:
         # Each unit's rows straight from its kept keys, by their ranges (memory-mapped: only these are read).
-        rows = []
+        rows, permutations = [], params.permutations()
         for path, _, wanted in _rows_by_unit(plan_, docs, "shingles.npy"):
             keys, offsets = _kept_keys(path)
-            rows.append(key_signatures(keys, offsets[wanted], offsets[wanted + 1], params.permutations()))
+            rows.append(key_signatures(keys, offsets[wanted], offsets[wanted + 1], permutations))
         return np.concatenate(rows) if rows else np.zeros((0, num_perm), np.uint32)
     rows = [
         np.memmap(
