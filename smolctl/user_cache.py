@@ -5,7 +5,9 @@ content depends on, so a stale entry is never read."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from smolctl.errors import UserError
@@ -44,3 +46,19 @@ def save_entry(path: Path | None, data: bytes) -> None:
         atomic_write_bytes(path, data, durable=False)
     except (OSError, UserError):
         pass
+
+
+_DIGEST_SIZE = 32
+
+
+def derived_bytes(path: Path | None, derive: Callable[[], bytes], size: int) -> memoryview:
+    """The `size` bytes `derive()` returns, kept at `path` followed by their sha256: read back when the entry has
+    that size and digest, else (missing, short, damaged) derived again and the entry replaced."""
+    entry = read_entry(path)
+    if entry is not None and len(entry) == size + _DIGEST_SIZE:
+        data = memoryview(entry)[:-_DIGEST_SIZE]
+        if hashlib.sha256(data).digest() == entry[-_DIGEST_SIZE:]:
+            return data
+    data = derive()
+    save_entry(path, data + hashlib.sha256(data).digest())
+    return memoryview(data)

@@ -743,33 +743,48 @@ def test_bytes_that_are_not_utf8_in_a_column_only_the_filter_stage_reads_are_ref
 def test_the_dedup_command_imports_only_what_it_needs(tmp_path):
     """Start-up is most of a small run's time: no pandas (pyarrow imports it on its first pa.array or Python
     scalar, which dedup avoids), no pyarrow.dataset, no pyarrow.compute (its wrappers: the functions are called
-    through arrow_arrays.compute), no training stack."""
+    through arrow_arrays.compute), no training stack; and once the multipliers are in smolctl's cache, no
+    numpy.random. The multipliers read back are the ones drawn."""
+    import os
     import subprocess
     import sys
 
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-X",
-            "importtime",
-            "-m",
-            "smolctl",
-            "dedup",
-            str(SAMPLE / "math"),
-            str(tmp_path / "out"),
-            "--minhash",
-            "--workers",
-            "1",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
-    assert "smolctl.data.dedup" in imported
-    assert not imported & {"pandas", "pyarrow.dataset", "pyarrow.compute", "torch", "transformers", "trl", "datasets"}
+    from smolctl.data.minhash.params import derive_multipliers
+
+    def imported_by_a_run(name: str) -> set[str]:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-X",
+                "importtime",
+                "-m",
+                "smolctl",
+                "dedup",
+                str(SAMPLE / "math"),
+                str(tmp_path / name),
+                "--minhash",
+                "--workers",
+                "1",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "SMOLCTL_CACHE": str(tmp_path / "cache")},
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+
+    first, second = imported_by_a_run("first"), imported_by_a_run("second")
+    assert "smolctl.data.dedup" in first and "numpy.random" in first
+    unwanted = {"pandas", "pyarrow.dataset", "pyarrow.compute", "torch", "transformers", "trl", "datasets"}
+    assert not first & unwanted and not second & (unwanted | {"numpy.random"})
+    (entry,) = (tmp_path / "cache" / "minhash-multipliers").iterdir()
+    assert entry.read_bytes()[:-32] == derive_multipliers(1, 100).astype("<u4").tobytes()
+    outputs = [sorted(p.name for p in (tmp_path / name).rglob("*")) for name in ("first", "second")]
+    assert outputs[0] == outputs[1]
+    for shard in (tmp_path / "first").rglob("*.parquet"):
+        assert shard.read_bytes() == (tmp_path / "second" / shard.relative_to(tmp_path / "first")).read_bytes()
 
 
 def test_an_input_shard_rewritten_while_dedup_runs_is_refused(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from smolctl.arrow_arrays import plain_strings
-from smolctl.user_cache import cache_path, read_entry, save_entry
+from smolctl.user_cache import cache_path, derived_bytes
 
 _OTHER_SPACES = {0x85: " ", 0x1680: " ", 0x2028: " ", 0x2029: " "}
 _OTHER_SPACES_TEXT = [chr(c) for c in _OTHER_SPACES]
@@ -80,18 +80,14 @@ def normalization_tables() -> NormalizationTables:
     """Derived from this Python's Unicode tables once per machine. Deriving them is a Python pass over every code
     point, a large part of a small dedup's whole run, so they are kept in smolctl's cache (smolctl.user_cache),
     under a name that covers this module's source and this Python's Unicode version."""
-    entry = _tables_entry()
-    tables = _tables_from_bytes(read_entry(entry))
-    if tables is None:
-        tables = derive_normalization_tables()
-        save_entry(entry, _tables_to_bytes(tables))
+    data = derived_bytes(_tables_entry(), lambda: _tables_to_bytes(derive_normalization_tables()), sum(_TABLE_SIZES))
+    tables = _tables_from_bytes(data)
     for array in (tables.changing, tables.folds, tables.classes):
         array.flags.writeable = False  # cached for the whole process
     return tables
 
 
 _TABLE_SIZES = (TABLE_CODE_POINTS // 8, TABLE_CODE_POINTS * 8, TABLE_CODE_POINTS)  # changing, folds, classes
-_DIGEST_SIZE = 32
 
 
 def _tables_entry() -> Path | None:
@@ -104,18 +100,11 @@ def _tables_entry() -> Path | None:
 
 
 def _tables_to_bytes(tables: NormalizationTables) -> bytes:
-    """The three arrays end to end (little-endian), then their sha256."""
-    data = tables.changing.tobytes() + tables.folds.astype("<u8").tobytes() + tables.classes.tobytes()
-    return data + hashlib.sha256(data).digest()
+    """The three arrays end to end (little-endian)."""
+    return tables.changing.tobytes() + tables.folds.astype("<u8").tobytes() + tables.classes.tobytes()
 
 
-def _tables_from_bytes(entry: bytes | None) -> NormalizationTables | None:
-    """The tables of a cache entry, or None where it is missing, short or damaged."""
-    if entry is None or len(entry) != sum(_TABLE_SIZES) + _DIGEST_SIZE:
-        return None
-    data = memoryview(entry)[:-_DIGEST_SIZE]
-    if hashlib.sha256(data).digest() != entry[-_DIGEST_SIZE:]:
-        return None
+def _tables_from_bytes(data: memoryview) -> NormalizationTables:
     changing_end, folds_end = _TABLE_SIZES[0], _TABLE_SIZES[0] + _TABLE_SIZES[1]
     return NormalizationTables(
         np.frombuffer(data[:changing_end], np.uint8),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from smolctl.errors import UserError
+from smolctl.user_cache import cache_path, derived_bytes
 
 # Bumped whenever a hash definition changes: a dedup work area made under another version is not resumed.
 HASHING_VERSION = 2
@@ -121,6 +122,15 @@ class MinHashParams:
 
 @functools.cache
 def _permutations(seed: int, num_perm: int) -> np.ndarray:
-    # Every shard's signatures and the recomputed rows use the same multipliers: derived once per process.
+    # Every shard's signatures and the recomputed rows use the same multipliers: derived once per process, and
+    # kept in smolctl's cache, since importing numpy.random is a noticeable part of a small run's start-up. The
+    # entry is named by numpy's version: Generator's streams may change from one version to the next.
+    entry = cache_path("minhash-multipliers", f"numpy-{np.__version__}-seed-{seed}-{num_perm}.u32")
+    data = derived_bytes(entry, lambda: derive_multipliers(seed, num_perm).astype("<u4").tobytes(), 4 * num_perm)
+    return np.frombuffer(data, "<u4").astype(np.uint32)
+
+
+def derive_multipliers(seed: int, num_perm: int) -> np.ndarray:
+    """Odd 32-bit multipliers drawn from numpy's PCG64 seeded with `seed`."""
     rng = np.random.Generator(np.random.PCG64(seed))
     return rng.integers(0, 2**32, size=num_perm, dtype=np.uint32) | np.uint32(1)
