@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/dedup_bench.py --docs 25000 --repeat 5 --cpu 0
     .venv/bin/python benchmarks/dedup_bench.py --scale 1000000 --scale-corpus /tmp/dedup-1m --repeat 2
+    .venv/bin/python benchmarks/dedup_bench.py --startup --repeat 21
 
 1. Corpus: the sample corpus plus /usr/share/doc texts (real prose, licences, changelogs: natural near
    duplicates included), cut into ~1.2 KB documents; 15% of them get a planted copy with random word edits
@@ -385,6 +386,36 @@ def scaled_run(docs: int, threshold: float, cpu: int, repeat: int, corpus: Path 
             )
 
 
+STARTUP_LADDER = (
+    "pass",
+    "import numpy",
+    "import pyarrow",
+    "import pyarrow.parquet",
+    "import pyarrow.parquet, typer",
+    "import pyarrow.parquet, typer, numpy.random",
+    "import smolctl.cli, smolctl.data.dedup",
+)
+
+
+def startup(cpu: int, repeat: int) -> None:
+    """CPU time of fresh processes that only import, a ladder of what a dedup run imports, in interleaved rounds:
+    the difference between two rungs is what the later imports cost a whole process (import-time tables count
+    their own overhead and miss the loader's)."""
+    times: dict[str, list[float]] = {code: [] for code in STARTUP_LADDER}
+    for _ in range(repeat):
+        for code in STARTUP_LADDER:
+            process = subprocess.Popen(
+                [sys.executable, "-c", code], cwd=REPO, preexec_fn=lambda: os.sched_setaffinity(0, {cpu})
+            )
+            _, status, usage = os.wait4(process.pid, 0)
+            if os.waitstatus_to_exitcode(status) != 0:
+                sys.exit(f"python -c {code!r} failed")
+            times[code].append((usage.ru_utime + usage.ru_stime) * 1000)
+    print(f"| python -c (one CPU, {repeat} interleaved rounds) | CPU ms, median | min |\n|---|---:|---:|")
+    for code, values in times.items():
+        print(f"| `{code}` | {float(np.median(values)):.1f} | {min(values):.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--docs", type=int, default=25000)
@@ -396,6 +427,7 @@ def main() -> None:
         "--scale", type=int, help="Only measure smolctl's time and memory on this many synthetic documents."
     )
     parser.add_argument("--scale-corpus", type=Path, help="Folder to keep the --scale documents in (made if missing).")
+    parser.add_argument("--startup", action="store_true", help="Only measure what a run's imports cost a process.")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--corpus", type=Path, help=argparse.SUPPRESS)
@@ -407,6 +439,9 @@ def main() -> None:
     # Python caches bytecode on the first import, but where PYTHONDONTWRITEBYTECODE is set (this sandbox sets it)
     # every smolctl run would compile its modules again, which neither an installed smolctl nor rensa pays.
     compileall.compile_dir(str(REPO / "smolctl"), quiet=1)
+    if args.startup:
+        startup(args.cpu, args.repeat)
+        return
     if args.scale:
         scaled_run(args.scale, args.threshold, args.cpu, args.repeat, args.scale_corpus)
         return
