@@ -23,7 +23,6 @@ import shutil
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,8 +30,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from safetensors import SafetensorError, safe_open
-from safetensors.numpy import load_file
 
 from smolctl import __version__
 from smolctl.errors import UserError, WriteRefused, writing_to
@@ -486,6 +483,8 @@ def write_int32_safetensors(blocks: Mapping[str, Sequence[np.ndarray]], path: Pa
         for part in data:
             hasher.update(part)
         return hasher.hexdigest()
+
+    from concurrent.futures import ThreadPoolExecutor  # here: the commands that write no packed shard skip it
 
     with ThreadPoolExecutor(1, thread_name_prefix="sha256") as helper:
         expected = helper.submit(digest)
@@ -952,6 +951,9 @@ class PackedSource:
         return [int(s["rows"]) for s in self.manifest["shards"]]
 
     def load_shard(self, index: int) -> dict[str, np.ndarray]:
+        from safetensors import SafetensorError
+        from safetensors.numpy import load_file
+
         path = self.files[index]
         try:
             return load_file(str(path))
@@ -964,6 +966,8 @@ class PackedSource:
 def packed_shape_problems(folder: Path, manifest: dict) -> list[str]:
     """Shards whose tensors are not the manifest's [rows, seq_len] (read from their headers only): a hand-edited
     row count would have training read past a shard's end, or quietly other rows than it meant."""
+    from safetensors import SafetensorError, safe_open
+
     problems = []
     for shard in manifest.get("shards", []):
         path = Path(folder) / shard["name"]

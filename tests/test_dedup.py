@@ -743,7 +743,7 @@ def test_bytes_that_are_not_utf8_in_a_column_only_the_filter_stage_reads_are_ref
 def test_the_dedup_command_imports_only_what_it_needs(tmp_path):
     """Start-up is most of a small run's time: no pandas (pyarrow imports it on its first pa.array or Python
     scalar, which dedup avoids), no pyarrow.dataset, no pyarrow.compute (its wrappers: the functions are called
-    through arrow_arrays.compute), no training stack; and once the multipliers are in smolctl's cache, no
+    through arrow_arrays.compute), no training stack, no safetensors or thread pool; and once the multipliers are in smolctl's cache, no
     numpy.random. The multipliers read back are the ones drawn."""
     import os
     import subprocess
@@ -778,6 +778,7 @@ def test_the_dedup_command_imports_only_what_it_needs(tmp_path):
     first, second = imported_by_a_run("first"), imported_by_a_run("second")
     assert "smolctl.data.dedup" in first and "numpy.random" in first
     unwanted = {"pandas", "pyarrow.dataset", "pyarrow.compute", "torch", "transformers", "trl", "datasets"}
+    unwanted |= {"safetensors", "concurrent.futures"}  # packed shards' reader and writer; one worker needs no pool
     assert not first & unwanted and not second & (unwanted | {"numpy.random"})
     (entry,) = (tmp_path / "cache" / "minhash-multipliers").iterdir()
     assert entry.read_bytes()[:-32] == derive_multipliers(1, 100).astype("<u4").tobytes()
