@@ -244,19 +244,20 @@ def main() -> None:
                 f"{statistics.median(cpu[mode]) / statistics.median(cpu['exact']):.2f} | {error:.3f} |"
             )
         print(
-            "\n| source | target | mode | share as pack counts | bytes/token (calibrated, EOS excl.) | sampled documents | "
-            "relative standard error | split-half error |\n|---|---|---|---|---|---|---|---|"
+            "\n| source | target | mode | share as pack counts | sample's bytes/token (EOS excl.) | fit: tokens/byte, "
+            "+ per byte beyond ASCII | sampled documents | relative standard error | split-half error |"
+            "\n|---|---|---|---|---|---|---|---|---|"
         )
         for name in WEIGHTS:
             for mode in modes:
                 e = read_manifest(work / f"out-{mode}")["mix"]["token_estimate"]["sources"][name]
                 calibration = (
                     (
-                        f"{e['bytes_per_token']:.3f} | {e['sample_documents']:,} | {e['relative_standard_error']:.2%} | "
-                        f"{e['holdout_error']:.2%}"
+                        f"{e['bytes_per_token']:.3f} | {e['tokens_per_byte']:.4f}, {e['tokens_per_extra_byte']:+.4f} | "
+                        f"{e['sample_documents']:,} | {e['relative_standard_error']:.2%} | {e['holdout_error']:.2%}"
                     )
                     if e["mode"] == "sample"
-                    else "| | |"
+                    else "| | | |"
                 )
                 print(f"| {name} | {target[name]:.4f} | {mode} | {shares[mode][name]:.4f} | {calibration} |")
     finally:

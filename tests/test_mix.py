@@ -159,6 +159,51 @@ def test_sample_estimate_reaches_the_token_shares_pack_counts_within_half_a_poin
     assert len(shards[0]) > 1 and shards[0] == shards[1]
 
 
+def test_sample_estimate_gives_text_beyond_ascii_its_own_cost(sample, tokenizer_dir, tmp_path):
+    """A source of short English paragraphs and three long CJK documents: under an English tokenizer a CJK byte
+    costs about a token, an English one a third of that. One ratio for the source, pulled down by the CJK text in
+    its sample, overcounted the paragraphs a mix picks and gave the source 0.38 of the tokens `pack` counts for a
+    target of 0.5, with no warning. A sample that holds no CJK document cannot know its cost: that run warns."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    web = [t for f in sorted((sample / "web").glob("part-*.parquet")) for t in pq.read_table(f)["text"].to_pylist()]
+    paragraphs = [p for t in web for p in t.split("\n\n") if len(p.strip()) > 40]
+    rng = random.Random(0)
+    texts = [f"{rng.choice(paragraphs)} #{i}" for i in range(12000)]
+    for _ in range(3):
+        texts.insert(
+            rng.randrange(len(texts)), "".join(rng.choice("这是一个测试文档用于检查中文处理") for _ in range(100_000))
+        )
+    (tmp_path / "mixed").mkdir()
+    pq.write_table(pa.table({"text": texts}), tmp_path / "mixed" / "part-00000.parquet")
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+    def run(seed: int):
+        sources = [f"mixed={tmp_path / 'mixed'}:1", f"web={sample}/web:1"]
+        options = {"tokens": "300K", "tokenizer": str(tokenizer_dir), "seed": seed, "token_estimate": "sample"}
+        result = mix(sources, tmp_path / f"out-{seed}", token_sample=3000, **options)
+        rows = read_rows(tmp_path / f"out-{seed}")
+        ids = tokenizer(rows["text"].to_pylist(), add_special_tokens=False)["input_ids"]
+        counts = np.array([len(i) + 1 if i else 0 for i in ids])
+        names = rows["source"].to_numpy(zero_copy_only=False)
+        return result, counts[names == "mixed"].sum() / counts.sum()
+
+    # Seed 6 samples one of the CJK documents and picks none: the fit prices the paragraphs right. With one CJK
+    # document in the sample, one half of it cannot price CJK text for the other: the split-half check warns.
+    result, share = run(6)
+    calibration = result.token_estimates["mixed"]
+    assert calibration["sample_extra_bytes"] > 0 and calibration["tokens_per_extra_byte"] > 0
+    assert abs(share - 0.5) < 0.005
+    assert [w.split(":")[0] for w in result.warnings()] == ["source 'mixed'"] and "one half" in result.warnings()[0]
+    assert result.token_estimates["web"]["estimated_documents"] == 0  # sampled whole: nothing to warn of
+    # Seed 2 samples none and picks one, estimated at an English paragraph's cost: 0.70 of the tokens, warned.
+    result, share = run(2)
+    assert result.token_estimates["mixed"]["extra_bytes_unsampled"] and share > 0.6
+    assert any("beyond ASCII" in warning for warning in result.warnings())
+
+
 def whitespace_word_tokenizer(folder: Path, words: list[str]) -> Path:
     """A word-level tokenizer folder (as BERT-like and SentencePiece folders behave): whitespace alone gives no ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -190,8 +235,20 @@ def test_sample_estimate_counts_no_end_for_documents_that_tokenize_to_nothing(tm
     exact = int(document_sizes(pa.array(texts), backend).sum())
     for seed in range(3):
         measured = measure_file(source, 0, source_key(seed, "s"), "text", backend, (sample_key(seed, "s"), 0.1))
-        calibration = calibrate("s", len(texts), measured["sample_bytes"], measured["sample_tokens"])
-        estimate = calibration.estimate(measured["units"], measured["nonempty"]).sum() + measured["sampled"].sum()
+        calibration = calibrate(
+            "s",
+            measured["sample_bytes"],
+            measured["sample_extra"],
+            measured["sample_tokens"],
+            source_documents=len(texts),
+            source_bytes=int(document_sizes(pa.array(texts), None).sum()),
+            source_extra_bytes=0,
+            estimated_documents=int(measured["nonempty"].sum()),
+        )
+        estimate = (
+            calibration.estimate(measured["units"], measured["extra"], measured["nonempty"]).sum()
+            + measured["sampled"].sum()
+        )
         assert abs(estimate / exact - 1) < 0.02, (seed, estimate, exact)  # each whitespace EOS was +13%
         assert 0.4 < calibration.ends_per_document < 0.6
 
@@ -200,9 +257,10 @@ def test_estimates_are_rounded_along_the_running_total():
     """Bins of one short document each: rounded one by one, every 1.75-token estimate became 2 (a bias of +3%)."""
     from smolctl.data.mix_tokens import TokenCalibration
 
-    calibration = TokenCalibration(1000, 100, 1000, 250, 50, None, None)  # 0.25 tokens per byte, half end in EOS
+    # 0.25 tokens per byte, half the documents end in EOS
+    calibration = TokenCalibration(10_000, 10_000, 0, 9_900, 100, 1000, 0, 250, 50, 0.25, 0.0, None, None)
     text_bytes = np.tile([5, 22], 500)
-    estimate = calibration.estimate(text_bytes, np.ones(1000, dtype=np.int64))
+    estimate = calibration.estimate(text_bytes, np.zeros(1000, dtype=np.int64), np.ones(1000, dtype=np.int64))
     expected = (text_bytes * 0.25 + 0.5).sum()
     assert abs(estimate.sum() - expected) <= 1 and np.abs(estimate - (text_bytes * 0.25 + 0.5)).max() < 1
     assert estimate.dtype == np.int64

@@ -351,8 +351,8 @@ def mix_command(
         help="How "
         "tokens are counted. exact: tokenize every document. sample: tokenize "
         "a seeded sample of ~10,000 documents per source "
-        "(recipe key token_sample), calibrate its bytes per token, estimate the "
-        "rest from UTF-8 bytes. auto (default): sample a source of more than "
+        "(recipe key token_sample), fit its tokens to UTF-8 bytes (and to bytes "
+        "beyond ASCII), estimate the rest from theirs. auto (default): sample a source of more than "
         "100,000 documents, count smaller ones "
         "exactly.",
     ),
@@ -457,9 +457,15 @@ def mix_command(
         warn(message)
     for name, estimate in (result.token_estimates or {}).items():
         if estimate["mode"] == "sample":
+            cost = (
+                f"{estimate['tokens_per_byte']:.3f} tokens/byte + {estimate['tokens_per_extra_byte']:.3f} per byte "
+                "beyond ASCII"
+                if estimate["tokens_per_extra_byte"]
+                else f"{estimate['bytes_per_token']:.3f} bytes/token"
+            )
             show(
-                f"{name}: tokens estimated at {estimate['bytes_per_token']:.3f} bytes/token, calibrated on "
-                f"{estimate['sample_documents']:,} sampled documents (split-half error {estimate['holdout_error'] or 0:.2%})"
+                f"{name}: tokens estimated at {cost}, fitted on {estimate['sample_documents']:,} sampled documents "
+                f"(split-half error {estimate['holdout_error'] or 0:.2%})"
             )
     show(
         styled(

@@ -61,7 +61,15 @@ from smolctl.data.mix_blocks import (
     write_curriculum,
 )
 from smolctl.data.mix_schedule import MixSchedule, Stage, check_order_columns
-from smolctl.data.mix_tokens import TokenCalibration, calibrate, document_sizes, measure_file, sample_key
+from smolctl.data.mix_tokens import (
+    HOLDOUT_WARNING,
+    MEASUREMENTS_VERSION,
+    TokenCalibration,
+    calibrate,
+    document_sizes,
+    measure_file,
+    sample_key,
+)
 from smolctl.errors import UserError
 from smolctl.shards import (
     KIND_DOCUMENTS,
@@ -355,8 +363,9 @@ class MixResult:
     tokenizer."""
 
     def warnings(self) -> list[str]:
-        """What the run did not reach: each source of a stage that fell short of its target weight."""
-        return [
+        """What the run did not reach: each source of a stage that fell short of its target weight, and each token
+        estimate that may miss its shares by more than half a point."""
+        short = [
             f"stage {report.name!r}, source {s.name!r}: achieved weight {s.achieved_weight:.3f} against "
             f"{s.target_weight:.3f}: slices end at whole documents, and the stage's budget holds too few of its "
             f"({s.source_units:,} {report.unit} in {s.source_documents:,} document{'s' * (s.source_documents != 1)}) "
@@ -364,6 +373,25 @@ class MixResult:
             for report in self.stages
             for s in report.short_of_target()
         ]
+        unsure = [
+            f"source {name!r}: its token estimate misses one half of its sample by {estimate['holdout_error']:.1%} "
+            f"when fitted on the other ({estimate['sample_documents']:,} documents sampled): the achieved weights "
+            "count estimated tokens and may be off by more than half a point; raise token_sample (a recipe key), "
+            "or pass --token-estimate exact"
+            for name, estimate in (self.token_estimates or {}).items()
+            if estimate["mode"] == "sample"
+            and estimate["estimated_documents"]
+            and (estimate["holdout_error"] or 0) > HOLDOUT_WARNING
+        ]
+        unseen = [
+            f"source {name!r}: {estimate['source_extra_bytes'] / estimate['source_bytes']:.1%} of its bytes are "
+            f"text beyond ASCII, {estimate['sample_extra_bytes'] / estimate['sample_bytes']:.1%} of its sample's: "
+            "the estimate cannot know what that text costs in tokens, and the achieved weights may be off by more "
+            "than half a point; raise token_sample (a recipe key), or pass --token-estimate exact"
+            for name, estimate in (self.token_estimates or {}).items()
+            if estimate["mode"] == "sample" and estimate["extra_bytes_unsampled"]
+        ]
+        return short + unsure + unseen
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -535,7 +563,7 @@ class MixJob:
         profiles, calibrations = {}, {}
         for name, source in self.sources.items():
             totals: dict[str, np.ndarray] = {}
-            samples: dict[str, list[np.ndarray]] = {"sample_bytes": [], "sample_tokens": []}
+            samples: dict[str, list[np.ndarray]] = {"sample_bytes": [], "sample_extra": [], "sample_tokens": []}
             for unit in files[name]:
                 for key, value in measured(unit).items():
                     if key in samples:
@@ -544,13 +572,18 @@ class MixJob:
                         totals[key] = totals[key] + value if key in totals else value
             units, documents = totals["units"], totals["documents"]
             if samples["sample_bytes"]:  # units are bytes outside the sample: estimate their tokens from it
+                sample = {key: np.concatenate(parts) for key, parts in samples.items()}
                 calibrations[name] = calibrate(
                     name,
-                    int(documents.sum()),
-                    np.concatenate(samples["sample_bytes"]),
-                    np.concatenate(samples["sample_tokens"]),
+                    sample["sample_bytes"],
+                    sample["sample_extra"],
+                    sample["sample_tokens"],
+                    source_documents=int(documents.sum()),
+                    source_bytes=int(units.sum() + sample["sample_bytes"].sum()),
+                    source_extra_bytes=int(totals["extra"].sum() + sample["sample_extra"].sum()),
+                    estimated_documents=int(totals["nonempty"].sum()),
                 )
-                units = calibrations[name].estimate(units, totals["nonempty"]) + totals["sampled"]
+                units = calibrations[name].estimate(units, totals["extra"], totals["nonempty"]) + totals["sampled"]
             profiles[name] = SourceProfile(name, source, source_key(self.plan.seed, name), units, documents)
         reports = allocate(self.plan, profiles)
         ranges: dict[str, set] = {}
@@ -725,6 +758,7 @@ def prepare_mix(plan: MixSchedule, output: str | Path, *, overwrite: bool = Fals
         document_end_id(plan.tokenizer, loaded)  # counted after every document, as pack appends it
         backend, tokenizer = loaded.backend, loaded.fingerprint
     fingerprint = {
+        "measurements": MEASUREMENTS_VERSION,
         "plan": asdict(plan),
         "input_files": {name: file_identity(s.files) for name, s in sources.items()},
         "tokenizer": tokenizer,

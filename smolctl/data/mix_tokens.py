@@ -7,15 +7,22 @@ full tokenizer pass at corpus scale. The estimate tokenizes only a seeded sample
 1. Sample. A row is in its source's sample when a hash of (seed, source, row index) falls below the fraction
    token_sample / documents of the source (all rows when that is 1): about `token_sample` documents, spread over
    every file, chosen without reading anything, so each measuring unit (one file) finds its own share.
-2. Calibrate. tokens per byte = the sample's token ids / its UTF-8 bytes (a ratio estimator: long documents weigh
-   more, as they do in a token share). Its relative standard error and a split-half check are recorded.
-3. Estimate. A bin's tokens = tokens per byte x the bytes of its documents outside the sample + one EOS per
-   such non-empty document that tokenizes to something (`pack` appends none to a document of no ids, e.g.
-   whitespace under a SentencePiece tokenizer: the sample measures that share), + the sampled documents'
+2. Calibrate. A document's token ids ~ a x its UTF-8 bytes + b x its extra bytes (those beyond the first of each
+   character: none in ASCII), fitted on the sample by least squares weighted by 1 / bytes. Without extra bytes
+   that is the ratio estimator, the sample's ids / its bytes (long documents weigh more, as they do in a token
+   share); with them, scripts of different cost each get theirs: a source of English pages and a few long CJK
+   books is estimated right for the pages a mix picks, where one ratio, pulled toward the books' cost,
+   overcounted them. Its relative standard error and a split-half check are recorded.
+3. Estimate. A bin's tokens = the fit over the bytes and extra bytes of its documents outside the sample + one
+   EOS per such non-empty document that tokenizes to something (`pack` appends none to a document of no ids,
+   e.g. whitespace under a SentencePiece tokenizer: the sample measures that share), + the sampled documents'
    tokens, counted exactly (they are known: a sample that is a large part of a small source leaves little to
    estimate).
 A source whose estimate is off by a relative error e moves its share s by about s x (1 - s) x e (less the
 others' errors), so calibrations within 1% keep the shares within about half a point, and usually well inside.
+A split-half error above HOLDOUT_WARNING is reported as a warning: the sample does not predict its own halves
+well enough for that (documents of very different cost per byte, too few of them sampled). So is a source whose
+sample holds too little of its text beyond ASCII to price it (TokenCalibration.extra_bytes_unsampled).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 
 import numpy as np
@@ -35,11 +42,30 @@ from smolctl.data.mix_blocks import BINS, row_bins, row_hash, source_key
 from smolctl.errors import UserError
 
 Arrays = dict[str, np.ndarray]
+MEASUREMENTS_VERSION = 2
+"""Bumped whenever what a measuring unit records changes (2: extra bytes): a work area measured by another version
+is measured again, not resumed."""
+HOLDOUT_WARNING = 0.04
+"""A split-half error that suggests the whole sample's estimate is off by 2%, which can move a share of one half
+by half a point (s x (1 - s) x e): fitted on half the documents and checked against the other half's own noise,
+the split-half error runs at about twice the whole sample's."""
+EXTRA_FITTED_FROM = 0.01
+"""Extra bytes get their own coefficient where they are at least 1% of the sample's bytes: a few accented letters
+would otherwise set it at random (+6 or -7 tokens per byte on the English sample corpus)."""
+COLLINEAR = 0.01
+"""The fit keeps one ratio where the sample's extra bytes are (nearly) a fixed share of its bytes (one script):
+two coefficients would then only fit the sample's noise."""
 
 
 def text_bytes(texts: pa.Array) -> np.ndarray:
     """UTF-8 bytes of each document (0 for a null)."""
     return pc.fill_null(pc.binary_length(plain_strings(texts)), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def extra_bytes(texts: pa.Array, sizes: np.ndarray) -> np.ndarray:
+    """UTF-8 bytes beyond the first of each character of each document, given their `sizes` in bytes."""
+    characters = pc.fill_null(pc.utf8_length(plain_strings(texts)), 0).to_numpy(zero_copy_only=False)
+    return sizes - characters.astype(np.int64)
 
 
 def text_tokens(texts: pa.Array, backend) -> np.ndarray:
@@ -92,16 +118,18 @@ def measure_file(
     """Per bin of one file of a source (rows numbered across the whole source): `units` and `documents`.
 
     `units` are tokens with a tokenizer and no `sample` (key, fraction), else UTF-8 bytes. With a sample, `units`
-    are the bytes of the documents outside it, `nonempty` counts those that are not empty and `sampled` holds
-    the sampled documents' tokens (EOS included); `sample_bytes` and `sample_tokens` (ids, no EOS) list the
-    sampled documents in row order. Only those documents are tokenized.
+    are the bytes of the documents outside it, `extra` their extra bytes (extra_bytes), `nonempty` counts those
+    that are not empty and `sampled` holds the sampled documents' tokens (EOS included); `sample_bytes`,
+    `sample_extra` and `sample_tokens` (ids, no EOS) list the sampled documents in row order. Only those
+    documents are tokenized.
     """
     estimating = backend is not None and sample is not None
     units = np.zeros(BINS, dtype=np.int64)
     documents = np.zeros(BINS, dtype=np.int64)
+    extra = np.zeros(BINS, dtype=np.int64)
     nonempty = np.zeros(BINS, dtype=np.int64)
     sampled = np.zeros(BINS, dtype=np.int64)
-    sampled_bytes, sampled_tokens = [], []
+    sampled_bytes, sampled_extra, sampled_tokens = [], [], []
     row = sum(source.file_rows[:file_index])
     for batch in source.iter_file_batches(file_index, columns=[text_column], batch_size=4096, threads=False):
         rows = np.arange(row, row + batch.num_rows)
@@ -110,13 +138,17 @@ def measure_file(
         if estimating:
             picked = in_sample(sample[0], sample[1], rows)
             sizes = text_bytes(texts)
+            beyond = extra_bytes(texts, sizes)
             tokens = text_tokens(texts.filter(pa.array(picked)), backend)
             sampled += np.bincount(bins[picked], weights=np.where(tokens > 0, tokens + 1, 0), minlength=BINS).astype(
                 np.int64
             )
             sampled_bytes.append(sizes[picked])
+            sampled_extra.append(beyond[picked])
             sampled_tokens.append(tokens)
-            sizes[picked] = 0  # counted exactly above: `units` and `nonempty` hold only what is left to estimate
+            # Counted exactly above: `units`, `extra` and `nonempty` hold only what is left to estimate.
+            sizes[picked] = beyond[picked] = 0
+            extra += np.bincount(bins, weights=beyond, minlength=BINS).astype(np.int64)
             nonempty += np.bincount(bins, weights=sizes > 0, minlength=BINS).astype(np.int64)
         else:
             sizes = document_sizes(texts, backend)
@@ -129,9 +161,11 @@ def measure_file(
     if estimating:
         empty = np.zeros(0, dtype=np.int64)
         measured |= {
+            "extra": extra,
             "nonempty": nonempty,
             "sampled": sampled,
             "sample_bytes": np.concatenate([empty, *sampled_bytes]),
+            "sample_extra": np.concatenate([empty, *sampled_extra]),
             "sample_tokens": np.concatenate([empty, *sampled_tokens]).astype(np.int64),
         }
     return measured
@@ -139,96 +173,139 @@ def measure_file(
 
 @dataclass
 class TokenCalibration:
-    """A source's tokens per UTF-8 byte, measured on its seeded sample; recorded in the mix manifest."""
+    """A source's token ids per UTF-8 byte and per extra byte, fitted on its seeded sample; recorded in the mix
+    manifest."""
 
     source_documents: int
+    source_bytes: int
+    source_extra_bytes: int
+    estimated_documents: int
+    """Non-empty documents outside the sample, whose tokens are estimated: none where it is the whole source."""
     sample_documents: int
     """Non-empty documents tokenized (empty ones have no tokens and no bytes)."""
     sample_bytes: int
+    sample_extra_bytes: int
     sample_tokens: int
     """Token ids of the sample, without EOS."""
     sample_documents_with_tokens: int
     """Sampled documents that tokenize to at least one id: `pack` appends EOS to those only."""
+    tokens_per_byte: float
+    tokens_per_extra_byte: float
+    """0 where the fit keeps one ratio (COLLINEAR)."""
     relative_standard_error: float | None
-    """Standard error of tokens per byte over its value (ratio estimator, finite-population corrected); None
-    with fewer than two documents."""
+    """Standard error of the fit's estimate of the sample's mean tokens over that mean (finite-population
+    corrected); None with fewer documents than coefficients + 1."""
     holdout_error: float | None
-    """Calibrate on every other sampled document, estimate the rest's tokens (EOS included) from their bytes:
-    the larger relative error of the two ways round. None with fewer than two documents."""
+    """Fit on every other sampled document, estimate the rest's tokens (EOS included) from their bytes: the
+    larger relative error of the two ways round. None with fewer than two documents."""
     mode: str = "sample"
 
     @property
-    def tokens_per_byte(self) -> float:
-        return self.sample_tokens / self.sample_bytes
+    def bytes_per_token(self) -> float:
+        """The sample's bytes over its token ids: what one ratio would have used."""
+        return self.sample_bytes / self.sample_tokens if self.sample_tokens else math.inf
 
     @property
-    def bytes_per_token(self) -> float:
-        return self.sample_bytes / self.sample_tokens if self.sample_tokens else math.inf
+    def extra_bytes_unsampled(self) -> bool:
+        """Whether the source's text beyond ASCII is too rare in its sample for the fit to know its cost: at least
+        1% of the source's bytes are extra bytes, and the sample's share of them is under a quarter of that."""
+        source_share = self.source_extra_bytes / max(self.source_bytes, 1)
+        return (
+            self.estimated_documents > 0
+            and source_share >= 0.01
+            and self.sample_extra_bytes / self.sample_bytes < source_share / 4
+        )
 
     @property
     def ends_per_document(self) -> float:
         """EOS tokens `pack` appends per non-empty document, estimated on the sample."""
         return self.sample_documents_with_tokens / self.sample_documents
 
-    def estimate(self, text_bytes: np.ndarray, nonempty: np.ndarray) -> np.ndarray:
-        """Tokens, EOS included, of documents (or bins of them) holding `text_bytes` in `nonempty` documents.
+    def estimate(self, text_bytes: np.ndarray, extra: np.ndarray, nonempty: np.ndarray) -> np.ndarray:
+        """Tokens, EOS included, of documents (or bins of them) holding `text_bytes` with `extra` extra bytes in
+        `nonempty` documents.
 
         Whole tokens, rounded along the running total: each item is within one token of its estimate and any
         run of them sums to its estimate. Rounding each item alone is biased where items are alike (bins of one
         short document each: every whitespace-only one rounded 1.7 up to 2)."""
-        running = np.rint(np.cumsum(text_bytes * self.tokens_per_byte + nonempty * self.ends_per_document))
+        ids = np.maximum(text_bytes * self.tokens_per_byte + extra * self.tokens_per_extra_byte, 0.0)
+        running = np.rint(np.cumsum(ids + nonempty * self.ends_per_document))
         return np.diff(running, prepend=0).astype(np.int64)
 
     def sizes(self, texts: pa.Array) -> np.ndarray:
         """Each document's estimated tokens, EOS included (0 for an empty one)."""
         sizes = text_bytes(texts)
-        return self.estimate(sizes, (sizes > 0).astype(np.int64))
+        return self.estimate(sizes, extra_bytes(texts, sizes), (sizes > 0).astype(np.int64))
 
     def to_dict(self) -> dict:
-        return {
-            "mode": self.mode,
-            "bytes_per_token": self.bytes_per_token,
-            "source_documents": self.source_documents,
-            "sample_documents": self.sample_documents,
-            "sample_bytes": self.sample_bytes,
-            "sample_tokens": self.sample_tokens,
-            "sample_documents_with_tokens": self.sample_documents_with_tokens,
-            "relative_standard_error": self.relative_standard_error,
-            "holdout_error": self.holdout_error,
-        }
+        derived = {"bytes_per_token": self.bytes_per_token, "extra_bytes_unsampled": self.extra_bytes_unsampled}
+        return {"mode": self.mode} | derived | {key: value for key, value in asdict(self).items() if key != "mode"}
+
+
+def fit_tokens(b: np.ndarray, m: np.ndarray, t: np.ndarray) -> tuple[float, float]:
+    """(a, c) minimising sum (t - a b - c m)^2 / b over documents of b > 0 bytes, m extra bytes and t ids; (t / b
+    summed, 0) where m is too little of b (EXTRA_FITTED_FROM) or (nearly) a fixed share of it (COLLINEAR)."""
+    sb, sm, smm, st, stm = b.sum(), m.sum(), (m * m / b).sum(), t.sum(), (t * m / b).sum()
+    if sm < EXTRA_FITTED_FROM * sb or sb * smm - sm * sm <= COLLINEAR * sb * smm:
+        return float(st / sb), 0.0
+    determinant = sb * smm - sm * sm
+    return float((st * smm - sm * stm) / determinant), float((sb * stm - sm * st) / determinant)
 
 
 def calibrate(
-    name: str, source_documents: int, sample_bytes: np.ndarray, sample_tokens: np.ndarray
+    name: str,
+    sample_bytes: np.ndarray,
+    sample_extra: np.ndarray,
+    sample_tokens: np.ndarray,
+    *,
+    source_documents: int,
+    source_bytes: int,
+    source_extra_bytes: int,
+    estimated_documents: int,
 ) -> TokenCalibration:
-    """Tokens per byte of a source from its sampled documents' bytes and token ids (in row order)."""
+    """The fit of a source's sampled documents' ids on their bytes and extra bytes (listed in row order), with
+    the whole source's documents, bytes and extra bytes, and its non-empty documents outside the sample."""
     keep = sample_bytes > 0
-    b, t = sample_bytes[keep].astype(np.float64), sample_tokens[keep].astype(np.float64)
+    b, m = sample_bytes[keep].astype(np.float64), sample_extra[keep].astype(np.float64)
+    t = sample_tokens[keep].astype(np.float64)
     if b.sum() == 0 or t.sum() == 0:
         raise UserError(
             f"source {name!r}",
             f"the token sample ({len(sample_bytes)} documents) holds no tokens",
             "raise token_sample in the recipe, or pass --token-estimate exact",
         )
-    n, ratio = len(b), t.sum() / b.sum()
+    n = len(b)
+    per_byte, per_extra = fit_tokens(b, m, t)
+    coefficients = 1 + (per_extra != 0)
     standard_error = holdout = None
-    if n >= 2:
-        residual = t - ratio * b
+    if n > coefficients:
+        residual = t - per_byte * b - per_extra * m
         population = max(1.0 - n / max(n, source_documents), 0.0)
-        variance = population * (residual @ residual) / (n - 1) / (n * b.mean() ** 2)
-        standard_error = float(math.sqrt(variance) / ratio)
-        halves = [(b[i::2], t[i::2]) for i in (0, 1)]
-        if all(hb.sum() > 0 and ht.sum() > 0 for hb, ht in halves):
-            holdout = max(
-                abs((ft.sum() / fb.sum() * hb.sum() + (ft > 0).mean() * len(hb)) / (ht.sum() + (ht > 0).sum()) - 1)
-                for (fb, ft), (hb, ht) in (halves, halves[::-1])
-            )
+        standard_error = float(math.sqrt(population * (residual @ residual) / (n - coefficients) / n) / t.mean())
+    if n >= 2:
+        halves = [(b[i::2], m[i::2], t[i::2]) for i in (0, 1)]
+        if all(hb.sum() > 0 and ht.sum() > 0 for hb, _, ht in halves):
+
+            def miss(fitted, held) -> float:
+                fit_per_byte, fit_per_extra = fit_tokens(*fitted)
+                ends = (fitted[2] > 0).mean()
+                hb, hm, ht = held
+                estimate = max(fit_per_byte * hb.sum() + fit_per_extra * hm.sum(), 0.0) + ends * len(hb)
+                return abs(estimate / (ht.sum() + (ht > 0).sum()) - 1)
+
+            holdout = max(miss(halves[0], halves[1]), miss(halves[1], halves[0]))
     return TokenCalibration(
         source_documents,
+        source_bytes,
+        source_extra_bytes,
+        estimated_documents,
         n,
         int(b.sum()),
+        int(m.sum()),
         int(t.sum()),
         int((t > 0).sum()),
+        per_byte,
+        per_extra,
         standard_error,
         None if holdout is None else float(holdout),
     )
