@@ -50,8 +50,8 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     is_input = source is plan_.source
     id_column = plan_.id_column if is_input else plan_.reference_id_column
     columns = [plan_.config.text_column] + ([id_column] if id_column else [])
-    # Made-up ids name the file as a reader finds it; the reference's are marked, so a report row's duplicate_of
-    # never reads as one of the input's own documents.
+    # Made-up ids name the file as a reader finds it. The reference's ids, its own or made up, are marked, so a
+    # report row's duplicate_of never reads as one of the input's own documents (both may hold an id "d0").
     shard_name = source.file_labels[file_index] if is_input else f"against:{source.file_labels[file_index]}"
     tables, key_parts, signature_parts, shingle_parts, shingle_counts, exact_parts = [], [], [], [], [], []
     row = 0
@@ -68,6 +68,9 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
         texts = plain_strings(batch.column(plan_.config.text_column))
         if id_column:
             ids = id_strings(batch.column(id_column), source.files[file_index], id_column)
+            if not is_input:  # (scalars taken from arrays: pa.scalar of a Python str would import pandas)
+                mark, no_separator = strings(["against:", ""])
+                ids = compute("binary_join_element_wise", mark, ids, no_separator)
         else:
             ids = strings([f"{shard_name}:{r}" for r in range(row, row + len(texts))])
         columns_out = {
