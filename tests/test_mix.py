@@ -253,6 +253,68 @@ def test_sample_estimate_counts_no_end_for_documents_that_tokenize_to_nothing(tm
         assert 0.4 < calibration.ends_per_document < 0.6
 
 
+def test_the_token_fit_recovers_each_cost_and_falls_back_to_one_ratio():
+    """Documents costing exactly 0.25 ids per byte and 0.4 more per extra byte, in varying mixes: the fit finds
+    both, with no residual (standard error 0) and halves that predict each other (split-half error 0). Extra
+    bytes under 1% of the sample's, or a fixed share of every document's, leave one ratio."""
+    from smolctl.data.mix_tokens import calibrate, fit_tokens
+
+    rng = np.random.default_rng(3)
+    b = rng.integers(200, 5000, 400).astype(np.float64)
+    m = np.floor(b * rng.choice([0.0, 0.0, 0.3, 0.6], 400))
+    t = 0.25 * b + 0.4 * m
+    sizes = {"source_documents": 4000, "source_bytes": 10**7, "source_extra_bytes": 0, "estimated_documents": 3600}
+    calibration = calibrate("s", b.astype(np.int64), m.astype(np.int64), t.astype(np.int64), **sizes)
+    assert calibration.tokens_per_byte == pytest.approx(0.25, abs=1e-3)
+    assert calibration.tokens_per_extra_byte == pytest.approx(0.4, abs=1e-3)
+    assert calibration.relative_standard_error < 1e-3 and calibration.holdout_error < 1e-3
+    # One ratio: the sample's ids over its bytes.
+    sparse = np.where(np.arange(400) == 0, 10.0, 0.0)
+    assert fit_tokens(b, sparse, 0.25 * b + 0.4 * sparse) == ((0.25 * b + 0.4 * sparse).sum() / b.sum(), 0.0)
+    fixed = b / 2
+    assert fit_tokens(b, fixed, 0.45 * b)[1] == 0.0
+
+
+def test_the_estimate_at_write_time_is_the_measured_one_and_the_sample_is_left_out(tokenizer_dir, tmp_path):
+    """`sizes` (what a written slice counts) prices each document as the measuring path priced its bin, extra
+    bytes included; the measured bins hold only the documents outside the sample, whose extra bytes the sample
+    holds instead."""
+    from smolctl.data.mix_blocks import source_key
+    from smolctl.data.mix_tokens import calibrate, extra_bytes, measure_file, sample_key, text_bytes
+    from smolctl.data.tokenizer import load_rust_tokenizer
+
+    rng = np.random.default_rng(1)
+    texts = [
+        "".join(rng.choice(list("这是一个测试文档用于检查中文处理"), 40)) if i % 5 == 0 else f"plain english words {i}"
+        for i in range(2000)
+    ]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "docs.parquet")
+    source = open_documents(tmp_path / "docs.parquet")
+    backend = load_rust_tokenizer(str(tokenizer_dir)).backend
+    measured = measure_file(source, 0, source_key(0, "s"), "text", backend, (sample_key(0, "s"), 0.3))
+    array = pa.array(texts)
+    every_extra = int(extra_bytes(array, text_bytes(array)).sum())
+    assert measured["sample_extra"].sum() > 0 and measured["extra"].sum() > 0
+    assert measured["extra"].sum() + measured["sample_extra"].sum() == every_extra == 2 * 40 * 400
+    calibration = calibrate(
+        "s",
+        measured["sample_bytes"],
+        measured["sample_extra"],
+        measured["sample_tokens"],
+        source_documents=2000,
+        source_bytes=int(text_bytes(array).sum()),
+        source_extra_bytes=every_extra,
+        estimated_documents=int(measured["nonempty"].sum()),
+    )
+    assert calibration.tokens_per_extra_byte != 0
+    sizes = calibration.sizes(array)
+    per_document = calibration.estimate(text_bytes(array), extra_bytes(array, text_bytes(array)), np.ones(2000, int))
+    assert np.array_equal(sizes, per_document)
+    chinese = sizes[::5].sum() / 400
+    expected = 120 * calibration.tokens_per_byte + 80 * calibration.tokens_per_extra_byte + 1
+    assert abs(chinese - expected) < 0.01
+
+
 def test_estimates_are_rounded_along_the_running_total():
     """Bins of one short document each: rounded one by one, every 1.75-token estimate became 2 (a bias of +3%)."""
     from smolctl.data.mix_tokens import TokenCalibration

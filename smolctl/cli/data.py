@@ -351,8 +351,8 @@ def mix_command(
         help="How "
         "tokens are counted. exact: tokenize every document. sample: tokenize "
         "a seeded sample of ~10,000 documents per source "
-        "(recipe key token_sample), fit its tokens to UTF-8 bytes (and to bytes "
-        "beyond ASCII), estimate the rest from theirs. auto (default): sample a source of more than "
+        "(recipe key token_sample), fit its tokens to UTF-8 bytes (and to the "
+        "extra bytes of non-ASCII characters), estimate the rest from theirs. auto (default): sample a source of more than "
         "100,000 documents, count smaller ones "
         "exactly.",
     ),
@@ -458,8 +458,8 @@ def mix_command(
     for name, estimate in (result.token_estimates or {}).items():
         if estimate["mode"] == "sample":
             cost = (
-                f"{estimate['tokens_per_byte']:.3f} tokens/byte + {estimate['tokens_per_extra_byte']:.3f} per byte "
-                "beyond ASCII"
+                f"{estimate['tokens_per_byte']:.3f} tokens/byte {estimate['tokens_per_extra_byte']:+.3f} per extra "
+                "byte (of a character beyond ASCII, after its first)"
                 if estimate["tokens_per_extra_byte"]
                 else f"{estimate['bytes_per_token']:.3f} bytes/token"
             )

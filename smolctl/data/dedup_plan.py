@@ -85,8 +85,9 @@ class DedupPlan:
         return self.area.stage_done(stage, self.unit_count(stage))
 
 
-# Bumped whenever the layout of the files under OUTPUT/_work changes: a work area of another layout is not resumed.
-WORK_FILES_VERSION = 3
+# Bumped whenever the layout or content of the files under OUTPUT/_work changes: a work area of another version is
+# not resumed (4: a reference's own ids marked against:).
+WORK_FILES_VERSION = 4
 
 
 def fingerprint(config: DedupConfig, source: DocumentSource, reference: DocumentSource | None) -> dict:

@@ -385,9 +385,10 @@ class MixResult:
         ]
         unseen = [
             f"source {name!r}: {estimate['source_extra_bytes'] / estimate['source_bytes']:.1%} of its bytes are "
-            f"text beyond ASCII, {estimate['sample_extra_bytes'] / estimate['sample_bytes']:.1%} of its sample's: "
-            "the estimate cannot know what that text costs in tokens, and the achieved weights may be off by more "
-            "than half a point; raise token_sample (a recipe key), or pass --token-estimate exact"
+            "extra bytes of characters beyond ASCII (all but each character's first), "
+            f"{estimate['sample_extra_bytes'] / estimate['sample_bytes']:.1%} of its sample's: the estimate cannot "
+            "know what that text costs in tokens, and the achieved weights may be off by more than half a point; "
+            "raise token_sample (a recipe key), or pass --token-estimate exact"
             for name, estimate in (self.token_estimates or {}).items()
             if estimate["mode"] == "sample" and estimate["extra_bytes_unsampled"]
         ]

@@ -137,6 +137,7 @@ def measure_file(
         texts = batch.column(0)
         if estimating:
             picked = in_sample(sample[0], sample[1], rows)
+            texts = plain_strings(texts)  # once for both counts, where views or dictionaries need converting
             sizes = text_bytes(texts)
             beyond = extra_bytes(texts, sizes)
             tokens = text_tokens(texts.filter(pa.array(picked)), backend)
@@ -196,8 +197,8 @@ class TokenCalibration:
     """Standard error of the fit's estimate of the sample's mean tokens over that mean (finite-population
     corrected); None with fewer documents than coefficients + 1."""
     holdout_error: float | None
-    """Fit on every other sampled document, estimate the rest's tokens (EOS included) from their bytes: the
-    larger relative error of the two ways round. None with fewer than two documents."""
+    """Fit on every other sampled document, estimate the rest's tokens (EOS included) from their bytes and extra
+    bytes: the larger relative error of the two ways round. None with fewer than two documents."""
     mode: str = "sample"
 
     @property
@@ -223,7 +224,8 @@ class TokenCalibration:
 
     def estimate(self, text_bytes: np.ndarray, extra: np.ndarray, nonempty: np.ndarray) -> np.ndarray:
         """Tokens, EOS included, of documents (or bins of them) holding `text_bytes` with `extra` extra bytes in
-        `nonempty` documents.
+        `nonempty` documents. The fit's ids are floored at 0 per item: only a negative extra-byte coefficient
+        (a script that costs less per byte than ASCII) can reach below, on text made mostly of that script.
 
         Whole tokens, rounded along the running total: each item is within one token of its estimate and any
         run of them sums to its estimate. Rounding each item alone is biased where items are alike (bins of one
@@ -234,6 +236,7 @@ class TokenCalibration:
 
     def sizes(self, texts: pa.Array) -> np.ndarray:
         """Each document's estimated tokens, EOS included (0 for an empty one)."""
+        texts = plain_strings(texts)
         sizes = text_bytes(texts)
         return self.estimate(sizes, extra_bytes(texts, sizes), (sizes > 0).astype(np.int64))
 

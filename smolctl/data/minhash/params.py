@@ -124,8 +124,11 @@ class MinHashParams:
 def _permutations(seed: int, num_perm: int) -> np.ndarray:
     # Every shard's signatures and the recomputed rows use the same multipliers: derived once per process, and
     # kept in smolctl's cache, since importing numpy.random is a noticeable part of a small run's start-up. The
-    # entry is named by numpy's version: Generator's streams may change from one version to the next.
-    entry = cache_path("minhash-multipliers", f"numpy-{np.__version__}-seed-{seed}-{num_perm}.u32")
+    # entry is named by numpy's version (Generator's streams may change from one version to the next) and by
+    # HASHING_VERSION, which a change to derive_multipliers bumps.
+    entry = cache_path(
+        "minhash-multipliers", f"hashing-{HASHING_VERSION}-numpy-{np.__version__}-seed-{seed}-{num_perm}.u32"
+    )
     data = derived_bytes(entry, lambda: derive_multipliers(seed, num_perm).astype("<u4").tobytes(), 4 * num_perm)
     return np.frombuffer(data, "<u4").astype(np.uint32)
 
