@@ -245,7 +245,7 @@ def main() -> None:
             )
         print(
             "\n| source | target | mode | share as pack counts | sample's bytes/token (EOS excl.) | fit: tokens/byte, "
-            "+ per byte beyond ASCII | sampled documents | relative standard error | split-half error |"
+            "+ per extra byte | sampled documents | relative standard error | split-half error |"
             "\n|---|---|---|---|---|---|---|---|---|"
         )
         for name in WEIGHTS:
