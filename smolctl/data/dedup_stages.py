@@ -53,6 +53,8 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     # Made-up ids name the file as a reader finds it. The reference's ids, its own or made up, are marked, so a
     # report row's duplicate_of never reads as one of the input's own documents (both may hold an id "d0").
     shard_name = source.file_labels[file_index] if is_input else f"against:{source.file_labels[file_index]}"
+    # As arrow scalars taken from an array: pa.scalar of a Python str would import pandas.
+    reference_mark, no_separator = strings(["against:", ""])
     tables, key_parts, signature_parts, shingle_parts, shingle_counts, exact_parts = [], [], [], [], [], []
     row = 0
     permutations = params.permutations() if params else None
@@ -68,9 +70,8 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
         texts = plain_strings(batch.column(plan_.config.text_column))
         if id_column:
             ids = id_strings(batch.column(id_column), source.files[file_index], id_column)
-            if not is_input:  # (scalars taken from arrays: pa.scalar of a Python str would import pandas)
-                mark, no_separator = strings(["against:", ""])
-                ids = compute("binary_join_element_wise", mark, ids, no_separator)
+            if not is_input:
+                ids = compute("binary_join_element_wise", reference_mark, ids, no_separator)
         else:
             ids = strings([f"{shard_name}:{r}" for r in range(row, row + len(texts))])
         columns_out = {
