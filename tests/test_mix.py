@@ -268,6 +268,11 @@ def test_the_token_fit_recovers_each_cost_and_falls_back_to_one_ratio():
     assert calibration.tokens_per_byte == pytest.approx(0.25, abs=1e-3)
     assert calibration.tokens_per_extra_byte == pytest.approx(0.4, abs=1e-3)
     assert calibration.relative_standard_error < 1e-3 and calibration.holdout_error < 1e-3
+    # With noise, weighting by 1/bytes makes the fit reproduce the sample's own total (a plain least-squares fit
+    # through the origin would not): the estimate of the sample is the sample.
+    noisy = t * rng.uniform(0.7, 1.3, 400)
+    per_byte, per_extra = fit_tokens(b, m, noisy)
+    assert (per_byte * b + per_extra * m).sum() == pytest.approx(noisy.sum(), rel=1e-9)
     # One ratio: the sample's ids over its bytes.
     sparse = np.where(np.arange(400) == 0, 10.0, 0.0)
     assert fit_tokens(b, sparse, 0.25 * b + 0.4 * sparse) == ((0.25 * b + 0.4 * sparse).sum() / b.sum(), 0.0)
