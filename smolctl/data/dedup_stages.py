@@ -217,8 +217,15 @@ def components_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     edges = np.concatenate(edges)
     chars = to_numpy_filled(table.column("chars")) if config.keep == "longest" else None
     removed = choose_kept(edges, n_input, chars, config.keep)
-    estimate = estimated_jaccard(plan_, removed[:, 0], removed[:, 1]) if config.minhash else None
-    report_table = removal_report(removed, ids, exact, estimate)
+    same_text = np.zeros(len(removed), bool)
+    if exact is not None:
+        same_text = np.all(exact[removed[:, 0]] == exact[removed[:, 1]], axis=1)
+    similarity = np.ones(len(removed))
+    if config.minhash:
+        # Exact copies are reported as 1: their signatures are recomputed only for the near duplicates.
+        near = ~same_text
+        similarity[near] = estimated_jaccard(plan_, removed[near, 0], removed[near, 1])
+    report_table = removal_report(removed, ids, same_text, similarity)
     _write_table(plan_.work / "components" / "removed.parquet", report_table)
     reasons = report_table.column("reason").to_pylist()
     return {
@@ -426,20 +433,16 @@ def choose_kept(edges: np.ndarray, n_input: int, chars: np.ndarray | None, keep:
 
 
 def removal_report(
-    removed: np.ndarray, ids: pa.ChunkedArray, exact: np.ndarray | None, estimate: np.ndarray | None
+    removed: np.ndarray, ids: pa.ChunkedArray, same_text: np.ndarray, similarity: np.ndarray
 ) -> pa.Table:
-    """One row per removed document: its index and id, the kept id, a cluster number, the reason, the Jaccard
-    (1 for exact copies, else the MinHash `estimate` of the pair, 1 without MinHash).
+    """One row per removed document: its index and id, the kept id, a cluster number, the reason (`same_text`:
+    an exact copy of the kept document, else a near duplicate) and the pair's `similarity` (1 for exact copies,
+    else the MinHash estimate, 1 without MinHash).
 
     Clusters are numbered by their kept document's position, so the numbers depend on the data only.
     """
     doc, kept = removed[:, 0], removed[:, 1]
     _, cluster = sorted_unique(kept, return_inverse=True)
-    same_text = np.all(exact[doc] == exact[kept], axis=1) if exact is not None else np.zeros(len(doc), bool)
-    if estimate is not None:
-        similarity = np.where(same_text, 1.0, estimate)
-    else:
-        similarity = np.ones(len(doc))
     doc, kept = from_numpy(doc.astype(np.int64)), from_numpy(kept.astype(np.int64))
     return pa.table(
         {
