@@ -40,6 +40,11 @@ class Interrupted(Exception):
     exit_code = 130
 
 
+NOTHING_HALF_WRITTEN = "nothing half-written was left behind — run the command again"
+"""What Ctrl-C leaves, for a command without more to say: outputs are written atomically, and the stages that
+keep finished work (dedup, pack, mix) continue from it when run again."""
+
+
 # The file system refusing a write is the user's environment, not a bug: name the file and what to do.
 ENVIRONMENT_ERRNOS = {
     errno.ENOSPC: "free some space (or point the output elsewhere) and run again; earlier outputs are intact",

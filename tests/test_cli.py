@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -235,3 +238,32 @@ def test_mix_options_given_override_the_recipe_even_at_their_default(tmp_path):
     assert (from_recipe.shuffle_buffer, from_recipe.text_column, from_recipe.seed) == (5000, "body", 1234)
     given = schedule_from_recipe(recipe, shuffle_buffer=20_000, text_column="text", seed=0, max_repeat=1.0)
     assert (given.shuffle_buffer, given.text_column, given.seed, given.max_repeat) == (20_000, "text", 0, 1.0)
+
+
+def test_ctrl_c_in_a_data_command_ends_with_one_line_and_exit_130(tmp_path, sample):
+    """Typer turns Ctrl-C into a silent exit 130; the user must still read what happened. The signal arrives
+    while dedup runs (the real handler raising KeyboardInterrupt inside the command), through the real entry."""
+    script = f"""
+import os, signal, sys, time
+import smolctl.data.dedup as dedup
+def interrupted(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+dedup.run = interrupted
+sys.argv = ["smolctl", "dedup", {str(sample / "web")!r}, {str(tmp_path / "out")!r}, "--workers", "1"]
+from smolctl.__main__ import main
+main()
+"""
+    process = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        # A suite started in the background ignores SIGINT, and a child inherits that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert process.returncode == 130, process.stderr
+    assert process.stderr.strip().splitlines() == [
+        "interrupted: nothing half-written was left behind — run the command again"
+    ]

@@ -18,7 +18,7 @@ import typer
 from smolctl.cli import cluster, data, estimate, inspect, posttrain, train  # noqa: F401  (each registers its commands)
 from smolctl.cli.app import Command, app
 from smolctl.console import error_line
-from smolctl.errors import CheckFailed, Interrupted, UserError, environment_error, writing_to
+from smolctl.errors import NOTHING_HALF_WRITTEN, CheckFailed, Interrupted, UserError, environment_error, writing_to
 
 # `smolctl --help` lists the commands in pipeline order, grouped by what they work on.
 PIPELINE_ORDER = {
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         error_line("failed", str(exc))
         code = exc.exit_code
     except (KeyboardInterrupt, typer.Abort):  # Ctrl-C elsewhere: outputs are written atomically, nothing half-made
-        error_line("interrupted", "nothing half-written was left behind — run the command again")
+        error_line("interrupted", NOTHING_HALF_WRITTEN)
         code = 130
     except Exception as exc:  # the file system refusing a write, or a bug in smolctl
         if debug:

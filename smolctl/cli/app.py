@@ -9,6 +9,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from smolctl import __version__
 from smolctl.console import escape, stderr_console
+from smolctl.errors import NOTHING_HALF_WRITTEN, Interrupted
 
 PIPELINE = """\
 [bold]smolctl[/] — train small language models the SmolLM3 way, one composable stage at a time.
@@ -77,7 +78,13 @@ class _ReadableHelp:
 
 
 class Command(_ReadableHelp, TyperCommand):
-    pass
+    def invoke(self, ctx):
+        # Typer turns Ctrl-C into a silent exit 130; a command that has no more to say (a training command names
+        # the run to resume) still ends with its one line.
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted(NOTHING_HALF_WRITTEN) from None
 
 
 class Group(_ReadableHelp, TyperGroup):
