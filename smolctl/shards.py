@@ -187,6 +187,11 @@ class OutputFolder:
         runs): each stages in its own folder, and whichever is moved into place last stays (the same bytes)."""
         # Absolute: arrow reads a relative path whose first folder looks like a URI scheme (`run:1/...`) as a URI.
         self.path = Path(path).absolute()
+        if self.path.is_symlink():
+            # OUTPUT a link to a folder elsewhere (`out -> /scratch/...`, as on clusters): the output is made
+            # there, its staging folder beside the target (a rename cannot cross file systems), and the link
+            # stays. Swapping the link itself would move it aside and leave a local folder in its place.
+            self.path = self.path.resolve()
         self.kind = kind
         self.inputs = list(inputs)
         self.resumable = resumable

@@ -97,6 +97,22 @@ def test_failed_overwrite_keeps_the_earlier_output(tmp_path):
     assert verify_checksums(out) == []
 
 
+def test_an_output_that_is_a_link_is_written_where_it_points_and_stays_a_link(tmp_path):
+    """`out -> /scratch/...` on a cluster: the data goes to the link's target, the link stays, nothing is left
+    beside either (a swap of the link itself moved it aside and made a local folder in its place)."""
+    (tmp_path / "scratch" / "ds").mkdir(parents=True)
+    (tmp_path / "home").mkdir()
+    link = tmp_path / "home" / "out"
+    link.symlink_to(tmp_path / "scratch" / "ds")
+    _write(link, n=50)
+    _write(link, n=120, overwrite=True)
+    assert link.is_symlink() and link.resolve() == tmp_path / "scratch" / "ds"
+    assert read_manifest(tmp_path / "scratch" / "ds")["rows"] == 120
+    assert verify_checksums(link) == []
+    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["out"]
+    assert sorted(p.name for p in (tmp_path / "scratch").iterdir()) == ["ds"]
+
+
 def test_sigkill_mid_write_never_leaves_a_complete_looking_folder(tmp_path):
     out = tmp_path / "ds"
     script = textwrap.dedent(f"""
