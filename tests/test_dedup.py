@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import unicodedata
 from pathlib import Path
 
@@ -269,13 +270,15 @@ def test_repeated_ids_are_found_once_locally_and_by_the_components_task(tmp_path
     has no such first check, so its components task must find them."""
     table = sample_table()
     ids = table.column("id").to_pylist()
-    ids[7] = ids[3]
+    ids[-1] = ids[3]
     write_shards(tmp_path / "input", table.set_column(0, "id", pa.array(ids)), 2)
+    second_start = table.num_rows // 2  # write_shards' second shard
     checks = []
     counting = dedup_stages.check_unique_ids
     monkeypatch.setattr(dedup_stages, "check_unique_ids", lambda *a: checks.append(len(a[0])) or counting(*a))
     monkeypatch.setattr("smolctl.data.dedup.check_unique_ids", dedup_stages.check_unique_ids)
-    with pytest.raises(UserError, match=f"holds 1 repeated id\\(s\\), e.g. '{ids[3]}' x2"):
+    where = f"at part-00000.parquet row 3 and part-00001.parquet row {table.num_rows - 1 - second_start}"
+    with pytest.raises(UserError, match=f"holds 1 repeated id\\(s\\), e.g. '{ids[3]}' x2 \\({where}\\)"):
         dedup(tmp_path / "input", tmp_path / "local", workers=1)
     assert checks == [table.num_rows] and not (tmp_path / "local").exists()
     fine = write_shards(tmp_path / "fine", table, 2)
@@ -288,6 +291,16 @@ def test_repeated_ids_are_found_once_locally_and_by_the_components_task(tmp_path
             dedup(tmp_path / "input", staged, stage=stage, tasks=tasks, task_id=task)
     with pytest.raises(UserError, match="repeated id"):
         dedup(tmp_path / "input", staged, stage="components", tasks=1, task_id=0)
+
+
+def test_a_null_id_is_named_by_its_file_and_row(tmp_path):
+    table = sample_table().slice(0, 40)
+    ids = table.column("id").to_pylist()
+    ids[25] = ids[33] = None
+    write_shards(tmp_path / "input", table.set_column(0, "id", pa.array(ids)), 2)
+    with pytest.raises(UserError, match=re.escape("has 2 null id(s), the first at part-00001.parquet row 5")):
+        dedup(tmp_path / "input", tmp_path / "out", workers=1)
+    assert not (tmp_path / "out").exists()
 
 
 def test_staged_markers_skip_finished_tasks_and_a_rerun_resumes(planted, tmp_path):

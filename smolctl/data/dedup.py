@@ -218,7 +218,7 @@ def _run_units(
             pa.chunked_array([c for i in range(len(plan_.source.files)) for c in id_chunks(plan_, i)], pa.string())
             if plan_.id_column
             else None,
-            config.input,
+            plan_.source,
             plan_.id_column,
         )
         plan_.ids_checked = True

@@ -193,7 +193,7 @@ def components_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     )
     ids = table.column("id")
     if not plan_.ids_checked:
-        check_unique_ids(ids.slice(0, n_input), config.input, plan_.id_column)
+        check_unique_ids(ids.slice(0, n_input), plan_.source, plan_.id_column)
     null = to_numpy_filled(table.column("null"))
     edges = [np.zeros((0, 2), np.int64)]
     exact = (
@@ -246,14 +246,16 @@ def _input_bytes(plan_: DedupPlan) -> int:
     )
 
 
-def check_unique_ids(ids: pa.ChunkedArray, where: str, id_column: str | None) -> None:
+def check_unique_ids(ids: pa.ChunkedArray, source, id_column: str | None) -> None:
+    """The input's ids (in input order) must be unique and not null; the error names where the first bad one is."""
     if id_column is None:
         return
     nulls = ids.null_count
     if nulls:
+        first = int(np.argmax(to_numpy_filled(compute("is_null", ids))))
         raise UserError(
-            where,
-            f"column '{id_column}' has {nulls} null id(s)",
+            source.spec,
+            f"column '{id_column}' has {nulls} null id(s), the first at {_place(source, first)}",
             f"give every document an id, or pass --id-column {POSITIONAL_IDS} to name documents by shard and row",
         )
     if len(compute("unique", ids)) == len(ids):  # a hash set alone: half the time of counting every id
@@ -262,12 +264,23 @@ def check_unique_ids(ids: pa.ChunkedArray, where: str, id_column: str | None) ->
     repeated = np.flatnonzero(to_numpy_filled(counts.field("counts")) > 1)
     if len(repeated):
         first = counts[int(repeated[0])].as_py()
+        at = np.flatnonzero(to_numpy_filled(compute("equal", ids, strings([first["values"]])[0])))[:2]
         raise UserError(
-            where,
-            f"column '{id_column}' holds {len(repeated)} repeated id(s), e.g. {first['values']!r} x{first['counts']}",
+            source.spec,
+            f"column '{id_column}' holds {len(repeated)} repeated id(s), e.g. {first['values']!r} x{first['counts']} "
+            f"(at {_place(source, int(at[0]))} and {_place(source, int(at[1]))})",
             f"make ids unique, pass --id-column with a unique column, or --id-column {POSITIONAL_IDS} to name "
             "documents by shard and row",
         )
+
+
+def _place(source, document: int) -> str:
+    """Where an input document is, as a reader finds it: its file (under the input folder) and row."""
+    ends = np.cumsum(source.file_rows)
+    file = int(np.searchsorted(ends, document, side="right"))
+    path = source.files[file]
+    shown = path.relative_to(source.folder) if source.folder and path.is_relative_to(source.folder) else path
+    return f"{shown} row {document - (ends[file] - source.file_rows[file])}"
 
 
 def id_chunks(plan_: DedupPlan, file_index: int) -> list[pa.Array]:
