@@ -336,6 +336,14 @@ CASES = [
         ),
     ),
     Case(
+        "dedup: negative bands and rows whose product is num-perm",
+        lambda t: (
+            ["dedup", SAMPLE / "math", t / "out", "--minhash", "--bands", "-4", "--rows", "-25"],
+            "each must be at least 1",
+            t / "out",
+        ),
+    ),
+    Case(
         "dedup: duplicate ids",
         lambda t: (
             ["dedup", parquet_with(t, "d.parquet", {"id": ["a", "b", "a"], "text": ["x y z"] * 3}), t / "out"],

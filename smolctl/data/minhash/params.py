@@ -102,7 +102,13 @@ class MinHashParams:
             )
         if bands is None:
             bands, rows = choose_bands(threshold, num_perm)
-        if bands < 1 or rows < 1 or bands * rows != num_perm:
+        if bands < 1 or rows < 1:
+            raise UserError(
+                "--bands/--rows",
+                f"{bands} bands x {rows} rows: each must be at least 1",
+                f"choose bands x rows = {num_perm}, or omit both to derive them from --threshold",
+            )
+        if bands * rows != num_perm:
             raise UserError(
                 "--bands/--rows",
                 f"{bands} bands x {rows} rows = {bands * rows}, not --num-perm {num_perm}",
