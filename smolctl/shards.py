@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -776,6 +777,9 @@ class DocumentSource:
     file_bytes: list[int] = field(default_factory=list)
     """Each file's size uncompressed, as its footer records it (its row groups' total_byte_size): about what it
     takes decoded."""
+    partitions: list[dict[str, str | None]] = field(default_factory=list)
+    """Each file's Hive partition values (`lang=en/` → {"lang": "en"}), read as columns after the files' own (see
+    `hive_partitions`); empty where the input is not partitioned."""
 
     @property
     def num_rows(self) -> int:
@@ -848,22 +852,24 @@ class DocumentSource:
             handle = pq.ParquetFile(path)
             # All columns in the source's order: a file may order them differently from the first.
             columns = list(columns) if columns is not None else list(self.schema.names)
+            partitioned = [name for name in columns if name in self._partition_names()]
+            in_file = [name for name in columns if name not in partitioned]
             # Read as the source's schema: a file holding views, or a narrower type than another shard, is cast
             # (decided once per file; most files are read as they are).
-            wanted = pa.schema([self.schema.field(name) for name in columns])
+            wanted = pa.schema([self.schema.field(name) for name in in_file])
             written = handle.schema_arrow
-            as_written = pa.schema([written.field(name) for name in columns]).equals(wanted)
+            as_written = pa.schema([written.field(name) for name in in_file]).equals(wanted)
             if handle.metadata.num_rows == 0:
-                yield pa.RecordBatch.from_pylist([], schema=wanted)
+                yield pa.RecordBatch.from_pylist([], schema=pa.schema([self.schema.field(n) for n in columns]))
                 return
             row = 0
-            for batch in handle.iter_batches(batch_size=batch_size, columns=columns, use_threads=threads):
-                if batch.schema.names != columns:
-                    batch = batch.select(columns)
+            for batch in handle.iter_batches(batch_size=batch_size, columns=in_file, use_threads=threads):
+                if batch.schema.names != in_file:
+                    batch = batch.select(in_file)
                 batch = batch if as_written else batch.cast(wanted)
                 check_valid_values(batch.drop_columns(list(validated)) if validated else batch, path, row)
                 row += batch.num_rows
-                yield batch
+                yield self.with_partitions(batch, index, columns) if partitioned else batch
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
             raise UserError(
                 path,
@@ -874,6 +880,23 @@ class DocumentSource:
     def iter_batches(self, columns: Sequence[str] | None = None, batch_size: int = 8192) -> Iterator[pa.RecordBatch]:
         for index in range(len(self.files)):
             yield from self.iter_file_batches(index, columns, batch_size)
+
+    def _partition_names(self) -> list[str]:
+        return list(self.partitions[0]) if self.partitions else []
+
+    def with_partitions(self, data: pa.RecordBatch | pa.Table, index: int, columns: Sequence[str] | None = None):
+        """`data` (read from file `index`) with its partition values as columns, in `columns`' order (default: the
+        source's)."""
+        columns = list(columns) if columns is not None else list(self.schema.names)
+        values = self.partitions[index] if self.partitions else {}
+        arrays = {
+            name: pa.array([values[name]] * data.num_rows, pa.string()).cast(self.schema.field(name).type)
+            if name in values
+            else data.column(name)
+            for name in columns
+        }
+        kind = pa.RecordBatch if isinstance(data, pa.RecordBatch) else pa.Table
+        return kind.from_arrays(list(arrays.values()), schema=pa.schema([self.schema.field(n) for n in columns]))
 
 
 def open_documents(spec: str | Path) -> DocumentSource:
@@ -899,7 +922,57 @@ def open_documents(spec: str | Path) -> DocumentSource:
     root = Path(os.path.commonpath([file.parent for file in files]))
     labels = [str(file.relative_to(root).with_suffix("")) for file in files]
     schema = common_schema(files, schemas, root)
-    return DocumentSource(str(spec), files, manifest, folder, schema, rows, labels, sizes)
+    partitions = hive_partitions(files, folder) if folder is not None and manifest is None else []
+    names = [name for name in (partitions[0] if partitions else {}) if name not in schema.names]
+    partitions = [{name: values[name] for name in names} for values in partitions] if names else []
+    kinds = [partition_type([values[name] for values in partitions]) for name in names]
+    schema = pa.schema([*schema, *(pa.field(name, kind) for name, kind in zip(names, kinds))])
+    return DocumentSource(str(spec), files, manifest, folder, schema, rows, labels, sizes, partitions)
+
+
+HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
+"""The folder name Hive and Spark give a partition whose value is null."""
+
+
+def _unescaped(text: str) -> str:
+    """A partition folder's key or value as written: Hive and Spark escape `/`, `=`, `%` and the like as %XX."""
+    if "%" not in text:
+        return text
+    from urllib.parse import unquote  # only here: a start-up cost every plain folder would pay
+
+    return unquote(text)
+
+
+def partition_type(values: list[str | None]) -> pa.DataType:
+    """A partition column's type as pyarrow's Hive discovery infers it: int32 where every value is an integer
+    that fits, else string (a wider integer stays text, as there)."""
+    present = [value for value in values if value is not None]
+    if not present or not all(re.fullmatch("-?[0-9]+", value) for value in present):
+        return pa.string()
+    return pa.int32() if all(-(2**31) <= int(value) < 2**31 for value in present) else pa.string()
+
+
+def hive_partitions(files: list[Path], folder: Path) -> list[dict[str, str | None]]:
+    """Each file's Hive partition values, from the `key=value` folders between `folder` and the file (as Spark,
+    pyarrow and pandas write a partitioned dataset; values URL-decoded, as they are escaped there); [] when no
+    file is under such a folder. Every file must be under the same keys in the same order."""
+    folder, found = Path(folder).absolute(), []  # the files are absolute
+    for file in files:
+        between = file.relative_to(folder).parts[:-1] if file.is_relative_to(folder) else ()
+        pairs = [part.split("=", 1) for part in between if part.find("=") > 0]
+        found.append({_unescaped(key): None if value == HIVE_NULL else _unescaped(value) for key, value in pairs})
+    if not any(found):
+        return []
+    first = next(values for values in found if values)
+    for file, values in zip(files, found):
+        if list(values) != list(first):
+            raise UserError(
+                folder,
+                f"is partitioned by {', '.join(first) or 'nothing'} in one place and by "
+                f"{', '.join(values) or 'nothing'} at {file.relative_to(folder)}",
+                "pass one partitioned dataset (its files under the same key=value folders)",
+            )
+    return found
 
 
 def common_schema(files: list[Path], schemas: list[pa.Schema], root: Path) -> pa.Schema:

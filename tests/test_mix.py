@@ -914,3 +914,18 @@ def test_tokens_are_counted_in_pieces_of_text_the_same_as_whole(sample, tokenize
     assert text_tokens(texts, Recording()).tolist() == whole
     assert len(calls) > 10 and all(sum(call) <= 5_000 or len(call) == 1 for call in calls)
     assert sum(map(len, calls)) == len(texts)
+
+
+def test_a_hive_partitioned_source_keeps_each_documents_partition_values(sample, tmp_path):
+    """Spark's `partitionBy("lang")` layout: the partition is in the folder names only, and a mixed document must
+    carry its own folder's value (mix reads the rows it picks file by file, apart from the batch reader)."""
+    web = read_rows(sample / "web").select(["id", "text"])
+    for index, lang in enumerate(["en", "fr", "de"]):
+        (tmp_path / "web" / f"lang={lang}").mkdir(parents=True)
+        pq.write_table(web.slice(index * 200, 200), tmp_path / "web" / f"lang={lang}" / "part-0.parquet")
+    mix([f"web={tmp_path / 'web'}:0.6", f"math={sample / 'math'}:0.4"], tmp_path / "out", bytes_="400KB")
+    out = read_rows(tmp_path / "out")
+    origin = {row: ["en", "fr", "de"][i // 200] for i, row in enumerate(web.column("id").to_pylist()[:600])}
+    picked = out.filter(pc.equal(out["source"], "web"))
+    assert picked.num_rows > 50 and out.schema.field("lang").type == pa.string()
+    assert [origin[i] for i in picked["id"].to_pylist()] == picked["lang"].to_pylist()

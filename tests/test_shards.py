@@ -160,6 +160,55 @@ def test_overwrite_is_refused_without_the_flag(tmp_path):
     assert len(open_documents(out).files) == 1
 
 
+def _partitioned(folder, rows: dict[str, list[str]]) -> None:
+    """A Hive-partitioned folder as Spark and pyarrow write it: one file per `key=value/...` folder."""
+    for where, texts in rows.items():
+        (folder / where).mkdir(parents=True)
+        pq.write_table(pa.table({"text": pa.array(texts, pa.string())}), folder / where / "part-0.parquet")
+
+
+def test_hive_partition_values_are_read_as_columns_typed_as_pyarrow_types_them(tmp_path):
+    import pyarrow.dataset as ds
+
+    folder = tmp_path / "in"
+    _partitioned(
+        folder,
+        {
+            "year=2021/lang=en": ["a", "b"],
+            "year=2021/lang=a%2Fb%20c%25": ["c"],  # Spark's escaping of "a/b c%"
+            "year=__HIVE_DEFAULT_PARTITION__/lang=fr": ["d", "e", "f"],
+            "year=07/lang=de": [],
+        },
+    )
+    (folder / "_SUCCESS").touch()
+    source = open_documents(folder)
+    expected = ds.dataset(folder, partitioning="hive", exclude_invalid_files=True).to_table()
+    assert source.schema == expected.schema
+    read = pa.Table.from_batches(source.iter_batches(), schema=source.schema)
+    assert sorted(read.to_pylist(), key=str) == sorted(expected.to_pylist(), key=str)
+    assert {"text": "c", "year": 2021, "lang": "a/b c%"} in read.to_pylist()
+    # Any subset, in the order asked; a file's own column is taken for one its folder also names.
+    batch = next(
+        source.iter_file_batches(source.files.index(folder / "year=2021/lang=en/part-0.parquet"), ["lang", "text"])
+    )
+    assert batch.to_pylist() == [{"lang": "en", "text": "a"}, {"lang": "en", "text": "b"}]
+    own = tmp_path / "own" / "lang=en"
+    own.mkdir(parents=True)
+    pq.write_table(pa.table({"text": ["g"], "lang": ["own"]}), own / "part-0.parquet")
+    assert pa.Table.from_batches(open_documents(tmp_path / "own").iter_batches()).to_pylist() == [
+        {"text": "g", "lang": "own"}
+    ]
+
+
+def test_files_under_different_partition_keys_are_refused_in_one_line(tmp_path):
+    _partitioned(tmp_path / "in", {"lang=en": ["a"], "year=2021": ["b"]})
+    with pytest.raises(UserError, match="partitioned by lang in one place and by year at year=2021"):
+        open_documents(tmp_path / "in")
+    _partitioned(tmp_path / "in2", {"lang=en": ["a"], "plain": ["b"]})
+    with pytest.raises(UserError, match="by nothing at plain"):
+        open_documents(tmp_path / "in2")
+
+
 def test_missing_column_names_the_existing_ones(tmp_path):
     _write(tmp_path / "ds")
     source = open_documents(tmp_path / "ds")

@@ -163,7 +163,8 @@ def slice_rows(source, key: int, pieces: list[list[int]], begin: int, end: int) 
         if first < stop:
             bins = row_bins(key, np.arange(offsets[file_index], offsets[file_index + 1]))
             positions = np.flatnonzero((bins >= lo) & (bins < hi))[first:stop]
-            tables.append(read_rows(source.files[file_index], positions))
+            picked = read_rows(source.files[file_index], positions)
+            tables.append(source.with_partitions(picked, file_index) if source.partitions else picked)
         start += rows
         if start >= end:
             break
