@@ -747,8 +747,11 @@ def _first_invalid_row(values: pa.Array) -> int:
     valid, invalid = 0, len(values)  # the first `valid` rows pass; the first `invalid` rows fail
     while invalid - valid > 1:
         middle = (valid + invalid) // 2
+        prefix = values.slice(0, middle)
+        if pa.types.is_nested(values.type):  # a slice keeps all its children's values, which validate whole
+            prefix = prefix.take(pa.array(np.arange(middle)))
         try:
-            values.slice(0, middle).validate(full=True)
+            prefix.validate(full=True)
             valid = middle
         except pa.ArrowInvalid:
             invalid = middle

@@ -242,6 +242,16 @@ def test_bytes_that_are_not_utf8_are_named_by_their_row_in_the_file_not_in_the_b
     assert len(list(source.iter_file_batches(0, batch_size=3, validated=["text"]))) == 4  # checked before: not again
 
 
+def test_bytes_that_are_not_utf8_inside_a_list_column_are_named_by_their_row(tmp_path):
+    """A slice of a list array keeps every value of its child, so checking prefixes of it finds row 0."""
+    raw = [f"tag {i}".encode() for i in range(10)]
+    raw[8] = b"caf\xc3"
+    tags = pa.ListArray.from_arrays(pa.array(range(11), pa.int32()), pa.array(raw, pa.binary()).view(pa.string()))
+    pq.write_table(pa.table({"text": [f"document {i}" for i in range(10)], "tags": tags}), tmp_path / "a.parquet")
+    with pytest.raises(UserError, match=r"a\.parquet: row 8 \(from 0\): column 'tags' holds bytes that are not UTF-8"):
+        list(open_documents(tmp_path / "a.parquet").iter_file_batches(0))
+
+
 def test_a_folder_holding_another_tools_manifest_is_read_as_a_plain_folder(tmp_path):
     """A manifest.json with none of smolctl's keys (a dataset card, a list) is another tool's: the folder's
     parquet files are read. One that holds a smolctl key but no kind is a damaged smolctl manifest, refused."""
