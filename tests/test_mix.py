@@ -16,6 +16,7 @@ from conftest import run_cli
 
 from smolctl.data.mix import prepare_mix
 from smolctl.data.mix_schedule import MixSchedule, parse_source, schedule_from_flags, schedule_from_recipe
+from smolctl.data.tokenizer import load_rust_tokenizer
 from smolctl.errors import UserError
 from smolctl.shards import open_documents, read_manifest
 
@@ -69,8 +70,13 @@ def test_achieved_token_weights_are_within_one_percent(sample, tokenizer_dir, tm
     )
     rows = read_rows(tmp_path / "out")
     # auto counts these small sources exactly, and exact mode writes the rows it wrote before sample mode existed
-    estimate = read_manifest(tmp_path / "out")["mix"]["token_estimate"]
+    manifest = read_manifest(tmp_path / "out")
+    estimate = manifest["mix"]["token_estimate"]
     assert estimate["requested"] == "auto" and {s["mode"] for s in estimate["sources"].values()} == {"exact"}
+    # The tokenizer that set the token weights is named as pack names it, and is one of the mix's inputs.
+    packed_name = {"path": str(tokenizer_dir.resolve()), "fingerprint": load_rust_tokenizer(tokenizer_dir).fingerprint}
+    assert manifest["mix"]["tokenizer"] == packed_name
+    assert str(tokenizer_dir.resolve()) in [ref["path"] for ref in manifest["inputs"]]
     order = "\n".join(f"{s} {i}" for s, i in zip(rows["source"].to_pylist(), rows["id"].to_pylist()))
     assert (
         hashlib.sha256(order.encode()).hexdigest() == "7180a375c9c4b325fd98c255090478ded84ee69a84a16b05bbf651afea85a2b6"
@@ -929,3 +935,21 @@ def test_a_hive_partitioned_source_keeps_each_documents_partition_values(sample,
     picked = out.filter(pc.equal(out["source"], "web"))
     assert picked.num_rows > 50 and out.schema.field("lang").type == pa.string()
     assert [origin[i] for i in picked["id"].to_pylist()] == picked["lang"].to_pylist()
+
+
+def test_a_sample_too_small_for_half_a_point_is_a_warning_naming_its_share_error(sample, tokenizer_dir, tmp_path):
+    """Two standard errors of a source's token estimate move its share w by 2 w (1 - w) e: above half a point,
+    the run says so even where the split-half check passes (a sweep found a 0.6-point miss it did not flag)."""
+
+    def run(token_sample: int, out: str):
+        sources = [f"web={sample}/web:1", f"code={sample}/code:1"]
+        options = {"tokens": "200K", "tokenizer": str(tokenizer_dir), "token_estimate": "sample", "max_repeat": 3}
+        return prepare_mix(schedule_from_flags(sources, token_sample=token_sample, **options), tmp_path / out).run()
+
+    small = run(100, "small")
+    for name, warning in zip(["web", "code"], small.warnings(), strict=True):
+        estimate = small.token_estimates[name]
+        assert estimate["holdout_error"] < 0.04  # not the split-half warning
+        points = 100 * 2 * 0.5 * 0.5 * estimate["relative_standard_error"]
+        assert warning.startswith(f"source '{name}': two standard errors") and f"by {points:.2f} points" in warning
+    assert run(1500, "large").warnings() == []

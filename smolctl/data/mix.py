@@ -62,6 +62,7 @@ from smolctl.data.mix_blocks import (
 )
 from smolctl.data.mix_schedule import MixSchedule, Stage, check_order_columns
 from smolctl.data.mix_tokens import (
+    HALF_A_POINT,
     HOLDOUT_WARNING,
     MEASUREMENTS_VERSION,
     TokenCalibration,
@@ -76,6 +77,7 @@ from smolctl.shards import (
     DocumentSource,
     OutputFolder,
     atomic_write_json,
+    lineage_ref,
     open_documents,
     read_manifest,
     schema_to_dict,
@@ -373,15 +375,23 @@ class MixResult:
             for report in self.stages
             for s in report.short_of_target()
         ]
+        sampled = {
+            name: estimate
+            for name, estimate in (self.token_estimates or {}).items()
+            if estimate["mode"] == "sample" and estimate["estimated_documents"]
+        }
         unsure = [
             f"source {name!r}: its token estimate misses one half of its sample by {estimate['holdout_error']:.1%} "
             f"when fitted on the other ({estimate['sample_documents']:,} documents sampled): the achieved weights "
             "count estimated tokens and may be off by more than half a point; raise token_sample (a recipe key), "
             "or pass --token-estimate exact"
-            for name, estimate in (self.token_estimates or {}).items()
-            if estimate["mode"] == "sample"
-            and estimate["estimated_documents"]
-            and (estimate["holdout_error"] or 0) > HOLDOUT_WARNING
+            if (estimate["holdout_error"] or 0) > HOLDOUT_WARNING
+            else f"source {name!r}: two standard errors of its token estimate (2 x "
+            f"{estimate['relative_standard_error']:.1%}, {estimate['sample_documents']:,} documents sampled) move "
+            f"its share by {100 * self._share_error(name, estimate):.2f} points: the achieved weights may be off "
+            "by more than half a point; raise token_sample (a recipe key), or pass --token-estimate exact"
+            for name, estimate in sampled.items()
+            if (estimate["holdout_error"] or 0) > HOLDOUT_WARNING or self._share_error(name, estimate) > HALF_A_POINT
         ]
         unseen = [
             f"source {name!r}: {estimate['source_extra_bytes'] / estimate['source_bytes']:.1%} of its bytes are "
@@ -393,6 +403,13 @@ class MixResult:
             if estimate["mode"] == "sample" and estimate["extra_bytes_unsampled"]
         ]
         return short + unsure + unseen
+
+    def _share_error(self, name: str, estimate: dict) -> float:
+        """How far two standard errors of a source's token estimate (about a 95% bound) move its share: a
+        relative error e in its tokens moves a share w by w(1 - w)e (at its largest target weight over the stages).
+        """
+        weights = [s.target_weight for report in self.stages for s in report.sources if s.name == name]
+        return max((w * (1 - w) for w in weights), default=0.25) * 2 * (estimate["relative_standard_error"] or 0)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -649,6 +666,8 @@ class MixJob:
         """Link each stage's blocks into OUTPUT (one shard per block) with the manifests; swap it into place."""
         plan, blocks, allocation = self.plan, self.blocks(), self.allocation()
         inputs = [ref for source in self.sources.values() for ref in source.lineage()]
+        if self.backend is not None and Path(plan.tokenizer).is_dir():  # it set the token weights
+            inputs.append(lineage_ref(Path(plan.tokenizer)))
         stages: list[StageReport] = []
         with OutputFolder(self.output, kind=KIND_DOCUMENTS, overwrite=True, inputs=inputs) as top:
             for index, (stage, reports) in enumerate(zip(plan.stages, allocation["reports"])):
@@ -705,7 +724,13 @@ class MixJob:
             "unit": plan.unit,
             "seed": plan.seed,
             "max_repeat": plan.max_repeat,
-            "tokenizer": plan.tokenizer,
+            # Named as pack names it: resolved where it is a local folder, and by what it tokenizes.
+            "tokenizer": None
+            if self.backend is None
+            else {
+                "path": str(Path(plan.tokenizer).resolve()) if Path(plan.tokenizer).exists() else plan.tokenizer,
+                "fingerprint": self.area.fingerprint["tokenizer"],
+            },
             "token_estimate": None
             if self.backend is None
             else {

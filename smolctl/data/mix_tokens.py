@@ -22,7 +22,8 @@ A source whose estimate is off by a relative error e moves its share s by about 
 others' errors), so calibrations within 1% keep the shares within about half a point, and usually well inside.
 A split-half error above HOLDOUT_WARNING is reported as a warning: the sample does not predict its own halves
 well enough for that (documents of very different cost per byte, too few of them sampled). So is a source whose
-sample holds too little of its text beyond ASCII to price it (TokenCalibration.extra_bytes_unsampled).
+two standard errors would move its share by more than HALF_A_POINT, and one whose sample holds too little of its
+text beyond ASCII to price it (TokenCalibration.extra_bytes_unsampled).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ HOLDOUT_WARNING = 0.04
 """A split-half error that suggests the whole sample's estimate is off by 2%, which can move a share of one half
 by half a point (s x (1 - s) x e): fitted on half the documents and checked against the other half's own noise,
 the split-half error runs at about twice the whole sample's."""
+HALF_A_POINT = 0.005
+"""The share error a sample may cost (issue 23): two standard errors of a source's token estimate that move its
+share further (s x (1 - s) x e) are a warning."""
 EXTRA_FITTED_FROM = 0.01
 """Extra bytes get their own coefficient where they are at least 1% of the sample's bytes: a few accented letters
 would otherwise set it at random (+6 or -7 tokens per byte on the English sample corpus)."""
