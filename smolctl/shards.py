@@ -186,13 +186,7 @@ class OutputFolder:
         reuse) and keeps it when the stage fails, for the next run to continue. per_process=True is for a unit of
         a work area that two copies of one array task may write at once (a requeued task whose first copy still
         runs): each stages in its own folder, and whichever is moved into place last stays (the same bytes)."""
-        # Absolute: arrow reads a relative path whose first folder looks like a URI scheme (`run:1/...`) as a URI.
-        self.path = Path(path).absolute()
-        if self.path.is_symlink():
-            # OUTPUT a link to a folder elsewhere (`out -> /scratch/...`, as on clusters): the output is made
-            # there, its staging folder beside the target (a rename cannot cross file systems), and the link
-            # stays. Swapping the link itself would move it aside and leave a local folder in its place.
-            self.path = self.path.resolve()
+        self.path = output_folder_path(path)
         self.kind = kind
         self.inputs = list(inputs)
         self.resumable = resumable
@@ -340,6 +334,15 @@ def process_umask() -> int:
     mask = os.umask(0o077)
     os.umask(mask)
     return mask
+
+
+def output_folder_path(path: str | Path) -> Path:
+    """Where an output folder (and a work area inside it) is made. Absolute: arrow reads a relative path whose
+    first folder looks like a URI scheme (`run:1/...`) as a URI. A symlink's target (`out -> /scratch/...`, as on
+    clusters): the output is made there, its staging folder beside the target (a rename cannot cross file
+    systems), and the link stays; swapping or removing the link itself would leave a local folder in its place."""
+    path = Path(path).absolute()
+    return path.resolve() if path.is_symlink() else path
 
 
 def check_output_path(path: Path, overwrite: bool) -> None:

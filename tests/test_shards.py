@@ -113,6 +113,23 @@ def test_an_output_that_is_a_link_is_written_where_it_points_and_stays_a_link(tm
     assert sorted(p.name for p in (tmp_path / "scratch").iterdir()) == ["ds"]
 
 
+def test_a_command_with_a_work_area_writes_through_a_link_and_refuses_bad_input_in_one_line(tmp_path):
+    """dedup, mix and pack keep their work area in OUTPUT/_work: made where the link points too, and cleared from
+    there when the input turns out bad (rmdir of the link itself was an internal error)."""
+    raw = [b"one two three", b"caf\xc3"]
+    pq.write_table(pa.table({"text": pa.array(raw, pa.binary()).view(pa.string())}), tmp_path / "bad.parquet")
+    pq.write_table(pa.table({"text": ["one two three", "one two three", "four"]}), tmp_path / "good.parquet")
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "scratch" / "dd")  # not made yet
+    result = run_cli("dedup", tmp_path / "bad.parquet", tmp_path / "out", "--workers", "1")
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "not UTF-8" in result.stderr and (tmp_path / "out").is_symlink()
+    result = run_cli("dedup", tmp_path / "good.parquet", tmp_path / "out", "--workers", "1")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out").is_symlink() and open_documents(tmp_path / "scratch" / "dd").num_rows == 2
+    assert sorted(p.name for p in (tmp_path / "scratch").iterdir()) == ["dd"]
+
+
 def test_sigkill_mid_write_never_leaves_a_complete_looking_folder(tmp_path):
     out = tmp_path / "ds"
     script = textwrap.dedent(f"""

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from smolctl.errors import UserError, WriteRefused, writing_to
-from smolctl.shards import atomic_write_json, check_output_path, read_manifest
+from smolctl.shards import atomic_write_json, check_output_path, output_folder_path, read_manifest
 
 WORK = "_work"
 FINGERPRINT_KEY = "work_fingerprint"
@@ -87,7 +87,7 @@ class WorkArea:
     fingerprint: dict
 
     def __post_init__(self):
-        self.output = Path(self.output).absolute()  # see OutputFolder: arrow takes `run:1/...` for a URI
+        self.output = output_folder_path(self.output)  # OutputFolder's: absolute, a symlink's target
         writing_to(self.output)
         self.digest = digest(self.fingerprint)
         self.run_id = self.digest[:RUN_ID_DIGITS]
