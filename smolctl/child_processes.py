@@ -33,6 +33,13 @@ def exit_with_parent(parent: int) -> None:
     threading.Thread(target=_watch_parent, args=(parent,), name="watch-parent", daemon=True).start()
 
 
+def leave_quietly_on_ctrl_c() -> None:
+    """Ctrl-C in a terminal reaches every process of its group: a pool worker ends at once, without the traceback
+    an idle worker would print (one per worker around the parent's one line); the parent says what happened and
+    the units it finished are kept for a re-run."""
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+
+
 def _watch_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(PARENT_POLL_SECONDS)

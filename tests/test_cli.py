@@ -240,10 +240,26 @@ def test_mix_options_given_override_the_recipe_even_at_their_default(tmp_path):
     assert (given.shuffle_buffer, given.text_column, given.seed, given.max_repeat) == (20_000, "text", 0, 1.0)
 
 
+INTERRUPTED_LINE = "interrupted: nothing half-written was left behind — run the command again"
+
+
+def _interrupted(script: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        start_new_session=True,  # the script signals its own process group, as a terminal's Ctrl-C does
+        # A suite started in the background ignores SIGINT, and a child inherits that.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
 def test_ctrl_c_in_a_data_command_ends_with_one_line_and_exit_130(tmp_path, sample):
     """Typer turns Ctrl-C into a silent exit 130; the user must still read what happened. The signal arrives
     while dedup runs (the real handler raising KeyboardInterrupt inside the command), through the real entry."""
-    script = f"""
+    process = _interrupted(f"""
 import os, signal, sys, time
 import smolctl.data.dedup as dedup
 def interrupted(*args, **kwargs):
@@ -253,17 +269,26 @@ dedup.run = interrupted
 sys.argv = ["smolctl", "dedup", {str(sample / "web")!r}, {str(tmp_path / "out")!r}, "--workers", "1"]
 from smolctl.__main__ import main
 main()
-"""
-    process = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-        # A suite started in the background ignores SIGINT, and a child inherits that.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+""")
     assert process.returncode == 130, process.stderr
-    assert process.stderr.strip().splitlines() == [
-        "interrupted: nothing half-written was left behind — run the command again"
-    ]
+    assert process.stderr.strip().splitlines() == [INTERRUPTED_LINE]
+
+
+def test_ctrl_c_reaching_idle_pool_workers_is_still_one_line(tmp_path, sample):
+    """A terminal's Ctrl-C reaches every process of its group: each idle worker printed a KeyboardInterrupt
+    traceback around the parent's line."""
+    process = _interrupted(f"""
+import os, signal, sys, time
+import smolctl.data.dedup as dedup
+def run_then_ctrl_c(self, plan_, stage, units, report):
+    pool = self._pool(plan_)
+    [future.result() for future in [pool.submit(os.getpid) for _ in range(4)]]  # the workers are up, and idle
+    os.killpg(0, signal.SIGINT)
+    time.sleep(5)
+dedup._Workers.run = run_then_ctrl_c
+sys.argv = ["smolctl", "dedup", {str(sample / "web")!r}, {str(tmp_path / "out")!r}, "--workers", "2"]
+from smolctl.__main__ import main
+main()
+""")
+    assert process.returncode == 130, process.stderr
+    assert process.stderr.strip().splitlines() == [INTERRUPTED_LINE]

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from smolctl.arrow_arrays import cast
-from smolctl.child_processes import exit_with_parent
+from smolctl.child_processes import exit_with_parent, leave_quietly_on_ctrl_c
 from smolctl.data.array_tasks import (
     FINGERPRINT_KEY,
     START_AGAIN,
@@ -372,6 +372,7 @@ _WORKER_PLAN: DedupPlan | None = None  # the run a forked pool process works for
 def _init_worker(queue, plan_: DedupPlan, parent: int) -> None:
     global _WORKER_QUEUE, _WORKER_PLAN
     exit_with_parent(parent)
+    leave_quietly_on_ctrl_c()
     _WORKER_QUEUE, _WORKER_PLAN = queue, plan_
 
 

@@ -22,7 +22,7 @@ from itertools import chain
 import numpy as np
 
 from smolctl.arrow_arrays import ENCODER_CALLS_IN_FLIGHT, text_pieces
-from smolctl.child_processes import exit_with_parent
+from smolctl.child_processes import exit_with_parent, leave_quietly_on_ctrl_c
 from smolctl.data.pack_rows import TokenBatch
 from smolctl.data.tokenizer import RustTokenizer
 
@@ -85,6 +85,7 @@ _worker_backend = None
 def _init_worker(tokenizer_json: str, split_special_tokens: bool, parent: int) -> None:
     global _worker_backend
     exit_with_parent(parent)
+    leave_quietly_on_ctrl_c()
     # One Rust thread per worker process: the processes are the parallelism, threads would oversubscribe.
     os.environ["RAYON_NUM_THREADS"] = "1"
     from tokenizers import Tokenizer
