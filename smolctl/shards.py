@@ -928,12 +928,23 @@ def open_documents(spec: str | Path) -> DocumentSource:
     root = Path(os.path.commonpath([file.parent for file in files]))
     labels = [str(file.relative_to(root).with_suffix("")) for file in files]
     schema = common_schema(files, schemas, root)
-    partitions = hive_partitions(files, folder) if folder is not None and manifest is None else []
+    base = folder if folder is not None else glob_base(str(spec))
+    partitions = hive_partitions(files, base) if base is not None and manifest is None else []
     names = [name for name in (partitions[0] if partitions else {}) if name not in schema.names]
     partitions = [{name: values[name] for name in names} for values in partitions] if names else []
     kinds = [partition_type([values[name] for values in partitions]) for name in names]
     schema = pa.schema([*schema, *(pa.field(name, kind) for name, kind in zip(names, kinds))])
     return DocumentSource(str(spec), files, manifest, folder, schema, rows, labels, sizes, partitions)
+
+
+def glob_base(pattern: str) -> Path | None:
+    """The folder a glob's matches are under (its leading parts without wildcards), where partition folders
+    start, as pyarrow's partition_base_dir; None for a path that is not a glob."""
+    if not globlib.has_magic(pattern) or Path(pattern).exists():
+        return None
+    parts = Path(pattern).parts
+    fixed = next(i for i, part in enumerate(parts) if globlib.has_magic(part))
+    return Path(*parts[:fixed]) if fixed else Path(".")
 
 
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"

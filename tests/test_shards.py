@@ -204,6 +204,10 @@ def test_hive_partition_values_are_read_as_columns_typed_as_pyarrow_types_them(t
     read = pa.Table.from_batches(source.iter_batches(), schema=source.schema)
     assert sorted(read.to_pylist(), key=str) == sorted(expected.to_pylist(), key=str)
     assert {"text": "c", "year": 2021, "lang": "a/b c%"} in read.to_pylist()
+    # A glob's partition folders start after its leading folders without wildcards, as pyarrow's base dir.
+    for pattern in (folder / "*" / "*" / "*.parquet", folder / "**" / "*.parquet"):
+        assert open_documents(str(pattern)).schema == expected.schema
+    assert open_documents(str(folder / "year=2021" / "*" / "*.parquet")).schema.names == ["text", "lang"]
     # Any subset, in the order asked; a file's own column is taken for one its folder also names.
     batch = next(
         source.iter_file_batches(source.files.index(folder / "year=2021/lang=en/part-0.parquet"), ["lang", "text"])
