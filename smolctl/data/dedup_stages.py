@@ -107,8 +107,8 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     repeats = np.zeros(table.num_rows, bool)
     if params and exact_parts:
         # A later exact copy of a document of this shard joins it through its exact edge: it stays out of the
-        # buckets (no pairs to verify). Its shingles are still kept: the report's estimate for it is its own
-        # (char shingles of exact copies can differ, e.g. in the order of combining marks).
+        # buckets (no pairs to verify). Its shingles are still kept: removed as a near duplicate of another
+        # document of its cluster, its report row estimates from its own rows.
         exact = np.concatenate(exact_parts)
         order = np.lexsort((exact[:, 1], exact[:, 0]))  # stable: an exact group's first document comes first
         ordered = exact[order]

@@ -35,13 +35,16 @@ def normalize_array(texts: pa.Array | pa.ChunkedArray) -> pa.LargeStringArray:
     lower-casing on ASCII text, which arrow does in bulk; only the other texts go through Python."""
     import pyarrow.compute as pc  # character shingles only: word shingles never import it (see arrow_arrays)
 
-    texts = pc.ascii_lower(pc.fill_null(plain_strings(texts).cast(pa.large_string()), ""))
+    texts = pc.fill_null(plain_strings(texts).cast(pa.large_string()), "")
+    lowered = pc.ascii_lower(texts)
     is_ascii = np.asarray(pc.string_is_ascii(texts), dtype=bool)
     if is_ascii.all():
-        return texts
+        return lowered
+    # The others from their own text: NFKC composes an ASCII capital with a mark that follows it apart from its
+    # lower case (I + marks + U+0307 gives İ, whose fold puts the dot first; i + the same marks does not).
     others = np.flatnonzero(~is_ascii)
     folded = pa.array([normalize(t) for t in texts.take(pa.array(others)).to_pylist()], pa.large_string())
-    return pc.replace_with_mask(texts, pa.array(~is_ascii), folded)
+    return pc.replace_with_mask(lowered, pa.array(~is_ascii), folded)
 
 
 # Code points below this are looked up in normalization_tables(); every one from here on counts as changing.

@@ -16,7 +16,8 @@ from smolctl.errors import UserError
 from smolctl.user_cache import cache_path, derived_bytes
 
 # Bumped whenever a hash definition changes: a dedup work area made under another version is not resumed.
-HASHING_VERSION = 2
+# 3: character shingles normalise a text that is not ASCII from the text itself, not its ASCII-lowered form.
+HASHING_VERSION = 3
 SHINGLE_KINDS = ("word", "char")
 
 
