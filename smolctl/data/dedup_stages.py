@@ -278,8 +278,9 @@ def _place(source, document: int) -> str:
     """Where an input document is, as a reader finds it: its file (under the input folder) and row."""
     ends = np.cumsum(source.file_rows)
     file = int(np.searchsorted(ends, document, side="right"))
-    path, folder = source.files[file], Path(source.folder or "/").absolute()  # the files are absolute
-    shown = path.relative_to(folder) if source.folder and path.is_relative_to(folder) else path
+    path = source.files[file]
+    folder = Path(source.folder).absolute() if source.folder else None  # the files are absolute
+    shown = path.relative_to(folder) if folder and path.is_relative_to(folder) else path
     return f"{shown} row {document - (ends[file] - source.file_rows[file])}"
 
 
