@@ -36,8 +36,10 @@ def exit_with_parent(parent: int) -> None:
 def leave_quietly_on_ctrl_c() -> None:
     """Ctrl-C in a terminal reaches every process of its group: a pool worker ends at once, without the traceback
     an idle worker would print (one per worker around the parent's one line); the parent says what happened and
-    the units it finished are kept for a re-run."""
-    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    the units it finished are kept for a re-run. A command started with SIGINT ignored (`smolctl ... &` in a
+    script) keeps its workers ignoring it too (they inherit that): one of them leaving would break the pool."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
 
 
 def _watch_parent(parent: int) -> None:

@@ -243,7 +243,7 @@ def test_mix_options_given_override_the_recipe_even_at_their_default(tmp_path):
 INTERRUPTED_LINE = "interrupted: nothing half-written was left behind — run the command again"
 
 
-def _interrupted(script: str) -> subprocess.CompletedProcess:
+def _interrupted(script: str, sigint=signal.SIG_DFL) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", script],
         capture_output=True,
@@ -251,8 +251,8 @@ def _interrupted(script: str) -> subprocess.CompletedProcess:
         cwd=REPO,
         timeout=120,
         start_new_session=True,  # the script signals its own process group, as a terminal's Ctrl-C does
-        # A suite started in the background ignores SIGINT, and a child inherits that.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        # A suite started in the background ignores SIGINT, and a child inherits that: set it either way.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, sigint),
     )
 
 
@@ -292,3 +292,28 @@ main()
 """)
     assert process.returncode == 130, process.stderr
     assert process.stderr.strip().splitlines() == [INTERRUPTED_LINE]
+
+
+def test_a_command_started_ignoring_sigint_keeps_its_workers_ignoring_it(tmp_path, sample):
+    """`smolctl dedup ... &` in a script starts with SIGINT ignored: a SIGINT to the group must not end the pool
+    workers under the parent (a broken pool, reported as an internal error) but leave the run to finish."""
+    process = _interrupted(
+        f"""
+import os, signal, sys, time
+import smolctl.data.dedup as dedup
+real_run = dedup._Workers.run
+def ctrl_c_then_run(self, plan_, stage, units, report):
+    pool = self._pool(plan_)
+    [future.result() for future in [pool.submit(os.getpid) for _ in range(4)]]  # the workers are up
+    os.killpg(0, signal.SIGINT)
+    time.sleep(0.5)
+    real_run(self, plan_, stage, units, report)
+dedup._Workers.run = ctrl_c_then_run
+sys.argv = ["smolctl", "dedup", {str(sample / "web")!r}, {str(tmp_path / "out")!r}, "--workers", "2", "--json"]
+from smolctl.__main__ import main
+main()
+""",
+        sigint=signal.SIG_IGN,
+    )
+    assert process.returncode == 0, process.stderr
+    assert json.loads(process.stdout)["finished"] and (tmp_path / "out" / "manifest.json").is_file()
