@@ -134,3 +134,58 @@ def test_a_seeded_sample_is_the_lowest_priorities_within_the_budget(sample, tmp_
         assert (result.documents, result.corpus_documents) == (200, source.num_rows)
         prints.append(json.loads((tmp_path / name / "manifest.json").read_text())["stats"]["fingerprint"])
     assert prints[0] == prints[1] != prints[2]
+
+
+def test_a_book_length_document_is_trained_on_in_pieces_that_count_the_same_words(tmp_path, sample, monkeypatch):
+    """The trainer holds ~200 bytes per byte of a sequence: documents are given in pieces of at most
+    TRAINING_PIECE_CHARS (here made small), cut at a space before a word, which leaves the byte-level
+    pre-tokens, and so the trained tokenizer, as they were. A run without such a space is cut where it is full."""
+    import pyarrow as pa
+
+    from smolctl.data import tokenizer
+    from smolctl.shards import open_documents
+
+    web = [t for batch in open_documents(sample / "web").iter_batches(["text"]) for t in batch.column(0).to_pylist()]
+    book = "\n\n".join(web[:300])  # several pieces of 20,000 characters
+    texts = [book, *web[300:500], "x" * 50_000]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "books.parquet")
+
+    def train(out: str, piece_chars: int) -> list[list[str]]:
+        fed, feed = [], tokenizer._texts
+        with monkeypatch.context() as patch:
+            patch.setattr(tokenizer, "TRAINING_PIECE_CHARS", piece_chars)
+            patch.setattr(tokenizer, "_texts", lambda *a: (fed.append(b) or b for b in feed(*a)))
+            result = tokenizer.train_tokenizer(str(tmp_path / "books.parquet"), str(tmp_path / out), vocab_size=1024)
+        assert result.documents == len(texts)
+        return fed
+
+    fed = train("pieces", 20_000)
+    assert len(book) > 100_000 and max(len(t) for batch in fed for t in batch) <= 20_000
+    assert "".join(t for batch in fed for t in batch) == "".join(texts)
+    texts[-1] = "x" * 10  # the one place pieces count differently: a run cut in two
+    pq.write_table(pa.table({"text": texts}), tmp_path / "books.parquet")
+    train("whole", 10**9)
+    train("cut", 20_000)
+    assert (tmp_path / "whole" / "tokenizer.json").read_text() == (tmp_path / "cut" / "tokenizer.json").read_text()
+
+
+def test_chars_per_token_is_measured_a_few_megabytes_at_a_time(tokenizer_dir):
+    """An Encoding holds ~40 bytes per byte of its text: measuring on a sample of books whole took gigabytes."""
+    from smolctl.arrow_arrays import TEXT_BYTES_PER_CALL
+    from smolctl.data import tokenizer
+
+    backend = load_tokenizer(tokenizer_dir).backend_tokenizer
+    calls = []
+
+    class Recording:
+        def encode_batch_fast(self, texts, **options):
+            calls.append([len(t) for t in texts])
+            return backend.encode_batch_fast(texts, **options)
+
+    documents = ["a few words of text " * 20_000, *[f"short document number {i}" for i in range(50)]] * 40
+    measured = tokenizer.measured_chars_per_token(Recording(), documents)
+    heads = [d[: tokenizer.TRAINING_PIECE_CHARS] for d in documents]
+    assert sum(len(call) for call in calls) == len(documents) and len(calls) > 1
+    assert max(sum(call) for call in calls) <= TEXT_BYTES_PER_CALL and max(max(call) for call in calls) < 400_000
+    expected = sum(map(len, heads)) / sum(len(backend.encode(h, add_special_tokens=False).ids) for h in heads)
+    assert measured == pytest.approx(expected)

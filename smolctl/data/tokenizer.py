@@ -13,6 +13,7 @@ import hashlib
 import heapq
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ from urllib.parse import urlparse
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from smolctl.arrow_arrays import TEXT_BYTES_PER_CALL, text_pieces
 from smolctl.errors import UserError
 from smolctl.results import Result
 from smolctl.shards import OutputFolder, check_output_path, open_documents
@@ -65,6 +67,41 @@ CHARS_PER_TOKEN_DOCUMENTS = 200
 """Documents chars_per_token is measured on, spread evenly over the training text (not the first batch's: a
 corpus's first file may be a split of a few short documents, or empty)."""
 
+TRAINING_PIECE_CHARS = 256 * 1024
+"""The longest text the BPE trainer is given as one sequence. While it splits and counts a sequence it holds
+~200 bytes per byte of it (a 30 MB document took 7 GB, a 179 MB one was killed at 24 GB), so a longer document
+is given in pieces. Each cut is at a single space between two other characters, where the byte-level
+pre-tokenizer splits anyway (no pre-token holds a space after its first character, and its pattern looks at
+nothing before the cut): the words counted, and so the trained tokenizer, are the same. A run of that length
+without such a space is cut where the piece is full."""
+_WORD_START = re.compile(r"(?<=\S) (?=\S)")
+
+
+def measured_chars_per_token(tokenizer: Tokenizer, documents: list[str]) -> float:
+    """Characters per token over the sampled documents, each measured on at most its first TRAINING_PIECE_CHARS:
+    an Encoding holds ~40 bytes per byte of its text, and one of a book's whole text took gigabytes."""
+    heads = [text[:TRAINING_PIECE_CHARS] for text in documents]
+    tokens, start = 0, 0
+    while start < len(heads):  # a few MB at a time: the heads of 200 books at once would be gigabytes
+        stop, size = start + 1, len(heads[start])
+        while stop < len(heads) and size + len(heads[stop]) <= TEXT_BYTES_PER_CALL:
+            size, stop = size + len(heads[stop]), stop + 1
+        tokens += sum(len(e.ids) for e in tokenizer.encode_batch_fast(heads[start:stop], add_special_tokens=False))
+        start = stop
+    return sum(map(len, heads)) / max(1, tokens)
+
+
+def training_pieces(text: str) -> list[str]:
+    """`text` in pieces of at most TRAINING_PIECE_CHARS characters, cut as above (the pieces join to `text`)."""
+    pieces, start = [], 0
+    while len(text) - start > TRAINING_PIECE_CHARS:
+        cut = _WORD_START.search(text, start + TRAINING_PIECE_CHARS // 2, start + TRAINING_PIECE_CHARS)
+        stop = cut.start() if cut else start + TRAINING_PIECE_CHARS
+        pieces.append(text[start:stop])
+        start = stop
+    pieces.append(text[start:])
+    return pieces
+
 
 def _texts(batches: Iterator[list[str]], counter: dict, total: int) -> Iterator[list[str]]:
     """The non-empty texts of each batch, counted, every `stride`-th of them kept in counter["sample"] (`total`:
@@ -76,6 +113,8 @@ def _texts(batches: Iterator[list[str]], counter: dict, total: int) -> Iterator[
         counter["sample"] += texts[-counter["documents"] % stride :: stride]
         counter["documents"] += len(texts)
         counter["characters"] += sum(len(t) for t in texts)
+        if any(len(t) > TRAINING_PIECE_CHARS for t in texts):
+            texts = [piece for t in texts for piece in training_pieces(t)]
         yield texts
 
 
@@ -184,10 +223,12 @@ def train_tokenizer(
 
         def read() -> Iterator[list[str]]:
             for batch in source.iter_batches(columns=[text_column], batch_size=2048):
-                texts = batch.column(0).to_pylist()
-                if on_batch:
-                    on_batch(len(texts))
-                yield texts
+                # As Python strings a few MB at a time: a batch of books would be gigabytes at once.
+                for piece, _ in text_pieces(batch.column(0)):
+                    texts = piece.to_pylist()
+                    if on_batch:
+                        on_batch(len(texts))
+                    yield texts
 
         texts, length = _texts(read(), counter, source.num_rows), source.num_rows
     tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
@@ -201,8 +242,7 @@ def train_tokenizer(
         additional_special_tokens=[IM_START, IM_END],
     )
     wrapped.chat_template = CHATML_TEMPLATE
-    sample = "\n".join(counter["sample"])
-    chars_per_token = len(sample) / max(1, len(tokenizer.encode(sample).ids))
+    chars_per_token = measured_chars_per_token(tokenizer, counter["sample"])
 
     with OutputFolder(output, kind=KIND_TOKENIZER, overwrite=overwrite, inputs=source.lineage()) as folder:
         wrapped.save_pretrained(str(folder.staging))
