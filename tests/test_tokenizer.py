@@ -189,3 +189,19 @@ def test_chars_per_token_is_measured_a_few_megabytes_at_a_time(tokenizer_dir):
     assert max(sum(call) for call in calls) <= TEXT_BYTES_PER_CALL and max(max(call) for call in calls) < 400_000
     expected = sum(map(len, heads)) / sum(len(backend.encode(h, add_special_tokens=False).ids) for h in heads)
     assert measured == pytest.approx(expected)
+
+
+def test_verify_checks_a_tokenizer_by_its_fingerprint(tokenizer_dir, tmp_path):
+    """A tokenizer folder's manifest lists no shards: --verify must still catch a changed vocabulary."""
+    import shutil
+
+    copy = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, copy)
+    assert run_cli("inspect", copy, "--verify").returncode == 0
+    config = json.loads((copy / "tokenizer.json").read_text())
+    vocab = config["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[300:302]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # two tokens swap their ids
+    (copy / "tokenizer.json").write_text(json.dumps(config))
+    result = run_cli("inspect", copy, "--verify")
+    assert result.returncode == 1 and "fingerprint" in result.stdout + result.stderr
