@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from smolctl.data.tokenizer import load_tokenizer
+from smolctl.data.tokenizer import fingerprint_problems, load_tokenizer
 from smolctl.errors import UserError
 from smolctl.results import Result
 from smolctl.shards import (
@@ -122,7 +122,7 @@ def _summary(folder: Path, root: Path) -> dict:
 def _verify_all(folders: list[Path]) -> list[str]:
     problems: list[str] = []
     for folder in folders:
-        problems += verify_checksums(folder)
+        problems += verify_checksums(folder) or fingerprint_problems(folder, read_manifest(folder) or {})
     return problems
 
 

@@ -1138,20 +1138,4 @@ def verify_checksums(folder: Path, manifest: dict | None = None) -> list[str]:
                     problems.append(f"{path}: sha256 differs from the manifest")
     if manifest.get("kind") == KIND_PACKED and not problems:
         problems += packed_shape_problems(folder, manifest)
-    if manifest.get("kind") == "tokenizer" and (manifest.get("stats") or {}).get("fingerprint"):
-        problems += tokenizer_problems(folder, manifest["stats"]["fingerprint"])
     return problems
-
-
-def tokenizer_problems(folder: Path, recorded: str) -> list[str]:
-    """A tokenizer folder lists no shards: what it holds is checked by what it does, its fingerprint (the rules
-    and vocabulary it tokenizes with) against the one train-tokenizer recorded."""
-    from smolctl.data.tokenizer import load_rust_tokenizer  # tokenizers: only where a tokenizer is verified
-
-    try:
-        found = load_rust_tokenizer(folder).fingerprint
-    except Exception as exc:  # any way a damaged tokenizer.json fails to load is the finding
-        return [f"{folder}: the tokenizer does not load ({type(exc).__name__}: {str(exc).splitlines()[0]})"]
-    if found != recorded:
-        return [f"{folder}: the tokenizer's fingerprint {found} differs from the manifest's {recorded}"]
-    return []

@@ -282,7 +282,8 @@ import os, signal, sys, time
 import smolctl.data.dedup as dedup
 def run_then_ctrl_c(self, plan_, stage, units, report):
     pool = self._pool(plan_)
-    [future.result() for future in [pool.submit(os.getpid) for _ in range(4)]]  # the workers are up, and idle
+    # Tasks that take a while: each worker is started (one per submission while none is idle) and done starting.
+    [future.result() for future in [pool.submit(time.sleep, 0.3) for _ in range(4)]]
     os.killpg(0, signal.SIGINT)
     time.sleep(5)
 dedup._Workers.run = run_then_ctrl_c
@@ -304,7 +305,7 @@ import smolctl.data.dedup as dedup
 real_run = dedup._Workers.run
 def ctrl_c_then_run(self, plan_, stage, units, report):
     pool = self._pool(plan_)
-    [future.result() for future in [pool.submit(os.getpid) for _ in range(4)]]  # the workers are up
+    [future.result() for future in [pool.submit(time.sleep, 0.3) for _ in range(4)]]  # the workers are up
     os.killpg(0, signal.SIGINT)
     time.sleep(0.5)
     real_run(self, plan_, stage, units, report)

@@ -371,8 +371,8 @@ _WORKER_PLAN: DedupPlan | None = None  # the run a forked pool process works for
 
 def _init_worker(queue, plan_: DedupPlan, parent: int) -> None:
     global _WORKER_QUEUE, _WORKER_PLAN
+    leave_quietly_on_ctrl_c()  # first: a Ctrl-C while the rest starts up must not print a traceback either
     exit_with_parent(parent)
-    leave_quietly_on_ctrl_c()
     _WORKER_QUEUE, _WORKER_PLAN = queue, plan_
 
 

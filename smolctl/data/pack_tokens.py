@@ -84,8 +84,8 @@ _worker_backend = None
 
 def _init_worker(tokenizer_json: str, split_special_tokens: bool, parent: int) -> None:
     global _worker_backend
+    leave_quietly_on_ctrl_c()  # first: a Ctrl-C while the rest starts up must not print a traceback either
     exit_with_parent(parent)
-    leave_quietly_on_ctrl_c()
     # One Rust thread per worker process: the processes are the parallelism, threads would oversubscribe.
     os.environ["RAYON_NUM_THREADS"] = "1"
     from tokenizers import Tokenizer

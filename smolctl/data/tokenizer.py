@@ -413,6 +413,21 @@ def _plain_tokenizer(path: Path) -> RustTokenizer | None:
     return RustTokenizer(backend, eos, pad, backend.get_vocab_size(with_added_tokens=True))
 
 
+def fingerprint_problems(folder: Path, manifest: dict) -> list[str]:
+    """A tokenizer folder lists no shards for `inspect --verify`: what it holds is checked by what it does, its
+    fingerprint (the rules and vocabulary it tokenizes with) against the one train-tokenizer recorded."""
+    recorded = (manifest.get("stats") or {}).get("fingerprint")
+    if manifest.get("kind") != KIND_TOKENIZER or not recorded:
+        return []
+    try:
+        found = load_rust_tokenizer(folder).fingerprint
+    except Exception as exc:  # any way a damaged tokenizer.json fails to load is the finding
+        return [f"{folder}: the tokenizer does not load ({type(exc).__name__}: {str(exc).splitlines()[0]})"]
+    if found != recorded:
+        return [f"{folder}: the tokenizer's fingerprint {found} differs from the manifest's {recorded}"]
+    return []
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """A short hash of the tokenizer's vocabulary and rules: equal fingerprints tokenise text identically."""
     return backend_fingerprint(tokenizer.backend_tokenizer)
