@@ -22,9 +22,10 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import numpy as np
+import pyarrow as pa
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from smolctl.arrow_arrays import TEXT_BYTES_PER_CALL, text_pieces
+from smolctl.arrow_arrays import text_pieces
 from smolctl.errors import UserError
 from smolctl.results import Result
 from smolctl.shards import OutputFolder, check_output_path, open_documents
@@ -81,13 +82,9 @@ def measured_chars_per_token(tokenizer: Tokenizer, documents: list[str]) -> floa
     """Characters per token over the sampled documents, each measured on at most its first TRAINING_PIECE_CHARS:
     an Encoding holds ~40 bytes per byte of its text, and one of a book's whole text took gigabytes."""
     heads = [text[:TRAINING_PIECE_CHARS] for text in documents]
-    tokens, start = 0, 0
-    while start < len(heads):  # a few MB at a time: the heads of 200 books at once would be gigabytes
-        stop, size = start + 1, len(heads[start])
-        while stop < len(heads) and size + len(heads[stop]) <= TEXT_BYTES_PER_CALL:
-            size, stop = size + len(heads[stop]), stop + 1
-        tokens += sum(len(e.ids) for e in tokenizer.encode_batch_fast(heads[start:stop], add_special_tokens=False))
-        start = stop
+    tokens = 0
+    for piece, _ in text_pieces(pa.array(heads, pa.large_string())):  # a few MB at a time, as pack encodes
+        tokens += sum(len(e.ids) for e in tokenizer.encode_batch_fast(piece.to_pylist(), add_special_tokens=False))
     return sum(map(len, heads)) / max(1, tokens)
 
 
