@@ -117,9 +117,20 @@ def test_debug_env_shows_the_traceback(tmp_path):
     assert result.returncode == 2 and "Traceback" in result.stderr
 
 
-def test_usage_errors_exit_2():
-    assert run_cli("inspect").returncode == 2
-    assert run_cli("no-such-command").returncode == 2
+def test_usage_errors_are_one_line_naming_the_option_and_where_to_look():
+    """Click prints a usage error as its usage, a hint, a blank line and the error; smolctl's bad input is one
+    line. A missing or extra argument is answered with the usage; anything else points at the command's -h."""
+    cases = [
+        (["inspect"], "smolctl inspect: Missing argument 'path' — usage: smolctl inspect [OPTIONS] PATH"),
+        (["dedup", "a", "b", "c"], "Got unexpected extra argument(s) (c) — usage: smolctl dedup [OPTIONS] INPUT"),
+        (["dedup", "a", "b", "--workers", "0"], "'--workers': 0 is not in the range x>=1 — see 'smolctl dedup -h'"),
+        (["dedup", "a", "b", "--bogus"], "smolctl dedup: No such option: --bogus"),
+        (["no-such-command"], "smolctl: No such command 'no-such-command' — see 'smolctl -h'"),
+    ]
+    for argv, needle in cases:
+        result = run_cli(*argv)
+        assert result.returncode == 2 and result.stderr.startswith("error: "), (argv, result.stderr)
+        assert result.stderr.splitlines() == [result.stderr.strip()] and needle in result.stderr, result.stderr
 
 
 def test_a_negative_seed_is_a_usage_error_not_a_crash(tmp_path, sample, tokenizer_dir):

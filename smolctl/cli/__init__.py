@@ -56,6 +56,30 @@ def _only_the_invoked_command(args: list[str]) -> Iterator[None]:
         app.registered_commands = commands
 
 
+def _report_usage_error(exc: typer.TyperException) -> None:
+    """A mistyped command line as one line, like any other bad input. Click prints its usage, a hint and the
+    error over four lines; the usage is kept where it is the answer (an argument missing or one too many), the
+    rest points at -h. A command run without its arguments still shows its help."""
+    from typer._click.exceptions import BadArgumentUsage, MissingParameter, NoArgsIsHelpError, UsageError
+
+    if isinstance(exc, NoArgsIsHelpError) or not hasattr(exc, "format_message"):
+        exc.show()
+        return
+    context = exc.ctx if isinstance(exc, UsageError) else None
+    if context is None:
+        error_line("error", exc.format_message())
+        return
+    message = exc.format_message().rstrip(".")
+    arguments = (
+        isinstance(exc, BadArgumentUsage)
+        or (isinstance(exc, MissingParameter) and getattr(exc.param, "param_type_name", None) == "argument")
+        or message.startswith("Got unexpected extra argument")
+    )
+    usage = context.get_usage().removeprefix("Usage: ")
+    fix = f"usage: {usage}" if arguments else f"see '{context.command_path} -h'"
+    error_line("error", f"{context.command_path}: {message} — {fix}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI: user mistakes are one line and exit 2, failed checks exit 1, bugs exit 1 with a hint."""
     debug = os.environ.get("SMOLCTL_DEBUG") == "1"
@@ -66,9 +90,9 @@ def main(argv: list[str] | None = None) -> None:
     except Interrupted as exc:
         error_line("interrupted", str(exc))
         code = exc.exit_code
-    except typer.TyperException as exc:  # a usage error found while parsing: Typer prints it with the usage line
-        exc.show()
-        code = exc.exit_code
+    except typer.TyperException as exc:  # found while parsing the command line
+        _report_usage_error(exc)
+        code = getattr(exc, "exit_code", 2)
     except UserError as exc:
         if debug:
             traceback.print_exc()
