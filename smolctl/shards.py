@@ -828,11 +828,9 @@ class DocumentSource:
             if pa.types.is_dictionary(kind):  # pandas categoricals: strings stored once, read back decoded
                 kind = kind.value_type
             if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):  # views were read as large_string
-                raise UserError(
-                    self.spec,
-                    f"column '{name}' holds {self.schema.field(name).type}, not text",
-                    "pass a column of strings",
-                )
+                # Named by kind for bytes: a binary_view column is read as large_binary, a name its writer never saw.
+                held = "bytes" if pa.types.is_binary(kind) or pa.types.is_large_binary(kind) else kind
+                raise UserError(self.spec, f"column '{name}' holds {held}, not text", "pass a column of strings")
 
     def lineage(self) -> list[dict]:
         if self.folder is not None:

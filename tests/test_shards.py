@@ -235,9 +235,13 @@ def test_missing_column_names_the_existing_ones(tmp_path):
     source = open_documents(tmp_path / "ds")
     with pytest.raises(UserError, match=r"no column 'content' \(columns: id, text\)"):
         source.require(text=["content"])
-    with pytest.raises(UserError, match="not text"):
+    with pytest.raises(UserError, match="holds int64, not text"):
         pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
         open_documents(tmp_path / "ints.parquet").require(text=["text"])
+    # Read as large_binary, a name the file's writer never used: named as what it holds.
+    pq.write_table(pa.table({"text": pa.array([b"a"], pa.binary_view())}), tmp_path / "view.parquet")
+    with pytest.raises(UserError, match="column 'text' holds bytes, not text"):
+        open_documents(tmp_path / "view.parquet").require(text=["text"])
 
 
 def test_reads_foreign_parquet_folders_files_and_globs(tmp_path):
