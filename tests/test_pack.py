@@ -803,6 +803,46 @@ def test_a_shard_failing_mid_run_leaves_nothing_and_no_threads(sample, tokenizer
     assert threading.active_count() == threads
 
 
+@pytest.mark.parametrize("stop", ["full disk", "ctrl-c"])
+def test_a_unit_stopped_mid_write_leaves_no_staging_folder_and_the_rerun_resumes(
+    stop, sample, tokenizer_dir, tmp_path, monkeypatch
+):
+    """The second unit stops while its rows are written (a refused write, or Ctrl-C): the first unit is kept for
+    the re-run, and the second's staging folder goes. It is named by the process, so each failed run used to
+    leave one more behind (half-written on Ctrl-C), that no later run would use or remove."""
+    from smolctl.data import pack_sinks
+    from smolctl.errors import WriteRefused
+
+    inputs = tmp_path / "docs"
+    inputs.mkdir()
+    table = pq.read_table(sample / "web" / "part-00000.parquet", columns=["text"])
+    for part in range(3):
+        pq.write_table(table.slice(300 * part, 300), inputs / f"part-{part:05d}.parquet")
+    config = PackConfig(seq_len=64, batch_documents=50, shard_size="40rows")
+    written = []
+    real_write = pack_sinks.RowSink._write
+
+    def stopping_write(self, all_rows):
+        written.append(self)
+        if len({id(sink) for sink in written}) == 2 and written.count(self) == 2:  # the second unit, some rows in
+            if stop == "ctrl-c":
+                raise KeyboardInterrupt
+            raise WriteRefused(tmp_path / "packed", "cannot write a shard: No space left on device", "free space")
+        return real_write(self, all_rows)
+
+    monkeypatch.setattr(pack_sinks.RowSink, "_write", stopping_write)
+    with pytest.raises(KeyboardInterrupt if stop == "ctrl-c" else WriteRefused):
+        pack(str(inputs), tmp_path / "packed", tokenizer_spec=str(tokenizer_dir), config=config)
+    work = tmp_path / "packed" / "_work"
+    assert [p.name for p in work.glob("*/pack/*") if p.name.startswith(".")] == []
+    assert sorted(p.name for p in work.glob("*/pack/*")) == ["00000", "00000.done"]
+    monkeypatch.setattr(pack_sinks.RowSink, "_write", real_write)
+    resumed = pack(str(inputs), tmp_path / "packed", tokenizer_spec=str(tokenizer_dir), config=config)
+    pack(str(inputs), tmp_path / "fresh", tokenizer_spec=str(tokenizer_dir), config=config)
+    assert resumed.units_skipped == 1 and resumed.finished
+    assert read_manifest(tmp_path / "packed")["shards"] == read_manifest(tmp_path / "fresh")["shards"]
+
+
 def tokenizer_variant(tokenizer_dir: Path, folder: Path, backend_edit=None, **config) -> Path:
     """A copy of the trained tokenizer folder with its tokenizer.json edited through the tokenizers API and
     keys added to its tokenizer_config.json, as hub folders come."""

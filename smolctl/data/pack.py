@@ -226,6 +226,11 @@ class PackJob:
                         waiting.popleft().result()  # raises what the packing thread raised
                 while waiting:
                     waiting.popleft().result()
+            except BaseException:
+                packer.shutdown(wait=True, cancel_futures=True)  # the unit is no longer written to
+                if "unit" in state:
+                    state["unit"].abandon()
+                raise
             finally:
                 packer.shutdown(wait=True, cancel_futures=True)
         if "unit" in state:
@@ -304,9 +309,18 @@ class UnitPacking:
         self.sink.add(batch, batch_ends)
 
     def finish(self) -> None:
-        self.sink.close()
-        self.folder.commit(stats=asdict(self.stats))
+        try:
+            self.sink.close()
+            self.folder.commit(stats=asdict(self.stats))
+        except BaseException:
+            self.abandon()
+            raise
         self.job.area.mark_done(STAGE, self.unit, asdict(self.stats))
+
+    def abandon(self) -> None:
+        """Remove this process's staging folder of the unit: a run that stopped mid-unit starts it again in its
+        own (another process's id), so a kept one would only be left behind, a folder per failed run."""
+        self.folder.abort()
 
 
 def sum_stats(markers) -> PackStats:
