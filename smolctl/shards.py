@@ -246,9 +246,22 @@ class OutputFolder:
         mode = 0o666 & ~process_umask()
         for file in self.staging.rglob("*.safetensors"):
             os.chmod(file, mode)
+        if self.kind == KIND_MODEL and "files" not in manifest:
+            manifest["files"] = self._other_files()
         atomic_write_json(self.staging / MANIFEST_NAME, manifest)
         self._swap_into_place()
         return manifest
+
+    def _other_files(self) -> list[dict]:
+        """Every file but the shards and the manifest, hashed: a model's config.json and tokenizer files decide
+        what its weights mean, so `inspect --verify` checks them with the weights."""
+        shards = {shard["name"] for shard in self.shards} | {MANIFEST_NAME}
+        files = sorted(p for p in self.staging.rglob("*") if p.is_file())
+        return [
+            {"name": name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+            for path in files
+            if (name := path.relative_to(self.staging).as_posix()) not in shards
+        ]
 
     def _swap_into_place(self) -> None:
         if self.per_process:
@@ -1134,6 +1147,14 @@ def verify_checksums(folder: Path, manifest: dict | None = None) -> list[str]:
                     problems.append(f"{path}: missing")
                 elif sha256_file(path) != shard[f"{companion}_sha256"]:
                     problems.append(f"{path}: sha256 differs from the manifest")
+    for listed in manifest.get("files", []):  # a model's other files; a checkpoint's, by size alone
+        path = folder / listed["name"]
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif path.stat().st_size != listed["bytes"]:
+            problems.append(f"{path}: size {path.stat().st_size} != {listed['bytes']} in the manifest")
+        elif "sha256" in listed and sha256_file(path) != listed["sha256"]:
+            problems.append(f"{path}: sha256 differs from the manifest")
     if manifest.get("kind") == KIND_PACKED and not problems:
         problems += packed_shape_problems(folder, manifest)
     return problems

@@ -163,6 +163,24 @@ def test_verify_exits_1_on_a_flipped_byte(tmp_path, sample):
     assert result.returncode == 1 and "sha256 differs" in result.stdout
 
 
+def test_verify_checks_a_model_folders_config_and_tokenizer_with_its_weights(tmp_path, tokenizer_dir):
+    """A model's manifest lists its weights as shards; config.json and the tokenizer files decide what those
+    weights mean (an edited layer count loads other weights, or fails), so --verify hashes them too."""
+    from tiny_checkpoint import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tokenizer_dir, tmp_path / "model")
+    listed = {f["name"] for f in json.loads((model / "manifest.json").read_text())["files"]}
+    assert {"config.json", "tokenizer.json", "model.safetensors"} <= listed and "manifest.json" not in listed
+    assert run_cli("inspect", model, "--verify", "--samples", "0").returncode == 0
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"num_hidden_layers": 1}, indent=2))
+    result = run_cli("inspect", model, "--verify", "--samples", "0")
+    assert result.returncode == 1 and "config.json: s" in result.stdout, result.stdout
+    (model / "tokenizer.json").unlink()
+    result = run_cli("inspect", model, "--verify", "--samples", "0")
+    assert result.returncode == 1 and "tokenizer.json: missing" in result.stdout, result.stdout
+
+
 def test_verify_reports_a_truncated_shard_and_a_moved_tokenizer_does_not_stop_inspect(tmp_path, sample, tokenizer_dir):
     """--verify on a shard cut short reports it (exit 1), as for a flipped byte, instead of failing to read samples
     from it; once the tokenizer a packed folder records has moved, inspect still shows it (rows as token ids)."""
