@@ -126,9 +126,10 @@ def test_usage_errors_are_one_line_naming_the_option_and_where_to_look():
         (["dedup", "a", "b", "--workers", "0"], "'--workers': 0 is not in the range x>=1 — see 'smolctl dedup -h'"),
         (["dedup", "a", "b", "--bogus"], "smolctl dedup: No such option: --bogus"),
         (["no-such-command"], "smolctl: No such command 'no-such-command' — see 'smolctl -h'"),
+        (["pack", "a", "b", "--seq-len"], "smolctl pack: Option '--seq-len' requires an argument — see"),
     ]
     for argv, needle in cases:
-        result = run_cli(*argv)
+        result = run_cli(*argv, env={"COLUMNS": "30"})  # click wraps its usage to the terminal: still one line
         assert result.returncode == 2 and result.stderr.startswith("error: "), (argv, result.stderr)
         assert result.stderr.splitlines() == [result.stderr.strip()] and needle in result.stderr, result.stderr
 

@@ -67,7 +67,7 @@ def _report_usage_error(exc: typer.TyperException) -> None:
         return
     context = exc.ctx if isinstance(exc, UsageError) else None
     if context is None:
-        error_line("error", exc.format_message())
+        error_line("error", exc.format_message().rstrip("."))
         return
     message = exc.format_message().rstrip(".")
     arguments = (
@@ -75,7 +75,7 @@ def _report_usage_error(exc: typer.TyperException) -> None:
         or (isinstance(exc, MissingParameter) and getattr(exc.param, "param_type_name", None) == "argument")
         or message.startswith("Got unexpected extra argument")
     )
-    usage = context.get_usage().removeprefix("Usage: ")
+    usage = " ".join(context.get_usage().removeprefix("Usage: ").split())  # click wraps it to the terminal
     fix = f"usage: {usage}" if arguments else f"see '{context.command_path} -h'"
     error_line("error", f"{context.command_path}: {message} — {fix}")
 

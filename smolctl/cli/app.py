@@ -35,6 +35,16 @@ class _ReadableHelp:
         self.escape_shown_help(ctx)
         super().format_help(ctx, formatter)
 
+    def parse_args(self, ctx, args):
+        # Click's option parser raises some usage errors ("requires an argument") without the command they are
+        # about; the CLI's one line names the command and where its -h is.
+        try:
+            return super().parse_args(ctx, args)
+        except typer.TyperException as exc:
+            if getattr(exc, "ctx", False) is None:
+                exc.ctx, exc.cmd = ctx, ctx.command
+            raise
+
     def shell_complete(self, ctx, incomplete):
         # Typer renders completion descriptions as Rich markup too (to strip it).
         self.escape_shown_help(ctx)

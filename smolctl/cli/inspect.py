@@ -47,7 +47,7 @@ def inspect_command(
     else:
         _render_inspect(result)
     if verify and result.verified is False:
-        raise CheckFailed(f"{path}: {len(result.problems)} shard(s) do not match the manifest")
+        raise CheckFailed(f"{path}: {len(result.problems)} file(s) do not match the manifest")
 
 
 def _render_inspect(result: Inspection) -> None:

@@ -320,6 +320,9 @@ class UnitPacking:
     def abandon(self) -> None:
         """Remove this process's staging folder of the unit: a run that stopped mid-unit starts it again in its
         own (another process's id), so a kept one would only be left behind, a folder per failed run."""
+        handle = getattr(self.sink, "handle", None)  # a token file open across batches (--format datatrove)
+        if handle is not None:
+            handle.close()  # first: NFS keeps a file removed while open as .nfsXXXX, and its folder with it
         self.folder.abort()
 
 
