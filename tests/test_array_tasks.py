@@ -93,6 +93,7 @@ def test_a_pack_task_killed_mid_unit_resumes_to_the_same_bytes(four_shards, toke
         return original(self, *batch)
 
     monkeypatch.setattr(pack_module.UnitPacking, "add", dies_on_the_third_batch)
+    monkeypatch.setattr(pack_module.UnitPacking, "abandon", lambda self: None)  # a kill cleans nothing up
     with pytest.raises(KeyboardInterrupt):
         run_pack(four_shards, tmp_path / "tasks", tokenizer_dir, tasks=2, task_id=1)
     # Nothing queued behind the failed batch is packed: its unit's last batch and then the next unit's first
@@ -188,6 +189,32 @@ def test_a_plain_run_while_another_task_commits_leaves_the_work_alone(
     with pytest.raises(UserError, match=r"another process .* is writing OUTPUT"):
         run_pack(four_shards, out, tokenizer_dir)
     assert sorted(p.relative_to(out) for p in out.rglob("*")) == before and len(before) > 8
+
+
+@pytest.mark.parametrize("command", ["dedup", "mix", "pack"])
+def test_a_second_plain_run_into_the_same_output_is_refused_and_touches_nothing(
+    command, four_shards, tokenizer_dir, tmp_path
+):
+    """Two plain runs into one OUTPUT each did every unit; the first to commit removed the work area under the
+    other, which crashed (mix) or cleaned up after its error and told the user to --overwrite the finished output
+    (dedup, pack). The second is refused in one line while the first holds OUTPUT, and the first finishes."""
+    out = tmp_path / "out"
+    argv = {
+        "dedup": ["dedup", four_shards, out],
+        "mix": ["mix", out, "--source", f"web={four_shards}:1", "--documents", "200"],
+        "pack": ["pack", four_shards, out, "--tokenizer", tokenizer_dir, "--seq-len", "128"],
+    }[command]
+    first = WorkArea(out, ("units",), {"run": 1})  # the lock is OUTPUT's, whatever run holds it
+    with first.alone():  # the first run, between its first write and its commit
+        first.prepare()
+        before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+        second = run_cli(*argv)
+        assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+        assert f"{out}: is being written by another smolctl run (pid {os.getpid()} on " in second.stderr
+        assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    shutil.rmtree(out)
+    assert [p.name for p in tmp_path.iterdir()] == [], "the lock file goes with its run"
+    assert run_cli(*argv).returncode == 0 and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 @pytest.mark.parametrize("lock", ['{"host": "another-node", "pid": 5}', ""], ids=["another node", "empty"])

@@ -23,7 +23,7 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,6 +178,49 @@ class WorkArea:
             ) from exc
         atomic_write_json(recorded, {"fingerprint": self._canonical(), "started": time.time()})
 
+    @contextmanager
+    def alone(self) -> Iterator[None]:
+        """Held by a plain run (not an array task) from its first write to its commit. Two plain runs into one
+        OUTPUT would each do every unit, and the first to commit removes the work area under the other, whose
+        error then either crashed or, cleaning up after it, took the first run's work area with it; the second
+        is refused at once instead. An flock on a hidden file beside OUTPUT, so the kernel releases it when a
+        run dies and none is ever stale; where there is no flock (Lustre mounted without it) a run goes
+        unguarded, as before."""
+        import fcntl
+
+        lock = self.output.parent / f".{self.output.name}.lock"
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(lock, "a+")  # noqa: SIM115  (held across the yield)
+        except OSError:  # a folder this run cannot write to: the work area's creation says so in one line
+            yield
+            return
+        held = False
+        try:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                raise UserError(
+                    self.output,
+                    f"is being written by another smolctl run ({holder})",
+                    "wait for it to finish, or write to another folder",
+                ) from None
+            except OSError:
+                pass  # no flock on this file system
+            if held:
+                handle.seek(0)
+                handle.truncate()
+                handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
+                handle.flush()
+            yield
+        finally:
+            if held:
+                lock.unlink(missing_ok=True)  # while still held: a run refused a moment ago finds none left over
+            handle.close()
+
     def clean_up_after(self, error: UserError) -> None:
         """After a plain run's failure: on its input, nothing is left behind (the run on the mended input starts
         afresh); a refused write (a full disk) keeps the finished units for the run after the fix to resume."""
@@ -225,8 +268,12 @@ class WorkArea:
         """
         path = self.marker(stage, unit)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({**stats, "host": socket.gethostname(), "finished_at": time.time()}))
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps({**stats, "host": socket.gethostname(), "finished_at": time.time()}))
+            os.replace(tmp, path)
+        except BaseException:  # a full disk: the unit is done again by the next run, with no stray half-marker
+            tmp.unlink(missing_ok=True)
+            raise
 
     # -- the one commit ------------------------------------------------------------------------------------
 

@@ -194,7 +194,8 @@ def run(
             params=_settings(plan_),
         )
     if not array_task:
-        return _run_units(plan_, stage, tasks, task_id, workers, report)
+        with plan_.area.alone():
+            return _run_units(plan_, stage, tasks, task_id, workers, report)
     try:
         with unless_committed(plan_.area):
             return _run_units(plan_, stage, tasks, task_id, workers, report)

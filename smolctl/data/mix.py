@@ -466,7 +466,8 @@ class MixJob:
             )
         check_task(tasks, task_id)
         if stage is None:
-            return self._run(STAGES, 1, 0, on_measure, on_stage, array_task=False)
+            with self.area.alone():
+                return self._run(STAGES, 1, 0, on_measure, on_stage, array_task=False)
         if self.area.committed():  # this very run, even with --overwrite (see dedup's run)
             return self._result([], 0.0, already_committed=True, stage=stage)
         try:

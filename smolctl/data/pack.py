@@ -146,7 +146,8 @@ class PackJob:
         if array_task and self.area.committed():  # this very run, even with --overwrite (see dedup's run)
             return self._result(PackStats(), 0.0, already_committed=True)
         if not array_task:
-            return self._run(on_progress, 1, 0, array_task)
+            with self.area.alone():
+                return self._run(on_progress, 1, 0, array_task)
         try:
             with unless_committed(self.area):
                 return self._run(on_progress, tasks, task_id, array_task)
