@@ -6,6 +6,10 @@ from __future__ import annotations
 import errno
 import os
 import re
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -43,6 +47,37 @@ class Interrupted(Exception):
 NOTHING_HALF_WRITTEN = "nothing half-written was left behind — run the command again"
 """What Ctrl-C leaves, for a command without more to say: outputs are written atomically, and the stages that
 keep finished work (dedup, pack, mix) continue from it when run again."""
+
+
+COMMITTED_BEFORE_THE_INTERRUPT = "was complete and in place before the interrupt — nothing to run again"
+
+
+@contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C waits for the end of the block, then arrives as it would have: for steps that must not be cut in
+    half (swapping a finished output into place). Only the main thread is ever interrupted (Python delivers
+    signals there), so elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if arrived and callable(previous):
+            previous(signal.SIGINT, arrived[0])
+
+
+def committed_since(started: float) -> Path | None:
+    """The command's OUTPUT (see `writing_to`) when it committed it after `started` (a time.time()), else None:
+    a Ctrl-C that arrives after the commit left a complete output, not one to make again."""
+    manifest = _output / "manifest.json" if _output is not None else None
+    try:
+        return _output if manifest is not None and manifest.stat().st_mtime >= started else None
+    except OSError:
+        return None
 
 
 # The file system refusing a write is the user's environment, not a bug: name the file and what to do.

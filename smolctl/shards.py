@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from smolctl import __version__
-from smolctl.errors import UserError, WriteRefused, writing_to
+from smolctl.errors import UserError, WriteRefused, interrupts_deferred, writing_to
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
@@ -264,9 +264,15 @@ class OutputFolder:
         ]
 
     def _swap_into_place(self) -> None:
-        if self.per_process:
-            self._replace_copy()
-            return
+        # Ctrl-C waits for the swap: cut between its moves, it left the earlier output aside as .NAME.old (or no
+        # OUTPUT at all), or the new one in place with the old beside it for good.
+        with interrupts_deferred():
+            if self.per_process:
+                self._replace_copy()
+            else:
+                self._swap()
+
+    def _swap(self) -> None:
         old = self.path.parent / f".{self.path.name}.old"
         moved_aside = False
         try:
@@ -577,7 +583,8 @@ class PackedWriter:
 def parquet_files_under(root: Path) -> list[Path]:
     """Every parquet file under a folder, sorted: `.parquet` in any case (`PART-2.PARQUET`), through symlinked
     folders (each real folder once), skipping hidden and underscore entries (`.cache/`, `_temporary/`, Spark's
-    `_SUCCESS`)."""
+    `_SUCCESS`). A folder holding smolctl folders is refused: each is a dataset of its own, with its own
+    datasets inside (dedup's duplicates/), which read as one would be neither."""
     found, seen = [], set()
     for folder, subfolders, names in os.walk(root, followlinks=True):
         real = os.path.realpath(folder)
@@ -585,13 +592,49 @@ def parquet_files_under(root: Path) -> list[Path]:
             subfolders[:] = []
             continue
         seen.add(real)
+        if MANIFEST_NAME in names and _is_dataset_folder(Path(folder)):
+            _refuse_folder_of_datasets(root, Path(folder))
         subfolders[:] = [name for name in subfolders if not name.startswith((".", "_"))]
-        found += [
+        shards = [
             Path(folder) / name
             for name in names
-            if name.lower().endswith(".parquet") and not name.startswith((".", "_")) and (Path(folder) / name).is_file()
+            if name.lower().endswith(".parquet") and not name.startswith((".", "_"))
         ]
+        found += [path for path in shards if _not_a_broken_link(path) and path.is_file()]
     return sorted(found)
+
+
+def _refuse_folder_of_datasets(root: Path, dataset: Path) -> None:
+    """One line for a plain folder with a smolctl folder (`dataset`) inside, naming the ones next to it."""
+    inside = dataset.relative_to(root).parts[0]
+    names = sorted(p.name for p in root.iterdir() if p.is_dir() and _is_dataset_folder(p))
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    raise UserError(
+        root,
+        f"holds smolctl folders ({shown or inside}), each a dataset of its own",
+        f"pass one of them ({root / (names[0] if names else inside)}), or combine them with smolctl mix",
+    )
+
+
+def _is_dataset_folder(folder: Path) -> bool:
+    """Whether smolctl wrote this folder as a dataset (another tool's manifest.json, even broken, is not)."""
+    try:
+        manifest = read_manifest(folder)
+    except UserError:
+        return False
+    return manifest is not None and manifest.get("kind") == KIND_DOCUMENTS
+
+
+def _not_a_broken_link(path: Path) -> bool:
+    """True, or a UserError for a shard that is a link to nothing: a file system not mounted (or a shard moved)
+    would otherwise be a silently smaller input."""
+    if path.is_symlink() and not path.exists():
+        raise UserError(
+            path,
+            f"is a link to {os.readlink(path)}, which does not exist",
+            "mount or restore what it points to, or remove the link",
+        )
+    return True
 
 
 def _check_parquet_magic(path: Path) -> None:
@@ -621,7 +664,8 @@ def resolve_parquet_files(spec: str | Path) -> tuple[list[Path], dict | None, Pa
 def _parquet_files(spec: str | Path) -> tuple[list[Path], dict | None, Path | None]:
     text = str(spec)
     if any(ch in text for ch in "*?[") and not Path(text).exists():
-        files = sorted(Path(p) for p in globlib.glob(text, recursive=True) if Path(p).is_file())
+        matches = [Path(p) for p in globlib.glob(text, recursive=True)]
+        files = sorted(p for p in matches if _not_a_broken_link(p) and p.is_file())
         if not files:
             raise UserError(
                 text, "the pattern matches no files", "check the glob (quote it so the shell leaves it alone)"
@@ -808,20 +852,21 @@ class DocumentSource:
     def columns(self) -> list[str]:
         return list(self.schema.names)
 
-    def check_output_spares(self, output: str | Path) -> None:
+    def check_output_spares(self, output: str | Path, role: str = "the input") -> None:
         """Refuse an OUTPUT that is this input or holds any of its files: --overwrite (or a failed run's clean-up)
-        would delete the data being read. Or one inside the input folder: the next run would read it as input."""
+        would delete the data being read. Or one inside the input folder: the next run would read it as input.
+        `role` names this source in the message (the input, or the reference of --against)."""
         out = Path(output).resolve()
         if self.folder is not None and Path(self.folder).resolve() in out.parents:
             raise UserError(
                 output,
-                f"is inside the input folder {self.folder}, whose files are all read: the next run would read it too",
-                "write the output beside the input folder",
+                f"is inside {role} folder {self.folder}, whose files are all read: the next run would read it too",
+                f"write the output beside {role} folder",
             )
         # A folder's files are under it (a symlinked one is not removed with OUTPUT): the folder alone is checked.
         for path in [Path(p).resolve() for p in ([self.folder] if self.folder else self.files)]:
             if path == out or out in path.parents:
-                what = "is the input itself" if path == out else f"holds the input {path}"
+                what = f"is {role} itself" if path == out else f"holds {role} {path}"
                 raise UserError(output, what, "write the output to another folder")
 
     def require(self, *columns: str, text: Sequence[str] = (), flags: Mapping[str, str] | None = None) -> None:

@@ -304,6 +304,37 @@ main()
     assert process.stderr.strip().splitlines() == [INTERRUPTED_LINE]
 
 
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new output", "over an earlier output"])
+def test_ctrl_c_while_the_output_is_swapped_into_place_waits_for_the_swap_and_says_it_is_done(
+    tmp_path, sample, overwrite
+):
+    """Ctrl-C between the moves of the final swap left the earlier output aside as a hidden .out.old for good (or
+    no OUTPUT), and said to run the command again, which then refused the full OUTPUT. The swap finishes first,
+    and the line says the output is complete."""
+    out = tmp_path / "out"
+    if overwrite:
+        assert run_cli("dedup", sample / "math", out).returncode == 0
+    process = _interrupted(f"""
+import os, signal, sys
+from smolctl.shards import OutputFolder
+swap = OutputFolder._swap
+def interrupted_swap(self):
+    if self.path == __import__("pathlib").Path({str(out)!r}):  # the final one, not the duplicates report's
+        os.kill(os.getpid(), signal.SIGINT)
+    swap(self)
+OutputFolder._swap = interrupted_swap
+sys.argv = ["smolctl", "dedup", {str(sample / "web")!r}, {str(out)!r}, "--workers", "1", "--overwrite"]
+from smolctl.__main__ import main
+main()
+""")
+    assert process.returncode == 130, process.stderr
+    assert process.stderr.strip().splitlines() == [
+        f"interrupted: {out}: was complete and in place before the interrupt — nothing to run again"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert json.loads((out / "manifest.json").read_text())["inputs"][0]["path"] == str(sample / "web")
+
+
 def test_ctrl_c_reaching_idle_pool_workers_is_still_one_line(tmp_path, sample):
     """A terminal's Ctrl-C reaches every process of its group: each idle worker printed a KeyboardInterrupt
     traceback around the parent's line."""

@@ -319,6 +319,39 @@ def test_folders_read_upper_case_parquet_and_symlinked_folders_once(tmp_path):
     assert sorted(ids) == sorted(f"doc-{i}" for i in range(14))
 
 
+def test_a_shard_linked_to_nothing_is_refused_not_skipped(tmp_path):
+    """A folder of links to shards on a file system that is not mounted read as the shards still there: a
+    smaller input, silently. Named in one line, in a folder and through a glob; a link that works is read."""
+    data = tmp_path / "data"
+    data.mkdir()
+    pq.write_table(_table(3), tmp_path / "real.parquet")
+    (data / "part-0.parquet").symlink_to(tmp_path / "real.parquet")
+    assert open_documents(data).num_rows == 3
+    (data / "part-1.parquet").symlink_to(tmp_path / "unmounted" / "part-1.parquet")
+    for spec in (data, f"{data}/*.parquet"):
+        with pytest.raises(
+            UserError, match=r"part-1\.parquet: is a link to .*unmounted/part-1\.parquet, which does not"
+        ):
+            open_documents(spec)
+
+
+def test_a_folder_of_smolctl_datasets_is_refused_with_the_ones_to_pass(tmp_path, sample):
+    """dedup per source leaves OUTPUT/web, OUTPUT/code..., each with its removal report in duplicates/: read as one
+    plain folder, the reports' rows failed as a schema mismatch with advice to change the shards. A tokenizer or
+    another tool's manifest.json among plain shards changes nothing."""
+    import shutil
+
+    for name in ("web", "math"):
+        shutil.copytree(sample / name, tmp_path / "dedup" / name)
+    with pytest.raises(UserError, match=r"holds smolctl folders \(math, web\), each a dataset of its own — pass one"):
+        open_documents(tmp_path / "dedup")
+    plain = tmp_path / "plain"
+    (plain / "other").mkdir(parents=True)
+    pq.write_table(_table(3), plain / "part-0.parquet")
+    (plain / "other" / "manifest.json").write_text("{not json")
+    assert open_documents(plain).num_rows == 3
+
+
 def test_relative_paths_whose_first_folder_looks_like_a_uri_scheme_are_local(tmp_path, tokenizer_dir):
     """Arrow reads `run:1/docs.parquet` as a URI of scheme `run`; as input and as output it is a local folder."""
     (tmp_path / "run:1").mkdir()

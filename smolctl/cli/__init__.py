@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,7 +19,16 @@ import typer
 from smolctl.cli import cluster, data, estimate, inspect, posttrain, train  # noqa: F401  (each registers its commands)
 from smolctl.cli.app import Command, app
 from smolctl.console import error_line
-from smolctl.errors import NOTHING_HALF_WRITTEN, CheckFailed, Interrupted, UserError, environment_error, writing_to
+from smolctl.errors import (
+    COMMITTED_BEFORE_THE_INTERRUPT,
+    NOTHING_HALF_WRITTEN,
+    CheckFailed,
+    Interrupted,
+    UserError,
+    committed_since,
+    environment_error,
+    writing_to,
+)
 
 # `smolctl --help` lists the commands in pipeline order, grouped by what they work on.
 PIPELINE_ORDER = {
@@ -80,15 +90,24 @@ def _report_usage_error(exc: typer.TyperException) -> None:
     error_line("error", f"{context.command_path}: {message} — {fix}")
 
 
+def _what_the_interrupt_left(message: str, started: float) -> str:
+    """ "Run the command again", unless the command had committed its OUTPUT when Ctrl-C came (the last moment of
+    a run): a re-run would then only be refused for a full OUTPUT."""
+    if message == NOTHING_HALF_WRITTEN and (output := committed_since(started)) is not None:
+        return f"{output}: {COMMITTED_BEFORE_THE_INTERRUPT}"
+    return message
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI: user mistakes are one line and exit 2, failed checks exit 1, bugs exit 1 with a hint."""
     debug = os.environ.get("SMOLCTL_DEBUG") == "1"
     writing_to(None)  # this command names its own output (in-process callers run several)
+    started = time.time()
     try:
         with _only_the_invoked_command(sys.argv[1:] if argv is None else argv):
             code = app(args=argv, prog_name="smolctl", standalone_mode=False)
     except Interrupted as exc:
-        error_line("interrupted", str(exc))
+        error_line("interrupted", _what_the_interrupt_left(str(exc), started))
         code = exc.exit_code
     except typer.TyperException as exc:  # found while parsing the command line
         _report_usage_error(exc)
@@ -104,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         error_line("failed", str(exc))
         code = exc.exit_code
     except (KeyboardInterrupt, typer.Abort):  # Ctrl-C elsewhere: outputs are written atomically, nothing half-made
-        error_line("interrupted", NOTHING_HALF_WRITTEN)
+        error_line("interrupted", _what_the_interrupt_left(NOTHING_HALF_WRITTEN, started))
         code = 130
     except Exception as exc:  # the file system refusing a write, or a bug in smolctl
         if debug:

@@ -116,7 +116,7 @@ def plan(config: DedupConfig) -> DedupPlan:
     if config.against is not None:
         reference = open_documents(config.against)
         reference.require(text=[config.text_column])
-        reference.check_output_spares(config.output)
+        reference.check_output_spares(config.output, "the reference (--against)")
         # Compared by the files read, not the arguments: a file of the input's reached through another spelling
         # (a folder holding it, a glob) would match itself, and every document would be removed.
         inputs, references = ({Path(f).resolve() for f in s.files} for s in (source, reference))
