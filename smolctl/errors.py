@@ -65,19 +65,26 @@ def interrupts_deferred() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if previous is not None:  # None: a handler installed from C, which Python cannot put back
+            signal.signal(signal.SIGINT, previous)
         if arrived and callable(previous):
             previous(signal.SIGINT, arrived[0])
+        elif arrived and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
 
 
-def committed_since(started: float) -> Path | None:
-    """The command's OUTPUT (see `writing_to`) when it committed it after `started` (a time.time()), else None:
-    a Ctrl-C that arrives after the commit left a complete output, not one to make again."""
-    manifest = _output / "manifest.json" if _output is not None else None
-    try:
-        return _output if manifest is not None and manifest.stat().st_mtime >= started else None
-    except OSError:
-        return None
+_committed: set[Path] = set()
+
+
+def committed(folder: Path) -> None:
+    """Record that this process swapped `folder` into place, complete (OutputFolder's commit)."""
+    _committed.add(Path(folder).resolve())
+
+
+def committed_output() -> Path | None:
+    """The command's OUTPUT (see `writing_to`) when this process committed it: a Ctrl-C that arrives after the
+    commit left a complete output, not one to make again."""
+    return _output if _output is not None and _output.resolve() in _committed else None
 
 
 # The file system refusing a write is the user's environment, not a bug: name the file and what to do.
@@ -97,6 +104,8 @@ def writing_to(output: Path | None) -> None:
     file, arrow's and Rust's I/O errors) is reported against it. The first named is the command's OUTPUT (the
     folders it then makes inside it are not); None forgets it, for the next command of the process."""
     global _output
+    if output is None:
+        _committed.clear()
     if output is None or _output is None:
         _output = None if output is None else Path(output)
 

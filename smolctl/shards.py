@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from smolctl import __version__
-from smolctl.errors import UserError, WriteRefused, interrupts_deferred, writing_to
+from smolctl.errors import UserError, WriteRefused, committed, interrupts_deferred, writing_to
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
@@ -264,24 +264,24 @@ class OutputFolder:
         ]
 
     def _swap_into_place(self) -> None:
-        # Ctrl-C waits for the swap: cut between its moves, it left the earlier output aside as .NAME.old (or no
-        # OUTPUT at all), or the new one in place with the old beside it for good.
-        with interrupts_deferred():
-            if self.per_process:
+        if self.per_process:
+            with interrupts_deferred():  # its moves in and out of place are never cut in half by Ctrl-C
                 self._replace_copy()
-            else:
-                self._swap()
-
-    def _swap(self) -> None:
+            return
         old = self.path.parent / f".{self.path.name}.old"
-        moved_aside = False
+        if old.exists():  # left by a run whose Ctrl-C came while it removed it
+            shutil.rmtree(old)
+        moved_aside = swapped = False
         try:
-            if old.exists():
-                shutil.rmtree(old)
-            if self.path.exists():
-                os.replace(self.path, old)
-                moved_aside = True
-            os.replace(self.staging, self.path)
+            # Ctrl-C waits for the two moves: cut between them, it left the earlier output aside as .NAME.old and
+            # no OUTPUT. Not for the removals around them, which may take long (a large output replaced).
+            with interrupts_deferred():
+                if self.path.exists():
+                    os.replace(self.path, old)
+                    moved_aside = True
+                os.replace(self.staging, self.path)
+                swapped = True
+                committed(self.path)
         except OSError as exc:
             # The output moved aside goes back (an array run's work area is in it); the new one is discarded.
             raise self._move_failed(
@@ -290,7 +290,9 @@ class OutputFolder:
                 "output",
                 "nothing was replaced; check the file system's space and permissions, then re-run",
             ) from exc
-        shutil.rmtree(old, ignore_errors=True)
+        finally:
+            if swapped:  # also when a Ctrl-C held back during the moves arrives now
+                shutil.rmtree(old, ignore_errors=True)
 
     def _replace_copy(self) -> None:
         """Move this process's staging folder into place over whatever another copy put there."""
@@ -606,13 +608,14 @@ def parquet_files_under(root: Path) -> list[Path]:
 
 def _refuse_folder_of_datasets(root: Path, dataset: Path) -> None:
     """One line for a plain folder with a smolctl folder (`dataset`) inside, naming the ones next to it."""
-    inside = dataset.relative_to(root).parts[0]
     names = sorted(p.name for p in root.iterdir() if p.is_dir() and _is_dataset_folder(p))
+    if dataset.parent != root:  # deeper down: named by its path, the folders on the way are not datasets
+        names = [dataset.relative_to(root).as_posix()]
     shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
     raise UserError(
         root,
-        f"holds smolctl folders ({shown or inside}), each a dataset of its own",
-        f"pass one of them ({root / (names[0] if names else inside)}), or combine them with smolctl mix",
+        f"holds smolctl folders ({shown}), each a dataset of its own",
+        f"pass one of them ({root / names[0]}), or combine them with smolctl mix",
     )
 
 

@@ -169,8 +169,8 @@ def test_bad_task_arguments_are_one_line_errors(four_shards, tokenizer_dir, tmp_
 def test_a_plain_run_that_fails_leaves_nothing(tokenizer_dir, tmp_path):
     pq.write_table(pa.table({"text": ["", None]}), tmp_path / "empty.parquet")
     with pytest.raises(UserError, match="holds no non-empty documents"):
-        run_pack(tmp_path / "empty.parquet", tmp_path / "out", tokenizer_dir)
-    assert not (tmp_path / "out").exists()
+        run_pack(tmp_path / "empty.parquet", tmp_path / "new" / "deeper" / "out", tokenizer_dir)
+    assert not (tmp_path / "new").exists(), "nor the folders made to hold OUTPUT and its lock"
 
 
 def test_a_plain_run_while_another_task_commits_leaves_the_work_alone(

@@ -316,13 +316,14 @@ def test_ctrl_c_while_the_output_is_swapped_into_place_waits_for_the_swap_and_sa
         assert run_cli("dedup", sample / "math", out).returncode == 0
     process = _interrupted(f"""
 import os, signal, sys
-from smolctl.shards import OutputFolder
-swap = OutputFolder._swap
-def interrupted_swap(self):
-    if self.path == __import__("pathlib").Path({str(out)!r}):  # the final one, not the duplicates report's
+from pathlib import Path
+from smolctl import shards
+record = shards.committed
+def interrupted_between_the_moves(folder):  # called once both moves are done, Ctrl-C still held back
+    if folder == Path({str(out)!r}):  # the final one, not the duplicates report's
         os.kill(os.getpid(), signal.SIGINT)
-    swap(self)
-OutputFolder._swap = interrupted_swap
+    record(folder)
+shards.committed = interrupted_between_the_moves
 sys.argv = ["smolctl", "dedup", {str(sample / "web")!r}, {str(out)!r}, "--workers", "1", "--overwrite"]
 from smolctl.__main__ import main
 main()

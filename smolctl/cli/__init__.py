@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,7 +24,7 @@ from smolctl.errors import (
     CheckFailed,
     Interrupted,
     UserError,
-    committed_since,
+    committed_output,
     environment_error,
     writing_to,
 )
@@ -90,10 +89,10 @@ def _report_usage_error(exc: typer.TyperException) -> None:
     error_line("error", f"{context.command_path}: {message} — {fix}")
 
 
-def _what_the_interrupt_left(message: str, started: float) -> str:
-    """ "Run the command again", unless the command had committed its OUTPUT when Ctrl-C came (the last moment of
-    a run): a re-run would then only be refused for a full OUTPUT."""
-    if message == NOTHING_HALF_WRITTEN and (output := committed_since(started)) is not None:
+def _what_the_interrupt_left(message: str) -> str:
+    """The interrupted line: to run the command again, unless it had committed its OUTPUT when Ctrl-C came (the
+    last moment of a run), when a re-run would only be refused for a full OUTPUT."""
+    if message == NOTHING_HALF_WRITTEN and (output := committed_output()) is not None:
         return f"{output}: {COMMITTED_BEFORE_THE_INTERRUPT}"
     return message
 
@@ -102,12 +101,11 @@ def main(argv: list[str] | None = None) -> None:
     """Run the CLI: user mistakes are one line and exit 2, failed checks exit 1, bugs exit 1 with a hint."""
     debug = os.environ.get("SMOLCTL_DEBUG") == "1"
     writing_to(None)  # this command names its own output (in-process callers run several)
-    started = time.time()
     try:
         with _only_the_invoked_command(sys.argv[1:] if argv is None else argv):
             code = app(args=argv, prog_name="smolctl", standalone_mode=False)
     except Interrupted as exc:
-        error_line("interrupted", _what_the_interrupt_left(str(exc), started))
+        error_line("interrupted", _what_the_interrupt_left(str(exc)))
         code = exc.exit_code
     except typer.TyperException as exc:  # found while parsing the command line
         _report_usage_error(exc)
@@ -123,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         error_line("failed", str(exc))
         code = exc.exit_code
     except (KeyboardInterrupt, typer.Abort):  # Ctrl-C elsewhere: outputs are written atomically, nothing half-made
-        error_line("interrupted", _what_the_interrupt_left(NOTHING_HALF_WRITTEN, started))
+        error_line("interrupted", _what_the_interrupt_left(NOTHING_HALF_WRITTEN))
         code = 130
     except Exception as exc:  # the file system refusing a write, or a bug in smolctl
         if debug:

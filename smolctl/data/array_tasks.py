@@ -185,41 +185,23 @@ class WorkArea:
         error then either crashed or, cleaning up after it, took the first run's work area with it; the second
         is refused at once instead. An flock on a hidden file beside OUTPUT, so the kernel releases it when a
         run dies and none is ever stale; where there is no flock (Lustre mounted without it) a run goes
-        unguarded, as before."""
-        import fcntl
-
+        unguarded, as before, and where flock is local to a node (`localflock`) it guards that node's runs."""
         lock = self.output.parent / f".{self.output.name}.lock"
+        made = [folder for folder in (lock.parent, *lock.parent.parents) if not folder.exists()]  # deepest first
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
-            handle = open(lock, "a+")  # noqa: SIM115  (held across the yield)
+            handle = _exclusive_lock(lock, self.output)
         except OSError:  # a folder this run cannot write to: the work area's creation says so in one line
-            yield
-            return
-        held = False
+            handle = None
         try:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held = True
-            except BlockingIOError:
-                handle.seek(0)
-                holder = handle.read().strip() or "another process"
-                raise UserError(
-                    self.output,
-                    f"is being written by another smolctl run ({holder})",
-                    "wait for it to finish, or write to another folder",
-                ) from None
-            except OSError:
-                pass  # no flock on this file system
-            if held:
-                handle.seek(0)
-                handle.truncate()
-                handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
-                handle.flush()
             yield
         finally:
-            if held:
-                lock.unlink(missing_ok=True)  # while still held: a run refused a moment ago finds none left over
-            handle.close()
+            if handle is not None:
+                lock.unlink(missing_ok=True)  # while still held (see _exclusive_lock)
+                handle.close()
+            for folder in made:  # a run that leaves no OUTPUT leaves none of the folders it made for it
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
 
     def clean_up_after(self, error: UserError) -> None:
         """After a plain run's failure: on its input, nothing is left behind (the run on the mended input starts
@@ -366,6 +348,46 @@ class WorkArea:
 
 class AlreadyCommitted(Exception):
     """This run's OUTPUT is committed: the task has nothing to do."""
+
+
+def _exclusive_lock(lock: Path, output: Path):
+    """The open `lock` file holding an exclusive flock, None where the file system has no flock, or a UserError
+    naming the run that holds it. A holder removes the file as it lets go: a run that locked the removed file
+    in that moment locks the one there now instead, or two runs made after it would both hold one."""
+    import fcntl
+
+    while True:
+        handle = open(lock, "a+")  # noqa: SIM115  (returned open: the lock lasts as long as it)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise UserError(
+                output,
+                f"is being written by another smolctl run ({holder})",
+                "wait for it to finish, or write to another folder",
+            ) from None
+        except OSError:  # no flock here
+            handle.close()
+            lock.unlink(missing_ok=True)
+            return None
+        try:
+            current = os.stat(lock)
+            same = (current.st_dev, current.st_ino) == (
+                os.fstat(handle.fileno()).st_dev,
+                os.fstat(handle.fileno()).st_ino,
+            )
+        except FileNotFoundError:
+            same = False
+        if same:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
+            handle.flush()
+            return handle
+        handle.close()
 
 
 @contextmanager
