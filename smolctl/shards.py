@@ -1203,6 +1203,32 @@ def verify_checksums(folder: Path, manifest: dict | None = None) -> list[str]:
             problems.append(f"{path}: size {path.stat().st_size} != {listed['bytes']} in the manifest")
         elif "sha256" in listed and sha256_file(path) != listed["sha256"]:
             problems.append(f"{path}: sha256 differs from the manifest")
+    problems += _unlisted_shards(folder, manifest)
     if manifest.get("kind") == KIND_PACKED and not problems:
         problems += packed_shape_problems(folder, manifest)
     return problems
+
+
+SHARD_SUFFIXES = {
+    KIND_DOCUMENTS: ".parquet",
+    KIND_PACKED: ".safetensors",
+    KIND_TOKENS: ".ds",
+    KIND_MODEL: ".safetensors",
+}
+
+
+def _unlisted_shards(folder: Path, manifest: dict) -> list[str]:
+    """Files beside the shards that look like one but are not in the manifest: every reader goes by the manifest,
+    so data copied into a finished folder is never read, and nothing else would say so."""
+    suffix = SHARD_SUFFIXES.get(manifest.get("kind"))
+    if suffix is None:
+        return []
+    listed = {shard["name"] for shard in manifest.get("shards", [])} | {f["name"] for f in manifest.get("files", [])}
+    return [
+        f"{path}: not listed in the manifest, so no reader reads it"
+        for path in sorted(folder.iterdir())
+        if path.name.lower().endswith(suffix)
+        and not path.name.startswith(".")
+        and path.name not in listed
+        and path.is_file()
+    ]

@@ -164,6 +164,20 @@ def test_verify_exits_1_on_a_flipped_byte(tmp_path, sample):
     assert result.returncode == 1 and "sha256 differs" in result.stdout
 
 
+def test_verify_names_a_shard_the_manifest_does_not_list(tmp_path, sample):
+    """Readers go by the manifest: a shard copied into a finished folder is never read, and --verify says so."""
+    import shutil
+
+    copy = tmp_path / "math"
+    shutil.copytree(sample / "math", copy)
+    assert run_cli("inspect", copy, "--verify", "--samples", "0").returncode == 0
+    shutil.copy(copy / "part-00000.parquet", copy / "part-00099.parquet")
+    (copy / "notes.txt").write_text("not a shard")
+    result = run_cli("inspect", copy, "--verify", "--samples", "0")
+    assert result.returncode == 1 and "part-00099.parquet: not listed in the manifest" in result.stdout
+    assert "notes.txt" not in result.stdout
+
+
 def test_verify_checks_a_model_folders_config_and_tokenizer_with_its_weights(tmp_path, tokenizer_dir):
     """A model's manifest lists its weights as shards; config.json and the tokenizer files decide what those
     weights mean (an edited layer count loads other weights, or fails), so --verify hashes them too."""
