@@ -161,3 +161,10 @@ def test_rank_by_keeps_the_best_and_worst_of_k_by_the_reward_tables(models, tmp_
         assert row["rejected_reward"] == min(lengths) == len(row["rejected"])
     assert every.rows == 24
     sys.modules.pop("rank_reward_module", None)
+
+
+def test_a_missing_prompt_column_names_the_option_that_chooses_it(models, tmp_path):
+    """The error pointed at --text-column, which generate does not have."""
+    result = run_cli("generate", SAMPLE / "chat", tmp_path / "out", "--model", models[0], "--max-new-tokens", "4")
+    assert result.returncode == 2 and "has no column 'prompt'" in result.stderr
+    assert result.stderr.strip().endswith("pass one of them with --prompt-column"), result.stderr

@@ -9,6 +9,8 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, SAMPLE, run_cli
 from tiny_checkpoint import make_tiny_checkpoint
@@ -212,6 +214,65 @@ def test_bad_inputs_fail_before_training(tiny_model, tmp_path):
     with pytest.raises(UserError, match="did you mean 'beta'"):
         load_dpo_recipe(REPO / "recipes" / "dpo-tiny.toml", ["dpo.betta=0.2"])
     assert not (tmp_path / "out").exists()
+
+
+def _edited_rows(tmp_path: Path, name: str, dataset: str, column: str, row: int, value) -> Path:
+    """A copy of a sample dataset whose `column` at `row` holds `value` (the rest as they are)."""
+    table = pq.read_table(sorted((SAMPLE / dataset).glob("part-*.parquet"))[0])
+    values = table.column(column).to_pylist()
+    values[row] = value
+    folder = tmp_path / name
+    folder.mkdir()
+    field = table.schema.field(column)
+    pq.write_table(
+        table.set_column(table.schema.get_field_index(column), field, pa.array(values, field.type)),
+        folder / "p.parquet",
+    )
+    return folder
+
+
+@pytest.mark.parametrize(
+    "stage, dataset, column, value, message",
+    [
+        ("sft", "chat", "messages", None, "column 'messages' is null"),
+        ("sft", "chat", "messages", [], "column 'messages' holds no turns"),
+        (
+            "sft",
+            "chat",
+            "messages",
+            [{"role": "user", "content": "hi"}],
+            "column 'messages' has no assistant turn to learn from",
+        ),
+        (
+            "sft",
+            "chat",
+            "messages",
+            [{"role": "usr", "content": "hi"}, {"role": "assistant", "content": "a"}],
+            "column 'messages' has a turn whose role is 'usr'",
+        ),
+        ("dpo", "preference", "rejected", None, "column 'rejected' is null"),
+        ("dpo", "preference", "chosen", "", "column 'chosen' is empty"),
+        ("grpo", "prompts", "prompt", None, "column 'prompt' is null"),
+        ("ppo", "prompts", "prompt", "", "column 'prompt' is empty"),
+    ],
+)
+def test_a_bad_row_is_named_before_the_run_begins(tiny_model, tmp_path, stage, dataset, column, value, message):
+    """TRL failed on such rows deep in its data preparation: an internal error (KeyError, IndexError, a Jinja
+    UndefinedError) after RUN held run.json, so the same command was then refused for a full RUN."""
+    bad = _edited_rows(tmp_path, "bad", dataset, column, 3, value)
+    result = run_cli(
+        stage,
+        REPO / "recipes" / f"{stage}-tiny.toml",
+        tmp_path / "run",
+        "--from",
+        tiny_model,
+        "--set",
+        f"data.path={bad}",
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert f"{bad / 'p.parquet'}: row 3 (from 0): {message}" in result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow

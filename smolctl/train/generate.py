@@ -391,7 +391,7 @@ def best_and_worst(group: list[Completion], reference: str | None, reward: Compo
 def read_prompts(job: GenerateJob):
     """(prompts, references, source) with every check that needs no model."""
     source = open_documents(job.prompts)
-    source.require(text=[job.prompt_column])
+    source.require(text=[job.prompt_column], flags={job.prompt_column: "--prompt-column"})
     needs_reference = job.reward is not None and job.reward.needs_reference
     if needs_reference and job.reference_column not in source.columns:
         raise UserError(

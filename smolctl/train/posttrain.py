@@ -61,6 +61,60 @@ def require_columns(source: DocumentSource, columns: list[str], fix: str) -> Non
         )
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_rows(source: DocumentSource, columns: list[str], non_empty: tuple[str, ...] = ()) -> None:
+    """Every row of these columns usable, checked before the run folder is made: none null, the `non_empty` ones
+    (what the model learns to write, or the prompts it answers) not empty, chat turns a non-empty list with known
+    roles and, for `messages`, an assistant turn to learn from. TRL failed on such a row deep inside its data
+    preparation, as an internal error, after the run had begun; the first is named here by file and row."""
+    for index, path in enumerate(source.files):
+        row = 0
+        for batch in source.iter_file_batches(index, columns):
+            for name in columns:
+                bad = _first_bad_row(batch.column(name), name, name in non_empty)
+                if bad is not None:
+                    raise UserError(
+                        path, f"row {row + bad[0]} (from 0): column '{name}' {bad[1]}", "fix or drop that row"
+                    )
+            row += batch.num_rows
+
+
+def _first_bad_row(values: pa.Array, name: str, must_hold_text: bool) -> tuple[int, str] | None:
+    import numpy as np
+    import pyarrow.compute as pc
+
+    def first(mask) -> int | None:
+        rows = np.flatnonzero(mask.to_numpy(zero_copy_only=False))
+        return int(rows[0]) if len(rows) else None
+
+    if (row := first(pc.is_null(values))) is not None:
+        return row, "is null"
+    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        return (
+            (row, "is empty")
+            if must_hold_text and (row := first(pc.equal(pc.utf8_length(values), 0))) is not None
+            else None
+        )
+    if not is_chat_column(pa.field(name, values.type)):
+        return None
+    if (row := first(pc.equal(pc.list_value_length(values), 0))) is not None:
+        return row, "holds no turns"
+    turns, owner = pc.list_flatten(values), pc.list_parent_indices(values).to_numpy()
+    if not pa.types.is_struct(turns.type) or turns.type.get_field_index("role") < 0:
+        return None
+    roles = pc.struct_field(turns, "role")
+    if (turn := first(pc.invert(pc.fill_null(pc.is_in(roles, pa.array(CHAT_ROLES)), False)))) is not None:
+        return int(owner[turn]), f"has a turn whose role is {roles[turn].as_py()!r} (use {', '.join(CHAT_ROLES)})"
+    if name == "messages":
+        answered = np.zeros(len(values), bool)
+        answered[owner[roles.to_numpy(zero_copy_only=False) == "assistant"]] = True
+        if not answered.all():
+            return int(np.flatnonzero(~answered)[0]), "has no assistant turn to learn from"
+    return None
+
+
 def sft_columns(source: DocumentSource) -> list[str]:
     """The columns SFT trains on: `messages`, or `prompt` + `completion`; anything else names what exists."""
     if "messages" in source.columns:
@@ -167,6 +221,7 @@ def run_sft(
     columns = sft_columns(source)
     if recipe.data.balance_by:
         require_columns(source, [recipe.data.balance_by], "set data.balance_by to a column of categories, or remove it")
+    check_rows(source, columns, non_empty=("completion",))
     # Heavy imports only once the cheap checks have passed, so a mistake is reported in a second, not ten.
     quiet_offline()
     check_sft_template(recipe, parent, source, columns)
@@ -262,6 +317,7 @@ def run_dpo(
     parent = check_start(start or recipe.model.from_, "--from" if start else "model.from")
     source = open_documents(recipe.data.path)
     require_columns(source, ["prompt", "chosen", "rejected"], "pass a preference dataset (e.g. data/sample/preference)")
+    check_rows(source, ["prompt", "chosen", "rejected"], non_empty=("chosen", "rejected"))
     quiet_offline()
     if any(is_chat_column(source.schema.field(c)) for c in ("prompt", "chosen", "rejected")):
         require_chat_template(load_tokenizer(parent), parent, "preference pairs given as chat turns need")

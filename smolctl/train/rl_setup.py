@@ -10,7 +10,7 @@ from pathlib import Path
 from smolctl.errors import UserError
 from smolctl.shards import DocumentSource, open_documents
 from smolctl.train.config import GrpoRecipe, PpoRecipe, PromptDataSection
-from smolctl.train.posttrain import require_columns
+from smolctl.train.posttrain import check_rows, require_columns
 from smolctl.train.posttrain_run import check_start, open_run
 from smolctl.train.rewards import CompositeReward
 from smolctl.train.run import RunStart
@@ -26,6 +26,7 @@ def load_prompts(source: DocumentSource, data: PromptDataSection, needs_referenc
             f"has no column '{data.reference_column}' for the task reward (columns: {', '.join(source.columns)})",
             "set data.reference_column, or use a regex/callable reward",
         )
+    check_rows(source, [data.prompt_column], non_empty=(data.prompt_column,))
     rows = []
     for batch in source.iter_batches():
         rows += batch.to_pylist()
