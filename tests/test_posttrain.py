@@ -350,3 +350,19 @@ def test_prompt_completion_sft_and_chat_turn_dpo_with_precomputed_reference(tiny
     )
     result = run_dpo(dpo, tmp_path / "dpo", start=str(tmp_path / "sft"))
     assert result.steps == 1 and math.isfinite(result.metrics["loss"])
+
+
+def test_a_run_folder_that_is_a_link_is_made_and_replaced_where_it_points(tmp_path):
+    """`RUN -> /scratch/...`: --overwrite failed on rmtree of the link (an internal error), and a link to a folder
+    not made yet on mkdir (File exists)."""
+    from smolctl.train.run import RunStart, begin_run
+
+    parent = tmp_path / "model"
+    parent.mkdir()
+    link = tmp_path / "run"
+    link.symlink_to(tmp_path / "scratch" / "run")
+    begin_run(link, "sft", {"training": {"steps": 1}}, parent, RunStart())
+    assert (tmp_path / "scratch" / "run" / "run.json").is_file() and link.is_symlink()
+    (link / "stale.txt").write_text("from the run replaced")
+    begin_run(link, "sft", {"training": {"steps": 2}}, parent, RunStart(overwrite=True))
+    assert link.is_symlink() and sorted(p.name for p in link.iterdir()) == ["events.jsonl", "metrics.jsonl", "run.json"]

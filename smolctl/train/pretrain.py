@@ -26,7 +26,7 @@ from smolctl.errors import CheckFailed, UserError
 from smolctl.infra.flops import training_flops_per_token
 from smolctl.recipe import apply_overrides, load_toml, validate
 from smolctl.results import Result
-from smolctl.shards import atomic_write_json, lineage_ref, read_manifest
+from smolctl.shards import atomic_write_json, lineage_ref, output_folder_path, read_manifest
 from smolctl.train.checkpoint import (
     KIND_CHECKPOINT,
     CheckpointManager,
@@ -396,9 +396,10 @@ class Trainer:
         elif self.init_kind == KIND_CHECKPOINT:
             self.checkpoints.load(Path(self.init_from), optimizer=self.keep_optimizer)  # a new stage: its own step 0
         if self.dist.is_main and self.resume_from is None:
+            folder = output_folder_path(self.run_dir)  # a linked run folder is replaced where it points
             if self._replace_run:
-                shutil.rmtree(self.run_dir)
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(folder)
+            folder.mkdir(parents=True, exist_ok=True)
             atomic_write_json(
                 self.run_dir / RUN_FILE,
                 {

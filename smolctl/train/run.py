@@ -22,7 +22,7 @@ from pathlib import Path
 
 from smolctl.errors import UserError
 from smolctl.launcher import rank_from_env
-from smolctl.shards import MANIFEST_NAME, atomic_write_json, check_output_path, read_manifest
+from smolctl.shards import MANIFEST_NAME, atomic_write_json, check_output_path, output_folder_path, read_manifest
 
 # What recipes/slurm/pretrain.sbatch creates in RUN before the trainer starts (NCCL's flight-recorder dumps):
 # a run folder holding only these is still a new run folder.
@@ -176,9 +176,10 @@ def begin_run(run: Path, stage: str, recipe: dict, parent: Path, start: RunStart
             )
     if start.finished or not is_main_process():
         return
+    folder = output_folder_path(run)  # a linked run folder is replaced where it points
     if start.overwrite:
-        shutil.rmtree(run)
-    run.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     atomic_write_json(run / RUN_FILE, current)
     resumed_at = (
         json.loads((start.resume_from / "trainer_state.json").read_text())["global_step"] if start.resume_from else 0
