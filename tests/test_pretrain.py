@@ -274,6 +274,12 @@ def test_sigkill_then_resume_is_bit_identical(recipe, tmp_path):
     assert a.keys() == b.keys() and all(np.array_equal(a[k].numpy(), b[k].numpy()) for k in a)
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(1, 61))  # the steps re-run after the kill are logged once
+    # What happened besides steps, as every training command records it: the saves and the resume, each once.
+    events = [json.loads(line) for line in (killed_run / "events.jsonl").read_text().splitlines()]
+    resumed_at = int(result["resumed_from"][-7:])
+    saves = [e["step"] for e in events if e["event"] == "checkpoint"]
+    assert [e["step"] for e in events if e["event"] == "resume"] == [resumed_at]
+    assert saves == sorted(set(saves)) and saves[-1] == 60 and resumed_at in saves
 
 
 # ---- guards -----------------------------------------------------------------------------------------------------
@@ -294,7 +300,9 @@ def test_nan_burst_rolls_back_once_to_before_the_burst(recipe, tmp_path):
         show=False,
     )
     assert (result.skipped_steps, result.rollbacks, result.steps) == (4, 1, 12)
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in logged if e["event"] == "checkpoint"] == [4, 8, 8, 12]  # step 8 saved again after it
+    events = [e for e in logged if e["event"] != "checkpoint"]
     assert [e["event"] for e in events] == ["nonfinite"] * 4 + ["rollback"]
     assert [e["step"] for e in events] == [3, 7, 8, 9, 4] and [e["batch"] for e in events[:4]] == [3, 7, 8, 9]
     assert events[-1]["skipped_batches"] == [7, 8, 9] and events[-1]["to"].endswith("step-0000004")

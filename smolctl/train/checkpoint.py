@@ -34,6 +34,7 @@ from pathlib import Path
 from smolctl.errors import UserError
 from smolctl.shards import KIND_MODEL, MANIFEST_NAME, OutputFolder, atomic_write_json, lineage_ref, read_manifest
 from smolctl.train.distributed import Dist
+from smolctl.train.run import EVENTS, append_jsonl
 
 KIND_CHECKPOINT = "checkpoint"
 TRAIN_STATE = "train_state.json"
@@ -271,6 +272,10 @@ class CheckpointManager:
             if entry.is_file()
         ]
         output.commit(files=files, **fields)
+        append_jsonl(
+            self.run_dir / EVENTS,
+            {"event": "checkpoint", "step": fields["step"], "path": str(output.path), "time": time.time()},
+        )
         if self._exporting is not None:
             self._exporting.result()  # the folder it reads must outlive it
             self._exporting = None

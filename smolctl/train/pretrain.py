@@ -68,7 +68,7 @@ from smolctl.train.model import (
 )
 from smolctl.train.monitor import Monitor, idle_totals, peak_flops
 from smolctl.train.parallel import clip_grad_norm_, tp_plan
-from smolctl.train.run import EVENTS, FINAL, RUN_FILE, holds_run_files, model_folder
+from smolctl.train.run import EVENTS, FINAL, RUN_FILE, append_jsonl, holds_run_files, model_folder
 from smolctl.train.schedule import learning_rate
 from smolctl.train.trackers import open_tracker, require_trackers
 
@@ -671,6 +671,11 @@ class Trainer:
                     self.monitor.note(
                         f"resuming from {self.resume_from} (step {self.step}, {self.tokens_seen:,} tokens)"
                     )
+                    if self.dist.is_main:  # after the monitor dropped what the steps about to run again logged
+                        append_jsonl(
+                            self.run_dir / EVENTS,
+                            {"event": "resume", "step": self.step, "from": str(self.resume_from), "time": time.time()},
+                        )
                 while self.step < plan.steps:
                     started = time.perf_counter()
                     with self.monitor.profiled(self.step + 1):
