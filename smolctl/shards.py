@@ -602,7 +602,8 @@ def parquet_files_under(root: Path) -> list[Path]:
             for name in names
             if name.lower().endswith(".parquet") and not name.startswith((".", "_"))
         ]
-        found += [path for path in shards if _not_a_broken_link(path) and path.is_file()]
+        _refuse_broken_links(shards)
+        found += [path for path in shards if path.is_file()]
     return sorted(found)
 
 
@@ -628,16 +629,16 @@ def _is_dataset_folder(folder: Path) -> bool:
     return manifest is not None and manifest.get("kind") == KIND_DOCUMENTS
 
 
-def _not_a_broken_link(path: Path) -> bool:
-    """True, or a UserError for a shard that is a link to nothing: a file system not mounted (or a shard moved)
+def _refuse_broken_links(paths: Iterable[Path]) -> None:
+    """A UserError for the first shard that is a link to nothing: a file system not mounted (or a shard moved)
     would otherwise be a silently smaller input."""
-    if path.is_symlink() and not path.exists():
-        raise UserError(
-            path,
-            f"is a link to {os.readlink(path)}, which does not exist",
-            "mount or restore what it points to, or remove the link",
-        )
-    return True
+    for path in paths:
+        if path.is_symlink() and not path.exists():
+            raise UserError(
+                path,
+                f"is a link to {os.readlink(path)}, which does not exist",
+                "mount or restore what it points to, or remove the link",
+            )
 
 
 def _check_parquet_magic(path: Path) -> None:
@@ -668,7 +669,8 @@ def _parquet_files(spec: str | Path) -> tuple[list[Path], dict | None, Path | No
     text = str(spec)
     if any(ch in text for ch in "*?[") and not Path(text).exists():
         matches = [Path(p) for p in globlib.glob(text, recursive=True)]
-        files = sorted(p for p in matches if _not_a_broken_link(p) and p.is_file())
+        _refuse_broken_links(matches)
+        files = sorted(p for p in matches if p.is_file())
         if not files:
             raise UserError(
                 text, "the pattern matches no files", "check the glob (quote it so the shell leaves it alone)"
@@ -1181,32 +1183,27 @@ def verify_checksums(folder: Path, manifest: dict | None = None) -> list[str]:
         )
     problems = []
     for shard in manifest.get("shards", []):
-        path = folder / shard["name"]
-        if not path.is_file():
-            problems.append(f"{path}: missing")
-        elif path.stat().st_size != shard.get("bytes", path.stat().st_size):
-            problems.append(f"{path}: size {path.stat().st_size} != {shard['bytes']} in the manifest")
-        elif sha256_file(path) != shard["sha256"]:
-            problems.append(f"{path}: sha256 differs from the manifest")
+        problems += _file_problems(folder / shard["name"], shard.get("bytes"), shard["sha256"])
         for companion in ("index", "metadata"):  # a token file's document ends and its tokenizer line
             if f"{companion}_sha256" in shard:
-                path = folder / shard[companion]
-                if not path.is_file():
-                    problems.append(f"{path}: missing")
-                elif sha256_file(path) != shard[f"{companion}_sha256"]:
-                    problems.append(f"{path}: sha256 differs from the manifest")
+                problems += _file_problems(folder / shard[companion], None, shard[f"{companion}_sha256"])
     for listed in manifest.get("files", []):  # a model's other files; a checkpoint's, by size alone
-        path = folder / listed["name"]
-        if not path.is_file():
-            problems.append(f"{path}: missing")
-        elif path.stat().st_size != listed["bytes"]:
-            problems.append(f"{path}: size {path.stat().st_size} != {listed['bytes']} in the manifest")
-        elif "sha256" in listed and sha256_file(path) != listed["sha256"]:
-            problems.append(f"{path}: sha256 differs from the manifest")
+        problems += _file_problems(folder / listed["name"], listed["bytes"], listed.get("sha256"))
     problems += _unlisted_shards(folder, manifest)
     if manifest.get("kind") == KIND_PACKED and not problems:
         problems += packed_shape_problems(folder, manifest)
     return problems
+
+
+def _file_problems(path: Path, size: int | None, sha256: str | None) -> list[str]:
+    """The one problem of a listed file (missing, another size, another sha256), checked cheapest first."""
+    if not path.is_file():
+        return [f"{path}: missing"]
+    if size is not None and path.stat().st_size != size:
+        return [f"{path}: size {path.stat().st_size} != {size} in the manifest"]
+    if sha256 is not None and sha256_file(path) != sha256:
+        return [f"{path}: sha256 differs from the manifest"]
+    return []
 
 
 SHARD_SUFFIXES = {

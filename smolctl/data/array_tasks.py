@@ -373,12 +373,10 @@ def _exclusive_lock(lock: Path, output: Path):
             handle.close()
             lock.unlink(missing_ok=True)
             return None
+        opened = os.fstat(handle.fileno())
         try:
             current = os.stat(lock)
-            same = (current.st_dev, current.st_ino) == (
-                os.fstat(handle.fileno()).st_dev,
-                os.fstat(handle.fileno()).st_ino,
-            )
+            same = (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino)
         except FileNotFoundError:
             same = False
         if same:

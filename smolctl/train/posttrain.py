@@ -92,11 +92,9 @@ def _first_bad_row(values: pa.Array, name: str, must_hold_text: bool) -> tuple[i
     if (row := first(pc.is_null(values))) is not None:
         return row, "is null"
     if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
-        return (
-            (row, "is empty")
-            if must_hold_text and (row := first(pc.equal(pc.utf8_length(values), 0))) is not None
-            else None
-        )
+        if must_hold_text and (row := first(pc.equal(pc.utf8_length(values), 0))) is not None:
+            return row, "is empty"
+        return None
     if not is_chat_column(pa.field(name, values.type)):
         return None
     if (row := first(pc.equal(pc.list_value_length(values), 0))) is not None:
