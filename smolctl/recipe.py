@@ -8,6 +8,7 @@ for typos: `recipe.toml: training.micro_batch: expected int, got '3'`.
 from __future__ import annotations
 
 import difflib
+import re
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -133,32 +134,53 @@ def _inner_model(annotation: Any) -> Any:
     return None
 
 
-def describe_error(model: type[BaseModel], error: dict) -> str:
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+
+
+def describe_error(model: type[BaseModel], error: dict) -> tuple[str, str | None]:
+    """What is wrong at the error's key path, and what to do about it."""
     loc = error["loc"]
     where = _format_loc(loc) or "(top level)"
-    kind = error["type"]
+    kind, ctx, got = error["type"], error.get("ctx") or {}, error.get("input")
     if kind == "extra_forbidden":
         known = _fields_at(model, loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), known, n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(known)}"
-        return f"{where}: unknown key — {hint}"
+        return f"{where}: unknown key", hint
     if kind == "missing":
-        return f"{where}: missing required key — add it to the recipe"
+        return f"{where}: missing required key", "add it to the recipe"
     if kind in _TYPE_NAMES:
-        return f"{where}: expected {_TYPE_NAMES[kind]}, got {error.get('input')!r}"
-    message = error["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
-    if "input" in error and kind.startswith(("greater", "less", "literal", "enum")):
-        message += f", got {error['input']!r}"
-    return f"{where}: {message}"
+        return f"{where}: expected {_TYPE_NAMES[kind]}, got {got!r}", f"write a TOML {_TYPE_NAMES[kind]} there"
+    if kind in _BOUNDS:
+        bound = f"{_BOUNDS[kind]} {next(iter(ctx.values()))}"
+        return f"{where}: must be {bound}, got {got!r}", f"set it to a value {bound}"
+    if kind == "literal_error":
+        choices = re.findall(r"'([^']*)'", ctx.get("expected", ""))
+        close = difflib.get_close_matches(str(got), choices, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else "use one of them"
+        return f"{where}: must be {ctx.get('expected')}, got {got!r}", hint
+    if kind == "too_short":
+        return f"{where}: has {_entries(ctx.get('actual_length'))}", f"give it at least {ctx.get('min_length')}"
+    if kind == "too_long":
+        return f"{where}: has {_entries(ctx.get('actual_length'))}", f"give it at most {ctx.get('max_length')}"
+    if kind in ("value_error", "assertion_error"):  # smolctl's own checks: their message says what to give
+        return f"{where}: {error['msg'].removeprefix('Value error, ').removeprefix('Assertion failed, ')}", None
+    return f"{where}: {error['msg']}", "change it in the recipe or with --set"
+
+
+def _entries(count: int | None) -> str:
+    return "1 entry" if count == 1 else f"{count} entries"
 
 
 def validate(model: type[ModelT], data: dict, source: str | Path) -> ModelT:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        errors = exc.errors()
+        # A misspelt table is both an unknown key and a missing one: the misspelling is the one to name.
+        errors = sorted(exc.errors(), key=lambda error: error["type"] != "extra_forbidden")
+        what, fix = describe_error(model, errors[0])
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        raise UserError(source, describe_error(model, errors[0]) + more) from exc
+        raise UserError(source, what + more, fix) from exc
 
 
 def load_recipe(model: type[ModelT], path: str | Path, overrides: Sequence[str] = ()) -> ModelT:

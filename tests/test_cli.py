@@ -148,7 +148,7 @@ def test_a_negative_seed_is_a_usage_error_not_a_crash(tmp_path, sample, tokenize
         f'seed = -5\n[sources.math]\npath = "{sample / "math"}"\n[[stages]]\nname = "a"\nweights = {{math = 1}}\n'
     )
     result = run_cli("mix", tmp_path / "r", "--recipe", recipe)
-    assert result.returncode == 2 and "seed: Input should be greater than or equal to 0" in result.stderr
+    assert result.returncode == 2 and "seed: must be >= 0, got -5 — set it to a value >= 0" in result.stderr
 
 
 def test_verify_exits_1_on_a_flipped_byte(tmp_path, sample):

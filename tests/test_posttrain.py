@@ -209,7 +209,7 @@ def test_bad_inputs_fail_before_training(tiny_model, tmp_path):
     )
     with pytest.raises(UserError, match=r"no \{% generation %\} markers.* set sft.assistant_only_loss = false"):
         run_sft(sft, out, start=str(unmarked))
-    with pytest.raises(UserError, match=r"sft.packing: Input should be 'bfd', 'padding_free' or 'none'"):
+    with pytest.raises(UserError, match=r"sft.packing: must be 'bfd', 'padding_free' or 'none'"):
         load_sft_recipe(REPO / "recipes" / "sft-tiny.toml", ['sft.packing="wrapped"'])
     with pytest.raises(UserError, match="did you mean 'beta'"):
         load_dpo_recipe(REPO / "recipes" / "dpo-tiny.toml", ["dpo.betta=0.2"])

@@ -539,9 +539,7 @@ def test_bad_ppo_inputs_fail_before_training(tiny_model, tmp_path):
             tmp_path / "c",
             start=str(tiny_model),
         )
-    with pytest.raises(
-        UserError, match=r"rewards\[0\]\.kind: Input should be .task., .length., .diversity. or .model."
-    ):
+    with pytest.raises(UserError, match=r"rewards\[0\]\.kind: must be .task., .length., .diversity. or .model."):
         load_command_recipe("ppo", toy_recipe(tmp_path, kind="taks"))
     with pytest.raises(UserError, match=r"--resume: .* is not a complete checkpoint \(no trainer_state.json\)"):
         run_ppo(load_command_recipe("ppo", path), tmp_path / "d", start=str(tiny_model), resume=str(tmp_path))

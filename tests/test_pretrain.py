@@ -100,7 +100,10 @@ def weights(folder: Path) -> dict:
     [
         ("training.micro_bach=2", "training.micro_bach: unknown key — did you mean 'micro_batch'?"),
         ('training.micro_batch="3"', "training.micro_batch: expected int, got '3'"),
-        ("schedule.kind=cosinus", "schedule.kind: Input should be 'wsd', 'cosine', 'constant' or 'exponential'"),
+        (
+            "schedule.kind=cosinus",
+            "schedule.kind: must be 'wsd', 'cosine', 'constant' or 'exponential', got 'cosinus' — did you mean 'cosine'?",
+        ),
         ("model.num_attention_heads=3", "hidden_size 32 is not divisible by num_attention_heads 3"),
         ("training.tokens=1000", "give either steps or tokens"),
     ],

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import pytest
+from pydantic import Field
 
 from smolctl.errors import UserError
 from smolctl.recipe import Section, load_recipe
@@ -13,7 +14,8 @@ from smolctl.recipe import Section, load_recipe
 class Training(Section):
     steps: int = 10
     micro_batch: int = 1
-    lr: float = 1e-3
+    lr: float = Field(1e-3, gt=0)
+    betas: list[float] = Field([0.9, 0.95], min_length=2, max_length=2)
     precision: Literal["fp32", "bf16"] = "fp32"
 
 
@@ -45,7 +47,13 @@ def test_valid_recipe_with_overrides(tmp_path):
         ('[training]\nmicro_batch = "3"\n', "training.micro_batch: expected int, got '3'"),
         ("[training]\nmicro_bach = 3\n", "training.micro_bach: unknown key — did you mean 'micro_batch'?"),
         ("[trainin]\nsteps = 3\n", "trainin: unknown key — did you mean 'training'?"),
-        ('[training]\nprecision = "fp8"\n', "training.precision: Input should be 'fp32' or 'bf16', got 'fp8'"),
+        (
+            '[training]\nprecision = "fp8"\n',
+            "training.precision: must be 'fp32' or 'bf16', got 'fp8' — use one of them",
+        ),
+        ("[training]\nlr = -1\n", "training.lr: must be > 0.0, got -1 — set it to a value > 0.0"),
+        ("[training]\nbetas = [0.9]\n", "training.betas: has 1 entry — give it at least 2"),
+        ('[training]\nprecision = "bf61"\n', "got 'bf61' — did you mean 'bf16'?"),
         ("[[stages]]\nstart_step = 3\n", "stages[0].name: missing required key"),
         ("[training\nsteps = 3\n", "is not valid TOML"),
     ],
@@ -54,6 +62,15 @@ def test_errors_name_the_key_path(tmp_path, text, message):
     with pytest.raises(UserError) as info:
         load_recipe(Recipe, _recipe(tmp_path, text))
     assert message in str(info.value) and "r.toml" in str(info.value)
+
+
+def test_a_misspelt_required_table_is_named_before_the_table_it_leaves_missing(tmp_path):
+    class Needs(Section):
+        optimizer: Training
+
+    with pytest.raises(UserError) as info:
+        load_recipe(Needs, _recipe(tmp_path, "[optimiser]\nlr = 1\n"))
+    assert "optimiser: unknown key (and 1 more) — did you mean 'optimizer'?" in str(info.value)
 
 
 def test_bad_override_syntax(tmp_path):
