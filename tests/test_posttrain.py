@@ -275,6 +275,30 @@ def test_a_bad_row_is_named_before_the_run_begins(tiny_model, tmp_path, stage, d
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("stage", ["pretrain", "midtrain", "sft", "dpo", "ppo", "grpo"])
+def test_a_second_run_into_a_run_folder_in_use_is_refused_and_touches_nothing(tiny_model, tmp_path, stage):
+    """`--overwrite` typed while the first run still trained deleted the folder under it, and a second
+    `--resume auto` had both runs append metrics and write checkpoints into one folder."""
+    import os
+
+    from smolctl.folder_lock import held_alone
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    recipe = REPO / "recipes" / ("smollm3-tiny.toml" if stage in ("pretrain", "midtrain") else f"{stage}-tiny.toml")
+    start = [] if stage == "pretrain" else ["--from", tiny_model]
+    with held_alone(run, "trained", "wait"):  # the first run, still training
+        before = sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+        for how in ("--overwrite", "--resume=auto"):
+            result = run_cli(stage, recipe, run, *start, how)
+            assert result.returncode == 2, result.stderr
+            assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+            assert f"{run}: is being trained by another smolctl run (pid {os.getpid()} on " in result.stderr
+            assert sorted((p.relative_to(tmp_path), p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == before
+    assert not (tmp_path / ".run.lock").exists(), "the lock file goes with its run"
+
+
 @pytest.mark.slow
 def test_sft_runs_under_torchrun_with_two_processes(tiny_model, tmp_path):
     import subprocess

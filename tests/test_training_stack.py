@@ -80,6 +80,11 @@ def test_every_training_command_has_the_same_run_layout_and_resume(command, reci
     assert code == 0, err
     resumed = json.loads(out)
     assert resumed["steps"] == 3 and resumed["resumed_from"].endswith("step-0000002")
+    # run.json holds the recipe now in force, and the resume event what the resume changed
+    assert json.loads((run / "run.json").read_text())["recipe"]["training"]["steps"] == 3
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    [resume] = [e for e in events if e["event"] == "resume"]
+    assert resume["step"] == 2 and resume["changed"]["training.steps"] == [2, 3], resume
     if command in ("pretrain", "midtrain"):
         return  # their finished-run resume is the pretrain loop's (issue 14)
     before = {p.name: p.read_bytes() for p in (run / "final").iterdir()}

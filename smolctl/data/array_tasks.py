@@ -23,13 +23,14 @@ import shutil
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 from smolctl.errors import UserError, WriteRefused, writing_to
+from smolctl.folder_lock import held_alone
 from smolctl.shards import atomic_write_json, check_output_path, output_folder_path, read_manifest
 
 WORK = "_work"
@@ -178,30 +179,12 @@ class WorkArea:
             ) from exc
         atomic_write_json(recorded, {"fingerprint": self._canonical(), "started": time.time()})
 
-    @contextmanager
-    def alone(self) -> Iterator[None]:
+    def alone(self):
         """Held by a plain run (not an array task) from its first write to its commit. Two plain runs into one
         OUTPUT would each do every unit, and the first to commit removes the work area under the other, whose
         error then either crashed or, cleaning up after it, took the first run's work area with it; the second
-        is refused at once instead. An flock on a hidden file beside OUTPUT, so the kernel releases it when a
-        run dies and none is ever stale; where there is no flock (Lustre mounted without it) a run goes
-        unguarded, as before, and where flock is local to a node (`localflock`) it guards that node's runs."""
-        lock = self.output.parent / f".{self.output.name}.lock"
-        made = [folder for folder in (lock.parent, *lock.parent.parents) if not folder.exists()]  # deepest first
-        try:
-            lock.parent.mkdir(parents=True, exist_ok=True)
-            handle = _exclusive_lock(lock, self.output)
-        except OSError:  # a folder this run cannot write to: the work area's creation says so in one line
-            handle = None
-        try:
-            yield
-        finally:
-            if handle is not None:
-                lock.unlink(missing_ok=True)  # while still held (see _exclusive_lock)
-                handle.close()
-            for folder in made:  # a run that leaves no OUTPUT leaves none of the folders it made for it
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
+        is refused at once instead. Array tasks share the work area by design and never take it."""
+        return held_alone(self.output, "written", "wait for it to finish, or write to another folder")
 
     def clean_up_after(self, error: UserError) -> None:
         """After a plain run's failure: on its input, nothing is left behind (the run on the mended input starts
@@ -348,44 +331,6 @@ class WorkArea:
 
 class AlreadyCommitted(Exception):
     """This run's OUTPUT is committed: the task has nothing to do."""
-
-
-def _exclusive_lock(lock: Path, output: Path):
-    """The open `lock` file holding an exclusive flock, None where the file system has no flock, or a UserError
-    naming the run that holds it. A holder removes the file as it lets go: a run that locked the removed file
-    in that moment locks the one there now instead, or two runs made after it would both hold one."""
-    import fcntl
-
-    while True:
-        handle = open(lock, "a+")  # noqa: SIM115  (returned open: the lock lasts as long as it)
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            handle.close()
-            raise UserError(
-                output,
-                f"is being written by another smolctl run ({holder})",
-                "wait for it to finish, or write to another folder",
-            ) from None
-        except OSError:  # no flock here
-            handle.close()
-            lock.unlink(missing_ok=True)
-            return None
-        opened = os.fstat(handle.fileno())
-        try:
-            current = os.stat(lock)
-            same = (current.st_dev, current.st_ino) == (opened.st_dev, opened.st_ino)
-        except FileNotFoundError:
-            same = False
-        if same:
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
-            handle.flush()
-            return handle
-        handle.close()
 
 
 @contextmanager

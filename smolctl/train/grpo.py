@@ -32,6 +32,7 @@ from smolctl.train.posttrain_run import (
 )
 from smolctl.train.rewards import log_completions
 from smolctl.train.rl_setup import as_chat, prepare, reward_trend
+from smolctl.train.run import holds_run_folder
 
 
 def check_grpo_batch(recipe: GrpoRecipe) -> tuple[int, int]:
@@ -60,6 +61,7 @@ def check_vllm() -> None:
         )
 
 
+@holds_run_folder
 def run_grpo(
     recipe: GrpoRecipe,
     run: str | Path,

@@ -38,6 +38,7 @@ from smolctl.train.posttrain_run import (
     trainer_arguments,
     use_bf16,
 )
+from smolctl.train.run import holds_run_folder
 
 # ---------------------------------------------------------------------------------------------------------------
 # Data
@@ -203,6 +204,7 @@ def _as_turns(row: dict) -> dict:
 # Runs
 
 
+@holds_run_folder
 def run_sft(
     recipe: SftRecipe,
     run: str | Path,
@@ -299,6 +301,7 @@ def check_sft_template(recipe: SftRecipe, parent: Path, source: DocumentSource, 
         ) from exc
 
 
+@holds_run_folder
 def run_dpo(
     recipe: DpoRecipe,
     run: str | Path,

@@ -21,6 +21,7 @@ from smolctl.train.config import PpoRecipe
 from smolctl.train.posttrain_run import PostTrainResult, StepHook, finished_result, quiet_offline, world_size
 from smolctl.train.ppo_loop import PpoLoop
 from smolctl.train.rl_setup import prepare
+from smolctl.train.run import holds_run_folder
 
 
 def check_ppo_batch(recipe: PpoRecipe, processes: int) -> None:
@@ -48,6 +49,7 @@ def check_ppo_batch(recipe: PpoRecipe, processes: int) -> None:
         )
 
 
+@holds_run_folder
 def run_ppo(
     recipe: PpoRecipe,
     run: str | Path,

@@ -68,7 +68,16 @@ from smolctl.train.model import (
 )
 from smolctl.train.monitor import Monitor, idle_totals, peak_flops
 from smolctl.train.parallel import clip_grad_norm_, tp_plan
-from smolctl.train.run import EVENTS, FINAL, RUN_FILE, append_jsonl, holds_run_files, model_folder
+from smolctl.train.run import (
+    EVENTS,
+    FINAL,
+    RUN_FILE,
+    append_jsonl,
+    holds_run_files,
+    holds_run_folder,
+    model_folder,
+    recipe_changes,
+)
 from smolctl.train.schedule import learning_rate
 from smolctl.train.trackers import open_tracker, require_trackers
 
@@ -395,20 +404,28 @@ class Trainer:
             self._restore(self.resume_from)
         elif self.init_kind == KIND_CHECKPOINT:
             self.checkpoints.load(Path(self.init_from), optimizer=self.keep_optimizer)  # a new stage: its own step 0
-        if self.dist.is_main and self.resume_from is None:
-            folder = output_folder_path(self.run_dir)  # a linked run folder is replaced where it points
-            if self._replace_run:
-                shutil.rmtree(folder)
-            folder.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(
-                self.run_dir / RUN_FILE,
-                {
-                    "stage": self.stage,
-                    "recipe": json.loads(self.recipe.model_dump_json()),
-                    "plan": asdict(self.plan),
-                    "parent": self.parent,
-                },
-            )
+        self.recipe_changes: dict[str, list] = {}
+        if self.dist.is_main:
+            recorded = {
+                "stage": self.stage,
+                "recipe": json.loads(self.recipe.model_dump_json()),
+                "plan": asdict(self.plan),
+                "parent": self.parent,
+            }
+            if self.resume_from is None:
+                folder = output_folder_path(self.run_dir)  # a linked run folder is replaced where it points
+                if self._replace_run:
+                    shutil.rmtree(folder)
+                folder.mkdir(parents=True, exist_ok=True)
+            elif (self.run_dir / RUN_FILE).is_file():
+                # run.json holds the recipe now in force (a decay phase's schedule, another world size's plan);
+                # the resume event says what changed.
+                before = json.loads((self.run_dir / RUN_FILE).read_text())
+                self.recipe_changes = recipe_changes(  # the batch plan's keys as plan.KEY
+                    {**before.get("recipe", {}), "plan": before.get("plan", {})},
+                    {**recorded["recipe"], "plan": recorded["plan"]},
+                )
+            atomic_write_json(self.run_dir / RUN_FILE, recorded)
             (self.run_dir / EVENTS).touch()  # the run layout has it even when nothing happened
         self.dist.barrier()
 
@@ -672,10 +689,9 @@ class Trainer:
                         f"resuming from {self.resume_from} (step {self.step}, {self.tokens_seen:,} tokens)"
                     )
                     if self.dist.is_main:  # after the monitor dropped what the steps about to run again logged
-                        append_jsonl(
-                            self.run_dir / EVENTS,
-                            {"event": "resume", "step": self.step, "from": str(self.resume_from), "time": time.time()},
-                        )
+                        event = {"event": "resume", "step": self.step, "from": str(self.resume_from)}
+                        changed = {"changed": self.recipe_changes} if self.recipe_changes else {}
+                        append_jsonl(self.run_dir / EVENTS, {**event, **changed, "time": time.time()})
                 while self.step < plan.steps:
                     started = time.perf_counter()
                     with self.monitor.profiled(self.step + 1):
@@ -738,6 +754,7 @@ class Trainer:
         return self._result(val_loss, losses, stopped=stopped)
 
 
+@holds_run_folder
 def train(
     recipe_path: str | Path,
     run_dir: str | Path,

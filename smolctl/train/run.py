@@ -1,26 +1,33 @@
 """One run layout for every training command (pretrain, midtrain, sft, dpo, ppo, grpo):
 
-  RUN/run.json                    the command, the resolved recipe and the starting checkpoint; a resume must match
+  RUN/run.json                    the command, the resolved recipe now in force and the starting checkpoint
   RUN/metrics.jsonl               one JSON object per logged step: step, loss, lr, grad_norm, tokens_per_s, and the
                                   stage's own metrics (rewards/accuracies, kl, ...); appended across resumes
-  RUN/events.jsonl                what happened besides steps: resumes, checkpoints, guard events (always present)
+  RUN/events.jsonl                what happened besides steps: resumes (with what each changed of the recipe),
+                                  checkpoints, guard events (always present)
   RUN/checkpoints/step-NNNNNNN/   resumable checkpoints, written under another name and renamed when complete
   RUN/final/                      the finished Hugging Face model folder + tokenizer + manifest.json (kind "model")
   RUN/adapter/                    LoRA runs only: the adapter alone (final/ holds it merged)
 
 A later stage takes `--from RUN` or `--from RUN/final`. `--resume auto` on a finished run is a no-op.
+One run at a time trains into a RUN: a second is refused while the first holds `.RUN.lock` beside it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from smolctl.errors import UserError
+from smolctl.folder_lock import held_alone
 from smolctl.launcher import rank_from_env
 from smolctl.shards import MANIFEST_NAME, atomic_write_json, check_output_path, output_folder_path, read_manifest
 
@@ -75,6 +82,29 @@ def model_folder(path: Path) -> Path:
 
 def is_main_process() -> bool:
     return rank_from_env() == 0
+
+
+TrainFunction = TypeVar("TrainFunction", bound=Callable)
+
+
+def holds_run_folder(train_function: TrainFunction) -> TrainFunction:
+    """A training command's function (taking the run folder as its second argument) that holds the run folder's
+    lock while it runs. A second run into the same RUN (a --overwrite or --resume typed while the first still
+    trains) is refused at once: it would otherwise delete the folder under the first, or both would append
+    metrics and write checkpoints into one run. Under torchrun, rank 0 holds it for every rank of its launch; a
+    refused rank 0 ends the launch before the process group forms."""
+
+    @functools.wraps(train_function)
+    def held(recipe, run, *args, **options):
+        lock = (
+            held_alone(Path(run), "trained", "wait for it to finish (or stop it), or train into another run folder")
+            if is_main_process()
+            else contextlib.nullcontext()
+        )
+        with lock:
+            return train_function(recipe, run, *args, **options)
+
+    return held  # type: ignore[return-value]
 
 
 def append_jsonl(path: Path, record: dict) -> None:
@@ -151,13 +181,20 @@ def flatten(table: dict, prefix: str = "") -> dict:
 RESUMABLE_CHANGES = ("training.steps", "checkpoint.", "logging.")
 
 
+def recipe_changes(before: dict, now: dict) -> dict[str, list]:
+    """What a resume changes of the recipe recorded in run.json, as {key path: [before, now]}: run.json records
+    the recipe now in force, and each resume event in events.jsonl what it changed."""
+    old, new = flatten(before), flatten(now)
+    return {key: [old.get(key), new.get(key)] for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
+
+
 def begin_run(run: Path, stage: str, recipe: dict, parent: Path, start: RunStart) -> None:
     """Record the run in RUN/run.json (a resume or a no-op must use the same recipe and starting checkpoint), and
     set metrics.jsonl and events.jsonl to the resume point. Rank 0 writes; every rank checks."""
     run = Path(run)
     current = {"stage": stage, "recipe": recipe, "parent": str(parent.resolve())}
-    if (start.resume_from or start.finished) and (run / RUN_FILE).is_file():
-        before = json.loads((run / RUN_FILE).read_text())
+    before = json.loads((run / RUN_FILE).read_text()) if (run / RUN_FILE).is_file() else {}
+    if (start.resume_from or start.finished) and before:
         old, new = (
             flatten({"recipe": before.get("recipe", {}), "parent": before.get("parent")}),
             flatten({"recipe": current["recipe"], "parent": current["parent"]}),
@@ -176,6 +213,7 @@ def begin_run(run: Path, stage: str, recipe: dict, parent: Path, start: RunStart
             )
     if start.finished or not is_main_process():
         return
+    changes = recipe_changes(before.get("recipe", {}), recipe) if start.resume_from and before else {}
     folder = output_folder_path(run)  # a linked run folder is replaced where it points
     if start.overwrite:
         shutil.rmtree(folder)
@@ -188,6 +226,5 @@ def begin_run(run: Path, stage: str, recipe: dict, parent: Path, start: RunStart
         drop_lines_after(run / name, resumed_at)
         (run / name).touch()
     if start.resume_from:
-        append_jsonl(
-            run / EVENTS, {"event": "resume", "step": resumed_at, "from": str(start.resume_from), "time": time.time()}
-        )
+        event = {"event": "resume", "step": resumed_at, "from": str(start.resume_from)}
+        append_jsonl(run / EVENTS, {**event, **({"changed": changes} if changes else {}), "time": time.time()})
