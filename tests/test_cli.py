@@ -394,3 +394,35 @@ main()
     )
     assert process.returncode == 0, process.stderr
     assert json.loads(process.stdout)["finished"] and (tmp_path / "out" / "manifest.json").is_file()
+
+
+def test_ctrl_c_after_a_training_run_wrote_final_says_there_is_nothing_to_continue(tmp_path):
+    """sft interrupted after it had written RUN/final told the user to run again; a resume to more steps keeps the
+    old final/ until the new one replaces it, and that one still has more to train."""
+    import os
+
+    from smolctl.cli.common import resume_hint_on_interrupt
+    from smolctl.errors import COMMITTED_BEFORE_THE_INTERRUPT, Interrupted
+
+    run = tmp_path / "run"
+
+    def interrupted(write_final: bool) -> str:
+        with pytest.raises(Interrupted) as info, resume_hint_on_interrupt("sft", "r.toml", run):
+            if write_final:
+                (run / "final").mkdir(parents=True, exist_ok=True)
+                tmp = run / "final" / ".manifest.tmp"
+                tmp.write_text("{}")
+                os.replace(tmp, run / "final" / "manifest.json")  # a new file, as an atomic write makes
+            raise KeyboardInterrupt
+        return str(info.value)
+
+    assert "--resume auto" in interrupted(write_final=False)
+    assert interrupted(write_final=True) == f"{run / 'final'}: {COMMITTED_BEFORE_THE_INTERRUPT}"
+    assert "--resume auto" in interrupted(write_final=False), "the final/ of an earlier run still has more to train"
+
+
+@pytest.mark.parametrize("command", ["pretrain", "midtrain", "sft", "dpo", "ppo", "grpo"])
+def test_a_training_command_without_run_says_run_is_required(command):
+    recipe = "recipes/smollm3-tiny.toml" if command in ("pretrain", "midtrain") else f"recipes/{command}-tiny.toml"
+    result = run_cli(command, recipe)
+    assert result.returncode == 2 and result.stderr.startswith("error: RUN: is required"), result.stderr

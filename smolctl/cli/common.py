@@ -12,7 +12,7 @@ from typing import NoReturn
 import typer
 
 from smolctl.console import key_values, show
-from smolctl.errors import Interrupted, UserError
+from smolctl.errors import COMMITTED_BEFORE_THE_INTERRUPT, Interrupted, UserError
 from smolctl.launcher import rank_from_env
 
 
@@ -43,16 +43,32 @@ def render_array_task(command: str, result, tasks: int | None, task_id: int) -> 
 
 @contextmanager
 def resume_hint_on_interrupt(stage: str, recipe, run) -> Iterator[None]:
-    """Ctrl-C in a training command: one line on what is kept and the command that continues (exit 130)."""
+    """Ctrl-C in a training command: one line on what is kept and the command that continues (exit 130). After
+    this run wrote RUN/final (its manifest is not the one there when it started: a resume to more steps keeps the
+    old one until the new one replaces it), there is nothing to continue."""
+    from smolctl.shards import MANIFEST_NAME  # here: pyarrow would otherwise load with every command's CLI
+
+    final_manifest = Path(run) / "final" / MANIFEST_NAME
+    at_start = _identity(final_manifest)
     try:
         yield
     except KeyboardInterrupt:
         if rank_from_env() != 0:  # under torchrun every rank gets the signal; rank 0 speaks
             raise typer.Exit(130) from None
+        if _identity(final_manifest) not in (None, at_start):
+            raise Interrupted(f"{Path(run) / 'final'}: {COMMITTED_BEFORE_THE_INTERRUPT}") from None
         raise Interrupted(
             f"{run}: continue with `smolctl {stage} {recipe} {run} --resume auto` and the same "
             "options (from the newest complete checkpoint, or afresh when there is none)"
         ) from None
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    try:
+        state = path.stat()
+    except OSError:
+        return None
+    return state.st_dev, state.st_ino, state.st_mtime_ns
 
 
 QUIET_RANK_GRACE_S = 10.0

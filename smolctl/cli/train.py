@@ -214,10 +214,11 @@ def _train_command(
             )
             emit_json(result.to_dict()) if json_out else _render_dry_run(recipe, result)
             return
+        run = require_run(run, stage, recipe)
         with resume_hint_on_interrupt(stage, recipe, run):
             outcome = train(
                 recipe,
-                require_run(run, stage, recipe),
+                run,
                 overrides=overrides,
                 data=data,
                 stage=stage,
