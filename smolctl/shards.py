@@ -192,6 +192,7 @@ class OutputFolder:
         self.resumable = resumable
         self.shards: list[dict] = []
         check_output_path(self.path, overwrite)
+        refuse_output_over_inputs(self.path, [ref["path"] for ref in self.inputs if ref.get("path")])
         self.per_process = per_process
         own = f"-{os.getpid()}" if per_process else ""
         self.staging = self.path.parent / f".{self.path.name}.partial{own}"
@@ -381,6 +382,17 @@ def check_output_path(path: Path, overwrite: bool) -> None:
         parent = parent.parent
     if not os.access(parent, os.W_OK):
         raise UserError(parent, "is not writable", "choose an output folder you can write to")
+
+
+def refuse_output_over_inputs(output: Path, inputs: Sequence[str | Path], role: str = "the input") -> None:
+    """Refuse an OUTPUT that is one of the inputs or holds one: replacing it (--overwrite, or the commit's swap)
+    would delete what the command reads, a model or run folder exported or merged into itself."""
+    out = Path(output).resolve()
+    for source in inputs:
+        path = Path(source).resolve()
+        if path == out or out in path.parents:
+            what = f"{'is' if path == out else 'holds'} {role} {source}"
+            raise UserError(output, what, "write the output to another folder")
 
 
 class DatasetWriter:

@@ -199,6 +199,20 @@ def plain_folder(tmp: Path) -> Path:
     return folder
 
 
+def _models_in(tmp: Path) -> list[Path]:
+    """Two models inside one folder, t/d/a and t/d/b (made once per case)."""
+    if not (tmp / "d").exists():
+        for name in ("a", "b"):
+            shutil.copytree(model(), tmp / "d" / name)
+    return [tmp / "d" / "a", tmp / "d" / "b"]
+
+
+def _run_holding_data(tmp: Path) -> Path:
+    run = run_copy(tmp)
+    shutil.copytree(packed(), run / "packed")
+    return run
+
+
 def _existing_output(tmp: Path) -> Path:
     out = tmp / "existing"
     shutil.copytree(SAMPLE / "math", out)
@@ -829,6 +843,69 @@ CASES = [
             t / "existing",
         ),
     ),
+    Case(
+        "export: --overwrite of the run folder that holds the checkpoint",
+        lambda t: (
+            ["export", run_copy(t) / "checkpoints" / "step-0000002", t / "run", "--overwrite"],
+            "run: holds the input",
+            t / "run",
+        ),
+    ),
+    Case(
+        "merge: --overwrite of the folder that holds the models",
+        lambda t: (
+            [
+                "merge",
+                "--method",
+                "linear",
+                "--model",
+                _models_in(t)[0],
+                "--model",
+                _models_in(t)[1],
+                t / "d",
+                "--overwrite",
+            ],
+            "d: holds the input",
+            t / "d",
+        ),
+    ),
+    Case(
+        "generate: --overwrite of the run folder whose model generates",
+        lambda t: (
+            ["generate", SAMPLE / "prompts", run_copy(t), "--model", t / "run", "--limit", "1", "--overwrite"],
+            "run: holds the input",
+            t / "run",
+        ),
+    ),
+    Case(
+        "pretrain: --overwrite of a run folder that holds its data",
+        lambda t: (
+            ["pretrain", recipe(), _run_holding_data(t), "--data", t / "run" / "packed", "--overwrite"],
+            "run: holds the run's input",
+            t / "run",
+        ),
+    ),
+    Case(
+        "sft: --overwrite of the run folder it starts from",
+        lambda t: (
+            ["sft", "recipes/sft-tiny.toml", run_copy(t), "--from", t / "run", "--overwrite"],
+            "run: holds the run's input",
+            t / "run",
+        ),
+    ),
+    Case(
+        "report: --html over a run's metrics",
+        lambda t: (["report", run_copy(t), "--html", t / "run" / "metrics.jsonl"], "is not an .html file", t / "run"),
+    ),
+    Case(
+        "report: --html over an existing report",
+        lambda t: (
+            (t / "r.html").write_text("kept"),
+            ["report", _SHARED["run"], "--html", t / "r.html"],
+            "r.html already exists — pass --overwrite",
+            t,
+        )[1:],
+    ),
     # sft / dpo / ppo
     Case(
         "sft: data without messages",
@@ -1113,6 +1190,25 @@ def test_bad_input(case: Case, tmp_path: Path):
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert needle in lines[0], lines[0]
     assert snapshot(output) == before, "the output folder must be absent or unchanged"
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["export", "CKPT", "", "--overwrite"], "argument 3 (after CKPT) is empty"),
+        (["export", "CKPT", "--overwrite", ""], "argument 4 (after --overwrite) is empty"),
+        (["dedup", "IN", "o", "--text-column="], "--text-column is given an empty value"),
+    ],
+)
+def test_an_empty_argument_is_refused_before_it_can_mean_the_working_folder(tmp_path, argv, message):
+    """`smolctl export CKPT "$OUT" --overwrite` with OUT unset replaced the working folder with the export (a
+    repository, in the run that found it). Run from a scratch folder: broken, this test replaces only that."""
+    (tmp_path / "kept.txt").write_text("kept")
+    paths = {"CKPT": str(_SHARED["run"] / "checkpoints" / "step-0000002"), "IN": str(SAMPLE / "math")}
+    result = run_cli(*[paths.get(a, a) for a in argv], cwd=tmp_path)
+    command, message = argv[0], message.replace("CKPT", paths["CKPT"])
+    assert result.stderr.strip() == f"error: smolctl {command}: {message} (an unset shell variable?) — give it a value"
+    assert result.returncode == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt"]
 
 
 def _mount_tmpfs(path: Path, options: str) -> bool:

@@ -97,11 +97,26 @@ def _what_the_interrupt_left(message: str) -> str:
     return message
 
 
+def _refuse_empty_arguments(args: list[str]) -> None:
+    """No smolctl argument means anything empty, and an empty one is nearly always an unset shell variable:
+    `smolctl export CKPT "$OUT" --overwrite` would otherwise take "" as the working folder and replace it."""
+    for index, arg in enumerate(args):
+        if arg.startswith("--") and arg.endswith("="):
+            what = f"{arg[:-1]} is given an empty value"
+        elif arg == "":
+            what = f"argument {index + 1}{f' (after {args[index - 1]})' if index else ''} is empty"
+        else:
+            continue
+        where = f"smolctl {args[0]}" if index else "smolctl"
+        raise UserError(where, f"{what} (an unset shell variable?)", "give it a value")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI: user mistakes are one line and exit 2, failed checks exit 1, bugs exit 1 with a hint."""
     debug = os.environ.get("SMOLCTL_DEBUG") == "1"
     writing_to(None)  # this command names its own output (in-process callers run several)
     try:
+        _refuse_empty_arguments(sys.argv[1:] if argv is None else argv)
         with _only_the_invoked_command(sys.argv[1:] if argv is None else argv):
             code = app(args=argv, prog_name="smolctl", standalone_mode=False)
     except Interrupted as exc:

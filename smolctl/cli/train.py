@@ -363,17 +363,15 @@ def report_command(
     html: Path | None = typer.Option(
         None, "--html", help="Also write one self-contained HTML file (plots inline, no network)."
     ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the --html file if it exists."),
     json_out: JsonOpt = False,
 ) -> None:
     """A run in the playbook's terms: loss/lr/grad-norm/throughput plots, KPIs against targets, and a diagnosis."""
-    from smolctl.train.report import Reports, build_reports
+    from smolctl.train.report import Reports, build_reports, write_html
 
     reports = build_reports(runs)
     if html is not None:
-        from smolctl.shards import atomic_write_bytes
-        from smolctl.train.report_views import html_report
-
-        atomic_write_bytes(html, html_report(reports).encode())
+        write_html(html, reports, overwrite)
     made = Reports(reports, str(html) if html is not None else None)
     if json_out:
         emit_json(made.to_dict())

@@ -26,7 +26,7 @@ from smolctl.errors import CheckFailed, UserError
 from smolctl.infra.flops import training_flops_per_token
 from smolctl.recipe import apply_overrides, load_toml, validate
 from smolctl.results import Result
-from smolctl.shards import atomic_write_json, lineage_ref, output_folder_path, read_manifest
+from smolctl.shards import atomic_write_json, lineage_ref, output_folder_path, read_manifest, refuse_output_over_inputs
 from smolctl.train.checkpoint import (
     KIND_CHECKPOINT,
     CheckpointManager,
@@ -174,6 +174,9 @@ class Trainer:
         self.init_from = (
             str(Path(init_from).resolve()) if init_from and self.resume_from is None and not self.finished else None
         )
+        if self._replace_run:  # --overwrite must not delete the model the run starts from or the data it reads
+            reads = [p for p in (init_from, *recipe.data.all_paths()) if p]
+            refuse_output_over_inputs(self.run_dir, reads, "the run's input")
         self.init_kind: str | None = None
         self.keep_optimizer = keep_optimizer
         self.dist = init_distributed()
