@@ -430,6 +430,38 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("training.seqlen=8192", "training.seqlen: unknown key — did you mean 'seq_len'?"),
+        ('training.activation_checkpointing="ful"', "did you mean 'full'?"),
+        ('parallel.tp="2"', "parallel.tp: expected int, got '2'"),
+        ("training.micro_batch=2.5", "training.micro_batch: expected int, got 2.5"),
+        ("parallel.dp_replicate=5", "parallel.dp_replicate: 5 does not divide the 192 ranks"),
+    ],
+)
+def test_a_recipe_is_checked_as_pretrain_checks_it(capsys, override, message):
+    """estimate read the recipe's TOML as it was: a typo was ignored (and the estimate was of another run), a
+    wrong type crashed it."""
+    code, _, err = run_cli(capsys, "estimate", str(REPO / "recipes/smollm3.toml"), "--gpus", "384", "--set", override)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("dp_shard", [1, 8])
+def test_a_recipes_parallel_mesh_is_sized_as_the_pretrain_dry_run_sizes_it(capsys, dp_shard):
+    """estimate ignored [parallel] dp_shard: FSDP2 over all 192 data-parallel ranks, whatever the recipe said, so
+    dp_shard 1 (TP with replicas, nothing sharded) came out 24 GiB too low."""
+    recipe, mesh = str(REPO / "recipes/smollm3.toml"), f"parallel.dp_shard={dp_shard}"
+    code, out, err = run_cli(capsys, "estimate", recipe, "--gpus", "384", "--set", mesh, "--json")
+    assert code == 0, err
+    estimated = json.loads(out)["memory"]["total"]
+    code, out, err = run_cli(capsys, "pretrain", recipe, "--dry-run", "--world-size", "384", "--set", mesh, "--json")
+    assert code == 0, err
+    assert estimated == pytest.approx(json.loads(out)["memory"]["total"], rel=1e-9)
+    flat = json.loads(run_cli(capsys, "estimate", recipe, "--gpus", "384", "--json")[1])["memory"]["total"]
+    assert (estimated > flat + 2 * GIB) if dp_shard == 1 else (estimated > flat)
+
+
 def test_recipe_without_vocabulary_says_how_to_give_it(capsys, tmp_path):
     recipe = tmp_path / "tiny.toml"
     shutil.copy(REPO / "recipes/smollm3-tiny.toml", recipe)

@@ -14,7 +14,7 @@ from typing import Any
 
 from smolctl.errors import UserError
 from smolctl.infra.memory import ATTENTIONS, GPUS, OPTIMIZER_BYTES, PRECISIONS, RECOMPUTES
-from smolctl.recipe import apply_overrides, load_toml
+from smolctl.recipe import load_toml
 from smolctl.units import parse_count
 
 
@@ -115,7 +115,7 @@ def recipe_values(recipe: dict, path: str) -> dict[str, Any]:
         model["vocab_size"] = vocab
     training = recipe.get("training") or {}
     values: dict[str, Any] = {"model": model}
-    for key in ("seq_len", "micro_batch", "tp", "pp", "cp", "zero", "gpus"):
+    for key in ("seq_len", "micro_batch"):
         if key in training:
             values[key] = training[key]
     if "global_batch_tokens" in training:
@@ -172,13 +172,33 @@ def recipe_or_model(subject: str, model: str | None = None) -> tuple[str | None,
     return None, subject  # a preset name: resolve_config names the known ones when it is not one
 
 
+def present_values(recipe) -> dict:
+    """A validated recipe as the tables recipe_values reads: the keys that have a value."""
+    return {
+        section: {k: v for k, v in table.items() if v is not None} if isinstance(table, dict) else table
+        for section, table in json.loads(recipe.model_dump_json()).items()
+    }
+
+
+def trainer_layout(tp: int, dp_shard: int) -> dict[str, Any]:
+    """The scenario fields of a smolctl pretrain mesh: FSDP2 over dp_shard ranks, or, with dp_shard 1, replicas
+    only (DDP, or TP without FSDP), nothing sharded over the data-parallel ranks."""
+    return {"tp": tp, "zero": 0, "dp_shard": None} if dp_shard == 1 else {"tp": tp, "zero": 3, "dp_shard": dp_shard}
+
+
 def scenario_from_sources(
     *, recipe: str | None = None, overrides: list[str] | None = None, flags: dict[str, Any] | None = None
 ) -> TrainingScenario:
-    """Recipe values first, then every flag that was given (None means not given)."""
+    """Recipe values first, then every flag that was given (None means not given). A recipe is checked as
+    `smolctl pretrain` checks it (a typo or a wrong type is refused, not ignored), and its [parallel] mesh is
+    laid over the GPUs as pretrain lays it, unless --tp, --dp-shard or --zero say otherwise."""
+    from smolctl.train.config import load_command_recipe, split_world
+
     values: dict[str, Any] = {}
+    checked = None
     if recipe is not None:
-        values = recipe_values(apply_overrides(load_toml(recipe), overrides or []), recipe)
+        checked = load_command_recipe("pretrain", recipe, overrides or [])
+        values = recipe_values(present_values(checked), recipe)
         values["source"] = recipe
     elif overrides:
         raise UserError("--set", "overrides a recipe", "pass RECIPE.toml, or use the flags directly")
@@ -191,7 +211,11 @@ def scenario_from_sources(
         if key in values:
             values[key] = parse_count(values[key], f"--{key.replace('_', '-')}")
     known = {f.name for f in fields(TrainingScenario)}
-    return check_scenario(TrainingScenario(**{k: v for k, v in values.items() if k in known}))
+    scenario = check_scenario(TrainingScenario(**{k: v for k, v in values.items() if k in known}))
+    if checked is None or any((flags or {}).get(k) is not None for k in ("tp", "dp_shard", "zero")):
+        return scenario
+    layout = split_world(scenario.gpus, checked.parallel, checked.training.shard)
+    return check_scenario(replace(scenario, **trainer_layout(layout.tp, layout.dp_shard)))
 
 
 def _choice(value: str, known, flag: str) -> None:

@@ -561,7 +561,8 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
 
-def _split(world_size: int, parallel: ParallelSection, sharded: bool) -> Layout:
+def split_world(world_size: int, parallel: ParallelSection, sharded: bool) -> Layout:
+    """The [parallel] mesh of `world_size` processes: dp_replicate × dp_shard × tp (unset degrees take the rest)."""
     tp = parallel.tp
     if world_size % tp:
         raise UserError(
@@ -606,7 +607,7 @@ def resolve_layout(recipe: TrainRecipe, world_size: int) -> Layout:
                 f"{tp} does not divide model.{key} = {heads}",
                 f"use a tp that divides {heads} (e.g. {max(d for d in range(1, tp + 1) if heads % d == 0)})",
             )
-    return _split(world_size, recipe.parallel, recipe.training.shard)
+    return split_world(world_size, recipe.parallel, recipe.training.shard)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import UserError
 from smolctl.infra.estimate import compute, largest_micro_batch, load_model, memory, smallest_layouts
 from smolctl.infra.memory import GPUS
-from smolctl.infra.scenario import TrainingScenario, check_scenario, recipe_values
+from smolctl.infra.scenario import TrainingScenario, check_scenario, present_values, recipe_values, trainer_layout
 from smolctl.results import Result
 from smolctl.shards import KIND_PACKED, read_manifest
 from smolctl.train.config import Layout, TrainRecipe, derive_batch, resolve_layout
@@ -56,15 +56,10 @@ def estimate_scenario(
 ) -> TrainingScenario:
     """The `smolctl estimate` scenario of this recipe on this layout: what `estimate RECIPE --gpus N` would size."""
 
-    raw = {
-        section: {k: v for k, v in table.items() if v is not None} if isinstance(table, dict) else table
-        for section, table in json.loads(recipe.model_dump_json()).items()
-    }
+    raw = present_values(recipe)
     raw["model"]["vocab_size"] = vocab
     values = recipe_values(raw, "recipe")
-    values.update(gpus=world_size, gpu=gpu, tp=layout.tp, source="recipe", dp_shard=layout.dp_shard)
-    if layout.dp_shard == 1:  # replicas only (DDP, or TP without FSDP): nothing sharded over data-parallel ranks
-        values.update(zero=0, dp_shard=None)
+    values.update(gpus=world_size, gpu=gpu, source="recipe", **trainer_layout(layout.tp, layout.dp_shard))
     return check_scenario(TrainingScenario(**values))
 
 
