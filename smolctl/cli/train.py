@@ -199,7 +199,7 @@ def _train_command(
     keep_optimizer: bool = False,
     gpu: str = "h100",
 ) -> None:
-    from smolctl.train.distributed import world_size_from_env
+    from smolctl.launcher import world_size_from_env
     from smolctl.train.pretrain import load_train_recipe, train
 
     rank = rank_from_env()

@@ -25,6 +25,7 @@ from smolctl.infra.collectives import (
     pattern_tables,
 )
 from smolctl.infra.multinode import Link, link_schedule, ring_shifts, summarize
+from smolctl.launcher import check_rendezvous_env
 
 
 def node_key() -> str:
@@ -252,6 +253,7 @@ def run_benchmark(
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    check_rendezvous_env()
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     try:
         runner = Runner(rank, world, device, dtype_name, config.iters, config.warmup)

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from smolctl.errors import UserError
+from smolctl.launcher import local_rank_from_env, rank_from_env, world_size_from_env
 from smolctl.units import parse_nccl_bytes
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
@@ -161,16 +162,18 @@ def build_config(
 
 def launch_environment() -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's environment, or a UserError saying how to launch."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise UserError("benchmark-nccl", "not started by torchrun (RANK and WORLD_SIZE are not set)", LAUNCH_HINT)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    missing = [name for name in ("RANK", "WORLD_SIZE") if name not in os.environ]
+    if missing:
+        unset = f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set"
+        raise UserError("benchmark-nccl", f"not started by torchrun ({unset})", LAUNCH_HINT)
+    rank, world = rank_from_env(), world_size_from_env()
     if world < 2:
         raise UserError(
             "benchmark-nccl",
             "only 1 rank: bus bandwidth needs at least 2 ranks to move data between",
             "start 2 or more, e.g. `torchrun --nproc_per_node 2 -m smolctl benchmark-nccl` (one per GPU)",
         )
-    return rank, world, int(os.environ.get("LOCAL_RANK", "0"))
+    return rank, world, local_rank_from_env()
 
 
 def message_sizes(

@@ -6,11 +6,10 @@ Backends: NCCL on GPUs, gloo on CPU (tests run two CPU processes with torchrun).
 
 from __future__ import annotations
 
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 
-from smolctl.launcher import rank_from_env
+from smolctl.launcher import check_rendezvous_env, local_rank_from_env, rank_from_env, world_size_from_env
 from smolctl.train.parallel import build_mesh, parallelize
 
 
@@ -70,17 +69,13 @@ class Dist:
             dist.destroy_process_group()
 
 
-def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def init_distributed() -> Dist:
     """Read RANK / WORLD_SIZE / LOCAL_RANK (set by torchrun and accelerate launch) and join the process group."""
     import torch
 
     world = world_size_from_env()
     rank = rank_from_env()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = local_rank_from_env()
     device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
@@ -89,6 +84,7 @@ def init_distributed() -> Dist:
         import torch.distributed as dist
 
         if not dist.is_initialized():
+            check_rendezvous_env()
             dist.init_process_group(
                 "nccl" if device.startswith("cuda") else "gloo",
                 device_id=torch.device(device) if device.startswith("cuda") else None,

@@ -20,6 +20,7 @@ from typing import Any
 
 from smolctl.data.tokenizer import IM_END, load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import UserError
+from smolctl.launcher import world_size_from_env
 from smolctl.results import Result
 from smolctl.shards import KIND_MODEL, OutputFolder, lineage_ref, read_manifest, refuse_output_over_inputs
 from smolctl.train.config import PeftSection, PostTrainRecipe, global_batch_and_accumulation
@@ -74,7 +75,7 @@ def use_bf16(precision: str) -> bool:
 
 
 def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return world_size_from_env()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from pathlib import Path
 from smolctl.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import CheckFailed, UserError
 from smolctl.infra.flops import training_flops_per_token
+from smolctl.launcher import world_size_from_env
 from smolctl.recipe import apply_overrides, load_toml, validate
 from smolctl.results import Result
 from smolctl.shards import atomic_write_json, lineage_ref, output_folder_path, read_manifest, refuse_output_over_inputs
@@ -43,7 +44,6 @@ from smolctl.train.distributed import (
     gradient_sync,
     init_distributed,
     load_full_state_dict,
-    world_size_from_env,
     wrap_model,
 )
 from smolctl.train.guards import Guards, Verdict
