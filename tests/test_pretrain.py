@@ -607,10 +607,24 @@ def test_keep_optimizer_needs_a_checkpoint_with_optimizer_state(pretrained, reci
 # ---- the published recipe ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (["--dry-run", "--world-size", "0"], "Invalid value for '--world-size': 0 is not in the range x>=1"),
+        (["runs/x", "--world-size", "384"], "--world-size: plans a --dry-run only"),
+        (["runs/x", "--gpu", "h200"], "--gpu: plans a --dry-run only"),
+    ],
+)
+def test_planning_options_are_refused_where_they_would_be_ignored(options, message):
+    """--world-size 0 planned for WORLD_SIZE or 1, and --world-size or --gpu without --dry-run were ignored."""
+    done = run_cli("pretrain", "recipes/smollm3.toml", *options)
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
 def test_smollm3_recipe_dry_run_shows_the_published_layout():
     """TP 2 × DP 192 on 384 GPUs, micro batch 3, no accumulation; stages at 0 / 8T / 10T tokens with their own
     folders; the WSD decay spans stage 3; memory from estimate's model, which agrees with `smolctl estimate`."""
-    done = run_cli("pretrain", "recipes/smollm3.toml", "--dry-run", "--world-size", "384", "--json")
+    done = run_cli("pretrain", "recipes/smollm3.toml", "--dry-run", "--world-size", "384", "--gpu", "H100", "--json")
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
     assert plan["parameters"] == 3_075_098_624 and plan["global_batch"] == 576 and plan["grad_accum"] == 1

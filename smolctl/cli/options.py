@@ -87,15 +87,18 @@ DryRunOpt = Annotated[
 WorldSizeOpt = Annotated[
     int | None,
     typer.Option(
-        "--world-size", metavar="N", help="--dry-run only: plan for this many processes (default: WORLD_SIZE or 1)."
+        "--world-size",
+        metavar="N",
+        min=1,
+        help="--dry-run only: plan for this many processes (default: WORLD_SIZE or 1).",
     ),
 ]
 GpuOpt = Annotated[
-    str,
+    str | None,
     typer.Option(
         "--gpu",
         metavar="GPU",
         help="--dry-run only: the GPU whose memory the plan must fit (h100, h200, "
-        "a100-80, ... as in `smolctl estimate`).",
+        "a100-80, ... as in `smolctl estimate`; default h100).",
     ),
 ]

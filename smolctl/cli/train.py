@@ -68,7 +68,7 @@ def pretrain_command(
     resume: ResumeOpt = "none",
     dry_run: DryRunOpt = False,
     world_size: WorldSizeOpt = None,
-    gpu: GpuOpt = "h100",
+    gpu: GpuOpt = None,
     overwrite: OverwriteRunOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -109,7 +109,7 @@ def midtrain_command(
     resume: ResumeOpt = "none",
     dry_run: DryRunOpt = False,
     world_size: WorldSizeOpt = None,
-    gpu: GpuOpt = "h100",
+    gpu: GpuOpt = None,
     overwrite: OverwriteRunOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -197,20 +197,27 @@ def _train_command(
     json_out: bool,
     init_from: str | None = None,
     keep_optimizer: bool = False,
-    gpu: str = "h100",
+    gpu: str | None = None,
 ) -> None:
     from smolctl.launcher import world_size_from_env
     from smolctl.train.pretrain import load_train_recipe, train
 
     rank = rank_from_env()
     try:
+        planning_only = [flag for flag, value in (("--world-size", world_size), ("--gpu", gpu)) if value is not None]
+        if planning_only and not dry_run:
+            raise UserError(
+                planning_only[0],
+                "plans a --dry-run only: a training run is as large as the processes torchrun starts, on their GPUs",
+                f"add --dry-run, or drop {planning_only[0]}",
+            )
         if dry_run:
             from smolctl.train.dryrun import dry_run as plan_run
 
             result = plan_run(
                 load_train_recipe(recipe, overrides, data, stage),
                 world_size=world_size or world_size_from_env(),
-                gpu=gpu,
+                gpu=(gpu or "h100").lower(),
             )
             emit_json(result.to_dict()) if json_out else _render_dry_run(recipe, result)
             return

@@ -225,6 +225,7 @@ def _choice(value: str, known, flag: str) -> None:
 
 def check_scenario(scenario: TrainingScenario) -> TrainingScenario:
     """Reject impossible scenarios with the flag to change; fill in the derived defaults."""
+    scenario = replace(scenario, gpu=scenario.gpu.lower())  # H100 is h100
     _choice(scenario.gpu, GPUS, "--gpu")
     _choice(scenario.precision, PRECISIONS, "--precision")
     _choice(scenario.optimizer, OPTIMIZER_BYTES, "--optimizer")
