@@ -357,12 +357,23 @@ def test_no_visible_gpu_fails_unless_the_cpu_is_asked_for(capsys, monkeypatch):
     code, out, err = run_cli(capsys, "stress-gpu", "--duration", "1s")
     assert code == 1 and out == "" and "torch sees no GPU" in err and "--devices cpu" in err
     assert "nvidia-smi fails: NVIDIA-SMI has failed because it couldn't communicate" in " ".join(err.split())
+    # --json still prints the node's verdict, as `srun ... stress-gpu --json` collects one line per node
+    code, out, err = run_cli(capsys, "stress-gpu", "--duration", "1s", "--json")
+    found = json.loads(out)
+    assert code == 1 and found["verdict"] == "FAULTY" and found["devices"] == []
+    assert "torch sees no GPU" in found["reasons"][0]
+    code, out, err = run_cli(capsys, "stress-gpu", "--devices", "cpu", "--expect-gpus", "8")
+    assert code == 2 and "--expect-gpus: counts GPUs, and --devices cpu runs on none" in err
 
 
 def test_cli_json_and_exit_codes(capsys, monkeypatch):
     code, out, _ = run_cli(capsys, "stress-gpu", "--duration", "1s", "--size", "64", "--devices", "cpu", "--json")
     result = json.loads(out)
-    assert code == 0 and result["devices"][0]["verdict"] == "OK" and result["config"]["dtype"] == "fp32"
+    assert (
+        code == 0
+        and result["verdict"] == result["devices"][0]["verdict"] == "OK"
+        and result["config"]["dtype"] == "fp32"
+    )
     assert len(result["devices"][0]["result_hash"]) == 64
 
     monkeypatch.setattr(DeviceStress, "multiply", lambda self: self.out.copy_(torch.randn_like(self.out)))

@@ -245,19 +245,24 @@ def stress_gpu_command(
     json_out: JsonOpt = False,
 ) -> None:
     """Burn every GPU with checked matmuls and a memory pattern test; OK/FAULTY per device like gpu-burn."""
-    from smolctl.infra.stress import StressRun, build_config, run_stress
+    from smolctl.infra.stress import StressRun, build_config, node_failure, run_stress
 
-    config = build_config(
-        duration=duration,
-        dtype=dtype,
-        size=size,
-        memory_fraction=memory_fraction,
-        tolerance=tolerance,
-        devices=devices,
-        expect_tflops=expect_tflops,
-        expect_gpus=expect_gpus,
-        launch=launch,
-    )
+    try:
+        config = build_config(
+            duration=duration,
+            dtype=dtype,
+            size=size,
+            memory_fraction=memory_fraction,
+            tolerance=tolerance,
+            devices=devices,
+            expect_tflops=expect_tflops,
+            expect_gpus=expect_gpus,
+            launch=launch,
+        )
+    except CheckFailed as exc:  # the node failed before a device ran: --json still prints its verdict
+        if json_out:
+            emit_json(node_failure(exc))
+        raise
 
     def tick(elapsed: float, reports) -> None:
         latest = " · ".join(f"{r.device} {r.tflops[-1]:.3g}" for r in reports if r.tflops)

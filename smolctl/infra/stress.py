@@ -104,6 +104,8 @@ def build_config(
         raise UserError("--dtype", f"unknown dtype {dtype!r}", f"choose from {', '.join(DTYPES)}")
     if size is not None and not 16 <= size <= 65536:
         raise UserError("--size", f"{size} is not a sensible matrix size", "use 16..65536, e.g. 8192 on GPUs")
+    if expect_gpus is not None and devices.strip().lower() == "cpu":
+        raise UserError("--expect-gpus", "counts GPUs, and --devices cpu runs on none", "drop one of the two")
     # the flags are sound; now whether the node is (a GPU that torch cannot see fails it, exit 1)
     resolved = resolve_devices(devices, torch.cuda.device_count())
     on_gpu = resolved[0] != "cpu"
@@ -202,7 +204,14 @@ class StressRun(Result):
     devices: list[DeviceReport]
 
     def to_dict(self) -> dict:
-        return {"config": asdict(self.config), "devices": [device.to_dict() for device in self.devices]}
+        verdict = "OK" if all(device.verdict == "OK" for device in self.devices) else "FAULTY"
+        return {"verdict": verdict, "config": asdict(self.config), "devices": [d.to_dict() for d in self.devices]}
+
+
+def node_failure(error: CheckFailed) -> dict:
+    """The --json of a node failed before any device ran (torch sees no GPU, or fewer than expected): the same
+    top-level verdict a device failure gives, so a collector reads every node's line the same way."""
+    return {"verdict": "FAULTY", "reasons": [str(error)], "config": None, "devices": []}
 
 
 def _hash_outliers(reports: list[DeviceReport]) -> dict[str, str]:
