@@ -318,6 +318,26 @@ main()
     assert process.stderr.strip().splitlines() == [INTERRUPTED_LINE]
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ctrl_c_under_torchrun_is_said_once_by_rank_0(rank):
+    """A terminal's Ctrl-C reaches every rank of a torchrun launch: benchmark-nccl printed the interrupted line
+    once per rank (8 per node)."""
+    process = _interrupted(f"""
+import os, signal, sys, time
+import smolctl.infra.collective_runner as runner
+def interrupted(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)
+runner.run_benchmark = interrupted
+os.environ.update(RANK="{rank}", WORLD_SIZE="2", LOCAL_RANK="{rank}")
+sys.argv = ["smolctl", "benchmark-nccl"]
+from smolctl.__main__ import main
+main()
+""")
+    assert process.returncode == 130, process.stderr
+    assert process.stderr.strip().splitlines() == ([INTERRUPTED_LINE] if rank == 0 else [])
+
+
 @pytest.mark.parametrize("overwrite", [False, True], ids=["new output", "over an earlier output"])
 def test_ctrl_c_while_the_output_is_swapped_into_place_waits_for_the_swap_and_says_it_is_done(
     tmp_path, sample, overwrite

@@ -28,6 +28,7 @@ from smolctl.errors import (
     environment_error,
     writing_to,
 )
+from smolctl.launcher import rank_from_env
 
 # `smolctl --help` lists the commands in pipeline order, grouped by what they work on.
 PIPELINE_ORDER = {
@@ -111,6 +112,14 @@ def _refuse_empty_arguments(args: list[str]) -> None:
         raise UserError(where, f"{what} (an unset shell variable?)", "give it a value")
 
 
+def _speaks_for_the_launch() -> bool:
+    """Under torchrun a terminal's Ctrl-C reaches every rank: rank 0 says what the interrupt left, once."""
+    try:
+        return rank_from_env() == 0
+    except UserError:  # a launcher variable it cannot read: speak rather than say nothing
+        return True
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI: user mistakes are one line and exit 2, failed checks exit 1, bugs exit 1 with a hint."""
     debug = os.environ.get("SMOLCTL_DEBUG") == "1"
@@ -120,7 +129,8 @@ def main(argv: list[str] | None = None) -> None:
         with _only_the_invoked_command(sys.argv[1:] if argv is None else argv):
             code = app(args=argv, prog_name="smolctl", standalone_mode=False)
     except Interrupted as exc:
-        error_line("interrupted", _what_the_interrupt_left(str(exc)))
+        if _speaks_for_the_launch():
+            error_line("interrupted", _what_the_interrupt_left(str(exc)))
         code = exc.exit_code
     except typer.TyperException as exc:  # found while parsing the command line
         _report_usage_error(exc)
@@ -136,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
         error_line("failed", str(exc))
         code = exc.exit_code
     except (KeyboardInterrupt, typer.Abort):  # Ctrl-C elsewhere: outputs are written atomically, nothing half-made
-        error_line("interrupted", _what_the_interrupt_left(NOTHING_HALF_WRITTEN))
+        if _speaks_for_the_launch():
+            error_line("interrupted", _what_the_interrupt_left(NOTHING_HALF_WRITTEN))
         code = 130
     except Exception as exc:  # the file system refusing a write, or a bug in smolctl
         if debug:
