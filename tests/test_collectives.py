@@ -311,21 +311,20 @@ def test_two_processes_on_gloo_give_correct_results_and_nccl_tests_arithmetic():
     assert err.count("failed: benchmark-nccl: all_reduce busbw") == 1
 
 
-@pytest.mark.slow
-def test_two_nodes_report_the_inter_node_split_and_the_slowest_link():
-    # the environment torchrun gives each worker on a 2-node job with one process per node, set by hand: two
-    # torch imports fewer than two torchrun agents would cost
+def _ranks_by_hand(args_by_rank: list[list[str]]) -> tuple[list[int], list[tuple[str, str]]]:
+    """Each rank started as torchrun would start one process per node on a 2-node job, set by hand (two torch
+    imports fewer than two torchrun agents would cost): (exit codes, (stdout, stderr) per rank)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
     workers = []
-    for node in (0, 1):
+    for node, args in enumerate(args_by_rank):
         env = {
             **os.environ,
             "OMP_NUM_THREADS": "1",
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": port,
-            "WORLD_SIZE": "2",
+            "WORLD_SIZE": str(len(args_by_rank)),
             "RANK": str(node),
             "LOCAL_RANK": "0",
             "LOCAL_WORLD_SIZE": "1",
@@ -333,16 +332,31 @@ def test_two_nodes_report_the_inter_node_split_and_the_slowest_link():
         }
         workers.append(
             subprocess.Popen(
-                [sys.executable, *BENCH, "--ops", "all_reduce"],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
+                [sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
             )
         )
     outputs = [worker.communicate(timeout=120) for worker in workers]
-    assert [worker.returncode for worker in workers] == [0, 0], outputs[0][1][-2000:]
+    return [worker.returncode for worker in workers], outputs
+
+
+@pytest.mark.slow
+def test_ranks_started_with_different_options_are_refused_on_every_rank():
+    """Rank 0 passed (0 wrong) and rank 1 crashed with a gloo transport error: their collectives differed."""
+    codes, outputs = _ranks_by_hand(
+        [[*BENCH, "--ops", "all_reduce"], [*BENCH[:4], "4K", *BENCH[5:], "--ops", "all_reduce"]]
+    )
+    assert codes == [2, 2], outputs
+    assert outputs[0][1].strip() == (
+        "error: benchmark-nccl: the 2 ranks were started with different max_bytes — "
+        "launch every rank with the same command line"
+    )
+    assert outputs[1][1] == "" and outputs[0][0] == outputs[1][0] == ""
+
+
+@pytest.mark.slow
+def test_two_nodes_report_the_inter_node_split_and_the_slowest_link():
+    codes, outputs = _ranks_by_hand([[*BENCH, "--ops", "all_reduce"]] * 2)
+    assert codes == [0, 0], outputs[0][1][-2000:]
     assert outputs[1][0] == ""  # rank 1 prints nothing
     report = json.loads(outputs[0][0])
     assert report["topology"]["nodes"] == 2 and report["topology"]["ranks_per_node"] == 1

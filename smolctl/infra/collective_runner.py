@@ -8,6 +8,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 
 from smolctl.errors import UserError
 from smolctl.infra.collectives import (
@@ -49,6 +50,20 @@ class Runner:
         self.elem_size = torch.empty((), dtype=self.dtype).element_size()
         self.tiles = PatternTiles(pattern_tables(world, exact_limit, rank), self.dtype, device)
         self.cuda = device.type == "cuda"
+
+    def check_same_options(self, options: dict) -> None:
+        """Every rank must run the same ops over the same sizes: ranks launched by hand (or by a script that
+        differs per node) with other options would enter different collectives, which fails on one rank with a
+        transport error and passes on another. Every rank raises the same error; rank 0 says it."""
+        everyone: list = [None] * self.world
+        self.dist.all_gather_object(everyone, options)
+        differing = [key for key in options if any(other[key] != options[key] for other in everyone)]
+        if differing:
+            raise UserError(
+                "benchmark-nccl",
+                f"the {self.world} ranks were started with different {', '.join(differing)}",
+                "launch every rank with the same command line",
+            )
 
     def topology(self, backend: str, max_bytes: int) -> dict:
         torch, dist = self.torch, self.dist
@@ -257,6 +272,7 @@ def run_benchmark(
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     try:
         runner = Runner(rank, world, device, dtype_name, config.iters, config.warmup)
+        runner.check_same_options({**asdict(config), "max_bytes": max_bytes, "backend": backend, "dtype": dtype_name})
         topology = runner.topology(backend, max_bytes)
         sizes_by_op = [
             (op, message_sizes(op, config.min_bytes, max_bytes, config.factor, runner.elem_size, world))
