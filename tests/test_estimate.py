@@ -423,6 +423,15 @@ def test_cli_json_for_a_preset(capsys):
         (["--model", "smollm3-3b", "--gpus", "16", "--zero", "3", "--dp-shard", "3"], "3 does not divide the 16"),
         (["--model", "smollm3-3b", "--inference", "--kv-dtype", "int4"], "--kv-dtype: 'int4' is not known"),
         (["--model", "smollm3-3b", "--inference", "--context", "0"], "--context: must be at least 1"),
+        (["--model", "smollm3-3b", "--tp", "0"], "--tp: must be at least 1, got 0 — use 1 or more"),
+        (
+            ["--model", "smollm3-3b", "--gpus", "8", "--global-batch-tokens", "5000"],
+            "use a multiple of 4096, e.g. 8192",
+        ),
+        (
+            [str(REPO / "recipes/smollm3.toml"), "--seq-len", "1"],
+            "--gpus: not given, so one per data-parallel rank of the global batch: 1572864 GPUs",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, args, message):

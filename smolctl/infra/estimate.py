@@ -202,11 +202,14 @@ def overhead(scenario: TrainingScenario, checkpoint_bytes: float, staged_bytes_p
     )
     lost = RESTART_HOURS * 3600 + interval / 2 + in_flight
     if lost >= mtbf:
+        derived = "" if scenario.gpus_given else "not given, so one per data-parallel rank of the global batch: "
         raise UserError(
             "--gpus",
-            f"{scenario.gpus} GPUs fail every {mtbf / 60:.0f} min on average, less than the "
+            f"{derived}{scenario.gpus} GPUs fail every {mtbf / 60:.0f} min on average, less than the "
             f"{lost / 60:.0f} min each failure costs (restart, lost work)",
-            "checkpoint more often (--checkpoint-hours) or faster (--checkpoint-gbps), or use fewer GPUs",
+            "give --gpus for the cluster you have"
+            if derived
+            else "checkpoint more often (--checkpoint-hours) or faster (--checkpoint-gbps), or use fewer GPUs",
         )
     checkpoint, failure = stall / interval, lost / mtbf
     computed = (1 + checkpoint) / (1 - failure)

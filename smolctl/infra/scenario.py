@@ -64,6 +64,8 @@ class TrainingScenario:
     loss_chunk_tokens: int | None = None
     """smolctl's trainer: the LM head + cross-entropy run over chunks of this many tokens (None: full logits)."""
     source: str = "flags"
+    gpus_given: bool = True
+    """False where --gpus was derived from the global batch (an error about the GPU count then says so)."""
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -234,9 +236,13 @@ def check_scenario(scenario: TrainingScenario) -> TrainingScenario:
     _choice(scenario.framework, FRAMEWORKS, "--framework")
     for name in ("seq_len", "micro_batch", "tp", "pp", "cp"):
         if getattr(scenario, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')}", f"must be at least 1, got {getattr(scenario, name)}")
+            raise UserError(
+                f"--{name.replace('_', '-')}", f"must be at least 1, got {getattr(scenario, name)}", "use 1 or more"
+            )
     if scenario.zero not in (0, 1, 2, 3):
-        raise UserError("--zero", f"must be 0, 1, 2 or 3, got {scenario.zero}")
+        raise UserError(
+            "--zero", f"must be 0, 1, 2 or 3, got {scenario.zero}", "use 0 (DDP), 1, 2, or 3 (FSDP: shards everything)"
+        )
     if not 0 < scenario.mfu <= 1:
         raise UserError("--mfu", f"must be in (0, 1], got {scenario.mfu}", "typical: 0.3–0.5 on H100 for dense models")
     for name in ("checkpoint_gbps", "checkpoint_hours", "target_days", "overhead", "price_per_gpu_hour"):
@@ -250,11 +256,17 @@ def check_scenario(scenario: TrainingScenario) -> TrainingScenario:
             "e.g. --overhead 1.2 for 20% on top",
         )
     if scenario.seq_len % scenario.cp:
-        raise UserError("--cp", f"{scenario.cp} does not divide --seq-len {scenario.seq_len}")
+        raise UserError(
+            "--cp",
+            f"{scenario.cp} does not divide --seq-len {scenario.seq_len}",
+            "use a divisor of the sequence length",
+        )
     if scenario.global_batch_tokens is not None and scenario.global_batch_tokens % scenario.seq_len:
+        whole = -(-scenario.global_batch_tokens // scenario.seq_len) * scenario.seq_len
         raise UserError(
             "--global-batch-tokens",
             f"{scenario.global_batch_tokens} is not a whole number of {scenario.seq_len}-token sequences",
+            f"use a multiple of {scenario.seq_len}, e.g. {whole}",
         )
     gpus = scenario.gpus
     if gpus is None:
@@ -263,6 +275,7 @@ def check_scenario(scenario: TrainingScenario) -> TrainingScenario:
         gpus = data_parallel * scenario.model_parallel
         scenario = replace(
             scenario,
+            gpus_given=False,
             notes=scenario.notes
             + (
                 f"--gpus not given: {gpus} (global batch ÷ micro batch = "

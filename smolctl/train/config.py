@@ -65,12 +65,14 @@ class ModelSection(Section):
             return self
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads} "
+                f"— use a head count that divides {self.hidden_size}"
             )
         if self.num_key_value_heads and self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} is not divisible by "
-                f"num_key_value_heads {self.num_key_value_heads}"
+                f"num_key_value_heads {self.num_key_value_heads} — use a key/value head count that divides "
+                f"{self.num_attention_heads}"
             )
         return self
 
