@@ -187,6 +187,10 @@ def test_export_of_a_sharded_checkpoint_equals_the_gathered_weights(reference, t
     done = run_cli("export", run / "checkpoints" / "step-0000008", out, "--json")
     assert done.returncode == 0, done.stderr
     assert identical(weights(out), weights(run / "final"))  # DCP shards streamed = FSDP2 full gather in memory
+    # vLLM picks its implementation by config.json's architectures: FSDP2 renamed the sharded model's class
+    # (final/ said FSDPSmolLM3ForCausalLM), and a checkpoint's config, saved alone, named none
+    for folder in (out, run / "final", run / "checkpoints" / "step-0000008"):
+        assert json.loads((folder / "config.json").read_text())["architectures"] == ["SmolLM3ForCausalLM"], folder
     model = AutoModelForCausalLM.from_pretrained(out)
     assert np.array_equal(
         model.state_dict()["model.norm.weight"].numpy(), weights(run / "final")["model.norm.weight"].numpy()

@@ -399,6 +399,7 @@ def export_checkpoint(
                 and not entry.name.startswith("rng-rank")
             ):
                 shutil.copy2(entry, output.file(entry.name))
+        name_architecture(output.file("config.json"))  # checkpoints written before their config named it
         names = (
             ["model.safetensors"]
             if len(groups) == 1
@@ -429,6 +430,22 @@ def export_checkpoint(
         return output.commit(parent=str(source.resolve()), **kept)
 
 
+def name_architecture(config_file: Path) -> None:
+    """Write the model's own class into config.json's `architectures`, which vLLM and the hub pick the
+    implementation by: save_pretrained writes the class of the object it is called on, and FSDP2 renames a
+    sharded model's class FSDP<Name> (a checkpoint's config, saved alone, names none at all)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = json.loads(config_file.read_text())
+    model_type = config.get("model_type")
+    config_class = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None  # a lazy mapping: no .get
+    if config_class is None or config_class not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return  # a model transformers does not know: its config names what its own code wrote
+    config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING[config_class].__name__]
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")  # as transformers writes it
+
+
 def save_model_folder(
     path: Path, *, model, wrapped, tokenizer, dist: Dist, inputs: list[dict], parent: str | None, fields: dict
 ) -> Path:
@@ -446,6 +463,7 @@ def save_model_folder(
     if dist.is_main:
         output = OutputFolder(path, kind=KIND_MODEL, overwrite=True, inputs=inputs)
         model.save_pretrained(str(output.staging), state_dict=weights)
+        name_architecture(output.staging / "config.json")
         tokenizer.save_pretrained(str(output.staging))
         for weights_file in sorted(output.staging.glob("*.safetensors")):
             output.add_shard(weights_file.name, rows=0)

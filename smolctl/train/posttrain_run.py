@@ -23,6 +23,7 @@ from smolctl.errors import UserError
 from smolctl.launcher import world_size_from_env
 from smolctl.results import Result
 from smolctl.shards import KIND_MODEL, OutputFolder, lineage_ref, read_manifest, refuse_output_over_inputs
+from smolctl.train.checkpoint import name_architecture
 from smolctl.train.config import PeftSection, PostTrainRecipe, global_batch_and_accumulation
 from smolctl.train.run import (
     ADAPTER,
@@ -443,6 +444,7 @@ def save_final(
         run / FINAL, kind=KIND_MODEL, overwrite=True, inputs=[*data_inputs, lineage_ref(parent)]
     ) as folder:
         model.save_pretrained(str(folder.staging), state_dict=state_dict)
+        name_architecture(folder.staging / "config.json")
         tokenizer.save_pretrained(str(folder.staging))
         if (run / METRICS).is_file():
             shutil.copy2(run / METRICS, folder.file(METRICS))

@@ -36,6 +36,7 @@ from smolctl.train.checkpoint import (
     check_same_identity,
     checkpoint_step,
     complete_checkpoints,
+    name_architecture,
     run_identity,
     save_model_folder,
 )
@@ -371,6 +372,7 @@ class Trainer:
     def _write_model_files(self, folder: Path) -> None:
         """The small files `smolctl export` turns a checkpoint into a Hugging Face folder with."""
         self.model.config.save_pretrained(str(folder))
+        name_architecture(folder / "config.json")
         if getattr(self.model, "generation_config", None) is not None:
             self.model.generation_config.save_pretrained(str(folder))
         self.tokenizer.save_pretrained(str(folder))
