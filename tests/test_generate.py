@@ -168,3 +168,25 @@ def test_a_missing_prompt_column_names_the_option_that_chooses_it(models, tmp_pa
     result = run_cli("generate", SAMPLE / "chat", tmp_path / "out", "--model", models[0], "--max-new-tokens", "4")
     assert result.returncode == 2 and "has no column 'prompt'" in result.stderr
     assert result.stderr.strip().endswith("pass one of them with --prompt-column"), result.stderr
+
+
+def test_a_model_without_eos_or_pad_generates_to_the_length_limit(models, tmp_path):
+    """Third-party tokenizers often name no EOS (or pad): the stop ids were [None], an internal error."""
+    import shutil
+
+    model = tmp_path / "no-eos"
+    shutil.copytree(models[0], model)
+    (model / "manifest.json").unlink()  # edited by hand, as a downloaded model would be: no smolctl manifest
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((model / name).read_text())
+        config.update(eos_token_id=None, pad_token_id=None)
+        (model / name).write_text(json.dumps(config))
+    tokenizer_config = json.loads((model / "tokenizer_config.json").read_text())
+    for key in ("eos_token", "pad_token"):
+        tokenizer_config.pop(key, None)
+    (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    result = run_cli(
+        "generate", SAMPLE / "prompts", tmp_path / "out", "--model", model, "--limit", "2", "--max-new-tokens", "3"
+    )
+    assert result.returncode == 0, result.stderr
+    assert [row["completion_tokens"] for row in rows(tmp_path / "out")] == [3, 3]

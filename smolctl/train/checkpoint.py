@@ -439,7 +439,8 @@ def name_architecture(config_file: Path) -> None:
 
     config = json.loads(config_file.read_text())
     model_type = config.get("model_type")
-    config_class = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None  # a lazy mapping: no .get
+    # transformers' lazy mapping has no working .get: it reads only what was loaded already
+    config_class = CONFIG_MAPPING[model_type] if model_type in CONFIG_MAPPING else None  # noqa: SIM401
     if config_class is None or config_class not in MODEL_FOR_CAUSAL_LM_MAPPING:
         return  # a model transformers does not know: its config names what its own code wrote
     config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING[config_class].__name__]

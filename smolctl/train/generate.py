@@ -169,7 +169,7 @@ class TransformersSampler:
         self.tokenizer = load_tokenizer(path)
         try:
             self.model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=dtype)
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, AssertionError) as exc:  # a config the model cannot be built from
             raise UserError(
                 path,
                 f"cannot load the model: {str(exc).splitlines()[0][:200]}",
@@ -177,7 +177,9 @@ class TransformersSampler:
             ) from exc
         self.model.to(self.device).eval()
         self.stop_ids = chat_stop_ids(self.tokenizer)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        # Padding sits under a zero attention mask: any id serves when the tokenizer names none.
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else next(iter(self.stop_ids), 0)
 
     def sample(self, prompts: list[str], sampling: Sampling, seed: int) -> list[list[Completion]]:
         import torch
@@ -198,7 +200,7 @@ class TransformersSampler:
                 top_p=None if greedy else sampling.top_p,
                 top_k=None,
                 num_return_sequences=sampling.num_completions,
-                eos_token_id=self.stop_ids,
+                eos_token_id=self.stop_ids or None,
                 pad_token_id=self.pad_id,
             )
         completions = []

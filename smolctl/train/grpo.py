@@ -83,7 +83,7 @@ def run_grpo(
     from trl import GRPOConfig, GRPOTrainer
 
     model, tokenizer = load_start(setup.parent, attention=recipe.training.attention)
-    model.generation_config.eos_token_id = chat_stop_ids(tokenizer)
+    model.generation_config.eos_token_id = chat_stop_ids(tokenizer) or None
     chat = bool(getattr(tokenizer, "chat_template", None))
     # The row index travels with each prompt, so the reward sees the whole row and knows each completion's group.
     dataset = datasets.Dataset.from_dict(

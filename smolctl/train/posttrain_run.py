@@ -145,8 +145,9 @@ def load_start(path: Path, bf16: bool = False, attention: str = "sdpa"):
 
 
 def chat_stop_ids(tokenizer) -> list[int]:
-    """Tokens that end a reply: EOS, and the ChatML end-of-turn when the vocabulary has it."""
-    ids = [tokenizer.eos_token_id]
+    """Tokens that end a reply: EOS, and the ChatML end-of-turn when the vocabulary has it (none for a tokenizer
+    without either: its replies run to the length limit)."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if IM_END in tokenizer.get_vocab() and tokenizer.convert_tokens_to_ids(IM_END) not in ids:
         ids.append(tokenizer.convert_tokens_to_ids(IM_END))
     return ids
@@ -437,7 +438,7 @@ def save_final(
         model.save_pretrained(str(adapter))
         model = model.merge_and_unload()
         state_dict = None
-    model.generation_config.eos_token_id = chat_stop_ids(tokenizer)
+    model.generation_config.eos_token_id = chat_stop_ids(tokenizer) or None
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     # decide_start already refused an existing final/ unless --overwrite or --resume said to replace it.
     with OutputFolder(

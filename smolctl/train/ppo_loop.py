@@ -294,7 +294,7 @@ class PpoLoop:
             top_k=0,
             min_p=None,
             max_new_tokens=self.cfg.max_new_tokens,
-            eos_token_id=self.stop_ids,
+            eos_token_id=self.stop_ids or None,
             pad_token_id=self.tokenizer.pad_token_id,
             repetition_penalty=1.0,
             num_beams=1,
