@@ -199,6 +199,15 @@ def plain_folder(tmp: Path) -> Path:
     return folder
 
 
+def _damaged(tmp: Path, name: str) -> Path:
+    """The newest checkpoint of a copy of the shared run, with `name` overwritten at its own size (the manifest's
+    size check passes; the bytes are wrong, as after a bad copy or a failing disk)."""
+    checkpoint = run_copy(tmp) / "checkpoints" / "step-0000002"
+    size = (checkpoint / name).stat().st_size
+    (checkpoint / name).write_bytes(b"Y" * size)
+    return checkpoint
+
+
 def _models_in(tmp: Path) -> list[Path]:
     """Two models inside one folder, t/d/a and t/d/b (made once per case)."""
     if not (tmp / "d").exists():
@@ -841,6 +850,30 @@ CASES = [
             ["export", _SHARED["run"] / "checkpoints" / "step-0000002", _existing_output(t)],
             "already exists and is not empty",
             t / "existing",
+        ),
+    ),
+    Case(
+        "export: a checkpoint shard damaged at its size",
+        lambda t: (["export", _damaged(t, "__0_0.distcp"), t / "out"], "cannot be read: UnpicklingError", t / "out"),
+    ),
+    Case(
+        "export: a checkpoint's config.json damaged at its size",
+        lambda t: (["export", _damaged(t, "config.json"), t / "out"], "cannot be read: JSONDecodeError", t / "out"),
+    ),
+    Case(
+        "pretrain: resume from a checkpoint whose metadata is damaged",
+        lambda t: (
+            [
+                "pretrain",
+                recipe(),
+                _damaged(t, ".metadata").parents[1],
+                "--resume",
+                "auto",
+                "--set",
+                "training.steps=3",
+            ],
+            "step-0000002 cannot be read: UnpicklingError",
+            t / "run",
         ),
     ),
     Case(

@@ -24,11 +24,13 @@ checkpoint as the newest.
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from smolctl.errors import UserError
@@ -70,6 +72,41 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     if not folder.is_dir():
         return []
     return sorted((p for p in folder.glob("step-*") if _is_complete(p)), key=checkpoint_step)
+
+
+@contextmanager
+def damaged_checkpoint(path: Path, flag: str = "--resume") -> Iterator[None]:
+    """Reading a checkpoint whose files are present at their sizes but damaged (a flipped block, a truncated
+    config, an unreadable shard) fails deep in torch.distributed.checkpoint or pickle: one line naming it instead.
+    DCP gathers a rank's read failure into a CheckpointException, which is a BaseException."""
+    import torch
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (CheckpointException, pickle.UnpicklingError, EOFError, OSError, ValueError, RuntimeError) as exc:
+        if isinstance(exc, (torch.OutOfMemoryError, torch.distributed.DistError)):
+            raise  # the machine or the process group, not the files
+        raise UserError(
+            flag,
+            f"{path} cannot be read: {_root_cause(exc)}",
+            "check its files (permissions, a damaged copy), or use an earlier checkpoint of the run",
+        ) from exc
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost error's last line: DCP wraps each rank's failure, (error, stack), in its CheckpointException."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        first = next(iter(failures.values()))
+        exc = first[0] if isinstance(first, tuple) else first
+    while True:
+        inner = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+        if inner is None:
+            break
+        exc = inner
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[-1][:200]}" if lines else type(exc).__name__
 
 
 def check_checkpoint(path: str | Path, flag: str) -> dict:
@@ -295,17 +332,18 @@ class CheckpointManager:
         import torch.distributed.checkpoint as dcp
 
         path = Path(path)
-        dcp.load(
-            self._state(optimizer),
-            checkpoint_id=str(path),
-            process_group=self.process_group,
-            no_dist=not self.dist.active,
-        )
-        rng_file = path / f"rng-rank{self.dist.rank:05d}.pt"
-        saved_world = len(list(path.glob("rng-rank*.pt")))
-        if rng_file.is_file() and saved_world == self.dist.world_size:
-            set_rng_state(torch.load(rng_file, weights_only=True))
-        return json.loads((path / TRAIN_STATE).read_text())
+        with damaged_checkpoint(path):
+            dcp.load(
+                self._state(optimizer),
+                checkpoint_id=str(path),
+                process_group=self.process_group,
+                no_dist=not self.dist.active,
+            )
+            rng_file = path / f"rng-rank{self.dist.rank:05d}.pt"
+            saved_world = len(list(path.glob("rng-rank*.pt")))
+            if rng_file.is_file() and saved_world == self.dist.world_size:
+                set_rng_state(torch.load(rng_file, weights_only=True))
+            return json.loads((path / TRAIN_STATE).read_text())
 
     def discard_after(self, step: int) -> list[Path]:
         """Rank 0: delete the checkpoints newer than `step` (they may hold a bad incident's updates)."""
@@ -331,9 +369,11 @@ def check_model_shapes(path: Path, model) -> None:
     """Refuse (one line) a checkpoint whose weights do not fit `model` (an unwrapped model), before DCP fails deep."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    with damaged_checkpoint(path):
+        metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     saved = {
         k[len(MODEL_KEY) + 1 :]: tuple(v.size)
-        for k, v in FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+        for k, v in metadata.items()
         if k.startswith(MODEL_KEY + ".") and hasattr(v, "size")
     }
     own = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
@@ -371,8 +411,9 @@ def export_checkpoint(
 
     source = Path(checkpoint)
     manifest = check_checkpoint(source, flag)
-    tied = json.loads((source / "config.json").read_text()).get("tie_word_embeddings", False)
-    metadata = FileSystemReader(str(source)).read_metadata().state_dict_metadata
+    with damaged_checkpoint(source, flag):
+        tied = json.loads((source / "config.json").read_text()).get("tie_word_embeddings", False)
+        metadata = FileSystemReader(str(source)).read_metadata().state_dict_metadata
     tensors = {
         key[len(MODEL_KEY) + 1 :]: meta
         for key, meta in metadata.items()
@@ -411,7 +452,8 @@ def export_checkpoint(
                 f"{MODEL_KEY}.{k}": torch.empty(tuple(tensors[k].size), dtype=tensors[k].properties.dtype)
                 for k in group
             }
-            dcp.load(part, checkpoint_id=str(source), no_dist=True)
+            with damaged_checkpoint(source, flag):
+                dcp.load(part, checkpoint_id=str(source), no_dist=True)
             save_file({k: part[f"{MODEL_KEY}.{k}"] for k in group}, str(output.file(name)), metadata={"format": "pt"})
             del part
             weight_map.update({k: name for k in group})
