@@ -199,6 +199,12 @@ def plain_folder(tmp: Path) -> Path:
     return folder
 
 
+def _edited_run(tmp: Path, name: str, text: str) -> Path:
+    run = run_copy(tmp)
+    (run / name).write_text(text)
+    return run
+
+
 def _damaged(tmp: Path, name: str) -> Path:
     """The newest checkpoint of a copy of the shared run, with `name` overwritten at its own size (the manifest's
     size check passes; the bytes are wrong, as after a bad copy or a failing disk)."""
@@ -850,6 +856,39 @@ CASES = [
             ["export", _SHARED["run"] / "checkpoints" / "step-0000002", _existing_output(t)],
             "already exists and is not empty",
             t / "existing",
+        ),
+    ),
+    Case(
+        "report: run.json that is not JSON",
+        lambda t: (["report", _edited_run(t, "run.json", "{bad")], "run.json: is not JSON", t / "run"),
+    ),
+    Case(
+        "report: run.json that is a list",
+        lambda t: (["report", _edited_run(t, "run.json", "[]")], "holds a JSON list, not an object", t / "run"),
+    ),
+    Case(
+        "report: a metrics line whose step is not a number",
+        lambda t: (
+            ["report", _edited_run(t, "metrics.jsonl", '{"step": "abc", "loss": 5}\n{"step": 9, "loss": 5}\n')],
+            "line 1: step is 'abc', not a whole number",
+            t / "run",
+        ),
+    ),
+    Case(
+        "train-tokenizer: a negative --min-frequency",
+        lambda t: (
+            ["train-tokenizer", SAMPLE / "web", t / "tok", "--min-frequency", "-3"],
+            "--min-frequency",
+            t / "tok",
+        ),
+    ),
+    Case(
+        "merge: a dare_ties seed numpy cannot take",
+        lambda t: (
+            ["merge", "--method", "dare_ties", "--model", model(), "--model", _SHARED["narrow"], "--base", model()]
+            + ["--set", "options.density=0.5", "--set", "options.seed=-1", t / "out"],
+            "options.seed: must be >= 0, got -1",
+            t / "out",
         ),
     ),
     Case(

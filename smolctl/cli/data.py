@@ -50,7 +50,7 @@ def train_tokenizer_command(
     output: Path = typer.Argument(..., help="Tokenizer folder to write (loads with AutoTokenizer.from_pretrained)."),
     vocab_size: int = typer.Option(8192, "--vocab-size", help="Vocabulary size, special tokens included."),
     text_column: TextColumnOpt = "text",
-    min_frequency: int = typer.Option(2, "--min-frequency", help="Merges rarer than this are not learned."),
+    min_frequency: int = typer.Option(2, "--min-frequency", min=0, help="Merges rarer than this are not learned."),
     sample_documents: str | None = typer.Option(
         None,
         "--sample-documents",

@@ -66,7 +66,7 @@ class MergeOptionsSection(Section):
     """ties, dare_ties: scale of the merged task vector (default 1)."""
     normalize: bool | None = None
     """ties, dare_ties: divide the merged task vector by the sum of the weights (default true)."""
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2**32 - 1)
     """dare_ties: seeds the random pruning (default 0), so a merge is reproducible."""
 
 

@@ -163,7 +163,12 @@ def _run_info(run: Path) -> dict:
     """Stage and world size from run.json (pretrain, midtrain) or final/manifest.json (TRL stages)."""
     for path in (run / "run.json", run / "final" / "manifest.json"):
         if path.is_file():
-            data = json.loads(path.read_text())
+            try:
+                data = json.loads(path.read_text())
+            except json.JSONDecodeError as exc:
+                raise UserError(path, f"is not JSON ({exc.msg}, line {exc.lineno})", "restore or remove it") from None
+            if not isinstance(data, dict):
+                raise UserError(path, f"holds a JSON {type(data).__name__}, not an object", "restore or remove it")
             plan = data.get("plan") or {}
             return {"stage": data.get("stage") or "train", "world_size": plan.get("world_size")}
     return {"stage": "train", "world_size": None}
@@ -182,6 +187,10 @@ def _read_jsonl(path: Path) -> list[dict]:
                 break  # a run killed mid-write leaves a torn last line
             raise UserError(path, f"line {number} is not JSON", "repair or remove the line") from None
         if isinstance(record, dict) and "step" in record:
+            if not isinstance(record["step"], int) or isinstance(record["step"], bool):
+                raise UserError(
+                    path, f"line {number}: step is {record['step']!r}, not a whole number", "repair or remove the line"
+                )
             out.append(record)
     return out
 
