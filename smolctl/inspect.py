@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from smolctl.data.tokenizer import fingerprint_problems, load_tokenizer
 from smolctl.errors import UserError
@@ -32,12 +33,26 @@ def _clip(value, limit: int = SAMPLE_CHARS):
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def sample_value(value: Any) -> Any:
+    """A cell of a sample row as JSON keeps it: text clipped (inside lists and structs too, chat turns), numbers,
+    booleans and nulls as they are, times in ISO form; a null must not read as the text "None"."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, str):
+        return _clip(value)
+    if isinstance(value, dict):
+        return {str(key): sample_value(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [sample_value(item) for item in value]
+    return _clip(value.isoformat() if hasattr(value, "isoformat") else str(value))
+
+
 def _document_samples(path: Path, count: int) -> list[dict]:
     source = open_documents(path)
     samples: list[dict] = []
     for batch in source.iter_batches(batch_size=max(1, count)):
         for row in batch.to_pylist()[: count - len(samples)]:
-            samples.append({key: _clip(value) for key, value in row.items()})
+            samples.append({key: sample_value(value) for key, value in row.items()})
         if len(samples) >= count:
             break
     return samples

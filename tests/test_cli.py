@@ -93,6 +93,31 @@ def test_inspect_json_describes_a_dataset_folder(sample):
     assert len(info["samples"]) == 2 and info["schema"]["text"] == "string"
 
 
+def test_inspect_samples_keep_their_json_types(tmp_path):
+    """Samples were reprs: a null text read "None" (the same as the text "None"), a number "1", a struct "{'k': 1}"."""
+    import datetime
+
+    pq.write_table(
+        pa.table(
+            {
+                "text": ["None", None, "x" * 1000],
+                "n": [1, 2, 3],
+                "turns": [[{"role": "user", "content": "y" * 1000}]] * 3,
+                "t": [datetime.datetime(2020, 1, 1)] * 3,
+            }
+        ),
+        tmp_path / "rows.parquet",
+    )
+    result = run_cli("inspect", tmp_path / "rows.parquet", "--json", "--samples", "3")
+    assert result.returncode == 0, result.stderr
+    samples = json.loads(result.stdout)["samples"]
+    assert [row["text"] for row in samples][:2] == ["None", None] and len(samples[2]["text"]) == 240
+    assert [row["n"] for row in samples] == [1, 2, 3] and samples[0]["t"] == "2020-01-01T00:00:00"
+    assert samples[0]["turns"][0]["role"] == "user" and len(samples[0]["turns"][0]["content"]) == 240
+    shown = run_cli("inspect", tmp_path / "rows.parquet", "--samples", "3").stdout
+    assert "│ null " in shown and "│ None " in shown
+
+
 def _assert_one_line_error(result, needle):
     assert result.returncode == 2, (result.returncode, result.stderr)
     lines = [line for line in result.stderr.splitlines() if line.strip()]

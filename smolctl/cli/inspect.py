@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING
 
 import typer
@@ -107,7 +108,8 @@ def _render_inspect(result: Inspection) -> None:
         show(table("schema", ["column", "type"], result.schema.items()))
     if result.samples:
         columns = list(result.samples[0].keys())
-        show(table("samples", columns, ([row[c] for c in columns] for row in result.samples), justify="left"))
+        cells = ([_as_text(row[c]) for c in columns] for row in result.samples)
+        show(table("samples", columns, cells, justify="left"))
     if result.lineage is not None:
         show(
             table(
@@ -140,3 +142,9 @@ def _render_verification(result: Inspection) -> None:
                 f"[green]verified[/]: every shard of {folders} folder{'s' if folders > 1 else ''} matches its manifest"
             )
         )
+
+
+def _as_text(value) -> str:
+    """A sample cell in the terminal: text as it is, anything else as its JSON (null, [1, 2], {"k": 1})."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 240 else text[:239] + "…"
