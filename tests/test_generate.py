@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, SAMPLE, run_cli
 from tiny_checkpoint import make_tiny_checkpoint
 
-from smolctl.shards import open_documents
+from smolctl.shards import open_documents, read_manifest
 from smolctl.train.generate import GenerateJob, Sampling, run_generate
 from smolctl.train.rewards import load_reward_tables
 
@@ -129,6 +129,11 @@ def test_a_killed_generate_resumes_without_losing_or_repeating_a_prompt(models, 
     )
     assert fresh.resumed_shards == 0
     assert written == rows(tmp_path / "fresh"), "a resumed run writes what an uninterrupted one does"
+    # the manifest counts the tokens of every shard, the kept ones too (it counted this run's only)
+    totals = [read_manifest(tmp_path / name)["stats"]["completion_tokens"] for name in ("out", "fresh")]
+    assert (
+        totals[0] == totals[1] == sum(r["completion_tokens"] for r in written) and resumed.completion_tokens < totals[0]
+    )
 
 
 def test_rank_by_keeps_the_best_and_worst_of_k_by_the_reward_tables(models, tmp_path, monkeypatch):

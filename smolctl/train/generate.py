@@ -42,6 +42,8 @@ from smolctl.train.posttrain_run import chat_stop_ids, check_start, quiet_offlin
 from smolctl.train.rewards import CompositeReward
 
 SETTINGS_FILE = ".generate-settings.json"  # what a rerun must match to keep the finished shards
+# Each shard's file carries the tokens sampled for it, so a resumed run's manifest counts the shards it kept too.
+SAMPLED_TOKENS_KEY = b"smolctl.sampled_tokens"
 BACKENDS = ("auto", "transformers", "vllm")
 
 
@@ -507,18 +509,23 @@ def run_generate(
         if on_progress:
             on_progress(done, total, tokens / max(1e-9, time.perf_counter() - sampling_started))
 
+    sampled = 0  # over every shard of the output, the kept ones included
     for index in range(shards):
         lo, hi = index * job.shard_prompts, min(total, (index + 1) * job.shard_prompts)
         if index >= resumed:
+            before = tokens
             rows = shard_rows(job, samplers, prompts[lo:hi], references[lo:hi], index, advance)
+            counted = schema.with_metadata({**(schema.metadata or {}), SAMPLED_TOKENS_KEY: str(tokens - before)})
             tmp = folder.file(f".{shard_name(index)}.tmp")
-            pq.write_table(pa.Table.from_pylist(rows, schema=schema), tmp, compression="zstd")
+            pq.write_table(pa.Table.from_pylist(rows, schema=counted), tmp, compression="zstd")
             os.replace(tmp, folder.file(shard_name(index)))
             if on_shard:
                 on_shard(index)
         elif on_progress:
             on_progress(hi, total, 0.0)
-        folder.add_shard(shard_name(index), pq.read_metadata(folder.file(shard_name(index))).num_rows)
+        written = pq.read_metadata(folder.file(shard_name(index)))
+        sampled += int((written.metadata or {}).get(SAMPLED_TOKENS_KEY, 0))
+        folder.add_shard(shard_name(index), written.num_rows)
     sampling_seconds, seconds = time.perf_counter() - sampling_started, time.perf_counter() - started
     folder.file(SETTINGS_FILE).unlink()
     rows = sum(s["rows"] for s in folder.shards)
@@ -541,7 +548,7 @@ def run_generate(
         schema=schema_to_dict(schema),
         stats={
             "prompts": total,
-            "completion_tokens": tokens,
+            "completion_tokens": sampled,
             "dropped_tied": tied,
             "resumed_shards": resumed,
             "sampling_seconds": round(sampling_seconds, 2),
