@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from smolctl.data.tokenizer import fingerprint_problems, load_tokenizer
+from smolctl.data.tokenizer import fingerprint_problems, load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import UserError
 from smolctl.results import Result
 from smolctl.shards import (
@@ -72,14 +72,28 @@ def decode_packed_row(tokenizer, input_ids, position_ids) -> str:
     return DOCUMENT_BOUNDARY.join(pieces) + padding
 
 
-def _packed_samples(path: Path, count: int, tokenizer_spec: str | None, manifest: dict) -> list[dict]:
+def _packed_samples(path: Path, count: int, tokenizer_spec: str | None, manifest: dict) -> tuple[list[dict], list[str]]:
+    """The first rows decoded, and notes on how (rows shown as token ids, and why)."""
     source = open_packed(path)
     recorded = (manifest.get("tokenizer") or {}).get("path")
+    packed_with = (manifest.get("tokenizer") or {}).get("fingerprint")
+    notes: list[str] = []
     tokenizer = load_tokenizer(tokenizer_spec) if tokenizer_spec else None
+    # Decoded by another tokenizer, the rows read as fluent-looking nonsense: the packed fingerprint decides.
+    if tokenizer is not None and packed_with and tokenizer_fingerprint(tokenizer) != packed_with:
+        raise UserError(
+            "--tokenizer",
+            f"{tokenizer_spec} is not the tokenizer {path} was packed with (fingerprint "
+            f"{tokenizer_fingerprint(tokenizer)}, packed with {packed_with})",
+            f"pass that tokenizer ({recorded}), or leave --tokenizer out",
+        )
     if tokenizer is None and recorded:
         try:
             tokenizer = load_tokenizer(recorded)
         except UserError:  # moved or deleted since the pack: the rows show as token ids (--tokenizer decodes)
+            tokenizer = None
+        if tokenizer is not None and packed_with and tokenizer_fingerprint(tokenizer) != packed_with:
+            notes.append(f"{recorded} changed since {path} was packed with it: the rows are shown as token ids")
             tokenizer = None
     samples = []
     first_row = 0
@@ -93,7 +107,7 @@ def _packed_samples(path: Path, count: int, tokenizer_spec: str | None, manifest
             text = decode_packed_row(tokenizer, ids, positions) if tokenizer else " ".join(map(str, ids[:64]))
             samples.append({"row": first_row + row, "documents": documents, "text": _clip(text, 600)})
         first_row += len(shard["input_ids"])
-    return samples
+    return samples, notes
 
 
 # The counts a folder kind has: a dataset counts rows (documents), a packed folder rows and tokens, datatrove token
@@ -166,6 +180,8 @@ class Inspection(Result):
     strategy: str | None = None
     parent: dict | str | None = None
     samples: list[dict] | None = None
+    notes: list[str] | None = None
+    """How the samples are shown, where not as asked (a packed folder's tokenizer changed since the pack)."""
     lineage: list[dict] | None = None
     verified_folders: list[str] | None = None
     problems: list[str] | None = None
@@ -248,7 +264,8 @@ def inspect_path(
     if samples and not result.problems and manifest["kind"] == KIND_DOCUMENTS:
         result.samples = _document_samples(target, samples)
     elif samples and not result.problems and manifest["kind"] == KIND_PACKED:
-        result.samples = _packed_samples(target, samples, tokenizer, manifest)
+        result.samples, notes = _packed_samples(target, samples, tokenizer, manifest)
+        result.notes = notes or None
     if lineage:
         result.lineage = lineage_chain(target)
     return result

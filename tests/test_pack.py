@@ -508,6 +508,24 @@ def test_cli_pack_and_inspect(sample, tokenizer_dir, tmp_path):
     assert any("⟂" in row["text"] for row in rows)  # document boundaries marked (the text is clipped)
     assert all(row["text"].count("⟂") <= row["documents"] - 1 for row in rows)
 
+    # Decoded by another tokenizer the rows read as plausible nonsense: one given is refused, and the recorded
+    # one retrained in place since the pack shows the rows as token ids, saying why.
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(tokenizer_dir, other)
+    rules = json.loads((other / "tokenizer.json").read_text())
+    rules["model"]["merges"] = rules["model"]["merges"][:-1]
+    (other / "tokenizer.json").write_text(json.dumps(rules))
+    refused = run_cli("inspect", out, "--samples", "1", "--tokenizer", other)
+    assert (
+        refused.returncode == 2 and f"--tokenizer: {other} is not the tokenizer {out} was packed with" in refused.stderr
+    )
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["tokenizer"]["path"] = str(other)  # the recorded tokenizer, changed since
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    shown = run_cli("inspect", out, "--samples", "1", "--json")
+    assert shown.returncode == 0 and f"{other} changed since {out} was packed with it" in shown.stderr
+    assert json.loads(shown.stdout)["samples"][0]["text"].split()[0].isdigit()
+
 
 @pytest.mark.parametrize(
     "args, message",

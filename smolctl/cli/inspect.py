@@ -9,7 +9,7 @@ import typer
 
 from smolctl.cli.app import app
 from smolctl.cli.options import JsonOpt
-from smolctl.console import emit_json, escape, human_count, key_values, show, styled, table
+from smolctl.console import emit_json, escape, human_count, key_values, show, styled, table, warn
 from smolctl.errors import CheckFailed
 
 if TYPE_CHECKING:
@@ -43,6 +43,8 @@ def inspect_command(
     from smolctl.inspect import inspect_path
 
     result = inspect_path(path, samples=samples, verify=verify, lineage=lineage, tokenizer=tokenizer)
+    for note in result.notes or []:
+        warn(note)
     if json_out:
         emit_json(result.to_dict())
     else:
