@@ -41,6 +41,7 @@ KIND_DOCUMENTS = "documents"
 KIND_PACKED = "packed"
 KIND_TOKENS = "tokens"  # datatrove token files (pack --format datatrove)
 KIND_MODEL = "model"
+KIND_TOKENIZER = "tokenizer"
 DEFAULT_SHARD_BYTES = 256 * 1024**2
 PARQUET_MAGIC = b"PAR1"
 
@@ -247,7 +248,7 @@ class OutputFolder:
         mode = 0o666 & ~process_umask()
         for file in self.staging.rglob("*.safetensors"):
             os.chmod(file, mode)
-        if self.kind == KIND_MODEL and "files" not in manifest:
+        if self.kind in (KIND_MODEL, KIND_TOKENIZER) and "files" not in manifest:
             manifest["files"] = self._other_files()
         atomic_write_json(self.staging / MANIFEST_NAME, manifest)
         self._swap_into_place()
@@ -255,7 +256,8 @@ class OutputFolder:
 
     def _other_files(self) -> list[dict]:
         """Every file but the shards and the manifest, hashed: a model's config.json and tokenizer files decide
-        what its weights mean, so `inspect --verify` checks them with the weights."""
+        what its weights mean, and a tokenizer's config its special tokens and chat template, so `inspect
+        --verify` checks them all."""
         shards = {shard["name"] for shard in self.shards} | {MANIFEST_NAME}
         files = sorted(p for p in self.staging.rglob("*") if p.is_file())
         return [

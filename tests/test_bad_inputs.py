@@ -900,6 +900,10 @@ CASES = [
         lambda t: (["export", _damaged(t, "config.json"), t / "out"], "cannot be read: JSONDecodeError", t / "out"),
     ),
     Case(
+        "export: a checkpoint's tokenizer damaged at its size",
+        lambda t: (["export", _damaged(t, "tokenizer.json"), t / "out"], "'s tokenizer cannot be read", t / "out"),
+    ),
+    Case(
         "pretrain: resume from a checkpoint whose metadata is damaged",
         lambda t: (
             [

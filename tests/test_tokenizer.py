@@ -204,4 +204,28 @@ def test_verify_checks_a_tokenizer_by_its_fingerprint(tokenizer_dir, tmp_path):
     vocab[first], vocab[second] = vocab[second], vocab[first]  # two tokens swap their ids
     (copy / "tokenizer.json").write_text(json.dumps(config))
     result = run_cli("inspect", copy, "--verify")
+    assert result.returncode == 1 and f"{copy / 'tokenizer.json'}: size" in result.stdout + result.stderr
+    # a manifest written before it listed the folder's files: the fingerprint still catches the change
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["files"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    result = run_cli("inspect", copy, "--verify")
     assert result.returncode == 1 and "fingerprint" in result.stdout + result.stderr
+
+
+def test_verify_checks_a_tokenizers_special_tokens_and_chat_template(tokenizer_dir, tmp_path):
+    """The fingerprint covers tokenizer.json alone: an EOS renamed in tokenizer_config.json, or the chat template
+    deleted, passed as verified; the manifest now lists every file of the folder with its sha256."""
+    import shutil
+
+    for damage in ("eos", "template"):
+        copy = tmp_path / damage
+        shutil.copytree(tokenizer_dir, copy)
+        if damage == "eos":
+            config = json.loads((copy / "tokenizer_config.json").read_text())
+            config["eos_token"] = IM_END
+            (copy / "tokenizer_config.json").write_text(json.dumps(config))
+        else:
+            next(copy.glob("chat_template*")).unlink()
+        result = run_cli("inspect", copy, "--verify")
+        assert result.returncode == 1, damage

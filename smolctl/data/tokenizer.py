@@ -28,14 +28,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from smolctl.arrow_arrays import text_pieces
 from smolctl.errors import UserError
 from smolctl.results import Result
-from smolctl.shards import OutputFolder, check_output_path, open_documents
+from smolctl.shards import KIND_TOKENIZER, OutputFolder, check_output_path, open_documents
 
 DOCUMENT_END = "<|endoftext|>"
 PAD = "<|pad|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [DOCUMENT_END, PAD, IM_START, IM_END]
-KIND_TOKENIZER = "tokenizer"
 
 # ChatML, with {% generation %} markers around what the assistant says so TRL's assistant_only_loss can find it.
 CHATML_TEMPLATE = (

@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import UserError
 from smolctl.shards import KIND_MODEL, MANIFEST_NAME, OutputFolder, atomic_write_json, lineage_ref, read_manifest
 from smolctl.train.distributed import Dist
@@ -414,6 +415,15 @@ def export_checkpoint(
     with damaged_checkpoint(source, flag):
         tied = json.loads((source / "config.json").read_text()).get("tie_word_embeddings", False)
         metadata = FileSystemReader(str(source)).read_metadata().state_dict_metadata
+    if (source / "tokenizer.json").is_file():  # copied as it is: damaged, it would make a folder that never loads
+        try:
+            load_tokenizer(source)
+        except UserError as exc:
+            raise UserError(
+                flag,
+                f"{source}'s tokenizer cannot be read: {exc.what}",
+                "check its files (a damaged copy), or use an earlier checkpoint of the run",
+            ) from None
     tensors = {
         key[len(MODEL_KEY) + 1 :]: meta
         for key, meta in metadata.items()
