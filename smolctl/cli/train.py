@@ -374,7 +374,8 @@ def report_command(
     json_out: JsonOpt = False,
 ) -> None:
     """A run in the playbook's terms: loss/lr/grad-norm/throughput plots, KPIs against targets, and a diagnosis."""
-    from smolctl.train.report import Reports, build_reports, write_html
+    from smolctl.train.report import Reports, build_reports
+    from smolctl.train.report_views import write_html
 
     reports = build_reports(runs)
     if html is not None:

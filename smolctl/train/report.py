@@ -94,25 +94,6 @@ class Reports(Result):
         return {"runs": [run.to_dict() for run in self.runs], "html": self.html}
 
 
-def write_html(path: str | Path, reports: list[RunReport], overwrite: bool = False) -> Path:
-    """The reports as one self-contained HTML file at `path`. Only an .html file is written, and an existing one
-    only with `overwrite`: a mistyped --html (a run's metrics.jsonl, a model's weights) was replaced silently."""
-    from smolctl.shards import atomic_write_bytes
-    from smolctl.train.report_views import html_report
-
-    path = Path(path)
-    if path.suffix.lower() not in (".html", ".htm"):
-        raise UserError(
-            "--html", f"{path} is not an .html file", f"name the report e.g. {path.with_suffix('.html').name}"
-        )
-    if path.is_dir():
-        raise UserError("--html", f"{path} is a folder", "give a file name, e.g. report.html")
-    if path.exists() and not overwrite:
-        raise UserError("--html", f"{path} already exists", "pass --overwrite to replace it, or choose another name")
-    atomic_write_bytes(path, html_report(reports).encode())
-    return path
-
-
 def build_reports(runs: list[str | Path]) -> list[RunReport]:
     """Every run is checked before any is read, so a typo in the third folder costs nothing."""
     for run in runs:

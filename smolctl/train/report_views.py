@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import html
 import math
+from pathlib import Path
 
 from smolctl.console import escape
+from smolctl.errors import UserError
 from smolctl.train.report import PLOTTED, Finding, RunReport
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf"]
@@ -209,3 +211,21 @@ svg text{font:11px sans-serif;fill:#444}svg .title{font-weight:bold;fill:#222}
 svg .frame{fill:none;stroke:#bbb}svg .grid{stroke:#e6e6e6}small{color:#666}.legend{font-size:13px}
 </style></head><body>
 """
+
+
+def write_html(path: str | Path, reports: list[RunReport], overwrite: bool = False) -> Path:
+    """The reports as one self-contained HTML file at `path`. Only an .html file is written, and an existing one
+    only with `overwrite`: a mistyped --html (a run's metrics.jsonl, a model's weights) was replaced silently."""
+    from smolctl.shards import atomic_write_bytes  # pyarrow's import, for the --html runs alone
+
+    path = Path(path)
+    if path.suffix.lower() not in (".html", ".htm"):
+        raise UserError(
+            "--html", f"{path} is not an .html file", f"name the report e.g. {path.with_suffix('.html').name}"
+        )
+    if path.is_dir():
+        raise UserError("--html", f"{path} is a folder", "give a file name, e.g. report.html")
+    if path.exists() and not overwrite:
+        raise UserError("--html", f"{path} already exists", "pass --overwrite to replace it, or choose another name")
+    atomic_write_bytes(path, html_report(reports).encode())
+    return path
