@@ -61,9 +61,18 @@ def _is_complete(folder: Path) -> bool:
     manifest = read_manifest(folder) if (folder / MANIFEST_NAME).is_file() else None
     if not manifest or manifest.get("kind") != KIND_CHECKPOINT:
         return False
-    return all(
-        (folder / f["name"]).is_file() and (folder / f["name"]).stat().st_size == f["bytes"] for f in manifest["files"]
-    )
+    return _first_incomplete_file(folder, manifest) is None
+
+
+def _first_incomplete_file(folder: Path, manifest: dict) -> str | None:
+    """The first file the manifest lists that is missing or of another size, as a phrase; None when all are there."""
+    for listed in manifest["files"]:
+        path = folder / listed["name"]
+        if not path.is_file():
+            return f"{listed['name']} is missing"
+        if path.stat().st_size != listed["bytes"]:
+            return f"{listed['name']} is {path.stat().st_size} bytes, not the {listed['bytes']} it was saved with"
+    return None
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -113,6 +122,8 @@ def _root_cause(exc: BaseException) -> str:
 def check_checkpoint(path: str | Path, flag: str) -> dict:
     """The manifest of a complete checkpoint, or one UserError naming `flag` (the option or argument given)."""
     folder = Path(path)
+    if folder.is_file():
+        raise UserError(flag, f"{folder} is a file, not a checkpoint folder", "pass RUN/checkpoints/step-NNNNNNN")
     if not folder.is_dir():
         raise UserError(flag, f"{folder}: no such checkpoint folder", "pass RUN/checkpoints/step-NNNNNNN")
     manifest = read_manifest(folder)
@@ -128,8 +139,9 @@ def check_checkpoint(path: str | Path, flag: str) -> dict:
             f"{folder} is a {manifest.get('kind')} folder, not a training checkpoint",
             "pass one of the run's RUN/checkpoints/step-NNNNNNN folders",
         )
-    if not _is_complete(folder):
-        raise UserError(flag, f"{folder} is missing files its manifest lists", "use an earlier checkpoint of the run")
+    incomplete = _first_incomplete_file(folder, manifest)
+    if incomplete is not None:
+        raise UserError(flag, f"{folder}: {incomplete}", "use an earlier checkpoint of the run")
     return manifest
 
 
