@@ -195,3 +195,45 @@ def test_a_model_without_eos_or_pad_generates_to_the_length_limit(models, tmp_pa
     )
     assert result.returncode == 0, result.stderr
     assert [row["completion_tokens"] for row in rows(tmp_path / "out")] == [3, 3]
+
+
+def test_a_model_that_does_not_load_leaves_no_staging_and_ctrl_c_says_how_to_continue(models, tmp_path):
+    """A failed model load left .OUT.partial holding only the settings file; Ctrl-C said nothing half-written was
+    left and to run again, while the finished shards wait in .OUT.partial for exactly that run."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(models[0], broken)
+    (broken / "model.safetensors").unlink()
+    (broken / "manifest.json").unlink()
+    failed = run_cli("generate", SAMPLE / "prompts", tmp_path / "out", "--model", broken, "--limit", "2")
+    assert failed.returncode == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["broken"], failed.stderr
+
+    script = f"""
+import os, signal, sys
+import smolctl.train.generate as generate
+real, calls = generate.shard_rows, []
+def interrupted(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGINT)
+    return real(*args, **kwargs)
+generate.shard_rows = interrupted
+sys.argv = ["smolctl", "generate", {str(SAMPLE / "prompts")!r}, {str(tmp_path / "out")!r}, "--model",
+            {str(models[0])!r}, "--limit", "4", "--shard-prompts", "2", "--max-new-tokens", "2"]
+from smolctl.__main__ import main
+main()
+"""
+    process = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=240,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler),
+    )
+    assert process.returncode == 130, process.stderr
+    assert process.stderr.strip().splitlines()[-1] == (
+        f"interrupted: {tmp_path / 'out'}: 1 finished shard(s) kept in .out.partial — run the same command again "
+        "to continue from them"
+    )

@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from smolctl.data.tokenizer import load_tokenizer
-from smolctl.errors import UserError
+from smolctl.errors import Interrupted, UserError
 from smolctl.shards import KIND_DOCUMENTS, OutputFolder, check_output_path, lineage_ref, open_documents, schema_to_dict
 from smolctl.train.posttrain_run import chat_stop_ids, check_start, quiet_offline
 from smolctl.train.rewards import CompositeReward
@@ -491,14 +491,19 @@ def run_generate(
     quiet_offline()
     folder = OutputFolder(job.output, kind=KIND_DOCUMENTS, overwrite=job.overwrite, inputs=inputs, resumable=True)
     resumed = resume_state(folder, settings, shards)
-    samplers = (
-        [
-            TransformersSampler(m) if backend == "transformers" else VllmSampler(m, 0.9 / len(job.models))
-            for m in job.models
-        ]
-        if resumed < shards
-        else []
-    )
+    try:
+        samplers = (
+            [
+                TransformersSampler(m) if backend == "transformers" else VllmSampler(m, 0.9 / len(job.models))
+                for m in job.models
+            ]
+            if resumed < shards
+            else []
+        )
+    except BaseException:
+        if resumed == 0:  # nothing to continue from: the staging folder held only the settings it just wrote
+            folder.abort()
+        raise
     done, tokens = resumed * job.shard_prompts, 0
     total = len(prompts)
     sampling_started = time.perf_counter()  # tokens/s counts sampling, not loading the models
@@ -510,22 +515,29 @@ def run_generate(
             on_progress(done, total, tokens / max(1e-9, time.perf_counter() - sampling_started))
 
     sampled = 0  # over every shard of the output, the kept ones included
-    for index in range(shards):
-        lo, hi = index * job.shard_prompts, min(total, (index + 1) * job.shard_prompts)
-        if index >= resumed:
-            before = tokens
-            rows = shard_rows(job, samplers, prompts[lo:hi], references[lo:hi], index, advance)
-            counted = schema.with_metadata({**(schema.metadata or {}), SAMPLED_TOKENS_KEY: str(tokens - before)})
-            tmp = folder.file(f".{shard_name(index)}.tmp")
-            pq.write_table(pa.Table.from_pylist(rows, schema=counted), tmp, compression="zstd")
-            os.replace(tmp, folder.file(shard_name(index)))
-            if on_shard:
-                on_shard(index)
-        elif on_progress:
-            on_progress(hi, total, 0.0)
-        written = pq.read_metadata(folder.file(shard_name(index)))
-        sampled += int((written.metadata or {}).get(SAMPLED_TOKENS_KEY, 0))
-        folder.add_shard(shard_name(index), written.num_rows)
+    try:
+        for index in range(shards):
+            lo, hi = index * job.shard_prompts, min(total, (index + 1) * job.shard_prompts)
+            if index >= resumed:
+                before = tokens
+                rows = shard_rows(job, samplers, prompts[lo:hi], references[lo:hi], index, advance)
+                counted = schema.with_metadata({**(schema.metadata or {}), SAMPLED_TOKENS_KEY: str(tokens - before)})
+                tmp = folder.file(f".{shard_name(index)}.tmp")
+                pq.write_table(pa.Table.from_pylist(rows, schema=counted), tmp, compression="zstd")
+                os.replace(tmp, folder.file(shard_name(index)))
+                if on_shard:
+                    on_shard(index)
+            elif on_progress:
+                on_progress(hi, total, 0.0)
+            written = pq.read_metadata(folder.file(shard_name(index)))
+            sampled += int((written.metadata or {}).get(SAMPLED_TOKENS_KEY, 0))
+            folder.add_shard(shard_name(index), written.num_rows)
+    except KeyboardInterrupt:
+        kept = sum(1 for _ in folder.staging.glob("part-*.parquet"))
+        raise Interrupted(
+            f"{job.output}: {kept} finished shard(s) kept in {folder.staging.name} — run the same command again "
+            "to continue from them"
+        ) from None
     sampling_seconds, seconds = time.perf_counter() - sampling_started, time.perf_counter() - started
     folder.file(SETTINGS_FILE).unlink()
     rows = sum(s["rows"] for s in folder.shards)
