@@ -36,7 +36,8 @@ FISH = (
     'smolctl"'
 )
 
-SCRIPTS = {"smolctl.bash": BASH, "_smolctl": ZSH, "smolctl.fish": FISH}
+# Each file ends in a newline, as a text file does (`source` and `cat` read it the same way either way).
+SCRIPTS = {"smolctl.bash": BASH + "\n", "_smolctl": ZSH + "\n", "smolctl.fish": FISH + "\n"}
 
 
 def completion_scripts() -> dict[str, str]:

@@ -20,6 +20,8 @@ def test_version_and_bare_command_show_the_pipeline():
     bare = run_cli()
     assert bare.returncode == 0
     assert "train-tokenizer → dedup → mix → pack" in bare.stderr and "inspect" in bare.stderr
+    assert bare.stdout == "" and "Usage: smolctl" in bare.stderr, "the pipeline and the help, on one stream"
+    assert all(text.endswith("\n") for text in completion_scripts().values())
 
 
 def test_the_process_entry_collects_while_a_command_runs(monkeypatch):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Annotated
 
 import typer
@@ -130,5 +132,7 @@ def root(
     ] = False,
 ) -> None:
     if ctx.invoked_subcommand is None:
+        # Both on stderr, as any help without a command: rich prints the help to stdout itself and returns "".
         stderr_console().print(PIPELINE)
-        typer.echo(ctx.get_help(), err=True)
+        with contextlib.redirect_stdout(sys.stderr):
+            typer.echo(ctx.get_help(), err=True)
