@@ -179,6 +179,17 @@ def test_trl_metrics_read_in_the_same_terms(tmp_path):
     assert {k.name: k.status for k in report.kpis}["MFU"] == "n/a"
 
 
+def test_a_run_logging_nan_losses_without_a_guard_is_named(tmp_path):
+    """The TRL stages log NaN and train on: the plots dropped the points and the report said nothing was wrong."""
+    run = tmp_path / "sft"
+    run.mkdir()
+    lines = [{"step": s, "loss": 3 - 0.01 * s if s < 20 else "nan", "learning_rate": 1e-5} for s in range(1, 31)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    [finding] = build_reports([run])[0].findings
+    assert (finding.kind, finding.start_step, finding.end_step) == ("nonfinite", 20, 30)
+    assert "11 logged step(s)" in finding.detail
+
+
 def test_missing_or_foreign_folder_is_one_line_exit_2(tmp_path):
     (tmp_path / "data").mkdir()
     for folder, message in ((tmp_path / "nope", "no such run folder"), (tmp_path / "data", "no metrics.jsonl")):

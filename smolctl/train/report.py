@@ -336,7 +336,26 @@ def _memory_na(rows: list[dict]) -> str:
 def diagnose(rows: list[dict], events: list[dict]) -> list[Finding]:
     loss = [(r["step"], r["loss"]) for r in rows if _finite(r.get("loss"))]
     found = spikes(loss, events) + trends(_downsample(loss)) + slowdowns(rows) + guard_findings(events)
-    return sorted(found, key=lambda f: (f.start_step, f.kind))
+    return sorted(found + logged_nonfinite(rows, events), key=lambda f: (f.start_step, f.kind))
+
+
+def logged_nonfinite(rows: list[dict], events: list[dict]) -> list[Finding]:
+    """NaN or inf losses in metrics.jsonl that no guard recorded: the TRL stages (sft, dpo, grpo) log them and
+    train on, and the plots drop them, so a run gone NaN read as one with no finding at all."""
+    guarded = {e["step"] for e in events if e.get("event") == "nonfinite"}
+    steps = [r["step"] for r in rows if "loss" in r and not _finite(r["loss"]) and r["step"] not in guarded]
+    if not steps:
+        return []
+    return [
+        Finding(
+            "nonfinite",
+            steps[0],
+            steps[-1],
+            f"loss not finite at {len(steps)} logged step(s), from step {steps[0]}",
+            "an lr too high, a bf16 overflow, or a bad batch",
+            "resume from a checkpoint before it with a lower lr (or fp32), and inspect the data it trained on",
+        )
+    ]
 
 
 def spikes(loss: list[tuple[int, float]], events: list[dict], window: int = 20) -> list[Finding]:
