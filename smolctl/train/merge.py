@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -149,6 +150,9 @@ def resolve_parent(spec: str, where: str) -> Path:
         raise UserError(where, f"parent {spec} is a {manifest['kind']} folder, not a model", "pass a model folder")
     if not any(path.glob("*.safetensors")):
         raise UserError(where, f"parent {spec} holds no *.safetensors weights", "pass a model saved as safetensors")
+    for weights in (path / "config.json", *sorted(path.glob("*.safetensors"))):
+        if not os.access(weights, os.R_OK):  # the safetensors reader calls that "no such file"
+            raise UserError(where, f"{weights} cannot be read (permissions)", "make it readable, or pass a copy")
     return path
 
 
