@@ -883,6 +883,33 @@ CASES = [
         ),
     ),
     Case(
+        "merge: ties by flags without --base says --base, not the recipe key",
+        lambda t: (
+            ["merge", "--method", "ties", "--model", model(), "--model", _SHARED["narrow"], t / "out"],
+            "ties needs a base model to take task vectors against — pass --base PATH",
+            t / "out",
+        ),
+    ),
+    Case(
+        "merge: ties by flags without a density says --set options.density",
+        lambda t: (
+            [
+                "merge",
+                "--method",
+                "ties",
+                "--model",
+                model(),
+                "--model",
+                _SHARED["narrow"],
+                "--base",
+                model(),
+                t / "out",
+            ],
+            "has no density — pass --set options.density=0.5",
+            t / "out",
+        ),
+    ),
+    Case(
         "merge: a dare_ties seed numpy cannot take",
         lambda t: (
             ["merge", "--method", "dare_ties", "--model", model(), "--model", _SHARED["narrow"], "--base", model()]

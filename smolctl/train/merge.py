@@ -46,6 +46,9 @@ METHOD_OPTIONS = {
 WEIGHT_TOLERANCE = 1e-6
 
 
+FLAGS = "--model"  # where a merge given by flags (no recipe) is named in errors
+
+
 class MergeModelSection(Section):
     path: str | None = None
     """A model folder, or a run folder (its final/ is used)."""
@@ -107,7 +110,7 @@ def load_merge_recipe(
     data: dict = {"method": method, "models": [parse_model(text) for text in models]}
     if base is not None:
         data["base"] = base
-    return validate(MergeRecipe, apply_overrides(data, overrides), "--method/--model"), "--model"
+    return validate(MergeRecipe, apply_overrides(data, overrides), "--method/--model"), FLAGS
 
 
 def parse_model(text: str) -> dict:
@@ -235,10 +238,11 @@ def check_method(recipe: MergeRecipe, parents: list[Parent], base: Parent | None
             raise UserError(f"{where}: models", "slerp takes no weights", "set options.t (0 = first model, 1 = second)")
     else:
         if base is None:
+            give = "pass --base PATH" if where == FLAGS else 'set base = "PATH"'
             raise UserError(
                 f"{where}: base",
                 f"{method} needs a base model to take task vectors against",
-                'set base = "PATH" (e.g. the checkpoint the models were fine-tuned from)',
+                f"{give} (e.g. the checkpoint the models were fine-tuned from)",
             )
         for parent in parents:
             parent.weight = 1.0 if parent.weight is None else parent.weight
@@ -247,7 +251,9 @@ def check_method(recipe: MergeRecipe, parents: list[Parent], base: Parent | None
                 raise UserError(
                     f"{where}: models",
                     f"{parent.path} has no density",
-                    "set density per model or options.density (e.g. 0.5)",
+                    "pass --set options.density=0.5"
+                    if where == FLAGS
+                    else "set density per model or options.density (e.g. 0.5)",
                 )
         if abs(sum(p.weight for p in parents)) < WEIGHT_TOLERANCE and recipe.options.normalize is not False:
             raise UserError(
