@@ -910,6 +910,14 @@ CASES = [
         ),
     ),
     Case(
+        "generate: --pairs of one model against itself",
+        lambda t: (
+            ["generate", SAMPLE / "prompts", t / "out", "--pairs", "--chosen", model(), "--rejected", model()],
+            "--rejected: is the --chosen model",
+            t / "out",
+        ),
+    ),
+    Case(
         "merge: a dare_ties seed numpy cannot take",
         lambda t: (
             ["merge", "--method", "dare_ties", "--model", model(), "--model", _SHARED["narrow"], "--base", model()]

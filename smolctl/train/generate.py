@@ -471,6 +471,12 @@ def run_generate(
     check_job(job)
     flags = ["--chosen", "--rejected"] if job.mode == "pairs" else ["--model"]
     job.models = [check_start(str(m), flag) for m, flag in zip(job.models, flags)]
+    if job.mode == "pairs" and job.models[0].resolve() == job.models[1].resolve():
+        raise UserError(
+            "--rejected",
+            f"is the --chosen model ({job.models[0]}): every pair would be one model against itself",
+            "pass a weaker model (e.g. the SFT checkpoint the chosen one was trained from)",
+        )
     prompts, references, source = read_prompts(job)
     check_output_path(job.output, job.overwrite)
     backend = choose_backend(job.backend)
