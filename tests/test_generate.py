@@ -195,6 +195,13 @@ def test_a_model_without_eos_or_pad_generates_to_the_length_limit(models, tmp_pa
     )
     assert result.returncode == 0, result.stderr
     assert [row["completion_tokens"] for row in rows(tmp_path / "out")] == [3, 3]
+    # a base model without a chat template is given the text as it is, and the result says so
+    for template in model.glob("chat_template*"):
+        template.unlink()
+    tokenizer_config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    result = run_cli("generate", SAMPLE / "prompts", tmp_path / "raw", "--model", model, "--limit", "1", "--json")
+    assert result.returncode == 0 and json.loads(result.stdout)["without_chat_template"] == [str(model)]
 
 
 def test_a_model_that_does_not_load_leaves_no_staging_and_ctrl_c_says_how_to_continue(models, tmp_path):

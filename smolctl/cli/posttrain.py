@@ -344,6 +344,8 @@ def generate_command(
     ]
     if result.resumed_shards:
         facts.append(("resumed", f"{result.resumed_shards} shards were already done"))
+    if result.without_chat_template:
+        facts.append(("prompts as text", f"no chat template: {', '.join(result.without_chat_template)}"))
     if result.mode == "ranked":
         facts.append(("dropped (all K tied)", result.dropped_tied))
     show(key_values(f"generate → {result.output}", facts))

@@ -117,6 +117,8 @@ class GenerateResult:
     sampling_seconds: float
     """Time spent sampling (after the models loaded)."""
     seconds: float
+    without_chat_template: list[str] = field(default_factory=list)
+    """Models whose tokenizer has no chat template: they were given each prompt's text as it is."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -545,6 +547,7 @@ def run_generate(
             "to continue from them"
         ) from None
     sampling_seconds, seconds = time.perf_counter() - sampling_started, time.perf_counter() - started
+    untemplated = [str(m) for m in job.models if not getattr(load_tokenizer(m), "chat_template", None)]
     folder.file(SETTINGS_FILE).unlink()
     rows = sum(s["rows"] for s in folder.shards)
     tied = total - rows if job.mode == "ranked" else 0  # ranked writes one row per prompt it could rank
@@ -561,6 +564,7 @@ def run_generate(
         tied,
         sampling_seconds,
         seconds,
+        untemplated,
     )
     folder.commit(
         schema=schema_to_dict(schema),
