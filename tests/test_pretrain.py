@@ -652,6 +652,17 @@ def test_dry_run_names_a_layout_that_fits_when_the_recipe_does_not():
     assert layouts and all(o["total"] < plan.memory["capacity"] for o in layouts)
     assert 1 <= plan.would_fit["largest_micro_batch"] < 6
 
+    # each suggestion is what applying it gives: without FSDP the trainer runs amp, which the suggestion priced as
+    # bf16 weights (59.7 GiB suggested, 61.9 GiB once applied)
+    # (and tp 8 was suggested for SmolLM3's 4 KV heads, which pretrain refuses)
+    wide = ["training.micro_batch=6", "training.global_batch_tokens=4718592"]
+    for overrides, world in ((["parallel.tp=1"], 1), (wide, 384)):
+        recipe = load_train_recipe(REPO / "recipes/smollm3.toml", overrides)
+        for option in dry_run(recipe, world_size=world).would_fit["layouts"]:
+            sets = [f"{key}={json.dumps(value)}" for key, value in option.items() if key != "total"]
+            applied = dry_run(load_train_recipe(REPO / "recipes/smollm3.toml", [*overrides, *sets]), world_size=world)
+            assert applied.memory["fits"] and applied.memory["total"] == pytest.approx(option["total"]), option
+
 
 def test_long_context_recipe_runs_both_published_stages():
     from smolctl.train.dryrun import dry_run

@@ -63,8 +63,10 @@ def estimate_scenario(
     return check_scenario(TrainingScenario(**values))
 
 
-def _runnable_layouts(scenario: TrainingScenario, shape) -> list[dict]:
-    """estimate's layouts that fit (its smolctl framework: tp × FSDP2/HSDP data parallel), as recipe keys."""
+def _runnable_layouts(recipe: TrainRecipe, scenario: TrainingScenario, shape, *, vocab: int, gpu: str) -> list[dict]:
+    """estimate's layouts that fit (its smolctl framework: tp × FSDP2/HSDP data parallel), as recipe keys, each
+    priced as the recipe with those keys would run (without FSDP the trainer runs amp, not bf16 weights): what
+    the suggestion says is what applying it gives."""
     recompute = {"none": "none", "full": "full"}
     found: dict[tuple, dict] = {}
     for option in smallest_layouts(replace(scenario, framework="smolctl"), shape, top=20)["layouts"]:
@@ -76,7 +78,26 @@ def _runnable_layouts(scenario: TrainingScenario, shape) -> list[dict]:
                 "training.shard": option["zero"] == 3,
                 "training.activation_checkpointing": recompute[option["recompute"]],
             }
-            found.setdefault(tuple(keys.values()), {**keys, "total": option["total"]})
+            if tuple(keys.values()) in found:
+                continue
+            applied = recipe.model_copy(
+                update={
+                    "parallel": recipe.parallel.model_copy(
+                        update={k.split(".")[1]: v for k, v in keys.items() if k.startswith("parallel.")}
+                    ),
+                    "training": recipe.training.model_copy(
+                        update={k.split(".")[1]: v for k, v in keys.items() if k.startswith("training.")}
+                    ),
+                }
+            )
+            try:  # estimate replicates KV heads over a tp above their count; pretrain's tp must divide them
+                layout = resolve_layout(applied, scenario.gpus)
+            except UserError:
+                continue
+            sized = estimate_scenario(applied, vocab=vocab, world_size=scenario.gpus, gpu=gpu, layout=layout)
+            held = memory(sized, shape)
+            if held["fits"]:
+                found[tuple(keys.values())] = {**keys, "total": held["total"]}
     return list(found.values())[:3]
 
 
@@ -155,6 +176,6 @@ def dry_run(recipe: TrainRecipe, *, world_size: int, gpu: str = "h100") -> DryRu
     if not held["fits"]:
         result.would_fit = {
             "largest_micro_batch": largest_micro_batch(sizing, shape),
-            "layouts": _runnable_layouts(sizing, shape),
+            "layouts": _runnable_layouts(recipe, sizing, shape, vocab=vocab, gpu=gpu),
         }
     return result
