@@ -199,3 +199,39 @@ def test_export_of_a_sharded_checkpoint_equals_the_gathered_weights(reference, t
     assert manifest["kind"] == "model" and manifest["step"] == 8
     assert manifest["parent"] == str((run / "checkpoints" / "step-0000008").resolve())
     assert any(entry["kind"] == "packed" for entry in lineage_chain(out))
+
+
+@pytest.mark.parametrize("raised", ["unpickling", "io-error", "ctrl-c", "out-of-memory"])
+def test_a_damaged_checkpoint_is_named_but_ctrl_c_and_oom_stay_what_they_are(tmp_path, monkeypatch, raised):
+    """DCP catches whatever a read raised, Ctrl-C and an OOM included, into one CheckpointException: a Ctrl-C
+    during a resume's load read "cannot be read: KeyboardInterrupt — check its files" and exited 2."""
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from smolctl.errors import UserError
+    from smolctl.train.checkpoint import damaged_checkpoint
+
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=str(tmp_path), no_dist=True)
+    error = {
+        "unpickling": pickle.UnpicklingError("invalid load key, 'Y'."),
+        "io-error": OSError(5, "Input/output error"),
+        "ctrl-c": KeyboardInterrupt(),
+        "out-of-memory": RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    }[raised]
+
+    def failing_read(self, plan, planner):
+        raise error
+
+    monkeypatch.setattr(FileSystemReader, "read_data", failing_read)
+    expected = {
+        "unpickling": pytest.raises(UserError, match=rf"--from: {tmp_path} cannot be read: UnpicklingError"),
+        "io-error": pytest.raises(UserError, match=rf"--from: {tmp_path} cannot be read: OSError"),
+        "ctrl-c": pytest.raises(KeyboardInterrupt),
+        "out-of-memory": pytest.raises(CheckpointException, match="CUDA out of memory"),
+    }[raised]
+    with expected, damaged_checkpoint(tmp_path, "--from"):
+        dcp.load({"w": torch.zeros(4)}, checkpoint_id=str(tmp_path), no_dist=True)

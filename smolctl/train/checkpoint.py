@@ -88,24 +88,30 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 def damaged_checkpoint(path: Path, flag: str = "--resume") -> Iterator[None]:
     """Reading a checkpoint whose files are present at their sizes but damaged (a flipped block, a truncated
     config, an unreadable shard) fails deep in torch.distributed.checkpoint or pickle: one line naming it instead.
-    DCP gathers a rank's read failure into a CheckpointException, which is a BaseException."""
-    import torch
+    DCP catches whatever a rank's read raised, Ctrl-C and out-of-memory included, into one CheckpointException (a
+    BaseException): the error inside decides. Ctrl-C stays Ctrl-C; anything but a damaged file (an OOM, the
+    process group, a state that does not fit) surfaces as it is."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         yield
-    except (CheckpointException, pickle.UnpicklingError, EOFError, OSError, ValueError, RuntimeError) as exc:
-        if isinstance(exc, (torch.OutOfMemoryError, torch.distributed.DistError)):
-            raise  # the machine or the process group, not the files
+    except (CheckpointException, Exception) as exc:
+        root = _root_error(exc)
+        if isinstance(root, KeyboardInterrupt):
+            raise KeyboardInterrupt from None
+        if not _is_damage(root):
+            raise
+        lines = str(root).strip().splitlines()
+        cause = f"{type(root).__name__}: {lines[-1][:200]}" if lines else type(root).__name__
         raise UserError(
             flag,
-            f"{path} cannot be read: {_root_cause(exc)}",
+            f"{path} cannot be read: {cause}",
             "check its files (permissions, a damaged copy), or use an earlier checkpoint of the run",
         ) from exc
 
 
-def _root_cause(exc: BaseException) -> str:
-    """The innermost error's last line: DCP wraps each rank's failure, (error, stack), in its CheckpointException."""
+def _root_error(exc: BaseException) -> BaseException:
+    """The innermost error: DCP wraps each rank's failure, (error, stack), in its CheckpointException."""
     failures = getattr(exc, "failures", None)
     if failures:
         first = next(iter(failures.values()))
@@ -113,10 +119,15 @@ def _root_cause(exc: BaseException) -> str:
     while True:
         inner = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
         if inner is None:
-            break
+            return exc
         exc = inner
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[-1][:200]}" if lines else type(exc).__name__
+
+
+def _is_damage(error: BaseException) -> bool:
+    """A file that cannot be read or decoded: pickle, JSON, the zip of a torch.save, or the file system."""
+    if isinstance(error, (pickle.UnpicklingError, EOFError, OSError, json.JSONDecodeError, UnicodeDecodeError)):
+        return True
+    return isinstance(error, RuntimeError) and "PytorchStreamReader" in str(error)  # torch.load of a broken zip
 
 
 def check_checkpoint(path: str | Path, flag: str) -> dict:
@@ -338,14 +349,14 @@ class CheckpointManager:
             )
             export.shutdown(wait=False)
 
-    def load(self, path: Path, *, optimizer: bool = True) -> dict:
+    def load(self, path: Path, *, optimizer: bool = True, flag: str = "--resume") -> dict:
         """Restore the model (and optimizer) in place from `path`, whatever world size saved it; this rank's RNG
         when the same rank saved one; returns the train state."""
         import torch
         import torch.distributed.checkpoint as dcp
 
         path = Path(path)
-        with damaged_checkpoint(path):
+        with damaged_checkpoint(path, flag):
             dcp.load(
                 self._state(optimizer),
                 checkpoint_id=str(path),
@@ -378,11 +389,11 @@ class CheckpointManager:
             self._stager = None
 
 
-def check_model_shapes(path: Path, model) -> None:
+def check_model_shapes(path: Path, model, flag: str = "--resume") -> None:
     """Refuse (one line) a checkpoint whose weights do not fit `model` (an unwrapped model), before DCP fails deep."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    with damaged_checkpoint(path):
+    with damaged_checkpoint(path, flag):
         metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     saved = {
         k[len(MODEL_KEY) + 1 :]: tuple(v.size)

@@ -297,7 +297,9 @@ class Trainer:
             load_full_state_dict(self.model, read_weights(Path(self.init_from), self.model), dist)
         dcp_source = self.resume_from or (self.init_from if self.init_kind == KIND_CHECKPOINT else None)
         if dcp_source:
-            check_model_shapes(Path(dcp_source), self.model)  # DCP loads them after wrapping, at any world size
+            check_model_shapes(
+                Path(dcp_source), self.model, "--resume" if self.resume_from else "--from"
+            )  # DCP loads them after wrapping, at any world size
         loss_model = CausalLMLoss(
             self.model, chunk_tokens=training.loss_chunk_tokens, flatten_rows=training.attention == "flash_attention_2"
         )
@@ -333,11 +335,11 @@ class Trainer:
 
     # ---- state -------------------------------------------------------------------------------------------------
 
-    def _restore(self, checkpoint: Path) -> None:
-        """Model, optimizer, RNG and loop state from a checkpoint saved at any world size."""
+    def _restore(self, checkpoint: Path, flag: str = "--resume") -> None:
+        """Model, optimizer, RNG and loop state from a checkpoint saved at any world size (`flag`: what named it)."""
 
         self.prefetch.reset()  # the stream is about to rewind: no batch may be drawn from the old position
-        state = self.checkpoints.load(checkpoint)
+        state = self.checkpoints.load(checkpoint, flag=flag)
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.stream.position = DataPosition.from_state(state["data"])
         self.data_position = self.stream.position.state_dict()
@@ -408,7 +410,9 @@ class Trainer:
         if self.resume_from is not None:
             self._restore(self.resume_from)
         elif self.init_kind == KIND_CHECKPOINT:
-            self.checkpoints.load(Path(self.init_from), optimizer=self.keep_optimizer)  # a new stage: its own step 0
+            self.checkpoints.load(
+                Path(self.init_from), optimizer=self.keep_optimizer, flag="--from"
+            )  # a new stage: its own step 0
         self.recipe_changes: dict[str, list] = {}
         if self.dist.is_main:
             recorded = {
@@ -558,7 +562,7 @@ class Trainer:
         counts = (self.guards.skipped, self.guards.spikes, self.guards.rollbacks + 1)
         target = clean[-1]
         self.checkpoints.discard_after(checkpoint_step(target))
-        self._restore(target)
+        self._restore(target, "rollback")
         self.guards.skipped, self.guards.spikes, self.guards.rollbacks = counts
         self.stream.position.skip = sorted(set(self.stream.position.skip) | set(bad_batches))
         self.monitor.rewind(self.step)
