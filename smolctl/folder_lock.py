@@ -25,7 +25,9 @@ def held_alone(output: Path, doing: str, fix: str) -> Iterator[None]:
     being {doing} by another smolctl run (pid N on HOST) — {fix}`. Folders made for the lock that are empty
     when the block ends are removed: a refused or failed run leaves none behind."""
     output = Path(output)
-    lock = output.parent / f".{output.name}.lock"
+    # One lock whatever the spelling: a link and its target, `.` and the absolute path, `a/../b` and `b`.
+    canonical = output.resolve()
+    lock = canonical.parent / f".{canonical.name}.lock"
     made = [folder for folder in (lock.parent, *lock.parent.parents) if not folder.exists()]  # deepest first
     try:
         lock.parent.mkdir(parents=True, exist_ok=True)

@@ -554,3 +554,20 @@ def test_a_task_that_fails_after_another_committed_has_nothing_to_do(tmp_path):
     manifest.write_text(json.dumps({**own, FINGERPRINT_KEY: digest({"run": 1})}))
     with pytest.raises(AlreadyCommitted), unless_committed(area):
         raise RuntimeError("Error while serializing: I/O error")
+
+
+def test_one_output_has_one_lock_whatever_its_spelling(tmp_path, monkeypatch):
+    """The lock sat beside the path as typed: a link and its target, or `.` and the absolute path, were two
+    locks, and two runs held them at once (for `.` the lock file was made inside OUTPUT itself)."""
+    from smolctl.errors import UserError
+    from smolctl.folder_lock import held_alone
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    monkeypatch.chdir(tmp_path / "target")
+    with held_alone(tmp_path / "link", "written", "wait"):
+        for other in (tmp_path / "target", Path("."), tmp_path / "missing" / ".." / "target"):
+            with pytest.raises(UserError, match="is being written by another"), held_alone(other, "written", "-"):
+                pass
+        assert list((tmp_path / "target").iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "target"]

@@ -473,3 +473,10 @@ def test_a_training_command_without_run_says_run_is_required(command):
     recipe = "recipes/smollm3-tiny.toml" if command in ("pretrain", "midtrain") else f"recipes/{command}-tiny.toml"
     result = run_cli(command, recipe)
     assert result.returncode == 2 and result.stderr.startswith("error: RUN: is required"), result.stderr
+
+
+def test_an_option_whose_value_ends_in_equals_is_not_taken_for_an_empty_one():
+    """`--set=training.seed=` gives --set the value `training.seed=`: only `--opt=` alone is empty."""
+    result = run_cli("estimate", "recipes/smollm3.toml", "--set=training.seed=")
+    assert result.returncode == 2 and "unset shell variable" not in result.stderr, result.stderr
+    assert "training.seed" in result.stderr

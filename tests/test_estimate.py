@@ -569,3 +569,13 @@ def test_cli_inference_json(capsys):
         "--require-fit",
     )
     assert code == 1 and "does not fit l4 for inference" in err
+
+
+@pytest.mark.parametrize("flag", ["--pp", "--cp"])
+def test_a_recipe_sized_with_pipeline_or_context_parallel_keeps_that_layout(capsys, flag):
+    """pretrain's mesh is tp × data parallel: laid over a --pp/--cp layout it failed on a --dp-shard not given."""
+    recipe = str(REPO / "recipes/smollm3.toml")
+    code, out, err = run_cli(capsys, "estimate", recipe, "--gpus", "384", flag, "2", "--json")
+    assert code == 0, err
+    layout = json.loads(out)["layout"]
+    assert layout[flag[2:]] == 2 and layout["tp"] * layout["pp"] * layout["cp"] * layout["dp"] == 384

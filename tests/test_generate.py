@@ -216,13 +216,14 @@ def test_a_model_that_does_not_load_leaves_no_staging_and_ctrl_c_says_how_to_con
     failed = run_cli("generate", SAMPLE / "prompts", tmp_path / "out", "--model", broken, "--limit", "2")
     assert failed.returncode == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["broken"], failed.stderr
 
-    script = f"""
+    def interrupted_at(call: int) -> subprocess.CompletedProcess:
+        script = f"""
 import os, signal, sys
 import smolctl.train.generate as generate
 real, calls = generate.shard_rows, []
 def interrupted(*args, **kwargs):
     calls.append(1)
-    if len(calls) == 2:
+    if len(calls) == {call}:
         os.kill(os.getpid(), signal.SIGINT)
     return real(*args, **kwargs)
 generate.shard_rows = interrupted
@@ -231,16 +232,21 @@ sys.argv = ["smolctl", "generate", {str(SAMPLE / "prompts")!r}, {str(tmp_path / 
 from smolctl.__main__ import main
 main()
 """
-    process = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=240,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler),
-    )
-    assert process.returncode == 130, process.stderr
-    assert process.stderr.strip().splitlines()[-1] == (
+        return subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=240,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler),
+        )
+
+    first = interrupted_at(1)  # in the first shard: nothing to continue from, and nothing left behind
+    assert first.returncode == 130 and first.stderr.strip().splitlines()[-1].endswith("run the command again")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]
+    second = interrupted_at(2)
+    assert second.returncode == 130, second.stderr
+    assert second.stderr.strip().splitlines()[-1] == (
         f"interrupted: {tmp_path / 'out'}: 1 finished shard(s) kept in .out.partial — run the same command again "
         "to continue from them"
     )

@@ -234,3 +234,20 @@ def test_two_process_post_training_saves_final_collectively_and_refuses_once(tin
     )
     assert refused.returncode != 0  # torchrun reports the failed rank
     assert refused.stderr.count("ppo runs data-parallel (DDP) without FSDP sharding") == 1, refused.stderr[-2000:]
+
+
+def test_a_damaged_run_json_is_replaced_by_overwrite_and_named_by_a_resume(tmp_path):
+    """begin_run read run.json on every start: --overwrite of a run whose run.json was damaged crashed with a
+    JSONDecodeError instead of starting over; a resume, which checks against it, names it."""
+    from smolctl.errors import UserError
+    from smolctl.train.run import RunStart, begin_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text("{bad")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    begin_run(run, "sft", {"training": {"steps": 2}}, tmp_path, RunStart(overwrite=True))
+    assert json.loads((run / "run.json").read_text())["recipe"] == {"training": {"steps": 2}}
+    (run / "run.json").write_text("[]")
+    with pytest.raises(UserError, match=r"run\.json: is not a JSON object — restore it, or start the run over"):
+        begin_run(run, "sft", {}, tmp_path, RunStart(resume_from=tmp_path / "step-1"))

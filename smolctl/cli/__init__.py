@@ -102,7 +102,7 @@ def _refuse_empty_arguments(args: list[str]) -> None:
     """No smolctl argument means anything empty, and an empty one is nearly always an unset shell variable:
     `smolctl export CKPT "$OUT" --overwrite` would otherwise take "" as the working folder and replace it."""
     for index, arg in enumerate(args):
-        if arg.startswith("--") and arg.endswith("="):
+        if arg.startswith("--") and arg.find("=") == len(arg) - 1:  # --set=key= is a value, key=
             what = f"{arg[:-1]} is given an empty value"
         elif arg == "":
             what = f"argument {index + 1}{f' (after {args[index - 1]})' if index else ''} is empty"

@@ -214,7 +214,8 @@ def scenario_from_sources(
             values[key] = parse_count(values[key], f"--{key.replace('_', '-')}")
     known = {f.name for f in fields(TrainingScenario)}
     scenario = check_scenario(TrainingScenario(**{k: v for k, v in values.items() if k in known}))
-    if checked is None or any((flags or {}).get(k) is not None for k in ("tp", "dp_shard", "zero")):
+    # pretrain's mesh is tp × data parallel: a layout of flags (pipeline or context parallel among them) is sized as given
+    if checked is None or any((flags or {}).get(k) is not None for k in ("tp", "pp", "cp", "dp_shard", "zero")):
         return scenario
     layout = split_world(scenario.gpus, checked.parallel, checked.training.shard)
     return check_scenario(replace(scenario, **trainer_layout(layout.tp, layout.dp_shard)))

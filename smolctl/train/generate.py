@@ -462,6 +462,19 @@ def shard_name(index: int) -> str:
     return f"part-{index:05d}.parquet"
 
 
+def _let_go(folder: OutputFolder, job: GenerateJob, error: BaseException) -> None:
+    """A run stopped before its commit: without a finished shard the staging folder (only the settings) goes; with
+    them, Ctrl-C says they wait there for the same command to continue."""
+    kept = sum(1 for _ in folder.staging.glob("part-*.parquet"))
+    if not kept:
+        folder.abort()
+    elif isinstance(error, KeyboardInterrupt):
+        raise Interrupted(
+            f"{job.output}: {kept} finished shard(s) kept in {folder.staging.name} — run the same command again "
+            "to continue from them"
+        ) from None
+
+
 def run_generate(
     job: GenerateJob,
     on_progress: Callable[[int, int, float], None] | None = None,
@@ -508,9 +521,8 @@ def run_generate(
             if resumed < shards
             else []
         )
-    except BaseException:
-        if resumed == 0:  # nothing to continue from: the staging folder held only the settings it just wrote
-            folder.abort()
+    except BaseException as exc:
+        _let_go(folder, job, exc)
         raise
     done, tokens = resumed * job.shard_prompts, 0
     total = len(prompts)
@@ -522,7 +534,7 @@ def run_generate(
         if on_progress:
             on_progress(done, total, tokens / max(1e-9, time.perf_counter() - sampling_started))
 
-    sampled = 0  # over every shard of the output, the kept ones included
+    sampled: int | None = 0  # over every shard of the output, the kept ones included
     try:
         for index in range(shards):
             lo, hi = index * job.shard_prompts, min(total, (index + 1) * job.shard_prompts)
@@ -538,14 +550,13 @@ def run_generate(
             elif on_progress:
                 on_progress(hi, total, 0.0)
             written = pq.read_metadata(folder.file(shard_name(index)))
-            sampled += int((written.metadata or {}).get(SAMPLED_TOKENS_KEY, 0))
+            counted = (written.metadata or {}).get(SAMPLED_TOKENS_KEY)
+            # a shard an older smolctl wrote carries no count: the total is then unknown, not too small
+            sampled = None if sampled is None or counted is None else sampled + int(counted)
             folder.add_shard(shard_name(index), written.num_rows)
-    except KeyboardInterrupt:
-        kept = sum(1 for _ in folder.staging.glob("part-*.parquet"))
-        raise Interrupted(
-            f"{job.output}: {kept} finished shard(s) kept in {folder.staging.name} — run the same command again "
-            "to continue from them"
-        ) from None
+    except BaseException as exc:
+        _let_go(folder, job, exc)
+        raise
     sampling_seconds, seconds = time.perf_counter() - sampling_started, time.perf_counter() - started
     untemplated = [str(m) for m in job.models if not getattr(load_tokenizer(m), "chat_template", None)]
     folder.file(SETTINGS_FILE).unlink()

@@ -78,6 +78,7 @@ from smolctl.train.run import (
     holds_run_folder,
     model_folder,
     recipe_changes,
+    recorded_run,
 )
 from smolctl.train.schedule import learning_rate
 from smolctl.train.trackers import open_tracker, require_trackers
@@ -429,7 +430,7 @@ class Trainer:
             elif (self.run_dir / RUN_FILE).is_file():
                 # run.json holds the recipe now in force (a decay phase's schedule, another world size's plan);
                 # the resume event says what changed.
-                before = json.loads((self.run_dir / RUN_FILE).read_text())
+                before = recorded_run(self.run_dir)
                 self.recipe_changes = recipe_changes(  # the batch plan's keys as plan.KEY
                     {**before.get("recipe", {}), "plan": before.get("plan", {})},
                     {**recorded["recipe"], "plan": recorded["plan"]},

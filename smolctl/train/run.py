@@ -181,6 +181,20 @@ def flatten(table: dict, prefix: str = "") -> dict:
 RESUMABLE_CHANGES = ("training.steps", "checkpoint.", "logging.")
 
 
+def recorded_run(run: Path) -> dict:
+    """RUN/run.json ({} when there is none), or one line saying it cannot be read: a resume checks against it."""
+    path = Path(run) / RUN_FILE
+    if not path.is_file():
+        return {}
+    try:
+        recorded = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(path, f"is not JSON ({exc})", "restore it, or start the run over with --overwrite") from None
+    if not isinstance(recorded, dict):
+        raise UserError(path, "is not a JSON object", "restore it, or start the run over with --overwrite")
+    return recorded
+
+
 def recipe_changes(before: dict, now: dict) -> dict[str, list]:
     """What a resume changes of the recipe recorded in run.json, as {key path: [before, now]}: run.json records
     the recipe now in force, and each resume event in events.jsonl what it changed."""
@@ -193,8 +207,8 @@ def begin_run(run: Path, stage: str, recipe: dict, parent: Path, start: RunStart
     set metrics.jsonl and events.jsonl to the resume point. Rank 0 writes; every rank checks."""
     run = Path(run)
     current = {"stage": stage, "recipe": recipe, "parent": str(parent.resolve())}
-    before = json.loads((run / RUN_FILE).read_text()) if (run / RUN_FILE).is_file() else {}
-    if (start.resume_from or start.finished) and before:
+    before = recorded_run(run) if start.resume_from or start.finished else {}
+    if before:
         old, new = (
             flatten({"recipe": before.get("recipe", {}), "parent": before.get("parent")}),
             flatten({"recipe": current["recipe"], "parent": current["parent"]}),
