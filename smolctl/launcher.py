@@ -36,8 +36,9 @@ def world_size_from_env() -> int:
 def rank_from_env() -> int:
     """This process's rank as torchrun and accelerate launch set it (0 when run alone)."""
     rank = _whole_number("RANK", 0, 0)
-    if "WORLD_SIZE" in os.environ and rank >= world_size_from_env():
-        raise UserError("RANK", f"is {rank}, outside a world of {world_size_from_env()} processes", LAUNCH_FIX)
+    if rank >= world_size_from_env():  # WORLD_SIZE unset is a world of 1
+        world = world_size_from_env()
+        raise UserError("RANK", f"is {rank}, outside a world of {world} process{'es' if world > 1 else ''}", LAUNCH_FIX)
     return rank
 
 

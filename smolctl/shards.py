@@ -393,7 +393,7 @@ def refuse_output_over_inputs(output: Path, inputs: Sequence[str | Path], role: 
     for source in inputs:
         path = Path(source).resolve()
         if path == out or out in path.parents:
-            what = f"{'is' if path == out else 'holds'} {role} {source}"
+            what = f"is {role} itself" if path == out else f"holds {role} {source}"
             raise UserError(output, what, "write the output to another folder")
 
 
@@ -883,10 +883,7 @@ class DocumentSource:
                 f"write the output beside {role} folder",
             )
         # A folder's files are under it (a symlinked one is not removed with OUTPUT): the folder alone is checked.
-        for path in [Path(p).resolve() for p in ([self.folder] if self.folder else self.files)]:
-            if path == out or out in path.parents:
-                what = f"is {role} itself" if path == out else f"holds {role} {path}"
-                raise UserError(output, what, "write the output to another folder")
+        refuse_output_over_inputs(output, [self.folder] if self.folder else self.files, role)
 
     def require(self, *columns: str, text: Sequence[str] = (), flags: Mapping[str, str] | None = None) -> None:
         """Every named column must exist; those in `text` must hold strings. A missing column's error names the

@@ -17,6 +17,7 @@ from smolctl.launcher import check_rendezvous_env, local_rank_from_env, rank_fro
         ({"WORLD_SIZE": "0"}, world_size_from_env, "WORLD_SIZE: is 0, below 1"),
         ({"RANK": "x"}, rank_from_env, "RANK: is 'x', not a whole number"),
         ({"RANK": "2", "WORLD_SIZE": "2"}, rank_from_env, "RANK: is 2, outside a world of 2 processes"),
+        ({"RANK": "3"}, rank_from_env, "RANK: is 3, outside a world of 1 process "),
         ({"LOCAL_RANK": "-1"}, local_rank_from_env, "LOCAL_RANK: is -1, below 0"),
         ({"WORLD_SIZE": "2", "MASTER_PORT": "1"}, check_rendezvous_env, "MASTER_ADDR: is not set"),
     ],

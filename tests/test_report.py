@@ -184,6 +184,7 @@ def test_a_run_logging_nan_losses_without_a_guard_is_named(tmp_path):
     run = tmp_path / "sft"
     run.mkdir()
     lines = [{"step": s, "loss": 3 - 0.01 * s if s < 20 else "nan", "learning_rate": 1e-5} for s in range(1, 31)]
+    lines[5]["loss"] = None  # a step that logged no loss is not one gone NaN
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     [finding] = build_reports([run])[0].findings
     assert (finding.kind, finding.start_step, finding.end_step) == ("nonfinite", 20, 30)

@@ -44,8 +44,8 @@ if TYPE_CHECKING:  # the estimate module loads on first use, not with `smolctl -
 
   smolctl estimate --model smollm3-3b --inference --context 8192 --batch 8 --compare-attention     serving memory
 
-  smolctl estimate recipes/smollm3-tiny.toml --set model.vocab_size=8192
-  --validate                                                    estimate vs measured, side by side
+  smolctl estimate recipes/smollm3-tiny.toml --validate
+  --set model.vocab_size=8192                   estimate vs measured (the vocabulary: once packed, the data's)
 
   smolctl estimate path/to/model-folder --tokens 1T --target-days 14 --json     any HF config
 """,

@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 from smolctl.errors import UserError
+from smolctl.launcher import world_size_from_env
 from smolctl.train.config import GrpoRecipe, global_batch_and_accumulation
 from smolctl.train.posttrain_run import (
     PostTrainResult,
@@ -28,7 +29,6 @@ from smolctl.train.posttrain_run import (
     run_callback,
     scheduled,
     trainer_arguments,
-    world_size,
 )
 from smolctl.train.rewards import log_completions
 from smolctl.train.rl_setup import as_chat, prepare, reward_trend
@@ -37,7 +37,7 @@ from smolctl.train.run import holds_run_folder
 
 def check_grpo_batch(recipe: GrpoRecipe) -> tuple[int, int]:
     """(completions per step, micro batches per device per step); each step must hold whole groups."""
-    batch, accumulation = global_batch_and_accumulation(recipe.training, world_size())
+    batch, accumulation = global_batch_and_accumulation(recipe.training, world_size_from_env())
     if batch % recipe.grpo.num_generations:
         raise UserError(
             "training.global_batch",

@@ -75,10 +75,6 @@ def use_bf16(precision: str) -> bool:
     return precision == "bf16"
 
 
-def world_size() -> int:
-    return world_size_from_env()
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The starting checkpoint
 
@@ -170,7 +166,7 @@ def check_sharding(recipe: PostTrainRecipe) -> None:
     """training.shard means FSDP through accelerate, which shards on GPUs only (on CPU it would quietly be DDP)."""
     import torch
 
-    if recipe.training.shard and world_size() > 1 and not torch.cuda.is_available():
+    if recipe.training.shard and world_size_from_env() > 1 and not torch.cuda.is_available():
         raise UserError(
             "training.shard",
             "FSDP through accelerate needs GPUs; on CPU the processes would each hold the whole model",
@@ -223,7 +219,7 @@ def trainer_arguments(run: Path, recipe: PostTrainRecipe) -> dict[str, Any]:
     import torch
 
     training, optimizer = recipe.training, recipe.optimizer
-    _, grad_accum = global_batch_and_accumulation(training, world_size())
+    _, grad_accum = global_batch_and_accumulation(training, world_size_from_env())
     interval = recipe.checkpoint.interval
     sharding = dict(fsdp="full_shard auto_wrap", fsdp_config={"version": 2}) if training.shard else {}
     return dict(

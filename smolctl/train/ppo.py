@@ -17,8 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from smolctl.errors import UserError
+from smolctl.launcher import world_size_from_env
 from smolctl.train.config import PpoRecipe
-from smolctl.train.posttrain_run import PostTrainResult, StepHook, finished_result, quiet_offline, world_size
+from smolctl.train.posttrain_run import PostTrainResult, StepHook, finished_result, quiet_offline
 from smolctl.train.ppo_loop import PpoLoop
 from smolctl.train.rl_setup import prepare
 from smolctl.train.run import holds_run_folder
@@ -61,7 +62,7 @@ def run_ppo(
 ) -> PostTrainResult:
     """Train the starting checkpoint on the recipe's rewards with smolctl's PPO (one process, or DDP under
     torchrun / accelerate launch)."""
-    check_ppo_batch(recipe, world_size())
+    check_ppo_batch(recipe, world_size_from_env())
     setup = prepare("ppo", recipe, run, start, resume, overwrite)
     if setup.start.finished:
         return finished_result("ppo", setup.run, setup.start)

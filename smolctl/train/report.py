@@ -195,6 +195,11 @@ def _derive_tokens_per_s(rows: list[dict]) -> None:
         previous = row
 
 
+def _nan_or_inf(value) -> bool:
+    """A loss gone NaN or infinite (read from JSON as a float, or as the Trainer's strings); not a missing one."""
+    return isinstance(value, float) and not math.isfinite(value)
+
+
 def _finite(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -342,8 +347,8 @@ def diagnose(rows: list[dict], events: list[dict]) -> list[Finding]:
 def logged_nonfinite(rows: list[dict], events: list[dict]) -> list[Finding]:
     """NaN or inf losses in metrics.jsonl that no guard recorded: the TRL stages (sft, dpo, grpo) log them and
     train on, and the plots drop them, so a run gone NaN read as one with no finding at all."""
-    guarded = {e["step"] for e in events if e.get("event") == "nonfinite"}
-    steps = [r["step"] for r in rows if "loss" in r and not _finite(r["loss"]) and r["step"] not in guarded]
+    guarded = {e.get("step") for e in events if e.get("event") == "nonfinite"}
+    steps = [r["step"] for r in rows if _nan_or_inf(r.get("loss")) and r["step"] not in guarded]
     if not steps:
         return []
     return [
