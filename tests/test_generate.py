@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, SAMPLE, run_cli
+from test_cli import _interrupted
 from tiny_checkpoint import make_tiny_checkpoint
 
 from smolctl.shards import open_documents, read_manifest
@@ -232,14 +233,7 @@ sys.argv = ["smolctl", "generate", {str(SAMPLE / "prompts")!r}, {str(tmp_path / 
 from smolctl.__main__ import main
 main()
 """
-        return subprocess.run(
-            [sys.executable, "-c", script],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=240,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.default_int_handler),
-        )
+        return _interrupted(script)
 
     first = interrupted_at(1)  # in the first shard: nothing to continue from, and nothing left behind
     assert first.returncode == 130 and first.stderr.strip().splitlines()[-1].endswith("run the command again")
