@@ -229,3 +229,22 @@ def test_verify_checks_a_tokenizers_special_tokens_and_chat_template(tokenizer_d
             next(copy.glob("chat_template*")).unlink()
         result = run_cli("inspect", copy, "--verify")
         assert result.returncode == 1, damage
+
+
+def test_a_config_naming_special_tokens_in_a_dict_takes_transformers_path(tokenizer_dir, tmp_path):
+    """Multimodal hub configs name extra special tokens in a dict ({"image_token": "<|image|>"}): the fast path
+    took tokenizer.json alone, so pack wrote <|image|> as six text tokens where transformers gives one special
+    token, and its fingerprint differed from the one pretrain and inspect compute, which then refused the data."""
+    import shutil
+
+    from smolctl.data.tokenizer import load_rust_tokenizer
+
+    folder = tmp_path / "multimodal"
+    shutil.copytree(tokenizer_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["extra_special_tokens"] = {"image_token": "<|image|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    rust, hf = load_rust_tokenizer(folder), load_tokenizer(folder)
+    text = "Look at <|image|> here."
+    assert rust.backend.encode(text, add_special_tokens=False).ids == hf(text, add_special_tokens=False)["input_ids"]
+    assert rust.fingerprint == tokenizer_fingerprint(hf) and rust.vocab_size == len(hf)

@@ -397,7 +397,11 @@ def _plain_tokenizer(path: Path) -> RustTokenizer | None:
     if backend.post_processor is None:
         return None  # transformers adds one: its fingerprint (what pretrain checks) is of the rewired tokenizer
     extra = config.get("extra_special_tokens", [])
-    named = [config.get("eos_token"), config.get("pad_token"), *(extra if isinstance(extra, list) else [None])]
+    if isinstance(extra, dict):  # {"image_token": "<|image|>"}, as multimodal configs name them
+        extra = list(extra.values())
+    if not isinstance(extra, list):
+        return None
+    named = [config.get("eos_token"), config.get("pad_token"), *extra]
     special = {token.content for token in backend.get_added_tokens_decoder().values() if token.special}
     if (
         set(config) - PLAIN_CONFIG_KEYS
