@@ -78,13 +78,19 @@ def _packed_samples(path: Path, count: int, tokenizer_spec: str | None, manifest
     recorded = (manifest.get("tokenizer") or {}).get("path")
     packed_with = (manifest.get("tokenizer") or {}).get("fingerprint")
     notes: list[str] = []
+
+    def other_than_packed_with(tokenizer) -> str | None:
+        """Its fingerprint where it is not the packing tokenizer's: decoded by another tokenizer, the rows read as
+        fluent-looking nonsense."""
+        found = tokenizer_fingerprint(tokenizer)
+        return found if packed_with and found != packed_with else None
+
     tokenizer = load_tokenizer(tokenizer_spec) if tokenizer_spec else None
-    # Decoded by another tokenizer, the rows read as fluent-looking nonsense: the packed fingerprint decides.
-    if tokenizer is not None and packed_with and tokenizer_fingerprint(tokenizer) != packed_with:
+    if tokenizer is not None and (found := other_than_packed_with(tokenizer)):
         raise UserError(
             "--tokenizer",
-            f"{tokenizer_spec} is not the tokenizer {path} was packed with (fingerprint "
-            f"{tokenizer_fingerprint(tokenizer)}, packed with {packed_with})",
+            f"{tokenizer_spec} is not the tokenizer {path} was packed with (fingerprint {found}, packed with "
+            f"{packed_with})",
             f"pass that tokenizer ({recorded}), or leave --tokenizer out",
         )
     if tokenizer is None and recorded:
@@ -92,7 +98,7 @@ def _packed_samples(path: Path, count: int, tokenizer_spec: str | None, manifest
             tokenizer = load_tokenizer(recorded)
         except UserError:  # moved or deleted since the pack: the rows show as token ids (--tokenizer decodes)
             tokenizer = None
-        if tokenizer is not None and packed_with and tokenizer_fingerprint(tokenizer) != packed_with:
+        if tokenizer is not None and other_than_packed_with(tokenizer):
             notes.append(f"{recorded} changed since {path} was packed with it: the rows are shown as token ids")
             tokenizer = None
     samples = []

@@ -193,7 +193,7 @@ def scenario_from_sources(
 ) -> TrainingScenario:
     """Recipe values first, then every flag that was given (None means not given). A recipe is checked as
     `smolctl pretrain` checks it (a typo or a wrong type is refused, not ignored), and its [parallel] mesh is
-    laid over the GPUs as pretrain lays it, unless --tp, --dp-shard or --zero say otherwise."""
+    laid over the GPUs as pretrain lays it, unless --tp, --pp, --cp, --dp-shard or --zero say otherwise."""
     from smolctl.train.config import load_command_recipe, split_world
 
     values: dict[str, Any] = {}

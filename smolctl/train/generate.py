@@ -512,6 +512,15 @@ def run_generate(
     quiet_offline()
     folder = OutputFolder(job.output, kind=KIND_DOCUMENTS, overwrite=job.overwrite, inputs=inputs, resumable=True)
     resumed = resume_state(folder, settings, shards)
+    done, tokens, total = resumed * job.shard_prompts, 0, len(prompts)
+    sampled: int | None = 0  # over every shard of the output, the kept ones included
+
+    def advance(count: int, batch_tokens: int) -> None:
+        nonlocal done, tokens
+        done, tokens = done + count, tokens + batch_tokens
+        if on_progress:
+            on_progress(done, total, tokens / max(1e-9, time.perf_counter() - sampling_started))
+
     try:
         samplers = (
             [
@@ -521,29 +530,15 @@ def run_generate(
             if resumed < shards
             else []
         )
-    except BaseException as exc:
-        _let_go(folder, job, exc)
-        raise
-    done, tokens = resumed * job.shard_prompts, 0
-    total = len(prompts)
-    sampling_started = time.perf_counter()  # tokens/s counts sampling, not loading the models
-
-    def advance(count: int, batch_tokens: int) -> None:
-        nonlocal done, tokens
-        done, tokens = done + count, tokens + batch_tokens
-        if on_progress:
-            on_progress(done, total, tokens / max(1e-9, time.perf_counter() - sampling_started))
-
-    sampled: int | None = 0  # over every shard of the output, the kept ones included
-    try:
+        sampling_started = time.perf_counter()  # tokens/s counts sampling, not loading the models
         for index in range(shards):
             lo, hi = index * job.shard_prompts, min(total, (index + 1) * job.shard_prompts)
             if index >= resumed:
                 before = tokens
                 rows = shard_rows(job, samplers, prompts[lo:hi], references[lo:hi], index, advance)
-                counted = schema.with_metadata({**(schema.metadata or {}), SAMPLED_TOKENS_KEY: str(tokens - before)})
+                with_count = schema.with_metadata({**(schema.metadata or {}), SAMPLED_TOKENS_KEY: str(tokens - before)})
                 tmp = folder.file(f".{shard_name(index)}.tmp")
-                pq.write_table(pa.Table.from_pylist(rows, schema=counted), tmp, compression="zstd")
+                pq.write_table(pa.Table.from_pylist(rows, schema=with_count), tmp, compression="zstd")
                 os.replace(tmp, folder.file(shard_name(index)))
                 if on_shard:
                     on_shard(index)
@@ -558,7 +553,8 @@ def run_generate(
         _let_go(folder, job, exc)
         raise
     sampling_seconds, seconds = time.perf_counter() - sampling_started, time.perf_counter() - started
-    untemplated = [str(m) for m in job.models if not getattr(load_tokenizer(m), "chat_template", None)]
+    tokenizers = [sampler.tokenizer for sampler in samplers] or [load_tokenizer(m) for m in job.models]
+    untemplated = [str(m) for m, t in zip(job.models, tokenizers) if not getattr(t, "chat_template", None)]
     folder.file(SETTINGS_FILE).unlink()
     rows = sum(s["rows"] for s in folder.shards)
     tied = total - rows if job.mode == "ranked" else 0  # ranked writes one row per prompt it could rank

@@ -79,6 +79,7 @@ from smolctl.train.run import (
     model_folder,
     recipe_changes,
     recorded_run,
+    resume_event,
 )
 from smolctl.train.schedule import learning_rate
 from smolctl.train.trackers import open_tracker, require_trackers
@@ -427,10 +428,9 @@ class Trainer:
                 if self._replace_run:
                     shutil.rmtree(folder)
                 folder.mkdir(parents=True, exist_ok=True)
-            elif (self.run_dir / RUN_FILE).is_file():
+            elif before := recorded_run(self.run_dir):
                 # run.json holds the recipe now in force (a decay phase's schedule, another world size's plan);
                 # the resume event says what changed.
-                before = recorded_run(self.run_dir)
                 self.recipe_changes = recipe_changes(  # the batch plan's keys as plan.KEY
                     {**before.get("recipe", {}), "plan": before.get("plan", {})},
                     {**recorded["recipe"], "plan": recorded["plan"]},
@@ -699,9 +699,9 @@ class Trainer:
                         f"resuming from {self.resume_from} (step {self.step}, {self.tokens_seen:,} tokens)"
                     )
                     if self.dist.is_main:  # after the monitor dropped what the steps about to run again logged
-                        event = {"event": "resume", "step": self.step, "from": str(self.resume_from)}
-                        changed = {"changed": self.recipe_changes} if self.recipe_changes else {}
-                        append_jsonl(self.run_dir / EVENTS, {**event, **changed, "time": time.time()})
+                        append_jsonl(
+                            self.run_dir / EVENTS, resume_event(self.step, self.resume_from, self.recipe_changes)
+                        )
                 while self.step < plan.steps:
                     started = time.perf_counter()
                     with self.monitor.profiled(self.step + 1):

@@ -202,6 +202,12 @@ def recipe_changes(before: dict, now: dict) -> dict[str, list]:
     return {key: [old.get(key), new.get(key)] for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
 
 
+def resume_event(step: int, source: Path, changes: dict[str, list]) -> dict:
+    """The events.jsonl line of a resume: where it continued from, and what it changed of the recipe."""
+    event = {"event": "resume", "step": step, "from": str(source)}
+    return {**event, **({"changed": changes} if changes else {}), "time": time.time()}
+
+
 def begin_run(run: Path, stage: str, recipe: dict, parent: Path, start: RunStart) -> None:
     """Record the run in RUN/run.json (a resume or a no-op must use the same recipe and starting checkpoint), and
     set metrics.jsonl and events.jsonl to the resume point. Rank 0 writes; every rank checks."""
@@ -240,5 +246,4 @@ def begin_run(run: Path, stage: str, recipe: dict, parent: Path, start: RunStart
         drop_lines_after(run / name, resumed_at)
         (run / name).touch()
     if start.resume_from:
-        event = {"event": "resume", "step": resumed_at, "from": str(start.resume_from)}
-        append_jsonl(run / EVENTS, {**event, **({"changed": changes} if changes else {}), "time": time.time()})
+        append_jsonl(run / EVENTS, resume_event(resumed_at, start.resume_from, changes))
