@@ -9,6 +9,7 @@ from typing import Any
 from smolctl.data.tokenizer import fingerprint_problems, load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import UserError
 from smolctl.results import Result
+from smolctl.train.run import RUN_FILE
 from smolctl.shards import (
     KIND_DOCUMENTS,
     KIND_MODEL,
@@ -117,13 +118,14 @@ def _packed_samples(path: Path, count: int, tokenizer_spec: str | None, manifest
 
 
 # The counts a folder kind has: a dataset counts rows (documents), a packed folder rows and tokens, datatrove token
-# files tokens; a model's shards are its weight files and a tokenizer has none, and neither has rows.
+# files tokens; a model's shards are its weight files, a tokenizer and a checkpoint have none, and none has rows.
 COUNTS_BY_KIND = {
     KIND_DOCUMENTS: ("rows", "tokens", "shards"),
     KIND_PACKED: ("rows", "tokens", "shards"),
     KIND_TOKENS: ("rows", "tokens", "shards"),
     KIND_MODEL: ("shards",),
     "tokenizer": (),
+    "checkpoint": (),
 }
 KIND_COLLECTION = "folders"  # a plain folder holding smolctl folders (e.g. dedup outputs per source)
 
@@ -217,11 +219,14 @@ def inspect_path(
     """Describe a dataset, packed, model or tokenizer folder, a folder of such folders, or a foreign parquet
     file/folder/glob."""
     target = Path(path)
-    if target.is_dir() and not (target / MANIFEST_NAME).exists() and (target / "final" / MANIFEST_NAME).is_file():
-        target = target / "final"  # a training run folder: what it produced is its final model
+    # A training run folder: what it produced is its final model; until it has one, its checkpoints. Its
+    # checkpoints and exports are verified with it, since a run is copied and resumed whole.
+    run = target if target.is_dir() and (target / RUN_FILE).is_file() and not (target / MANIFEST_NAME).exists() else None
+    if run is not None and (target / "final" / MANIFEST_NAME).is_file():
+        target = target / "final"
         path = str(target)
     manifest = read_manifest(target) if target.is_dir() else None
-    if manifest is None and target.is_dir() and smolctl_folders_under(target, max_depth=1):
+    if manifest is None and target.is_dir() and (run is not None or smolctl_folders_under(target, max_depth=1)):
         if lineage:
             raise UserError(
                 "--lineage",
@@ -265,7 +270,8 @@ def inspect_path(
         # a mix's stages are its own shards: hash each file once
         listed = {shard["name"] for shard in manifest.get("shards", [])}
         separate = [f for f in nested if not any(name.startswith(f"{f.relative_to(target)}/") for name in listed)]
-        result.verify([target, *separate])
+        rest_of_run = [f for f in smolctl_folders_under(run) if target not in (f, *f.parents)] if run else []
+        result.verify([target, *separate, *rest_of_run])
     samples = samples if manifest.get("shards") else 0  # a folder written empty (every document removed, say)
     if samples and not result.problems and manifest["kind"] == KIND_DOCUMENTS:
         result.samples = _document_samples(target, samples)

@@ -1198,7 +1198,7 @@ def verify_checksums(folder: Path, manifest: dict | None = None) -> list[str]:
         for companion in ("index", "metadata"):  # a token file's document ends and its tokenizer line
             if f"{companion}_sha256" in shard:
                 problems += _file_problems(folder / shard[companion], None, shard[f"{companion}_sha256"])
-    for listed in manifest.get("files", []):  # a model's other files; a checkpoint's, by size alone
+    for listed in manifest.get("files", []):  # a model's other files, a checkpoint's (sha256 since they were recorded)
         problems += _file_problems(folder / listed["name"], listed["bytes"], listed.get("sha256"))
     problems += _unlisted_shards(folder, manifest)
     if manifest.get("kind") == KIND_PACKED and not problems:

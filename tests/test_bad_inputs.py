@@ -205,12 +205,17 @@ def _edited_run(tmp: Path, name: str, text: str) -> Path:
     return run
 
 
-def _damaged(tmp: Path, name: str) -> Path:
+def _damaged(tmp: Path, name: str, *, digests: bool = True) -> Path:
     """The newest checkpoint of a copy of the shared run, with `name` overwritten at its own size (the manifest's
-    size check passes; the bytes are wrong, as after a bad copy or a failing disk)."""
+    size check passes; the bytes are wrong, as after a bad copy or a failing disk). digests=False: its manifest
+    lists no sha256, as a checkpoint saved before they were recorded, so only reading the bytes finds the damage."""
     checkpoint = run_copy(tmp) / "checkpoints" / "step-0000002"
     size = (checkpoint / name).stat().st_size
     (checkpoint / name).write_bytes(b"Y" * size)
+    if not digests:
+        manifest = json.loads((checkpoint / "manifest.json").read_text())
+        manifest["files"] = [{k: v for k, v in f.items() if k != "sha256"} for f in manifest["files"]]
+        (checkpoint / "manifest.json").write_text(json.dumps(manifest))
     return checkpoint
 
 
@@ -928,15 +933,35 @@ CASES = [
     ),
     Case(
         "export: a checkpoint shard damaged at its size",
-        lambda t: (["export", _damaged(t, "__0_0.distcp"), t / "out"], "cannot be read: UnpicklingError", t / "out"),
+        lambda t: (
+            ["export", _damaged(t, "__0_0.distcp"), t / "out"],
+            "__0_0.distcp differs from the sha256 it was saved with",
+            t / "out",
+        ),
     ),
     Case(
-        "export: a checkpoint's config.json damaged at its size",
-        lambda t: (["export", _damaged(t, "config.json"), t / "out"], "cannot be read: JSONDecodeError", t / "out"),
+        "export: a shard damaged at its size, in a checkpoint whose manifest lists no digests",
+        lambda t: (
+            ["export", _damaged(t, "__0_0.distcp", digests=False), t / "out"],
+            "cannot be read: UnpicklingError",
+            t / "out",
+        ),
     ),
     Case(
-        "export: a checkpoint's tokenizer damaged at its size",
-        lambda t: (["export", _damaged(t, "tokenizer.json"), t / "out"], "'s tokenizer cannot be read", t / "out"),
+        "export: a checkpoint's config.json damaged at its size, no digests",
+        lambda t: (
+            ["export", _damaged(t, "config.json", digests=False), t / "out"],
+            "cannot be read: JSONDecodeError",
+            t / "out",
+        ),
+    ),
+    Case(
+        "export: a checkpoint's tokenizer damaged at its size, no digests",
+        lambda t: (
+            ["export", _damaged(t, "tokenizer.json", digests=False), t / "out"],
+            "'s tokenizer cannot be read",
+            t / "out",
+        ),
     ),
     Case(
         "pretrain: resume from a checkpoint whose metadata is damaged",
@@ -950,7 +975,7 @@ CASES = [
                 "--set",
                 "training.steps=3",
             ],
-            "step-0000002 cannot be read: UnpicklingError",
+            "step-0000002: .metadata differs from the sha256 it was saved with",
             t / "run",
         ),
     ),
@@ -1420,3 +1445,23 @@ def test_read_only_output_folder(tmp_path):
         assert len(result.stderr.strip().splitlines()) == 1
     finally:
         subprocess.run(["umount", str(readonly)], check=False)
+
+
+def test_inspect_verify_of_a_run_checks_its_checkpoints_beside_its_final_model(tmp_path):
+    """A run is copied and resumed whole: `inspect RUN --verify` showed final/ and checked only it, so a checkpoint
+    flipped at its size passed."""
+    run = run_copy(tmp_path)
+    shard = run / "checkpoints" / "step-0000001" / "__0_0.distcp"
+    damaged = bytearray(shard.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x01
+    shard.write_bytes(damaged)
+    result = run_cli("inspect", run, "--verify", "--json", "--samples", "0")
+    assert result.returncode == 1, result.stderr
+    found = json.loads(result.stdout)
+    assert found["kind"] == "model" and found["verified"] is False
+    assert [Path(f).relative_to(run).as_posix() for f in found["verified_folders"]] == [
+        "final",
+        "checkpoints/step-0000001",
+        "checkpoints/step-0000002",
+    ]
+    assert found["problems"] == [f"{shard}: sha256 differs from the manifest"]

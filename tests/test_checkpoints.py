@@ -235,3 +235,50 @@ def test_a_damaged_checkpoint_is_named_but_ctrl_c_and_oom_stay_what_they_are(tmp
     }[raised]
     with expected, damaged_checkpoint(tmp_path, "--from"):
         dcp.load({"w": torch.zeros(4)}, checkpoint_id=str(tmp_path), no_dist=True)
+
+
+def test_every_rank_s_shard_is_listed_with_the_sha256_of_its_bytes(reference):
+    """Each rank hashes the shard it wrote; rank 0 lists them all, so `inspect --verify` can catch a flipped block
+    that keeps the file's size (a bad copy between file systems), which sizes alone never could."""
+    from smolctl.shards import sha256_file
+
+    for checkpoint in sorted((reference[0] / "checkpoints").glob("step-*")):
+        listed = {entry["name"]: entry for entry in json.loads((checkpoint / "manifest.json").read_text())["files"]}
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "rng-rank00001.pt"} <= listed.keys()
+        on_disk = sorted(p.name for p in checkpoint.iterdir() if p.name != "manifest.json")
+        assert sorted(listed) == on_disk, "a rank's record of its digests was left in the checkpoint"
+        for name, entry in listed.items():
+            assert entry["sha256"] == sha256_file(checkpoint / name), name
+
+
+def test_a_shard_flipped_at_its_size_stops_the_resume_on_every_world_size(reference, recipe, tmp_path):
+    """Rank 1 hashes rank 0's shard (files are shared out by rank): the line still comes out whole, once. Without
+    the check, the flipped weights load and train on."""
+    from conftest import run_cli
+
+    run = tmp_path / "run"
+    shutil.copytree(reference[0], run)
+    shutil.rmtree(run / "final")
+    shutil.rmtree(run / "checkpoints" / "step-0000008")
+    shard = run / "checkpoints" / "step-0000004" / "__0_0.distcp"
+    damaged = bytearray(shard.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x10  # inside a tensor's bytes: the file still unpickles
+    shard.write_bytes(damaged)
+
+    expected = "step-0000004: __0_0.distcp differs from the sha256 it was saved with"
+    for launcher in (torchrun(2, 29636), [sys.executable, "-m", "smolctl"]):
+        done = subprocess.run(
+            pretrain(launcher, recipe, run, "--resume", "auto", "--set", "training.shard=true"),
+            env=ENV,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode != 0 and done.stderr.count(expected) == 1, done.stderr[-3000:]
+        # torchrun itself prints a traceback when a worker exits non-zero; smolctl's own frames never show
+        assert done.stderr.startswith("error: --resume: ") and "smolctl/train" not in done.stderr, done.stderr[-3000:]
+    assert sorted(losses(run)) == list(range(1, 9)), "the refused resumes logged steps"
+
+    verify = run_cli("inspect", run, "--verify")
+    assert verify.returncode == 1 and "step-0000004/__0_0.distcp: sha256 differs" in verify.stdout + verify.stderr

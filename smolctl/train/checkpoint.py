@@ -5,7 +5,8 @@
                                     train_state.json          step, tokens, data position, guards, parent
                                     rng-rank00000.pt          one per rank
                                     config.json, generation_config.json, tokenizer files (for `smolctl export`)
-                                    manifest.json             kind "checkpoint", written last: the save finished
+                                    manifest.json             kind "checkpoint", written last: the save finished;
+                                                              every file's size and sha256
     RUN/final/                      a Hugging Face folder (kind "model"), gathered from memory at the end
 
     smolctl export RUN/checkpoints/step-0000500 OUT           the same Hugging Face folder for any checkpoint
@@ -35,7 +36,15 @@ from pathlib import Path
 
 from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import UserError
-from smolctl.shards import KIND_MODEL, MANIFEST_NAME, OutputFolder, atomic_write_json, lineage_ref, read_manifest
+from smolctl.shards import (
+    KIND_MODEL,
+    MANIFEST_NAME,
+    OutputFolder,
+    atomic_write_json,
+    lineage_ref,
+    read_manifest,
+    sha256_file,
+)
 from smolctl.train.distributed import Dist
 from smolctl.train.run import EVENTS, append_jsonl
 
@@ -44,6 +53,7 @@ TRAIN_STATE = "train_state.json"
 DCP_METADATA = ".metadata"
 MODEL_KEY, OPTIMIZER_KEY = "model", "optimizer"
 EXPORT_SHARD_BYTES = 2 * 1024**3  # safetensors shards of an export: bounded memory, HF's sharded layout
+WRITTEN_DIGESTS = "sha256.json"  # .__R_sha256.json: the digests of the files rank R wrote, until the commit
 
 # One process is a layout DCP handles like any other; its "assuming a single process" warning says nothing new.
 warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)", category=UserWarning)
@@ -62,6 +72,28 @@ def _is_complete(folder: Path) -> bool:
     if not manifest or manifest.get("kind") != KIND_CHECKPOINT:
         return False
     return _first_incomplete_file(folder, manifest) is None
+
+
+def check_saved_bytes(path: Path, flag: str, dist: Dist | None = None) -> None:
+    """Refuse (one line) a checkpoint whose files differ from the sha256 they were saved with, before anything
+    reads them: a flipped block in a shard would otherwise load as wrong weights and train on. Under `dist`, every
+    rank hashes its share of the files, so the checkpoint is read about once whatever the world size."""
+    listed = (read_manifest(path) or {}).get("files", [])
+    rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
+    damaged = _first_damaged_file(path, listed[rank::world])
+    if dist is not None:
+        damaged = dist.first_problem(damaged)
+    if damaged is not None:
+        raise UserError(flag, f"{path}: {damaged}", "use an earlier checkpoint of the run")
+
+
+def _first_damaged_file(folder: Path, listed: list[dict]) -> str | None:
+    """The first of the `listed` files whose bytes differ from the sha256 it was saved with, as a phrase; None
+    when all match (a checkpoint saved before the manifest held digests has none to compare)."""
+    for entry in listed:
+        if entry.get("sha256") is not None and sha256_file(folder / entry["name"]) != entry["sha256"]:
+            return f"{entry['name']} differs from the sha256 it was saved with (a damaged copy or disk)"
+    return None
 
 
 def _first_incomplete_file(folder: Path, manifest: dict) -> str | None:
@@ -269,7 +301,11 @@ class CheckpointManager:
         self.dist.barrier()  # the staging folder exists before any rank writes into it
         staging = path.parent / f".{path.name}.partial"
         torch.save(rng_state(), staging / f"rng-rank{self.dist.rank:05d}.pt")
-        options = {"checkpoint_id": str(staging), "process_group": self.process_group, "no_dist": not self.dist.active}
+        options = {
+            "storage_writer": _digest_recording_writer(staging),
+            "process_group": self.process_group,
+            "no_dist": not self.dist.active,
+        }
         fields = {"step": step, **fields}
         if blocking or not self.async_save:
             dcp.save(self._state(), **options)
@@ -325,10 +361,14 @@ class CheckpointManager:
         """Rank 0 (the only one with an output): manifest, rename into place, prune, maybe export."""
         if output is None:
             return
-        # Rank 0's save finishes after DCP's coordinator gathered every rank's write results: all shards are on disk.
-        # Listed by size, not hashed: hashing every save would stall rank 0 for minutes on a large model.
+        # Rank 0's save finishes after DCP's coordinator gathered every rank's write results: all shards are on disk,
+        # and so is each rank's record of their digests. Rank 0 hashes only the small files (metadata, RNG, config).
+        digests: dict[str, str] = {}
+        for record in sorted(output.staging.glob(f".*{WRITTEN_DIGESTS}")):
+            digests.update(json.loads(record.read_text()))
+            record.unlink()
         files = [
-            {"name": entry.name, "bytes": entry.stat().st_size}
+            {"name": entry.name, "bytes": entry.stat().st_size, "sha256": digests.get(entry.name) or sha256_file(entry)}
             for entry in sorted(output.staging.iterdir())
             if entry.is_file()
         ]
@@ -389,6 +429,25 @@ class CheckpointManager:
             self._stager = None
 
 
+def _digest_recording_writer(staging: Path):
+    """DCP's file writer, which also records the sha256 of the files this rank wrote (`.__R_sha256.json`), hashed
+    while they are still in the page cache and, for an async save, on the thread that wrote them: rank 0 lists every
+    shard's digest in the manifest without reading the other ranks' shards."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class DigestRecordingWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            written = super().write_data(plan, planner)
+            names = sorted({result.storage_data.relative_path for result in written.wait()})
+            atomic_write_json(
+                staging / f".{plan.storage_data.prefix}{WRITTEN_DIGESTS}",
+                {name: sha256_file(staging / name) for name in names},
+            )
+            return written
+
+    return DigestRecordingWriter(str(staging))
+
+
 def check_model_shapes(path: Path, model, flag: str = "--resume") -> None:
     """Refuse (one line) a checkpoint whose weights do not fit `model` (an unwrapped model), before DCP fails deep."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -435,6 +494,7 @@ def export_checkpoint(
 
     source = Path(checkpoint)
     manifest = check_checkpoint(source, flag)
+    check_saved_bytes(source, flag)
     with damaged_checkpoint(source, flag):
         tied = json.loads((source / "config.json").read_text()).get("tie_word_embeddings", False)
         metadata = FileSystemReader(str(source)).read_metadata().state_dict_metadata

@@ -62,6 +62,17 @@ class Dist:
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.host_group)
         return bool(value.item())
 
+    def first_problem(self, problem: str | None) -> str | None:
+        """The problem of the lowest rank that found one, on every rank (None when none did): each rank checks a
+        share of something and all of them stop with the same line. Agreed on the host group."""
+        if not self.active:
+            return problem
+        import torch.distributed as dist
+
+        found: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(found, problem, group=self.host_group)
+        return next((p for p in found if p is not None), None)
+
     def close(self) -> None:
         if self.active:
             import torch.distributed as dist

@@ -33,6 +33,7 @@ from smolctl.train.checkpoint import (
     CheckpointManager,
     check_model_folder,
     check_model_shapes,
+    check_saved_bytes,
     check_same_identity,
     checkpoint_step,
     complete_checkpoints,
@@ -299,6 +300,7 @@ class Trainer:
             load_full_state_dict(self.model, read_weights(Path(self.init_from), self.model), dist)
         dcp_source = self.resume_from or (self.init_from if self.init_kind == KIND_CHECKPOINT else None)
         if dcp_source:
+            check_saved_bytes(Path(dcp_source), "--resume" if self.resume_from else "--from", dist)
             check_model_shapes(
                 Path(dcp_source), self.model, "--resume" if self.resume_from else "--from"
             )  # DCP loads them after wrapping, at any world size
@@ -563,6 +565,7 @@ class Trainer:
         counts = (self.guards.skipped, self.guards.spikes, self.guards.rollbacks + 1)
         target = clean[-1]
         self.checkpoints.discard_after(checkpoint_step(target))
+        check_saved_bytes(target, "rollback", self.dist)
         self._restore(target, "rollback")
         self.guards.skipped, self.guards.spikes, self.guards.rollbacks = counts
         self.stream.position.skip = sorted(set(self.stream.position.skip) | set(bad_batches))
