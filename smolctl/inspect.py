@@ -9,7 +9,6 @@ from typing import Any
 from smolctl.data.tokenizer import fingerprint_problems, load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import UserError
 from smolctl.results import Result
-from smolctl.train.run import RUN_FILE
 from smolctl.shards import (
     KIND_DOCUMENTS,
     KIND_MODEL,
@@ -23,6 +22,7 @@ from smolctl.shards import (
     schema_to_dict,
     verify_checksums,
 )
+from smolctl.train.run import RUN_FILE
 
 SAMPLE_CHARS = 240
 DOCUMENT_BOUNDARY = " ⟂ "
@@ -221,7 +221,9 @@ def inspect_path(
     target = Path(path)
     # A training run folder: what it produced is its final model; until it has one, its checkpoints. Its
     # checkpoints and exports are verified with it, since a run is copied and resumed whole.
-    run = target if target.is_dir() and (target / RUN_FILE).is_file() and not (target / MANIFEST_NAME).exists() else None
+    run = (
+        target if target.is_dir() and (target / RUN_FILE).is_file() and not (target / MANIFEST_NAME).exists() else None
+    )
     if run is not None and (target / "final" / MANIFEST_NAME).is_file():
         target = target / "final"
         path = str(target)
