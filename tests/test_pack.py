@@ -988,3 +988,110 @@ def test_a_manifest_whose_rows_or_seq_len_disagree_with_its_shards_is_refused(sa
         assert problems and "the manifest says" in problems[0], field
         with pytest.raises(UserError, match=r"the manifest says .* re-run pack"):
             open_packed(tmp_path / "packed")
+
+
+# ---- documents of book-dump size: encoded in pieces, with the ids of the whole ----------------------------------
+
+LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
+def tokenizer_family(family: str, texts: list[str], byte_level_dir: Path):
+    """A Rust tokenizer of each kind the hub holds, trained on the sample in a second (or ours, byte-level BPE)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    if family in ("byte-level", "added-token-with-a-space"):
+        backend = load_rust_tokenizer(str(byte_level_dir)).backend
+        if family == "added-token-with-a-space":
+            backend.add_special_tokens(["<start of turn>"])
+        return backend
+    if family == "llama3-split":
+        backend = Tokenizer(models.BPE())
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        backend.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=1000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    elif family == "metaspace-unigram":  # T5 / Llama-2-converted style
+        backend = Tokenizer(models.Unigram())
+        backend.normalizer = normalizers.NFKC()
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+        trainer = trainers.UnigramTrainer(vocab_size=800, unk_token="<unk>", special_tokens=["<unk>"])
+    elif family == "bert-wordpiece":
+        backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+        backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        trainer = trainers.WordPieceTrainer(vocab_size=1000, special_tokens=["[UNK]"])
+    else:  # "llama2-legacy": "▁" prepended to every input by the normalizer, no pre-tokenizer at all
+        backend = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>"])
+    backend.train_from_iterator(texts[:300], trainer=trainer)
+    return backend
+
+
+# Per family: does its structure allow cuts at spaces (a pre-tokenizer that splits there, no normalizer acting on
+# each input's edges), and do the cuts keep the ids around them (an added token may hold the space a cut takes)?
+# Only where both hold are its long documents cut; the rest are encoded whole.
+CUT = {
+    "byte-level": (True, True),
+    "llama3-split": (True, True),
+    "metaspace-unigram": (True, True),
+    "bert-wordpiece": (True, True),
+    "llama2-legacy": (False, None),
+    "added-token-with-a-space": (True, False),
+}
+
+
+@pytest.mark.parametrize("family", list(CUT))
+def test_a_long_document_has_the_ids_of_encoding_it_whole(sample, tokenizer_dir, monkeypatch, family):
+    from smolctl.data import long_documents
+
+    texts = sample_texts(sample / "web")
+    backend = tokenizer_family(family, texts, tokenizer_dir)
+    text = " ".join(texts)[:60_000]
+    if family == "added-token-with-a-space":  # its first space is where the first cut falls, at PIECE_CHARS + 1
+        text = text[:1980] + "<start of turn>" + text[1980:]
+    monkeypatch.setattr(long_documents, "LONG_DOCUMENT_CHARS", 5_000)
+    monkeypatch.setattr(long_documents, "PIECE_CHARS", 1_985)
+    monkeypatch.setattr(long_documents, "TEXT_BYTES_PER_CALL", 9_000)  # several calls per document
+    pieces = long_documents._pieces(text)
+    assert len(pieces) > 20 and "".join(pieces) == text
+    splits, keeps = CUT[family]
+    assert long_documents.splits_at_spaces(backend) == splits
+    if splits:
+        assert long_documents._cuts_keep_ids(backend, pieces) == keeps
+    whole = backend.encode(text, add_special_tokens=False).ids
+    assert long_documents.document_ids(backend, text).tolist() == whole
+    if splits and keeps:  # the cuts are real ones: the pieces' ids alone join to the whole's
+        assert (
+            list(itertools.chain.from_iterable(backend.encode(p, add_special_tokens=False).ids for p in pieces))
+            == whole
+        )
+
+
+def test_pack_and_mix_give_a_long_document_the_ids_and_count_of_it_whole(sample, tokenizer_dir, monkeypatch, tmp_path):
+    """Byte-identical shards with and without the cutting, and mix's exact count of the document is pack's."""
+    from smolctl.data import long_documents, mix_tokens
+
+    texts = sample_texts(sample / "web")
+    long = " ".join(texts)[:80_000]
+    pq.write_table(pa.table({"text": texts[:30] + [long] + texts[30:60]}), tmp_path / "docs.parquet")
+    config = PackConfig(seq_len=128)
+    pack(str(tmp_path / "docs.parquet"), tmp_path / "whole", tokenizer_spec=str(tokenizer_dir), config=config)
+    for module in (long_documents, pack_tokens, mix_tokens):
+        monkeypatch.setattr(module, "LONG_DOCUMENT_CHARS", 10_000)
+    monkeypatch.setattr(long_documents, "PIECE_CHARS", 3_000)
+    calls = []
+    monkeypatch.setattr(
+        long_documents, "_pieces", lambda text, cut=long_documents._pieces: calls.append(1) or cut(text)
+    )
+    pack(str(tmp_path / "docs.parquet"), tmp_path / "pieces", tokenizer_spec=str(tokenizer_dir), config=config)
+    assert calls, "the long document was not encoded in pieces"
+    whole, pieces = read_manifest(tmp_path / "whole"), read_manifest(tmp_path / "pieces")
+    assert [s["sha256"] for s in pieces["shards"]] == [s["sha256"] for s in whole["shards"]]
+    backend = load_rust_tokenizer(str(tokenizer_dir)).backend
+    counted = mix_tokens.piece_tokens(backend, pa.array([texts[0], long]))
+    assert counted.tolist() == [len(backend.encode(t, add_special_tokens=False).ids) for t in (texts[0], long)]

@@ -39,6 +39,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from smolctl.arrow_arrays import ENCODER_CALLS_IN_FLIGHT, plain_strings, text_pieces
+from smolctl.data.long_documents import LONG_DOCUMENT_CHARS, texts_ids
 from smolctl.data.mix_blocks import BINS, row_bins, row_hash, source_key
 from smolctl.errors import UserError
 
@@ -85,9 +86,11 @@ def text_tokens(texts: pa.Array, backend) -> np.ndarray:
 
 
 def piece_tokens(backend, piece: pa.Array) -> np.ndarray:
-    encodings = backend.encode_batch_fast(
-        [t if t is not None else "" for t in piece.to_pylist()], add_special_tokens=False
-    )
+    texts = [t if t is not None else "" for t in piece.to_pylist()]
+    if max(map(len, texts), default=0) > LONG_DOCUMENT_CHARS:  # as pack encodes a book-dump-sized document
+        encodings = texts_ids(backend, texts)
+    else:
+        encodings = backend.encode_batch_fast(texts, add_special_tokens=False)
     return np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from smolctl.arrow_arrays import ENCODER_CALLS_IN_FLIGHT, text_pieces
 from smolctl.child_processes import exit_with_parent, leave_quietly_on_ctrl_c
+from smolctl.data.long_documents import LONG_DOCUMENT_CHARS, texts_ids
 from smolctl.data.pack_rows import TokenBatch
 from smolctl.data.tokenizer import RustTokenizer
 
@@ -74,8 +75,14 @@ def append_document_end(batch: TokenBatch, eos_id: int) -> tuple[TokenBatch, int
 
 def encode_documents(backend, texts: list[str], eos_id: int) -> tuple[TokenBatch, int, int]:
     """(the non-empty documents' ids, each + EOS; documents read; empty documents dropped), via the Rust
-    tokenizer's batch encoder (no special tokens, no offsets computed)."""
-    batch, empty = join_encodings(backend.encode_batch_fast(texts, add_special_tokens=False), eos_id)
+    tokenizer's batch encoder (no special tokens, no offsets computed); a document of book-dump size in pieces
+    (long_documents.py), with the same ids."""
+    if max(map(len, texts), default=0) > LONG_DOCUMENT_CHARS:
+        documents = texts_ids(backend, texts)
+        lengths = np.fromiter(map(len, documents), dtype=np.int64, count=len(documents))
+        batch, empty = append_document_end(TokenBatch(np.concatenate(documents), lengths), eos_id)
+    else:
+        batch, empty = join_encodings(backend.encode_batch_fast(texts, add_special_tokens=False), eos_id)
     return batch, len(texts), empty
 
 
