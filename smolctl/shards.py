@@ -666,7 +666,28 @@ def _check_parquet_magic(path: Path) -> None:
         raise UserError(path, f"cannot read: {exc.strerror or exc}", "check the path and its permissions") from exc
     if size < 12 or head != PARQUET_MAGIC or tail != PARQUET_MAGIC:
         what = "is empty" if size == 0 else "is not a parquet file (or is truncated)"
+        if _is_json_lines(path.name):
+            raise UserError(path, "is JSON lines, not parquet", _json_lines_fix(path))
         raise UserError(path, what, "pass parquet shards, e.g. a folder written by smolctl or datasets.to_parquet")
+
+
+JSON_LINES_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+
+def _is_json_lines(name: str) -> bool:
+    """A JSON-lines file, compressed or not (`docs.jsonl.zst`, as many corpora ship)."""
+    stem = name.lower()
+    for compression in (".gz", ".zst", ".bz2", ".xz"):
+        stem = stem.removesuffix(compression)
+    return stem.endswith(JSON_LINES_SUFFIXES)
+
+
+def _json_lines_fix(path: Path) -> str:
+    pattern = f"{path}/*.json*" if path.is_dir() else str(path)
+    return (
+        'convert it to parquet first, e.g. python -c "import datasets; '
+        f"datasets.load_dataset('json', data_files='{pattern}', split='train').to_parquet('docs.parquet')\""
+    )
 
 
 def resolve_parquet_files(spec: str | Path) -> tuple[list[Path], dict | None, Path | None]:
@@ -714,8 +735,11 @@ def _parquet_files(spec: str | Path) -> tuple[list[Path], dict | None, Path | No
     if not files:
         others = [p.name for p in path.iterdir() if not p.name.startswith(".")][:5]
         hint = f" (it holds {', '.join(others)})" if others else " (it is empty)"
+        fix = "pass a folder of .parquet shards, a .parquet file or a glob"
         raise UserError(
-            path, f"holds no parquet files{hint}", "pass a folder of .parquet shards, a .parquet file or a glob"
+            path,
+            f"holds no parquet files{hint}",
+            _json_lines_fix(path) if any(_is_json_lines(name) for name in others) else fix,
         )
     return files, None, path
 

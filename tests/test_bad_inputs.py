@@ -246,6 +246,27 @@ CASES = [
         lambda t: ((t / "empty").mkdir(), ["inspect", t / "empty"], "holds no parquet files", None)[1:],
     ),
     Case(
+        "dedup: a JSON-lines file (corpora often ship them)",
+        lambda t: (
+            (t / "docs.jsonl").write_text('{"text": "a"}\n'),
+            ["dedup", t / "docs.jsonl", t / "out"],
+            'docs.jsonl: is JSON lines, not parquet — convert it to parquet first, e.g. python -c "import datasets; '
+            f"datasets.load_dataset('json', data_files='{t / 'docs.jsonl'}', split='train').to_parquet",
+            t / "out",
+        )[1:],
+    ),
+    Case(
+        "pack: a folder of compressed JSON lines",
+        lambda t: (
+            (t / "crawl").mkdir(),
+            (t / "crawl" / "part-0.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd"),
+            ["pack", t / "crawl", t / "out", "--tokenizer", tok()],
+            f"holds no parquet files (it holds part-0.jsonl.zst) — convert it to parquet first, e.g. python -c "
+            f"\"import datasets; datasets.load_dataset('json', data_files='{t / 'crawl'}/*.json*'",
+            t / "out",
+        )[2:],
+    ),
+    Case(
         "inspect: text file named .parquet",
         lambda t: ((t / "x.parquet").write_text("hi"), ["inspect", t / "x.parquet"], "x.parquet", None)[1:],
     ),
