@@ -219,6 +219,27 @@ def _damaged(tmp: Path, name: str, *, digests: bool = True) -> Path:
     return checkpoint
 
 
+def _tool_calls(tmp: Path) -> Path:
+    user, answer = {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}
+    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "add"}}]}
+    return parquet_with(tmp, "tools.parquet", {"messages": [[user, answer], [user, call]], "task": ["math", "tool"]})
+
+
+def _chat_with_list_tags(tmp: Path) -> Path:
+    turns = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    return parquet_with(tmp, "tagged.parquet", {"messages": [turns, turns], "tags": [["math"], ["math", "easy"]]})
+
+
+def _pairs(tmp: Path, how: str) -> Path:
+    """Preference pairs whose chosen holds a user turn, or whose prompt alone is longer than any max_length here."""
+    prompt = "what is two and two? " * (40 if how == "long" else 1)
+    chosen = [{"role": "user", "content": "what?"}] if how == "user" else [{"role": "assistant", "content": "4"}]
+    rejected = [{"role": "assistant", "content": "5"}]
+    return parquet_with(
+        tmp, "pairs.parquet", {"prompt": [prompt] * 2, "chosen": [chosen] * 2, "rejected": [rejected] * 2}
+    )
+
+
 def _models_in(tmp: Path) -> list[Path]:
     """Two models inside one folder, t/d/a and t/d/b (made once per case)."""
     if not (tmp / "d").exists():
@@ -1081,6 +1102,67 @@ CASES = [
         lambda t: (
             ["dpo", "recipes/dpo-tiny.toml", t / "run", "--from", model(), "--set", f'data.path="{SAMPLE / "chat"}"'],
             "chosen",
+            t / "run",
+        ),
+    ),
+    Case(
+        "sft: a tool call the model's chat template does not render (it trained as an empty reply)",
+        lambda t: (
+            ["sft", "recipes/sft-tiny.toml", t / "run", "--from", model(), "--set", f'data.path="{_tool_calls(t)}"'],
+            "tools.parquet: row 1 (from 0): column 'messages' turn 1 holds tool calls, which the model's chat "
+            "template does not render",
+            t / "run",
+        ),
+    ),
+    Case(
+        "sft: balance_by a column of lists",
+        lambda t: (
+            [
+                "sft",
+                "recipes/sft-tiny.toml",
+                t / "run",
+                "--from",
+                model(),
+                "--set",
+                f'data.path="{_chat_with_list_tags(t)}"',
+                "--set",
+                'data.balance_by="tags"',
+            ],
+            "data.balance_by: column 'tags' holds list<element: string>, not categories to balance",
+            t / "run",
+        ),
+    ),
+    Case(
+        "dpo: chosen holds a user turn after the prompt",
+        lambda t: (
+            ["dpo", "recipes/dpo-tiny.toml", t / "run", "--from", model(), "--set", f'data.path="{_pairs(t, "user")}"'],
+            "pairs.parquet: row 0 (from 0): column 'chosen' holds a 'user' turn after the prompt",
+            t / "run",
+        ),
+    ),
+    Case(
+        "dpo: no pair fits dpo.max_length (the run folder it began is taken away)",
+        lambda t: (
+            ["dpo", "recipes/dpo-tiny.toml", t / "run", "--from", model(), "--set", f'data.path="{_pairs(t, "long")}"']
+            + ["--set", "dpo.max_length=16"],
+            "no pair fits dpo.max_length 16",
+            t / "run",
+        ),
+    ),
+    Case(
+        "ppo: a null reference (it scored 0 without a word)",
+        lambda t: (
+            [
+                "ppo",
+                "recipes/ppo-tiny.toml",
+                t / "run",
+                "--from",
+                model(),
+                "--set",
+                "data.path="
+                + f'"{parquet_with(t, "q.parquet", {"prompt": ["2+2?", "3+3?"], "reference": ["4", None]})}"',
+            ],
+            "q.parquet: row 1 (from 0): column 'reference' is null, not a reference to match",
             t / "run",
         ),
     ),

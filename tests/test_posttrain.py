@@ -187,7 +187,7 @@ def test_bad_inputs_fail_before_training(tiny_model, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(
         UserError,
-        match=r"has no columns 'prompt', 'chosen', 'rejected' \(columns: id, task, messages\) — pass a preference",
+        match=r"has no columns 'chosen', 'rejected' \(columns: id, task, messages\) — pass a preference dataset: ",
     ):
         run_dpo(
             load_dpo_recipe(REPO / "recipes" / "dpo-tiny.toml", [f"data.path={SAMPLE / 'chat'}"]),

@@ -128,9 +128,10 @@ def test_sft_assistant_mask_covers_exactly_the_assistant_turns_of_a_patched_temp
     assistant reply and its end-of-turn token, nothing of the system or user turns."""
     from trl.chat_template_utils import has_generation_markers, qwen2_5_chat_template
 
+    from smolctl.data.tokenizer import load_tokenizer
     from smolctl.shards import open_documents
     from smolctl.train.config import load_command_recipe
-    from smolctl.train.posttrain import sft_columns, sft_trainer
+    from smolctl.train.posttrain import load_sft_dataset, sft_columns, sft_trainer
 
     model = tmp_path / "qwen-template"
     shutil.copytree(tiny_model, model)
@@ -142,7 +143,8 @@ def test_sft_assistant_mask_covers_exactly_the_assistant_turns_of_a_patched_temp
         ['sft.packing="none"', "sft.max_length=512", "data.limit=4", "training.steps=1"],
     )
     source = open_documents(SAMPLE / "chat")
-    trainer, _, _, _ = sft_trainer(recipe, tmp_path / "run", model, source, sft_columns(source))
+    prepared = load_sft_dataset(source, recipe.data, 0, load_tokenizer(model))
+    trainer, _, _, _ = sft_trainer(recipe, tmp_path / "run", model, prepared, sft_columns(source))
     tokenizer = trainer.processing_class
     row = trainer.train_dataset[0]
     text = tokenizer.decode(row["input_ids"])

@@ -38,6 +38,8 @@ import pyarrow.parquet as pq
 from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import Interrupted, UserError
 from smolctl.shards import KIND_DOCUMENTS, OutputFolder, check_output_path, lineage_ref, open_documents, schema_to_dict
+from smolctl.train.chat_data import checked_rows, reference_text
+from smolctl.train.posttrain import check_rows
 from smolctl.train.posttrain_run import chat_stop_ids, check_start, quiet_offline
 from smolctl.train.rewards import CompositeReward
 
@@ -406,17 +408,21 @@ def read_prompts(job: GenerateJob):
             f"{job.reward_recipe} compare against (columns: {', '.join(source.columns)})",
             "pass prompts with references, or rank by rewards that need none (length, diversity, regex)",
         )
+    check_rows(source, [job.prompt_column], non_empty=(job.prompt_column,))  # a null or empty prompt, by row
     columns = [job.prompt_column] + ([job.reference_column] if job.reference_column in source.columns else [])
-    prompts, references = [], []
-    for batch in source.iter_batches(columns=columns):
-        prompts += batch.column(0).to_pylist()
-        references += batch.column(1).to_pylist() if len(columns) == 2 else [None] * batch.num_rows
+
+    def prepare(row: dict) -> tuple:
+        reference = row.get(job.reference_column)
+        if needs_reference:  # every completion is scored against it: a null one would rank nothing
+            reference = reference_text(reference, job.reference_column)
+        return row[job.prompt_column], reference
+
+    rows = checked_rows(source, columns, prepare)
     if job.limit is not None:
-        prompts, references = prompts[: job.limit], references[: job.limit]
-    if any(p is None for p in prompts):
-        raise UserError(source.spec, f"column '{job.prompt_column}' has empty (null) prompts", "drop those rows")
-    if not prompts:
+        rows = rows[: job.limit]
+    if not rows:
         raise UserError(source.spec, "holds no prompts", "pass a non-empty dataset")
+    prompts, references = (list(column) for column in zip(*rows))
     return prompts, references, source
 
 

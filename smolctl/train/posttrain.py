@@ -19,6 +19,7 @@ import pyarrow as pa
 from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import UserError
 from smolctl.shards import DocumentSource, open_documents
+from smolctl.train.chat_data import checked_rows, preference_row, renders_tool_calls, sft_row
 from smolctl.train.config import ChatDataSection, DpoRecipe, PreferenceDataSection, SftRecipe
 from smolctl.train.posttrain_run import (
     PostTrainResult,
@@ -32,6 +33,7 @@ from smolctl.train.posttrain_run import (
     open_run,
     parameter_counts,
     quiet_offline,
+    removed_if_never_trained,
     require_chat_template,
     run_callback,
     scheduled,
@@ -90,6 +92,8 @@ def _first_bad_row(values: pa.Array, name: str, must_hold_text: bool) -> tuple[i
         rows = np.flatnonzero(mask.to_numpy(zero_copy_only=False))
         return int(rows[0]) if len(rows) else None
 
+    if pa.types.is_dictionary(values.type):  # a pandas categorical: the strings it holds
+        values = values.dictionary_decode()
     if (row := first(pc.is_null(values))) is not None:
         return row, "is null"
     if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
@@ -146,58 +150,101 @@ def balanced_indices(groups: list, mode: str, seed: int) -> list[int]:
     return chosen
 
 
-def load_sft_dataset(source: DocumentSource, data: ChatDataSection, seed: int, as_chat: bool):
-    """The SFT rows, balanced and limited; plain-string prompt/completion pairs become a user and an assistant
-    turn when the tokenizer has a chat template, so the model learns the format it will chat in."""
+def load_sft_dataset(source: DocumentSource, data: ChatDataSection, seed: int, tokenizer):
+    """The SFT rows as chat_data.sft_row prepares them (plain prompt/completion text becomes a user and an
+    assistant turn when the tokenizer has a chat template, so the model learns the format it will chat in),
+    balanced and limited."""
     import datasets
 
     columns = sft_columns(source)
-    table = read_table(source, columns + ([data.balance_by] if data.balance_by else []))
-    stats: dict = {"rows": table.num_rows, "format": "+".join(columns)}
-    if data.balance_by:
-        groups = table.column(data.balance_by).to_pylist()
+    as_chat = bool(getattr(tokenizer, "chat_template", None))
+    tools = renders_tool_calls(tokenizer)
+    group = data.balance_by
+
+    def prepare(row: dict) -> dict:
+        return sft_row(row, columns, as_chat, tools) | ({group: row[group]} if group else {})
+
+    rows = checked_rows(source, columns + ([group] if group else []), prepare)
+    stats: dict = {"rows": len(rows), "format": "+".join(columns)}
+    if group:
+        groups = [row.pop(group) for row in rows]
         indices = balanced_indices(groups, data.balance, seed)
         stats["groups_before"] = dict(Counter(groups))
         stats["groups_after"] = dict(Counter(groups[i] for i in indices))
-        table = table.take(pa.array(indices, pa.int64())).drop_columns([data.balance_by])
+        rows = [rows[i] for i in indices]
     if data.limit is not None:
-        table = table.slice(0, data.limit)
-    stats["rows_used"] = table.num_rows
-    if table.num_rows == 0:
+        rows = rows[: data.limit]
+    stats["rows_used"] = len(rows)
+    if not rows:
         raise UserError(source.spec, "holds no rows to train on", "pass a non-empty dataset")
-    dataset = datasets.Dataset(datasets.table.InMemoryTable(table))
-    if as_chat and columns == ["prompt", "completion"] and not is_chat_column(table.schema.field("prompt")):
-        dataset = dataset.map(_as_turns)
+    if columns == ["prompt", "completion"] and isinstance(rows[0]["prompt"], list):
         stats["format"] = "prompt+completion as chat turns"
-    return dataset, stats
+    return datasets.Dataset.from_list(rows), stats
 
 
 def is_chat_column(field: pa.Field) -> bool:
     return pa.types.is_list(field.type) or pa.types.is_large_list(field.type)
 
 
-def load_preference_dataset(source: DocumentSource, data: PreferenceDataSection, as_chat: bool):
-    """prompt/chosen/rejected rows; plain strings become one user turn and one assistant turn when the tokenizer
-    has a chat template, so DPO trains the same format that SFT taught and chat uses."""
+def preference_columns(source: DocumentSource) -> list[str]:
+    """chosen/rejected, with the prompt column where there is one (without, the prompt is what they share)."""
+    require_columns(
+        source,
+        ["chosen", "rejected"],
+        "pass a preference dataset: prompt/chosen/rejected, or chosen/rejected conversations sharing their prompt",
+    )
+    return (["prompt"] if "prompt" in source.columns else []) + ["chosen", "rejected"]
+
+
+def load_preference_dataset(source: DocumentSource, data: PreferenceDataSection, tokenizer):
+    """prompt/chosen/rejected rows as chat_data.preference_row prepares them (plain strings become one user
+    turn and one assistant turn when the tokenizer has a chat template, so DPO trains the format SFT taught)."""
     import datasets
 
-    table = read_table(source, ["prompt", "chosen", "rejected"])
+    as_chat = bool(getattr(tokenizer, "chat_template", None))
+    tools = renders_tool_calls(tokenizer)
+    rows = checked_rows(source, preference_columns(source), lambda row: preference_row(row, as_chat, tools))
+    stats = {"rows": len(rows)}
     if data.limit is not None:
-        table = table.slice(0, data.limit)
-    if table.num_rows == 0:
+        rows = rows[: data.limit]
+    if not rows:
         raise UserError(source.spec, "holds no rows to train on", "pass a non-empty dataset")
-    dataset = datasets.Dataset(datasets.table.InMemoryTable(table))
-    if as_chat and not is_chat_column(table.schema.field("prompt")):
-        dataset = dataset.map(_as_turns)
-    return dataset, {"rows": source.num_rows, "rows_used": table.num_rows}
+    stats["rows_used"] = len(rows)
+    if "prompt" not in source.columns:
+        stats["prompt"] = "shared by chosen and rejected"
+    # Such a pair has no preference to learn: its loss is constant and its gradient zero.
+    stats["identical_pairs"] = sum(row["chosen"] == row["rejected"] for row in rows)
+    if stats["identical_pairs"] == len(rows):
+        raise UserError(
+            source.spec, "chosen equals rejected in every pair: there is no preference to learn", "check the columns"
+        )
+    stats["format"] = "chat" if isinstance(rows[0]["prompt"], list) else "text"
+    return datasets.Dataset.from_list(rows), stats
 
 
-def _as_turns(row: dict) -> dict:
-    def turn(role: str, value):
-        return value if isinstance(value, list) else [{"role": role, "content": value}]
+def untrained_examples(dataset) -> tuple[int, int]:
+    """(examples, examples with no token left to learn from) in TRL's prepared SFT dataset: a conversation whose
+    assistant turns fell past sft.max_length trains on nothing, yet would count as used. An example is a row, or
+    each `seq_lengths` span of a packed row."""
+    import numpy as np
+    import pyarrow.compute as pc
 
-    answers = {key: turn("assistant", row[key]) for key in ("completion", "chosen", "rejected") if key in row}
-    return {"prompt": turn("user", row["prompt"]), **answers}
+    table = dataset.data.table
+    names = table.column_names
+    mask = next((name for name in ("labels", "assistant_masks", "completion_mask") if name in names), None)
+    if mask is None:
+        return len(table), 0  # every token is learned from
+    values = pc.list_flatten(table.column(mask)).to_numpy(zero_copy_only=False)
+    learned = (values != -100) if mask == "labels" else (values != 0)
+    if "seq_lengths" in names:
+        spans = pc.list_flatten(table.column("seq_lengths")).to_numpy(zero_copy_only=False)
+    else:
+        spans = pc.list_value_length(table.column(mask)).to_numpy(zero_copy_only=False)
+    spans = np.asarray(spans, np.int64)
+    ends = np.cumsum(spans)
+    learned_before = np.concatenate([[0], np.cumsum(learned, dtype=np.int64)])
+    per_example = learned_before[ends] - learned_before[ends - spans]
+    return len(spans), int((per_example == 0).sum())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -220,15 +267,18 @@ def run_sft(
     source = open_documents(recipe.data.path)
     columns = sft_columns(source)
     if recipe.data.balance_by:
-        require_columns(source, [recipe.data.balance_by], "set data.balance_by to a column of categories, or remove it")
+        check_balance_column(source, recipe.data.balance_by)
     check_rows(source, columns, non_empty=("completion",))
     # Heavy imports only once the cheap checks have passed, so a mistake is reported in a second, not ten.
     quiet_offline()
-    check_sft_template(recipe, parent, source, columns)
+    tokenizer = load_tokenizer(parent)
+    check_sft_template(recipe, parent, tokenizer, source, columns)
+    prepared = load_sft_dataset(source, recipe.data, recipe.training.seed, tokenizer)  # every row checked
     begun = open_run("sft", recipe, run, parent, resume, overwrite)
     if begun.finished:
         return finished_result("sft", run, begun)
-    trainer, callback, data_stats, parameters = sft_trainer(recipe, run, parent, source, columns, on_step)
+    with removed_if_never_trained(run, begun):
+        trainer, callback, data_stats, parameters = sft_trainer(recipe, run, parent, prepared, columns, on_step)
     return finish_trl(
         "sft",
         trainer,
@@ -247,18 +297,17 @@ def sft_trainer(
     recipe: SftRecipe,
     run: Path,
     parent: Path,
-    source: DocumentSource,
+    prepared: tuple,
     columns: list[str],
     on_step: StepHook | None = None,
 ):
-    """The SFTTrainer of a recipe, its RunCallback, the data facts and the parameter counts (nothing trained yet)."""
+    """The SFTTrainer of a recipe over `prepared` (load_sft_dataset's dataset and data facts), its RunCallback, the
+    data facts and the parameter counts (nothing trained yet)."""
     from trl import SFTConfig, SFTTrainer
 
     model, tokenizer = load_start(parent, attention=recipe.training.attention)
     assistant_only = recipe.sft.assistant_only_loss and columns == ["messages"]
-    dataset, data_stats = load_sft_dataset(
-        source, recipe.data, recipe.training.seed, as_chat=bool(getattr(tokenizer, "chat_template", None))
-    )
+    dataset, data_stats = prepared
     model = apply_peft(model, recipe.peft)
     packing = recipe.sft.packing
     config = SFTConfig(
@@ -277,15 +326,34 @@ def sft_trainer(
         model=model, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[callback]
     )
     data_stats["train_rows"] = len(trainer.train_dataset)
+    examples, untrained = untrained_examples(trainer.train_dataset)
+    data_stats["rows_with_nothing_to_learn"] = untrained
+    if untrained == examples:
+        raise UserError(
+            recipe.data.path,
+            f"no row keeps a token to learn from within sft.max_length {recipe.sft.max_length} (the assistant "
+            "turns, or completions, all start past it)",
+            "raise sft.max_length, or shorten the prompts",
+        )
     return trainer, callback, data_stats, parameter_counts(model)
 
 
-def check_sft_template(recipe: SftRecipe, parent: Path, source: DocumentSource, columns: list[str]) -> None:
+def check_balance_column(source: DocumentSource, column: str) -> None:
+    require_columns(source, [column], "set data.balance_by to a column of categories, or remove it")
+    kind = source.schema.field(column).type
+    if pa.types.is_nested(kind) or pa.types.is_floating(kind):
+        raise UserError(
+            "data.balance_by",
+            f"column '{column}' holds {kind}, not categories to balance",
+            "balance by a column of strings or integers",
+        )
+
+
+def check_sft_template(recipe: SftRecipe, parent: Path, tokenizer, source: DocumentSource, columns: list[str]) -> None:
     """Chat data needs a chat template; assistant-only loss needs {% generation %} markers in it, which TRL patches
     into the templates it knows (ChatML, Llama 3, Qwen, Gemma, ...): refuse only the ones it cannot."""
     from trl.chat_template_utils import get_training_chat_template
 
-    tokenizer = load_tokenizer(parent)
     if columns == ["messages"] or is_chat_column(source.schema.field("prompt")):
         require_chat_template(tokenizer, parent, "chat data needs")
     if not (recipe.sft.assistant_only_loss and columns == ["messages"]):
@@ -317,14 +385,38 @@ def run_dpo(
     run = Path(run)
     parent = check_start(start or recipe.model.from_, "--from" if start else "model.from")
     source = open_documents(recipe.data.path)
-    require_columns(source, ["prompt", "chosen", "rejected"], "pass a preference dataset (e.g. data/sample/preference)")
-    check_rows(source, ["prompt", "chosen", "rejected"], non_empty=("chosen", "rejected"))
+    columns = preference_columns(source)
+    check_rows(source, columns, non_empty=("chosen", "rejected"))
     quiet_offline()
-    if any(is_chat_column(source.schema.field(c)) for c in ("prompt", "chosen", "rejected")):
-        require_chat_template(load_tokenizer(parent), parent, "preference pairs given as chat turns need")
+    tokenizer = load_tokenizer(parent)
+    if any(is_chat_column(source.schema.field(c)) for c in columns):
+        require_chat_template(tokenizer, parent, "preference pairs given as chat turns need")
+    dataset, data_stats = load_preference_dataset(source, recipe.data, tokenizer)  # every row checked
     begun = open_run("dpo", recipe, run, parent, resume, overwrite)
     if begun.finished:
         return finished_result("dpo", run, begun)
+    with removed_if_never_trained(run, begun):
+        trainer, callback, data_stats, parameters = dpo_trainer(recipe, run, parent, (dataset, data_stats), on_step)
+    return finish_trl(
+        "dpo",
+        trainer,
+        callback,
+        run,
+        parent,
+        source.lineage(),
+        data_stats,
+        begun,
+        parameters,
+        lambda history: final_metrics(
+            history,
+            ("loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "grad_norm", "lr"),
+        ),
+    )
+
+
+def dpo_trainer(recipe: DpoRecipe, run: Path, parent: Path, prepared: tuple, on_step: StepHook | None = None):
+    """The DPOTrainer of a recipe over `prepared` (load_preference_dataset's dataset and data facts), its
+    RunCallback, the data facts and the parameter counts (nothing trained yet)."""
     from trl import DPOConfig, DPOTrainer
 
     model, tokenizer = load_start(parent, attention=recipe.training.attention)
@@ -332,9 +424,7 @@ def run_dpo(
     if recipe.peft is None:
         reference, _ = load_start(parent, use_bf16(recipe.training.precision), attention=recipe.training.attention)
         reference.eval().requires_grad_(False)
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    dataset, data_stats = load_preference_dataset(source, recipe.data, as_chat=has_template)
-    data_stats["format"] = "chat" if has_template else "text"
+    dataset, data_stats = prepared
     model = apply_peft(model, recipe.peft)
     config = DPOConfig(
         **trainer_arguments(run, recipe),
@@ -352,18 +442,12 @@ def run_dpo(
         processing_class=tokenizer,
         callbacks=[callback],
     )
-    return finish_trl(
-        "dpo",
-        trainer,
-        callback,
-        run,
-        parent,
-        source.lineage(),
-        data_stats,
-        begun,
-        parameter_counts(model),
-        lambda history: final_metrics(
-            history,
-            ("loss", "rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "grad_norm", "lr"),
-        ),
-    )
+    # TRL drops the pairs whose prompt alone fills dpo.max_length: say how many, and refuse when none is left.
+    data_stats["train_rows"] = len(trainer.train_dataset)
+    if data_stats["train_rows"] == 0:
+        raise UserError(
+            recipe.data.path,
+            f"no pair fits dpo.max_length {recipe.dpo.max_length} (TRL drops the pairs it cannot fit)",
+            "raise dpo.max_length, or shorten the prompts",
+        )
+    return trainer, callback, data_stats, parameter_counts(model)

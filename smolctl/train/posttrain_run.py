@@ -7,13 +7,14 @@ a sharded (FSDP) model is gathered before rank 0 writes it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
 import time
 import warnings
-from collections.abc import Callable
-from contextlib import redirect_stdout
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,11 +32,13 @@ from smolctl.train.run import (
     EVENTS,
     FINAL,
     METRICS,
+    RUN_FILE,
     RunStart,
     append_jsonl,
     begin_run,
     checkpoint_dir,
     decide_start,
+    is_main_process,
     model_folder,
     prune_checkpoints,
 )
@@ -394,8 +397,8 @@ def finished_result(stage: str, run: Path, start: RunStart) -> PostTrainResult:
         seconds,
         None,
         manifest.get("parameters", {}),
-        stats,
-        {},
+        manifest.get("metrics", stats),  # a final/ saved before metrics and data were kept apart: all in stats
+        manifest.get("data", {}),
         str(run / ADAPTER) if (run / ADAPTER).is_dir() else None,
         nothing_to_do=True,
     )
@@ -409,7 +412,10 @@ def save_final(
     parent: Path,
     data_inputs: list[dict],
     stage: str,
-    stats: dict,
+    metrics: dict,
+    data: dict,
+    steps: int,
+    seconds: float,
     parameters: dict,
     accelerator=None,
 ) -> Path | None:
@@ -448,7 +454,15 @@ def save_final(
         for weights in sorted(folder.staging.glob("*.safetensors")):
             folder.add_shard(weights.name, rows=0)
         folder.commit(
-            stats=stats,
+            # One flat table for `report` and `inspect`; metrics and data apart, as the run's result shows them.
+            stats={
+                **{k.replace("/", "_"): v for k, v in metrics.items()},
+                **data,
+                "steps": steps,
+                "seconds": round(seconds, 2),
+            },
+            metrics=metrics,
+            data=data,
             parent=str(parent.resolve()),
             stage=stage,
             parameters=parameters,
@@ -502,12 +516,10 @@ def finish_trl(
         stage=stage,
         parameters=parameters,
         accelerator=trainer.accelerator,
-        stats={
-            **{k.replace("/", "_"): v for k, v in summary.items()},
-            **data,
-            "steps": trainer.state.global_step,
-            "seconds": round(seconds, 2),
-        },
+        metrics=summary,
+        data=data,
+        steps=trainer.state.global_step,
+        seconds=seconds,
     )
     return PostTrainResult(
         stage,
@@ -522,6 +534,23 @@ def finish_trl(
         data,
         str(adapter) if adapter else None,
     )
+
+
+@contextmanager
+def removed_if_never_trained(run: Path, start: RunStart) -> Iterator[None]:
+    """Around building a fresh run's trainer, where TRL's data preparation can still refuse the data (no pair fits
+    max_length, ...): on failure, the run folder open_run began is taken away again, so the same command runs once
+    the data is fixed instead of asking for --overwrite."""
+    try:
+        yield
+    except BaseException:
+        if start.resume_from is None and is_main_process():
+            for name in (RUN_FILE, METRICS, EVENTS):
+                (run / name).unlink(missing_ok=True)
+            for folder in (run / CHECKPOINTS, run):  # only if nothing else is in them
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+        raise
 
 
 def open_run(stage: str, recipe: PostTrainRecipe, run: Path, parent: Path, resume: str, overwrite: bool) -> RunStart:

@@ -242,12 +242,10 @@ class PpoLoop:
                 data_inputs=self.setup.source.lineage(),
                 stage="ppo",
                 parameters=self.parameters,
-                stats={
-                    **{k.replace("/", "_"): v for k, v in metrics.items()},
-                    **data,
-                    "steps": self.step,
-                    "seconds": round(seconds, 2),
-                },
+                metrics=metrics,
+                data=data,
+                steps=self.step,
+                seconds=seconds,
             )
         self.dist.barrier()  # final/ is complete before any process reports success
         self.dist.close()

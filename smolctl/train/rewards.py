@@ -166,12 +166,13 @@ class CompositeReward:
 
     @staticmethod
     def _task_scorer(section: RewardSection, where: str) -> Callable:
-        """A callable scores rows; the built-in matches score (completion, reference)."""
+        """A callable scores rows; the built-in matches score (completion, reference), where a reference that is a
+        list (a question's accepted answers) matches when any of its texts does."""
         if section.match == "callable":
             return load_callable(section.function, f"{where}.function")
         if section.match == "exact":
             return lambda completion, reference: float(
-                reference is not None and normalise(completion) == normalise(reference)
+                any(normalise(completion) == normalise(text) for text in _texts(reference))
             )
         if section.pattern and "{reference}" not in section.pattern:
             try:
@@ -183,8 +184,10 @@ class CompositeReward:
             return lambda completion, reference: float(fixed.search(completion) is not None)
         template = section.pattern or r"(?<![\w.]){reference}(?!\w)\W*$"
         return lambda completion, reference: float(
-            reference is not None
-            and re.search(template.replace("{reference}", re.escape(reference)), completion) is not None
+            any(
+                re.search(template.replace("{reference}", re.escape(text)), completion) is not None
+                for text in _texts(reference)
+            )
         )
 
     def score(
@@ -374,6 +377,13 @@ class RewardModel:
                 logits = self.model(**enc.to(self.device)).logits.float()
             scores += (logits[:, 0] if logits.shape[1] == 1 else logits.softmax(-1)[:, -1]).tolist()
         return scores
+
+
+def _texts(reference) -> list[str]:
+    """A reference's texts: none for a missing one, its items for a list of accepted answers."""
+    if reference is None:
+        return []
+    return [str(text) for text in reference] if isinstance(reference, list) else [str(reference)]
 
 
 def _preview(row: dict) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from smolctl.errors import UserError
 from smolctl.shards import DocumentSource, open_documents
+from smolctl.train.chat_data import checked_rows, conversation, reference_text
 from smolctl.train.config import GrpoRecipe, PpoRecipe, PromptDataSection
 from smolctl.train.posttrain import check_rows, require_columns
 from smolctl.train.posttrain_run import check_start, open_run
@@ -27,14 +28,22 @@ def load_prompts(source: DocumentSource, data: PromptDataSection, needs_referenc
             "set data.reference_column, or use a regex/callable reward",
         )
     check_rows(source, [data.prompt_column], non_empty=(data.prompt_column,))
-    rows = []
-    for batch in source.iter_batches():
-        rows += batch.to_pylist()
+
+    def prepare(row: dict) -> dict:
+        prompt = row[data.prompt_column]
+        if isinstance(prompt, list):  # turns: each content one string, checked as chat_data checks them
+            prompt = conversation(prompt, data.prompt_column, tool_calls_rendered=False)
+        reference = row.get(data.reference_column)
+        if needs_reference:  # every row is scored against it: a null one would score 0 without a word
+            reference = reference_text(reference, data.reference_column)
+        return {**row, "prompt": prompt, "reference": reference}
+
+    rows = checked_rows(source, source.columns, prepare)
     if data.limit is not None:
         rows = rows[: data.limit]
     if not rows:
         raise UserError(source.spec, "holds no prompts", "pass a non-empty dataset")
-    return [{**row, "prompt": row[data.prompt_column], "reference": row.get(data.reference_column)} for row in rows]
+    return rows
 
 
 def as_chat(prompt) -> list[dict]:

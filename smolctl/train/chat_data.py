@@ -1,0 +1,203 @@
+"""Post-training rows as TRL trains on them, from the shapes hub datasets store them in, checked row by row before
+the run folder is made: a row TRL cannot take failed deep in its data preparation as an internal error, and some
+shapes trained on the wrong thing without a word.
+
+- A turn's content may be a string or a list of parts (`[{"type": "text", "text": ...}]`, as datasets made for
+  multimodal models store it): text parts are joined, any other part is refused (these models read text).
+- A turn without content is refused, but for an assistant turn holding tool calls, which is kept only when the
+  tokenizer's chat template renders tool calls (else it would train as an empty reply).
+- ShareGPT turns (`from`/`value`) and conversations stored as JSON text are refused with the fix.
+- Preference rows: chosen/rejected conversations that repeat the prompt's turns (UltraFeedback's layout) are cut
+  to the answer, and without a prompt column the prompt is the turns (or text) chosen and rejected share, as TRL
+  extracts an implicit prompt. What is left of chosen and rejected must be the answer alone.
+- References for rewards: numbers become text (GSM8K stores answers as integers), a list is any of its texts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from smolctl.errors import UserError
+from smolctl.shards import DocumentSource
+
+
+class BadRow(ValueError):
+    """What is wrong with one row, and what to do; the caller names the file and the row."""
+
+    def __init__(self, what: str, fix: str = "fix or drop that row"):
+        super().__init__(what)
+        self.what, self.fix = what, fix
+
+
+def source_rows(source: DocumentSource, columns: list[str]) -> Iterator[tuple[Path, int, dict]]:
+    """(file, row in the file, row) of every row, for errors that name where the row is."""
+    for index, path in enumerate(source.files):
+        row = 0
+        for batch in source.iter_file_batches(index, columns):
+            for values in batch.to_pylist():
+                yield path, row, values
+                row += 1
+
+
+def checked_rows(source: DocumentSource, columns: list[str], prepare) -> list[dict]:
+    """`prepare(row)` of every row; the first BadRow is one UserError naming its file and row."""
+    rows = []
+    for path, row, values in source_rows(source, columns):
+        try:
+            rows.append(prepare(values))
+        except BadRow as bad:
+            raise UserError(path, f"row {row} (from 0): {bad.what}", bad.fix) from None
+    return rows
+
+
+def renders_tool_calls(tokenizer) -> bool:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return "tool_calls" in (template if isinstance(template, str) else str(template))
+
+
+def conversation(value, column: str, tool_calls_rendered: bool) -> list[dict]:
+    """A column's list of turns, each with its content as one string (see the module's docstring)."""
+    if isinstance(value, str):
+        raise BadRow(
+            f"column '{column}' holds text, not a list of turns",
+            "store each conversation as a list of {role, content} (json.loads it before writing the parquet)",
+        )
+    turns = []
+    for number, turn in enumerate(value):
+        where = f"column '{column}' turn {number}"
+        if not isinstance(turn, dict):
+            raise BadRow(f"{where} is {type(turn).__name__}, not a {{role, content}} turn")
+        if turn.get("role") is None and turn.get("from") is not None:
+            raise BadRow(
+                f"{where} is a ShareGPT turn (from/value)",
+                "rename the turn keys to role/content and the roles human/gpt to user/assistant",
+            )
+        role, content, tool_calls = turn.get("role"), _text(turn.get("content"), where), turn.get("tool_calls")
+        if tool_calls and not tool_calls_rendered:
+            raise BadRow(
+                f"{where} holds tool calls, which the model's chat template does not render (it would train as an "
+                "empty reply)",
+                "drop the rows with tool calls, or start from a model whose chat template renders tool_calls",
+            )
+        if not content and not tool_calls and role != "system":
+            raise BadRow(f"{where} ({role}) is {'empty' if content == '' else 'null'}")
+        turns.append({key: item for key, item in turn.items() if item is not None} | {"content": content or ""})
+    if not turns:
+        raise BadRow(f"column '{column}' holds no turns")
+    return turns
+
+
+def _text(content, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise BadRow(f"{where} holds a {kind!r} part", "keep the text parts only: this model reads text")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise BadRow(f"{where} content is {type(content).__name__}, not text")
+
+
+def as_turns(value, role: str, column: str, tool_calls_rendered: bool) -> list[dict]:
+    """A plain string as one turn of `role`; a list of turns as `conversation` checks it."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    return conversation(value, column, tool_calls_rendered)
+
+
+def answer_only(turns: list[dict], column: str) -> list[dict]:
+    """What the model says: refuse a user (or system) turn among the answer's turns."""
+    if not turns:
+        raise BadRow(f"column '{column}' holds nothing after the prompt's turns")
+    for number, turn in enumerate(turns):
+        if turn["role"] not in ("assistant", "tool"):
+            raise BadRow(
+                f"column '{column}' holds a {turn['role']!r} turn after the prompt (turn {number} of the answer)",
+                "give chosen/rejected as the answer alone, or the whole conversation without a prompt column",
+            )
+    return turns
+
+
+def sft_row(row: dict, columns: list[str], as_chat: bool, tool_calls_rendered: bool) -> dict:
+    """`messages`, or prompt/completion: as text, or (either one given as turns, or a chat template to train
+    the format the model will chat in) as turns."""
+    if columns == ["messages"]:
+        return {"messages": conversation(row["messages"], "messages", tool_calls_rendered)}
+    prompt, completion = row["prompt"], row["completion"]
+    if not as_chat and isinstance(prompt, str) and isinstance(completion, str):
+        return {"prompt": prompt, "completion": completion}
+    return {
+        "prompt": as_turns(prompt, "user", "prompt", tool_calls_rendered),
+        "completion": answer_only(as_turns(completion, "assistant", "completion", tool_calls_rendered), "completion"),
+    }
+
+
+def preference_row(row: dict, as_chat: bool, tool_calls_rendered: bool) -> dict:
+    """prompt/chosen/rejected as DPO takes them: all text, or (turns given, or a chat template) all turns."""
+    prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
+    if not any(isinstance(v, list) for v in (prompt, chosen, rejected)):
+        if prompt is None:  # the text chosen and rejected share, as TRL extracts it
+            shared = _shared_text(chosen, rejected)
+            prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+            if not prompt:
+                raise BadRow(
+                    "chosen and rejected share no text to take as the prompt (and there is no prompt column)",
+                    "add a prompt column, or give chosen/rejected as whole texts starting with the same prompt",
+                )
+            if not chosen or not rejected:
+                raise BadRow("chosen and rejected differ in nothing but one being longer: no answer to compare")
+        if not as_chat:
+            return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    chosen = as_turns(chosen, "assistant", "chosen", tool_calls_rendered)
+    rejected = as_turns(rejected, "assistant", "rejected", tool_calls_rendered)
+    if prompt is None:
+        shared = _shared_turns(chosen, rejected)
+        if shared == 0:
+            raise BadRow(
+                "chosen and rejected share no prompt turns (and there is no prompt column)",
+                "add a prompt column, or give chosen/rejected as whole conversations starting with the same prompt",
+            )
+        prompt_turns = chosen[:shared]
+    else:
+        prompt_turns = as_turns(prompt, "user", "prompt", tool_calls_rendered)
+    cut = len(prompt_turns)
+    if chosen[:cut] == prompt_turns and rejected[:cut] == prompt_turns:  # the conversations repeat the prompt
+        chosen, rejected = chosen[cut:], rejected[cut:]
+    return {
+        "prompt": prompt_turns,
+        "chosen": answer_only(chosen, "chosen"),
+        "rejected": answer_only(rejected, "rejected"),
+    }
+
+
+def _shared_turns(a: list[dict], b: list[dict]) -> int:
+    shared = 0
+    while shared < min(len(a), len(b)) and a[shared] == b[shared]:
+        shared += 1
+    return shared
+
+
+def _shared_text(a: str, b: str) -> int:
+    shared = 0
+    while shared < min(len(a), len(b)) and a[shared] == b[shared]:
+        shared += 1
+    return shared
+
+
+def reference_text(value, column: str):
+    """A reward's reference: text, a number as text, or a list of texts (any of them matches)."""
+    if isinstance(value, bool) or value is None:
+        raise BadRow(f"column '{column}' is {'null' if value is None else 'a boolean'}, not a reference to match")
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, list):
+        if not value or not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
+            raise BadRow(f"column '{column}' holds a list that is not of texts or numbers")
+        return [str(v) for v in value]
+    if not isinstance(value, str):
+        raise BadRow(f"column '{column}' is {type(value).__name__}, not text")
+    return value

@@ -1,0 +1,122 @@
+"""Post-training rows in the shapes hub datasets store them: what each becomes for TRL, and what is refused.
+
+Each refused shape used to fail inside TRL as an internal error after the run folder was made, or to train on the
+wrong thing with exit 0 (a repeated user turn scored as the answer, a tool call trained as an empty reply)."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+
+from smolctl.train.chat_data import BadRow, conversation, preference_row, reference_text, sft_row
+from smolctl.train.config import RewardSection
+from smolctl.train.posttrain import untrained_examples
+from smolctl.train.rewards import CompositeReward
+
+USER, ASSISTANT = {"role": "user", "content": "what is 2+2?"}, {"role": "assistant", "content": "4"}
+
+
+def test_text_parts_are_joined_and_other_parts_refused():
+    parts = [{"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "text", "text": "2+2?"}]}]
+    assert conversation(parts + [ASSISTANT], "messages", False) == [USER, ASSISTANT]
+    image = [{"role": "user", "content": [{"type": "image", "image": None}, {"type": "text", "text": "what?"}]}]
+    with pytest.raises(BadRow, match="column 'messages' turn 0 holds a 'image' part"):
+        conversation(image, "messages", False)
+
+
+def test_arrow_s_absent_keys_are_dropped_and_a_turn_needs_content():
+    # Arrow gives every turn every key of the column's struct: a None tool_calls must not reach the template.
+    assert conversation([USER | {"tool_calls": None}, ASSISTANT | {"name": None}], "messages", False) == [
+        USER,
+        ASSISTANT,
+    ]
+    for content, said in ((None, "null"), ("", "empty")):
+        with pytest.raises(BadRow, match=f"turn 1 \\(assistant\\) is {said}"):
+            conversation([USER, {"role": "assistant", "content": content}], "messages", False)
+    assert conversation([{"role": "system", "content": ""}, USER], "messages", False)[0]["content"] == ""
+
+
+def test_tool_calls_are_kept_only_where_the_template_renders_them():
+    call = {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "add", "arguments": "{}"}}]}
+    with pytest.raises(BadRow, match="turn 1 holds tool calls, which the model's chat template does not render"):
+        conversation([USER, call], "messages", False)
+    kept = conversation([USER, call], "messages", True)
+    assert kept[1]["tool_calls"] == call["tool_calls"] and kept[1]["content"] == ""
+
+
+@pytest.mark.parametrize(
+    "value, said",
+    [
+        ('[{"role": "user", "content": "hi"}]', "holds text, not a list of turns"),
+        ([{"from": "human", "value": "hi"}], "turn 0 is a ShareGPT turn"),
+        (["hi"], "turn 0 is str, not a {role, content} turn"),
+    ],
+)
+def test_shapes_trl_cannot_take_are_named(value, said):
+    with pytest.raises(BadRow, match=said):
+        conversation(value, "messages", False)
+
+
+def test_a_conversational_prompt_takes_a_plain_completion_as_the_assistant_turn():
+    row = sft_row({"prompt": [USER], "completion": "4"}, ["prompt", "completion"], False, False)
+    assert row == {"prompt": [USER], "completion": [ASSISTANT]}
+    assert sft_row({"prompt": "hi", "completion": "4"}, ["prompt", "completion"], False, False) == {
+        "prompt": "hi",
+        "completion": "4",
+    }
+    with pytest.raises(BadRow, match="column 'completion' holds a 'user' turn after the prompt"):
+        sft_row({"prompt": [USER], "completion": [USER, ASSISTANT]}, ["prompt", "completion"], True, False)
+
+
+def test_ultrafeedback_s_chosen_and_rejected_repeat_the_prompt_and_are_cut_to_the_answer():
+    wrong = {"role": "assistant", "content": "5"}
+    row = {"prompt": "what is 2+2?", "chosen": [USER, ASSISTANT], "rejected": [USER, wrong]}
+    assert preference_row(row, True, False) == {"prompt": [USER], "chosen": [ASSISTANT], "rejected": [wrong]}
+
+
+def test_without_a_prompt_column_the_prompt_is_what_chosen_and_rejected_share():
+    wrong = {"role": "assistant", "content": "5"}
+    system = {"role": "system", "content": "be brief"}
+    row = {"chosen": [system, USER, ASSISTANT], "rejected": [system, USER, wrong]}
+    assert preference_row(row, True, False) == {"prompt": [system, USER], "chosen": [ASSISTANT], "rejected": [wrong]}
+    text = {"chosen": "\n\nHuman: 2+2?\n\nAssistant: 4", "rejected": "\n\nHuman: 2+2?\n\nAssistant: 5"}  # HH-RLHF
+    assert preference_row(text, False, False) == {
+        "prompt": "\n\nHuman: 2+2?\n\nAssistant: ",
+        "chosen": "4",
+        "rejected": "5",
+    }
+    with pytest.raises(BadRow, match="share no prompt turns"):
+        preference_row({"chosen": [ASSISTANT], "rejected": [wrong]}, True, False)
+
+
+def test_a_user_turn_in_the_answer_is_refused():
+    row = {"prompt": "what is 2+2?", "chosen": [{"role": "user", "content": "what?"}], "rejected": [ASSISTANT]}
+    with pytest.raises(BadRow, match="column 'chosen' holds a 'user' turn after the prompt"):
+        preference_row(row, True, False)
+
+
+def test_references_become_texts_and_a_list_matches_any_of_them():
+    assert reference_text(4, "answer") == "4" and reference_text([4, "four"], "answer") == ["4", "four"]
+    for bad, said in ((None, "is null"), (True, "is a boolean"), ({"a": 1}, "is dict"), ([], "holds a list")):
+        with pytest.raises(BadRow, match=said):
+            reference_text(bad, "answer")
+    for match in ("exact", "regex"):
+        reward = CompositeReward([RewardSection(kind="task", match=match)])
+        scores = reward.score(["4", "the answer is four", "5"], [1, 4, 1], [["4", "four"]] * 3).totals
+        assert scores == ([1.0, 0.0, 0.0] if match == "exact" else [1.0, 1.0, 0.0])
+
+
+def test_untrained_examples_are_counted_per_packed_span():
+    """Two packed rows holding three examples; the second example's labels are all ignored (its assistant turns
+    fell past max_length), as is the whole unpacked row of the second table."""
+    packed = datasets.Dataset.from_dict(
+        {
+            "input_ids": [[1, 2, 3, 4, 5], [6, 7]],
+            "labels": [[-100, 2, -100, -100, -100], [-100, 7]],
+            "seq_lengths": [[2, 3], [2]],
+        }
+    )
+    assert untrained_examples(packed) == (3, 1)
+    masks = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, 4]], "assistant_masks": [[0, 1], [0, 0]]})
+    assert untrained_examples(masks) == (2, 1)
+    assert untrained_examples(datasets.Dataset.from_dict({"input_ids": [[1, 2]]})) == (1, 0)
