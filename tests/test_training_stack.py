@@ -89,8 +89,11 @@ def test_every_training_command_has_the_same_run_layout_and_resume(command, reci
         return  # their finished-run resume is the pretrain loop's (issue 14)
     before = {p.name: p.read_bytes() for p in (run / "final").iterdir()}
     code, out, err = smolctl(*command_line(command, recipe, start, run, "training.steps=3"), "--resume", "auto")
-    assert code == 0 and json.loads(out)["nothing_to_do"], err
+    finished = json.loads(out)
+    assert code == 0 and finished["nothing_to_do"], err
     assert {p.name: p.read_bytes() for p in (run / "final").iterdir()} == before
+    # the same shape as the run that trained: the data facts apart from the metrics
+    assert finished["data"] == resumed["data"] and finished["metrics"] == resumed["metrics"], (finished, resumed)
 
 
 @pytest.mark.parametrize("command", ["sft", "grpo"])
