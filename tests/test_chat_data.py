@@ -120,3 +120,28 @@ def test_untrained_examples_are_counted_per_packed_span():
     masks = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, 4]], "assistant_masks": [[0, 1], [0, 0]]})
     assert untrained_examples(masks) == (2, 1)
     assert untrained_examples(datasets.Dataset.from_dict({"input_ids": [[1, 2]]})) == (1, 0)
+
+
+def test_completions_generate_cut_off_at_max_new_tokens_are_not_trained_on(tokenizer_dir, tmp_path):
+    """`generate` marks them finish_reason "length": as SFT targets they taught the model to stop mid-answer."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from smolctl.data.tokenizer import load_tokenizer
+    from smolctl.errors import UserError
+    from smolctl.shards import open_documents
+    from smolctl.train.config import ChatDataSection
+    from smolctl.train.posttrain import load_sft_dataset
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    reasons = ["stop", "length", "stop"]
+    rows = {"prompt": ["a?", "b?", "c?"], "completion": ["A", "B, and so", "C"], "finish_reason": reasons}
+    pq.write_table(pa.table(rows), tmp_path / "completions.parquet")
+    dataset, stats = load_sft_dataset(
+        open_documents(tmp_path / "completions.parquet"), ChatDataSection(path="x"), 0, tokenizer
+    )
+    assert [row["completion"][0]["content"] for row in dataset] == ["A", "C"]
+    assert stats["rows"] == 3 and stats["rows_used"] == 2 and stats["cut_off_completions_dropped"] == 1
+    pq.write_table(pa.table(rows | {"finish_reason": ["length"] * 3}), tmp_path / "cut.parquet")
+    with pytest.raises(UserError, match="every completion was cut off at its max_new_tokens"):
+        load_sft_dataset(open_documents(tmp_path / "cut.parquet"), ChatDataSection(path="x"), 0, tokenizer)

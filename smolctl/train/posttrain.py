@@ -161,11 +161,25 @@ def load_sft_dataset(source: DocumentSource, data: ChatDataSection, seed: int, t
     tools = renders_tool_calls(tokenizer)
     group = data.balance_by
 
-    def prepare(row: dict) -> dict:
+    # `generate` output: a completion cut off at max_new_tokens would teach the model to stop mid-answer.
+    cut_off = "finish_reason" if columns == ["prompt", "completion"] and "finish_reason" in source.columns else None
+
+    def prepare(row: dict) -> dict | None:
+        if cut_off and row[cut_off] == "length":
+            return None
         return sft_row(row, columns, as_chat, tools) | ({group: row[group]} if group else {})
 
-    rows = checked_rows(source, columns + ([group] if group else []), prepare)
-    stats: dict = {"rows": len(rows), "format": "+".join(columns)}
+    read = checked_rows(source, columns + [c for c in (group, cut_off) if c and c not in columns], prepare)
+    rows = [row for row in read if row is not None]
+    stats: dict = {"rows": len(read), "format": "+".join(columns)}
+    if cut_off:
+        stats["cut_off_completions_dropped"] = len(read) - len(rows)
+        if read and not rows:
+            raise UserError(
+                source.spec,
+                "every completion was cut off at its max_new_tokens (finish_reason 'length')",
+                "generate again with a larger --max-new-tokens",
+            )
     if group:
         groups = [row.pop(group) for row in rows]
         indices = balanced_indices(groups, data.balance, seed)
