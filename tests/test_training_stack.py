@@ -96,6 +96,32 @@ def test_every_training_command_has_the_same_run_layout_and_resume(command, reci
     assert finished["data"] == resumed["data"] and finished["metrics"] == resumed["metrics"], (finished, resumed)
 
 
+@pytest.mark.parametrize("command", ["pretrain", "sft"])
+def test_a_rewind_removes_what_the_abandoned_later_steps_left(command, recipe, tiny_model, tmp_path):
+    """--resume RUN/checkpoints/step-1 abandons steps 2 and 3: left in place, the next --resume auto took the old
+    step 3 and continued the abandoned run (or called it finished). pretrain and post-training resume apart."""
+    run = tmp_path / "run"
+    keep = ["checkpoint.keep=5"]
+    code, _, err = smolctl(*command_line(command, recipe, tiny_model, run, "training.steps=3", *keep))
+    assert code == 0, err
+    rewind = ["--resume", run / "checkpoints" / "step-0000001"]
+    code, _, err = smolctl(*command_line(command, recipe, tiny_model, run, "training.steps=2", *keep), *rewind)
+    assert code == 0, err
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    [rewound] = [e for e in events if e["event"] == "resume"]
+    assert [Path(p).relative_to(run).as_posix() for p in rewound["discarded"]] == [
+        "checkpoints/step-0000002",
+        "checkpoints/step-0000003",
+        "final",
+    ]
+    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step-0000001", "step-0000002"]
+    code, out, err = smolctl(
+        *command_line(command, recipe, tiny_model, run, "training.steps=3", *keep), "--resume", "auto"
+    )
+    assert code == 0, err
+    assert json.loads(out)["resumed_from"].endswith("step-0000002")
+
+
 @pytest.mark.parametrize("command", ["sft", "grpo"])
 def test_lora_trains_adapters_and_final_holds_them_merged(command, tiny_model, tmp_path):
     import torch

@@ -75,6 +75,7 @@ from smolctl.train.run import (
     FINAL,
     RUN_FILE,
     append_jsonl,
+    discard_later,
     holds_run_files,
     holds_run_folder,
     model_folder,
@@ -418,6 +419,7 @@ class Trainer:
                 Path(self.init_from), optimizer=self.keep_optimizer, flag="--from"
             )  # a new stage: its own step 0
         self.recipe_changes: dict[str, list] = {}
+        self.discarded: list[str] = []
         if self.dist.is_main:
             recorded = {
                 "stage": self.stage,
@@ -430,7 +432,9 @@ class Trainer:
                 if self._replace_run:
                     shutil.rmtree(folder)
                 folder.mkdir(parents=True, exist_ok=True)
-            elif before := recorded_run(self.run_dir):
+            else:  # a rewind abandons what later steps left
+                self.discarded = discard_later(self.run_dir, checkpoint_step(self.resume_from))
+            if self.resume_from is not None and (before := recorded_run(self.run_dir)):
                 # run.json holds the recipe now in force (a decay phase's schedule, another world size's plan);
                 # the resume event says what changed.
                 self.recipe_changes = recipe_changes(  # the batch plan's keys as plan.KEY
@@ -703,8 +707,11 @@ class Trainer:
                     )
                     if self.dist.is_main:  # after the monitor dropped what the steps about to run again logged
                         append_jsonl(
-                            self.run_dir / EVENTS, resume_event(self.step, self.resume_from, self.recipe_changes)
+                            self.run_dir / EVENTS,
+                            resume_event(self.step, self.resume_from, self.recipe_changes, self.discarded),
                         )
+                    if self.discarded:
+                        self.monitor.note(f"removed what the abandoned later steps left: {', '.join(self.discarded)}")
                 while self.step < plan.steps:
                     started = time.perf_counter()
                     with self.monitor.profiled(self.step + 1):

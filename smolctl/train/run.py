@@ -67,6 +67,23 @@ def step_checkpoints(run: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
+def discard_later(run: Path, step: int) -> list[str]:
+    """Rank 0, resuming at `step`: remove the checkpoints, exports and final/ of later steps, and return their
+    paths. They belong to the run a rewind (--resume RUN/checkpoints/step-N) abandons: left in place, a later
+    --resume auto would take the newest of them and continue the abandoned run, or call it finished."""
+    run = Path(run)
+    exports = run / "exports"
+    later = [p for p in step_checkpoints(run) if step_of(p) > step]
+    if exports.is_dir():
+        later += [p for p in sorted(exports.glob("step-*")) if p.is_dir() and step_of(p) > step]
+    final = read_manifest(run / FINAL) if (run / FINAL / MANIFEST_NAME).is_file() else None
+    if final is not None and int(final.get("step", final.get("stats", {}).get("steps", 0))) > step:
+        later.append(run / FINAL)
+    for path in later:
+        shutil.rmtree(path, ignore_errors=True)
+    return [str(path) for path in later]
+
+
 def prune_checkpoints(run: Path, keep: int) -> None:
     for old in step_checkpoints(run)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
@@ -202,10 +219,12 @@ def recipe_changes(before: dict, now: dict) -> dict[str, list]:
     return {key: [old.get(key), new.get(key)] for key in sorted(set(old) | set(new)) if old.get(key) != new.get(key)}
 
 
-def resume_event(step: int, source: Path, changes: dict[str, list]) -> dict:
-    """The events.jsonl line of a resume: where it continued from, and what it changed of the recipe."""
+def resume_event(step: int, source: Path, changes: dict[str, list], discarded: list[str] = ()) -> dict:
+    """The events.jsonl line of a resume: where it continued from, what it changed of the recipe, and what of
+    later steps it removed (discard_later)."""
     event = {"event": "resume", "step": step, "from": str(source)}
-    return {**event, **({"changed": changes} if changes else {}), "time": time.time()}
+    extra = {"changed": changes} if changes else {}
+    return {**event, **extra, **({"discarded": list(discarded)} if discarded else {}), "time": time.time()}
 
 
 def begin_run(run: Path, stage: str, recipe: dict, parent: Path, start: RunStart) -> None:
@@ -246,4 +265,5 @@ def begin_run(run: Path, stage: str, recipe: dict, parent: Path, start: RunStart
         drop_lines_after(run / name, resumed_at)
         (run / name).touch()
     if start.resume_from:
-        append_jsonl(run / EVENTS, resume_event(resumed_at, start.resume_from, changes))
+        discarded = discard_later(run, resumed_at)
+        append_jsonl(run / EVENTS, resume_event(resumed_at, start.resume_from, changes, discarded))
