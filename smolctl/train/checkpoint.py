@@ -651,17 +651,20 @@ def packed_digest(path: str | Path) -> str:
     return hashlib.sha256(json.dumps(content).encode()).hexdigest()[:16]
 
 
-def run_identity(recipe) -> dict:
+def run_identity(recipe, global_batch: int) -> dict:
     """What a resumed run must share with the run it continues: the model, the data by content (the same folder
     moved or named another way is the same data; another folder at the same path is not), and the numbers that
-    fix the data order (seed, seq_len, global batch). Its length, micro batch and schedule may change."""
+    fix the data order (seed, seq_len, and the rows of a step, `global_batch`, as the batch plan resolved them: a
+    recipe that leaves the global batch to micro_batch × world size gets another one on another world size, and
+    global_batch_tokens = global_batch × seq_len is the same batch). Its length, micro batch and schedule may
+    change."""
     model = recipe.model.model_dump(exclude={"tokenizer"})  # the data's tokenizer fingerprint stands for it
     data = recipe.data
     stages = [
         {"start_step": s.start_step, "weights": s.weights, "folders": [packed_digest(p) for p in s.paths]}
         for s in data.stage_list()
     ]
-    training = {k: getattr(recipe.training, k) for k in ("seed", "seq_len", "global_batch", "global_batch_tokens")}
+    training = {"seed": recipe.training.seed, "seq_len": recipe.training.seq_len, "global_batch_rows": global_batch}
     return {
         "model": model,
         "data": {"stages": stages, "validation": packed_digest(data.validation) if data.validation else None},
@@ -673,8 +676,19 @@ def check_same_identity(saved: dict | None, current: dict, where: Path, recipe) 
     """UserError naming the first recipe key whose value (or data content) differs from the saved run's."""
     if saved is None:
         raise UserError(where, "records no run identity (written by an older smolctl)", "start a new run folder")
+    then, now = saved["training"].get("global_batch_rows"), current["training"].get("global_batch_rows")
+    if then is not None and then != now:
+        raise UserError(
+            "training.global_batch",
+            f"the run trained {then} rows a step and this launch would train {now} (micro_batch × data-parallel "
+            "ranks, when global_batch is not set)",
+            f"set training.global_batch = {then} to resume it here",
+        )
+    # The training keys both record: a run saved before the rows of a step were recorded compares the recipe's.
+    keys = {"model": current["model"].keys() | saved["model"].keys()}
+    keys["training"] = (current["training"].keys() & saved["training"].keys()) - {"global_batch_rows"}
     for section in ("model", "training"):
-        for key in current[section].keys() | saved[section].keys():
+        for key in sorted(keys[section]):
             if saved[section].get(key) != current[section].get(key):
                 raise UserError(
                     f"{section}.{key}",

@@ -281,7 +281,7 @@ class Trainer:
             )
         if self.dist.is_main:
             require_trackers(recipe.logging.report_to)
-        self.identity = run_identity(recipe)
+        self.identity = run_identity(recipe, self.plan.global_batch)
         if self.resume_from is not None or self.finished is not None:
             where = self.resume_from or self.run_dir / FINAL
             check_same_identity((read_manifest(where) or {}).get("identity"), self.identity, where, recipe)
