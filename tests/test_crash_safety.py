@@ -337,3 +337,19 @@ def test_pool_workers_end_when_the_command_is_killed(tmp_path, tokenizer_dir):
         while _alive(workers) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _alive(workers), f"{name}: workers {sorted(_alive(workers))} outlived the killed command"
+
+
+def test_a_log_line_cut_short_by_a_crash_does_not_stop_every_resume(tmp_path):
+    """A node that died mid-append left `{"step": 38, "loss": 6.4`: every resume, and so every Slurm requeue,
+    failed on it as an internal error. It goes with the steps after the checkpoint; a damaged line elsewhere is
+    named."""
+    from smolctl.errors import UserError
+    from smolctl.train.run import drop_lines_after
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 7.0}\n{"step": 2, "loss": 6.9}\n{"step": 3, "loss": 6.8}\n{"step": 4, "lo')
+    drop_lines_after(metrics, 2)
+    assert metrics.read_text() == '{"step": 1, "loss": 7.0}\n{"step": 2, "loss": 6.9}\n'
+    metrics.write_text('{"step": 1}\n[1, 2]\n{"step": 2}\n')
+    with pytest.raises(UserError, match="line 2 is not a JSON object"):
+        drop_lines_after(metrics, 2)

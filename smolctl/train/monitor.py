@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from smolctl.console import escape, human_count, human_duration, progress
+from smolctl.train.run import drop_lines_after
 from smolctl.train.trackers import NoTracker, Tracker
 
 # Dense bf16 tensor-core peak per device (vendor datasheets, no sparsity), matched against the device name.
@@ -131,8 +132,8 @@ class Monitor:
         self._comm_share: float | None = None  # the latest profiled step's, reported once on the next line
         self._started = time.perf_counter()
         if enabled:
-            _drop_lines_after(self.metrics_path, start_step)
-            _drop_lines_after(self.events_path, start_step)
+            drop_lines_after(self.metrics_path, start_step)
+            drop_lines_after(self.events_path, start_step)
             self.events_path.touch()  # present even when no guard fired: "no events" is a result too
 
     def __enter__(self) -> Monitor:
@@ -259,7 +260,7 @@ class Monitor:
         """After a rollback the steps past `step` run again: their metrics lines go (events stay: they are the
         record)."""
         if self.enabled:
-            _drop_lines_after(self.metrics_path, step)
+            drop_lines_after(self.metrics_path, step)
             self._bar.update(self._task, completed=step)
 
     def event(self, record: dict) -> None:
@@ -331,12 +332,3 @@ def _append_jsonl(path: Path, record: dict) -> None:
     clean = {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
     with open(path, "a") as handle:
         handle.write(json.dumps(clean) + "\n")
-
-
-def _drop_lines_after(path: Path, step: int) -> None:
-    """On resume, forget what was logged after the checkpoint: those steps are about to be run again (a fresh
-    start is step 0, so a run killed before its first checkpoint leaves nothing behind)."""
-    if not path.is_file():
-        return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in kept))

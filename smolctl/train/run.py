@@ -29,7 +29,14 @@ from typing import TypeVar
 from smolctl.errors import UserError
 from smolctl.folder_lock import held_alone
 from smolctl.launcher import rank_from_env
-from smolctl.shards import MANIFEST_NAME, atomic_write_json, check_output_path, output_folder_path, read_manifest
+from smolctl.shards import (
+    MANIFEST_NAME,
+    atomic_write_bytes,
+    atomic_write_json,
+    check_output_path,
+    output_folder_path,
+    read_manifest,
+)
 
 # What recipes/slurm/pretrain.sbatch creates in RUN before the trainer starts (NCCL's flight-recorder dumps):
 # a run folder holding only these is still a new run folder.
@@ -132,11 +139,26 @@ def append_jsonl(path: Path, record: dict) -> None:
 
 
 def drop_lines_after(path: Path, step: int) -> None:
-    """On resume, forget what was logged after the checkpoint: those steps are about to be run again."""
+    """On resume, forget what was logged after the checkpoint: those steps are about to be run again (a fresh
+    start is step 0, so a run killed before its first checkpoint leaves nothing behind). A last line cut short (a
+    node that died, or a disk that filled, mid-append) goes with them; any other line that is not a JSON object
+    is one line naming it, not a resume that fails the same way on every requeue."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
-    path.write_text("".join(line + "\n" for line in kept))
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict):
+            if number == len(lines):
+                break
+            raise UserError(path, f"line {number} is not a JSON object", "fix or delete that line, then resume")
+        if record.get("step", 0) <= step:
+            kept.append(line)
+    atomic_write_bytes(path, "".join(line + "\n" for line in kept).encode())
 
 
 # ---------------------------------------------------------------------------------------------------------------
