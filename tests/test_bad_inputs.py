@@ -1008,7 +1008,15 @@ CASES = [
     Case(
         "pretrain: resume with another number of rows a step",
         lambda t: (
-            ["pretrain", recipe(), run_copy(t, unfinished=True), "--resume", "auto", "--set", "training.global_batch=4"],
+            [
+                "pretrain",
+                recipe(),
+                run_copy(t, unfinished=True),
+                "--resume",
+                "auto",
+                "--set",
+                "training.global_batch=4",
+            ],
             "training.global_batch: the run trained 8 rows a step and this launch would train 4",
             t / "run",
         ),
