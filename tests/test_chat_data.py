@@ -145,3 +145,33 @@ def test_completions_generate_cut_off_at_max_new_tokens_are_not_trained_on(token
     pq.write_table(pa.table(rows | {"finish_reason": ["length"] * 3}), tmp_path / "cut.parquet")
     with pytest.raises(UserError, match="every completion was cut off at its max_new_tokens"):
         load_sft_dataset(open_documents(tmp_path / "cut.parquet"), ChatDataSection(path="x"), 0, tokenizer)
+
+
+def test_a_tool_calling_turn_adds_no_keys_to_the_other_turns(tmp_path):
+    """Inferred Arrow structs gave every turn of every row `tool_calls: None`; a template testing
+    `'tool_calls' in message` (as Llama 3.1's does) then took len(None) on the plain rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from smolctl.shards import open_documents
+    from smolctl.train.config import ChatDataSection
+    from smolctl.train.posttrain import load_sft_dataset
+
+    class Tokenizer:
+        chat_template = (
+            "{% for m in messages %}{% if 'tool_calls' in m %}[{{ m.tool_calls | length }} call]"
+            "{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}{% endfor %}"
+        )
+
+    call = [{"type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]
+    rows = [
+        {"messages": [USER, {"role": "assistant", "content": None, "tool_calls": call}, ASSISTANT]},
+        {"messages": [USER, ASSISTANT]},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "tools.parquet")
+    dataset, _ = load_sft_dataset(open_documents(tmp_path / "tools.parquet"), ChatDataSection(path="x"), 0, Tokenizer)
+    assert dataset[1]["messages"] == [USER, ASSISTANT]
+    assert dataset[0]["messages"][1]["tool_calls"] == call
+    rendered, _ = render_jinja_template(conversations=[dataset[1]["messages"]], chat_template=Tokenizer.chat_template)
+    assert rendered[0] == "user: what is 2+2?\nassistant: 4\n"

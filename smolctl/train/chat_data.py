@@ -51,6 +51,23 @@ def checked_rows(source: DocumentSource, columns: list[str], prepare) -> list[di
     return rows
 
 
+def as_dataset(rows: list[dict]):
+    """The rows as a `datasets.Dataset` that gives each turn back as it was: inferred Arrow structs give every
+    turn the keys of all turns, so one tool-calling turn added `tool_calls: None` to every plain turn of every row,
+    which templates testing `'tool_calls' in message` (Llama 3.1's) fail on. Turns are stored as JSON instead."""
+    import datasets
+
+    features = datasets.Features(
+        {
+            column: datasets.List(datasets.Json())
+            if isinstance(value, list)
+            else datasets.Value("int64" if isinstance(value, int) else "string")
+            for column, value in rows[0].items()
+        }
+    )
+    return datasets.Dataset.from_list(rows, features=features)
+
+
 def renders_tool_calls(tokenizer) -> bool:
     template = getattr(tokenizer, "chat_template", None) or ""
     return "tool_calls" in (template if isinstance(template, str) else str(template))

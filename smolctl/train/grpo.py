@@ -14,6 +14,7 @@ from pathlib import Path
 
 from smolctl.errors import UserError
 from smolctl.launcher import world_size_from_env
+from smolctl.train.chat_data import as_dataset
 from smolctl.train.config import GrpoRecipe, global_batch_and_accumulation
 from smolctl.train.posttrain_run import (
     PostTrainResult,
@@ -79,18 +80,14 @@ def run_grpo(
     if setup.start.finished:
         return finished_result("grpo", setup.run, setup.start)
     quiet_offline()
-    import datasets
     from trl import GRPOConfig, GRPOTrainer
 
     model, tokenizer = load_start(setup.parent, attention=recipe.training.attention)
     model.generation_config.eos_token_id = chat_stop_ids(tokenizer) or None
     chat = bool(getattr(tokenizer, "chat_template", None))
     # The row index travels with each prompt, so the reward sees the whole row and knows each completion's group.
-    dataset = datasets.Dataset.from_dict(
-        {
-            "prompt": [as_chat(row["prompt"]) if chat else row["prompt"] for row in setup.rows],
-            "row": list(range(len(setup.rows))),
-        }
+    dataset = as_dataset(
+        [{"prompt": as_chat(row["prompt"]) if chat else row["prompt"], "row": i} for i, row in enumerate(setup.rows)]
     )
     logged = {"nan": 0, "components": {}}
     stop_ids = set(chat_stop_ids(tokenizer))

@@ -19,7 +19,7 @@ import pyarrow as pa
 from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import UserError
 from smolctl.shards import DocumentSource, open_documents
-from smolctl.train.chat_data import checked_rows, preference_row, renders_tool_calls, sft_row
+from smolctl.train.chat_data import as_dataset, checked_rows, preference_row, renders_tool_calls, sft_row
 from smolctl.train.config import ChatDataSection, DpoRecipe, PreferenceDataSection, SftRecipe
 from smolctl.train.posttrain_run import (
     PostTrainResult,
@@ -154,8 +154,6 @@ def load_sft_dataset(source: DocumentSource, data: ChatDataSection, seed: int, t
     """The SFT rows as chat_data.sft_row prepares them (plain prompt/completion text becomes a user and an
     assistant turn when the tokenizer has a chat template, so the model learns the format it will chat in),
     balanced and limited."""
-    import datasets
-
     columns = sft_columns(source)
     as_chat = bool(getattr(tokenizer, "chat_template", None))
     tools = renders_tool_calls(tokenizer)
@@ -193,7 +191,7 @@ def load_sft_dataset(source: DocumentSource, data: ChatDataSection, seed: int, t
         raise UserError(source.spec, "holds no rows to train on", "pass a non-empty dataset")
     if columns == ["prompt", "completion"] and isinstance(rows[0]["prompt"], list):
         stats["format"] = "prompt+completion as chat turns"
-    return datasets.Dataset.from_list(rows), stats
+    return as_dataset(rows), stats
 
 
 def is_chat_column(field: pa.Field) -> bool:
@@ -213,8 +211,6 @@ def preference_columns(source: DocumentSource) -> list[str]:
 def load_preference_dataset(source: DocumentSource, data: PreferenceDataSection, tokenizer):
     """prompt/chosen/rejected rows as chat_data.preference_row prepares them (plain strings become one user
     turn and one assistant turn when the tokenizer has a chat template, so DPO trains the format SFT taught)."""
-    import datasets
-
     as_chat = bool(getattr(tokenizer, "chat_template", None))
     tools = renders_tool_calls(tokenizer)
     rows = checked_rows(source, preference_columns(source), lambda row: preference_row(row, as_chat, tools))
@@ -233,7 +229,7 @@ def load_preference_dataset(source: DocumentSource, data: PreferenceDataSection,
             source.spec, "chosen equals rejected in every pair: there is no preference to learn", "check the columns"
         )
     stats["format"] = "chat" if isinstance(rows[0]["prompt"], list) else "text"
-    return datasets.Dataset.from_list(rows), stats
+    return as_dataset(rows), stats
 
 
 def untrained_examples(dataset) -> tuple[int, int]:
