@@ -57,6 +57,26 @@ def test_shapes_trl_cannot_take_are_named(value, said):
         conversation(value, "messages", False)
 
 
+def test_a_conversation_stored_as_json_text_is_refused_wherever_text_is_taken():
+    """Taken as text, the JSON trained as the words, and the prompt chosen and rejected share ended mid-JSON."""
+    import json
+
+    chat = json.dumps([USER, ASSISTANT])
+    said = "column 'chosen' holds a conversation as JSON text"
+    for as_chat in (False, True):
+        with pytest.raises(BadRow, match=said):
+            preference_row(
+                {"chosen": chat, "rejected": json.dumps([USER, ASSISTANT | {"content": "5"}])}, as_chat, False
+            )
+        with pytest.raises(BadRow, match="column 'prompt' holds a conversation as JSON text"):
+            sft_row({"prompt": json.dumps([USER]), "completion": "4"}, ["prompt", "completion"], as_chat, False)
+    # JSON that is not a conversation is text like any other
+    assert sft_row({"prompt": '[{"a": 1}] parse this', "completion": "ok"}, ["prompt", "completion"], False, False)
+    assert (
+        sft_row({"prompt": "[1, 2]", "completion": "3"}, ["prompt", "completion"], False, False)["prompt"] == "[1, 2]"
+    )
+
+
 def test_a_conversational_prompt_takes_a_plain_completion_as_the_assistant_turn():
     row = sft_row({"prompt": [USER], "completion": "4"}, ["prompt", "completion"], False, False)
     assert row == {"prompt": [USER], "completion": [ASSISTANT]}
@@ -97,6 +117,8 @@ def test_a_user_turn_in_the_answer_is_refused():
 
 def test_references_become_texts_and_a_list_matches_any_of_them():
     assert reference_text(4, "answer") == "4" and reference_text([4, "four"], "answer") == ["4", "four"]
+    # pandas stores an integer column holding a null as float64: 72.0 is the answer "72", 0.5 stays itself
+    assert reference_text(72.0, "answer") == "72" and reference_text([72.0, 0.5], "answer") == ["72", "0.5"]
     for bad, said in ((None, "is null"), (True, "is a boolean"), ({"a": 1}, "is dict"), ([], "holds a list")):
         with pytest.raises(BadRow, match=said):
             reference_text(bad, "answer")

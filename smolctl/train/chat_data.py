@@ -15,6 +15,7 @@ shapes trained on the wrong thing without a word.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -119,10 +120,30 @@ def _text(content, where: str) -> str | None:
     raise BadRow(f"{where} content is {type(content).__name__}, not text")
 
 
+def plain_text(value: str, column: str) -> str:
+    """A text column's value, refused where it is a conversation stored as JSON text: taken as text, its JSON
+    would train as the words, and the prompt chosen and rejected share would end mid-JSON."""
+    if value.startswith("[") and value.lstrip("[ \n").startswith("{"):
+        try:
+            turns = json.loads(value)
+        except ValueError:
+            return value
+        if (
+            isinstance(turns, list)
+            and turns
+            and all(isinstance(t, dict) and ("role" in t or "from" in t) for t in turns)
+        ):
+            raise BadRow(
+                f"column '{column}' holds a conversation as JSON text",
+                "store each conversation as a list of {role, content} (json.loads it before writing the parquet)",
+            )
+    return value
+
+
 def as_turns(value, role: str, column: str, tool_calls_rendered: bool) -> list[dict]:
     """A plain string as one turn of `role`; a list of turns as `conversation` checks it."""
     if isinstance(value, str):
-        return [{"role": role, "content": value}]
+        return [{"role": role, "content": plain_text(value, column)}]
     return conversation(value, column, tool_calls_rendered)
 
 
@@ -146,7 +167,7 @@ def sft_row(row: dict, columns: list[str], as_chat: bool, tool_calls_rendered: b
         return {"messages": conversation(row["messages"], "messages", tool_calls_rendered)}
     prompt, completion = row["prompt"], row["completion"]
     if not as_chat and isinstance(prompt, str) and isinstance(completion, str):
-        return {"prompt": prompt, "completion": completion}
+        return {"prompt": plain_text(prompt, "prompt"), "completion": plain_text(completion, "completion")}
     return {
         "prompt": as_turns(prompt, "user", "prompt", tool_calls_rendered),
         "completion": answer_only(as_turns(completion, "assistant", "completion", tool_calls_rendered), "completion"),
@@ -157,6 +178,9 @@ def preference_row(row: dict, as_chat: bool, tool_calls_rendered: bool) -> dict:
     """prompt/chosen/rejected as DPO takes them: all text, or (turns given, or a chat template) all turns."""
     prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
     if not any(isinstance(v, list) for v in (prompt, chosen, rejected)):
+        for column, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+            if isinstance(value, str):
+                plain_text(value, column)
         if prompt is None:  # the text chosen and rejected share, as TRL extracts it
             shared = _shared_text(chosen, rejected)
             prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
@@ -205,16 +229,21 @@ def _shared_text(a: str, b: str) -> int:
     return shared
 
 
+def _number_text(value: int | float) -> str:
+    # An integer column holding a null is stored as float64 (pandas does it): 72.0 must still match "72".
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
 def reference_text(value, column: str):
     """A reward's reference: text, a number as text, or a list of texts (any of them matches)."""
     if isinstance(value, bool) or value is None:
         raise BadRow(f"column '{column}' is {'null' if value is None else 'a boolean'}, not a reference to match")
     if isinstance(value, (int, float)):
-        return str(value)
+        return _number_text(value)
     if isinstance(value, list):
         if not value or not all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in value):
             raise BadRow(f"column '{column}' holds a list that is not of texts or numbers")
-        return [str(v) for v in value]
+        return [v if isinstance(v, str) else _number_text(v) for v in value]
     if not isinstance(value, str):
         raise BadRow(f"column '{column}' is {type(value).__name__}, not text")
     return value

@@ -38,7 +38,7 @@ import pyarrow.parquet as pq
 from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import Interrupted, UserError
 from smolctl.shards import KIND_DOCUMENTS, OutputFolder, check_output_path, lineage_ref, open_documents, schema_to_dict
-from smolctl.train.chat_data import checked_rows, reference_text
+from smolctl.train.chat_data import checked_rows, plain_text, reference_text
 from smolctl.train.posttrain import check_rows
 from smolctl.train.posttrain_run import chat_stop_ids, check_start, quiet_offline
 from smolctl.train.rewards import CompositeReward
@@ -415,7 +415,7 @@ def read_prompts(job: GenerateJob):
         reference = row.get(job.reference_column)
         if needs_reference:  # every completion is scored against it: a null one would rank nothing
             reference = reference_text(reference, job.reference_column)
-        return row[job.prompt_column], reference
+        return plain_text(row[job.prompt_column], job.prompt_column), reference
 
     rows = checked_rows(source, columns, prepare)
     if job.limit is not None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from smolctl.errors import UserError
 from smolctl.shards import DocumentSource, open_documents
-from smolctl.train.chat_data import checked_rows, conversation, reference_text
+from smolctl.train.chat_data import checked_rows, conversation, plain_text, reference_text
 from smolctl.train.config import GrpoRecipe, PpoRecipe, PromptDataSection
 from smolctl.train.posttrain import check_rows, require_columns
 from smolctl.train.posttrain_run import check_start, open_run
@@ -33,6 +33,8 @@ def load_prompts(source: DocumentSource, data: PromptDataSection, needs_referenc
         prompt = row[data.prompt_column]
         if isinstance(prompt, list):  # turns: each content one string, checked as chat_data checks them
             prompt = conversation(prompt, data.prompt_column, tool_calls_rendered=False)
+        else:
+            prompt = plain_text(prompt, data.prompt_column)
         reference = row.get(data.reference_column)
         if needs_reference:  # every row is scored against it: a null one would score 0 without a word
             reference = reference_text(reference, data.reference_column)
