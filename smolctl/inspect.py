@@ -137,7 +137,7 @@ def smolctl_folders_under(root: Path, max_depth: int = 3) -> list[Path]:
 
     def walk(folder: Path, depth: int) -> None:
         for child in sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))):
-            if (child / MANIFEST_NAME).is_file():
+            if read_manifest(child) is not None:  # another tool's manifest.json makes no smolctl folder
                 found.append(child)
             if depth < max_depth:
                 walk(child, depth + 1)
@@ -199,6 +199,8 @@ class Inspection(Result):
         return {key: value for key, value in asdict(self).items() if value is not None or key == "kind"}
 
     def verify(self, folders: list[Path]) -> None:
+        if not folders:
+            raise UserError(self.path, "holds no smolctl folder to verify", "pass a folder a smolctl stage wrote")
         self.verified_folders = [str(f) for f in folders]
         self.problems = _verify_all(folders)
         self.verified = not self.problems
@@ -226,6 +228,16 @@ def inspect_path(
     )
     if run is not None and (target / "final" / MANIFEST_NAME).is_file():
         target = target / "final"
+        path = str(target)
+    elif run is not None and lineage:  # a run still training: its lineage so far is its newest checkpoint's
+        checkpoints = (
+            smolctl_folders_under(target / "checkpoints", max_depth=1) if (target / "checkpoints").is_dir() else []
+        )
+        if not checkpoints:
+            raise UserError(
+                "--lineage", f"{path} is a run with no checkpoint or final model yet", "inspect it once it has saved"
+            )
+        target = checkpoints[-1]
         path = str(target)
     manifest = read_manifest(target) if target.is_dir() else None
     if manifest is None and target.is_dir() and (run is not None or smolctl_folders_under(target, max_depth=1)):

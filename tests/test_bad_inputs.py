@@ -301,6 +301,26 @@ CASES = [
         )[1:],
     ),
     Case(
+        "inspect: --verify of a run that has saved nothing yet",
+        lambda t: (
+            shutil.rmtree(run_copy(t) / "checkpoints"),
+            shutil.rmtree(t / "run" / "final"),
+            ["inspect", t / "run", "--verify"],
+            "run: holds no smolctl folder to verify",
+            None,
+        )[2:],
+    ),
+    Case(
+        "inspect: --lineage of a run that has saved nothing yet",
+        lambda t: (
+            shutil.rmtree(run_copy(t) / "checkpoints"),
+            shutil.rmtree(t / "run" / "final"),
+            ["inspect", t / "run", "--lineage"],
+            "run is a run with no checkpoint or final model yet",
+            None,
+        )[2:],
+    ),
+    Case(
         "inspect: truncated shard",
         lambda t: (["inspect", corrupt_copy(SAMPLE / "math", t / "m", "truncate")], "part-00000.parquet", None),
     ),

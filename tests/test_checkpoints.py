@@ -282,3 +282,7 @@ def test_a_shard_flipped_at_its_size_stops_the_resume_on_every_world_size(refere
 
     verify = run_cli("inspect", run, "--verify")
     assert verify.returncode == 1 and "step-0000004/__0_0.distcp: sha256 differs" in verify.stdout + verify.stderr
+    # a run still training: its lineage so far is its newest checkpoint's
+    lineage = json.loads(run_cli("inspect", run, "--lineage", "--json", "--samples", "0").stdout)
+    assert lineage["path"].endswith("step-0000004") and lineage["lineage"][0]["kind"] == "checkpoint"
+    assert any(entry["kind"] == "packed" for entry in lineage["lineage"])
