@@ -101,10 +101,25 @@ def test_without_a_prompt_column_the_prompt_is_what_chosen_and_rejected_share():
     assert preference_row(row, True, False) == {"prompt": [system, USER], "chosen": [ASSISTANT], "rejected": [wrong]}
     text = {"chosen": "\n\nHuman: 2+2?\n\nAssistant: 4", "rejected": "\n\nHuman: 2+2?\n\nAssistant: 5"}  # HH-RLHF
     assert preference_row(text, False, False) == {
-        "prompt": "\n\nHuman: 2+2?\n\nAssistant: ",
-        "chosen": "4",
-        "rejected": "5",
+        "prompt": "\n\nHuman: 2+2?\n\nAssistant:",
+        "chosen": " 4",
+        "rejected": " 5",
     }
+    # cut before the word the answers differ in, never inside it ("is bl" + "ue."), nor inside a shorter answer
+    for chosen, rejected, prompt in (
+        ("Sky? The sky is blue.", "Sky? The sky is black.", "Sky? The sky is"),
+        ("Hi? Hello", "Hi? Hello there", "Hi?"),
+        ("Hi? Hello", "Hi? Hello", "Hi?"),  # identical: kept, and counted as an identical pair
+        ("天空是蓝色的", "天空是黑色的", "天空是"),  # no spaces to cut at
+    ):
+        cut = preference_row({"chosen": chosen, "rejected": rejected}, False, False)
+        assert (cut["prompt"], cut["prompt"] + cut["chosen"], cut["prompt"] + cut["rejected"]) == (
+            prompt,
+            chosen,
+            rejected,
+        )
+    same = preference_row({"chosen": [system, USER, ASSISTANT], "rejected": [system, USER, ASSISTANT]}, True, False)
+    assert same == {"prompt": [system, USER], "chosen": [ASSISTANT], "rejected": [ASSISTANT]}
     with pytest.raises(BadRow, match="share no prompt turns"):
         preference_row({"chosen": [ASSISTANT], "rejected": [wrong]}, True, False)
 

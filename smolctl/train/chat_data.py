@@ -181,8 +181,8 @@ def preference_row(row: dict, as_chat: bool, tool_calls_rendered: bool) -> dict:
         for column, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
             if isinstance(value, str):
                 plain_text(value, column)
-        if prompt is None:  # the text chosen and rejected share, as TRL extracts it
-            shared = _shared_text(chosen, rejected)
+        if prompt is None:  # the text chosen and rejected share, as TRL extracts it, but cut between words
+            shared = _prompt_cut(chosen, rejected)
             prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
             if not prompt:
                 raise BadRow(
@@ -219,14 +219,26 @@ def _shared_turns(a: list[dict], b: list[dict]) -> int:
     shared = 0
     while shared < min(len(a), len(b)) and a[shared] == b[shared]:
         shared += 1
+    if shared == len(a) == len(b):  # the same conversation: its last reply is the (identical) answer, counted later
+        while shared > 0 and a[shared - 1]["role"] in ("assistant", "tool"):
+            shared -= 1
     return shared
 
 
-def _shared_text(a: str, b: str) -> int:
+def _prompt_cut(a: str, b: str) -> int:
+    """Where the prompt two texts share ends: before the word they differ in, the whitespace going with the
+    answers (as TRL's extract_prompt keeps "Assistant:" in the prompt and " It is blue." in the answer). Cut mid
+    word ("The sky is bl" + "ue."), prompt and answer tokenize into pieces the model never saw in one text.
+    Texts without whitespace before they differ (Chinese, say) are cut where they differ."""
     shared = 0
     while shared < min(len(a), len(b)) and a[shared] == b[shared]:
         shared += 1
-    return shared
+    cut = shared
+    while cut > 0 and not a[cut - 1].isspace():
+        cut -= 1
+    while cut > 0 and a[cut - 1].isspace():
+        cut -= 1
+    return cut or shared
 
 
 def _number_text(value: int | float) -> str:
