@@ -1024,6 +1024,11 @@ def tokenizer_family(family: str, texts: list[str], byte_level_dir: Path):
         backend.normalizer = normalizers.BertNormalizer(lowercase=True)
         backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         trainer = trainers.WordPieceTrainer(vocab_size=1000, special_tokens=["[UNK]"])
+    elif family == "gemma":  # spaces made "▁" first, then a Split on " " that finds none: one pre-token in all
+        backend = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+        backend.normalizer = normalizers.Replace(" ", "▁")
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>"])
     else:  # "llama2-legacy": "▁" prepended to every input by the normalizer, no pre-tokenizer at all
         backend = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
         backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
@@ -1041,6 +1046,7 @@ CUT = {
     "metaspace-unigram": (True, True),
     "bert-wordpiece": (True, True),
     "llama2-legacy": (False, None),
+    "gemma": (False, None),
     "added-token-with-a-space": (True, False),
 }
 

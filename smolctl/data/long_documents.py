@@ -6,15 +6,15 @@ encoded in pieces, several pieces per call (spread over the encoder's threads), 
 The ids are those of encoding the whole document (no special tokens added). Pieces are cut at a single space
 between two letters or digits, where every splitting pre-tokenizer in use splits anyway (GPT-2's and Llama 3's
 patterns, Metaspace, whitespace): no pre-token holds a space after its first character, and none reads past the
-space. That holds only for tokenizers that split at all and whose normalizer does nothing at the edges of its
-input, so a tokenizer with no splitting pre-tokenizer, or with a Prepend or Strip normalizer (Llama 2's legacy
-files prepend "▁" to every input), encodes the document whole, as before. Each cut is also checked on the text
+space. That holds only for tokenizers that split there and whose normalizer does nothing at the edges of its
+input, which is tried on the tokenizer (`splits_at_spaces`): one with no splitting pre-tokenizer, one that keeps
+the space with the word before (Gemma's), or one with a Prepend or Strip normalizer (Llama 2's legacy files
+prepend "▁" to every input), encodes the document whole, as before. Each cut is also checked on the text
 around it (encoded whole, and as its two halves): one that changes the ids there, as an added token holding a
 space would, has the document encoded whole too."""
 
 from __future__ import annotations
 
-import json
 import re
 from itertools import pairwise
 
@@ -30,10 +30,8 @@ CHECK_CHARS = 2048
 """Characters each side of a cut that are encoded whole and in halves to check it."""
 
 _CUT = re.compile(r"(?<=[^\W_]) (?=[^\W_])")
-# Pre-tokenizers that split a text at its spaces (a piece starts where one of them starts a pre-token).
-_SPLITTING = {"Split", "Whitespace", "WhitespaceSplit", "BertPreTokenizer"}
-# Normalizers that act on the edges of whatever text they are given.
-_EDGE_NORMALIZERS = {"Prepend", "Strip"}
+# Texts cut as _CUT cuts them (the space starts the right part), to try a tokenizer on: letters, digits, accents.
+_PROBES = [("ab", " cd"), ("x7", " 9y"), ("é", " Ü"), ("the end", " of it")]
 
 
 def texts_ids(backend, texts: list[str]) -> list[np.ndarray]:
@@ -68,27 +66,18 @@ def document_ids(backend, text: str) -> np.ndarray:
 
 
 def splits_at_spaces(backend) -> bool:
-    """Whether the tokenizer pre-tokenizes at spaces and normalizes nothing at the edges of its input: cutting a
-    text at a space between two words then leaves its ids as they are."""
-
-    def components(tree: dict | None, key: str) -> list[dict]:
-        if tree is None:
-            return []
-        return [c for inner in tree[key] for c in components(inner, key)] if tree["type"] == "Sequence" else [tree]
-
-    def state(component) -> dict | None:
-        return json.loads(component.__getstate__()) if component is not None else None
-
-    normalizers = components(state(backend.normalizer), "normalizers")
-    pre_tokenizers = components(state(backend.pre_tokenizer), "pretokenizers")
-    if any(n["type"] in _EDGE_NORMALIZERS for n in normalizers):
+    """Whether the tokenizer's normalizer and pre-tokenizer turn a text cut at a space between two words into the
+    pre-tokens of the text whole (the model encodes pre-tokens one by one, so its ids are then those of the
+    whole). Tried on the tokenizer itself rather than read from its type names: Gemma's `Split` on " " keeps the
+    space with the word before it (and its normalizer has already made spaces "▁"), so it does not split there."""
+    if backend.pre_tokenizer is None:
         return False
-    return any(
-        p["type"] in _SPLITTING
-        or (p["type"] == "ByteLevel" and p.get("use_regex", True))
-        or (p["type"] == "Metaspace" and p.get("split", True))
-        for p in pre_tokenizers
-    )
+
+    def pre_tokens(text: str) -> list[str]:
+        normalized = backend.normalizer.normalize_str(text) if backend.normalizer is not None else text
+        return [token for token, _ in backend.pre_tokenizer.pre_tokenize_str(normalized)]
+
+    return all(pre_tokens(left + right) == pre_tokens(left) + pre_tokens(right) for left, right in _PROBES)
 
 
 def _pieces(text: str) -> list[str]:
