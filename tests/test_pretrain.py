@@ -316,6 +316,37 @@ def test_nan_burst_rolls_back_once_to_before_the_burst(recipe, tmp_path):
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [5, 10, 12]
 
 
+def test_a_rollback_passes_over_a_checkpoint_damaged_since_its_save(recipe, tmp_path, monkeypatch):
+    """The newest checkpoint before the burst (step 6) has a flipped byte by the time the burst is judged: the run
+    goes back to step 4 instead of ending, and says which checkpoint it passed over."""
+    from smolctl.train import pretrain
+
+    run = tmp_path / "run"
+    check = pretrain.saved_bytes_problem
+
+    def damaged_step_6(path, dist=None):
+        if path.name == "step-0000006" and not getattr(damaged_step_6, "done", False):
+            shard = next(path.glob("*.distcp"))
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 0x10
+            shard.write_bytes(data)
+            damaged_step_6.done = True
+        return check(path, dist)
+
+    monkeypatch.setattr(pretrain, "saved_bytes_problem", damaged_step_6)
+    overrides = ["guards.inject_nan_batches=[7, 8, 9]", "guards.max_bad_steps=3", "logging.interval=5"]
+    result = train(recipe, run, overrides=overrides + ["checkpoint.interval=2", "checkpoint.keep=4"], show=False)
+    assert (result.rollbacks, result.steps) == (1, 12)
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    skipped = [e for e in events if e["event"] == "damaged_checkpoint_skipped"]
+    assert len(skipped) == 1 and skipped[0]["path"].endswith("step-0000006") and "sha256" in skipped[0]["problem"]
+    rollback = next(e for e in events if e["event"] == "rollback")
+    assert rollback["to"].endswith("step-0000004") and rollback["step"] == 4
+    from smolctl.train.report import guard_findings
+
+    assert "passed over" in next(f for f in guard_findings(events) if f.kind == "damaged checkpoint").detail
+
+
 def test_a_level_shift_rebaselines_instead_of_looping():
     from smolctl.train.config import GuardsSection
     from smolctl.train.guards import Guards

@@ -78,13 +78,18 @@ def check_saved_bytes(path: Path, flag: str, dist: Dist | None = None) -> None:
     """Refuse (one line) a checkpoint whose files differ from the sha256 they were saved with, before anything
     reads them: a flipped block in a shard would otherwise load as wrong weights and train on. Under `dist`, every
     rank hashes its share of the files, so the checkpoint is read about once whatever the world size."""
+    damaged = saved_bytes_problem(path, dist)
+    if damaged is not None:
+        raise UserError(flag, f"{path}: {damaged}", "use an earlier checkpoint of the run")
+
+
+def saved_bytes_problem(path: Path, dist: Dist | None = None) -> str | None:
+    """The first file of the checkpoint whose bytes differ from its saved sha256, as a phrase (the same on every
+    rank under `dist`, each hashing its share of the files); None when all match."""
     listed = (read_manifest(path) or {}).get("files", [])
     rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
     damaged = _first_damaged_file(path, listed[rank::world])
-    if dist is not None:
-        damaged = dist.first_problem(damaged)
-    if damaged is not None:
-        raise UserError(flag, f"{path}: {damaged}", "use an earlier checkpoint of the run")
+    return dist.first_problem(damaged) if dist is not None else damaged
 
 
 def _first_damaged_file(folder: Path, listed: list[dict]) -> str | None:

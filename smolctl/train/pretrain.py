@@ -40,6 +40,7 @@ from smolctl.train.checkpoint import (
     name_architecture,
     run_identity,
     save_model_folder,
+    saved_bytes_problem,
 )
 from smolctl.train.config import BatchPlan, TrainRecipe, check_keys, derive_batch, resolve_layout
 from smolctl.train.distributed import (
@@ -567,9 +568,21 @@ class Trainer:
                 f"still unstable after {self.guards.rollbacks} incidents (guards.max_rollbacks) — see {self.run_dir}/events.jsonl"
             )
         counts = (self.guards.skipped, self.guards.spikes, self.guards.rollbacks + 1)
-        target = clean[-1]
+        # A checkpoint damaged on disk since its save is passed over for the one before it, rather than ending a
+        # run that has a sound one to go back to.
+        for target in reversed(clean):
+            damaged = saved_bytes_problem(target, self.dist)
+            if damaged is None:
+                break
+            self.monitor.event(
+                {"event": "damaged_checkpoint_skipped", "step": self.step, "path": str(target), "problem": damaged}
+            )
+        else:
+            raise CheckFailed(
+                f"{len(bad_batches)} consecutive bad steps (batches {bad_batches}) and every checkpoint from before "
+                f"step {first_bad_step} is damaged on disk (see {self.run_dir}/events.jsonl) — check the storage"
+            )
         self.checkpoints.discard_after(checkpoint_step(target))
-        check_saved_bytes(target, "rollback", self.dist)
         self._restore(target, "rollback")
         self.guards.skipped, self.guards.spikes, self.guards.rollbacks = counts
         self.stream.position.skip = sorted(set(self.stream.position.skip) | set(bad_batches))

@@ -54,7 +54,7 @@ class Kpi:
 
 @dataclass
 class Finding:
-    kind: str  # spike, drift, plateau, slowdown, nonfinite, rollback
+    kind: str  # spike, drift, plateau, slowdown, nonfinite, rollback, damaged checkpoint
     start_step: int
     end_step: int
     detail: str
@@ -532,6 +532,17 @@ def guard_findings(events: list[dict]) -> list[Finding]:
                     f"rolled back to {e.get('to')}, skipping batches {e.get('skipped_batches')}",
                     "consecutive bad steps",
                     "the batches are skipped from now on; if rollbacks repeat, lower the lr or clean the data",
+                )
+            )
+        elif e.get("event") == "damaged_checkpoint_skipped":
+            out.append(
+                Finding(
+                    "damaged checkpoint",
+                    e["step"],
+                    e["step"],
+                    f"passed over {e.get('path')} for an earlier one: {e.get('problem')}",
+                    "its bytes changed on disk after the save",
+                    "check the file system that holds the run",
                 )
             )
     return out
