@@ -156,6 +156,9 @@ def test_untrained_examples_are_counted_per_packed_span():
     assert untrained_examples(packed) == (3, 1)
     masks = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, 4]], "assistant_masks": [[0, 1], [0, 0]]})
     assert untrained_examples(masks) == (2, 1)
+    assert untrained_examples(masks.select([1])) == (1, 1) and untrained_examples(
+        masks.filter(lambda r: r["input_ids"][0] == 1)
+    ) == (1, 0)
     assert untrained_examples(datasets.Dataset.from_dict({"input_ids": [[1, 2]]})) == (1, 0)
 
 

@@ -239,7 +239,8 @@ def untrained_examples(dataset) -> tuple[int, int]:
     import numpy as np
     import pyarrow.compute as pc
 
-    table = dataset.data.table
+    # through the dataset's indices: after a filter or select, dataset.data still holds the rows left out
+    table = dataset.with_format("arrow")[:]
     names = table.column_names
     mask = next((name for name in ("labels", "assistant_masks", "completion_mask") if name in names), None)
     if mask is None:
