@@ -78,3 +78,15 @@ def test_bad_override_syntax(tmp_path):
         load_recipe(Recipe, _recipe(tmp_path, ""), ["training.steps"])
     with pytest.raises(UserError, match="index out of range"):
         load_recipe(Recipe, _recipe(tmp_path, "[[stages]]\nname = 'a'\n"), ["stages.3.name=x"])
+
+
+@pytest.mark.parametrize("betas", ["[0.9, 1.0]", "[-0.1, 0.95]"])
+def test_adamw_betas_outside_0_1_are_refused(betas):
+    """torch takes beta2 = 1.0 and trains on a second moment that never decays: the recipe refuses it."""
+    from pathlib import Path
+
+    from smolctl.train.pretrain import load_train_recipe
+
+    recipe = Path(__file__).parent.parent / "recipes" / "smollm3-tiny.toml"
+    with pytest.raises(UserError, match=r"optimizer\.betas\[[01]\]: must be"):
+        load_train_recipe(recipe, [f"optimizer.betas={betas}"])

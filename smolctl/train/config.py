@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
@@ -131,7 +131,8 @@ class OptimizerSection(Section):
 
     lr: float = Field(gt=0)
     """Peak learning rate (the schedule scales it)."""
-    betas: list[float] = Field([0.9, 0.95], min_length=2, max_length=2)
+    betas: list[Annotated[float, Field(ge=0, lt=1)]] = Field([0.9, 0.95], min_length=2, max_length=2)
+    """AdamW's moment decays, each in [0, 1): torch takes 1.0 or more and trains on moments that never decay."""
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.1, ge=0)
     grad_clip: float = Field(1.0, ge=0)
