@@ -754,6 +754,15 @@ CASES = [
         ),
     ),
     Case(
+        "pretrain: the run folder path is a file",
+        lambda t: (
+            (t / "run").write_text("notes"),
+            ["pretrain", recipe(), t / "run", "--resume", "auto"],
+            "run: exists and is a file, not a folder",
+            t / "run",
+        )[1:],
+    ),
+    Case(
         "pretrain: wrong type",
         lambda t: (
             ["pretrain", recipe(), t / "run", "--set", 'training.micro_batch="3"'],

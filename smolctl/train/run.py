@@ -120,6 +120,8 @@ def holds_run_folder(train_function: TrainFunction) -> TrainFunction:
 
     @functools.wraps(train_function)
     def held(recipe, run, *args, **options):
+        if Path(run).exists() and not Path(run).is_dir():
+            raise UserError(run, "exists and is a file, not a folder", "choose a run folder path")
         lock = (
             held_alone(Path(run), "trained", "wait for it to finish (or stop it), or train into another run folder")
             if is_main_process()
@@ -176,9 +178,7 @@ class RunStart:
 
 def decide_start(run: Path, resume: str, overwrite: bool, steps: int) -> RunStart:
     """Check the run folder before any compute. `resume` is none, auto or a checkpoint folder."""
-    run = Path(run)
-    if run.exists() and not run.is_dir():
-        raise UserError(run, "exists and is a file, not a folder", "choose a run folder path")
+    run = Path(run)  # a file there is refused by holds_run_folder
     # Under torchrun rank 0 judges what the folder held before it started writing the run into it.
     holds_files = is_main_process() and holds_run_files(run)
     if resume == "none":
