@@ -198,20 +198,31 @@ class Inspection(Result):
     def to_dict(self) -> dict:
         return {key: value for key, value in asdict(self).items() if value is not None or key == "kind"}
 
-    def verify(self, folders: list[Path]) -> None:
+    def verify(self, folders: list[Path], run: Path | None = None) -> None:
         if not folders:
             raise UserError(self.path, "holds no smolctl folder to verify", "pass a folder a smolctl stage wrote")
         self.verified_folders = [str(f) for f in folders]
-        self.problems = _verify_all(folders)
+        self.problems = _verify_all(folders) + (_checkpoints_without_manifest(run) if run else [])
         self.verified = not self.problems
 
 
-def inspect_collection(root: Path, *, verify: bool) -> Inspection:
-    """A plain folder of smolctl folders (`demo-out/dedup` holds web/, code/, math/ and their duplicates/)."""
+def _checkpoints_without_manifest(run: Path) -> list[str]:
+    """A run's step-N folders with no manifest, which listing smolctl folders passes over: a resume does too, so
+    the run is not what it looks like (saves in progress are hidden .partial folders, never named step-N)."""
+    return [
+        f"{folder}: no manifest.json (a damaged copy, or a save cut off): a resume passes this checkpoint over"
+        for folder in sorted((run / "checkpoints").glob("step-*"))
+        if folder.is_dir() and not (folder / MANIFEST_NAME).is_file()
+    ]
+
+
+def inspect_collection(root: Path, *, verify: bool, run: bool = False) -> Inspection:
+    """A plain folder of smolctl folders (`demo-out/dedup` holds web/, code/, math/ and their duplicates/), or a
+    run folder without its final model (`run`)."""
     folders = smolctl_folders_under(root)
     result = Inspection(path=str(root), kind=KIND_COLLECTION, folders=[_summary(f, root) for f in folders])
     if verify:
-        result.verify(folders)
+        result.verify(folders, root if run else None)
     return result
 
 
@@ -247,10 +258,16 @@ def inspect_path(
                 f"{path} holds several smolctl folders, each with its own lineage",
                 f"inspect one of them, e.g. {smolctl_folders_under(target, max_depth=1)[0]} --lineage",
             )
-        return inspect_collection(target, verify=verify)
+        return inspect_collection(target, verify=verify, run=run is not None)
     if manifest is None:
         if not target.exists() and not any(ch in str(path) for ch in "*?["):
             raise UserError(path, "no such file or folder", "check the path")
+        if target.is_dir() and any(target.glob("*.distcp")):
+            raise UserError(
+                path,
+                "is a training checkpoint whose save never finished (no manifest.json)",
+                "use a complete one, RUN/checkpoints/step-NNNNNNN",
+            )
         if verify:
             raise UserError(
                 path, "has no manifest.json to verify against", "only folders written by smolctl can be verified"
@@ -285,7 +302,7 @@ def inspect_path(
         listed = {shard["name"] for shard in manifest.get("shards", [])}
         separate = [f for f in nested if not any(name.startswith(f"{f.relative_to(target)}/") for name in listed)]
         rest_of_run = [f for f in smolctl_folders_under(run) if target not in (f, *f.parents)] if run else []
-        result.verify([target, *separate, *rest_of_run])
+        result.verify([target, *separate, *rest_of_run], run)
     samples = samples if manifest.get("shards") else 0  # a folder written empty (every document removed, say)
     if samples and not result.problems and manifest["kind"] == KIND_DOCUMENTS:
         result.samples = _document_samples(target, samples)

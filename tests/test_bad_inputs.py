@@ -919,6 +919,26 @@ CASES = [
         lambda t: (["export", partial_checkpoint(t), t / "out"], "is not a complete checkpoint", t / "out"),
     ),
     Case(
+        "inspect: a checkpoint whose save never finished",
+        lambda t: (["inspect", partial_checkpoint(t)], "is a training checkpoint whose save never finished", None),
+    ),
+    Case(
+        "export: a run folder instead of one of its checkpoints",
+        lambda t: (
+            ["export", run_copy(t), t / "out"],
+            "run is a training run folder — pass one of its checkpoints, e.g. ",
+            t / "out",
+        ),
+    ),
+    Case(
+        "midtrain: --from a run that has no final model yet",
+        lambda t: (
+            ["midtrain", recipe(), t / "m", "--from", run_copy(t, unfinished=True)],
+            "run is a training run folder without a final model yet — pass its newest checkpoint, ",
+            t / "m",
+        ),
+    ),
+    Case(
         "export: a model folder, not a checkpoint",
         lambda t: (
             ["export", _SHARED["run"] / "final", t / "out"],
@@ -1613,3 +1633,7 @@ def test_inspect_verify_of_a_run_checks_its_checkpoints_beside_its_final_model(t
         "checkpoints/step-0000002",
     ]
     assert found["problems"] == [f"{shard}: sha256 differs from the manifest"]
+    # a step-N folder that lost its manifest is passed over by listings and resumes alike: --verify names it
+    (run / "checkpoints" / "step-0000002" / "manifest.json").unlink()
+    found = json.loads(run_cli("inspect", run, "--verify", "--json", "--samples", "0").stdout)
+    assert found["problems"][-1].startswith(f"{run / 'checkpoints' / 'step-0000002'}: no manifest.json")

@@ -46,7 +46,7 @@ from smolctl.shards import (
     sha256_file,
 )
 from smolctl.train.distributed import Dist
-from smolctl.train.run import EVENTS, append_jsonl
+from smolctl.train.run import EVENTS, FINAL, RUN_FILE, append_jsonl
 
 KIND_CHECKPOINT = "checkpoint"
 TRAIN_STATE = "train_state.json"
@@ -167,6 +167,17 @@ def _is_damage(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and "PytorchStreamReader" in str(error)  # torch.load of a broken zip
 
 
+def refuse_run_folder(folder: Path, flag: str, fix: str) -> None:
+    """One line where a run folder is given in place of one of its checkpoints or its model; `fix` names what to
+    pass, with {checkpoint} standing for the run's newest complete checkpoint."""
+    if not (folder / RUN_FILE).is_file():
+        return
+    newest = complete_checkpoints(folder)
+    unfinished = "" if (folder / FINAL / "config.json").is_file() else " without a final model yet"
+    checkpoint = str(newest[-1]) if newest else "RUN/checkpoints/step-NNNNNNN (it has saved none yet)"
+    raise UserError(flag, f"{folder} is a training run folder{unfinished}", fix.format(checkpoint=checkpoint))
+
+
 def check_checkpoint(path: str | Path, flag: str) -> dict:
     """The manifest of a complete checkpoint, or one UserError naming `flag` (the option or argument given)."""
     folder = Path(path)
@@ -174,6 +185,7 @@ def check_checkpoint(path: str | Path, flag: str) -> dict:
         raise UserError(flag, f"{folder} is a file, not a checkpoint folder", "pass RUN/checkpoints/step-NNNNNNN")
     if not folder.is_dir():
         raise UserError(flag, f"{folder}: no such checkpoint folder", "pass RUN/checkpoints/step-NNNNNNN")
+    refuse_run_folder(folder, flag, "pass one of its checkpoints, e.g. {checkpoint}")
     manifest = read_manifest(folder)
     if manifest is None:
         raise UserError(
@@ -631,6 +643,7 @@ def check_model_folder(path: str | Path, *, need_optimizer: bool = False) -> str
     if manifest.get("kind") == KIND_CHECKPOINT:
         check_checkpoint(folder, "--from")
         return KIND_CHECKPOINT
+    refuse_run_folder(folder, "--from", "pass its newest checkpoint, {checkpoint}")
     if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
         raise UserError(
             "--from",
