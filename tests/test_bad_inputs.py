@@ -763,6 +763,33 @@ CASES = [
         )[1:],
     ),
     Case(
+        "pretrain: --resume auto with --overwrite",
+        lambda t: (
+            ["pretrain", recipe(), run_copy(t, unfinished=True), "--resume", "auto", "--overwrite"],
+            "--overwrite: --resume continues the run and --overwrite deletes it",
+            t / "run",
+        ),
+    ),
+    Case(
+        "pretrain: training.steps below the checkpoint to resume",
+        lambda t: (
+            shutil.rmtree(run_copy(t) / "final"),
+            [
+                "pretrain",
+                recipe(),
+                t / "run",
+                "--resume",
+                "auto",
+                "--set",
+                "training.steps=1",
+                "--set",
+                "schedule.warmup_steps=0",
+            ],
+            "training.steps: is 1, but the checkpoint to resume (",
+            t / "run",
+        )[1:],
+    ),
+    Case(
         "pretrain: wrong type",
         lambda t: (
             ["pretrain", recipe(), t / "run", "--set", 'training.micro_batch="3"'],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,11 +79,15 @@ def recipe(tmp_path_factory, packed) -> Path:
     return path
 
 
+def pretrained_overrides(packed: Path) -> list[str]:
+    validation = [f'data.validation="{packed}"', "data.validation_interval=15", "data.validation_batches=2"]
+    return ["training.steps=30", *validation]
+
+
 @pytest.fixture(scope="session")
 def pretrained(tmp_path_factory, recipe, packed) -> tuple[Path, object]:
     run = tmp_path_factory.mktemp("runs") / "pretrain"
-    validation = [f'data.validation="{packed}"', "data.validation_interval=15", "data.validation_batches=2"]
-    result = train(recipe, run, overrides=["training.steps=30", *validation], show=False)
+    result = train(recipe, run, overrides=pretrained_overrides(packed), show=False)
     return run, result
 
 
@@ -229,6 +234,18 @@ def test_pretrain_loss_falls_and_final_model_loads(pretrained):
     assert [line["step"] for line in lines if "loss" in line] == list(range(1, 31))
     validations = [(line["step"], line["val_loss"]) for line in lines if "val_loss" in line]
     assert [step for step, _ in validations] == [15, 30] and result.val_loss == validations[1][1] < validations[0][1]
+
+
+def test_a_resume_with_no_step_left_writes_the_loss_it_was_saved_at(pretrained, recipe, packed, tmp_path):
+    """A run killed after its last save but before final/ was written: the resume has nothing to train and wrote
+    final/ with loss None."""
+    run, result = pretrained
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "final")
+    resumed = train(recipe, copy, resume="auto", overrides=pretrained_overrides(packed), show=False)
+    saved = json.loads((copy / "final" / "manifest.json").read_text())["stats"]
+    assert saved == {"steps": 30, "loss": resumed.final_loss} and resumed.final_loss == result.final_loss
 
 
 def _cli(recipe: Path, run: Path, *extra: str) -> list[str]:

@@ -76,6 +76,7 @@ from smolctl.train.run import (
     FINAL,
     RUN_FILE,
     append_jsonl,
+    check_steps_reach,
     discard_later,
     holds_run_files,
     holds_run_folder,
@@ -177,6 +178,8 @@ class Trainer:
         self.plan: BatchPlan = derive_batch(recipe.training, recipe.schedule, world_size, self.layout)
         self.finished: dict | None = None  # the final/ manifest when --resume auto finds nothing left to do
         self.resume_from = self._resume_point(resume, overwrite)
+        if self.resume_from is not None:
+            check_steps_reach(self.resume_from, self.plan.steps)
         self.init_from = (
             str(Path(init_from).resolve()) if init_from and self.resume_from is None and not self.finished else None
         )
@@ -351,6 +354,8 @@ class Trainer:
         self.data_position = self.stream.position.state_dict()
         self.guards.load_state_dict(state["guards"])
         self.parent = state["parent"]
+        # the loss the checkpoint was saved at: a resume with no step left to run writes it into final/
+        self.last_loss = ((read_manifest(checkpoint) or {}).get("stats") or {}).get("loss")
 
     def _trainer_state(self) -> dict:
         return {
@@ -636,7 +641,7 @@ class Trainer:
             tokens_seen=self.tokens_seen,
             parameters=self.parameters,
             first_loss=losses[0] if losses else None,
-            final_loss=losses[-1] if losses else None,
+            final_loss=losses[-1] if losses else self.last_loss,
             val_loss=val_loss,
             resumed_from=str(self.resume_from) if self.resume_from else None,
             parent=self.parent,

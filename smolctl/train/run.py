@@ -74,6 +74,18 @@ def step_checkpoints(run: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
+def check_steps_reach(checkpoint: Path, steps: int) -> None:
+    """A resume may train longer, never stop before the checkpoint it continues: refused, rather than writing a
+    final model of more steps than the recipe asks for."""
+    step = step_of(checkpoint)
+    if steps < step:
+        raise UserError(
+            "training.steps",
+            f"is {steps}, but the checkpoint to resume ({checkpoint}) is at step {step}",
+            f"set training.steps to {step} or more, or go back with --resume {checkpoint.parent}/step-N (N <= {steps})",
+        )
+
+
 def discard_later(run: Path, step: int) -> list[str]:
     """Rank 0, resuming at `step`: remove the checkpoints, exports and final/ of later steps, and return their
     paths. They belong to the run a rewind (--resume RUN/checkpoints/step-N) abandons: left in place, a later
@@ -122,6 +134,12 @@ def holds_run_folder(train_function: TrainFunction) -> TrainFunction:
     def held(recipe, run, *args, **options):
         if Path(run).exists() and not Path(run).is_dir():
             raise UserError(run, "exists and is a file, not a folder", "choose a run folder path")
+        if options.get("overwrite") and options.get("resume", "none") != "none":
+            raise UserError(
+                "--overwrite",
+                "--resume continues the run and --overwrite deletes it: they cannot be given together",
+                "drop one of them",
+            )
         lock = (
             held_alone(Path(run), "trained", "wait for it to finish (or stop it), or train into another run folder")
             if is_main_process()
@@ -195,6 +213,8 @@ def decide_start(run: Path, resume: str, overwrite: bool, steps: int) -> RunStar
         if manifest is not None and int(manifest.get("stats", {}).get("steps", 0)) >= steps:
             return RunStart(finished=manifest)
         found = step_checkpoints(run)
+        if found:
+            check_steps_reach(found[-1], steps)
         return RunStart(resume_from=found[-1] if found else None)
     path = Path(resume)
     if not (path / "trainer_state.json").is_file():
@@ -203,6 +223,7 @@ def decide_start(run: Path, resume: str, overwrite: bool, steps: int) -> RunStar
             f"{resume} is not a complete checkpoint (no trainer_state.json)",
             f"pass --resume auto or a folder under {run / CHECKPOINTS}",
         )
+    check_steps_reach(path, steps)
     return RunStart(resume_from=path)
 
 
