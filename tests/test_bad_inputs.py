@@ -112,6 +112,17 @@ def run_copy(tmp: Path, *, unfinished: bool = False) -> Path:
     return copy
 
 
+def started_from(run: Path, parent: Path) -> Path:
+    """The run as if it had started from `parent` (midtrain --from)."""
+    recorded = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps(recorded | {"parent": str(Path(parent).resolve())}))
+    return run
+
+
+def other_model(tmp: Path) -> Path:
+    return Path(shutil.copytree(model(), tmp / "other"))
+
+
 def partial_checkpoint(tmp: Path) -> Path:
     """A save that never finished: DCP files in the hidden staging folder, no manifest."""
     run = run_copy(tmp)
@@ -884,6 +895,15 @@ CASES = [
     Case(
         "midtrain: --from missing",
         lambda t: (["midtrain", recipe(), t / "run", "--from", t / "nope"], "nope", t / "run"),
+    ),
+    Case(
+        "midtrain: a resume with another --from than the run started from",
+        lambda t: (
+            started_from(run_copy(t, unfinished=True), model()),
+            ["midtrain", recipe(), t / "run", "--from", other_model(t), "--resume", "auto"],
+            f"--from: {t / 'other'} is not the model {t / 'run'} started from ({model()})",
+            t / "run",
+        )[1:],
     ),
     Case(
         "midtrain: checkpoint with a missing weights file",

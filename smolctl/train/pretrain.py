@@ -180,6 +180,8 @@ class Trainer:
         self.resume_from = self._resume_point(resume, overwrite)
         if self.resume_from is not None:
             check_steps_reach(self.resume_from, self.plan.steps)
+        if init_from and (self.resume_from is not None or self.finished):
+            self._check_same_parent(init_from)
         self.init_from = (
             str(Path(init_from).resolve()) if init_from and self.resume_from is None and not self.finished else None
         )
@@ -195,6 +197,22 @@ class Trainer:
         self.prefetch = Prefetcher(self._host_batch)
 
     # ---- setup: every check before any compute ----------------------------------------------------------------
+
+    def _check_same_parent(self, init_from: str) -> None:
+        """A resume continues from the model the run started from: another --from (a requeued job script edited
+        since) would be ignored without a word."""
+        parent = recorded_run(self.run_dir).get("parent")
+        # a parent no longer where it was (the run was copied to another cluster) cannot be compared
+        if (
+            parent
+            and Path(parent).exists()
+            and model_folder(Path(init_from)).resolve() != model_folder(Path(parent)).resolve()
+        ):
+            raise UserError(
+                "--from",
+                f"{init_from} is not the model {self.run_dir} started from ({parent})",
+                "pass that --from to continue the run, or train from the new model into another run folder",
+            )
 
     def _resume_point(self, resume: str, overwrite: bool) -> Path | None:
 
