@@ -90,3 +90,23 @@ def test_adamw_betas_outside_0_1_are_refused(betas):
     recipe = Path(__file__).parent.parent / "recipes" / "smollm3-tiny.toml"
     with pytest.raises(UserError, match=r"optimizer\.betas\[[01]\]: must be"):
         load_train_recipe(recipe, [f"optimizer.betas={betas}"])
+
+
+def test_token_counts_take_the_playbook_s_suffixes():
+    from smolctl.train.config import TrainingSection
+
+    def tokens(value):
+        return TrainingSection(tokens=value, micro_batch=1).tokens
+
+    assert [tokens(v) for v in ("11T", "1.1T", "2.359296M", "100B", "100G", "4k", 4096)] == [
+        11 * 10**12,
+        11 * 10**11,
+        2_359_296,
+        10**11,
+        10**11,
+        4000,
+        4096,
+    ]
+    for bad in ("1.2345k", "3x", "1.5"):
+        with pytest.raises(ValueError):
+            tokens(bad)

@@ -13,12 +13,14 @@ names that command. `derive_batch` turns the batch keys into the numbers the loo
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from smolctl.errors import UserError
 from smolctl.recipe import Section, apply_overrides, load_toml, validate
@@ -192,6 +194,20 @@ class TrainingSection(Section):
     loss_chunk_tokens: int = Field(4096, gt=0)
     """Tokens per chunk of the LM head + cross-entropy: only one chunk's fp32 logits exist at a time, and they
     are recomputed in backward (4096 tokens × 128k vocabulary = 2 GiB)."""
+
+    @field_validator("tokens", "global_batch_tokens", mode="before")
+    @classmethod
+    def _token_count(cls, value):
+        """Token counts as the playbook writes them: "11T", "2.36M", "100B" (= "100G"), beside plain integers."""
+        if not isinstance(value, str):
+            return value
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGbBtT])\s*", value)
+        if match is None:
+            return value  # refused as not an int, with the hint
+        count = Decimal(match[1]) * 10 ** (3 * "KMGT".index(match[2].upper().replace("B", "G")) + 3)
+        if count != int(count):
+            raise ValueError(f"{value!r} is not a whole number of tokens")
+        return int(count)
 
     @model_validator(mode="after")
     def _budget_and_batch(self) -> TrainingSection:
