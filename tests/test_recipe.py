@@ -110,3 +110,18 @@ def test_token_counts_take_the_playbook_s_suffixes():
     for bad in ("1.2345k", "3x", "1.5"):
         with pytest.raises(ValueError):
             tokens(bad)
+
+
+def test_a_schedule_key_its_kind_never_reads_is_refused():
+    """A cosine run given decay_steps would ignore it without a word."""
+    from pydantic import ValidationError
+
+    from smolctl.train.config import ScheduleSection
+
+    with pytest.raises(ValidationError, match="decay_steps: not used by kind = 'cosine' \\(only by 'wsd'\\)"):
+        ScheduleSection(kind="cosine", decay_steps=10)
+    with pytest.raises(ValidationError, match="min_lr_ratio: not used by kind = 'constant'"):
+        ScheduleSection(kind="constant", min_lr_ratio=0.1)
+    with pytest.raises(ValidationError, match="decay_rate: not used by kind = 'wsd'"):
+        ScheduleSection(decay_rate=0.99)
+    assert ScheduleSection(kind="exponential", decay_rate=0.99, min_lr_ratio=0.1).decay_rate == 0.99

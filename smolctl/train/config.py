@@ -162,7 +162,26 @@ class ScheduleSection(Section):
     def _one_decay_length(self) -> ScheduleSection:
         if self.decay_steps is not None and self.decay_fraction is not None:
             raise ValueError("give decay_steps or decay_fraction, not both")
+        # A key the kind never reads would be ignored without a word (a cosine run "decaying" over decay_steps).
+        unused = [
+            key for key in sorted(self.model_fields_set) if self.kind not in _SCHEDULE_KEY_KINDS.get(key, (self.kind,))
+        ]
+        if unused:
+            raise ValueError(
+                f"{', '.join(unused)}: not used by kind = {self.kind!r} "
+                f"(only by {' / '.join(repr(k) for k in _SCHEDULE_KEY_KINDS[unused[0]])}): remove it from the recipe or change the kind"
+            )
         return self
+
+
+# Which schedule kinds read each key that not all of them read.
+_SCHEDULE_KEY_KINDS = {
+    "decay_steps": ("wsd",),
+    "decay_fraction": ("wsd",),
+    "decay_shape": ("wsd",),
+    "decay_rate": ("exponential",),
+    "min_lr_ratio": ("wsd", "cosine", "exponential"),
+}
 
 
 class TrainingSection(Section):
