@@ -204,6 +204,16 @@ def test_bad_inputs_fail_before_training(tiny_model, tmp_path):
     plain = without_chat_template(tiny_model, tmp_path / "plain", None)
     with pytest.raises(UserError, match="the tokenizer has no chat template, which chat data needs"):
         run_sft(sft, out, start=str(plain))
+    # a plain prompt with the completion as assistant turns is chat data too
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "mixed").mkdir()
+    rows = {"prompt": ["2+2?"], "completion": [[{"role": "assistant", "content": "4"}]], "task": ["math"]}
+    pq.write_table(pa.table(rows), tmp_path / "mixed" / "part-0.parquet")
+    mixed = load_sft_recipe(REPO / "recipes" / "sft-tiny.toml", [*SFT_QUICK, f"data.path={tmp_path / 'mixed'}"])
+    with pytest.raises(UserError, match="the tokenizer has no chat template, which chat data needs"):
+        run_sft(mixed, out, start=str(plain))
     unmarked = without_chat_template(
         tiny_model, tmp_path / "unmarked", "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
     )

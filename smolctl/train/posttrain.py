@@ -365,7 +365,7 @@ def check_sft_template(recipe: SftRecipe, parent: Path, tokenizer, source: Docum
     into the templates it knows (ChatML, Llama 3, Qwen, Gemma, ...): refuse only the ones it cannot."""
     from trl.chat_template_utils import get_training_chat_template
 
-    if columns == ["messages"] or is_chat_column(source.schema.field("prompt")):
+    if any(is_chat_column(source.schema.field(c)) for c in columns):  # a completion given as turns too
         require_chat_template(tokenizer, parent, "chat data needs")
     if not (recipe.sft.assistant_only_loss and columns == ["messages"]):
         return
