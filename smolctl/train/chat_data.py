@@ -53,11 +53,19 @@ def checked_rows(source: DocumentSource, columns: list[str], prepare) -> list[di
 
 
 def as_dataset(rows: list[dict]):
-    """The rows as a `datasets.Dataset` that gives each turn back as it was: inferred Arrow structs give every
+    """The rows as a `datasets.Dataset` that gives each turn back as it was. Inferred Arrow structs give every
     turn the keys of all turns, so one tool-calling turn added `tool_calls: None` to every plain turn of every row,
-    which templates testing `'tool_calls' in message` (Llama 3.1's) fail on. Turns are stored as JSON instead."""
+    which templates testing `'tool_calls' in message` (Llama 3.1's) fail on: where a column's turns differ in their
+    keys, or hold more than text, its turns are stored as JSON. Otherwise the inferred table is exact, and several
+    times faster and smaller to build."""
     import datasets
+    import pyarrow as pa
 
+    as_json = [
+        column for column, value in rows[0].items() if isinstance(value, list) and not _uniform_text(rows, column)
+    ]
+    if not as_json:
+        return datasets.Dataset(pa.Table.from_pylist(rows))
     features = datasets.Features(
         {
             column: datasets.List(datasets.Json())
@@ -67,6 +75,18 @@ def as_dataset(rows: list[dict]):
         }
     )
     return datasets.Dataset.from_list(rows, features=features)
+
+
+def _uniform_text(rows: list[dict], column: str) -> bool:
+    """Whether every turn of the column has the same keys, each holding text."""
+    keys = None
+    for row in rows:
+        for turn in row[column]:
+            if keys is None:
+                keys = tuple(turn)
+            if (tuple(turn) != keys and set(turn) != set(keys)) or not all(type(v) is str for v in turn.values()):
+                return False
+    return True
 
 
 def renders_tool_calls(tokenizer) -> bool:
