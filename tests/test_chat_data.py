@@ -215,3 +215,26 @@ def test_a_tool_calling_turn_adds_no_keys_to_the_other_turns(tmp_path):
     assert dataset[0]["messages"][1]["tool_calls"] == call
     rendered, _ = render_jinja_template(conversations=[dataset[1]["messages"]], chat_template=Tokenizer.chat_template)
     assert rendered[0] == "user: what is 2+2?\nassistant: 4\n"
+
+
+def test_identical_pairs_are_counted_among_the_rows_used(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from smolctl.errors import UserError
+    from smolctl.shards import open_documents
+    from smolctl.train.config import PreferenceDataSection
+    from smolctl.train.posttrain import load_preference_dataset
+
+    class Plain:
+        chat_template = None
+
+    rows = {"prompt": ["a?", "b?", "c?"], "chosen": ["A", "B", "C"], "rejected": ["no", "B", "C"]}
+    pq.write_table(pa.table(rows), tmp_path / "pairs.parquet")
+    source = open_documents(tmp_path / "pairs.parquet")
+    dataset, stats = load_preference_dataset(source, PreferenceDataSection(path="x", limit=2), Plain)
+    assert (stats["rows"], stats["rows_used"], stats["identical_pairs"]) == (3, 2, 1)
+    assert dataset["rejected"] == ["no", "B"] and stats["format"] == "text"
+    pq.write_table(pa.table(rows | {"rejected": ["A", "B", "C"]}), tmp_path / "same.parquet")
+    with pytest.raises(UserError, match="chosen equals rejected in every pair"):
+        load_preference_dataset(open_documents(tmp_path / "same.parquet"), PreferenceDataSection(path="x"), Plain)

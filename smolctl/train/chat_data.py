@@ -16,8 +16,10 @@ shapes trained on the wrong thing without a word.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
-from pathlib import Path
+
+import pyarrow as pa
 
 from smolctl.errors import UserError
 from smolctl.shards import DocumentSource
@@ -31,62 +33,81 @@ class BadRow(ValueError):
         self.what, self.fix = what, fix
 
 
-def source_rows(source: DocumentSource, columns: list[str]) -> Iterator[tuple[Path, int, dict]]:
-    """(file, row in the file, row) of every row, for errors that name where the row is."""
+def checked_batches(source: DocumentSource, columns: list[str], prepare) -> Iterator[list]:
+    """`prepare(row)` of every row, a list per batch read; the first BadRow is one UserError naming its file and
+    row."""
     for index, path in enumerate(source.files):
         row = 0
         for batch in source.iter_file_batches(index, columns):
+            prepared = []
             for values in batch.to_pylist():
-                yield path, row, values
+                try:
+                    prepared.append(prepare(values))
+                except BadRow as bad:
+                    raise UserError(path, f"row {row} (from 0): {bad.what}", bad.fix) from None
                 row += 1
+            yield prepared
 
 
-def checked_rows(source: DocumentSource, columns: list[str], prepare) -> list[dict]:
-    """`prepare(row)` of every row; the first BadRow is one UserError naming its file and row."""
-    rows = []
-    for path, row, values in source_rows(source, columns):
-        try:
-            rows.append(prepare(values))
-        except BadRow as bad:
-            raise UserError(path, f"row {row} (from 0): {bad.what}", bad.fix) from None
-    return rows
+def checked_rows(source: DocumentSource, columns: list[str], prepare) -> list:
+    """`prepare(row)` of every row, as `checked_batches` checks them."""
+    return [row for batch in checked_batches(source, columns, prepare) for row in batch]
 
 
-def as_dataset(rows: list[dict]):
-    """The rows as a `datasets.Dataset` that gives each turn back as it was. Inferred Arrow structs give every
-    turn the keys of all turns, so one tool-calling turn added `tool_calls: None` to every plain turn of every row,
-    which templates testing `'tool_calls' in message` (Llama 3.1's) fail on: where a column's turns differ in their
-    keys, or hold more than text, its turns are stored as JSON. Otherwise the inferred table is exact, and several
-    times faster and smaller to build."""
+def checked_table(source: DocumentSource, columns: list[str], prepare) -> tuple[pa.Table | None, int]:
+    """(the rows `prepare` returns, but None, as one Arrow table; the rows read). Each batch becomes Arrow as it
+    is read: Python dicts of a whole dataset took ~5 KB a conversation, several times its Arrow size."""
+    tables, read = [], 0
+    for batch in checked_batches(source, columns, prepare):
+        read += len(batch)
+        kept = [row for row in batch if row is not None]
+        if kept:
+            tables.append(pa.Table.from_pylist(kept))
+    # permissive: a batch whose turns carry keys the others lack (tool_calls) widens the struct for all
+    return (pa.concat_tables(tables, promote_options="permissive") if tables else None), read
+
+
+def as_dataset(table: pa.Table):
+    """The rows as a `datasets.Dataset` that gives each turn back as it was. Arrow structs give every turn the
+    keys of all turns, so one tool-calling turn added `tool_calls: None` to every plain turn of every row, which
+    templates testing `'tool_calls' in message` (Llama 3.1's) fail on: where a column's turns lack keys others
+    have (a null field: prepared turns hold no None), or hold more than text, its turns are stored as JSON, each
+    with its own keys. Otherwise the table is exact, and much faster and smaller to train from."""
     import datasets
-    import pyarrow as pa
 
-    as_json = [
-        column for column, value in rows[0].items() if isinstance(value, list) and not _uniform_text(rows, column)
-    ]
-    if not as_json:
-        return datasets.Dataset(pa.Table.from_pylist(rows))
+    uneven = [field.name for field in table.schema if is_list(field.type) and not _text_turns(table.column(field.name))]
+    if not uneven:
+        # A fingerprint given: datasets would otherwise pickle the whole table to hash it (2 GB and 2.4 s for 200k
+        # conversations); it names map() caches, which an in-memory dataset never writes.
+        return datasets.Dataset(table, fingerprint=uuid.uuid4().hex)
+    rows = table.to_pylist()
+    for row in rows:
+        for column in uneven:
+            row[column] = [{key: value for key, value in turn.items() if value is not None} for turn in row[column]]
     features = datasets.Features(
         {
-            column: datasets.List(datasets.Json())
-            if isinstance(value, list)
-            else datasets.Value("int64" if isinstance(value, int) else "string")
-            for column, value in rows[0].items()
+            field.name: datasets.List(datasets.Json()) if is_list(field.type) else datasets.Value(field.type)
+            for field in table.schema
         }
     )
     return datasets.Dataset.from_list(rows, features=features)
 
 
-def _uniform_text(rows: list[dict], column: str) -> bool:
-    """Whether every turn of the column has the same keys, each holding text."""
-    keys = None
-    for row in rows:
-        for turn in row[column]:
-            if keys is None:
-                keys = tuple(turn)
-            if (tuple(turn) != keys and set(turn) != set(keys)) or not all(type(v) is str for v in turn.values()):
-                return False
-    return True
+def is_list(kind: pa.DataType) -> bool:
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind)
+
+
+def _text_turns(column: pa.ChunkedArray) -> bool:
+    """Whether every turn of the column holds every key, each as text."""
+    import pyarrow.compute as pc
+
+    turns = pc.list_flatten(column)
+    if not pa.types.is_struct(turns.type):
+        return False
+    fields = [turns.type.field(i) for i in range(turns.type.num_fields)]
+    return all(
+        pa.types.is_string(field.type) and pc.struct_field(turns, [i]).null_count == 0 for i, field in enumerate(fields)
+    )
 
 
 def renders_tool_calls(tokenizer) -> bool:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pyarrow as pa
+
 from smolctl.errors import UserError
 from smolctl.launcher import world_size_from_env
 from smolctl.train.chat_data import as_dataset
@@ -87,7 +89,12 @@ def run_grpo(
     chat = bool(getattr(tokenizer, "chat_template", None))
     # The row index travels with each prompt, so the reward sees the whole row and knows each completion's group.
     dataset = as_dataset(
-        [{"prompt": as_chat(row["prompt"]) if chat else row["prompt"], "row": i} for i, row in enumerate(setup.rows)]
+        pa.Table.from_pylist(
+            [
+                {"prompt": as_chat(row["prompt"]) if chat else row["prompt"], "row": i}
+                for i, row in enumerate(setup.rows)
+            ]
+        )
     )
     logged = {"nan": 0, "components": {}}
     stop_ids = set(chat_stop_ids(tokenizer))

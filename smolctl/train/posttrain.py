@@ -4,8 +4,9 @@
   smolctl dpo recipes/dpo-tiny.toml demo-out/dpo --from demo-out/sft      (the model: demo-out/dpo/final)
 
 Data comes from dataset folders (parquet). TRL needs an indexable `datasets.Dataset`, so the columns a stage uses
-are read into one Arrow table (in memory, memory-mapped by nothing): fine for post-training sets, which are
-millions of rows at most, unlike pretraining corpora.
+are read into one Arrow table (in memory, memory-mapped by nothing), batch by batch as each row is checked, so
+no Python copy of the whole set is ever held: fine for post-training sets, which are millions of rows at most,
+unlike pretraining corpora.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pyarrow as pa
 from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import UserError
 from smolctl.shards import DocumentSource, open_documents
-from smolctl.train.chat_data import as_dataset, checked_rows, preference_row, renders_tool_calls, sft_row
+from smolctl.train.chat_data import as_dataset, checked_table, is_list, preference_row, renders_tool_calls, sft_row
 from smolctl.train.config import ChatDataSection, DpoRecipe, PreferenceDataSection, SftRecipe
 from smolctl.train.posttrain_run import (
     PostTrainResult,
@@ -167,35 +168,35 @@ def load_sft_dataset(source: DocumentSource, data: ChatDataSection, seed: int, t
             return None
         return sft_row(row, columns, as_chat, tools) | ({group: row[group]} if group else {})
 
-    read = checked_rows(source, columns + [c for c in (group, cut_off) if c and c not in columns], prepare)
-    rows = [row for row in read if row is not None]
-    stats: dict = {"rows": len(read), "format": "+".join(columns)}
+    table, read = checked_table(source, columns + [c for c in (group, cut_off) if c and c not in columns], prepare)
+    kept = table.num_rows if table is not None else 0
+    stats: dict = {"rows": read, "format": "+".join(columns)}
     if cut_off:
-        stats["cut_off_completions_dropped"] = len(read) - len(rows)
-        if read and not rows:
+        stats["cut_off_completions_dropped"] = read - kept
+        if read and not kept:
             raise UserError(
                 source.spec,
                 "every completion was cut off at its max_new_tokens (finish_reason 'length')",
                 "generate again with a larger --max-new-tokens",
             )
-    if group:
-        groups = [row.pop(group) for row in rows]
+    if group and table is not None:
+        groups = table.column(group).to_pylist()
         indices = balanced_indices(groups, data.balance, seed)
         stats["groups_before"] = dict(Counter(groups))
         stats["groups_after"] = dict(Counter(groups[i] for i in indices))
-        rows = [rows[i] for i in indices]
-    if data.limit is not None:
-        rows = rows[: data.limit]
-    stats["rows_used"] = len(rows)
-    if not rows:
+        table = table.drop_columns([group]).take(indices)
+    if table is not None and data.limit is not None:
+        table = table.slice(0, data.limit)
+    stats["rows_used"] = table.num_rows if table is not None else 0
+    if not stats["rows_used"]:
         raise UserError(source.spec, "holds no rows to train on", "pass a non-empty dataset")
-    if columns == ["prompt", "completion"] and isinstance(rows[0]["prompt"], list):
+    if columns == ["prompt", "completion"] and is_list(table.schema.field("prompt").type):
         stats["format"] = "prompt+completion as chat turns"
-    return as_dataset(rows), stats
+    return as_dataset(table), stats
 
 
 def is_chat_column(field: pa.Field) -> bool:
-    return pa.types.is_list(field.type) or pa.types.is_large_list(field.type)
+    return is_list(field.type)
 
 
 def preference_columns(source: DocumentSource) -> list[str]:
@@ -213,23 +214,33 @@ def load_preference_dataset(source: DocumentSource, data: PreferenceDataSection,
     turn and one assistant turn when the tokenizer has a chat template, so DPO trains the format SFT taught)."""
     as_chat = bool(getattr(tokenizer, "chat_template", None))
     tools = renders_tool_calls(tokenizer)
-    rows = checked_rows(source, preference_columns(source), lambda row: preference_row(row, as_chat, tools))
-    stats = {"rows": len(rows)}
-    if data.limit is not None:
-        rows = rows[: data.limit]
-    if not rows:
+    identical: list[int] = []  # rows whose chosen equals rejected
+
+    def prepare(row: dict) -> dict:
+        prepared = preference_row(row, as_chat, tools)
+        if prepared["chosen"] == prepared["rejected"]:
+            identical.append(prepare.rows)
+        prepare.rows += 1
+        return prepared
+
+    prepare.rows = 0
+    table, read = checked_table(source, preference_columns(source), prepare)
+    stats = {"rows": read}
+    if table is not None and data.limit is not None:
+        table = table.slice(0, data.limit)
+    if table is None or not table.num_rows:
         raise UserError(source.spec, "holds no rows to train on", "pass a non-empty dataset")
-    stats["rows_used"] = len(rows)
+    stats["rows_used"] = table.num_rows
     if "prompt" not in source.columns:
         stats["prompt"] = "shared by chosen and rejected"
     # Such a pair has no preference to learn: its loss is constant and its gradient zero.
-    stats["identical_pairs"] = sum(row["chosen"] == row["rejected"] for row in rows)
-    if stats["identical_pairs"] == len(rows):
+    stats["identical_pairs"] = sum(row < table.num_rows for row in identical)
+    if stats["identical_pairs"] == table.num_rows:
         raise UserError(
             source.spec, "chosen equals rejected in every pair: there is no preference to learn", "check the columns"
         )
-    stats["format"] = "chat" if isinstance(rows[0]["prompt"], list) else "text"
-    return as_dataset(rows), stats
+    stats["format"] = "chat" if is_list(table.schema.field("prompt").type) else "text"
+    return as_dataset(table), stats
 
 
 def untrained_examples(dataset) -> tuple[int, int]:
