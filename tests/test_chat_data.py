@@ -5,8 +5,11 @@ wrong thing with exit 0 (a repeated user turn scored as the answer, a tool call 
 
 from __future__ import annotations
 
+import re
+
 import datasets
 import pytest
+from conftest import SAMPLE
 
 from smolctl.train.chat_data import BadRow, conversation, preference_row, reference_text, sft_row
 from smolctl.train.config import RewardSection
@@ -238,3 +241,37 @@ def test_identical_pairs_are_counted_among_the_rows_used(tmp_path):
     pq.write_table(pa.table(rows | {"rejected": ["A", "B", "C"]}), tmp_path / "same.parquet")
     with pytest.raises(UserError, match="chosen equals rejected in every pair"):
         load_preference_dataset(open_documents(tmp_path / "same.parquet"), PreferenceDataSection(path="x"), Plain)
+
+
+def test_plain_conversations_are_taken_as_they_are_and_the_rest_row_by_row(tmp_path):
+    """Batches of role/content text turns skip the Python conversion: what they give must equal the row-by-row
+    result, and a batch holding one bad row must still name it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from smolctl.errors import UserError
+    from smolctl.shards import open_documents
+    from smolctl.train.chat_data import checked_rows, plain_conversations
+    from smolctl.train.config import ChatDataSection
+    from smolctl.train.posttrain import load_sft_dataset
+
+    class Chat:
+        chat_template = "{{ messages }}"
+
+    source = open_documents(SAMPLE / "chat")
+    batches = [b for i in range(len(source.files)) for b in source.iter_file_batches(i, ["messages"])]
+    assert all(plain_conversations(b, "messages") for b in batches)
+    dataset, _ = load_sft_dataset(source, ChatDataSection(path="x"), 0, Chat)
+    slow = checked_rows(source, ["messages"], lambda row: sft_row(row, ["messages"], True, False))
+    assert dataset.to_list() == slow and len(slow) == source.num_rows
+
+    system = {"role": "system", "content": ""}
+    good = [system, USER, ASSISTANT]
+    for bad, said in (
+        ([USER, {"role": "assistant", "content": ""}], "row 2 (from 0): column 'messages' turn 1 (assistant) is empty"),
+        ([], "row 2 (from 0): column 'messages' holds no turns"),
+    ):
+        pq.write_table(pa.table({"messages": [good, good, bad]}), tmp_path / "chat.parquet")
+        assert not plain_conversations(pa.table({"messages": [good, bad]}).to_batches()[0], "messages")
+        with pytest.raises(UserError, match=re.escape(said)):
+            load_sft_dataset(open_documents(tmp_path / "chat.parquet"), ChatDataSection(path="x"), 0, Chat)

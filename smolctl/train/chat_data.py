@@ -33,12 +33,17 @@ class BadRow(ValueError):
         self.what, self.fix = what, fix
 
 
-def checked_batches(source: DocumentSource, columns: list[str], prepare) -> Iterator[list]:
+def checked_batches(source: DocumentSource, columns: list[str], prepare, accept=None) -> Iterator[list | pa.Table]:
     """`prepare(row)` of every row, a list per batch read; the first BadRow is one UserError naming its file and
-    row."""
+    row. A batch `accept(batch)` vouches for (every row already as `prepare` would return it) comes as its Arrow
+    table instead, unconverted."""
     for index, path in enumerate(source.files):
         row = 0
         for batch in source.iter_file_batches(index, columns):
+            if accept is not None and accept(batch):
+                yield pa.Table.from_batches([batch])
+                row += batch.num_rows
+                continue
             prepared = []
             for values in batch.to_pylist():
                 try:
@@ -54,17 +59,50 @@ def checked_rows(source: DocumentSource, columns: list[str], prepare) -> list:
     return [row for batch in checked_batches(source, columns, prepare) for row in batch]
 
 
-def checked_table(source: DocumentSource, columns: list[str], prepare) -> tuple[pa.Table | None, int]:
+def checked_table(source: DocumentSource, columns: list[str], prepare, accept=None) -> tuple[pa.Table | None, int]:
     """(the rows `prepare` returns, but None, as one Arrow table; the rows read). Each batch becomes Arrow as it
     is read: Python dicts of a whole dataset took ~5 KB a conversation, several times its Arrow size."""
     tables, read = [], 0
-    for batch in checked_batches(source, columns, prepare):
+    for batch in checked_batches(source, columns, prepare, accept):
+        if isinstance(batch, pa.Table):
+            read += batch.num_rows
+            tables.append(batch)
+            continue
         read += len(batch)
         kept = [row for row in batch if row is not None]
         if kept:
             tables.append(pa.Table.from_pylist(kept))
     # permissive: a batch whose turns carry keys the others lack (tool_calls) widens the struct for all
     return (pa.concat_tables(tables, promote_options="permissive") if tables else None), read
+
+
+def plain_conversations(batch: pa.RecordBatch, column: str) -> bool:
+    """Whether every row of the column is already what `conversation` returns for it, checked on the Arrow
+    arrays: a non-empty list of role/content turns, all text, every content there and only a system turn's
+    empty. The common case costs a few array passes instead of a Python dict per turn; any other batch goes
+    row by row, for the exact error."""
+    import pyarrow.compute as pc
+
+    values = batch.column(column)
+    turns_type = values.type.value_type if is_list(values.type) else None
+    if turns_type is None or not pa.types.is_struct(turns_type) or values.null_count:
+        return False
+    if {turns_type.field(i).name for i in range(turns_type.num_fields)} != {"role", "content"}:
+        return False
+    if not all(_is_text(turns_type.field(name).type) for name in ("role", "content")):
+        return False
+    if len(values) and pc.min(pc.list_value_length(values)).as_py() == 0:
+        return False
+    turns = pc.list_flatten(values)
+    role, content = pc.struct_field(turns, "role"), pc.struct_field(turns, "content")
+    if role.null_count or content.null_count or turns.null_count:
+        return False
+    empty_reply = pc.and_(pc.equal(pc.binary_length(content), 0), pc.not_equal(role, "system"))
+    return not pc.any(empty_reply).as_py()
+
+
+def _is_text(kind: pa.DataType) -> bool:
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind)
 
 
 def as_dataset(table: pa.Table):

@@ -20,7 +20,15 @@ import pyarrow as pa
 from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import UserError
 from smolctl.shards import DocumentSource, open_documents
-from smolctl.train.chat_data import as_dataset, checked_table, is_list, preference_row, renders_tool_calls, sft_row
+from smolctl.train.chat_data import (
+    as_dataset,
+    checked_table,
+    is_list,
+    plain_conversations,
+    preference_row,
+    renders_tool_calls,
+    sft_row,
+)
 from smolctl.train.config import ChatDataSection, DpoRecipe, PreferenceDataSection, SftRecipe
 from smolctl.train.posttrain_run import (
     PostTrainResult,
@@ -168,7 +176,9 @@ def load_sft_dataset(source: DocumentSource, data: ChatDataSection, seed: int, t
             return None
         return sft_row(row, columns, as_chat, tools) | ({group: row[group]} if group else {})
 
-    table, read = checked_table(source, columns + [c for c in (group, cut_off) if c and c not in columns], prepare)
+    read_columns = columns + [c for c in (group, cut_off) if c and c not in columns]
+    accept = (lambda batch: plain_conversations(batch, "messages")) if columns == ["messages"] else None
+    table, read = checked_table(source, read_columns, prepare, accept)
     kept = table.num_rows if table is not None else 0
     stats: dict = {"rows": read, "format": "+".join(columns)}
     if cut_off:
