@@ -73,7 +73,11 @@ def test_a_conversation_stored_as_json_text_is_refused_wherever_text_is_taken():
             )
         with pytest.raises(BadRow, match="column 'prompt' holds a conversation as JSON text"):
             sft_row({"prompt": json.dumps([USER]), "completion": "4"}, ["prompt", "completion"], as_chat, False)
-    # JSON that is not a conversation is text like any other
+    # JSON that is not a conversation is text like any other, "role" and "from" keys included
+    for text in ('[{"from": "JFK", "to": "LAX"}]', '[{"name": "Ann", "role": "CTO"}]'):
+        assert sft_row({"prompt": "as JSON", "completion": text}, ["prompt", "completion"], False, False)
+    with pytest.raises(BadRow, match="holds a conversation as JSON text"):
+        sft_row({"prompt": " \r\n[ {" + chat[2:], "completion": "4"}, ["prompt", "completion"], False, False)
     assert sft_row({"prompt": '[{"a": 1}] parse this', "completion": "ok"}, ["prompt", "completion"], False, False)
     assert (
         sft_row({"prompt": "[1, 2]", "completion": "3"}, ["prompt", "completion"], False, False)["prompt"] == "[1, 2]"
@@ -114,6 +118,9 @@ def test_without_a_prompt_column_the_prompt_is_what_chosen_and_rejected_share():
         ("Hi? Hello", "Hi? Hello there", "Hi?"),
         ("Hi? Hello", "Hi? Hello", "Hi?"),  # identical: kept, and counted as an identical pair
         ("天空是蓝色的", "天空是黑色的", "天空是"),  # no spaces to cut at
+        ("Human: 2+2?\nAssistant:4", "Human: 2+2?\nAssistant:5", "Human: 2+2?\nAssistant:"),  # no space after it
+        ("Q: 天空是什么颜色？答：天空是蓝色的", "Q: 天空是什么颜色？答：天空是黑色的", "Q: 天空是什么颜色？答："),
+        ("天空是蓝色的", "天空是蓝色的", "天空是蓝色"),  # identical, with no boundary at all
     ):
         cut = preference_row({"chosen": chosen, "rejected": rejected}, False, False)
         assert (cut["prompt"], cut["prompt"] + cut["chosen"], cut["prompt"] + cut["rejected"]) == (
@@ -121,6 +128,8 @@ def test_without_a_prompt_column_the_prompt_is_what_chosen_and_rejected_share():
             chosen,
             rejected,
         )
+    with pytest.raises(BadRow, match="share no text to take as the prompt"):
+        preference_row({"chosen": " A", "rejected": " B"}, False, False)  # a space is no prompt
     same = preference_row({"chosen": [system, USER, ASSISTANT], "rejected": [system, USER, ASSISTANT]}, True, False)
     assert same == {"prompt": [system, USER], "chosen": [ASSISTANT], "rejected": [ASSISTANT]}
     with pytest.raises(BadRow, match="share no prompt turns"):

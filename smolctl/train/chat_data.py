@@ -16,6 +16,7 @@ shapes trained on the wrong thing without a word.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterator
 
@@ -202,21 +203,31 @@ def _text(content, where: str) -> str | None:
 def plain_text(value: str, column: str) -> str:
     """A text column's value, refused where it is a conversation stored as JSON text: taken as text, its JSON
     would train as the words, and the prompt chosen and rejected share would end mid-JSON."""
-    if value.startswith("[") and value.lstrip("[ \n").startswith("{"):
+    if _JSON_LIST_OF_OBJECTS.match(value):
         try:
             turns = json.loads(value)
         except ValueError:
             return value
-        if (
-            isinstance(turns, list)
-            and turns
-            and all(isinstance(t, dict) and ("role" in t or "from" in t) for t in turns)
-        ):
+        # turns as chat datasets write them, with roles such datasets use: structured output that happens to
+        # hold a "role" or "from" key ([{"name": "Ann", "role": "CTO"}], flights) is text like any other
+        if isinstance(turns, list) and turns and all(_is_turn(t) for t in turns):
             raise BadRow(
                 f"column '{column}' holds a conversation as JSON text",
                 "store each conversation as a list of {role, content} (json.loads it before writing the parquet)",
             )
     return value
+
+
+_JSON_LIST_OF_OBJECTS = re.compile(r"\s*\[\s*\{")
+_CHAT_ROLES = {"system", "user", "assistant", "tool", "function", "developer", "human", "gpt", "model"}
+
+
+def _is_turn(value) -> bool:
+    if not isinstance(value, dict):
+        return False
+    if "role" in value and "content" in value:
+        return value["role"] in _CHAT_ROLES
+    return "from" in value and "value" in value and value["from"] in _CHAT_ROLES
 
 
 def as_turns(value, role: str, column: str, tool_calls_rendered: bool) -> list[dict]:
@@ -263,7 +274,7 @@ def preference_row(row: dict, as_chat: bool, tool_calls_rendered: bool) -> dict:
         if prompt is None:  # the text chosen and rejected share, as TRL extracts it, but cut between words
             shared = _prompt_cut(chosen, rejected)
             prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
-            if not prompt:
+            if not prompt.strip():
                 raise BadRow(
                     "chosen and rejected share no text to take as the prompt (and there is no prompt column)",
                     "add a prompt column, or give chosen/rejected as whole texts starting with the same prompt",
@@ -305,19 +316,30 @@ def _shared_turns(a: list[dict], b: list[dict]) -> int:
 
 
 def _prompt_cut(a: str, b: str) -> int:
-    """Where the prompt two texts share ends: before the word they differ in, the whitespace going with the
-    answers (as TRL's extract_prompt keeps "Assistant:" in the prompt and " It is blue." in the answer). Cut mid
-    word ("The sky is bl" + "ue."), prompt and answer tokenize into pieces the model never saw in one text.
-    Texts without whitespace before they differ (Chinese, say) are cut where they differ."""
+    """Where the prompt two texts share ends. Never inside a word: cut at "The sky is bl" + "ue.", prompt and
+    answer tokenize into pieces the model never saw in one text. Where that would leave an answer empty (one text
+    starts the other, or they are the same), before the last shared word, so both answers hold it. Whitespace at
+    the end goes with the answers, as TRL's extract_prompt keeps "Assistant:" in the prompt and " It is blue." in
+    the answer. Text with no word boundary before the difference (Chinese, say) is cut where they differ."""
     shared = 0
     while shared < min(len(a), len(b)) and a[shared] == b[shared]:
         shared += 1
     cut = shared
-    while cut > 0 and not a[cut - 1].isspace():
-        cut -= 1
+    if cut < min(len(a), len(b)) and cut > 0 and _in_word(a[cut - 1]) and (_in_word(a[cut]) or _in_word(b[cut])):
+        while cut > 0 and _in_word(a[cut - 1]):
+            cut -= 1
+    if cut in (len(a), len(b)):
+        while cut > 0 and not a[cut - 1].isspace():
+            cut -= 1
     while cut > 0 and a[cut - 1].isspace():
         cut -= 1
-    return cut or shared
+    if cut == 0:  # no boundary to cut at: where they differ, leaving each answer a character at least
+        cut = min(shared, len(a) - 1, len(b) - 1)
+    return max(cut, 0)
+
+
+def _in_word(char: str) -> bool:
+    return char.isalnum() or char == "_"
 
 
 def _number_text(value: int | float) -> str:
