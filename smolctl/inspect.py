@@ -22,7 +22,7 @@ from smolctl.shards import (
     schema_to_dict,
     verify_checksums,
 )
-from smolctl.train.run import RUN_FILE
+from smolctl.train.run import RUN_FILE, TRAINER_STATE, holds_trainer_checkpoints
 
 SAMPLE_CHARS = 240
 DOCUMENT_BOUNDARY = " ⟂ "
@@ -212,7 +212,7 @@ def _checkpoints_without_manifest(run: Path) -> list[str]:
     return [
         f"{folder}: no manifest.json (a damaged copy, or a save cut off): a resume passes this checkpoint over"
         for folder in sorted((run / "checkpoints").glob("step-*"))
-        if folder.is_dir() and not (folder / MANIFEST_NAME).is_file()
+        if folder.is_dir() and not (folder / MANIFEST_NAME).is_file() and not (folder / TRAINER_STATE).is_file()
     ]
 
 
@@ -240,6 +240,13 @@ def inspect_path(
     if run is not None and (target / "final" / MANIFEST_NAME).is_file():
         target = target / "final"
         path = str(target)
+    elif run is not None and (lineage or verify) and holds_trainer_checkpoints(target):
+        raise UserError(
+            "--lineage" if lineage else "--verify",
+            f"{path} is a post-training run without a final model yet: its checkpoints (TRL's) carry no "
+            f"{'lineage' if lineage else 'checksums'} of their own",
+            f"inspect {path} once it has finished (RUN/final)",
+        )
     elif run is not None and lineage:  # a run still training: its lineage so far is its newest checkpoint's
         checkpoints = (
             smolctl_folders_under(target / "checkpoints", max_depth=1) if (target / "checkpoints").is_dir() else []

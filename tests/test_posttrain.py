@@ -153,6 +153,8 @@ def test_padding_free_sft_resumes_from_the_newest_checkpoint(tiny_model, tmp_pat
     quick = [*SFT_QUICK, "training.steps=2", "checkpoint.interval=1", 'sft.packing="padding_free"']
     first = run_sft(load_sft_recipe(recipe, quick), tmp_path / "run", start=str(tiny_model))
     assert first.steps == 2 and (tmp_path / "run" / "checkpoints" / "step-0000002" / "trainer_state.json").is_file()
+    # TRL's checkpoints carry no manifest: a finished run verifies all the same
+    assert run_cli("inspect", tmp_path / "run", "--verify", "--samples", "0").returncode == 0
     with pytest.raises(UserError, match=r"differs from the one the run started with in optimizer.lr"):
         run_sft(
             load_sft_recipe(recipe, [*quick, "optimizer.lr=0.5"]),
@@ -164,6 +166,11 @@ def test_padding_free_sft_resumes_from_the_newest_checkpoint(tiny_model, tmp_pat
         load_sft_recipe(recipe, [*quick, "training.steps=3"]), tmp_path / "run", start=str(tiny_model), resume="auto"
     )
     assert longer.resumed_from.endswith("step-0000002") and longer.steps == 3
+    shutil.rmtree(tmp_path / "run" / "final")  # as if stopped before its end
+    unfinished = run_cli("inspect", tmp_path / "run", "--verify")
+    assert unfinished.returncode == 2 and "is a post-training run without a final model yet" in unfinished.stderr
+    with pytest.raises(UserError, match=r"training.steps: is 2, but the checkpoint to resume \(.*step-0000003\)"):
+        run_sft(load_sft_recipe(recipe, quick), tmp_path / "run", start=str(tiny_model), resume="auto")
     steps = [
         r["step"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r
     ]

@@ -46,7 +46,7 @@ from smolctl.shards import (
     sha256_file,
 )
 from smolctl.train.distributed import Dist
-from smolctl.train.run import EVENTS, FINAL, RUN_FILE, append_jsonl
+from smolctl.train.run import EVENTS, FINAL, RUN_FILE, append_jsonl, holds_trainer_checkpoints
 
 KIND_CHECKPOINT = "checkpoint"
 TRAIN_STATE = "train_state.json"
@@ -174,6 +174,12 @@ def refuse_run_folder(folder: Path, flag: str, fix: str) -> None:
         return
     newest = complete_checkpoints(folder)
     unfinished = "" if (folder / FINAL / "config.json").is_file() else " without a final model yet"
+    if unfinished and holds_trainer_checkpoints(folder):  # TRL's checkpoints: nothing export or --from takes
+        raise UserError(
+            flag,
+            f"{folder} is a post-training run folder{unfinished}",
+            "wait for it to finish, or continue it with --resume auto: RUN/final is the model to pass",
+        )
     checkpoint = str(newest[-1]) if newest else "RUN/checkpoints/step-NNNNNNN (it has saved none yet)"
     raise UserError(flag, f"{folder} is a training run folder{unfinished}", fix.format(checkpoint=checkpoint))
 

@@ -179,7 +179,7 @@ class Trainer:
         self.finished: dict | None = None  # the final/ manifest when --resume auto finds nothing left to do
         self.resume_from = self._resume_point(resume, overwrite)
         if self.resume_from is not None:
-            check_steps_reach(self.resume_from, self.plan.steps)
+            check_steps_reach(self.resume_from, checkpoint_step(self.resume_from), self.plan.steps)
         if init_from and (self.resume_from is not None or self.finished):
             self._check_same_parent(init_from)
         self.init_from = (
@@ -224,11 +224,11 @@ class Trainer:
                 return None
             if checkpoints:
                 return checkpoints[-1]
-            if holds_run_files(self.run_dir) and not (self.run_dir / RUN_FILE).is_file() and not overwrite:
+            if holds_run_files(self.run_dir) and not (self.run_dir / RUN_FILE).is_file():
                 raise UserError(
                     self.run_dir,
-                    "holds files that are not a smolctl run",
-                    "choose another run folder or pass --overwrite",
+                    "holds files that are not a smolctl run, so there is nothing to resume",
+                    "choose another run folder, or start it over without --resume (--overwrite replaces the files)",
                 )
             return None
         if resume != "none":

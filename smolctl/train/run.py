@@ -52,6 +52,7 @@ RUN_FILE = "run.json"
 METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
 CHECKPOINTS = "checkpoints"
+TRAINER_STATE = "trainer_state.json"
 FINAL = "final"
 ADAPTER = "adapter"
 
@@ -74,10 +75,9 @@ def step_checkpoints(run: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
-def check_steps_reach(checkpoint: Path, steps: int) -> None:
-    """A resume may train longer, never stop before the checkpoint it continues: refused, rather than writing a
-    final model of more steps than the recipe asks for."""
-    step = step_of(checkpoint)
+def check_steps_reach(checkpoint: Path, step: int, steps: int) -> None:
+    """A resume may train longer, never stop before the checkpoint it continues (saved at `step`): refused, rather
+    than writing a final model of more steps than the recipe asks for."""
     if steps < step:
         raise UserError(
             "training.steps",
@@ -207,24 +207,39 @@ def decide_start(run: Path, resume: str, overwrite: bool, steps: int) -> RunStar
         check_output_path(run, True)
         return RunStart(overwrite=holds_files)
     if holds_files and not (run / RUN_FILE).is_file():
-        raise UserError(run, "holds files that are not a smolctl run", "choose another run folder, or --overwrite")
+        raise UserError(
+            run,
+            "holds files that are not a smolctl run, so there is nothing to resume",
+            "choose another run folder, or start it over without --resume (--overwrite replaces the files)",
+        )
     if resume == "auto":
         manifest = read_manifest(run / FINAL) if (run / FINAL / MANIFEST_NAME).is_file() else None
         if manifest is not None and int(manifest.get("stats", {}).get("steps", 0)) >= steps:
             return RunStart(finished=manifest)
         found = step_checkpoints(run)
         if found:
-            check_steps_reach(found[-1], steps)
+            check_steps_reach(found[-1], trainer_step(found[-1]), steps)
         return RunStart(resume_from=found[-1] if found else None)
     path = Path(resume)
-    if not (path / "trainer_state.json").is_file():
+    if not (path / TRAINER_STATE).is_file():
         raise UserError(
             "--resume",
             f"{resume} is not a complete checkpoint (no trainer_state.json)",
             f"pass --resume auto or a folder under {run / CHECKPOINTS}",
         )
-    check_steps_reach(path, steps)
+    check_steps_reach(path, trainer_step(path), steps)
     return RunStart(resume_from=path)
+
+
+def trainer_step(checkpoint: Path) -> int:
+    """The step a post-training checkpoint (TRL's, or smolctl's PPO loop's) was saved at."""
+    return int(json.loads((Path(checkpoint) / TRAINER_STATE).read_text())["global_step"])
+
+
+def holds_trainer_checkpoints(run: Path) -> bool:
+    """Whether the run's checkpoints are post-training ones (TRL's or the PPO loop's trainer_state.json), which
+    carry no manifest: no checksums or lineage of their own, and `smolctl export` does not take them."""
+    return any((folder / TRAINER_STATE).is_file() for folder in step_checkpoints(run))
 
 
 def flatten(table: dict, prefix: str = "") -> dict:
@@ -301,9 +316,7 @@ def begin_run(run: Path, stage: str, recipe: dict, parent: Path, start: RunStart
         shutil.rmtree(folder)
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_json(run / RUN_FILE, current)
-    resumed_at = (
-        json.loads((start.resume_from / "trainer_state.json").read_text())["global_step"] if start.resume_from else 0
-    )
+    resumed_at = trainer_step(start.resume_from) if start.resume_from else 0
     for name in (METRICS, EVENTS):
         drop_lines_after(run / name, resumed_at)
         (run / name).touch()
