@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from smolctl.errors import UserError
+
+F = TypeVar("F", bound=Callable)
 
 
 @contextmanager
@@ -75,3 +79,20 @@ def _exclusive_lock(lock: Path, output: Path, doing: str, fix: str):
             handle.flush()
             return handle
         handle.close()
+
+
+def holds_output(output_of: Callable[..., str | Path]) -> Callable[[F], F]:
+    """A command function that writes one OUTPUT folder (`output_of(*args, **kwargs)` names it) and holds its lock
+    while it runs: two generate, merge or export runs into one OUTPUT otherwise replaced or mixed each other's
+    files, and exited 0."""
+
+    def decorate(function: F) -> F:
+        @functools.wraps(function)
+        def held(*args, **kwargs):
+            output = Path(output_of(*args, **kwargs))
+            with held_alone(output, "written", "wait for it to finish, or write to another folder"):
+                return function(*args, **kwargs)
+
+        return held  # type: ignore[return-value]
+
+    return decorate

@@ -375,6 +375,7 @@ def check_output_path(path: Path, overwrite: bool) -> None:
     writing_to(path)
     if path.exists() and not path.is_dir():
         raise UserError(path, "exists and is a file, not a folder", "choose an output folder path")
+    refuse_working_folder(path)
     if path.is_dir() and any(path.iterdir()) and not overwrite:
         raise UserError(
             path, "already exists and is not empty", "pass --overwrite to replace it, or choose another folder"
@@ -386,15 +387,35 @@ def check_output_path(path: Path, overwrite: bool) -> None:
         raise UserError(parent, "is not writable", "choose an output folder you can write to")
 
 
+def refuse_working_folder(path: Path) -> None:
+    """An output folder is put in place whole (a staging folder renamed over it): the folder the shell is in, or
+    one holding it, would be replaced under the user, who is left in a deleted folder."""
+    try:
+        here = Path.cwd().resolve()
+    except FileNotFoundError:  # already in a deleted folder: nothing of it to protect
+        return
+    out = Path(path).resolve()
+    if out == here or out in here.parents:
+        raise UserError(
+            path,
+            "is the folder you are in" if out == here else f"holds the folder you are in ({here})",
+            "write to a new folder (e.g. ./out), or run from another folder",
+        )
+
+
 def refuse_output_over_inputs(output: Path, inputs: Sequence[str | Path], role: str = "the input") -> None:
-    """Refuse an OUTPUT that is one of the inputs or holds one: replacing it (--overwrite, or the commit's swap)
-    would delete what the command reads, a model or run folder exported or merged into itself."""
+    """Refuse an OUTPUT that is one of the inputs, holds one, or lies inside one: replacing it (--overwrite, or the
+    commit's swap) would delete what the command reads, a model or run folder exported or merged into itself; and
+    inside one it changes what the input holds (a plain parquet folder holding a smolctl folder is refused as input,
+    a model or checkpoint folder fails its --verify)."""
     out = Path(output).resolve()
     for source in inputs:
         path = Path(source).resolve()
         if path == out or out in path.parents:
             what = f"is {role} itself" if path == out else f"holds {role} {source}"
             raise UserError(output, what, "write the output to another folder")
+        if path in out.parents and path.is_dir():
+            raise UserError(output, f"is inside {role} {source}", "write the output beside it, not inside it")
 
 
 class DatasetWriter:

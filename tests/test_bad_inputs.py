@@ -1053,6 +1053,23 @@ CASES = [
         ),
     ),
     Case(
+        "generate: OUTPUT inside the plain parquet folder of prompts",
+        lambda t: (
+            shutil.copytree(SAMPLE / "prompts", t / "prompts", ignore=shutil.ignore_patterns("manifest.json")),
+            ["generate", t / "prompts", t / "prompts" / "gen", "--model", model(), "--limit", "1"],
+            "prompts/gen: is inside the input ",
+            t / "prompts",
+        )[1:],
+    ),
+    Case(
+        "merge: OUTPUT inside one of the models",
+        lambda t: (
+            ["merge", "--method", "linear", "--model", model(), "--model", other_model(t), t / "other" / "merged"],
+            "merged: is inside the input ",
+            t / "other",
+        ),
+    ),
+    Case(
         "generate: --pairs of one model against itself",
         lambda t: (
             ["generate", SAMPLE / "prompts", t / "out", "--pairs", "--chosen", model(), "--rejected", model()],
@@ -1684,3 +1701,40 @@ def test_inspect_verify_of_a_run_checks_its_checkpoints_beside_its_final_model(t
     (run / "checkpoints" / "step-0000002" / "manifest.json").unlink()
     found = json.loads(run_cli("inspect", run, "--verify", "--json", "--samples", "0").stdout)
     assert found["problems"][-1].startswith(f"{run / 'checkpoints' / 'step-0000002'}: no manifest.json")
+
+
+def test_export_merge_and_generate_refuse_an_output_another_run_is_writing(tmp_path):
+    """Data stages and training held their output's lock; these three did not, and two runs into one OUTPUT mixed
+    shards of both models under one model's manifest, or replaced each other, all exiting 0."""
+    from smolctl.folder_lock import held_alone
+
+    out = tmp_path / "out"
+    commands = [
+        ["export", run_copy(tmp_path) / "checkpoints" / "step-0000002", out],
+        ["merge", "--method", "linear", "--model", model(), "--model", other_model(tmp_path), out],
+        ["generate", SAMPLE / "prompts", out, "--model", model(), "--limit", "1"],
+    ]
+    with held_alone(out, "written", "wait"):  # the first run, still writing
+        for command in commands:
+            done = run_cli(*command)
+            assert done.returncode == 2 and f"{out}: is being written by another smolctl run" in done.stderr, (
+                done.stderr
+            )
+    assert not out.exists()
+
+
+def test_the_folder_the_shell_is_in_is_never_an_output(tmp_path, monkeypatch):
+    """An output is put in place whole: `smolctl merge ... .` swapped the folder out from under the shell."""
+    from smolctl.errors import UserError
+    from smolctl.shards import check_output_path
+
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    with pytest.raises(UserError, match="is the folder you are in"):
+        check_output_path(Path("."), False)
+    with pytest.raises(UserError, match="holds the folder you are in"):
+        check_output_path(tmp_path, True)
+    check_output_path(Path("out"), False)  # a new folder inside it is fine
+    done = run_cli("merge", "--method", "linear", "--model", model(), "--model", other_model(tmp_path), ".", cwd=here)
+    assert done.returncode == 2 and "error: .: is the folder you are in" in done.stderr

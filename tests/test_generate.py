@@ -137,6 +137,31 @@ def test_a_killed_generate_resumes_without_losing_or_repeating_a_prompt(models, 
     )
 
 
+def test_a_resume_keeps_no_shard_of_plain_prompts_changed_since(models, tmp_path):
+    """Plain parquet prompts carry no manifest digest: their files' sizes and times stand for it, so shards of the
+    prompts before an edit are not kept as completions of the new ones."""
+    import pyarrow as pa
+
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    pq.write_table(pa.table({"prompt": sample_prompts(8)}), prompts / "p.parquet")
+    job = dict(prompts=str(prompts), output=tmp_path / "out", models=[models[0]], shard_prompts=2, batch_size=2)
+    job["sampling"] = Sampling(max_new_tokens=3)
+
+    def stop_after_the_first(index: int) -> None:
+        raise KeyboardInterrupt
+
+    for _ in range(2):
+        with pytest.raises(BaseException, match="finished shard"):
+            run_generate(GenerateJob(**job), on_shard=stop_after_the_first)
+        assert (tmp_path / ".out.partial" / "part-00000.parquet").is_file()
+    # the same prompts: the first run's shard was kept by the second, which stopped after its own next one
+    assert (tmp_path / ".out.partial" / "part-00001.parquet").is_file()
+    pq.write_table(pa.table({"prompt": [f"new {p}" for p in sample_prompts(8)]}), prompts / "p.parquet")
+    changed = run_generate(GenerateJob(**job))
+    assert changed.resumed_shards == 0 and all(r["prompt"].startswith("new ") for r in rows(tmp_path / "out"))
+
+
 def test_rank_by_keeps_the_best_and_worst_of_k_by_the_reward_tables(models, tmp_path, monkeypatch):
     (tmp_path / "rank_reward_module.py").write_text('def longest(row):\n    return len(row["completion"])\n')
     monkeypatch.syspath_prepend(str(tmp_path))

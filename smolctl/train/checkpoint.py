@@ -36,6 +36,7 @@ from pathlib import Path
 
 from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import UserError
+from smolctl.folder_lock import holds_output
 from smolctl.shards import (
     KIND_MODEL,
     MANIFEST_NAME,
@@ -503,6 +504,7 @@ def check_model_shapes(path: Path, model, flag: str = "--resume") -> None:
 # ---- Hugging Face folders from checkpoints ---------------------------------------------------------------------
 
 
+@holds_output(lambda checkpoint, out, **kwargs: out)
 def export_checkpoint(
     checkpoint: str | Path,
     out: str | Path,

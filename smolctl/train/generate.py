@@ -37,7 +37,16 @@ import pyarrow.parquet as pq
 
 from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import Interrupted, UserError
-from smolctl.shards import KIND_DOCUMENTS, OutputFolder, check_output_path, lineage_ref, open_documents, schema_to_dict
+from smolctl.folder_lock import holds_output
+from smolctl.shards import (
+    KIND_DOCUMENTS,
+    OutputFolder,
+    check_output_path,
+    lineage_ref,
+    open_documents,
+    read_manifest,
+    schema_to_dict,
+)
 from smolctl.train.chat_data import checked_rows, plain_text, reference_text
 from smolctl.train.posttrain import check_rows
 from smolctl.train.posttrain_run import chat_stop_ids, check_start, quiet_offline
@@ -447,6 +456,10 @@ def check_job(job: GenerateJob) -> None:
         )
 
 
+def _file_times(files) -> list:
+    return [[str(Path(f).resolve()), Path(f).stat().st_size, Path(f).stat().st_mtime_ns] for f in files]
+
+
 def resume_state(folder: OutputFolder, settings: dict, shards: int) -> int:
     """How many leading shards in the staging folder a rerun with the same settings keeps; anything else is removed."""
     settings_path = folder.file(SETTINGS_FILE)
@@ -481,6 +494,7 @@ def _let_go(folder: OutputFolder, job: GenerateJob, error: BaseException) -> Non
         ) from None
 
 
+@holds_output(lambda job, *args, **kwargs: job.output)
 def run_generate(
     job: GenerateJob,
     on_progress: Callable[[int, int, float], None] | None = None,
@@ -508,6 +522,16 @@ def run_generate(
         "mode": job.mode,
         "backend": backend,
         "inputs": inputs,
+        # inputs without a manifest have no digest in `inputs`: their files' sizes and times stand for it, so
+        # shards of prompts or weights since replaced are not kept by a resume
+        "unlisted_inputs": [
+            _file_times(source.files) if source.manifest is None else None,
+            *[
+                _file_times(sorted(p for p in m.iterdir() if p.is_file()))
+                for m in job.models
+                if read_manifest(m) is None
+            ],
+        ],
         "sampling": asdict(job.sampling),
         "prompt_column": job.prompt_column,
         "limit": job.limit,

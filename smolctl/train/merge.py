@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from smolctl.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import UserError
+from smolctl.folder_lock import holds_output
 from smolctl.recipe import Section, apply_overrides, load_recipe, validate
 from smolctl.results import Result
 from smolctl.shards import KIND_MODEL, OutputFolder, check_output_path, lineage_ref, read_manifest
@@ -365,6 +366,7 @@ def quiet_mergekit() -> Iterator[None]:
         root.setLevel(level)
 
 
+@holds_output(lambda recipe, output, **kwargs: output)
 def run_merge(recipe: MergeRecipe, output: str | Path, *, where: str, overwrite: bool = False) -> MergeResult:
     """Check every parent, merge with MergeKit into a staging folder, add the tokenizer and the manifest."""
     started = time.perf_counter()
