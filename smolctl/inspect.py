@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -226,6 +227,26 @@ def inspect_collection(root: Path, *, verify: bool, run: bool = False) -> Inspec
     return result
 
 
+def _model_without_manifest(folder: Path, path: str) -> Inspection:
+    """A Hugging Face model folder another tool wrote (save_pretrained, a hub download, a TRL checkpoint): what
+    its config says, and its files."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(folder / "config.json", f"is not valid JSON ({exc})", "restore the model's config") from None
+    keys = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    weights = sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
+    return Inspection(
+        path=path,
+        kind="model (no manifest)",
+        shards=len(weights),
+        files=sorted(p.name for p in folder.iterdir() if p.is_file()),
+        stats={key: config[key] for key in keys if key in config}
+        | {"tokenizer": any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))},
+        notes=None if weights else ["no weight files (*.safetensors, *.bin): a config alone"],
+    )
+
+
 def inspect_path(
     path: str, *, samples: int = 3, verify: bool = False, lineage: bool = False, tokenizer: str | None = None
 ) -> Inspection:
@@ -279,6 +300,8 @@ def inspect_path(
             raise UserError(
                 path, "has no manifest.json to verify against", "only folders written by smolctl can be verified"
             )
+        if target.is_dir() and (target / "config.json").is_file():
+            return _model_without_manifest(target, str(path))
         source = open_documents(path)
         return Inspection(
             path=str(path),

@@ -1738,3 +1738,15 @@ def test_the_folder_the_shell_is_in_is_never_an_output(tmp_path, monkeypatch):
     check_output_path(Path("out"), False)  # a new folder inside it is fine
     done = run_cli("merge", "--method", "linear", "--model", model(), "--model", other_model(tmp_path), ".", cwd=here)
     assert done.returncode == 2 and "error: .: is the folder you are in" in done.stderr
+
+
+def test_inspect_of_a_model_folder_another_tool_wrote_shows_its_config(tmp_path):
+    """save_pretrained's folders, hub downloads and TRL checkpoints have no manifest: inspect told the user to
+    convert config.json to parquet."""
+    folder = Path(shutil.copytree(model(), tmp_path / "hf"))
+    (folder / "manifest.json").unlink()
+    found = json.loads(run_cli("inspect", folder, "--json").stdout)
+    assert found["kind"] == "model (no manifest)" and found["stats"]["model_type"] == "smollm3"
+    assert "model.safetensors" in found["files"] and found["stats"]["tokenizer"] is True
+    verify = run_cli("inspect", folder, "--verify")
+    assert verify.returncode == 2 and "has no manifest.json to verify against" in verify.stderr

@@ -153,8 +153,10 @@ def test_padding_free_sft_resumes_from_the_newest_checkpoint(tiny_model, tmp_pat
     quick = [*SFT_QUICK, "training.steps=2", "checkpoint.interval=1", 'sft.packing="padding_free"']
     first = run_sft(load_sft_recipe(recipe, quick), tmp_path / "run", start=str(tiny_model))
     assert first.steps == 2 and (tmp_path / "run" / "checkpoints" / "step-0000002" / "trainer_state.json").is_file()
-    # TRL's checkpoints carry no manifest: a finished run verifies all the same
+    # TRL's checkpoints carry no manifest: a finished run verifies all the same, and they need no export
     assert run_cli("inspect", tmp_path / "run", "--verify", "--samples", "0").returncode == 0
+    export = run_cli("export", tmp_path / "run" / "checkpoints" / "step-0000002", tmp_path / "exported")
+    assert export.returncode == 2 and "already a Hugging Face model folder" in export.stderr
     with pytest.raises(UserError, match=r"differs from the one the run started with in optimizer.lr"):
         run_sft(
             load_sft_recipe(recipe, [*quick, "optimizer.lr=0.5"]),

@@ -47,7 +47,7 @@ from smolctl.shards import (
     sha256_file,
 )
 from smolctl.train.distributed import Dist
-from smolctl.train.run import EVENTS, FINAL, RUN_FILE, append_jsonl, holds_trainer_checkpoints
+from smolctl.train.run import EVENTS, FINAL, RUN_FILE, TRAINER_STATE, append_jsonl, holds_trainer_checkpoints
 
 KIND_CHECKPOINT = "checkpoint"
 TRAIN_STATE = "train_state.json"
@@ -194,6 +194,12 @@ def check_checkpoint(path: str | Path, flag: str) -> dict:
         raise UserError(flag, f"{folder}: no such checkpoint folder", "pass RUN/checkpoints/step-NNNNNNN")
     refuse_run_folder(folder, flag, "pass one of its checkpoints, e.g. {checkpoint}")
     manifest = read_manifest(folder)
+    if manifest is None and (folder / TRAINER_STATE).is_file() and (folder / "config.json").is_file():
+        raise UserError(
+            flag,
+            f"{folder} is a post-training checkpoint (TRL's), already a Hugging Face model folder",
+            "pass it where a model is wanted as it is (--from, --model); it needs no export",
+        )
     if manifest is None:
         raise UserError(
             flag,
