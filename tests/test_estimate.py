@@ -506,7 +506,11 @@ def test_estimate_says_what_it_prices_and_whether_it_fits(capsys):
     code, out, err = run_cli(capsys, "estimate", "--model", "llama3-8b", "--gpus", "8")
     text = " ".join((out + err).split())
     assert code == 0 and "no --tokens: the time and cost below are for ONE optimizer step" in text
-    assert "error: does not fit h100" in text and text.index("does not fit h100") < text.index("layout")
+    assert (
+        "✗ does not fit h100" in text
+        and "error:" not in text
+        and text.index("does not fit h100") < text.index("layout")
+    )
     code, out, err = run_cli(
         capsys, "estimate", "--model", "llama3-8b", "--gpus", "8", "--tokens", "1T", "--require-fit"
     )

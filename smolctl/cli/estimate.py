@@ -195,8 +195,10 @@ def estimate_command(
 
 def _render_headlines(r: Estimate) -> None:
     for line in r.headlines:
-        colour = "red" if line["level"] == "error" else "yellow"
-        show(styled(f"[bold {colour}]{line['level']}:[/] {escape(line['text'])}"), soft_wrap=True)
+        # not "error:": that prefix means a refused command (exit 2) everywhere else, and an estimate that does
+        # not fit is still an answer (exit 0, or 1 with --require-fit)
+        label = "[bold red]✗[/]" if line["level"] == "error" else "[bold yellow]warning:[/]"
+        show(styled(f"{label} {escape(line['text'])}"), soft_wrap=True)
 
 
 def _render_estimate(r: Estimate) -> None:
