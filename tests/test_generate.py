@@ -16,6 +16,7 @@ from conftest import REPO, SAMPLE, run_cli
 from test_cli import _interrupted
 from tiny_checkpoint import make_tiny_checkpoint
 
+from smolctl.errors import UserError
 from smolctl.shards import open_documents, read_manifest
 from smolctl.train.generate import GenerateJob, Sampling, run_generate
 from smolctl.train.rewards import load_reward_tables
@@ -191,6 +192,14 @@ def test_rank_by_keeps_the_best_and_worst_of_k_by_the_reward_tables(models, tmp_
         assert row["chosen_reward"] == max(lengths) == len(row["chosen"])
         assert row["rejected_reward"] == min(lengths) == len(row["rejected"])
     assert every.rows == 24
+    # a reward that ties every completion leaves no pair: refused, with nothing written
+    (tmp_path / "rank_reward_module.py").write_text("def longest(row):\n    return 1.0\n")
+    sys.modules.pop("rank_reward_module", None)
+    reward, reference_column = load_reward_tables(recipe)
+    job = GenerateJob(output=tmp_path / "tied", mode="ranked", reward=reward, reward_recipe=str(recipe), **common)
+    with pytest.raises(UserError, match="--rank-by: the completions of every one of the 6 prompts tied"):
+        run_generate(job)
+    assert not (tmp_path / "tied").exists() and not (tmp_path / ".tied.partial").exists()
     sys.modules.pop("rank_reward_module", None)
 
 

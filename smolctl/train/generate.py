@@ -588,6 +588,13 @@ def run_generate(
     folder.file(SETTINGS_FILE).unlink()
     rows = sum(s["rows"] for s in folder.shards)
     tied = total - rows if job.mode == "ranked" else 0  # ranked writes one row per prompt it could rank
+    if job.mode == "ranked" and total and not rows:  # an empty preference set, written and exiting 0, is no result
+        folder.abort()
+        raise UserError(
+            "--rank-by",
+            f"the completions of every one of the {total} prompts tied on the reward: there is no pair to keep",
+            "sample more per prompt (-k), raise --temperature, or rank by a reward that tells them apart",
+        )
     result = GenerateResult(
         str(job.output),
         job.mode,
