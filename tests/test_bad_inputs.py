@@ -1070,6 +1070,22 @@ CASES = [
         ),
     ),
     Case(
+        "generate: --model a training checkpoint",
+        lambda t: (
+            ["generate", SAMPLE / "prompts", t / "out", "--model", _SHARED["run"] / "checkpoints" / "step-0000002"],
+            "is a training checkpoint (model and optimizer state in DCP shards), not a model folder — export it first",
+            t / "out",
+        ),
+    ),
+    Case(
+        "merge: a run that has no final model yet",
+        lambda t: (
+            ["merge", "--method", "linear", "--model", run_copy(t, unfinished=True), "--model", model(), t / "out"],
+            "run is a training run folder without a final model yet — export one of its checkpoints first",
+            t / "out",
+        ),
+    ),
+    Case(
         "generate: --pairs of one model against itself",
         lambda t: (
             ["generate", SAMPLE / "prompts", t / "out", "--pairs", "--chosen", model(), "--rejected", model()],

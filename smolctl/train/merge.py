@@ -34,6 +34,7 @@ from smolctl.folder_lock import holds_output
 from smolctl.recipe import Section, apply_overrides, load_recipe, validate
 from smolctl.results import Result
 from smolctl.shards import KIND_MODEL, OutputFolder, check_output_path, lineage_ref, read_manifest
+from smolctl.train.checkpoint import KIND_CHECKPOINT, refuse_run_folder
 from smolctl.train.posttrain_run import quiet_offline
 
 METHODS = ("linear", "slerp", "ties", "dare_ties")
@@ -143,6 +144,14 @@ def resolve_parent(spec: str, where: str) -> Path:
         raise UserError(where, f"parent {spec} does not exist", "check the path (a run folder or its final/)")
     if path.is_dir() and not (path / "config.json").is_file() and (path / "final" / "config.json").is_file():
         path = path / "final"
+    if path.is_dir():  # a run without its final model, or a training checkpoint: what to pass instead
+        refuse_run_folder(path, where, "export one of its checkpoints first: smolctl export {checkpoint} OUT")
+        if (read_manifest(path) or {}).get("kind") == KIND_CHECKPOINT:
+            raise UserError(
+                where,
+                f"parent {spec} is a training checkpoint, not a model folder",
+                f"export it first: smolctl export {spec} OUT, then merge OUT",
+            )
     if not path.is_dir() or not (path / "config.json").is_file():
         raise UserError(
             where,

@@ -24,7 +24,7 @@ from smolctl.errors import UserError
 from smolctl.launcher import world_size_from_env
 from smolctl.results import Result
 from smolctl.shards import KIND_MODEL, OutputFolder, lineage_ref, read_manifest, refuse_output_over_inputs
-from smolctl.train.checkpoint import name_architecture, refuse_run_folder
+from smolctl.train.checkpoint import KIND_CHECKPOINT, name_architecture, refuse_run_folder
 from smolctl.train.config import PeftSection, PostTrainRecipe, global_batch_and_accumulation
 from smolctl.train.run import (
     ADAPTER,
@@ -97,6 +97,12 @@ def check_start(spec: str | None, where: str = "model.from") -> Path:
     path = model_folder(path)
     refuse_run_folder(path, where, "start from a model: smolctl export {checkpoint} OUT, then pass OUT")
     manifest = read_manifest(path)
+    if manifest is not None and manifest["kind"] == KIND_CHECKPOINT:
+        raise UserError(
+            path,
+            "is a training checkpoint (model and optimizer state in DCP shards), not a model folder",
+            f"export it first: smolctl export {path} OUT, then pass OUT",
+        )
     if manifest is not None and manifest["kind"] != KIND_MODEL:
         raise UserError(
             path, f"is a {manifest['kind']} folder, not a model", "pass a checkpoint written by pretrain, sft or dpo"
