@@ -383,6 +383,8 @@ def check_output_path(path: Path, overwrite: bool) -> None:
     parent = path.parent if not path.exists() else path
     while not parent.exists():
         parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(parent, f"is a file, so {path} cannot be made under it", "choose an output folder path")
     if not os.access(parent, os.W_OK):
         raise UserError(parent, "is not writable", "choose an output folder you can write to")
 

@@ -966,6 +966,15 @@ CASES = [
         lambda t: (["export", partial_checkpoint(t), t / "out"], "is not a complete checkpoint", t / "out"),
     ),
     Case(
+        "export: OUTPUT under a file",
+        lambda t: (
+            (t / "notes").write_text("x"),
+            ["export", _SHARED["run"] / "checkpoints" / "step-0000002", t / "notes" / "out"],
+            "notes: is a file, so ",
+            None,
+        )[1:],
+    ),
+    Case(
         "inspect: a checkpoint whose save never finished",
         lambda t: (["inspect", partial_checkpoint(t)], "is a training checkpoint whose save never finished", None),
     ),
