@@ -366,3 +366,17 @@ def test_collective_time_counts_overlapping_events_once():
         event("ncclDevKernel_AllGather", 50, 200, "CUDA"),
     ]
     assert collective_seconds(gpu, on_gpu=True) == pytest.approx(200e-6)
+
+
+def test_html_written_through_a_link_replaces_what_it_points_to(tmp_path, tiny_run):
+    """The link stays, as an output folder's does: it was replaced by a regular file, leaving its target stale."""
+    from smolctl.train.report import build_reports
+    from smolctl.train.report_views import write_html
+
+    target = tmp_path / "reports" / "latest.html"
+    target.parent.mkdir()
+    target.write_text("old")
+    link = tmp_path / "report.html"
+    link.symlink_to(target)
+    write_html(link, build_reports([tiny_run[0]]), overwrite=True)
+    assert link.is_symlink() and "<html" in target.read_text().lower()

@@ -227,5 +227,6 @@ def write_html(path: str | Path, reports: list[RunReport], overwrite: bool = Fal
         raise UserError("--html", f"{path} is a folder", "give a file name, e.g. report.html")
     if path.exists() and not overwrite:
         raise UserError("--html", f"{path} already exists", "pass --overwrite to replace it, or choose another name")
-    atomic_write_bytes(path, html_report(reports).encode())
+    # through a link: the file it points to is replaced, and the link stays (as output folders do)
+    atomic_write_bytes(path.resolve() if path.is_symlink() else path, html_report(reports).encode())
     return path
