@@ -1556,6 +1556,10 @@ CASES = [
         lambda t: (["stress-gpu", "--memory-fraction", "1.5"], "--memory-fraction", None),
     ),
     Case("stress-gpu: unknown dtype", lambda t: (["stress-gpu", "--dtype", "fp12"], "fp12", None)),
+    Case(
+        "stress-gpu: cpu in a list of GPUs",
+        lambda t: (["stress-gpu", "--devices", "cpu,0"], "--devices: cpu stands alone, not in a list (cpu,0)", None),
+    ),
     Case("benchmark-nccl: one process", lambda t: (["benchmark-nccl"], "torchrun", None)),
     Case(
         "benchmark-nccl: threshold for an op not run",

@@ -141,6 +141,10 @@ def resolve_devices(spec: str, gpu_count: int) -> tuple[str, ...]:
     indices = []
     for part in spec.split(","):
         part = part.strip().removeprefix("cuda:")
+        if part in ("cpu", "all"):
+            raise UserError(
+                "--devices", f"{part} stands alone, not in a list ({spec})", f"pass --devices {part}, or GPU indices"
+            )
         if not part.isdigit() or int(part) >= gpu_count:
             raise UserError(
                 "--devices",
