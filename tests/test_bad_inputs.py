@@ -1538,6 +1538,14 @@ CASES = [
     ),
     # estimate / cluster checks
     Case("estimate: unknown model", lambda t: (["estimate", "--model", "gpt-17"], "smollm3-3b", None)),
+    Case(
+        "estimate: a serving option without --inference",
+        lambda t: (
+            ["estimate", "--model", "smollm3-3b", "--context", "4096"],
+            "--context: sizes serving, which only",
+            None,
+        ),
+    ),
     Case("estimate: unknown gpu", lambda t: (["estimate", "--model", "smollm3-3b", "--gpu", "h900"], "h100", None)),
     Case(
         "estimate: layout does not match --gpus",

@@ -21,7 +21,7 @@ from smolctl.console import (
     styled,
     table,
 )
-from smolctl.errors import CheckFailed
+from smolctl.errors import CheckFailed, UserError
 from smolctl.units import COUNT_HELP
 
 if TYPE_CHECKING:  # the estimate module loads on first use, not with `smolctl --help`
@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # the estimate module loads on first use, not with `smolctl -
 """,
 )
 def estimate_command(
+    ctx: typer.Context,
     recipe: str | None = typer.Argument(None, help="A pretrain recipe (.toml), or a model as --model takes it."),
     model: str | None = typer.Option(
         None, "--model", help="Preset (smollm3-3b, llama3-8b, ...) or a config.json / model folder."
@@ -140,6 +141,17 @@ def estimate_command(
     )
     from smolctl.infra.scenario import recipe_or_model, scenario_from_sources
 
+    serving = {
+        "context": "--context",
+        "batch": "--batch",
+        "kv_dtype": "--kv-dtype",
+        "compare_attention": "--compare-attention",
+    }
+    given = [flag for name, flag in serving.items() if ctx.get_parameter_source(name).name == "COMMANDLINE"]
+    if given and not inference_mode:  # a training estimate reads none of them: silently ignored otherwise
+        raise UserError(
+            given[0], "sizes serving, which only --inference estimates", f"add --inference, or drop {given[0]}"
+        )
     if recipe is not None:
         recipe, model = recipe_or_model(recipe, model)
     flags = {
