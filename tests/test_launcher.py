@@ -48,3 +48,20 @@ def test_the_commands_refuse_a_bad_world_size_in_one_line(argv):
     result = run_cli(*argv, env={"RANK": "0", "WORLD_SIZE": "two"})
     assert result.returncode == 2 and result.stderr.startswith("error: WORLD_SIZE: is 'two'"), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_bad_command_line_is_said_by_rank_zero_alone(monkeypatch, capsys):
+    """Every rank of a launch gets the same command line: a mistake in it was printed once per rank."""
+    import smolctl.cli
+    from smolctl.cli import main
+
+    monkeypatch.setattr(smolctl.cli, "QUIET_RANK_GRACE_S", 0.0)
+    for rank, said in (("1", ""), ("0", "error: smolctl benchmark-nccl: argument 3 (after --ops) is empty")):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        for argv in (["benchmark-nccl", "--ops", ""], ["benchmark-nccl", "--opz", "x"]):
+            with pytest.raises(SystemExit) as info:
+                main(argv)
+            assert info.value.code == 2
+            err = capsys.readouterr().err
+            assert (said in err) if rank == "0" and argv[-1] == "" else (bool(err) == (rank == "0")), err

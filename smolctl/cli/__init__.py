@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ import typer
 
 from smolctl.cli import cluster, data, estimate, inspect, posttrain, train  # noqa: F401  (each registers its commands)
 from smolctl.cli.app import Command, app
+from smolctl.cli.common import QUIET_RANK_GRACE_S
 from smolctl.console import error_line
 from smolctl.errors import (
     COMMITTED_BEFORE_THE_INTERRUPT,
@@ -120,19 +122,33 @@ def _speaks_for_the_launch() -> bool:
         return True
 
 
+def _quiet_unless_rank_zero(code: int) -> None:
+    """A command line every rank of a torchrun launch was given alike: rank 0 says what is wrong with it, the
+    other ranks leave after it, silently, with the same exit code."""
+    if not _speaks_for_the_launch():
+        time.sleep(QUIET_RANK_GRACE_S)
+        sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI: user mistakes are one line and exit 2, failed checks exit 1, bugs exit 1 with a hint."""
     debug = os.environ.get("SMOLCTL_DEBUG") == "1"
     writing_to(None)  # this command names its own output (in-process callers run several)
+    args = sys.argv[1:] if argv is None else argv
     try:
-        _refuse_empty_arguments(sys.argv[1:] if argv is None else argv)
-        with _only_the_invoked_command(sys.argv[1:] if argv is None else argv):
+        try:
+            _refuse_empty_arguments(args)
+        except UserError as exc:
+            _quiet_unless_rank_zero(exc.exit_code)
+            raise
+        with _only_the_invoked_command(args):
             code = app(args=argv, prog_name="smolctl", standalone_mode=False)
     except Interrupted as exc:
         if _speaks_for_the_launch():
             error_line("interrupted", _what_the_interrupt_left(str(exc)))
         code = exc.exit_code
     except typer.TyperException as exc:  # found while parsing the command line
+        _quiet_unless_rank_zero(getattr(exc, "exit_code", 2))
         _report_usage_error(exc)
         code = getattr(exc, "exit_code", 2)
     except UserError as exc:
