@@ -16,6 +16,7 @@ from conftest import REPO, SAMPLE, run_cli
 from test_cli import _interrupted
 from tiny_checkpoint import make_tiny_checkpoint
 
+from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import UserError
 from smolctl.shards import open_documents, read_manifest
 from smolctl.train.generate import GenerateJob, Sampling, run_generate
@@ -278,3 +279,17 @@ main()
         f"interrupted: {tmp_path / 'out'}: 1 finished shard(s) kept in .out.partial — run the same command again "
         "to continue from them"
     )
+
+
+def test_prompts_past_the_model_s_positions_are_counted(models):
+    """Sampled past max_position_embeddings, a model writes what it was never trained on: the summary says so."""
+    from smolctl.train.generate import prompts_past_context, render
+
+    model = models[0]
+    limit = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    tokenizer = load_tokenizer(model)
+    long = "hello " * limit
+    short = "what is 2+2?"
+    assert len(render(tokenizer, long)) > limit - 8 and len(render(tokenizer, short)) < limit - 8
+    assert prompts_past_context(model, [short, long, short, long], max_new_tokens=8) == 2
+    assert prompts_past_context(model, [short], max_new_tokens=8) == 0

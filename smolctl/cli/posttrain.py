@@ -32,6 +32,7 @@ from smolctl.console import (
     show,
     stderr_console,
     table,
+    warn,
 )
 from smolctl.errors import CheckFailed, Interrupted, UserError
 from smolctl.launcher import rank_from_env
@@ -349,6 +350,11 @@ def generate_command(
     if result.mode == "ranked":
         facts.append(("dropped (all K tied)", result.dropped_tied))
     show(key_values(f"generate → {result.output}", facts))
+    for model, count in result.past_context.items():
+        warn(
+            f"{count} prompt(s) with max_new_tokens run past {model}'s positions (max_position_embeddings): sampled "
+            "all the same, past what it was trained on"
+        )
 
 
 @app.command(

@@ -130,6 +130,9 @@ class GenerateResult:
     seconds: float
     without_chat_template: list[str] = field(default_factory=list)
     """Models whose tokenizer has no chat template: they were given each prompt's text as it is."""
+    past_context: dict[str, int] = field(default_factory=dict)
+    """Per model, the prompts whose tokens and max_new_tokens run past its positions (max_position_embeddings):
+    sampled all the same, past what the model was trained on."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -156,6 +159,28 @@ class Sampler(Protocol):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Backends
+
+
+def prompts_past_context(model: Path, prompts: list[str], max_new_tokens: int) -> int:
+    """How many prompts, rendered as `render` does, leave fewer than max_new_tokens of the model's positions."""
+    try:
+        limit = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return 0
+    if not isinstance(limit, int):
+        return 0
+    room = limit - max_new_tokens
+    # A token holds at least one byte, so only a prompt of more bytes than the room (less the template's own
+    # tokens) can run past it: the rest are never rendered.
+    candidates = [p for p in prompts if len(p.encode()) + TEMPLATE_TOKENS >= room]
+    if not candidates:
+        return 0
+    tokenizer = load_tokenizer(model)
+    return sum(len(render(tokenizer, p)) > room for p in candidates)
+
+
+TEMPLATE_TOKENS = 512
+"""More tokens than any chat template adds around one user turn."""
 
 
 def render(tokenizer, prompt: str) -> list[int]:
@@ -585,6 +610,9 @@ def run_generate(
     sampling_seconds, seconds = time.perf_counter() - sampling_started, time.perf_counter() - started
     tokenizers = [sampler.tokenizer for sampler in samplers] or [load_tokenizer(m) for m in job.models]
     untemplated = [str(m) for m, t in zip(job.models, tokenizers) if not getattr(t, "chat_template", None)]
+    past_context = {
+        str(m): n for m in job.models if (n := prompts_past_context(m, prompts, job.sampling.max_new_tokens))
+    }
     folder.file(SETTINGS_FILE).unlink()
     rows = sum(s["rows"] for s in folder.shards)
     tied = total - rows if job.mode == "ranked" else 0  # ranked writes one row per prompt it could rank
@@ -609,6 +637,7 @@ def run_generate(
         sampling_seconds,
         seconds,
         untemplated,
+        past_context,
     )
     folder.commit(
         schema=schema_to_dict(schema),
@@ -616,6 +645,7 @@ def run_generate(
             "prompts": total,
             "completion_tokens": sampled,
             "dropped_tied": tied,
+            "prompts_past_context": past_context,
             "resumed_shards": resumed,
             "sampling_seconds": round(sampling_seconds, 2),
             "seconds": round(seconds, 2),
