@@ -193,6 +193,7 @@ class OutputFolder:
         self.resumable = resumable
         self.shards: list[dict] = []
         check_output_path(self.path, overwrite)
+        refuse_working_folder(self.path)  # put in place whole, by a rename over it
         refuse_output_over_inputs(self.path, [ref["path"] for ref in self.inputs if ref.get("path")])
         self.per_process = per_process
         own = f"-{os.getpid()}" if per_process else ""
@@ -375,7 +376,6 @@ def check_output_path(path: Path, overwrite: bool) -> None:
     writing_to(path)
     if path.exists() and not path.is_dir():
         raise UserError(path, "exists and is a file, not a folder", "choose an output folder path")
-    refuse_working_folder(path)
     if path.is_dir() and any(path.iterdir()) and not overwrite:
         raise UserError(
             path, "already exists and is not empty", "pass --overwrite to replace it, or choose another folder"
@@ -390,8 +390,9 @@ def check_output_path(path: Path, overwrite: bool) -> None:
 
 
 def refuse_working_folder(path: Path) -> None:
-    """An output folder is put in place whole (a staging folder renamed over it): the folder the shell is in, or
-    one holding it, would be replaced under the user, who is left in a deleted folder."""
+    """For an output folder put in place whole (a staging folder renamed over it), or a run folder --overwrite
+    deletes: the folder the shell is in, or one holding it, would be replaced under the user, who is left in a
+    deleted folder. A run written into the folder it is started from is fine."""
     try:
         here = Path.cwd().resolve()
     except FileNotFoundError:  # already in a deleted folder: nothing of it to protect

@@ -1763,18 +1763,18 @@ def test_export_merge_and_generate_refuse_an_output_another_run_is_writing(tmp_p
 def test_the_folder_the_shell_is_in_is_never_an_output(tmp_path, monkeypatch):
     """An output is put in place whole: `smolctl merge ... .` swapped the folder out from under the shell."""
     from smolctl.errors import UserError
-    from smolctl.shards import check_output_path
+    from smolctl.shards import refuse_working_folder
 
     here = tmp_path / "here"
     here.mkdir()
     monkeypatch.chdir(here)
     with pytest.raises(UserError, match="is the folder you are in"):
-        check_output_path(Path("."), False)
+        refuse_working_folder(Path("."))
     with pytest.raises(UserError, match="holds the folder you are in"):
-        check_output_path(tmp_path, True)
-    check_output_path(Path("out"), False)  # a new folder inside it is fine
+        refuse_working_folder(tmp_path)
+    refuse_working_folder(Path("out"))  # a new folder inside it is fine
     done = run_cli("merge", "--method", "linear", "--model", model(), "--model", other_model(tmp_path), ".", cwd=here)
-    assert done.returncode == 2 and "error: .: is the folder you are in" in done.stderr
+    assert done.returncode == 2 and "here: is the folder you are in" in done.stderr
 
 
 def test_inspect_of_a_model_folder_another_tool_wrote_shows_its_config(tmp_path):

@@ -78,6 +78,14 @@ def test_a_conversation_stored_as_json_text_is_refused_wherever_text_is_taken():
         assert sft_row({"prompt": "as JSON", "completion": text}, ["prompt", "completion"], False, False)
     with pytest.raises(BadRow, match="holds a conversation as JSON text"):
         sft_row({"prompt": " \r\n[ {" + chat[2:], "completion": "4"}, ["prompt", "completion"], False, False)
+    for turns in (
+        [{"role": "prompter", "content": "hi"}, {"role": "assistant", "content": "yo"}],  # OpenAssistant
+        [{"role": "User", "content": "hi"}],
+        [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}, {"role": "ipython", "content": "1"}],
+        [{"from": "human", "text": "hi"}],
+    ):
+        with pytest.raises(BadRow, match="holds a conversation as JSON text"):
+            sft_row({"prompt": "q", "completion": json.dumps(turns)}, ["prompt", "completion"], False, False)
     assert sft_row({"prompt": '[{"a": 1}] parse this', "completion": "ok"}, ["prompt", "completion"], False, False)
     assert (
         sft_row({"prompt": "[1, 2]", "completion": "3"}, ["prompt", "completion"], False, False)["prompt"] == "[1, 2]"
@@ -121,6 +129,7 @@ def test_without_a_prompt_column_the_prompt_is_what_chosen_and_rejected_share():
         ("Human: 2+2?\nAssistant:4", "Human: 2+2?\nAssistant:5", "Human: 2+2?\nAssistant:"),  # no space after it
         ("Q: 天空是什么颜色？答：天空是蓝色的", "Q: 天空是什么颜色？答：天空是黑色的", "Q: 天空是什么颜色？答："),
         ("天空是蓝色的", "天空是蓝色的", "天空是蓝色"),  # identical, with no boundary at all
+        ("प्रश्न: किताब", "प्रश्न: कितना", "प्रश्न:"),  # a vowel sign is a mark, not a letter, and inside the word
     ):
         cut = preference_row({"chosen": chosen, "rejected": rejected}, False, False)
         assert (cut["prompt"], cut["prompt"] + cut["chosen"], cut["prompt"] + cut["rejected"]) == (
@@ -284,3 +293,43 @@ def test_plain_conversations_are_taken_as_they_are_and_the_rest_row_by_row(tmp_p
         assert not plain_conversations(pa.table({"messages": [good, bad]}).to_batches()[0], "messages")
         with pytest.raises(UserError, match=re.escape(said)):
             load_sft_dataset(open_documents(tmp_path / "chat.parquet"), ChatDataSection(path="x"), 0, Chat)
+
+
+def test_turns_with_uneven_keys_keep_them_beside_plain_columns():
+    """GRPO's prompts beside its int `row` column: the JSON path built the int column's feature from an Arrow
+    type object, and failed."""
+    import pyarrow as pa
+
+    from smolctl.train.chat_data import as_dataset
+
+    rows = [
+        {"prompt": [{"role": "user", "content": "hi", "name": "ann"}], "row": 0},
+        {"prompt": [{"role": "user", "content": "yo"}], "row": 1},
+    ]
+    dataset = as_dataset(pa.Table.from_pylist(rows))
+    assert dataset.to_list() == rows and dataset.features["row"].dtype == "int64"
+
+
+def test_a_category_column_merges_across_arrow_and_row_by_row_batches(tmp_path):
+    """pandas stores a category dictionary-encoded; a batch kept as read held it so, one gone row by row held
+    plain text, and the two did not merge."""
+    import pandas as pd
+
+    from smolctl.shards import open_documents
+    from smolctl.train.config import ChatDataSection
+    from smolctl.train.posttrain import load_sft_dataset
+
+    class Chat:
+        chat_template = "{{ messages }}"
+
+    system = {"role": "system", "content": None}  # accepted, but not by the Arrow check: row by row
+    for name, first in (("a", []), ("b", [system])):
+        frame = pd.DataFrame(
+            {
+                "messages": [first + [USER, ASSISTANT]] * 4,
+                "task": pd.Categorical(["math", "chat"] * 2),
+            }
+        )
+        frame.to_parquet(tmp_path / f"{name}.parquet")
+    dataset, stats = load_sft_dataset(open_documents(tmp_path), ChatDataSection(path="x", balance_by="task"), 0, Chat)
+    assert stats["groups_before"] == {"math": 4, "chat": 4} and len(dataset) == 8

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import unicodedata
 import uuid
 from collections.abc import Iterator
 
@@ -42,7 +43,9 @@ def checked_batches(source: DocumentSource, columns: list[str], prepare, accept=
         row = 0
         for batch in source.iter_file_batches(index, columns):
             if accept is not None and accept(batch):
-                yield pa.Table.from_batches([batch])
+                # as to_pylist gives them: a dictionary-encoded column (a pandas category) decoded, or the
+                # row-by-row batches' plain values would not merge with it
+                yield pa.Table.from_batches([batch]).cast(_decoded(batch.schema))
                 row += batch.num_rows
                 continue
             prepared = []
@@ -53,6 +56,13 @@ def checked_batches(source: DocumentSource, columns: list[str], prepare, accept=
                     raise UserError(path, f"row {row} (from 0): {bad.what}", bad.fix) from None
                 row += 1
             yield prepared
+
+
+def _decoded(schema: pa.Schema) -> pa.Schema:
+    return pa.schema(
+        [f.with_type(f.type.value_type) if pa.types.is_dictionary(f.type) else f for f in schema],
+        metadata=schema.metadata,
+    )
 
 
 def checked_rows(source: DocumentSource, columns: list[str], prepare) -> list:
@@ -123,9 +133,10 @@ def as_dataset(table: pa.Table):
     for row in rows:
         for column in uneven:
             row[column] = [{key: value for key, value in turn.items() if value is not None} for turn in row[column]]
+    plain = datasets.Features.from_arrow_schema(pa.schema([f for f in table.schema if not is_list(f.type)]))
     features = datasets.Features(
         {
-            field.name: datasets.List(datasets.Json()) if is_list(field.type) else datasets.Value(field.type)
+            field.name: datasets.List(datasets.Json()) if is_list(field.type) else plain[field.name]
             for field in table.schema
         }
     )
@@ -219,15 +230,22 @@ def plain_text(value: str, column: str) -> str:
 
 
 _JSON_LIST_OF_OBJECTS = re.compile(r"\s*\[\s*\{")
-_CHAT_ROLES = {"system", "user", "assistant", "tool", "function", "developer", "human", "gpt", "model"}
+_CHAT_ROLES = {
+    *("system", "user", "assistant", "tool", "function", "developer", "ipython"),
+    *("human", "gpt", "model", "bot", "prompter", "observation"),
+}
 
 
 def _is_turn(value) -> bool:
+    """A chat turn as datasets store them: a role (any case) with content or tool calls, or ShareGPT's from with
+    value or text."""
     if not isinstance(value, dict):
         return False
-    if "role" in value and "content" in value:
-        return value["role"] in _CHAT_ROLES
-    return "from" in value and "value" in value and value["from"] in _CHAT_ROLES
+    speaker = value.get("role", value.get("from"))
+    if not isinstance(speaker, str) or speaker.lower() not in _CHAT_ROLES:
+        return False
+    said = ("content", "tool_calls") if "role" in value else ("value", "text")
+    return any(key in value for key in said)
 
 
 def as_turns(value, role: str, column: str, tool_calls_rendered: bool) -> list[dict]:
@@ -339,7 +357,8 @@ def _prompt_cut(a: str, b: str) -> int:
 
 
 def _in_word(char: str) -> bool:
-    return char.isalnum() or char == "_"
+    # letters, digits and combining marks (Devanagari's vowel signs are marks, not letters)
+    return char == "_" or unicodedata.category(char)[0] in "LNM"
 
 
 def _number_text(value: int | float) -> str:

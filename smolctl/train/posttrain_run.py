@@ -23,7 +23,14 @@ from smolctl.data.tokenizer import IM_END, load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import UserError
 from smolctl.launcher import world_size_from_env
 from smolctl.results import Result
-from smolctl.shards import KIND_MODEL, OutputFolder, lineage_ref, read_manifest, refuse_output_over_inputs
+from smolctl.shards import (
+    KIND_MODEL,
+    OutputFolder,
+    lineage_ref,
+    read_manifest,
+    refuse_output_over_inputs,
+    refuse_working_folder,
+)
 from smolctl.train.checkpoint import KIND_CHECKPOINT, name_architecture, refuse_run_folder
 from smolctl.train.config import PeftSection, PostTrainRecipe, global_batch_and_accumulation
 from smolctl.train.run import (
@@ -566,6 +573,7 @@ def open_run(stage: str, recipe: PostTrainRecipe, run: Path, parent: Path, resum
     require_trackers(recipe.logging.report_to)
     start = decide_start(run, resume, overwrite, int(recipe.training.steps))
     if start.overwrite:  # --overwrite must not delete the model the run starts from or the data it reads
+        refuse_working_folder(run)
         refuse_output_over_inputs(run, [parent, recipe.data.path], "the run's input")
     begin_run(run, stage, recipe.model_dump(mode="json", by_alias=True), parent, start)
     return start

@@ -27,7 +27,14 @@ from smolctl.infra.flops import training_flops_per_token
 from smolctl.launcher import world_size_from_env
 from smolctl.recipe import apply_overrides, load_toml, validate
 from smolctl.results import Result
-from smolctl.shards import atomic_write_json, lineage_ref, output_folder_path, read_manifest, refuse_output_over_inputs
+from smolctl.shards import (
+    atomic_write_json,
+    lineage_ref,
+    output_folder_path,
+    read_manifest,
+    refuse_output_over_inputs,
+    refuse_working_folder,
+)
 from smolctl.train.checkpoint import (
     KIND_CHECKPOINT,
     CheckpointManager,
@@ -186,6 +193,7 @@ class Trainer:
             str(Path(init_from).resolve()) if init_from and self.resume_from is None and not self.finished else None
         )
         if self._replace_run:  # --overwrite must not delete the model the run starts from or the data it reads
+            refuse_working_folder(self.run_dir)
             reads = [p for p in (init_from, *recipe.data.all_paths()) if p]
             refuse_output_over_inputs(self.run_dir, reads, "the run's input")
         self.init_kind: str | None = None
