@@ -23,6 +23,10 @@ from smolctl.errors import UserError
 F = TypeVar("F", bound=Callable)
 
 
+class FolderBusy(UserError):
+    """Another smolctl run holds the folder's lock."""
+
+
 @contextmanager
 def held_alone(output: Path, doing: str, fix: str) -> Iterator[None]:
     """Hold OUTPUT's lock for the block, or refuse at once with a UserError naming the holder: `OUTPUT: is
@@ -61,7 +65,7 @@ def _exclusive_lock(lock: Path, output: Path, doing: str, fix: str):
             handle.seek(0)
             holder = handle.read().strip() or "another process"
             handle.close()
-            raise UserError(output, f"is being {doing} by another smolctl run ({holder})", fix) from None
+            raise FolderBusy(output, f"is being {doing} by another smolctl run ({holder})", fix) from None
         except OSError:  # no flock here
             handle.close()
             lock.unlink(missing_ok=True)

@@ -481,6 +481,24 @@ def test_export_interval_writes_hf_folders_beside_the_run(recipe, tmp_path):
     assert exported.keys() == final.keys() and all(np.array_equal(exported[k].numpy(), final[k].numpy()) for k in final)
 
 
+def test_an_export_someone_else_is_writing_is_skipped_and_the_run_goes_on(recipe, tmp_path, monkeypatch):
+    """A user's own `smolctl export` into RUN/exports/step-N holds that folder: the run's export of the same step
+    is refused by the lock, which stopped the run."""
+    from smolctl.folder_lock import FolderBusy
+    from smolctl.train import checkpoint
+
+    def busy(source, out, **kwargs):
+        raise FolderBusy(out, "is being written by another smolctl run (pid 1 on here)", "wait")
+
+    monkeypatch.setattr(checkpoint, "export_checkpoint", busy)
+    run = tmp_path / "run"
+    settings = ["training.steps=2", "checkpoint.interval=1", "checkpoint.export_interval=1", "schedule.warmup_steps=0"]
+    assert train(recipe, run, overrides=settings, show=False).steps == 2
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    skipped = [e for e in events if e["event"] == "export_skipped"]
+    assert len(skipped) == 2 and "is being written by another smolctl run" in skipped[0]["reason"]
+
+
 def test_resume_refuses_a_different_model(pretrained, recipe):
     with pytest.raises(UserError, match=r"model\.hidden_size: differs from the run being resumed"):
         Trainer(load_train_recipe(recipe, ["model.hidden_size=64"]), pretrained[0], resume="auto", show=False)

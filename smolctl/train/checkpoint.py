@@ -36,7 +36,7 @@ from pathlib import Path
 
 from smolctl.data.tokenizer import load_tokenizer
 from smolctl.errors import UserError
-from smolctl.folder_lock import holds_output
+from smolctl.folder_lock import FolderBusy, holds_output
 from smolctl.shards import (
     KIND_MODEL,
     MANIFEST_NAME,
@@ -407,9 +407,7 @@ class CheckpointManager:
             self.run_dir / EVENTS,
             {"event": "checkpoint", "step": fields["step"], "path": str(output.path), "time": time.time()},
         )
-        if self._exporting is not None:
-            self._exporting.result()  # the folder it reads must outlive it
-            self._exporting = None
+        self._finish_export()
         for old in complete_checkpoints(self.run_dir)[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         if self.export_interval and fields["step"] % self.export_interval == 0:
@@ -452,11 +450,19 @@ class CheckpointManager:
         self.dist.barrier()
         return doomed
 
+    def _finish_export(self) -> None:
+        """Wait for the export in flight (the checkpoint it reads must outlive it)."""
+        if self._exporting is None:
+            return
+        try:
+            self._exporting.result()
+        except FolderBusy as busy:  # someone's own `smolctl export` into that folder: theirs stands, the run goes on
+            append_jsonl(self.run_dir / EVENTS, {"event": "export_skipped", "reason": busy.line(), "time": time.time()})
+        self._exporting = None
+
     def close(self) -> None:
         self.wait(barrier=False)
-        if self._exporting is not None:
-            self._exporting.result()
-            self._exporting = None
+        self._finish_export()
         self._committer.shutdown()
         if self._stager is not None:
             self._stager.close()
