@@ -311,6 +311,12 @@ def inspect_path(
             raise UserError(
                 path, "has no manifest.json to verify against", "only folders written by smolctl can be verified"
             )
+        if lineage:
+            raise UserError(
+                "--lineage",
+                f"{path} has no manifest.json, which is where lineage is recorded",
+                "inspect it without --lineage (only folders smolctl wrote have one)",
+            )
         if target.is_dir() and (target / "config.json").is_file():
             return _model_without_manifest(target, str(path))
         source = open_documents(path)

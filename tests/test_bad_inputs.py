@@ -1787,3 +1787,5 @@ def test_inspect_of_a_model_folder_another_tool_wrote_shows_its_config(tmp_path)
     assert "model.safetensors" in found["files"] and found["stats"]["tokenizer"] is True
     verify = run_cli("inspect", folder, "--verify")
     assert verify.returncode == 2 and "has no manifest.json to verify against" in verify.stderr
+    lineage = run_cli("inspect", folder, "--lineage")
+    assert lineage.returncode == 2 and "has no manifest.json, which is where lineage is recorded" in lineage.stderr
