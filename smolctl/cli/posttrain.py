@@ -423,3 +423,5 @@ def merge_command(
     )
     if result.base:
         show(f"base: {result.base}")
+    if result.method_parameters:
+        show(f"{result.method}: " + ", ".join(f"{key} {value}" for key, value in result.method_parameters.items()))

@@ -21,7 +21,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -338,6 +338,8 @@ class MergeResult(Result):
     tensors: int
     parameters: int
     seconds: float
+    method_parameters: dict = field(default_factory=dict)
+    """What the method ran with, defaults filled in (slerp's t; ties' normalize and lambda)."""
 
 
 def mergekit_config(recipe: MergeRecipe, parents: list[Parent], base: Parent | None) -> dict:
@@ -404,7 +406,8 @@ def run_merge(recipe: MergeRecipe, output: str | Path, *, where: str, overwrite:
     import torch
 
     quiet_offline()
-    config = mergekit.config.MergeConfiguration.model_validate(mergekit_config(recipe, parents, base))
+    settings = mergekit_config(recipe, parents, base)
+    config = mergekit.config.MergeConfiguration.model_validate(settings)
     options = MergeOptions(
         copy_tokenizer=False,
         write_model_card=False,
@@ -452,4 +455,5 @@ def run_merge(recipe: MergeRecipe, output: str | Path, *, where: str, overwrite:
         len(shapes),
         sum(math.prod(s) for s in shapes.values()),
         time.perf_counter() - started,
+        settings["parameters"] if recipe.method != "linear" else {},  # linear's weights are in the table
     )
