@@ -112,6 +112,14 @@ def run_copy(tmp: Path, *, unfinished: bool = False) -> Path:
     return copy
 
 
+def run_that_saved_nothing(tmp: Path) -> Path:
+    """A copy of the shared run as it is before its first save: run.json and logs, no checkpoint, no final/."""
+    run = run_copy(tmp)
+    shutil.rmtree(run / "checkpoints")
+    shutil.rmtree(run / "final")
+    return run
+
+
 def started_from(run: Path, parent: Path) -> Path:
     """The run as if it had started from `parent` (midtrain --from)."""
     recorded = json.loads((run / "run.json").read_text())
@@ -313,23 +321,15 @@ CASES = [
     ),
     Case(
         "inspect: --verify of a run that has saved nothing yet",
-        lambda t: (
-            shutil.rmtree(run_copy(t) / "checkpoints"),
-            shutil.rmtree(t / "run" / "final"),
-            ["inspect", t / "run", "--verify"],
-            "run: holds no smolctl folder to verify",
-            None,
-        )[2:],
+        lambda t: (["inspect", run_that_saved_nothing(t), "--verify"], "run: holds no smolctl folder to verify", None),
     ),
     Case(
         "inspect: --lineage of a run that has saved nothing yet",
         lambda t: (
-            shutil.rmtree(run_copy(t) / "checkpoints"),
-            shutil.rmtree(t / "run" / "final"),
-            ["inspect", t / "run", "--lineage"],
+            ["inspect", run_that_saved_nothing(t), "--lineage"],
             "run is a run with no checkpoint or final model yet",
             None,
-        )[2:],
+        ),
     ),
     Case(
         "inspect: truncated shard",
