@@ -109,7 +109,7 @@ def _first_bad_row(values: pa.Array, name: str, must_hold_text: bool) -> tuple[i
         if must_hold_text and (row := first(pc.equal(pc.utf8_length(values), 0))) is not None:
             return row, "is empty"
         return None
-    if not is_chat_column(pa.field(name, values.type)):
+    if not is_list(values.type):
         return None
     if (row := first(pc.equal(pc.list_value_length(values), 0))) is not None:
         return row, "holds no turns"
@@ -203,10 +203,6 @@ def load_sft_dataset(source: DocumentSource, data: ChatDataSection, seed: int, t
     if columns == ["prompt", "completion"] and is_list(table.schema.field("prompt").type):
         stats["format"] = "prompt+completion as chat turns"
     return as_dataset(table), stats
-
-
-def is_chat_column(field: pa.Field) -> bool:
-    return is_list(field.type)
 
 
 def preference_columns(source: DocumentSource) -> list[str]:
@@ -386,7 +382,7 @@ def check_sft_template(recipe: SftRecipe, parent: Path, tokenizer, source: Docum
     into the templates it knows (ChatML, Llama 3, Qwen, Gemma, ...): refuse only the ones it cannot."""
     from trl.chat_template_utils import get_training_chat_template
 
-    if any(is_chat_column(source.schema.field(c)) for c in columns):  # a completion given as turns too
+    if any(is_list(source.schema.field(c).type) for c in columns):  # a completion given as turns too
         require_chat_template(tokenizer, parent, "chat data needs")
     if not (recipe.sft.assistant_only_loss and columns == ["messages"]):
         return
@@ -421,7 +417,7 @@ def run_dpo(
     check_rows(source, columns, non_empty=("chosen", "rejected"))
     quiet_offline()
     tokenizer = load_tokenizer(parent)
-    if any(is_chat_column(source.schema.field(c)) for c in columns):
+    if any(is_list(source.schema.field(c).type) for c in columns):
         require_chat_template(tokenizer, parent, "preference pairs given as chat turns need")
     dataset, data_stats = load_preference_dataset(source, recipe.data, tokenizer)  # every row checked
     begun = open_run("dpo", recipe, run, parent, resume, overwrite)
