@@ -409,6 +409,55 @@ def test_a_reference_document_is_named_apart_from_an_input_document_of_the_same_
     assert report.select(["id", "duplicate_of"]).to_pylist() == [{"id": "d1", "duplicate_of": "against:d0"}]
 
 
+def test_a_reference_whose_ids_are_null_or_repeat_is_refused_unless_named_by_shard_and_row(tmp_path):
+    """The reference's ids name the kept document of report rows: a null one left duplicate_of empty, and a
+    repeated one named two documents as one. Refused as the input's are, locally before any work and by an
+    array's components task; --id-column shard:row names the reference's documents too."""
+    texts = [" ".join(f"w{i}x{k}" for k in range(30)) for i in range(4)]
+    fresh = write_shards(tmp_path / "fresh", pa.table({"id": ["x", "y", "z", "kept"], "text": texts}), 1)
+    texts = texts[:3]
+    cases = {
+        "null": (["r0", None, "r2"], "column 'id' has 1 null id\\(s\\), the first at part-00000.parquet row 1"),
+        "repeated": (
+            ["r0", "r1", "r1"],
+            "column 'id' holds 1 repeated id\\(s\\), e.g. 'r1' x2 \\(at part-00000.parquet row 1 and",
+        ),
+    }
+    for name, (ids, message) in cases.items():
+        reference = write_shards(tmp_path / name, pa.table({"id": ids, "text": texts}), 1)
+        with pytest.raises(UserError, match=f"^{reference}: {message}"):
+            dedup(fresh, tmp_path / "out", against=str(reference), workers=1)
+        assert not (tmp_path / "out").exists()
+        staged = tmp_path / f"staged-{name}"
+        for stage in ("signatures", "buckets"):
+            dedup(fresh, staged, against=str(reference), stage=stage, tasks=1, task_id=0)
+        with pytest.raises(UserError, match=message):
+            dedup(fresh, staged, against=str(reference), stage="components", tasks=1, task_id=0)
+    dedup(fresh, tmp_path / "out", against=str(tmp_path / "repeated"), id_column="shard:row", workers=1)
+    kept, report = read_output(tmp_path / "out")
+    assert kept.column("id").to_pylist() == ["kept"]
+    assert report.column("duplicate_of").to_pylist() == [f"against:part-00000:{row}" for row in range(3)]
+
+
+def test_short_documents_whose_32_bit_shingle_keys_collide_are_both_kept(tmp_path):
+    """Each of the first two documents is one shingle, and the two shingles share their upper 32 bits (the key
+    MinHash permutes): their signatures agree everywhere, an estimate of 1.0 past any margin, and only the whole
+    hashes tell them apart. The third is the first with other punctuation: one shingle equal to the first's, a
+    near duplicate that must still go."""
+    texts = ["Alpha B\U0001f43ac Delta echo", "I\u4848\u0307 x\u4848\u4848 \u4848", "alpha, b\U0001f43ac delta echo!"]
+    hashes, offsets = shingles.shingle_hashes(texts)
+    assert list(np.diff(offsets)) == [1, 1, 1] and hashes[0] != hashes[1] and hashes[0] == hashes[2]
+    assert (arrays.high_halves(hashes[:1]) == arrays.high_halves(hashes[1:2])).all()  # the collision itself
+    source = write_shards(tmp_path / "in", pa.table({"id": ["a", "b", "c"], "text": texts}), 1)
+    result = dedup(source, tmp_path / "out", workers=1)
+    kept, report = read_output(tmp_path / "out")
+    assert kept.column("id").to_pylist() == ["a", "b"]
+    assert report.select(["id", "duplicate_of", "reason"]).to_pylist() == [
+        {"id": "c", "duplicate_of": "a", "reason": "minhash"}
+    ]
+    assert result.verified_pairs >= 2  # the colliding pair and the true one, both of one-shingle documents
+
+
 def test_keep_longest_and_null_texts_passed_through(tmp_path):
     text = " ".join(f"word{i}" for i in range(60))
     table = pa.table(

@@ -201,6 +201,23 @@ def test_signatures_are_the_minimum_over_shingles_of_each_permutation(kernel_imp
         assert np.array_equal(sigs[i], want)
 
 
+def test_keys_behind_a_signature_are_the_documents_keys_for_a_few_and_never_more(kernel_impl):
+    """A document of k different keys (a repeat among them) has exactly k behind its signature while k is small
+    (each key wins some permutation), and never more than k: the count verification trusts to find short
+    documents, whose signature values are num_perm different numbers even for a single key."""
+    rng = np.random.default_rng(5)
+    counts = [1, 2, 3, 6, 12, 400]
+    distinct = [rng.choice(2**32, c, replace=False).astype(np.uint64) << np.uint64(32) for c in counts]
+    shingles = np.concatenate([np.concatenate([d, d[:1]]) for d in distinct])  # a repeated key counts once
+    offsets = np.concatenate([[0], np.cumsum([c + 1 for c in counts])]).astype(np.int64)
+    multipliers = params.MinHashParams().permutations()
+    sigs = kernels.signatures(shingles, offsets, multipliers)
+    behind = kernels.keys_behind(sigs, multipliers)
+    assert behind[:5].tolist() == counts[:5]
+    assert len(np.unique(sigs[0])) == len(multipliers)  # the values alone would not tell
+    assert 12 < behind[5] <= len(multipliers)
+
+
 def test_estimates_count_equal_signature_values(kernel_impl):
     sigs = np.random.default_rng(7).integers(0, 4, (6, 100)).astype(np.uint32)
     left, right = np.array([0, 1, 5, 3]), np.array([2, 1, 0, 4])

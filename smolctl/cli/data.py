@@ -166,7 +166,7 @@ def dedup_command(
         None,
         "--id-column",
         help="Column of unique ids (default: id if present, else shard:row); shard:row names documents by shard "
-        "and row even where an id column exists (ids that repeat).",
+        "and row even where an id column exists (ids that repeat), the --against reference's too.",
     ),
     against: str | None = typer.Option(
         None,

@@ -29,7 +29,14 @@ TasksOpt = Annotated[
         "--stage): units are split round-robin; the task that finishes the last unit writes OUTPUT.",
     ),
 ]
-TaskIdOpt = Annotated[int, typer.Option("--task-id", help="This task's index in 0..tasks-1 ($SLURM_ARRAY_TASK_ID).")]
+TaskIdOpt = Annotated[
+    int,
+    typer.Option(
+        "--task-id",
+        help="This task's index in 0..tasks-1: in an array job pass $SLURM_ARRAY_TASK_ID (never read from the "
+        "environment, as an array may number its tasks from 1).",
+    ),
+]
 
 # Training commands: pretrain, midtrain, sft, dpo, ppo, grpo share the recipe schema and the run layout
 RecipeArg = Annotated[

@@ -45,6 +45,7 @@ from smolctl.data.dedup_plan import POSITIONAL_IDS, STAGES, DedupConfig, DedupPl
 from smolctl.data.dedup_stages import (
     DECODED_INPUT_BYTES,
     bucket_unit,
+    check_reference_ids,
     check_unique_ids,
     components_unit,
     filter_unit,
@@ -222,6 +223,7 @@ def _run_units(
             plan_.source,
             plan_.id_column,
         )
+        check_reference_ids(plan_)
         plan_.ids_checked = True
     plan_.area.check(config.overwrite)
     started = time.perf_counter()  # after the checks (and the imports they trigger): the time the work takes

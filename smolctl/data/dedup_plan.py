@@ -86,8 +86,8 @@ class DedupPlan:
 
 
 # Bumped whenever the layout or content of the files under OUTPUT/_work changes: a work area of another version is
-# not resumed (4: a reference's own ids marked against:).
-WORK_FILES_VERSION = 4
+# not resumed (5: the shingle hashes kept for verification whole, not their upper 32 bits).
+WORK_FILES_VERSION = 5
 
 
 def fingerprint(config: DedupConfig, source: DocumentSource, reference: DocumentSource | None) -> dict:
@@ -123,7 +123,8 @@ def plan(config: DedupConfig) -> DedupPlan:
         if shared := inputs & references:
             what = "is the input itself" if inputs == references else f"also holds the input {min(shared)}"
             raise UserError("--against", what, "pass a different reference dataset")
-        reference_ids = default_id_column(reference, config.text_column)
+        # shard:row names the reference's documents too: its ids may repeat as well as the input's.
+        reference_ids = None if config.id_column == POSITIONAL_IDS else default_id_column(reference, config.text_column)
         if reference_ids:
             check_id_type(
                 reference,

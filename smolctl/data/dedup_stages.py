@@ -7,9 +7,10 @@ reference shards.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,13 +21,20 @@ import pyarrow.parquet as pq
 from smolctl.arrow_arrays import cast, compute, from_numpy, plain_strings, strings, to_numpy_filled
 from smolctl.data.array_tasks import file_identity, read_work_file
 from smolctl.data.dedup_plan import ID_FIX, POSITIONAL_IDS, DedupPlan, Report
-from smolctl.data.minhash.arrays import connected_components, high_halves, sorted_unique
-from smolctl.data.minhash.kernels import estimate_jaccard, jaccard_many, key_signatures, sorted_sets, tokenize
+from smolctl.data.minhash.arrays import connected_components, sorted_unique
+from smolctl.data.minhash.kernels import (
+    estimate_jaccard,
+    jaccard_many,
+    keys_behind,
+    signatures,
+    sorted_sets,
+    tokenize,
+)
 from smolctl.data.minhash.lsh import band_keys, bucket_pairs
 from smolctl.data.minhash.params import settle_margin
 from smolctl.data.minhash.shingles import shingle_hashes
-from smolctl.errors import UserError
-from smolctl.shards import atomic_write_bytes, atomic_write_parts
+from smolctl.errors import UserError, WriteRefused
+from smolctl.shards import DocumentSource, atomic_write_bytes, atomic_write_parts
 
 BATCH_ROWS = 4096
 DECODED_INPUT_BYTES = 256 * 2**20
@@ -55,54 +63,57 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     shard_name = source.file_labels[file_index] if is_input else f"against:{source.file_labels[file_index]}"
     # As arrow scalars taken from an array: pa.scalar of a Python str would import pandas.
     reference_mark, no_separator = strings(["against:", ""])
-    tables, key_parts, signature_parts, shingle_parts, shingle_counts, exact_parts = [], [], [], [], [], []
+    tables, key_parts, signature_parts, shingle_counts, exact_parts = [], [], [], [], []
     row = 0
     permutations = params.permutations() if params else None
     check_unchanged(plan_, source, file_index)
     # Kept for the filter stage, a shard is read with all its columns: the batches the filter stage would read.
     keep, kept, kept_bytes = is_input and plan_.decoded_room > 0, [], 0
-    for batch in source.iter_file_batches(file_index, None if keep else columns, BATCH_ROWS, threads=False):
-        if keep:
-            kept.append(batch)
-            kept_bytes += batch.nbytes
-            if kept_bytes > plan_.decoded_room:
-                keep, kept, plan_.decoded_room = False, [], 0
-        texts = plain_strings(batch.column(plan_.config.text_column))
-        if id_column:
-            ids = id_strings(batch.column(id_column), source.files[file_index], id_column)
-            if not is_input:
-                ids = compute("binary_join_element_wise", reference_mark, ids, no_separator)
-        else:
-            ids = strings([f"{shard_name}:{r}" for r in range(row, row + len(texts))])
-        columns_out = {
-            "id": ids,
-            "null": compute("is_null", texts),
-            "bytes": from_numpy(to_numpy_filled(compute("binary_length", texts)).astype(np.int64)),
-        }
-        if plan_.config.keep == "longest":  # counting characters is a pass over every byte: only when asked
-            columns_out["chars"] = from_numpy(to_numpy_filled(compute("utf8_length", texts)).astype(np.int64))
-        # Tokens give the exact hashes and the word shingles; character shingles make their own.
-        tokens = tokenize(texts) if plan_.config.exact or (params and params.shingle == "word") else None
-        if plan_.config.exact:
-            exact = tokens.exact
-            columns_out["exact_hi"], columns_out["exact_lo"] = from_numpy(exact[:, 0]), from_numpy(exact[:, 1])
-            exact_parts.append(exact)
-        if params:
-            shingles, offsets = shingle_hashes(texts, params.ngram, params.shingle, tokens)
-            shingle_keys = high_halves(shingles)  # the 32 bits MinHash permutes (and verification compares)
-            sigs = key_signatures(shingle_keys, offsets[:-1], offsets[1:], permutations)
-            keys = band_keys(sigs, params.bands, params.rows)
-            keys[np.diff(offsets) == 0] = NO_BUCKET  # documents without shingles (empty, null) match nothing
-            if plan_.config.verify:
-                # Kept as those 32 bits: half the disk of the full hashes.
-                shingle_parts.append(shingle_keys)
-                shingle_counts.append(np.diff(offsets))
-            key_parts.append(keys)
-            if not plan_.config.verify:
-                signature_parts.append(sigs)
-        tables.append(pa.table(columns_out))
-        row += len(texts)
-        report("signatures", len(texts))
+    # Kept whole for the verified pairs' exact Jaccard (verification must not take two different shingles for
+    # one, as their 32-bit keys may), and written as they come: 8 bytes a word would otherwise be held to the end.
+    # Reading them back is far cheaper than re-reading and re-hashing the texts (only the pairs' are ever loaded).
+    kept_shingles_path = plan_.work / "signatures" / f"{unit:05d}.shingles" if params and plan_.config.verify else None
+    with _written_as_they_come(kept_shingles_path) as keep_shingles:
+        for batch in source.iter_file_batches(file_index, None if keep else columns, BATCH_ROWS, threads=False):
+            if keep:
+                kept.append(batch)
+                kept_bytes += batch.nbytes
+                if kept_bytes > plan_.decoded_room:
+                    keep, kept, plan_.decoded_room = False, [], 0
+            texts = plain_strings(batch.column(plan_.config.text_column))
+            if id_column:
+                ids = id_strings(batch.column(id_column), source.files[file_index], id_column)
+                if not is_input:
+                    ids = compute("binary_join_element_wise", reference_mark, ids, no_separator)
+            else:
+                ids = strings([f"{shard_name}:{r}" for r in range(row, row + len(texts))])
+            columns_out = {
+                "id": ids,
+                "null": compute("is_null", texts),
+                "bytes": from_numpy(to_numpy_filled(compute("binary_length", texts)).astype(np.int64)),
+            }
+            if plan_.config.keep == "longest":  # counting characters is a pass over every byte: only when asked
+                columns_out["chars"] = from_numpy(to_numpy_filled(compute("utf8_length", texts)).astype(np.int64))
+            # Tokens give the exact hashes and the word shingles; character shingles make their own.
+            tokens = tokenize(texts) if plan_.config.exact or (params and params.shingle == "word") else None
+            if plan_.config.exact:
+                exact = tokens.exact
+                columns_out["exact_hi"], columns_out["exact_lo"] = from_numpy(exact[:, 0]), from_numpy(exact[:, 1])
+                exact_parts.append(exact)
+            if params:
+                shingles, offsets = shingle_hashes(texts, params.ngram, params.shingle, tokens)
+                sigs = signatures(shingles, offsets, permutations)
+                keys = band_keys(sigs, params.bands, params.rows)
+                keys[np.diff(offsets) == 0] = NO_BUCKET  # documents without shingles (empty, null) match nothing
+                if plan_.config.verify:
+                    keep_shingles(shingles)
+                    shingle_counts.append(np.diff(offsets))
+                key_parts.append(keys)
+                if not plan_.config.verify:
+                    signature_parts.append(sigs)
+            tables.append(pa.table(columns_out))
+            row += len(texts)
+            report("signatures", len(texts))
     table = pa.concat_tables(tables)
     repeats = np.zeros(table.num_rows, bool)
     if params and exact_parts:
@@ -133,15 +144,7 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
             durable=False,
         )
     if params and plan_.config.verify:
-        # Kept for the grey-zone pairs' exact Jaccard: reading them back is far cheaper than re-reading and
-        # re-hashing the texts (4 bytes a word on disk; only the pairs' documents are ever loaded). Written part
-        # by part: joining the parts first would be a second copy of every hash.
         counts = np.concatenate(shingle_counts) if shingle_counts else np.zeros(0, np.int64)
-        atomic_write_parts(
-            plan_.work / "signatures" / f"{unit:05d}.shingles.npy",
-            [_npy_header(np.uint32, int(counts.sum())), *shingle_parts],
-            durable=False,
-        )
         _atomic_save(
             plan_.work / "signatures" / f"{unit:05d}.shingle_offsets.npy",
             np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
@@ -194,6 +197,7 @@ def components_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     ids = table.column("id")
     if not plan_.ids_checked:
         check_unique_ids(ids.slice(0, n_input), plan_.source, plan_.id_column)
+        check_reference_ids(plan_)
     null = to_numpy_filled(table.column("null"))
     edges = [np.zeros((0, 2), np.int64)]
     exact = (
@@ -246,8 +250,16 @@ def _input_bytes(plan_: DedupPlan) -> int:
     )
 
 
-def check_unique_ids(ids: pa.ChunkedArray, source, id_column: str | None) -> None:
-    """The input's ids (in input order) must be unique and not null; the error names where the first bad one is."""
+def check_reference_ids(plan_: DedupPlan) -> None:
+    """The reference's own ids name the kept document of report rows: unique and not null, as the input's."""
+    if plan_.reference_id_column:
+        ids = [chunk for i in range(len(plan_.reference.files)) for chunk in id_chunks(plan_, i, plan_.reference)]
+        check_unique_ids(pa.chunked_array(ids, pa.string()), plan_.reference, plan_.reference_id_column, reference=True)
+
+
+def check_unique_ids(ids: pa.ChunkedArray, source, id_column: str | None, reference: bool = False) -> None:
+    """The ids of `source`, the input or the reference (in its order), must be unique and not null; the error
+    names where the first bad one is."""
     if id_column is None:
         return
     nulls = ids.null_count
@@ -265,12 +277,13 @@ def check_unique_ids(ids: pa.ChunkedArray, source, id_column: str | None) -> Non
     if len(repeated):
         first = counts[int(repeated[0])].as_py()
         at = np.flatnonzero(to_numpy_filled(compute("equal", ids, strings([first["values"]])[0])))[:2]
+        # --id-column picks the input's column; the reference's is always its `id`.
+        other_column = "pass " if reference else "pass --id-column with a unique column, or "
         raise UserError(
             source.spec,
             f"column '{id_column}' holds {len(repeated)} repeated id(s), e.g. {first['values']!r} x{first['counts']} "
             f"(at {_place(source, int(at[0]))} and {_place(source, int(at[1]))})",
-            f"make ids unique, pass --id-column with a unique column, or --id-column {POSITIONAL_IDS} to name "
-            "documents by shard and row",
+            f"make ids unique, {other_column}--id-column {POSITIONAL_IDS} to name documents by shard and row",
         )
 
 
@@ -284,11 +297,13 @@ def _place(source, document: int) -> str:
     return f"{shown} row {document - (ends[file] - source.file_rows[file])}"
 
 
-def id_chunks(plan_: DedupPlan, file_index: int) -> list[pa.Array]:
-    file = plan_.source.files[file_index]
+def id_chunks(plan_: DedupPlan, file_index: int, source: DocumentSource | None = None) -> list[pa.Array]:
+    """The ids of one file of the input (or of `source`, the reference) as text."""
+    source = source or plan_.source
+    column = plan_.id_column if source is plan_.source else plan_.reference_id_column
     return [
-        id_strings(batch.column(0), file, plan_.id_column)
-        for batch in plan_.source.iter_file_batches(file_index, [plan_.id_column], 65536, threads=False)
+        id_strings(batch.column(0), source.files[file_index], column)
+        for batch in source.iter_file_batches(file_index, [column], 65536, threads=False)
     ]
 
 
@@ -309,16 +324,12 @@ def estimated_jaccard(plan_: DedupPlan, left: np.ndarray, right: np.ndarray) -> 
 
 def signatures_of(plan_: DedupPlan, docs: np.ndarray) -> np.ndarray:
     """(len(docs), num_perm) signature rows of the given sorted global documents, in their order: recomputed
-    from their kept shingle hashes (the 32 bits MinHash permutes) when verifying, else read from the raw files
-    the signatures stage wrote (memory-mapped: only these rows are read)."""
+    from their kept shingle hashes when verifying, else read from the raw files the signatures stage wrote
+    (memory-mapped: only these rows are read)."""
     params, num_perm = plan_.config.minhash, plan_.config.minhash.num_perm
     if plan_.config.verify:
-        # Each unit's rows straight from its kept keys, by their ranges (memory-mapped: only these are read).
-        rows, permutations = [], params.permutations()
-        for path, _, wanted in _rows_by_unit(plan_, docs, "shingles.npy"):
-            keys, offsets = _kept_keys(path)
-            rows.append(key_signatures(keys, offsets[wanted], offsets[wanted + 1], permutations))
-        return np.concatenate(rows) if rows else np.zeros((0, num_perm), np.uint32)
+        hashes, offsets = kept_shingles(plan_, docs)
+        return signatures(hashes, offsets, params.permutations())
     rows = [
         np.memmap(
             _checked_size(path, num_perm * 4 * count, f"{num_perm} x 4-byte values x {count} documents"),
@@ -385,14 +396,21 @@ def verify_pairs(
         report("verify", candidates - len(pairs))
     left = (pairs >> np.uint64(32)).astype(np.int64)
     right = (pairs & np.uint64(0xFFFFFFFF)).astype(np.int64)
-    estimate = estimated_jaccard(plan_, left, right)
+    docs = sorted_unique(np.concatenate([left, right]))
+    sigs, left_row, right_row = signatures_of(plan_, docs), np.searchsorted(docs, left), np.searchsorted(docs, right)
+    estimate = estimate_jaccard(sigs, left_row, right_row)
     if not plan_.config.verify:
         accept = estimate >= params.threshold
         report("verify", len(pairs))
         return np.stack([left[accept], right[accept]], 1), {"candidate_pairs": candidates, "verified_pairs": 0}
     margin = settle_margin(params.threshold, params.num_perm)
     accept = estimate >= params.threshold + margin
-    grey = np.flatnonzero((estimate > params.threshold - margin) & ~accept)
+    # The estimate compares 32-bit keys, which two different shingles share once in 2^32 pairs: rare, but one
+    # such collision raises the Jaccard of sets of n shingles by up to 2 / (n - 1), past the margin for the
+    # shortest documents (two unrelated five-word titles would score 1.0). Their pairs are verified too.
+    keys = keys_behind(sigs, params.permutations())
+    decisive_collision = np.maximum(keys[left_row], keys[right_row]) <= 1 + 2 / margin
+    grey = np.flatnonzero((estimate > params.threshold - margin) & (~accept | decisive_collision))
     report("verify", len(pairs) - len(grey))
     docs = sorted_unique(np.concatenate([left[grey], right[grey]]))
     values, bounds = shingle_sets_of(plan_, docs)
@@ -408,23 +426,17 @@ def shingle_sets_of(plan_: DedupPlan, docs: np.ndarray) -> tuple[np.ndarray, np.
 
 
 def kept_shingles(plan_: DedupPlan, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The shingle hashes (values, offsets; each hash's upper 32 bits, as kept) of the given sorted global
-    documents, in their order, from the signatures stage's files (memory-mapped: only these are read)."""
+    """The shingle hashes (values, offsets) of the given sorted global documents, in their order, from the
+    signatures stage's files (memory-mapped: only these are read)."""
     hashes, offsets = [], [np.zeros(1, np.int64)]
-    for path, _, wanted in _rows_by_unit(plan_, docs, "shingles.npy"):
-        unit_hashes, unit_offsets = _kept_keys(path)
+    for path, _, wanted in _rows_by_unit(plan_, docs, "shingles"):
+        unit_offsets = read_work_file(path.with_suffix(".shingle_offsets.npy"), lambda p: np.load(p, mmap_mode="r"))
+        unit_hashes = read_work_file(path, functools.partial(_mapped_hashes, count=int(unit_offsets[-1])))
         begin, counts = unit_offsets[wanted], unit_offsets[wanted + 1] - unit_offsets[wanted]
         index = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts - begin, counts)
-        hashes.append(np.asarray(unit_hashes[index]).astype(np.uint64) << np.uint64(32))
+        hashes.append(np.asarray(unit_hashes[index]))
         offsets.append(np.cumsum(counts) + offsets[-1][-1])
     return np.concatenate(hashes) if hashes else np.zeros(0, np.uint64), np.concatenate(offsets)
-
-
-def _kept_keys(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """A unit's kept shingle keys and their per-document offsets, memory-mapped."""
-    keys = read_work_file(path, lambda p: np.load(p, mmap_mode="r"))
-    offsets_path = path.with_name(path.name.replace("shingles", "shingle_offsets"))
-    return keys, read_work_file(offsets_path, lambda p: np.load(p, mmap_mode="r"))
 
 
 def choose_kept(edges: np.ndarray, n_input: int, chars: np.ndarray | None, keep: str) -> np.ndarray:
@@ -568,6 +580,38 @@ def _npy_header(dtype, length: int) -> bytes:
 def _atomic_save(path: Path, array: np.ndarray) -> None:
     """A 1-D array as the .npy file np.save writes, atomically (a refused write leaves no temporary copy)."""
     atomic_write_parts(path, [_npy_header(array.dtype, len(array)), np.ascontiguousarray(array)], durable=False)
+
+
+@contextmanager
+def _written_as_they_come(path: Path | None) -> Iterator[Callable[[np.ndarray], None]]:
+    """A work file of uint64 values (raw, little-endian) written array by array as a unit makes them, and
+    renamed into place once the unit is through; with no path, the arrays are dropped."""
+    if path is None:
+        yield lambda values: None
+        return
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # The unit's own work between the writes reads its shard, whose errors are the input's (UserError already).
+    with _removed_on_failure(tmp), _refused_as_a_write(path):
+        with open(tmp, "wb") as handle:
+            yield lambda values: handle.write(np.ascontiguousarray(values, "<u8"))
+        os.replace(tmp, path)
+
+
+@contextmanager
+def _refused_as_a_write(path: Path) -> Iterator[None]:
+    """The file system's refusal (a full disk, a quota) as the WriteRefused atomic_write_parts raises: the
+    finished units are kept for a resume."""
+    try:
+        yield
+    except OSError as exc:
+        raise WriteRefused(path, f"cannot write: {exc.strerror or exc}", "check free space and permissions") from exc
+
+
+def _mapped_hashes(path: Path, count: int) -> np.ndarray:
+    """A raw file of `count` uint64 values (_written_as_they_come), memory-mapped."""
+    if path.stat().st_size != 8 * count:
+        raise ValueError(f"{path.stat().st_size} bytes, not {count} 8-byte values")
+    return np.memmap(path, dtype="<u8", mode="r") if count else np.zeros(0, np.uint64)
 
 
 @contextmanager

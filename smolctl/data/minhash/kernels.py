@@ -123,6 +123,19 @@ def signatures(shingles: np.ndarray, offsets: np.ndarray, multipliers: np.ndarra
     return key_signatures(high_halves(shingles), offsets[:-1], offsets[1:], multipliers)
 
 
+def keys_behind(sigs: np.ndarray, multipliers: np.ndarray) -> np.ndarray:
+    """For each row of (docs, num_perm) signatures, how many different 32-bit keys its minima come from: never
+    more than the document's shingles, and for a document of a few shingles all of them, each being some
+    permutation's minimum. Value p is multipliers[p] * key mod 2^32 with multipliers[p] odd, so the inverse
+    of multipliers[p] gives the key back."""
+    multipliers = np.asarray(multipliers, np.uint32)
+    inverse = multipliers.copy()  # right in 3 bits (a * a = 1 mod 8 for odd a); each step doubles them
+    for _ in range(4):
+        inverse *= np.uint32(2) - multipliers * inverse
+    keys = np.sort(np.asarray(sigs, np.uint32) * inverse, axis=1)
+    return 1 + (keys[:, 1:] != keys[:, :-1]).sum(axis=1)
+
+
 def key_signatures(keys: np.ndarray, starts: np.ndarray, ends: np.ndarray, multipliers: np.ndarray) -> np.ndarray:
     """signatures() of documents given as ranges keys[starts[i]:ends[i]] of 32-bit keys (the upper halves of
     their shingle hashes, as the signatures stage keeps them): read where they lie, in any order, no copy."""
