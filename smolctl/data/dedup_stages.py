@@ -328,8 +328,12 @@ def signatures_of(plan_: DedupPlan, docs: np.ndarray) -> np.ndarray:
     (memory-mapped: only these rows are read)."""
     params, num_perm = plan_.config.minhash, plan_.config.minhash.num_perm
     if plan_.config.verify:
-        hashes, offsets = kept_shingles(plan_, docs)
-        return signatures(hashes, offsets, params.permutations())
+        # Unit by unit: only one unit's share of the documents' hashes is gathered at a time.
+        rows = [
+            signatures(*_unit_shingles(path, wanted), params.permutations())
+            for path, _, wanted in _rows_by_unit(plan_, docs, "shingles")
+        ]
+        return np.concatenate(rows) if rows else np.zeros((0, num_perm), np.uint32)
     rows = [
         np.memmap(
             _checked_size(path, num_perm * 4 * count, f"{num_perm} x 4-byte values x {count} documents"),
@@ -430,13 +434,20 @@ def kept_shingles(plan_: DedupPlan, docs: np.ndarray) -> tuple[np.ndarray, np.nd
     signatures stage's files (memory-mapped: only these are read)."""
     hashes, offsets = [], [np.zeros(1, np.int64)]
     for path, _, wanted in _rows_by_unit(plan_, docs, "shingles"):
-        unit_offsets = read_work_file(path.with_suffix(".shingle_offsets.npy"), lambda p: np.load(p, mmap_mode="r"))
-        unit_hashes = read_work_file(path, functools.partial(_mapped_hashes, count=int(unit_offsets[-1])))
-        begin, counts = unit_offsets[wanted], unit_offsets[wanted + 1] - unit_offsets[wanted]
-        index = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts - begin, counts)
-        hashes.append(np.asarray(unit_hashes[index]))
-        offsets.append(np.cumsum(counts) + offsets[-1][-1])
+        unit_hashes, unit_offsets = _unit_shingles(path, wanted)
+        hashes.append(unit_hashes)
+        offsets.append(unit_offsets[1:] + offsets[-1][-1])
     return np.concatenate(hashes) if hashes else np.zeros(0, np.uint64), np.concatenate(offsets)
+
+
+def _unit_shingles(path: Path, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The shingle hashes (values, offsets) of one unit's `wanted` documents (its rows, sorted), from its work
+    files (memory-mapped: only these are read)."""
+    unit_offsets = read_work_file(path.with_suffix(".shingle_offsets.npy"), lambda p: np.load(p, mmap_mode="r"))
+    unit_hashes = read_work_file(path, functools.partial(_mapped_hashes, count=int(unit_offsets[-1])))
+    begin, counts = unit_offsets[wanted], unit_offsets[wanted + 1] - unit_offsets[wanted]
+    index = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts - begin, counts)
+    return np.asarray(unit_hashes[index]), np.concatenate([[0], np.cumsum(counts)])
 
 
 def choose_kept(edges: np.ndarray, n_input: int, chars: np.ndarray | None, keep: str) -> np.ndarray:
