@@ -14,6 +14,7 @@ the next run removes, never a folder that looks complete when it is not.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import glob as globlib
 import hashlib
 import json
@@ -930,6 +931,12 @@ class DocumentSource:
                 f"is inside {role} folder {self.folder}, whose files are all read: the next run would read it too",
                 f"write the output beside {role} folder",
             )
+        if self.folder is None and glob_base(self.spec) is not None and _glob_reaches(self.spec, out):
+            raise UserError(
+                output,
+                f"is where {role} pattern {self.spec} finds files: the next run would read the output too",
+                "write the output where the pattern does not reach",
+            )
         # A folder's files are under it (a symlinked one is not removed with OUTPUT): the folder alone is checked.
         refuse_output_over_inputs(output, [self.folder] if self.folder else self.files, role)
 
@@ -1055,6 +1062,25 @@ def open_documents(spec: str | Path) -> DocumentSource:
     kinds = [partition_type([values[name] for values in partitions]) for name in names]
     schema = pa.schema([*schema, *(pa.field(name, kind) for name, kind in zip(names, kinds))])
     return DocumentSource(str(spec), files, manifest, folder, schema, rows, labels, sizes, partitions)
+
+
+def _glob_reaches(pattern: str, folder: Path) -> bool:
+    """Whether `pattern` (as glob.glob(recursive=True) reads it) matches a parquet file a command writes into
+    `folder`: its shards, or those of a dataset folder it writes inside (dedup's duplicates/)."""
+    wanted = Path(os.path.abspath(pattern)).parts
+    return any(
+        _parts_match(wanted, (folder / probe).parts)
+        for probe in ("part-00000.parquet", "duplicates/part-00000.parquet")
+    )
+
+
+def _parts_match(pattern: Sequence[str], parts: Sequence[str]) -> bool:
+    """Path parts against glob parts: `**` is any number of folders, anything else one name (fnmatch)."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_parts_match(pattern[1:], parts[i:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _parts_match(pattern[1:], parts[1:])
 
 
 def glob_base(pattern: str) -> Path | None:

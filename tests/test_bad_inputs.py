@@ -588,6 +588,14 @@ CASES = [
         ),
     ),
     Case(
+        "dedup: the output where the input's ** glob finds files, which the next run would read",
+        lambda t: (
+            ["dedup", f"{plain_folder(t).parent}/**/*.parquet", t / "plain" / "runs" / "deduped"],
+            "is where the input pattern",
+            t / "plain" / "runs",
+        ),
+    ),
+    Case(
         "dedup: zero tasks",
         lambda t: (["dedup", SAMPLE / "math", t / "out", "--tasks", "0"], "--tasks: 0 is not a task count", t / "out"),
     ),
@@ -598,6 +606,22 @@ CASES = [
             ["mix", t, "--source", f"math={_existing_output(t)}:1", "--overwrite"],
             "holds the input",
             t / "existing",
+        ),
+    ),
+    Case(
+        "mix: the output where a source's glob finds files, which the next run would read",
+        lambda t: (
+            ["mix", t / "mixed", "--source", f"math={plain_folder(t).parent}/*/*.parquet:1"],
+            "is where the input pattern",
+            t / "mixed",
+        ),
+    ),
+    Case(
+        "mix: two sources reading the same file, which would mix its documents twice",
+        lambda t: (
+            ["mix", t / "out", "--source", f"a={SAMPLE / 'web'}:1", "--source", f"b={SAMPLE / 'web'}/*.parquet:1"],
+            "as source 'a' does: its documents would be mixed under both names",
+            t / "out",
         ),
     ),
     Case(

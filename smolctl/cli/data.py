@@ -353,8 +353,7 @@ def mix_command(
         "a seeded sample of ~10,000 documents per source "
         "(recipe key token_sample), fit its tokens to UTF-8 bytes (and to the "
         "extra bytes of non-ASCII characters), estimate the rest from theirs. auto (default): sample a source of more than "
-        "100,000 documents, count smaller ones "
-        "exactly.",
+        "ten times token_sample documents (100,000 by default), count smaller ones exactly.",
     ),
     seed: int | None = typer.Option(None, "--seed", min=0, help="Seeds sampling and shuffling (default 0)."),
     max_repeat: float | None = typer.Option(

@@ -770,10 +770,18 @@ def prepare_mix(plan: MixSchedule, output: str | Path, *, overwrite: bool = Fals
         )
     used = [name for name in plan.sources if any(stage.share(name) > 0 for stage in plan.stages)]
     sources = {}
+    read_by: dict[Path, str] = {}
     for name in used:
         source = open_documents(plan.sources[name])
         source.require(text=[plan.text_column])
         source.check_output_spares(output)
+        for file in source.files:
+            if (first := read_by.setdefault(file.resolve(), name)) != name:
+                raise UserError(
+                    f"source '{name}'",
+                    f"reads {file}, as source '{first}' does: its documents would be mixed under both names",
+                    "give each file to one source (--max-repeat samples a source more than once)",
+                )
         sources[name] = source
     schema = output_schema({name: source.schema for name, source in sources.items()})
     check_order_columns(plan, {name: source.schema for name, source in sources.items()})
