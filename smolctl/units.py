@@ -90,7 +90,12 @@ def parse_shard_size(text: str, flag: str = "--shard-size") -> tuple[int | None,
     bytes, as with every byte flag."""
     match = re.fullmatch(r"\s*(.*?)\s*rows?\s*", str(text), re.IGNORECASE)
     if match:
-        return None, parse_count(match.group(1), flag)
+        try:
+            return None, parse_count(match.group(1), flag)
+        except UserError:  # its message would name the bare number and offer counts of tokens
+            raise UserError(
+                flag, f"{text!r} is not a number of rows of at least 1", "write e.g. 50000rows or 50Krows"
+            ) from None
     return parse_bytes(text, flag), None
 
 

@@ -89,6 +89,10 @@ def test_shard_sizes_are_bytes_or_rows():
     assert parse_shard_size("1GiB") == (2**30, None)
     assert parse_shard_size("5000rows") == (None, 5000)
     assert parse_shard_size("8Krows") == (None, 8000)
+    with pytest.raises(
+        UserError, match=r"^--shard-size: '0rows' is not a number of rows of at least 1 — write e\.g\. 50000rows"
+    ):
+        parse_shard_size("0rows")
 
 
 @pytest.mark.parametrize("text", ["lots", "1.2X", "-5", "0", "T", "", "1Ki", "nan", "0.4", 0.3, "0.0004K"])
