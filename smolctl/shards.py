@@ -920,10 +920,12 @@ class DocumentSource:
     def columns(self) -> list[str]:
         return list(self.schema.names)
 
-    def check_output_spares(self, output: str | Path, role: str = "the input") -> None:
+    def check_output_spares(self, output: str | Path, role: str = "the input", shards: Sequence[str] = ()) -> None:
         """Refuse an OUTPUT that is this input or holds any of its files: --overwrite (or a failed run's clean-up)
-        would delete the data being read. Or one inside the input folder: the next run would read it as input.
-        `role` names this source in the message (the input, or the reference of --against)."""
+        would delete the data being read. Or one inside the input folder, or one holding any of `shards` (the
+        parquet files the command writes, relative to OUTPUT) where the input's glob would find them: the next run
+        would read it as input. `role` names this source in the message (the input, or the reference of
+        --against)."""
         out = Path(output).resolve()
         if self.folder is not None and Path(self.folder).resolve() in out.parents:
             raise UserError(
@@ -931,7 +933,7 @@ class DocumentSource:
                 f"is inside {role} folder {self.folder}, whose files are all read: the next run would read it too",
                 f"write the output beside {role} folder",
             )
-        if self.folder is None and glob_base(self.spec) is not None and _glob_reaches(self.spec, out):
+        if self.folder is None and glob_base(self.spec) is not None and _glob_reaches(self.spec, out, shards):
             raise UserError(
                 output,
                 f"is where {role} pattern {self.spec} finds files: the next run would read the output too",
@@ -1064,23 +1066,26 @@ def open_documents(spec: str | Path) -> DocumentSource:
     return DocumentSource(str(spec), files, manifest, folder, schema, rows, labels, sizes, partitions)
 
 
-def _glob_reaches(pattern: str, folder: Path) -> bool:
-    """Whether `pattern` (as glob.glob(recursive=True) reads it) matches a parquet file a command writes into
-    `folder`: its shards, or those of a dataset folder it writes inside (dedup's duplicates/)."""
-    wanted = Path(os.path.abspath(pattern)).parts
-    return any(
-        _parts_match(wanted, (folder / probe).parts)
-        for probe in ("part-00000.parquet", "duplicates/part-00000.parquet")
-    )
+def _glob_reaches(pattern: str, folder: Path, files: Sequence[str]) -> bool:
+    """Whether `pattern` (as glob.glob(recursive=True) reads it) matches any of `files` (relative to the resolved
+    `folder`). The pattern's leading folders are resolved too: through a link, it reads the same files."""
+    parts = Path(pattern).parts
+    fixed = next(i for i, part in enumerate(parts) if globlib.has_magic(part))
+    wanted = Path(*parts[:fixed]).resolve().parts + parts[fixed:] if fixed else Path.cwd().parts + parts
+    return any(_parts_match(wanted, (folder / file).parts) for file in files)
 
 
 def _parts_match(pattern: Sequence[str], parts: Sequence[str]) -> bool:
-    """Path parts against glob parts: `**` is any number of folders, anything else one name (fnmatch)."""
+    """Path parts against glob parts as glob.glob reads them: `**` is any number of folders, anything else one
+    name (fnmatch); a wildcard never matches a name starting with a dot."""
     if not pattern:
         return not parts
     if pattern[0] == "**":
-        return any(_parts_match(pattern[1:], parts[i:]) for i in range(len(parts) + 1))
-    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _parts_match(pattern[1:], parts[1:])
+        visible = next((i for i, part in enumerate(parts) if part.startswith(".")), len(parts))
+        return any(_parts_match(pattern[1:], parts[i:]) for i in range(visible + 1))
+    if not parts or (parts[0].startswith(".") and not pattern[0].startswith(".")):
+        return False
+    return fnmatch.fnmatchcase(parts[0], pattern[0]) and _parts_match(pattern[1:], parts[1:])
 
 
 def glob_base(pattern: str) -> Path | None:

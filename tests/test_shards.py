@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -582,3 +583,35 @@ def test_packed_shards_cut_across_writes_hold_their_rows_and_tokens(tmp_path):
         assert shard["tokens"] == int(tokens[start:end].sum())
         assert shard["sha256"] == file_sha256(tmp_path / "packed" / shard["name"])
         start = end
+
+
+def test_an_output_is_refused_only_where_the_inputs_glob_would_read_what_it_writes(tmp_path, monkeypatch):
+    """The next run with the same glob would read the output as input: refused where the pattern, as glob.glob
+    reads it, matches a file the command writes; not where it cannot (another depth, a hidden folder, a command
+    that writes no parquet), and not missed through a link to the folder."""
+    (tmp_path / "data" / "raw" / "deep").mkdir(parents=True)
+    pq.write_table(_table(3), tmp_path / "data" / "raw" / "a.parquet")
+    pq.write_table(_table(3), tmp_path / "data" / "raw" / "deep" / "b.parquet")
+    (tmp_path / "link").symlink_to(tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    mix_shards, dedup_shards = ["part-00000.parquet"], ["part-00000.parquet", "duplicates/part-00000.parquet"]
+    refused = [
+        ("data/*/*.parquet", "data/mixed", mix_shards),
+        ("data/**/*.parquet", "data/a/b/c", mix_shards),
+        (f"{tmp_path}/data/**", "data/out", mix_shards),
+        ("data/*/*/*.parquet", "data/out", dedup_shards),  # its duplicates/ folder is one level down
+        ("link/*/*.parquet", "data/mixed", mix_shards),
+        ("data/*/*.parquet", "link/mixed", mix_shards),
+    ]
+    for pattern, output, shards in refused:
+        with pytest.raises(UserError, match=re.escape(f"is where the input pattern {pattern} finds files")):
+            open_documents(pattern).check_output_spares(output, shards=shards)
+    accepted = [
+        ("data/*/*.parquet", "data/tok", []),  # train-tokenizer and pack write no parquet
+        ("data/*/*/*.parquet", "data/mixed", mix_shards),
+        ("data/**/*.parquet", "data/.hidden", dedup_shards),  # glob never looks into a dot-folder
+        ("data/raw/*.parquet", "data/mixed", dedup_shards),
+        ("data/*/[ab].parquet", "data/mixed", mix_shards),
+    ]
+    for pattern, output, shards in accepted:
+        open_documents(pattern).check_output_spares(output, shards=shards)

@@ -152,8 +152,8 @@ class WorkArea:
         if others and not overwrite:
             raise UserError(
                 others[0],
-                "holds an unfinished run with other inputs or settings",
-                "re-run with the original arguments, or pass --overwrite to start again",
+                "holds an unfinished run with other inputs or settings, or of an earlier smolctl version",
+                "re-run with the original arguments (and version), or pass --overwrite to start again",
             )
 
     def prepare(self) -> None:

@@ -100,6 +100,10 @@ def fingerprint(config: DedupConfig, source: DocumentSource, reference: Document
     }
 
 
+DEDUP_SHARDS = ("part-00000.parquet", "duplicates/part-00000.parquet")
+"""Files of the kind dedup writes into OUTPUT: an input's glob must not find them."""
+
+
 def plan(config: DedupConfig) -> DedupPlan:
     """Check the inputs and settings a run needs; UserError on the first problem. The output is checked by
     the caller (a task of a run already committed finds OUTPUT complete, which is not an error)."""
@@ -108,7 +112,7 @@ def plan(config: DedupConfig) -> DedupPlan:
     if config.keep not in KEEP_POLICIES:
         raise UserError("--keep", f"unknown policy {config.keep!r}", "use first or longest")
     source = open_documents(config.input)
-    source.check_output_spares(config.output)
+    source.check_output_spares(config.output, shards=DEDUP_SHARDS)
     if source.num_rows == 0:
         raise UserError(config.input, "holds no documents", "pass a non-empty dataset")
     id_column = _resolve_ids(source, config)
@@ -116,7 +120,7 @@ def plan(config: DedupConfig) -> DedupPlan:
     if config.against is not None:
         reference = open_documents(config.against)
         reference.require(text=[config.text_column])
-        reference.check_output_spares(config.output, "the reference (--against)")
+        reference.check_output_spares(config.output, "the reference (--against)", DEDUP_SHARDS)
         # Compared by the files read, not the arguments: a file of the input's reached through another spelling
         # (a folder holding it, a glob) would match itself, and every document would be removed.
         inputs, references = ({Path(f).resolve() for f in s.files} for s in (source, reference))

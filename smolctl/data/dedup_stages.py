@@ -601,11 +601,22 @@ def _written_as_they_come(path: Path | None) -> Iterator[Callable[[np.ndarray], 
         yield lambda values: None
         return
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    # The unit's own work between the writes reads its shard, whose errors are the input's (UserError already).
-    with _removed_on_failure(tmp), _refused_as_a_write(path):
-        with open(tmp, "wb") as handle:
-            yield lambda values: handle.write(np.ascontiguousarray(values, "<u8"))
-        os.replace(tmp, path)
+    with _removed_on_failure(tmp):
+        # Only the file's own calls count as refused writes: the caller's work between them reads its shard.
+        with _refused_as_a_write(path):
+            handle = open(tmp, "wb")  # noqa: SIM115 (closed below, where its last flush is guarded too)
+
+        def write(values: np.ndarray) -> None:
+            with _refused_as_a_write(path):
+                handle.write(np.ascontiguousarray(values, "<u8"))
+
+        try:
+            yield write
+        finally:
+            with _refused_as_a_write(path):
+                handle.close()
+        with _refused_as_a_write(path):
+            os.replace(tmp, path)
 
 
 @contextmanager

@@ -771,10 +771,12 @@ def prepare_mix(plan: MixSchedule, output: str | Path, *, overwrite: bool = Fals
     used = [name for name in plan.sources if any(stage.share(name) > 0 for stage in plan.stages)]
     sources = {}
     read_by: dict[Path, str] = {}
+    # The shards a mix writes, each stage's in a folder of its own when it has stages.
+    shards = [f"{stage.name}/part-00000.parquet" for stage in plan.stages] if plan.staged else ["part-00000.parquet"]
     for name in used:
         source = open_documents(plan.sources[name])
         source.require(text=[plan.text_column])
-        source.check_output_spares(output)
+        source.check_output_spares(output, shards=shards)
         for file in source.files:
             if (first := read_by.setdefault(file.resolve(), name)) != name:
                 raise UserError(
