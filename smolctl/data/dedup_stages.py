@@ -410,10 +410,12 @@ def verify_pairs(
     margin = settle_margin(params.threshold, params.num_perm)
     accept = estimate >= params.threshold + margin
     # The estimate compares 32-bit keys, which two different shingles share once in 2^32 pairs: rare, but one
-    # such collision raises the Jaccard of sets of n shingles by up to 2 / (n - 1), past the margin for the
-    # shortest documents (two unrelated five-word titles would score 1.0). Their pairs are verified too.
-    keys = keys_behind(sigs, params.permutations())
-    decisive_collision = np.maximum(keys[left_row], keys[right_row]) <= 1 + 2 / margin
+    # such collision raises the Jaccard of sets of n shingles by up to 2 / (n - 1), which decides the verdict of
+    # the shortest documents (two unrelated five-word titles would score 1.0). A pair is accepted unverified only
+    # if its estimate clears the margin without that much.
+    behind = keys_behind(sigs, params.permutations())
+    keys = np.maximum(np.maximum(behind[left_row], behind[right_row]), 2)  # one key each: a rise of up to 2
+    decisive_collision = estimate - 2 / (keys - 1) < params.threshold + margin
     grey = np.flatnonzero((estimate > params.threshold - margin) & (~accept | decisive_collision))
     report("verify", len(pairs) - len(grey))
     docs = sorted_unique(np.concatenate([left[grey], right[grey]]))
