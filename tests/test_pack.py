@@ -1101,3 +1101,32 @@ def test_pack_and_mix_give_a_long_document_the_ids_and_count_of_it_whole(sample,
     backend = load_rust_tokenizer(str(tokenizer_dir)).backend
     counted = mix_tokens.piece_tokens(backend, pa.array([texts[0], long]))
     assert counted.tolist() == [len(backend.encode(t, add_special_tokens=False).ids) for t in (texts[0], long)]
+
+
+def test_a_task_or_a_resume_with_a_folder_naming_another_eos_is_refused_and_so_is_training_on_both(
+    sample, tokenizer_dir, tmp_path
+):
+    """Two folders of one tokenizer.json may end documents with different ids (Llama 3.1's base and Instruct
+    name <|end_of_text|> and <|eot_id|>). A task packing with the other one joined the same output, which then
+    held both ids; pretrain mixed folders packed with each."""
+    from smolctl.train.config import DataStage
+    from smolctl.train.loader import PackedStream
+
+    instruct = tmp_path / "instruct"
+    shutil.copytree(tokenizer_dir, instruct)
+    config = json.loads((instruct / "tokenizer_config.json").read_text())
+    (instruct / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|im_end|>"}))
+    options = {"config": PackConfig(seq_len=128), "tasks": 2}
+    pack(str(sample / "math"), tmp_path / "out", tokenizer_spec=str(tokenizer_dir), task_id=0, **options)
+    with pytest.raises(UserError, match="holds an unfinished run with other inputs or settings"):
+        pack(str(sample / "math"), tmp_path / "out", tokenizer_spec=str(instruct), task_id=1, **options)
+
+    base = pack(
+        str(sample / "math"), tmp_path / "base", tokenizer_spec=str(tokenizer_dir), config=PackConfig(seq_len=128)
+    )
+    chat = pack(str(sample / "math"), tmp_path / "chat", tokenizer_spec=str(instruct), config=PackConfig(seq_len=128))
+    assert base.tokenizer["fingerprint"] == chat.tokenizer["fingerprint"]  # the rules alone cannot tell them apart
+    assert base.tokenizer["eos_token_id"] != chat.tokenizer["eos_token_id"]
+    stage = DataStage(paths=[str(tmp_path / "base"), str(tmp_path / "chat")])
+    with pytest.raises(UserError, match=f"was packed with eos_token_id {chat.tokenizer['eos_token_id']}"):
+        PackedStream([stage], seed=0, seq_len=128).tokenizer_info()

@@ -350,7 +350,15 @@ def prepare_pack(
     inputs = source.lineage() + ([lineage_ref(Path(tokenizer_spec))] if Path(tokenizer_spec).is_dir() else [])
     # --workers changes how fast, never what is written.
     settings = {k: v for k, v in asdict(config).items() if k != "workers"}
-    fingerprint = {"config": settings, "input_files": file_identity(source.files), "tokenizer": record["fingerprint"]}
+    # What the ids come out as: the rules, the ids written between documents (two folders of one tokenizer.json
+    # can name another EOS, as Llama 3.1's base and Instruct do), and whether special-token text is split.
+    written_with = {
+        "rules": record["fingerprint"],
+        "eos_token_id": record["eos_token_id"],
+        "pad_token_id": record["pad_token_id"],
+        "split_special_tokens": bool(tokenizer.backend.encode_special_tokens),
+    }
+    fingerprint = {"config": settings, "input_files": file_identity(source.files), "tokenizer": written_with}
     return PackJob(
         input_spec,
         Path(output),

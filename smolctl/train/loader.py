@@ -157,6 +157,14 @@ class PackedStream:
                     f"was tokenised with {other.get('path')} but {self.paths[0]} with {first.get('path')}",
                     "re-pack every folder with the same tokenizer",
                 )
+            for key in ("eos_token_id", "pad_token_id"):  # one tokenizer.json, another EOS (base vs Instruct)
+                if other.get(key) != first.get(key):
+                    raise UserError(
+                        path,
+                        f"was packed with {key} {other.get(key)} ({other.get('path')}) but {self.paths[0]} with "
+                        f"{first.get(key)} ({first.get('path')})",
+                        "re-pack every folder with the same tokenizer folder",
+                    )
         return first
 
     def _stage_at(self, step: int) -> tuple[list[int], np.ndarray]:
