@@ -248,3 +248,19 @@ def test_a_config_naming_special_tokens_in_a_dict_takes_transformers_path(tokeni
     text = "Look at <|image|> here."
     assert rust.backend.encode(text, add_special_tokens=False).ids == hf(text, add_special_tokens=False)["input_ids"]
     assert rust.fingerprint == tokenizer_fingerprint(hf) and rust.vocab_size == len(hf)
+
+
+def test_a_gpt2_style_folder_needs_a_file_naming_its_class(tmp_path, tokenizer_dir):
+    """vocab.json and merges.txt alone, as old GPT-2 repos keep them: transformers cannot tell which class reads
+    them, and its message was cut off at "one of:". With a tokenizer_config.json naming the class, the folder
+    loads and tokenizes as the tokenizer it was saved from."""
+    bare = tmp_path / "gpt2"
+    bare.mkdir()
+    original = load_tokenizer(tokenizer_dir)
+    original.backend_tokenizer.model.save(str(bare))
+    assert sorted(p.name for p in bare.iterdir()) == ["merges.txt", "vocab.json"]
+    with pytest.raises(UserError, match=r"holds vocab\.json but nothing naming the tokenizer's class"):
+        load_tokenizer(bare)
+    (bare / "tokenizer_config.json").write_text('{"tokenizer_class": "GPT2Tokenizer"}')
+    text = "Which module provides sqrt? The math module."
+    assert load_tokenizer(bare)(text)["input_ids"] == original(text, add_special_tokens=False)["input_ids"]
