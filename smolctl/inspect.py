@@ -258,6 +258,34 @@ def _model_without_manifest(folder: Path, path: str) -> Inspection:
     )
 
 
+def _tokenizer_without_manifest(folder: Path, path: str) -> Inspection:
+    """A Hugging Face tokenizer folder another tool wrote (save_pretrained, a hub download): what `pack` and the
+    training commands would take from it."""
+    tokenizer = load_tokenizer(folder)
+    stats = {
+        "tokenizer_class": type(tokenizer).__name__,
+        "vocab_size": len(tokenizer),
+        **{
+            f"{role}_token": f"{token} ({tokenizer.convert_tokens_to_ids(token)})"
+            for role, token in (
+                ("eos", tokenizer.eos_token),
+                ("bos", tokenizer.bos_token),
+                ("pad", tokenizer.pad_token),
+            )
+            if token is not None
+        },
+        "chat_template": bool(tokenizer.chat_template),
+        "fingerprint": tokenizer_fingerprint(tokenizer),
+    }
+    return Inspection(
+        path=path,
+        kind="tokenizer (no manifest)",
+        files=sorted(p.name for p in folder.iterdir() if p.is_file()),
+        stats=stats,
+        notes=None if tokenizer.eos_token is not None else ["no EOS token: pack cannot end documents with it"],
+    )
+
+
 def inspect_path(
     path: str, *, samples: int = 3, verify: bool = False, lineage: bool = False, tokenizer: str | None = None
 ) -> Inspection:
@@ -319,6 +347,8 @@ def inspect_path(
             )
         if target.is_dir() and (target / "config.json").is_file():
             return _model_without_manifest(target, str(path))
+        if target.is_dir() and any((target / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+            return _tokenizer_without_manifest(target, str(path))
         source = open_documents(path)
         return Inspection(
             path=str(path),

@@ -1813,3 +1813,17 @@ def test_inspect_of_a_model_folder_another_tool_wrote_shows_its_config(tmp_path)
     assert verify.returncode == 2 and "has no manifest.json to verify against" in verify.stderr
     lineage = run_cli("inspect", folder, "--lineage")
     assert lineage.returncode == 2 and "has no manifest.json, which is where lineage is recorded" in lineage.stderr
+
+
+def test_inspect_of_a_tokenizer_folder_another_tool_wrote_shows_what_pack_takes_from_it(tmp_path):
+    """A hub download or save_pretrained's tokenizer folder has no manifest: inspect told the user to convert
+    tokenizer.json to parquet."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "tok"
+    tokenizer = AutoTokenizer.from_pretrained(str(model()))
+    tokenizer.save_pretrained(str(folder))
+    found = json.loads(run_cli("inspect", folder, "--json").stdout)
+    assert found["kind"] == "tokenizer (no manifest)" and "tokenizer.json" in found["files"]
+    assert found["stats"]["eos_token"] == f"{tokenizer.eos_token} ({tokenizer.eos_token_id})"
+    assert found["stats"]["vocab_size"] == len(tokenizer) and found["stats"]["chat_template"] is True
