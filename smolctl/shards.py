@@ -80,6 +80,21 @@ def atomic_write_parts(path: Path, parts: Iterable, durable: bool = True) -> Non
         raise WriteRefused(path, f"cannot write: {exc.strerror or exc}", "check free space and permissions") from exc
 
 
+def remove_finished(path: Path) -> None:
+    """Remove a folder that presents itself as finished (a manifest beside its files) so that no crash leaves it
+    half removed under its name, a manifest beside missing files: it is renamed to a hidden name first, then
+    deleted. What a crash left aside so before, in the same parent folder, goes too (only one process at a time
+    removes from a run's folders: the run lock)."""
+    for stale in path.parent.glob(".*.removing"):
+        shutil.rmtree(stale, ignore_errors=True)
+    aside = path.parent / f".{path.name}.removing"
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def atomic_write_json(path: Path, payload: Any) -> None:
     atomic_write_bytes(path, (json.dumps(payload, indent=2, default=str) + "\n").encode())
 

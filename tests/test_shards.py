@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -615,3 +616,29 @@ def test_an_output_is_refused_only_where_the_inputs_glob_would_read_what_it_writ
     ]
     for pattern, output, shards in accepted:
         open_documents(pattern).check_output_spares(output, shards=shards)
+
+
+def test_a_finished_folder_is_never_seen_half_removed(tmp_path, monkeypatch):
+    """A kill while a run removed its oldest checkpoint (checkpoint.keep) left checkpoints/step-N with its
+    manifest and without its shards: a finished folder, by its look, that fails --verify. The folder goes aside
+    under a hidden name first; what a kill leaves there goes with the next removal."""
+    from smolctl import shards
+
+    parent = tmp_path / "checkpoints"
+    for step in (3, 6):
+        (parent / f"step-{step}").mkdir(parents=True)
+        (parent / f"step-{step}" / "__0_0.distcp").write_bytes(b"weights")
+        (parent / f"step-{step}" / "manifest.json").write_text("{}")
+
+    def killed_halfway(path, ignore_errors=False):
+        next(Path(path).glob("*.distcp")).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shards.shutil, "rmtree", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        shards.remove_finished(parent / "step-3")
+    monkeypatch.undo()
+    assert sorted(p.name for p in parent.iterdir()) == [".step-3.removing", "step-6"]
+    shards.remove_finished(parent / "step-6")
+    assert list(parent.iterdir()) == []
+    shards.remove_finished(parent / "step-6")  # already gone: nothing to do

@@ -44,6 +44,7 @@ from smolctl.shards import (
     atomic_write_json,
     lineage_ref,
     read_manifest,
+    remove_finished,
     sha256_file,
 )
 from smolctl.train.distributed import Dist
@@ -409,7 +410,7 @@ class CheckpointManager:
         )
         self._finish_export()
         for old in complete_checkpoints(self.run_dir)[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_finished(old)
         if self.export_interval and fields["step"] % self.export_interval == 0:
             export = ThreadPoolExecutor(max_workers=1, thread_name_prefix="smolctl-export")
             self._exporting = export.submit(
@@ -446,7 +447,7 @@ class CheckpointManager:
         doomed = [p for p in complete_checkpoints(self.run_dir) if checkpoint_step(p) > step]
         if self.dist.is_main:
             for path in doomed:
-                shutil.rmtree(path, ignore_errors=True)
+                remove_finished(path)
         self.dist.barrier()
         return doomed
 

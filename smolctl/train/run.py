@@ -36,6 +36,7 @@ from smolctl.shards import (
     check_output_path,
     output_folder_path,
     read_manifest,
+    remove_finished,
 )
 
 # What recipes/slurm/pretrain.sbatch creates in RUN before the trainer starts (NCCL's flight-recorder dumps):
@@ -99,13 +100,13 @@ def discard_later(run: Path, step: int) -> list[str]:
     if final is not None and int(final.get("step", final.get("stats", {}).get("steps", 0))) > step:
         later.append(run / FINAL)
     for path in later:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_finished(path)
     return [str(path) for path in later]
 
 
 def prune_checkpoints(run: Path, keep: int) -> None:
     for old in step_checkpoints(run)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_finished(old)
 
 
 def model_folder(path: Path) -> Path:
