@@ -1049,8 +1049,11 @@ class DocumentSource:
         return kind.from_arrays(list(arrays.values()), schema=pa.schema([self.schema.field(n) for n in columns]))
 
 
-def open_documents(spec: str | Path) -> DocumentSource:
-    """Open a dataset folder, a plain folder of parquet files, a single parquet file or a glob."""
+def open_documents(spec: str | Path, columns: Sequence[str] | None = None) -> DocumentSource:
+    """Open a dataset folder, a plain folder of parquet files, a single parquet file or a glob. `columns`: the
+    only ones the command reads (pack and train-tokenizer read the text): where every file holds them, the files
+    need to agree on those alone (pandas writes an integer column with a null in it as float64 in that shard
+    only)."""
     files, manifest, folder = resolve_parquet_files(spec)
     schemas: list[pa.Schema] = []
     rows: list[int] = []
@@ -1071,6 +1074,8 @@ def open_documents(spec: str | Path) -> DocumentSource:
         sizes.append(sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)))
     root = Path(os.path.commonpath([file.parent for file in files]))
     labels = [str(file.relative_to(root).with_suffix("")) for file in files]
+    if columns is not None and all(set(columns) <= set(schema.names) for schema in schemas):
+        schemas = [pa.schema([schema.field(name) for name in columns]) for schema in schemas]
     schema = common_schema(files, schemas, root)
     base = folder if folder is not None else glob_base(str(spec))
     partitions = hive_partitions(files, base) if base is not None and manifest is None else []

@@ -1130,3 +1130,27 @@ def test_a_task_or_a_resume_with_a_folder_naming_another_eos_is_refused_and_so_i
     stage = DataStage(paths=[str(tmp_path / "base"), str(tmp_path / "chat")])
     with pytest.raises(UserError, match=f"was packed with eos_token_id {chat.tokenizer['eos_token_id']}"):
         PackedStream([stage], seed=0, seq_len=128).tokenizer_info()
+
+
+def test_shards_that_differ_in_a_column_pack_never_reads_are_packed(sample, tokenizer_dir, tmp_path):
+    """pandas writes an integer column holding a null as float64, in that shard only (FineWeb's token_count, say):
+    pack and train-tokenizer read the text alone, so they pack what they would without the column. mix and dedup
+    write every column, so they still refuse the files, naming the column."""
+    from smolctl.data.tokenizer import train_tokenizer
+    from smolctl.shards import open_documents
+
+    texts = pq.read_table(next((sample / "math").glob("*.parquet")), columns=["text"]).column("text").to_pylist()
+    half = len(texts) // 2
+    for name, with_counts in (("mixed", True), ("text-only", False)):
+        (tmp_path / name).mkdir()
+        for i, (part, kind) in enumerate(((texts[:half], pa.int64()), (texts[half:], pa.float64()))):
+            columns = {"text": part} | ({"token_count": pa.array(range(len(part)), kind)} if with_counts else {})
+            pq.write_table(pa.table(columns), tmp_path / name / f"part-{i}.parquet")
+    config = PackConfig(seq_len=64)
+    packed = pack(str(tmp_path / "mixed"), tmp_path / "a", tokenizer_spec=str(tokenizer_dir), config=config)
+    alone = pack(str(tmp_path / "text-only"), tmp_path / "b", tokenizer_spec=str(tokenizer_dir), config=config)
+    assert packed.stats.tokens == alone.stats.tokens > 0
+    assert output_digests(tmp_path / "a") == output_digests(tmp_path / "b")
+    train_tokenizer(str(tmp_path / "mixed"), str(tmp_path / "tok"), vocab_size=300)
+    with pytest.raises(UserError, match=r"holds token_count as double where part-0\.parquet has int64"):
+        open_documents(tmp_path / "mixed")

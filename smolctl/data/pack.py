@@ -342,7 +342,7 @@ def prepare_pack(
     checked by `PackJob.run` (an array task may find it already committed by its own run)."""
     config.validate()
     config.rows_per_shard()
-    source = open_documents(input_spec)
+    source = open_documents(input_spec, columns=[config.text_column])
     source.check_output_spares(output)
     source.require(text=[config.text_column])
     tokenizer = load_rust_tokenizer(tokenizer_spec)

@@ -189,7 +189,7 @@ def train_tokenizer(
     for flag, value in (("--sample-documents", sample_documents), ("--sample-bytes", sample_bytes)):
         if value is not None and value < 1:
             raise UserError(flag, f"{value} is not a positive amount", "pass e.g. 1M documents or 2GB")
-    source = open_documents(input_path)
+    source = open_documents(input_path, columns=[text_column])
     source.require(text=[text_column])
     source.check_output_spares(output)
     check_output_path(Path(output), overwrite)
