@@ -836,8 +836,9 @@ def _without_views(kind: pa.DataType) -> pa.DataType:
 
 def widest_types(schemas: dict[str, pa.Schema]) -> dict[str, pa.DataType]:
     """The one type for each column whose values the sources hold in types that differ only in width, lossless
-    either way: dictionary-encoded or not, string and large_string, binary and large_binary, and integers of one
-    signedness. Other differences (int and float, string and binary, ...) are left for the caller to refuse."""
+    either way: dictionary-encoded or not, string and large_string, binary and large_binary, integers of one
+    signedness, and floats. Other differences (int and float, string and binary, ...) are left for the caller to
+    refuse."""
     types: dict[str, set[pa.DataType]] = {}
     for schema in schemas.values():
         for column in schema:
@@ -853,7 +854,11 @@ def widest_types(schemas: dict[str, pa.Schema]) -> dict[str, pa.DataType]:
             widest[name] = pa.large_string()
         elif kinds <= {pa.binary(), pa.large_binary()}:
             widest[name] = pa.large_binary()
-        elif all(pa.types.is_signed_integer(k) for k in kinds) or all(pa.types.is_unsigned_integer(k) for k in kinds):
+        elif (
+            all(pa.types.is_signed_integer(k) for k in kinds)
+            or all(pa.types.is_unsigned_integer(k) for k in kinds)
+            or all(pa.types.is_floating(k) for k in kinds)
+        ):
             widest[name] = max(kinds, key=lambda k: k.bit_width)
     return widest
 

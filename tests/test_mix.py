@@ -617,6 +617,7 @@ def test_schema_clash_is_an_error(sample, tmp_path):
         (pa.dictionary(pa.int32(), pa.int16()), pa.int16(), pa.int16()),
         (pa.null(), pa.string(), pa.string()),
         (pa.binary(), pa.large_binary(), pa.large_binary()),
+        (pa.float32(), pa.float64(), pa.float64()),  # one writer's float32 scores, another's float64
         (pa.int64(), pa.float64(), None),  # a wide int would silently lose digits as a double
         (pa.uint64(), pa.int64(), None),
         (pa.int64(), pa.decimal128(10, 2), None),
