@@ -318,8 +318,13 @@ def id_strings(ids: pa.Array, file: Path, column: str) -> pa.Array:
 def estimated_jaccard(plan_: DedupPlan, left: np.ndarray, right: np.ndarray) -> np.ndarray:
     """The MinHash estimate for each pair of global documents (left[k], right[k]), from the signature rows of
     just those documents."""
+    return estimate_jaccard(*pair_signatures(plan_, left, right))
+
+
+def pair_signatures(plan_: DedupPlan, left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(signature rows of the documents of the pairs (left[k], right[k]), each pair's left row, its right row)."""
     docs = sorted_unique(np.concatenate([left, right]).astype(np.int64))
-    return estimate_jaccard(signatures_of(plan_, docs), np.searchsorted(docs, left), np.searchsorted(docs, right))
+    return signatures_of(plan_, docs), np.searchsorted(docs, left), np.searchsorted(docs, right)
 
 
 def signatures_of(plan_: DedupPlan, docs: np.ndarray) -> np.ndarray:
@@ -400,8 +405,7 @@ def verify_pairs(
         report("verify", candidates - len(pairs))
     left = (pairs >> np.uint64(32)).astype(np.int64)
     right = (pairs & np.uint64(0xFFFFFFFF)).astype(np.int64)
-    docs = sorted_unique(np.concatenate([left, right]))
-    sigs, left_row, right_row = signatures_of(plan_, docs), np.searchsorted(docs, left), np.searchsorted(docs, right)
+    sigs, left_row, right_row = pair_signatures(plan_, left, right)
     estimate = estimate_jaccard(sigs, left_row, right_row)
     if not plan_.config.verify:
         accept = estimate >= params.threshold

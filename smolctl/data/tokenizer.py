@@ -311,16 +311,18 @@ def load_tokenizer(spec: str | Path):
         held = {name for name in ("tokenizer.json", "tokenizer_config.json", "config.json") if (path / name).is_file()}
         vocabulary = [name for name in ("vocab.json", "tokenizer.model") if (path / name).is_file()]
         if not held & {"tokenizer.json", "tokenizer_config.json"} and not (vocabulary and held):
+            if vocabulary:
+                raise UserError(
+                    path,
+                    f"holds {' and '.join(vocabulary)} but nothing naming the tokenizer's class (no tokenizer.json, "
+                    "tokenizer_config.json or config.json)",
+                    'add a tokenizer_config.json with its "tokenizer_class" (GPT2Tokenizer, LlamaTokenizer...), or '
+                    "save the tokenizer with transformers' save_pretrained",
+                )
             raise UserError(
                 path,
-                f"holds {' and '.join(vocabulary)} but nothing naming the tokenizer's class (no tokenizer.json, "
-                "tokenizer_config.json or config.json)"
-                if vocabulary
-                else "is not a tokenizer folder (no tokenizer.json or tokenizer_config.json)",
-                'add a tokenizer_config.json with its "tokenizer_class" (GPT2Tokenizer, LlamaTokenizer...), or save '
-                "the tokenizer with transformers' save_pretrained"
-                if vocabulary
-                else "pass a folder written by `smolctl train-tokenizer` or a Hugging Face tokenizer folder",
+                "is not a tokenizer folder (no tokenizer.json or tokenizer_config.json)",
+                "pass a folder written by `smolctl train-tokenizer` or a Hugging Face tokenizer folder",
             )
     from transformers import AutoTokenizer  # after the checks above: a wrong path is refused without it
 

@@ -11,6 +11,7 @@ unlike pretraining corpora.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
 from pathlib import Path
@@ -221,15 +222,14 @@ def load_preference_dataset(source: DocumentSource, data: PreferenceDataSection,
     as_chat = bool(getattr(tokenizer, "chat_template", None))
     tools = renders_tool_calls(tokenizer)
     identical: list[int] = []  # rows whose chosen equals rejected
+    positions = itertools.count()
 
     def prepare(row: dict) -> dict:
-        prepared = preference_row(row, as_chat, tools)
+        prepared, position = preference_row(row, as_chat, tools), next(positions)
         if prepared["chosen"] == prepared["rejected"]:
-            identical.append(prepare.rows)
-        prepare.rows += 1
+            identical.append(position)
         return prepared
 
-    prepare.rows = 0
     table, read = checked_table(source, preference_columns(source), prepare)
     stats = {"rows": read}
     if table is not None and data.limit is not None:

@@ -88,6 +88,7 @@ from smolctl.train.run import (
     holds_run_files,
     holds_run_folder,
     model_folder,
+    nothing_to_resume,
     recipe_changes,
     recorded_run,
     resume_event,
@@ -233,11 +234,7 @@ class Trainer:
             if checkpoints:
                 return checkpoints[-1]
             if holds_run_files(self.run_dir) and not (self.run_dir / RUN_FILE).is_file():
-                raise UserError(
-                    self.run_dir,
-                    "holds files that are not a smolctl run, so there is nothing to resume",
-                    "choose another run folder, or start it over without --resume (--overwrite replaces the files)",
-                )
+                raise nothing_to_resume(self.run_dir)
             return None
         if resume != "none":
             path = Path(resume)

@@ -208,11 +208,7 @@ def decide_start(run: Path, resume: str, overwrite: bool, steps: int) -> RunStar
         check_output_path(run, True)
         return RunStart(overwrite=holds_files)
     if holds_files and not (run / RUN_FILE).is_file():
-        raise UserError(
-            run,
-            "holds files that are not a smolctl run, so there is nothing to resume",
-            "choose another run folder, or start it over without --resume (--overwrite replaces the files)",
-        )
+        raise nothing_to_resume(run)
     if resume == "auto":
         manifest = read_manifest(run / FINAL) if (run / FINAL / MANIFEST_NAME).is_file() else None
         if manifest is not None and int(manifest.get("stats", {}).get("steps", 0)) >= steps:
@@ -230,6 +226,15 @@ def decide_start(run: Path, resume: str, overwrite: bool, steps: int) -> RunStar
         )
     check_steps_reach(path, trainer_step(path), steps)
     return RunStart(resume_from=path)
+
+
+def nothing_to_resume(run: Path) -> UserError:
+    """The error for --resume on a folder of files that are not a smolctl run."""
+    return UserError(
+        run,
+        "holds files that are not a smolctl run, so there is nothing to resume",
+        "choose another run folder, or start it over without --resume (--overwrite replaces the files)",
+    )
 
 
 def trainer_step(checkpoint: Path) -> int:
