@@ -933,3 +933,22 @@ print(applied, *faults)
     pages = 3 * 2**20 * 8 // 4096
     assert runs["default"][2] > pages // 2  # the probe sees the faults it is meant to remove
     assert runs["tuned"][0] and runs["tuned"][2] < pages // 10
+
+
+def test_a_work_table_the_disk_refuses_is_a_refused_write(tmp_path, monkeypatch):
+    """arrow's write error (errno 28 under its own longer message) must reach the worker pool as the WriteRefused
+    that keeps the finished units, not as an OSError it takes for bad input: a full disk under a pool run failed
+    so whenever the signatures table, not a raw work file, was the write that found the disk full."""
+    import errno
+
+    from smolctl.errors import WriteRefused
+
+    def full(table, where, **options):
+        Path(where).write_bytes(b"PAR1")  # a temporary begun, then the disk is full
+        raise OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+
+    monkeypatch.setattr(dedup_stages.pq, "write_table", full)
+    target = tmp_path / "00000.parquet"
+    with pytest.raises(WriteRefused, match=r"00000\.parquet: cannot write: No space left on device"):
+        dedup_stages._write_table(target, pa.table({"id": ["a"]}))
+    assert list(tmp_path.iterdir()) == []

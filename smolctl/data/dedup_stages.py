@@ -561,9 +561,9 @@ def _write_table(path: Path, table: pa.Table) -> None:
     """Work files are uncompressed and plain: hashes neither compress nor repeat, so zstd and dictionary
     encoding would only burn CPU on them."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with _removed_on_failure(tmp):
+    with _removed_on_failure(tmp), _refused_as_a_write(path):
         pq.write_table(table, tmp, compression="none", use_dictionary=False)
-    os.replace(tmp, path)
+        os.replace(tmp, path)
 
 
 def read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table:
@@ -631,8 +631,9 @@ def _refused_as_a_write(path: Path) -> Iterator[None]:
     finished units are kept for a resume."""
     try:
         yield
-    except OSError as exc:
-        raise WriteRefused(path, f"cannot write: {exc.strerror or exc}", "check free space and permissions") from exc
+    except OSError as exc:  # arrow's own errors carry the errno under a longer message
+        reason = os.strerror(exc.errno) if exc.errno else exc
+        raise WriteRefused(path, f"cannot write: {reason}", "check free space and permissions") from exc
 
 
 def _mapped_hashes(path: Path, count: int) -> np.ndarray:
