@@ -458,6 +458,30 @@ def test_short_documents_whose_32_bit_shingle_keys_collide_are_both_kept(tmp_pat
     assert result.verified_pairs >= 2  # the colliding pair and the true one, both of one-shingle documents
 
 
+def test_an_estimate_within_one_collisions_rise_of_the_margin_is_verified_and_one_past_it_is_not(tmp_path):
+    """At threshold 0.5 with 256 permutations the margin is 0.156: an estimate of 0.656 or more settles a pair
+    unverified, unless one 32-bit key collision (a rise of 2 / (n - 1) for sets of n shingles, 0.1 here) could
+    have lifted it there. Two pairs of 21-shingle documents, one word changed in each copy: the first's estimate
+    lies inside that rise (verified), the second's past it (accepted as estimated). Verifying both, or neither
+    (the margin alone, or a check that only looks at whether the rise exceeds the margin), fails here."""
+    params_ = MinHashParams.for_threshold(0.5, num_perm=256)
+    texts = []
+    for prefix, changed in (("w", 21), ("v", 22)):
+        words = [f"{prefix}{i}" for i in range(25)]
+        texts += [" ".join(words), " ".join(words[:changed] + ["xx"] + words[changed + 1 :])]
+    hashes, offsets = shingles.shingle_hashes(texts)
+    sigs = kernels.signatures(hashes, offsets, params_.permutations())
+    estimate = kernels.estimate_jaccard(sigs, np.array([0, 2]), np.array([1, 3]))
+    margin, rise = params.settle_margin(0.5, 256), 2 / (21 - 1)
+    assert list(np.diff(offsets)) == [21] * 4 and list(kernels.keys_behind(sigs, params_.permutations())) == [21] * 4
+    assert 0.5 + margin <= estimate[0] < 0.5 + margin + rise <= estimate[1]  # what the test is about
+    source = write_shards(tmp_path / "in", pa.table({"id": ["a", "a2", "b", "b2"], "text": texts}), 1)
+    result = dedup(source, tmp_path / "out", minhash=params_, workers=1)
+    kept, _ = read_output(tmp_path / "out")
+    assert kept.column("id").to_pylist() == ["a", "b"]
+    assert result.verified_pairs == 1
+
+
 def test_keep_longest_and_null_texts_passed_through(tmp_path):
     text = " ".join(f"word{i}" for i in range(60))
     table = pa.table(
