@@ -8,17 +8,22 @@ for typos: `recipe.toml: training.micro_batch: expected int, got '3'`.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
 from smolctl.errors import UserError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+
+RecipePath = Annotated[str, AfterValidator(os.path.expanduser)]
+"""A path (or hub id) in a recipe: a leading `~` or `~user` is expanded as the shell would, which it never does
+inside a TOML string or a --set value."""
 
 
 class Section(BaseModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import pytest
+from conftest import REPO
 from pydantic import Field
 
 from smolctl.errors import UserError
@@ -125,3 +126,25 @@ def test_a_schedule_key_its_kind_never_reads_is_refused():
     with pytest.raises(ValidationError, match="decay_rate: not used by kind = 'wsd'"):
         ScheduleSection(decay_rate=0.99)
     assert ScheduleSection(kind="exponential", decay_rate=0.99, min_lr_ratio=0.1).decay_rate == 0.99
+
+
+def test_paths_in_a_recipe_expand_a_leading_tilde_as_the_shell_would(tmp_path, monkeypatch):
+    """TOML strings and --set values are quoted: the shell never expands their `~`. Hub ids are left as they are."""
+    from smolctl.data.mix_schedule import MixRecipe
+    from smolctl.train.config import load_command_recipe
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    recipe = tmp_path / "sft.toml"
+    recipe.write_text(
+        (REPO / "recipes" / "sft-tiny.toml").read_text().replace('path = "data/sample/chat"', 'path = "~/chat"')
+    )
+    overrides = ["model.from=~/runs/base", "model.tokenizer=HuggingFaceTB/SmolLM3-3B"]
+    loaded = load_command_recipe("sft", recipe, overrides)
+    assert loaded.model.from_ == str(tmp_path / "runs" / "base")
+    assert loaded.model.tokenizer == "HuggingFaceTB/SmolLM3-3B"
+    assert loaded.data.path == str(tmp_path / "chat")
+    mix = tmp_path / "mix.toml"
+    mix.write_text(
+        (REPO / "recipes" / "demo-mix.toml").read_text().replace('path = "data/sample/web"', 'path = "~/web/*.parquet"')
+    )
+    assert load_recipe(MixRecipe, mix).sources["web"].path == str(tmp_path / "web" / "*.parquet")

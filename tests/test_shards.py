@@ -259,6 +259,20 @@ def test_reads_foreign_parquet_folders_files_and_globs(tmp_path):
     assert open_documents(str(spark / "lang=en" / "c00[01].snappy.parquet")).num_rows == 50
 
 
+def test_a_quoted_glob_under_home_is_read_as_the_shell_would_expand_it(tmp_path, monkeypatch):
+    """A glob must be quoted to reach smolctl whole, and quoted, the shell leaves its `~` alone."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home" / "crawl").mkdir(parents=True)
+    pq.write_table(_table(30), tmp_path / "home" / "crawl" / "a.parquet")
+    monkeypatch.chdir(tmp_path)
+    source = open_documents("~/crawl/*.parquet")
+    assert source.num_rows == 30 and source.spec == str(tmp_path / "home" / "crawl" / "*.parquet")
+    assert open_documents("~/crawl").num_rows == 30
+    (tmp_path / "~").mkdir()  # a folder named ~ where the command runs: read as written
+    pq.write_table(_table(5), tmp_path / "~" / "b.parquet")
+    assert open_documents("~").num_rows == 5
+
+
 def test_bytes_that_are_not_utf8_are_named_by_their_row_in_the_file_not_in_the_batch(tmp_path):
     raw = [f"document {i}".encode() for i in range(10)]
     raw[7] = b"caf\xc3"

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from smolctl.arrow_arrays import plain_strings
 from smolctl.errors import UserError
-from smolctl.recipe import Section, load_recipe
+from smolctl.recipe import RecipePath, Section, load_recipe
 from smolctl.shards import MANIFEST_NAME
 from smolctl.units import parse_bytes, parse_count
 
@@ -42,7 +42,7 @@ ORDER_COLUMN = "__order_score"
 
 
 class SourceSection(Section):
-    path: str
+    path: RecipePath
     """A dataset folder, folder of parquet files, parquet file or glob; relative to the current folder."""
 
 
@@ -69,7 +69,7 @@ class MixRecipe(Section):
     """Seeds sampling and shuffling (numpy's seed sequences take 0 or more)."""
     max_repeat: float = 1.0
     """How many times each source may be used across all stages together."""
-    tokenizer: str | None = None
+    tokenizer: RecipePath | None = None
     """Weigh by tokens with this tokenizer (folder or hub id); without one, weights are fractions of bytes."""
     token_estimate: str = "auto"
     """auto, sample or exact: how each source's tokens are counted (see TOKEN_ESTIMATES)."""

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from smolctl.errors import UserError
-from smolctl.recipe import Section, apply_overrides, load_toml, validate
+from smolctl.recipe import RecipePath, Section, apply_overrides, load_toml, validate
 from smolctl.train.rewards import RewardSection
 
 
@@ -32,12 +32,12 @@ class ModelSection(Section):
     4th layer, tied embeddings). Every later stage: the checkpoint to start from, whose architecture it keeps."""
 
     model_config = ConfigDict(populate_by_name=True)
-    from_: str | None = Field(None, alias="from")
+    from_: RecipePath | None = Field(None, alias="from")
     """Starting checkpoint of midtrain, sft, dpo, ppo, grpo: a model folder or a run folder (its final/);
     --from wins."""
     architecture: str = "smollm3"
     """A transformers `model_type` with a causal-LM head: smollm3, llama, qwen3, mistral, ..."""
-    tokenizer: str | None = None
+    tokenizer: RecipePath | None = None
     """Tokenizer folder or hub id; default: the one recorded in the packed data's manifest."""
     vocab_size: int | None = Field(None, gt=0)
     """Embedding rows; default: the tokenizer's length. Set it to pad the vocabulary (e.g. to a multiple of 128)."""
@@ -82,7 +82,7 @@ class ModelSection(Section):
 class DataStage(Section):
     start_step: int = Field(0, ge=0)
     """The optimizer step from which this stage's mixture is sampled (nanotron-style stage switching)."""
-    paths: list[str] = Field(min_length=1)
+    paths: list[RecipePath] = Field(min_length=1)
     """Packed folders written by `smolctl pack`."""
     weights: list[float] | None = None
     """Sampling weights over `paths` (normalised); default: proportional to each folder's rows."""
@@ -98,11 +98,11 @@ class DataStage(Section):
 
 
 class DataSection(Section):
-    paths: list[str] | None = None
+    paths: list[RecipePath] | None = None
     """One stage: packed folders sampled for the whole run. Use [[data.stages]] for a schedule of mixtures."""
     weights: list[float] | None = None
     stages: list[DataStage] | None = None
-    validation: str | None = None
+    validation: RecipePath | None = None
     """A packed folder held out for evaluation."""
     validation_interval: int = Field(0, ge=0)
     """Evaluate every n steps (0: only at the end when a validation folder is given)."""
@@ -306,7 +306,7 @@ class PeftSection(Section):
 
 
 class ChatDataSection(Section):
-    path: str
+    path: RecipePath
     """Dataset folder with a `messages` column (chat turns) or `prompt` and `completion` columns."""
     balance_by: str | None = None
     """Column naming each row's category (e.g. "task"): every category gets the same share of the rows."""
@@ -318,13 +318,13 @@ class ChatDataSection(Section):
 
 
 class PreferenceDataSection(Section):
-    path: str
+    path: RecipePath
     """Dataset folder with `prompt`, `chosen`, `rejected` columns (strings or chat turns)."""
     limit: int | None = Field(None, gt=0)
 
 
 class PromptDataSection(Section):
-    path: str
+    path: RecipePath
     """Dataset folder of prompts."""
     prompt_column: str = "prompt"
     reference_column: str = "reference"

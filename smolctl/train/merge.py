@@ -31,7 +31,7 @@ from safetensors import safe_open
 from smolctl.data.tokenizer import load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import UserError
 from smolctl.folder_lock import holds_output
-from smolctl.recipe import Section, apply_overrides, load_recipe, validate
+from smolctl.recipe import RecipePath, Section, apply_overrides, load_recipe, validate
 from smolctl.results import Result
 from smolctl.shards import KIND_MODEL, OutputFolder, check_output_path, lineage_ref, read_manifest
 from smolctl.train.checkpoint import KIND_CHECKPOINT, refuse_run_folder
@@ -52,9 +52,9 @@ FLAGS = "--model"  # where a merge given by flags (no recipe) is named in errors
 
 
 class MergeModelSection(Section):
-    path: str | None = None
+    path: RecipePath | None = None
     """A model folder, or a run folder (its final/ is used)."""
-    soup: list[str] | None = None
+    soup: list[RecipePath] | None = None
     """linear only, instead of `path`: these checkpoints share `weight` equally (a model soup inside the merge)."""
     weight: float | None = None
     """linear: the model's share (all weights sum to 1; leave them all out for equal shares); ties, dare_ties:
@@ -78,7 +78,7 @@ class MergeOptionsSection(Section):
 
 class MergeRecipe(Section):
     method: Literal["linear", "slerp", "ties", "dare_ties"]
-    base: str | None = None
+    base: RecipePath | None = None
     """ties, dare_ties: the model the task vectors are taken against (e.g. the SFT checkpoint)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """The merged weights' dtype (the arithmetic runs in float32 either way)."""

@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from smolctl.errors import UserError
-from smolctl.recipe import Section, load_toml, validate
+from smolctl.recipe import RecipePath, Section, load_toml, validate
 from smolctl.train.run import append_jsonl
 
 COMPLETIONS = "completions.jsonl"
@@ -52,7 +52,7 @@ class RewardSection(Section):
     """length: the penalty is exp(-scale * completion tokens)."""
     truncated_penalty: float | None = None
     """length: the total of a completion cut off at the token limit (default: scored like a finished one)."""
-    path: str | None = None
+    path: RecipePath | None = None
     """model: a sequence-classification reward model folder; it scores (prompt, completion) as a chat when its
     tokenizer has a template, else as a text pair; one label: its logit, several: the last label's probability.
     Its score adds to the task term, weighted."""
