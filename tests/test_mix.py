@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import base64
 import decimal
 import hashlib
 import json
+import random
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -125,8 +128,9 @@ def test_sample_estimate_reaches_the_token_shares_pack_counts_within_half_a_poin
     estimates = read_manifest(tmp_path / "out")["mix"]["token_estimate"]
     assert estimates["requested"] == "sample" and result.token_estimates == estimates["sources"]
     calibration = estimates["sources"]
-    # Only the sample was tokenized: about 600 of web's 1,851 documents, all of code (545) and math (237).
-    assert counting.documents == sum(c["sample_documents"] for c in calibration.values())
+    # Only the sample and the large documents were tokenized: about 600 of web's 1,851 documents and those of
+    # 1/600 of its bytes or more, all of code (545) and math (237).
+    assert counting.documents == sum(c["sample_documents"] + c["large_documents"] for c in calibration.values())
     assert 450 < calibration["web"]["sample_documents"] < 750 and calibration["math"]["sample_documents"] == 237
     # The shares as `pack` counts them: its total is the sum of the per-source counts of the same tokenizer.
     packed = pack(
@@ -165,49 +169,83 @@ def test_sample_estimate_reaches_the_token_shares_pack_counts_within_half_a_poin
     assert len(shards[0]) > 1 and shards[0] == shards[1]
 
 
-def test_sample_estimate_gives_text_beyond_ascii_its_own_cost(sample, tokenizer_dir, tmp_path):
-    """A source of short English paragraphs and three long CJK documents: under an English tokenizer a CJK byte
-    costs about a token, an English one a third of that. One ratio for the source, pulled down by the CJK text in
-    its sample, overcounted the paragraphs a mix picks and gave the source 0.38 of the tokens `pack` counts for a
-    target of 0.5, with no warning. A sample that holds no CJK document cannot know its cost: that run warns."""
-    import random
-
-    from transformers import AutoTokenizer
+def paragraphs_with(sample: Path, folder: Path, count: int, make: Callable[[random.Random], str]) -> Path:
+    """12,000 short English paragraphs of the sample corpus with `count` documents of another cost among them,
+    each `make` of the same seeded random source."""
 
     web = [t for f in sorted((sample / "web").glob("part-*.parquet")) for t in pq.read_table(f)["text"].to_pylist()]
     paragraphs = [p for t in web for p in t.split("\n\n") if len(p.strip()) > 40]
     rng = random.Random(0)
     texts = [f"{rng.choice(paragraphs)} #{i}" for i in range(12000)]
-    for _ in range(3):
-        texts.insert(
-            rng.randrange(len(texts)), "".join(rng.choice("这是一个测试文档用于检查中文处理") for _ in range(100_000))
-        )
-    (tmp_path / "mixed").mkdir()
-    pq.write_table(pa.table({"text": texts}), tmp_path / "mixed" / "part-00000.parquet")
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    for _ in range(count):
+        where = rng.randrange(len(texts))
+        texts.insert(where, make(rng))
+    folder.mkdir()
+    pq.write_table(pa.table({"text": texts}), folder / "part-00000.parquet")
+    return folder
+
+
+def cjk(characters: int) -> Callable[[random.Random], str]:
+    """Under an English tokenizer a CJK byte costs about a token, an English one a third of that."""
+    return lambda rng: "".join(rng.choice("这是一个测试文档用于检查中文处理") for _ in range(characters))
+
+
+def mixed_share(sources: list[str], out: Path, tokenizer_dir: Path, seed: int, token_sample: int, tokens: str):
+    """The mix's result and the share of source 'mixed' in the tokens `pack` would count (EOS included)."""
+    from transformers import AutoTokenizer
+
+    options = {"tokens": tokens, "tokenizer": str(tokenizer_dir), "seed": seed, "token_estimate": "sample"}
+    result = mix(sources, out, token_sample=token_sample, max_repeat=100, **options)
+    rows = read_rows(out)
+    ids = AutoTokenizer.from_pretrained(str(tokenizer_dir))(rows["text"].to_pylist(), add_special_tokens=False)
+    counts = np.array([len(i) + 1 if i else 0 for i in ids["input_ids"]])
+    names = rows["source"].to_numpy(zero_copy_only=False)
+    return result, counts[names == "mixed"].sum() / counts.sum()
+
+
+def test_sample_estimate_gives_text_beyond_ascii_its_own_cost(sample, tokenizer_dir, tmp_path):
+    """Thirty CJK documents of 7.5 KB among the paragraphs, each under the large-document bound (1/250 of the
+    source's bytes): priced by the fit or not at all, depending on what the sample holds. One ratio for the source
+    misprices whichever script the mix picks more of than the sample held."""
+    mixed = paragraphs_with(sample, tmp_path / "mixed", 30, cjk(2500))
+    (tmp_path / "small").mkdir()  # a second source sampled whole (80 documents), so that it never warns
+    pq.write_table(read_rows(sample / "web").select(["text"]).slice(0, 80), tmp_path / "small" / "p.parquet")
+    sources = [f"mixed={mixed}:1", f"web={tmp_path / 'small'}:1"]
 
     def run(seed: int):
-        sources = [f"mixed={tmp_path / 'mixed'}:1", f"web={sample}/web:1"]
-        options = {"tokens": "300K", "tokenizer": str(tokenizer_dir), "seed": seed, "token_estimate": "sample"}
-        result = mix(sources, tmp_path / f"out-{seed}", token_sample=3000, **options)
-        rows = read_rows(tmp_path / f"out-{seed}")
-        ids = tokenizer(rows["text"].to_pylist(), add_special_tokens=False)["input_ids"]
-        counts = np.array([len(i) + 1 if i else 0 for i in ids])
-        names = rows["source"].to_numpy(zero_copy_only=False)
-        return result, counts[names == "mixed"].sum() / counts.sum()
+        result, share = mixed_share(sources, tmp_path / f"out-{seed}", tokenizer_dir, seed, 250, "100K")
+        assert result.token_estimates["mixed"]["large_documents"] == 0
+        return result, result.token_estimates["mixed"], share
 
-    # Seed 6 samples one of the CJK documents and picks none: the fit prices the paragraphs right. With one CJK
-    # document in the sample, one half of it cannot price CJK text for the other: the split-half check warns.
-    result, share = run(6)
-    calibration = result.token_estimates["mixed"]
-    assert calibration["sample_extra_bytes"] > 0 and calibration["tokens_per_extra_byte"] > 0
-    assert abs(share - 0.5) < 0.005
-    assert [w.split(":")[0] for w in result.warnings()] == ["source 'mixed'"] and "one half" in result.warnings()[0]
-    assert result.token_estimates["web"]["estimated_documents"] == 0  # sampled whole: nothing to warn of
-    # Seed 2 samples none and picks one, estimated at an English paragraph's cost: 0.70 of the tokens, warned.
-    result, share = run(2)
-    assert result.token_estimates["mixed"]["extra_bytes_unsampled"] and share > 0.6
+    # Seed 6 samples two of the CJK documents, one in each half: the fit prices CJK bytes, nothing to warn of.
+    result, calibration, share = run(6)
+    assert calibration["sample_extra_bytes"] > 0 and calibration["tokens_per_extra_byte"] > 0.5
+    assert abs(share - 0.5) < 0.005 and result.warnings() == []
+    # Seed 0 samples one: the fit still prices it, but one half of the sample cannot price CJK text for the other.
+    result, calibration, share = run(0)
+    assert calibration["tokens_per_extra_byte"] > 0.5 and abs(share - 0.5) < 0.005
+    assert len(result.warnings()) == 1 and "one half" in result.warnings()[0]
+    # Seed 5 samples none: CJK is priced as English, 0.54 of the tokens, and the run says why.
+    result, calibration, share = run(5)
+    assert calibration["extra_bytes_unsampled"] and share > 0.53
     assert any("beyond ASCII" in warning for warning in result.warnings())
+
+
+def test_sample_estimate_counts_documents_too_large_to_sample_exactly(sample, tokenizer_dir, tmp_path):
+    """Eight base64 blobs of 8 KB among 2.2 MB of paragraphs: ASCII, so nothing marks them, at about three times an
+    English byte's cost. A uniform sample of 1,000 documents (one in twelve) held one or none of them, and priced
+    as English the ones a mix picked gave the source 0.524 and 0.523 of the tokens for a target of 0.5 (seeds 1
+    and 7), with no warning. Each holds more than 1/1000 of the source's bytes, so each is now tokenized whatever
+    the sample."""
+    mixed = paragraphs_with(sample, tmp_path / "mixed", 8, lambda rng: base64.b64encode(rng.randbytes(6000)).decode())
+    sources = [f"mixed={mixed}:1", f"web={sample}/web:1"]
+    for seed in (1, 7):
+        result, share = mixed_share(sources, tmp_path / f"out-{seed}", tokenizer_dir, seed, 1000, "300K")
+        calibration = result.token_estimates["mixed"]
+        assert calibration["large_document_bytes"] == pytest.approx(sum(open_documents(mixed).file_bytes) / 1000)
+        assert calibration["large_documents"] >= 8 and calibration["large_bytes"] >= 8 * 8000
+        assert abs(share - 0.5) < 0.005, seed
+        assert result.warnings() == []
 
 
 def whitespace_word_tokenizer(folder: Path, words: list[str]) -> Path:
@@ -229,7 +267,7 @@ def test_sample_estimate_counts_no_end_for_documents_that_tokenize_to_nothing(tm
     """pack appends EOS only to documents with ids; under a word-level or SentencePiece tokenizer a whitespace-only
     document has none. The estimate measures that share on the sample instead of giving every such document an EOS."""
     from smolctl.data.mix_blocks import source_key
-    from smolctl.data.mix_tokens import calibrate, document_sizes, measure_file, sample_key
+    from smolctl.data.mix_tokens import TokenSample, calibrate, document_sizes, measure_file, sample_key
     from smolctl.data.tokenizer import load_rust_tokenizer
 
     rng = np.random.default_rng(5)
@@ -240,7 +278,9 @@ def test_sample_estimate_counts_no_end_for_documents_that_tokenize_to_nothing(tm
     source = open_documents(tmp_path / "docs.parquet")
     exact = int(document_sizes(pa.array(texts), backend).sum())
     for seed in range(3):
-        measured = measure_file(source, 0, source_key(seed, "s"), "text", backend, (sample_key(seed, "s"), 0.1))
+        measured = measure_file(
+            source, 0, source_key(seed, "s"), "text", backend, TokenSample(sample_key(seed, "s"), 0.1, np.inf)
+        )
         calibration = calibrate(
             "s",
             measured["sample_bytes"],
@@ -291,7 +331,15 @@ def test_the_estimate_at_write_time_is_the_measured_one_and_the_sample_is_left_o
     bytes included; the measured bins hold only the documents outside the sample, whose extra bytes the sample
     holds instead."""
     from smolctl.data.mix_blocks import source_key
-    from smolctl.data.mix_tokens import calibrate, extra_bytes, measure_file, sample_key, text_bytes
+    from smolctl.data.mix_tokens import (
+        TokenSample,
+        calibrate,
+        document_sizes,
+        extra_bytes,
+        measure_file,
+        sample_key,
+        text_bytes,
+    )
     from smolctl.data.tokenizer import load_rust_tokenizer
 
     rng = np.random.default_rng(1)
@@ -302,7 +350,9 @@ def test_the_estimate_at_write_time_is_the_measured_one_and_the_sample_is_left_o
     pq.write_table(pa.table({"text": texts}), tmp_path / "docs.parquet")
     source = open_documents(tmp_path / "docs.parquet")
     backend = load_rust_tokenizer(str(tokenizer_dir)).backend
-    measured = measure_file(source, 0, source_key(0, "s"), "text", backend, (sample_key(0, "s"), 0.3))
+    measured = measure_file(
+        source, 0, source_key(0, "s"), "text", backend, TokenSample(sample_key(0, "s"), 0.3, np.inf)
+    )
     array = pa.array(texts)
     every_extra = int(extra_bytes(array, text_bytes(array)).sum())
     assert measured["sample_extra"].sum() > 0 and measured["extra"].sum() > 0
@@ -318,12 +368,17 @@ def test_the_estimate_at_write_time_is_the_measured_one_and_the_sample_is_left_o
         estimated_documents=int(measured["nonempty"].sum()),
     )
     assert calibration.tokens_per_extra_byte != 0
-    sizes = calibration.sizes(array)
+    sizes = calibration.sizes(array, backend)
     per_document = calibration.estimate(text_bytes(array), extra_bytes(array, text_bytes(array)), np.ones(2000, int))
     assert np.array_equal(sizes, per_document)
     chinese = sizes[::5].sum() / 400
     expected = 120 * calibration.tokens_per_byte + 80 * calibration.tokens_per_extra_byte + 1
     assert abs(chinese - expected) < 0.01
+    # A large document (TokenSample) is counted at write time as the measuring path counted it: exactly.
+    calibration.large_document_bytes = 100  # the Chinese documents' 120 bytes, not the English ones' ~25
+    counted = calibration.sizes(array, backend)
+    assert np.array_equal(counted[::5], document_sizes(array.take(np.arange(0, 2000, 5)), backend))
+    assert np.delete(counted, np.arange(0, 2000, 5)).tolist() == np.delete(sizes, np.arange(0, 2000, 5)).tolist()
 
 
 def test_estimates_are_rounded_along_the_running_total():
@@ -331,7 +386,9 @@ def test_estimates_are_rounded_along_the_running_total():
     from smolctl.data.mix_tokens import TokenCalibration
 
     # 0.25 tokens per byte, half the documents end in EOS
-    calibration = TokenCalibration(10_000, 10_000, 0, 9_900, 100, 1000, 0, 250, 50, 0.25, 0.0, None, None)
+    calibration = TokenCalibration(
+        10_000, 10_000, 0, 9_900, np.inf, 0, 0, 0, 100, 1000, 0, 250, 50, 0.25, 0.0, None, None
+    )
     text_bytes = np.tile([5, 22], 500)
     estimate = calibration.estimate(text_bytes, np.zeros(1000, dtype=np.int64), np.ones(1000, dtype=np.int64))
     expected = (text_bytes * 0.25 + 0.5).sum()

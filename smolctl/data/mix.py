@@ -66,6 +66,7 @@ from smolctl.data.mix_tokens import (
     HOLDOUT_WARNING,
     MEASUREMENTS_VERSION,
     TokenCalibration,
+    TokenSample,
     calibrate,
     document_sizes,
     measure_file,
@@ -442,6 +443,14 @@ class MixJob:
         """(source, file) of every measuring unit: the sources in order, each file in order."""
         return [(name, index) for name, source in self.sources.items() for index in range(len(source.files))]
 
+    def token_sample(self, name: str) -> TokenSample | None:
+        """The documents of source `name` whose tokens `sample` mode counts (TokenSample); None: all of them."""
+        fraction = self.sample_fractions[name]
+        if fraction is None:
+            return None
+        source_bytes = sum(self.sources[name].file_bytes)
+        return TokenSample.of(sample_key(self.plan.seed, name), fraction, source_bytes, self.plan.token_sample)
+
     def unit_count(self, stage: str) -> int:
         return len(self.measure_units) if stage == "measure" else len(self.blocks())
 
@@ -520,15 +529,13 @@ class MixJob:
         if stage == "measure":
             for unit in units:
                 name, file_index = self.measure_units[unit]
-                fraction = self.sample_fractions[name]
-                sample = None if fraction is None else (sample_key(self.plan.seed, name), fraction)
                 measured = measure_file(
                     self.sources[name],
                     file_index,
                     source_key(self.plan.seed, name),
                     self.plan.text_column,
                     self.backend,
-                    sample,
+                    self.token_sample(name),
                     on_measure,
                 )
                 save_arrays(self.area.stage_dir("measure") / f"{unit:05d}.npz", **measured)
@@ -592,15 +599,20 @@ class MixJob:
             units, documents = totals["units"], totals["documents"]
             if samples["sample_bytes"]:  # units are bytes outside the sample: estimate their tokens from it
                 sample = {key: np.concatenate(parts) for key, parts in samples.items()}
+                large_bytes, large_extra = int(totals["large_bytes"]), int(totals["large_extra"])
                 calibrations[name] = calibrate(
                     name,
                     sample["sample_bytes"],
                     sample["sample_extra"],
                     sample["sample_tokens"],
                     source_documents=int(documents.sum()),
-                    source_bytes=int(units.sum() + sample["sample_bytes"].sum()),
-                    source_extra_bytes=int(totals["extra"].sum() + sample["sample_extra"].sum()),
+                    source_bytes=int(units.sum() + sample["sample_bytes"].sum()) + large_bytes,
+                    source_extra_bytes=int(totals["extra"].sum() + sample["sample_extra"].sum()) + large_extra,
                     estimated_documents=int(totals["nonempty"].sum()),
+                    large_document_bytes=self.token_sample(name).large_bytes,
+                    large_documents=int(totals["large_documents"]),
+                    large_bytes=large_bytes,
+                    large_extra_bytes=large_extra,
                 )
                 units = calibrations[name].estimate(units, totals["extra"], totals["nonempty"]) + totals["sampled"]
             profiles[name] = SourceProfile(name, source, source_key(self.plan.seed, name), units, documents)
@@ -636,7 +648,7 @@ class MixJob:
     def sizes(self, name: str, texts) -> np.ndarray:
         """A source's document sizes in the mix's unit: estimated from bytes for a sampled source."""
         calibration = self.allocation()["calibrations"].get(name)
-        return calibration.sizes(texts) if calibration else document_sizes(texts, self.backend)
+        return calibration.sizes(texts, self.backend) if calibration else document_sizes(texts, self.backend)
 
     def token_estimates(self) -> dict[str, dict] | None:
         if self.backend is None:

@@ -6,7 +6,12 @@ Exact counting tokenizes every document of every source, and `pack` tokenizes th
 full tokenizer pass at corpus scale. The estimate tokenizes only a seeded sample of each source instead:
 1. Sample. A row is in its source's sample when a hash of (seed, source, row index) falls below the fraction
    token_sample / documents of the source (all rows when that is 1): about `token_sample` documents, spread over
-   every file, chosen without reading anything, so each measuring unit (one file) finds its own share.
+   every file, chosen without reading anything, so each measuring unit (one file) finds its own share. A document
+   holding at least 1/token_sample of the source's bytes (as its files' footers count them) is tokenized whatever
+   its hash: a uniform sample of documents misses most such outliers (a minified bundle, a base64 blob, a book in
+   a crawl), and one of them priced at the others' cost moved a share by points with no warning. There are at
+   most token_sample of them, counted exactly and left out of the fit, which prices the population the sample
+   was drawn from.
 2. Calibrate. A document's token ids ~ a x its UTF-8 bytes + b x its extra bytes (those beyond the first of each
    character: none in ASCII), fitted on the sample by least squares weighted by 1 / bytes. Without extra bytes
    that is the ratio estimator, the sample's ids / its bytes (long documents weigh more, as they do in a token
@@ -44,9 +49,9 @@ from smolctl.data.mix_blocks import BINS, row_bins, row_hash, source_key
 from smolctl.errors import UserError
 
 Arrays = dict[str, np.ndarray]
-MEASUREMENTS_VERSION = 2
-"""Bumped whenever what a measuring unit records changes (2: extra bytes): a work area measured by another version
-is measured again, not resumed."""
+MEASUREMENTS_VERSION = 3
+"""Bumped whenever what a measuring unit records changes (2: extra bytes, 3: large documents counted apart): a
+work area measured by another version is measured again, not resumed."""
 HOLDOUT_WARNING = 0.04
 """A split-half error that suggests the whole sample's estimate is off by 2%, which can move a share of one half
 by half a point (s x (1 - s) x e): fitted on half the documents and checked against the other half's own noise,
@@ -113,21 +118,39 @@ def in_sample(key: int, fraction: float, rows: np.ndarray) -> np.ndarray:
     return row_hash(key, rows) < np.uint64(int(fraction * 2.0**64))
 
 
+@dataclass(frozen=True)
+class TokenSample:
+    """Which documents of a source are tokenized in `sample` mode: those whose row hash (`key`) falls below
+    `fraction`, and every one of at least `large_bytes` UTF-8 bytes."""
+
+    key: int
+    fraction: float
+    large_bytes: float
+
+    @classmethod
+    def of(cls, key: int, fraction: float, source_bytes: int, token_sample: int) -> TokenSample:
+        """Documents of 1/token_sample of the source's `source_bytes` or more are large; none where the sample is
+        the whole source (nothing is left to estimate), or where the files' footers record no bytes."""
+        large = source_bytes / token_sample if fraction < 1 and source_bytes > 0 else math.inf
+        return cls(key, fraction, large)
+
+
 def measure_file(
     source,
     file_index: int,
     key: int,
     text_column: str,
     backend,
-    sample: tuple[int, float] | None,
+    sample: TokenSample | None,
     on_rows: Callable[[int], None] | None = None,
 ) -> Arrays:
     """Per bin of one file of a source (rows numbered across the whole source): `units` and `documents`.
 
-    `units` are tokens with a tokenizer and no `sample` (key, fraction), else UTF-8 bytes. With a sample, `units`
-    are the bytes of the documents outside it, `extra` their extra bytes (extra_bytes), `nonempty` counts those
-    that are not empty and `sampled` holds the sampled documents' tokens (EOS included); `sample_bytes`,
-    `sample_extra` and `sample_tokens` (ids, no EOS) list the sampled documents in row order. Only those
+    `units` are tokens with a tokenizer and no `sample`, else UTF-8 bytes. With a sample, `units` are the bytes of
+    the documents outside it and not large, `extra` their extra bytes (extra_bytes), `nonempty` counts those that
+    are not empty and `sampled` holds the tokens (EOS included) of the sampled and the large ones; `sample_bytes`,
+    `sample_extra` and `sample_tokens` (ids, no EOS) list the sampled documents that are not large in row order,
+    and `large_documents`, `large_bytes` and `large_extra` total the large ones. Only the sampled and the large
     documents are tokenized.
     """
     estimating = backend is not None and sample is not None
@@ -137,25 +160,31 @@ def measure_file(
     nonempty = np.zeros(BINS, dtype=np.int64)
     sampled = np.zeros(BINS, dtype=np.int64)
     sampled_bytes, sampled_extra, sampled_tokens = [], [], []
+    large_documents = large_bytes = large_extra = 0
     row = sum(source.file_rows[:file_index])
     for batch in source.iter_file_batches(file_index, columns=[text_column], batch_size=4096, threads=False):
         rows = np.arange(row, row + batch.num_rows)
         bins = row_bins(key, rows)
         texts = batch.column(0)
         if estimating:
-            picked = in_sample(sample[0], sample[1], rows)
             texts = plain_strings(texts)  # once for both counts, where views or dictionaries need converting
             sizes = text_bytes(texts)
             beyond = extra_bytes(texts, sizes)
-            tokens = text_tokens(texts.filter(pa.array(picked)), backend)
-            sampled += np.bincount(bins[picked], weights=np.where(tokens > 0, tokens + 1, 0), minlength=BINS).astype(
+            large = sizes >= sample.large_bytes
+            picked = in_sample(sample.key, sample.fraction, rows) & ~large
+            counted = picked | large
+            tokens = text_tokens(texts.filter(pa.array(counted)), backend)
+            sampled += np.bincount(bins[counted], weights=np.where(tokens > 0, tokens + 1, 0), minlength=BINS).astype(
                 np.int64
             )
             sampled_bytes.append(sizes[picked])
             sampled_extra.append(beyond[picked])
-            sampled_tokens.append(tokens)
+            sampled_tokens.append(tokens[picked[counted]])
+            large_documents += int(large.sum())
+            large_bytes += int(sizes[large].sum())
+            large_extra += int(beyond[large].sum())
             # Counted exactly above: `units`, `extra` and `nonempty` hold only what is left to estimate.
-            sizes[picked] = beyond[picked] = 0
+            sizes[counted] = beyond[counted] = 0
             extra += np.bincount(bins, weights=beyond, minlength=BINS).astype(np.int64)
             nonempty += np.bincount(bins, weights=sizes > 0, minlength=BINS).astype(np.int64)
         else:
@@ -175,6 +204,9 @@ def measure_file(
             "sample_bytes": np.concatenate([empty, *sampled_bytes]),
             "sample_extra": np.concatenate([empty, *sampled_extra]),
             "sample_tokens": np.concatenate([empty, *sampled_tokens]).astype(np.int64),
+            "large_documents": np.int64(large_documents),
+            "large_bytes": np.int64(large_bytes),
+            "large_extra": np.int64(large_extra),
         }
     return measured
 
@@ -188,7 +220,14 @@ class TokenCalibration:
     source_bytes: int
     source_extra_bytes: int
     estimated_documents: int
-    """Non-empty documents outside the sample, whose tokens are estimated: none where it is the whole source."""
+    """Non-empty documents outside the sample and not large, whose tokens are estimated: none where the sample is
+    the whole source."""
+    large_document_bytes: float
+    """Documents of this many UTF-8 bytes or more (1/token_sample of the source's) are large: tokenized and
+    counted exactly, outside the fit (inf: none are)."""
+    large_documents: int
+    large_bytes: int
+    large_extra_bytes: int
     sample_documents: int
     """Non-empty documents tokenized (empty ones have no tokens and no bytes)."""
     sample_bytes: int
@@ -215,9 +254,11 @@ class TokenCalibration:
 
     @property
     def extra_bytes_unsampled(self) -> bool:
-        """Whether the source's text beyond ASCII is too rare in its sample for the fit to know its cost: at least
-        1% of the source's bytes are extra bytes, and the sample's share of them is under a quarter of that."""
-        source_share = self.source_extra_bytes / max(self.source_bytes, 1)
+        """Whether the text beyond ASCII the fit prices is too rare in its sample for it to know its cost: at
+        least 1% of the bytes of the documents that are not large are extra bytes, and the sample's share of them
+        is under a quarter of that."""
+        priced = self.source_bytes - self.large_bytes
+        source_share = (self.source_extra_bytes - self.large_extra_bytes) / max(priced, 1)
         return (
             self.estimated_documents > 0
             and source_share >= 0.01
@@ -241,15 +282,24 @@ class TokenCalibration:
         running = np.rint(np.cumsum(ids + nonempty * self.ends_per_document))
         return np.diff(running, prepend=0).astype(np.int64)
 
-    def sizes(self, texts: pa.Array) -> np.ndarray:
-        """Each document's estimated tokens, EOS included (0 for an empty one)."""
+    def sizes(self, texts: pa.Array, backend) -> np.ndarray:
+        """Each document's tokens, EOS included (0 for an empty one): estimated, but counted by `backend` for a
+        large one, as the measuring path counted it."""
         texts = plain_strings(texts)
         sizes = text_bytes(texts)
-        return self.estimate(sizes, extra_bytes(texts, sizes), (sizes > 0).astype(np.int64))
+        estimated = self.estimate(sizes, extra_bytes(texts, sizes), (sizes > 0).astype(np.int64))
+        large = sizes >= self.large_document_bytes
+        if large.any():
+            estimated[large] = document_sizes(texts.filter(pa.array(large)), backend)
+        return estimated
 
     def to_dict(self) -> dict:
+        """As the manifest records it: JSON has no infinity, so "no document is large" is null."""
         derived = {"bytes_per_token": self.bytes_per_token, "extra_bytes_unsampled": self.extra_bytes_unsampled}
-        return {"mode": self.mode} | derived | {key: value for key, value in asdict(self).items() if key != "mode"}
+        fields = {key: value for key, value in asdict(self).items() if key != "mode"}
+        if math.isinf(self.large_document_bytes):
+            fields["large_document_bytes"] = None
+        return {"mode": self.mode} | derived | fields
 
 
 def fit_tokens(b: np.ndarray, m: np.ndarray, t: np.ndarray) -> tuple[float, float]:
@@ -272,9 +322,14 @@ def calibrate(
     source_bytes: int,
     source_extra_bytes: int,
     estimated_documents: int,
+    large_document_bytes: float = math.inf,
+    large_documents: int = 0,
+    large_bytes: int = 0,
+    large_extra_bytes: int = 0,
 ) -> TokenCalibration:
     """The fit of a source's sampled documents' ids on their bytes and extra bytes (listed in row order), with
-    the whole source's documents, bytes and extra bytes, and its non-empty documents outside the sample."""
+    the whole source's documents, bytes and extra bytes, its non-empty documents left to estimate, and what its
+    large documents (TokenSample) hold."""
     keep = sample_bytes > 0
     b, m = sample_bytes[keep].astype(np.float64), sample_extra[keep].astype(np.float64)
     t = sample_tokens[keep].astype(np.float64)
@@ -309,6 +364,10 @@ def calibrate(
         source_bytes,
         source_extra_bytes,
         estimated_documents,
+        large_document_bytes,
+        large_documents,
+        large_bytes,
+        large_extra_bytes,
         n,
         int(b.sum()),
         int(m.sum()),
