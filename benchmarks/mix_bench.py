@@ -245,8 +245,9 @@ def main() -> None:
             )
         print(
             "\n| source | target | mode | share as pack counts | sample's bytes/token (EOS excl.) | fit: tokens/byte, "
-            "+ per extra byte | sampled documents | relative standard error | split-half error |"
-            "\n|---|---|---|---|---|---|---|---|---|"
+            "+ per extra byte | sampled documents | large documents (counted exactly) | relative standard error "
+            "| split-half error |"
+            "\n|---|---|---|---|---|---|---|---|---|---|"
         )
         for name in WEIGHTS:
             for mode in modes:
@@ -254,10 +255,11 @@ def main() -> None:
                 calibration = (
                     (
                         f"{e['bytes_per_token']:.3f} | {e['tokens_per_byte']:.4f}, {e['tokens_per_extra_byte']:+.4f} | "
-                        f"{e['sample_documents']:,} | {e['relative_standard_error']:.2%} | {e['holdout_error']:.2%}"
+                        f"{e['sample_documents']:,} | {e['large_documents']:,} ({e['large_bytes'] / 1e6:.2f} MB) | "
+                        f"{e['relative_standard_error']:.2%} | {e['holdout_error']:.2%}"
                     )
                     if e["mode"] == "sample"
-                    else "| | | |"
+                    else "| | | | |"
                 )
                 print(f"| {name} | {target[name]:.4f} | {mode} | {shares[mode][name]:.4f} | {calibration} |")
     finally:

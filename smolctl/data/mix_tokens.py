@@ -10,8 +10,8 @@ full tokenizer pass at corpus scale. The estimate tokenizes only a seeded sample
    holding at least 1/token_sample of the source's bytes (as its files' footers count them) is tokenized whatever
    its hash: a uniform sample of documents misses most such outliers (a minified bundle, a base64 blob, a book in
    a crawl), and one of them priced at the others' cost moved a share by points with no warning. There are at
-   most token_sample of them, counted exactly and left out of the fit, which prices the population the sample
-   was drawn from.
+   most token_sample of them (and none under ten times the mean document), counted exactly and left out of the
+   fit, which prices the population the sample was drawn from.
 2. Calibrate. A document's token ids ~ a x its UTF-8 bytes + b x its extra bytes (those beyond the first of each
    character: none in ASCII), fitted on the sample by least squares weighted by 1 / bytes. Without extra bytes
    that is the ratio estimator, the sample's ids / its bytes (long documents weigh more, as they do in a token
@@ -62,6 +62,8 @@ share further (s x (1 - s) x e) are a warning."""
 EXTRA_FITTED_FROM = 0.01
 """Extra bytes get their own coefficient where they are at least 1% of the sample's bytes: a few accented letters
 would otherwise set it at random (+6 or -7 tokens per byte on the English sample corpus)."""
+LARGE_FLOOR_MEANS = 10
+"""A large document (TokenSample) is at least this many times its source's mean document."""
 COLLINEAR = 0.01
 """The fit keeps one ratio where the sample's extra bytes are (nearly) a fixed share of its bytes (one script):
 two coefficients would then only fit the sample's noise."""
@@ -129,10 +131,14 @@ class TokenSample:
 
     @classmethod
     def of(cls, key: int, fraction: float, source_bytes: int, token_sample: int) -> TokenSample:
-        """Documents of 1/token_sample of the source's `source_bytes` or more are large; none where the sample is
-        the whole source (nothing is left to estimate), or where the files' footers record no bytes."""
-        large = source_bytes / token_sample if fraction < 1 and source_bytes > 0 else math.inf
-        return cls(key, fraction, large)
+        """Documents of 1/token_sample of the source's `source_bytes` or more are large, and of ten times its mean
+        document at least: where the sample is a tenth of the source or more (`sample` asked for on a source
+        `auto` would count exactly), one document in ten or more is tokenized anyway, and the bound alone took a
+        third of a source's bytes as large. None are large where the sample is the whole source (nothing is left
+        to estimate), or where the files' footers record no bytes."""
+        if fraction >= 1 or source_bytes <= 0:
+            return cls(key, fraction, math.inf)
+        return cls(key, fraction, source_bytes / token_sample * max(1.0, LARGE_FLOOR_MEANS * fraction))
 
 
 def measure_file(
