@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/mix_bench.py                       # ~6 MB per source, a few minutes on 2 cores
     .venv/bin/python benchmarks/mix_bench.py --mb 2 --rounds 2     # quicker
+    .venv/bin/python benchmarks/mix_bench.py --mb 20 --rounds 1 --blobs 20   # outliers a uniform sample misses
 
 The corpus is real text found on any Debian-like machine, four sources that tokenize differently: English prose
 (/usr/share/doc), Python code (the virtual environment's sources), English manual pages (roff) and manual pages
@@ -18,6 +19,7 @@ share is that part's packed tokens (EOS included) over all parts'.
 from __future__ import annotations
 
 import argparse
+import base64
 import gzip
 import hashlib
 import os
@@ -93,11 +95,15 @@ def documents(name: str, megabytes: float, rng: np.random.Generator) -> list[str
     return out
 
 
-def build_corpus(work: Path, megabytes: float, vocab_size: int) -> dict[str, int]:
+def build_corpus(work: Path, megabytes: float, vocab_size: int, blobs: int = 0) -> dict[str, int]:
     rng = np.random.default_rng(0)
     counts, training = {}, []
     for name in WEIGHTS:
         texts = documents(name, megabytes, rng)
+        if name == "code":  # base64 blobs of 1/400 of its bytes each, at seeded places (after the sample's draws)
+            size = sum(len(t.encode()) for t in texts) // 400
+            for blob in [base64.b64encode(rng.bytes(size)).decode() for _ in range(blobs)]:
+                texts.insert(int(rng.integers(len(texts))), blob)
         folder = work / "sources" / name
         folder.mkdir(parents=True)
         half = len(texts) // 2
@@ -192,11 +198,17 @@ def main() -> None:
         default=0.5,
         help="The mix's token budget, as a fraction of the corpus's tokens (guessed at 4 bytes per token).",
     )
+    parser.add_argument(
+        "--blobs",
+        type=int,
+        default=0,
+        help="Base64 blobs to add to the code source (each 1/400 of its bytes): outliers a uniform sample misses.",
+    )
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="mix-bench-"))
     try:
-        counts = build_corpus(work, args.mb, args.vocab_size)
+        counts = build_corpus(work, args.mb, args.vocab_size, args.blobs)
         corpus_bytes = {
             n: sum(
                 len(t.encode())
