@@ -462,9 +462,16 @@ def mix_command(
                 if estimate["tokens_per_extra_byte"]
                 else f"{estimate['bytes_per_token']:.3f} bytes/token"
             )
+            large = estimate["large_documents"]
+            counted = (
+                f"; {large:,} document{'s' * (large != 1)} of {estimate['large_document_bytes']:,.0f} bytes or more "
+                "counted exactly"
+                if large
+                else ""
+            )
             show(
                 f"{name}: tokens estimated at {cost}, fitted on {estimate['sample_documents']:,} sampled documents "
-                f"(split-half error {estimate['holdout_error'] or 0:.2%})"
+                f"(split-half error {estimate['holdout_error'] or 0:.2%}){counted}"
             )
     show(
         styled(
