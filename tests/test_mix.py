@@ -248,6 +248,26 @@ def test_sample_estimate_counts_documents_too_large_to_sample_exactly(sample, to
         assert result.warnings() == []
 
 
+def test_a_source_of_repeated_documents_is_counted_exactly_where_its_footers_under_count_it(tokenizer_dir, tmp_path):
+    """Parquet's dictionary encoding stores a repeated text once, and the footer's sizes count it once: 20 texts
+    repeated over 20,000 rows read as 16 bytes each, so every document is large and none is left to estimate.
+    That run stopped on an empty fit ("the token sample holds no tokens"); it counts every document instead."""
+    paragraphs = [f"paragraph number {i} " * 8 for i in range(20)]
+    (tmp_path / "dup").mkdir()
+    pq.write_table(pa.table({"text": [paragraphs[i % 20] for i in range(20000)]}), tmp_path / "dup" / "p.parquet")
+    assert sum(open_documents(tmp_path / "dup").file_bytes) < 20000 * 20  # the footer's count
+    options = {"tokens": "50K", "tokenizer": str(tokenizer_dir), "token_estimate": "sample", "token_sample": 1000}
+    result = mix([f"dup={tmp_path / 'dup'}:1"], tmp_path / "out", **options)
+    calibration = result.token_estimates["dup"]
+    assert calibration["large_documents"] == 20000 and calibration["estimated_documents"] == 0
+    assert calibration["bytes_per_token"] is None  # no sample to take it from; null, not Infinity, in the manifest
+    tokenizer = load_rust_tokenizer(str(tokenizer_dir)).backend
+    rows = read_rows(tmp_path / "out")["text"].to_pylist()
+    exact = sum(len(e.ids) + 1 for e in tokenizer.encode_batch(rows, add_special_tokens=False))
+    assert result.stages[0].sources[0].units == exact
+    json.loads((tmp_path / "out" / "manifest.json").read_text(), parse_constant=pytest.fail)
+
+
 def whitespace_word_tokenizer(folder: Path, words: list[str]) -> Path:
     """A word-level tokenizer folder (as BERT-like and SentencePiece folders behave): whitespace alone gives no ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers

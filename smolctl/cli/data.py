@@ -455,7 +455,12 @@ def mix_command(
     for message in result.warnings():
         warn(message)
     for name, estimate in (result.token_estimates or {}).items():
-        if estimate["mode"] == "sample":
+        if estimate["mode"] == "sample" and not estimate["sample_documents"]:
+            show(
+                f"{name}: every document counted exactly ({estimate['large_documents']:,} of "
+                f"{estimate['large_document_bytes']:,.0f} bytes or more, as its parquet footers count its bytes)"
+            )
+        elif estimate["mode"] == "sample":
             cost = (
                 f"{estimate['tokens_per_byte']:.3f} tokens/byte {estimate['tokens_per_extra_byte']:+.3f} per extra "
                 "byte (of a character beyond ASCII, after its first)"

@@ -395,8 +395,8 @@ class MixResult:
             if (estimate["holdout_error"] or 0) > HOLDOUT_WARNING or self._share_error(name, estimate) > HALF_A_POINT
         ]
         unseen = [
-            f"source {name!r}: {estimate['source_extra_bytes'] / estimate['source_bytes']:.1%} of its bytes are "
-            "extra bytes of characters beyond ASCII (all but each character's first), "
+            f"source {name!r}: {estimate['estimated_extra_share']:.1%} of the bytes it estimates are extra bytes of "
+            "characters beyond ASCII (all but each character's first), "
             f"{estimate['sample_extra_bytes'] / estimate['sample_bytes']:.1%} of its sample's: the estimate cannot "
             "know what that text costs in tokens, and the achieved weights may be off by more than half a point; "
             "raise token_sample (a recipe key), or pass --token-estimate exact"

@@ -259,22 +259,25 @@ class TokenCalibration:
         return self.sample_bytes / self.sample_tokens if self.sample_tokens else math.inf
 
     @property
+    def estimated_extra_share(self) -> float:
+        """Extra bytes over all bytes of the documents that are not large: the text the fit prices."""
+        return (self.source_extra_bytes - self.large_extra_bytes) / max(self.source_bytes - self.large_bytes, 1)
+
+    @property
     def extra_bytes_unsampled(self) -> bool:
         """Whether the text beyond ASCII the fit prices is too rare in its sample for it to know its cost: at
         least 1% of the bytes of the documents that are not large are extra bytes, and the sample's share of them
         is under a quarter of that."""
-        priced = self.source_bytes - self.large_bytes
-        source_share = (self.source_extra_bytes - self.large_extra_bytes) / max(priced, 1)
         return (
             self.estimated_documents > 0
-            and source_share >= 0.01
-            and self.sample_extra_bytes / self.sample_bytes < source_share / 4
+            and self.estimated_extra_share >= 0.01
+            and self.sample_extra_bytes / self.sample_bytes < self.estimated_extra_share / 4
         )
 
     @property
     def ends_per_document(self) -> float:
         """EOS tokens `pack` appends per non-empty document, estimated on the sample."""
-        return self.sample_documents_with_tokens / self.sample_documents
+        return self.sample_documents_with_tokens / self.sample_documents if self.sample_documents else 0.0
 
     def estimate(self, text_bytes: np.ndarray, extra: np.ndarray, nonempty: np.ndarray) -> np.ndarray:
         """Tokens, EOS included, of documents (or bins of them) holding `text_bytes` with `extra` extra bytes in
@@ -300,11 +303,18 @@ class TokenCalibration:
         return estimated
 
     def to_dict(self) -> dict:
-        """As the manifest records it: JSON has no infinity, so "no document is large" is null."""
-        derived = {"bytes_per_token": self.bytes_per_token, "extra_bytes_unsampled": self.extra_bytes_unsampled}
+        """As the manifest records it: JSON has no infinity, so "no document is large" and the bytes per token of
+        a sample without tokens are null."""
+        derived = {
+            "bytes_per_token": self.bytes_per_token,
+            "estimated_extra_share": self.estimated_extra_share,
+            "extra_bytes_unsampled": self.extra_bytes_unsampled,
+        }
         fields = {key: value for key, value in asdict(self).items() if key != "mode"}
-        if math.isinf(self.large_document_bytes):
-            fields["large_document_bytes"] = None
+        for values in (derived, fields):
+            for key, value in values.items():
+                if isinstance(value, float) and math.isinf(value):
+                    values[key] = None
         return {"mode": self.mode} | derived | fields
 
 
@@ -339,13 +349,35 @@ def calibrate(
     keep = sample_bytes > 0
     b, m = sample_bytes[keep].astype(np.float64), sample_extra[keep].astype(np.float64)
     t = sample_tokens[keep].astype(np.float64)
+    n = len(b)
     if b.sum() == 0 or t.sum() == 0:
+        # Nothing left to price: every document was sampled or large. The footers under-count text that
+        # dictionary encoding stored once (a source of repeated documents), which makes many documents large.
+        if estimated_documents == 0:
+            return TokenCalibration(
+                source_documents,
+                source_bytes,
+                source_extra_bytes,
+                0,
+                large_document_bytes,
+                large_documents,
+                large_bytes,
+                large_extra_bytes,
+                n,
+                int(b.sum()),
+                int(m.sum()),
+                int(t.sum()),
+                int((t > 0).sum()),
+                0.0,
+                0.0,
+                None,
+                None,
+            )
         raise UserError(
             f"source {name!r}",
             f"the token sample ({len(sample_bytes)} documents) holds no tokens",
             "raise token_sample in the recipe, or pass --token-estimate exact",
         )
-    n = len(b)
     per_byte, per_extra = fit_tokens(b, m, t)
     coefficients = 1 + (per_extra != 0)
     standard_error = holdout = None
