@@ -16,6 +16,7 @@ from smolctl.shards import (
     KIND_PACKED,
     KIND_TOKENS,
     MANIFEST_NAME,
+    home_expanded,
     lineage_chain,
     open_documents,
     open_packed,
@@ -291,6 +292,7 @@ def inspect_path(
 ) -> Inspection:
     """Describe a dataset, packed, model or tokenizer folder, a folder of such folders, or a foreign parquet
     file/folder/glob."""
+    path = str(home_expanded(path))
     target = Path(path)
     # A training run folder: what it produced is its final model; until it has one, its checkpoints. Its
     # checkpoints and exports are verified with it, since a run is copied and resumed whole.

@@ -1059,7 +1059,7 @@ def open_documents(spec: str | Path, columns: Sequence[str] | None = None) -> Do
     only ones the command reads (pack and train-tokenizer read the text): where every file holds them, the files
     need to agree on those alone (pandas writes an integer column with a null in it as float64 in that shard
     only)."""
-    spec = _home_expanded(spec)
+    spec = home_expanded(spec)
     files, manifest, folder = resolve_parquet_files(spec)
     schemas: list[pa.Schema] = []
     rows: list[int] = []
@@ -1092,7 +1092,7 @@ def open_documents(spec: str | Path, columns: Sequence[str] | None = None) -> Do
     return DocumentSource(str(spec), files, manifest, folder, schema, rows, labels, sizes, partitions)
 
 
-def _home_expanded(spec: str | Path) -> str | Path:
+def home_expanded(spec: str | Path) -> str | Path:
     """A leading `~` or `~user` expanded as the shell would: a glob reaches smolctl whole only when quoted, and
     quoted, the shell leaves its `~` alone. A path that exists as written (a folder named `~`) is read as written."""
     text = str(spec)

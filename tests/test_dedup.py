@@ -380,7 +380,7 @@ def test_a_work_area_hashed_by_another_version_is_not_resumed(planted, tmp_path,
         dedup(planted["input"], out, stage="signatures", tasks=2, task_id=1)
 
 
-def test_against_reference_removes_what_it_holds_and_keeps_it(planted, tmp_path):
+def test_against_reference_removes_what_it_holds_and_keeps_it(planted, tmp_path, monkeypatch):
     table, truth = planted["table"], planted["truth"]
     near = [c for c, (_, kind, s) in truth.items() if kind == "near" and s >= 0.8][:5]
     reference_ids = [truth[c][0] for c in near]
@@ -395,6 +395,11 @@ def test_against_reference_removes_what_it_holds_and_keeps_it(planted, tmp_path)
         assert removed[copy_id] == f"against:{truth[copy_id][0]}"
     assert not set(reference_ids) & set(kept.column("id").to_pylist())
     assert (reference / "part-00000.parquet").read_bytes() == before
+    # A quoted reference under ~ is read, and recorded, as the folder it names.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    dedup(fresh, tmp_path / "home-out", against="~/reference", workers=1)
+    assert read_output(tmp_path / "home-out")[1].equals(report)
+    assert json.loads((tmp_path / "home-out" / "manifest.json").read_text())["dedup"]["against"] == str(reference)
 
 
 def test_a_reference_document_is_named_apart_from_an_input_document_of_the_same_id(tmp_path):

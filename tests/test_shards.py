@@ -268,6 +268,9 @@ def test_a_quoted_glob_under_home_is_read_as_the_shell_would_expand_it(tmp_path,
     source = open_documents("~/crawl/*.parquet")
     assert source.num_rows == 30 and source.spec == str(tmp_path / "home" / "crawl" / "*.parquet")
     assert open_documents("~/crawl").num_rows == 30
+    from smolctl.inspect import inspect_path
+
+    assert inspect_path("~/crawl").rows == 30
     (tmp_path / "~").mkdir()  # a folder named ~ where the command runs: read as written
     pq.write_table(_table(5), tmp_path / "~" / "b.parquet")
     assert open_documents("~").num_rows == 5

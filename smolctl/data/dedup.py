@@ -56,7 +56,7 @@ from smolctl.data.dedup_stages import (
 from smolctl.errors import UserError, WriteRefused
 from smolctl.heap import reuse_freed_memory
 from smolctl.results import Result
-from smolctl.shards import KIND_DOCUMENTS, DatasetWriter, OutputFolder, schema_to_dict
+from smolctl.shards import KIND_DOCUMENTS, DatasetWriter, OutputFolder, home_expanded, schema_to_dict
 
 # Below this many documents a process pool costs more to start than it saves (the sample corpus runs in 1 s).
 POOL_MIN_DOCUMENTS = 20_000
@@ -140,7 +140,7 @@ def _settings(plan_: DedupPlan) -> dict:
         "keep": config.keep,
         "text_column": config.text_column,
         "id_column": plan_.id_column or POSITIONAL_IDS,
-        "against": str(Path(config.against).resolve()) if config.against else None,
+        "against": str(Path(home_expanded(config.against)).resolve()) if config.against else None,
     }
 
 
