@@ -350,53 +350,36 @@ def calibrate(
     b, m = sample_bytes[keep].astype(np.float64), sample_extra[keep].astype(np.float64)
     t = sample_tokens[keep].astype(np.float64)
     n = len(b)
-    if b.sum() == 0 or t.sum() == 0:
-        # Nothing left to price: every document was sampled or large. The footers under-count text that
-        # dictionary encoding stored once (a source of repeated documents), which makes many documents large.
-        if estimated_documents == 0:
-            return TokenCalibration(
-                source_documents,
-                source_bytes,
-                source_extra_bytes,
-                0,
-                large_document_bytes,
-                large_documents,
-                large_bytes,
-                large_extra_bytes,
-                n,
-                int(b.sum()),
-                int(m.sum()),
-                int(t.sum()),
-                int((t > 0).sum()),
-                0.0,
-                0.0,
-                None,
-                None,
-            )
-        raise UserError(
-            f"source {name!r}",
-            f"the token sample ({len(sample_bytes)} documents) holds no tokens",
-            "raise token_sample in the recipe, or pass --token-estimate exact",
-        )
-    per_byte, per_extra = fit_tokens(b, m, t)
-    coefficients = 1 + (per_extra != 0)
+    per_byte = per_extra = 0.0
     standard_error = holdout = None
-    if n > coefficients:
-        residual = t - per_byte * b - per_extra * m
-        population = max(1.0 - n / max(n, source_documents), 0.0)
-        standard_error = float(math.sqrt(population * (residual @ residual) / (n - coefficients) / n) / t.mean())
-    if n >= 2:
-        halves = [(b[i::2], m[i::2], t[i::2]) for i in (0, 1)]
-        if all(hb.sum() > 0 and ht.sum() > 0 for hb, _, ht in halves):
+    if b.sum() == 0 or t.sum() == 0:
+        if estimated_documents:
+            raise UserError(
+                f"source {name!r}",
+                f"the token sample ({len(sample_bytes)} documents) holds no tokens",
+                "raise token_sample in the recipe, or pass --token-estimate exact",
+            )
+        # Nothing is left to price: every document was sampled or large (footers that under-count a source's
+        # text, as dictionary encoding of repeated documents makes them, make many documents large).
+    else:
+        per_byte, per_extra = fit_tokens(b, m, t)
+        coefficients = 1 + (per_extra != 0)
+        if n > coefficients:
+            residual = t - per_byte * b - per_extra * m
+            population = max(1.0 - n / max(n, source_documents), 0.0)
+            standard_error = float(math.sqrt(population * (residual @ residual) / (n - coefficients) / n) / t.mean())
+        if n >= 2:
+            halves = [(b[i::2], m[i::2], t[i::2]) for i in (0, 1)]
+            if all(hb.sum() > 0 and ht.sum() > 0 for hb, _, ht in halves):
 
-            def miss(fitted, held) -> float:
-                fit_per_byte, fit_per_extra = fit_tokens(*fitted)
-                ends = (fitted[2] > 0).mean()
-                hb, hm, ht = held
-                estimate = max(fit_per_byte * hb.sum() + fit_per_extra * hm.sum(), 0.0) + ends * len(hb)
-                return abs(estimate / (ht.sum() + (ht > 0).sum()) - 1)
+                def miss(fitted, held) -> float:
+                    fit_per_byte, fit_per_extra = fit_tokens(*fitted)
+                    ends = (fitted[2] > 0).mean()
+                    hb, hm, ht = held
+                    estimate = max(fit_per_byte * hb.sum() + fit_per_extra * hm.sum(), 0.0) + ends * len(hb)
+                    return abs(estimate / (ht.sum() + (ht > 0).sum()) - 1)
 
-            holdout = max(miss(halves[0], halves[1]), miss(halves[1], halves[0]))
+                holdout = max(miss(halves[0], halves[1]), miss(halves[1], halves[0]))
     return TokenCalibration(
         source_documents,
         source_bytes,
