@@ -351,7 +351,8 @@ def mix_command(
         help="How "
         "tokens are counted. exact: tokenize every document. sample: tokenize "
         "a seeded sample of ~10,000 documents per source "
-        "(recipe key token_sample), fit its tokens to UTF-8 bytes (and to the "
+        "(recipe key token_sample), and every document too large to sample (1/token_sample of its source's bytes), "
+        "fit the sample's tokens to UTF-8 bytes (and to the "
         "extra bytes of non-ASCII characters), estimate the rest from theirs. auto (default): sample a source of more than "
         "ten times token_sample documents (100,000 by default), count smaller ones exactly.",
     ),
