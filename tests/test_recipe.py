@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import pytest
 from conftest import REPO
@@ -148,3 +148,33 @@ def test_paths_in_a_recipe_expand_a_leading_tilde_as_the_shell_would(tmp_path, m
         (REPO / "recipes" / "demo-mix.toml").read_text().replace('path = "data/sample/web"', 'path = "~/web/*.parquet"')
     )
     assert load_recipe(MixRecipe, mix).sources["web"].path == str(tmp_path / "web" / "*.parquet")
+
+
+def test_every_path_a_recipe_holds_expands_a_leading_tilde(tmp_path, monkeypatch):
+    """Each table's path fields, found by name across every recipe schema, so that a field added later without
+    RecipePath (or one this change missed) fails here, not in a user's run."""
+    from pydantic import TypeAdapter
+
+    import smolctl.data.mix_schedule
+    import smolctl.train.config
+    import smolctl.train.merge
+    import smolctl.train.rewards  # noqa: F401  (each defines recipe tables)
+    from smolctl.recipe import Section
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    tables, pending = set(), [Section]
+    while pending:
+        for table in pending.pop().__subclasses__():
+            tables.add(table)
+            pending.append(table)
+    names = {"path", "paths", "from_", "tokenizer", "base", "soup", "validation"}
+    checked = []
+    for table in tables:
+        for name, field in table.model_fields.items():
+            if name in names and "str" in str(field.annotation):
+                value = "~/x" if "list" not in str(field.annotation) else ["~/x"]
+                kind = Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+                expanded = TypeAdapter(kind).validate_python(value)
+                assert expanded in (str(tmp_path / "x"), [str(tmp_path / "x")]), f"{table.__name__}.{name}"
+                checked.append(f"{table.__name__}.{name}")
+    assert len(checked) >= 14, checked  # the 14 there are when this was written
