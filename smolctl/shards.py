@@ -77,7 +77,14 @@ def atomic_write_parts(path: Path, parts: Iterable, durable: bool = True) -> Non
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise WriteRefused(path, f"cannot write: {exc.strerror or exc}", "check free space and permissions") from exc
+        raise write_refused(path, exc) from exc
+
+
+def write_refused(path: Path, exc: OSError) -> WriteRefused:
+    """The file system's refusal to write `path` (a full disk, a quota) as the error that keeps a run's finished
+    units for a resume. Arrow's errors carry the errno under a longer message: the errno names it."""
+    reason = os.strerror(exc.errno) if exc.errno else exc
+    return WriteRefused(path, f"cannot write: {reason}", "check free space and permissions")
 
 
 def remove_finished(path: Path) -> None:

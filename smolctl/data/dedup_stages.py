@@ -33,8 +33,8 @@ from smolctl.data.minhash.kernels import (
 from smolctl.data.minhash.lsh import band_keys, bucket_pairs
 from smolctl.data.minhash.params import settle_margin
 from smolctl.data.minhash.shingles import shingle_hashes
-from smolctl.errors import UserError, WriteRefused
-from smolctl.shards import DocumentSource, atomic_write_bytes, atomic_write_parts
+from smolctl.errors import UserError
+from smolctl.shards import DocumentSource, atomic_write_bytes, atomic_write_parts, write_refused
 
 BATCH_ROWS = 4096
 DECODED_INPUT_BYTES = 256 * 2**20
@@ -631,9 +631,8 @@ def _refused_as_a_write(path: Path) -> Iterator[None]:
     finished units are kept for a resume."""
     try:
         yield
-    except OSError as exc:  # arrow's own errors carry the errno under a longer message
-        reason = os.strerror(exc.errno) if exc.errno else exc
-        raise WriteRefused(path, f"cannot write: {reason}", "check free space and permissions") from exc
+    except OSError as exc:
+        raise write_refused(path, exc) from exc
 
 
 def _mapped_hashes(path: Path, count: int) -> np.ndarray:
