@@ -102,8 +102,9 @@ def parse_shard_size(text: str, flag: str = "--shard-size") -> tuple[int | None,
 def format_count(n: float) -> str:
     """2_500_000 → '2.5M' (SI, three significant digits; parse_count reads it back)."""
     for prefix in ("", "K", "M", "G", "T"):
-        if abs(n) < 1000:
-            return f"{n:.0f}" if prefix == "" else f"{n:.3g}{prefix}"
+        shown = f"{n:.0f}" if prefix == "" else f"{n:.3g}"
+        if abs(float(shown)) < 1000:  # 999,800 rounds to 1000 at three digits: it is 1M, not '1e+03K'
+            return shown + prefix
         n /= 1000
     return f"{n:.3g}P"
 

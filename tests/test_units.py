@@ -110,6 +110,11 @@ def test_formatted_counts_parse_back_to_three_digits(value):
     assert parse_count(text, "x") == pytest.approx(value, rel=5e-3)
 
 
+def test_a_count_that_rounds_up_to_the_next_prefix_is_written_with_it():
+    """999,800 tokens rounds to 1000 at three digits: mix's summary table printed it as '1e+03K'."""
+    assert [format_count(n) for n in (999.6, 999_800, 999_499, 999_600_000)] == ["1K", "1M", "999K", "1G"]
+
+
 @pytest.mark.parametrize("value", [100, 4096, 2**30, 3 * 2**40, 256_000_000])
 def test_formatted_bytes_parse_back(value):
     assert parse_bytes(format_bytes(value), "x") == pytest.approx(value, rel=5e-3)
