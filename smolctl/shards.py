@@ -1033,11 +1033,20 @@ class DocumentSource:
                 row += batch.num_rows
                 yield self.with_partitions(batch, index, columns) if partitioned else batch
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
-            raise UserError(
-                path,
-                f"cannot be read as parquet ({str(exc).splitlines()[0]})",
-                "the file is corrupt or truncated; re-create it",
-            ) from exc
+            raise unreadable_parquet(path, exc) from exc
+
+    def column_bytes(self, name: str) -> int:
+        """The bytes of column `name` over all files before compression, as their footers record them: about the
+        text a string column holds (plus four bytes of length per value), but a dictionary-encoded column's
+        repeated values once; 0 for a partition column, which no file holds."""
+        total = 0
+        for path in self.files:
+            meta = read_footer(path)
+            for group in range(meta.num_row_groups):
+                row_group = meta.row_group(group)
+                columns = (row_group.column(i) for i in range(row_group.num_columns))
+                total += sum(c.total_uncompressed_size for c in columns if c.path_in_schema == name)
+        return total
 
     def iter_batches(self, columns: Sequence[str] | None = None, batch_size: int = 8192) -> Iterator[pa.RecordBatch]:
         for index in range(len(self.files)):
@@ -1073,15 +1082,11 @@ def open_documents(spec: str | Path, columns: Sequence[str] | None = None) -> Do
     sizes: list[int] = []
     for path in files:
         _check_parquet_magic(path)
+        meta = read_footer(path)
         try:
-            meta = pq.read_metadata(path)
             file_schema = pq.read_schema(path)
         except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
-            raise UserError(
-                path,
-                f"cannot be read as parquet ({str(exc).splitlines()[0]})",
-                "the file is corrupt or truncated; re-create it",
-            ) from exc
+            raise unreadable_parquet(path, exc) from exc
         schemas.append(readable_schema(file_schema.remove_metadata()))
         rows.append(meta.num_rows)
         sizes.append(sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)))
@@ -1097,6 +1102,21 @@ def open_documents(spec: str | Path, columns: Sequence[str] | None = None) -> Do
     kinds = [partition_type([values[name] for values in partitions]) for name in names]
     schema = pa.schema([*schema, *(pa.field(name, kind) for name, kind in zip(names, kinds))])
     return DocumentSource(str(spec), files, manifest, folder, schema, rows, labels, sizes, partitions)
+
+
+def unreadable_parquet(path: Path, exc: Exception) -> UserError:
+    return UserError(
+        path,
+        f"cannot be read as parquet ({str(exc).splitlines()[0]})",
+        "the file is corrupt or truncated; re-create it",
+    )
+
+
+def read_footer(path: Path) -> pq.FileMetaData:
+    try:
+        return pq.read_metadata(path)
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
+        raise unreadable_parquet(path, exc) from exc
 
 
 def home_expanded(spec: str | Path) -> str | Path:

@@ -242,10 +242,27 @@ def test_sample_estimate_counts_documents_too_large_to_sample_exactly(sample, to
     for seed in (1, 7):
         result, share = mixed_share(sources, tmp_path / f"out-{seed}", tokenizer_dir, seed, 1000, "300K")
         calibration = result.token_estimates["mixed"]
-        assert calibration["large_document_bytes"] == pytest.approx(sum(open_documents(mixed).file_bytes) / 1000)
+        assert calibration["large_document_bytes"] == pytest.approx(open_documents(mixed).column_bytes("text") / 1000)
         assert calibration["large_documents"] >= 8 and calibration["large_bytes"] >= 8 * 8000
         assert abs(share - 0.5) < 0.005, seed
         assert result.warnings() == []
+
+
+def test_large_documents_are_found_by_the_text_columns_bytes_alone(sample, tokenizer_dir, tmp_path):
+    """The same blobs in a source that also keeps each document's HTML, four times its text: the footers' bytes
+    of all columns put the bound at 14 KB, above every blob, and seed 1 gave the source 0.522 of the tokens for
+    a target of 0.5, with no warning. The bound is the text column's bytes over `token_sample`."""
+    mixed = paragraphs_with(sample, tmp_path / "mixed", 8, lambda rng: base64.b64encode(rng.randbytes(6000)).decode())
+    table = pq.read_table(mixed / "part-00000.parquet")
+    html = [f"<html><body><p>{text}</p></body></html>" * 4 for text in table["text"].to_pylist()]
+    pq.write_table(table.append_column("html", pa.array(html)), mixed / "part-00000.parquet")
+    source = open_documents(mixed)
+    assert sum(source.file_bytes) > 4 * source.column_bytes("text") > 4 * 2_000_000
+    sources = [f"mixed={mixed}:1", f"web={sample}/web:1"]
+    result, share = mixed_share(sources, tmp_path / "out", tokenizer_dir, 1, 1000, "300K")
+    calibration = result.token_estimates["mixed"]
+    assert calibration["large_document_bytes"] < 3000 and calibration["large_documents"] >= 8
+    assert abs(share - 0.5) < 0.005 and result.warnings() == []
 
 
 def test_a_source_of_repeated_documents_is_counted_exactly_where_its_footers_under_count_it(tokenizer_dir, tmp_path):
@@ -1034,3 +1051,23 @@ def test_a_sample_too_small_for_half_a_point_is_a_warning_naming_its_share_error
             warning.startswith(f"source '{name}': two standard errors") and f"by {points[name]:.2f} points" in warning
         )
     assert run(1500, "large").warnings() == []
+
+
+def test_the_standard_error_warning_counts_only_the_bytes_the_fit_prices(sample, tokenizer_dir, tmp_path):
+    """Eighty base64 blobs of 60 KB hold two thirds of the source's bytes and are counted exactly; a fit of 150
+    sampled paragraphs prices the rest. Two of its standard errors, applied to the whole source, moved its share
+    by about a point, a warning; applied to the bytes the fit prices they move it by a third of that, and the
+    share `pack` counts is as close to the estimated one as that says."""
+    mixed = paragraphs_with(sample, tmp_path / "mixed", 80, lambda rng: base64.b64encode(rng.randbytes(45000)).decode())
+    (tmp_path / "small").mkdir()  # a second source sampled whole (80 documents), so that it never warns
+    pq.write_table(read_rows(sample / "web").select(["text"]).slice(0, 80), tmp_path / "small" / "p.parquet")
+    sources = [f"mixed={mixed}:1", f"web={tmp_path / 'small'}:1"]
+    result, share = mixed_share(sources, tmp_path / "out", tokenizer_dir, 1, 150, "2M")
+    calibration = result.token_estimates["mixed"]
+    assert calibration["large_documents"] == 80 and calibration["large_bytes"] > 2 * (
+        calibration["source_bytes"] - calibration["large_bytes"]
+    )
+    assert 2 * 0.25 * calibration["relative_standard_error"] > 0.005  # the whole source's bound: over half a point
+    assert result.warnings() == []
+    estimated = next(s.achieved_weight for s in result.stages[0].sources if s.name == "mixed")
+    assert abs(share - estimated) < 0.005 * (1 - calibration["large_bytes"] / calibration["source_bytes"])

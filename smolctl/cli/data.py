@@ -351,7 +351,7 @@ def mix_command(
         help="How "
         "tokens are counted. exact: tokenize every document. sample: tokenize "
         "a seeded sample of ~10,000 documents per source "
-        "(recipe key token_sample), and every document too large to sample (1/token_sample of its source's bytes), "
+        "(recipe key token_sample), and every document too large to sample (1/token_sample of its source's text), "
         "fit the sample's tokens to UTF-8 bytes (and to the "
         "extra bytes of non-ASCII characters), estimate the rest from theirs. auto (default): sample a source of more than "
         "ten times token_sample documents (100,000 by default), count smaller ones exactly.",
@@ -459,7 +459,7 @@ def mix_command(
         if estimate["mode"] == "sample" and not estimate["sample_documents"]:
             show(
                 f"{name}: every document counted exactly ({estimate['large_documents']:,} of "
-                f"{estimate['large_document_bytes']:,.0f} bytes or more, as its parquet footers count its bytes)"
+                f"{estimate['large_document_bytes']:,.0f} bytes or more, as its parquet footers count its text column)"
             )
         elif estimate["mode"] == "sample":
             cost = (

@@ -388,7 +388,8 @@ class MixResult:
             "or pass --token-estimate exact"
             if (estimate["holdout_error"] or 0) > HOLDOUT_WARNING
             else f"source {name!r}: two standard errors of its token estimate (2 x "
-            f"{estimate['relative_standard_error']:.1%}, {estimate['sample_documents']:,} documents sampled) move "
+            f"{estimate['relative_standard_error']:.1%}, {estimate['sample_documents']:,} documents sampled"
+            f"{self._large_note(estimate)}) move "
             f"its share by {100 * self._share_error(name, estimate):.2f} points: the achieved weights may be off "
             "by more than half a point; raise token_sample (a recipe key), or pass --token-estimate exact"
             for name, estimate in sampled.items()
@@ -405,12 +406,20 @@ class MixResult:
         ]
         return short + unsure + unseen
 
+    @staticmethod
+    def _large_note(estimate: dict) -> str:
+        if not estimate["large_documents"]:
+            return ""
+        return f", on the {_priced_share(estimate):.0%} of its bytes outside the large documents counted exactly"
+
     def _share_error(self, name: str, estimate: dict) -> float:
         """How far two standard errors of a source's token estimate (about a 95% bound) move its share: a
         relative error e in its tokens moves a share w by w(1 - w)e (at its largest target weight over the stages).
-        """
+        The error is the fit's, on the documents it prices; the large ones are counted exactly, so it is scaled
+        by the share of the source's bytes outside them."""
         weights = [s.target_weight for report in self.stages for s in report.sources if s.name == name]
-        return max((w * (1 - w) for w in weights), default=0.25) * 2 * (estimate["relative_standard_error"] or 0)
+        relative_error = (estimate["relative_standard_error"] or 0) * _priced_share(estimate)
+        return max((w * (1 - w) for w in weights), default=0.25) * 2 * relative_error
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -418,6 +427,11 @@ class MixResult:
             for source in stage["sources"]:
                 source.pop("ranges")
         return out | {"warnings": self.warnings()}
+
+
+def _priced_share(estimate: dict) -> float:
+    """The share of a sampled source's bytes that its fit prices: all but its large documents'."""
+    return 1 - estimate["large_bytes"] / estimate["source_bytes"] if estimate["source_bytes"] else 1.0
 
 
 @dataclass
@@ -448,8 +462,8 @@ class MixJob:
         fraction = self.sample_fractions[name]
         if fraction is None:
             return None
-        source_bytes = sum(self.sources[name].file_bytes)
-        return TokenSample.of(sample_key(self.plan.seed, name), fraction, source_bytes, self.plan.token_sample)
+        text_bytes = self.sources[name].column_bytes(self.plan.text_column)
+        return TokenSample.of(sample_key(self.plan.seed, name), fraction, text_bytes, self.plan.token_sample)
 
     def unit_count(self, stage: str) -> int:
         return len(self.measure_units) if stage == "measure" else len(self.blocks())

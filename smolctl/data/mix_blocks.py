@@ -31,8 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from smolctl.data.mix_schedule import ORDER_COLUMN, MixSchedule, Stage, ascending_stream, block_order
-from smolctl.errors import UserError
-from smolctl.shards import check_valid_values, readable, sha256_file
+from smolctl.shards import check_valid_values, readable, sha256_file, unreadable_parquet
 
 BIN_BITS = 16
 BINS = 1 << BIN_BITS
@@ -143,11 +142,7 @@ def read_rows(path, positions: np.ndarray) -> pa.Table:
         last = int(np.searchsorted(bounds, positions[-1], side="right")) - 1
         table = handle.read_row_groups(list(range(first, last + 1)), use_threads=False)
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as exc:
-        raise UserError(
-            path,
-            f"cannot be read as parquet ({str(exc).splitlines()[0]})",
-            "the file is corrupt or truncated; re-create it",
-        ) from exc
+        raise unreadable_parquet(path, exc) from exc
     rows = readable(table).take(pa.array(positions - bounds[first]))
     check_valid_values(rows, path, positions)
     return rows

@@ -7,10 +7,10 @@ full tokenizer pass at corpus scale. The estimate tokenizes only a seeded sample
 1. Sample. A row is in its source's sample when a hash of (seed, source, row index) falls below the fraction
    token_sample / documents of the source (all rows when that is 1): about `token_sample` documents, spread over
    every file, chosen without reading anything, so each measuring unit (one file) finds its own share. A document
-   holding at least 1/token_sample of the source's bytes (as its files' footers count them) is tokenized whatever
-   its hash: a uniform sample of documents misses most such outliers (a minified bundle, a base64 blob, a book in
-   a crawl), and one of them priced at the others' cost moved a share by points with no warning. There are at
-   most token_sample of them (and none under ten times the mean document), counted exactly and left out of the
+   holding at least 1/token_sample of the source's text (its column's bytes as the files' footers count them) is
+   tokenized whatever its hash: a uniform sample of documents misses most such outliers (a minified bundle, a
+   base64 blob, a book in a crawl), and one of them priced at the others' cost moved a share by points with no
+   warning. There are at most token_sample of them (and none under ten times the mean document), counted exactly and left out of the
    fit, which prices the population the sample was drawn from.
 2. Calibrate. A document's token ids ~ a x its UTF-8 bytes + b x its extra bytes (those beyond the first of each
    character: none in ASCII), fitted on the sample by least squares weighted by 1 / bytes. Without extra bytes
@@ -49,9 +49,9 @@ from smolctl.data.mix_blocks import BINS, row_bins, row_hash, source_key
 from smolctl.errors import UserError
 
 Arrays = dict[str, np.ndarray]
-MEASUREMENTS_VERSION = 3
-"""Bumped whenever what a measuring unit records changes (2: extra bytes, 3: large documents counted apart): a
-work area measured by another version is measured again, not resumed."""
+MEASUREMENTS_VERSION = 4
+"""Bumped whenever what a measuring unit records changes (2: extra bytes, 3: large documents counted apart, 4:
+large by the text column's bytes): a work area measured by another version is measured again, not resumed."""
 HOLDOUT_WARNING = 0.04
 """A split-half error that suggests the whole sample's estimate is off by 2%, which can move a share of one half
 by half a point (s x (1 - s) x e): fitted on half the documents and checked against the other half's own noise,
@@ -130,15 +130,15 @@ class TokenSample:
     large_bytes: float
 
     @classmethod
-    def of(cls, key: int, fraction: float, source_bytes: int, token_sample: int) -> TokenSample:
-        """Documents of 1/token_sample of the source's `source_bytes` or more are large, and of ten times its mean
+    def of(cls, key: int, fraction: float, text_bytes: int, token_sample: int) -> TokenSample:
+        """Documents of 1/token_sample of the source's `text_bytes` or more are large, and of ten times its mean
         document at least: where the sample is a tenth of the source or more (`sample` asked for on a source
         `auto` would count exactly), one document in ten or more is tokenized anyway, and the bound alone took a
         third of a source's bytes as large. None are large where the sample is the whole source (nothing is left
         to estimate), or where the files' footers record no bytes."""
-        if fraction >= 1 or source_bytes <= 0:
+        if fraction >= 1 or text_bytes <= 0:
             return cls(key, fraction, math.inf)
-        return cls(key, fraction, source_bytes / token_sample * max(1.0, LARGE_FLOOR_MEANS * fraction))
+        return cls(key, fraction, text_bytes / token_sample * max(1.0, LARGE_FLOOR_MEANS * fraction))
 
 
 def measure_file(
