@@ -144,11 +144,18 @@ def read_manifest(folder: Path) -> dict | None:
 
 
 def lineage_ref(folder: Path, manifest: dict | None = None) -> dict:
-    """How an output names one of its inputs: absolute path, kind, and the sha256 of the input's manifest."""
+    """How an output names one of its inputs: absolute path, kind, and the sha256 of the input's manifest. A
+    folder this names without reading its manifest (a tokenizer, a model) may hold a manifest.json that is not
+    smolctl's, or not JSON at all: it is named with no kind, and the command goes on."""
     folder = Path(folder).resolve()
     manifest_path = folder / MANIFEST_NAME
     if manifest_path.is_file():
-        kind = (manifest or read_manifest(folder) or {}).get("kind")
+        if manifest is None:
+            try:
+                manifest = read_manifest(folder)
+            except UserError:
+                manifest = None
+        kind = (manifest or {}).get("kind")
         return {"path": str(folder), "kind": kind, "manifest_sha256": sha256_file(manifest_path)}
     return {"path": str(folder), "kind": None, "manifest_sha256": None}
 

@@ -25,7 +25,7 @@ from smolctl.data.pack import PackConfig, pack
 from smolctl.data.pack_rows import best_fit_decreasing
 from smolctl.data.tokenizer import load_rust_tokenizer, load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import UserError
-from smolctl.shards import open_documents, open_packed, read_manifest, verify_checksums
+from smolctl.shards import open_documents, open_packed, read_manifest, sha256_file, verify_checksums
 
 
 def sample_texts(folder: Path) -> list[str]:
@@ -564,6 +564,31 @@ def test_bad_inputs(sample, tokenizer_dir, tmp_path):
     with pytest.raises(UserError, match="holds no non-empty documents"):
         pack(str(tmp_path / "empty.parquet"), tmp_path / "c", tokenizer_spec=str(tokenizer_dir), config=config)
     assert not (tmp_path / "c").exists() and not (tmp_path / ".c.partial").exists()
+
+
+def test_a_tokenizer_folder_holding_a_manifest_that_is_not_smolctls_is_named_without_a_kind(
+    sample, tokenizer_dir, tmp_path
+):
+    """pack names its tokenizer in the output's lineage but reads nothing else of its manifest.json: one that is
+    not JSON (a stray file, another tool's) stopped the run on "is not valid JSON"."""
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(tokenizer_dir, tokenizer)
+    for stray in ("not json {", json.dumps({"smolctl_version": "0.1.0"})):
+        (tokenizer / "manifest.json").write_text(stray)
+        out = tmp_path / f"packed-{len(stray)}"
+        pack(str(sample / "math"), out, tokenizer_spec=str(tokenizer), config=PackConfig(seq_len=64))
+        named = [i for i in read_manifest(out)["inputs"] if i["path"] == str(tokenizer.resolve())]
+        assert named == [
+            {
+                "path": str(tokenizer.resolve()),
+                "kind": None,
+                "manifest_sha256": sha256_file(tokenizer / "manifest.json"),
+            }
+        ]
+    shutil.copy(tokenizer_dir / "manifest.json", tokenizer / "manifest.json")  # smolctl's own: its kind is named
+    pack(str(sample / "math"), tmp_path / "named", tokenizer_spec=str(tokenizer), config=PackConfig(seq_len=64))
+    kinds = [i["kind"] for i in read_manifest(tmp_path / "named")["inputs"] if i["path"] == str(tokenizer.resolve())]
+    assert kinds == [read_manifest(tokenizer_dir)["kind"]] and kinds != [None]
 
 
 # The bytes `pack` wrote before its pipeline was made concurrent (issue 23): sha256 of every file of the output,
