@@ -463,6 +463,25 @@ def test_auto_samples_only_large_sources():
     assert MixSchedule({}, [], token_sample=1000).sample_fraction(10**9) is None  # no tokenizer: bytes
 
 
+def test_sample_mode_reads_each_footer_once_for_its_bound(sample, tokenizer_dir, tmp_path, monkeypatch):
+    """The large-document bound is the text column's bytes in every file's footer; worked out per measuring unit
+    (one file), a source of N files read N x N footers."""
+    from smolctl import shards
+
+    table = read_rows(sample / "web").select(["text"])
+    (tmp_path / "web").mkdir()
+    for i in range(8):
+        pq.write_table(table.slice(i * 20, 20), tmp_path / "web" / f"part-{i}.parquet")
+    options = {"tokens": "5K", "tokenizer": str(tokenizer_dir), "token_estimate": "sample", "token_sample": 40}
+    job = prepare_mix(schedule_from_flags([f"web={tmp_path / 'web'}:1"], **options), tmp_path / "out")
+    footers = []
+    monkeypatch.setattr(shards, "read_footer", lambda path: footers.append(path) or pq.read_metadata(path))
+    job.run()
+    assert sorted(footers) == sorted(tmp_path.glob("web/part-*.parquet"))
+    text_bytes = job.sources["web"].column_bytes("text")  # 40 of 160 documents: ten mean documents is the bound
+    assert job.token_samples["web"].large_bytes == pytest.approx(text_bytes / 160 * 10)
+
+
 def test_same_seed_same_bytes_and_sources_interleaved(sample, tmp_path):
     sources = [s.format(sample) for s in SOURCES]
     for name, seed in (("a", 7), ("b", 7), ("c", 8)):
