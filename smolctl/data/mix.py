@@ -390,7 +390,7 @@ class MixResult:
             if (estimate["holdout_error"] or 0) > HOLDOUT_WARNING
             else f"source {name!r}: two standard errors of its token estimate (2 x "
             f"{estimate['relative_standard_error']:.1%}, {estimate['sample_documents']:,} documents sampled"
-            f"{self._large_note(estimate)}) move "
+            f"{_large_note(estimate)}) move "
             f"its share by {100 * self._share_error(name, estimate):.2f} points: the achieved weights may be off "
             "by more than half a point; raise token_sample (a recipe key), or pass --token-estimate exact"
             for name, estimate in sampled.items()
@@ -406,12 +406,6 @@ class MixResult:
             if estimate["mode"] == "sample" and estimate["extra_bytes_unsampled"]
         ]
         return short + unsure + unseen
-
-    @staticmethod
-    def _large_note(estimate: dict) -> str:
-        if not estimate["large_documents"]:
-            return ""
-        return f", on the {_priced_share(estimate):.0%} of its bytes outside the large documents counted exactly"
 
     def _share_error(self, name: str, estimate: dict) -> float:
         """How far two standard errors of a source's token estimate (about a 95% bound) move its share: a
@@ -433,6 +427,12 @@ class MixResult:
 def _priced_share(estimate: dict) -> float:
     """The share of a sampled source's bytes that its fit prices: all but its large documents'."""
     return 1 - estimate["large_bytes"] / estimate["source_bytes"] if estimate["source_bytes"] else 1.0
+
+
+def _large_note(estimate: dict) -> str:
+    if not estimate["large_documents"]:
+        return ""
+    return f", on the {_priced_share(estimate):.0%} of its bytes outside the large documents counted exactly"
 
 
 @dataclass

@@ -10,8 +10,8 @@ full tokenizer pass at corpus scale. The estimate tokenizes only a seeded sample
    holding at least 1/token_sample of the source's text (its column's bytes as the files' footers count them) is
    tokenized whatever its hash: a uniform sample of documents misses most such outliers (a minified bundle, a
    base64 blob, a book in a crawl), and one of them priced at the others' cost moved a share by points with no
-   warning. There are at most token_sample of them (and none under ten times the mean document), counted exactly and left out of the
-   fit, which prices the population the sample was drawn from.
+   warning. There are at most token_sample of them (and none under ten times the mean document), counted exactly
+   and left out of the fit, which prices the population the sample was drawn from.
 2. Calibrate. A document's token ids ~ a x its UTF-8 bytes + b x its extra bytes (those beyond the first of each
    character: none in ASCII), fitted on the sample by least squares weighted by 1 / bytes. Without extra bytes
    that is the ratio estimator, the sample's ids / its bytes (long documents weigh more, as they do in a token
