@@ -167,7 +167,15 @@ def lineage_chain(folder: Path) -> list[dict]:
 
     def visit(path: Path, depth: int, expected_sha: str | None) -> None:
         key = str(Path(path).resolve())
-        manifest = read_manifest(path) if Path(path).is_dir() else None
+        unreadable = None
+        try:
+            manifest = read_manifest(path) if Path(path).is_dir() else None
+        except UserError as exc:
+            if depth == 0:
+                raise
+            # An input named without being read (a tokenizer, a model: lineage_ref) may hold a manifest.json that
+            # is not JSON or not smolctl's: the chain shows it and goes on.
+            manifest, unreadable = None, exc.what
         entry = {
             "depth": depth,
             "path": key,
@@ -177,7 +185,9 @@ def lineage_chain(folder: Path) -> list[dict]:
             "tokens": manifest.get("tokens") if manifest else None,
             "status": "ok",
         }
-        if manifest is None:
+        if unreadable:
+            entry["status"] = f"its manifest.json {unreadable}"
+        elif manifest is None:
             entry["status"] = "raw input (no manifest)" if Path(path).exists() else "missing"
         elif expected_sha and sha256_file(Path(path) / MANIFEST_NAME) != expected_sha:
             entry["status"] = "changed since it was used"

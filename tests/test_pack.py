@@ -25,7 +25,7 @@ from smolctl.data.pack import PackConfig, pack
 from smolctl.data.pack_rows import best_fit_decreasing
 from smolctl.data.tokenizer import load_rust_tokenizer, load_tokenizer, tokenizer_fingerprint
 from smolctl.errors import UserError
-from smolctl.shards import open_documents, open_packed, read_manifest, sha256_file, verify_checksums
+from smolctl.shards import lineage_chain, open_documents, open_packed, read_manifest, sha256_file, verify_checksums
 
 
 def sample_texts(folder: Path) -> list[str]:
@@ -570,7 +570,8 @@ def test_a_tokenizer_folder_holding_a_manifest_that_is_not_smolctls_is_named_wit
     sample, tokenizer_dir, tmp_path
 ):
     """pack names its tokenizer in the output's lineage but reads nothing else of its manifest.json: one that is
-    not JSON (a stray file, another tool's) stopped the run on "is not valid JSON"."""
+    not JSON (a stray file, another tool's) stopped the run on "is not valid JSON". `inspect --lineage` shows it in
+    the chain and goes on."""
     tokenizer = tmp_path / "tokenizer"
     shutil.copytree(tokenizer_dir, tokenizer)
     for stray in ("not json {", json.dumps({"smolctl_version": "0.1.0"})):
@@ -585,6 +586,11 @@ def test_a_tokenizer_folder_holding_a_manifest_that_is_not_smolctls_is_named_wit
                 "manifest_sha256": sha256_file(tokenizer / "manifest.json"),
             }
         ]
+        chain = {entry["path"]: entry for entry in lineage_chain(out)}
+        assert chain[str(tokenizer.resolve())]["status"].startswith("its manifest.json is not")
+        assert chain[str((sample / "math").resolve())]["status"] == "ok"  # the walk went on past it
+        shown = run_cli("inspect", out, "--lineage")
+        assert shown.returncode == 0 and "tokenizer" in shown.stdout, shown.stderr
     shutil.copy(tokenizer_dir / "manifest.json", tokenizer / "manifest.json")  # smolctl's own: its kind is named
     pack(str(sample / "math"), tmp_path / "named", tokenizer_spec=str(tokenizer), config=PackConfig(seq_len=64))
     kinds = [i["kind"] for i in read_manifest(tmp_path / "named")["inputs"] if i["path"] == str(tokenizer.resolve())]
