@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import run_cli
 
-from smolctl.data.mix import prepare_mix
+from smolctl.data.mix import MixResult, SourceReport, StageReport, prepare_mix
 from smolctl.data.mix_schedule import MixSchedule, parse_source, schedule_from_flags, schedule_from_recipe
 from smolctl.data.tokenizer import load_rust_tokenizer
 from smolctl.errors import UserError
@@ -424,7 +424,7 @@ def test_estimates_are_rounded_along_the_running_total():
 
     # 0.25 tokens per byte, half the documents end in EOS
     calibration = TokenCalibration(
-        10_000, 10_000, 0, 9_900, np.inf, 0, 0, 0, 100, 1000, 0, 250, 50, 0.25, 0.0, None, None
+        10_000, 10_000, 0, 9_900, np.inf, 0, 0, 0, 0, 100, 1000, 0, 250, 50, 0.25, 0.0, None, None
     )
     text_bytes = np.tile([5, 22], 500)
     estimate = calibration.estimate(text_bytes, np.zeros(1000, dtype=np.int64), np.ones(1000, dtype=np.int64))
@@ -1072,21 +1072,50 @@ def test_a_sample_too_small_for_half_a_point_is_a_warning_naming_its_share_error
     assert run(1500, "large").warnings() == []
 
 
-def test_the_standard_error_warning_counts_only_the_bytes_the_fit_prices(sample, tokenizer_dir, tmp_path):
-    """Eighty base64 blobs of 60 KB hold two thirds of the source's bytes and are counted exactly; a fit of 150
-    sampled paragraphs prices the rest. Two of its standard errors, applied to the whole source, moved its share
-    by about a point, a warning; applied to the bytes the fit prices they move it by a third of that, and the
-    share `pack` counts is as close to the estimated one as that says."""
+def test_the_standard_error_warning_counts_only_the_tokens_the_fit_prices(sample, tokenizer_dir, tmp_path):
+    """Eighty base64 blobs of 60 KB hold two thirds of the source's bytes, and more of its tokens, and are counted
+    exactly; a fit of 150 sampled paragraphs prices the rest. Two of its standard errors, applied to the whole
+    source, moved its share by about a point, a warning; applied to the share of its tokens the fit prices (an
+    eighth: base64 costs more tokens a byte than English) they move it by an eighth of that, and the share `pack`
+    counts is as close to the estimated one as that says."""
     mixed = paragraphs_with(sample, tmp_path / "mixed", 80, lambda rng: base64.b64encode(rng.randbytes(45000)).decode())
     (tmp_path / "small").mkdir()  # a second source sampled whole (80 documents), so that it never warns
     pq.write_table(read_rows(sample / "web").select(["text"]).slice(0, 80), tmp_path / "small" / "p.parquet")
     sources = [f"mixed={mixed}:1", f"web={tmp_path / 'small'}:1"]
     result, share = mixed_share(sources, tmp_path / "out", tokenizer_dir, 1, 150, "2M")
     calibration = result.token_estimates["mixed"]
-    assert calibration["large_documents"] == 80 and calibration["large_bytes"] > 2 * (
-        calibration["source_bytes"] - calibration["large_bytes"]
-    )
+    assert calibration["large_documents"] == 80
+    # The share of the source's tokens outside the blobs, counted: a share of bytes (0.31) would overstate it.
+    tokenizer = load_rust_tokenizer(str(tokenizer_dir)).backend
+    texts = read_rows(mixed)["text"].to_pylist()
+    tokens = np.array([len(e.ids) + 1 for e in tokenizer.encode_batch(texts, add_special_tokens=False)])
+    large = np.array([len(t.encode()) >= calibration["large_document_bytes"] for t in texts])
+    priced = tokens[~large].sum() / tokens.sum()
+    assert calibration["priced_share"] == pytest.approx(priced, rel=0.02) and priced < 0.2
+    assert 1 - calibration["large_bytes"] / calibration["source_bytes"] > 0.3
     assert 2 * 0.25 * calibration["relative_standard_error"] > 0.005  # the whole source's bound: over half a point
     assert result.warnings() == []
     estimated = next(s.achieved_weight for s in result.stages[0].sources if s.name == "mixed")
-    assert abs(share - estimated) < 0.005 * (1 - calibration["large_bytes"] / calibration["source_bytes"])
+    assert abs(share - estimated) < 0.005 * priced
+
+
+def test_the_estimates_warnings_scale_the_fits_errors_by_the_tokens_it_prices():
+    """Both warnings about a sampled source's estimate, with a quarter of its tokens priced by the fit and the
+    rest counted exactly in large documents: the errors the fit makes bear on that quarter only."""
+    stage = StageReport("mix", "out", "tokens", 1000, "tokens", 1000, 10, [SourceReport("s", 0.5, 0.5, 0.5, 0.5)])
+
+    def warnings(**estimate) -> list[str]:
+        fields = {"mode": "sample", "estimated_documents": 10, "sample_documents": 150, "large_documents": 3}
+        fields |= {"priced_share": 0.25, "extra_bytes_unsampled": False} | estimate
+        return MixResult("out", "tokens", 0, 1.0, [stage], 0.0, token_estimates={"s": fields}).warnings()
+
+    # Two standard errors of 2%: a point over the whole source, a quarter of one over what the fit prices.
+    assert warnings(relative_standard_error=0.02, holdout_error=0.0) == []
+    (warning,) = warnings(relative_standard_error=0.06, holdout_error=0.0)
+    assert "move its share by 0.75 points" in warning
+    assert "on the 25% of its tokens outside the large documents counted exactly" in warning
+    assert warnings(relative_standard_error=0.06, holdout_error=0.0, large_documents=0, priced_share=1.0) != []
+    # A split-half error of 10% is 2.5% of the source's tokens, under the 4% that warns; 20% is 5%.
+    assert warnings(relative_standard_error=0.0, holdout_error=0.10) == []
+    (warning,) = warnings(relative_standard_error=0.0, holdout_error=0.20)
+    assert "misses one half of its sample by 20.0%" in warning and "on the 25% of its tokens" in warning

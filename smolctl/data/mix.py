@@ -384,17 +384,17 @@ class MixResult:
         }
         unsure = [
             f"source {name!r}: its token estimate misses one half of its sample by {estimate['holdout_error']:.1%} "
-            f"when fitted on the other ({estimate['sample_documents']:,} documents sampled): the achieved weights "
-            "count estimated tokens and may be off by more than half a point; raise token_sample (a recipe key), "
-            "or pass --token-estimate exact"
-            if (estimate["holdout_error"] or 0) > HOLDOUT_WARNING
+            f"when fitted on the other ({estimate['sample_documents']:,} documents sampled{_large_note(estimate)}): "
+            "the achieved weights count estimated tokens and may be off by more than half a point; raise "
+            "token_sample (a recipe key), or pass --token-estimate exact"
+            if _holdout_share_error(estimate) > HOLDOUT_WARNING
             else f"source {name!r}: two standard errors of its token estimate (2 x "
             f"{estimate['relative_standard_error']:.1%}, {estimate['sample_documents']:,} documents sampled"
             f"{_large_note(estimate)}) move "
             f"its share by {100 * self._share_error(name, estimate):.2f} points: the achieved weights may be off "
             "by more than half a point; raise token_sample (a recipe key), or pass --token-estimate exact"
             for name, estimate in sampled.items()
-            if (estimate["holdout_error"] or 0) > HOLDOUT_WARNING or self._share_error(name, estimate) > HALF_A_POINT
+            if _holdout_share_error(estimate) > HOLDOUT_WARNING or self._share_error(name, estimate) > HALF_A_POINT
         ]
         unseen = [
             f"source {name!r}: {estimate['estimated_extra_share']:.1%} of the bytes it estimates are extra bytes of "
@@ -411,9 +411,9 @@ class MixResult:
         """How far two standard errors of a source's token estimate (about a 95% bound) move its share: a
         relative error e in its tokens moves a share w by w(1 - w)e (at its largest target weight over the stages).
         The error is the fit's, on the documents it prices; the large ones are counted exactly, so it is scaled
-        by the share of the source's bytes outside them."""
+        by the share of the source's tokens outside them (TokenCalibration.priced_share)."""
         weights = [s.target_weight for report in self.stages for s in report.sources if s.name == name]
-        relative_error = (estimate["relative_standard_error"] or 0) * _priced_share(estimate)
+        relative_error = (estimate["relative_standard_error"] or 0) * estimate["priced_share"]
         return max((w * (1 - w) for w in weights), default=0.25) * 2 * relative_error
 
     def to_dict(self) -> dict:
@@ -424,15 +424,15 @@ class MixResult:
         return out | {"warnings": self.warnings()}
 
 
-def _priced_share(estimate: dict) -> float:
-    """The share of a sampled source's bytes that its fit prices: all but its large documents'."""
-    return 1 - estimate["large_bytes"] / estimate["source_bytes"] if estimate["source_bytes"] else 1.0
+def _holdout_share_error(estimate: dict) -> float:
+    """The split-half error as it bears on the whole source: the fit's, on the share of its tokens it prices."""
+    return (estimate["holdout_error"] or 0) * estimate["priced_share"]
 
 
 def _large_note(estimate: dict) -> str:
     if not estimate["large_documents"]:
         return ""
-    return f", on the {_priced_share(estimate):.0%} of its bytes outside the large documents counted exactly"
+    return f", on the {estimate['priced_share']:.0%} of its tokens outside the large documents counted exactly"
 
 
 @dataclass
@@ -634,6 +634,7 @@ class MixJob:
                     large_documents=int(totals["large_documents"]),
                     large_bytes=large_bytes,
                     large_extra_bytes=large_extra,
+                    large_tokens=int(totals["large_tokens"]),
                 )
                 units = calibrations[name].estimate(units, totals["extra"], totals["nonempty"]) + totals["sampled"]
             profiles[name] = SourceProfile(name, source, source_key(self.plan.seed, name), units, documents)

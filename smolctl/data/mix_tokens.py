@@ -49,9 +49,10 @@ from smolctl.data.mix_blocks import BINS, row_bins, row_hash, source_key
 from smolctl.errors import UserError
 
 Arrays = dict[str, np.ndarray]
-MEASUREMENTS_VERSION = 4
+MEASUREMENTS_VERSION = 5
 """Bumped whenever what a measuring unit records changes (2: extra bytes, 3: large documents counted apart, 4:
-large by the text column's bytes): a work area measured by another version is measured again, not resumed."""
+large by the text column's bytes, 5: the large documents' tokens): a work area measured by another version is
+measured again, not resumed."""
 HOLDOUT_WARNING = 0.04
 """A split-half error that suggests the whole sample's estimate is off by 2%, which can move a share of one half
 by half a point (s x (1 - s) x e): fitted on half the documents and checked against the other half's own noise,
@@ -156,7 +157,7 @@ def measure_file(
     the documents outside it and not large, `extra` their extra bytes (extra_bytes), `nonempty` counts those that
     are not empty and `sampled` holds the tokens (EOS included) of the sampled and the large ones; `sample_bytes`,
     `sample_extra` and `sample_tokens` (ids, no EOS) list the sampled documents that are not large in row order,
-    and `large_documents`, `large_bytes` and `large_extra` total the large ones. Only the sampled and the large
+    and `large_documents`, `large_bytes`, `large_extra` and `large_tokens` (EOS included) total the large ones. Only the sampled and the large
     documents are tokenized.
     """
     estimating = backend is not None and sample is not None
@@ -166,7 +167,7 @@ def measure_file(
     nonempty = np.zeros(BINS, dtype=np.int64)
     sampled = np.zeros(BINS, dtype=np.int64)
     sampled_bytes, sampled_extra, sampled_tokens = [], [], []
-    large_documents = large_bytes = large_extra = 0
+    large_documents = large_bytes = large_extra = large_tokens = 0
     row = sum(source.file_rows[:file_index])
     for batch in source.iter_file_batches(file_index, columns=[text_column], batch_size=4096, threads=False):
         rows = np.arange(row, row + batch.num_rows)
@@ -189,6 +190,7 @@ def measure_file(
             large_documents += int(large.sum())
             large_bytes += int(sizes[large].sum())
             large_extra += int(beyond[large].sum())
+            large_tokens += int(np.where(tokens > 0, tokens + 1, 0)[large[counted]].sum())
             # Counted exactly above: `units`, `extra` and `nonempty` hold only what is left to estimate.
             sizes[counted] = beyond[counted] = 0
             extra += np.bincount(bins, weights=beyond, minlength=BINS).astype(np.int64)
@@ -213,6 +215,7 @@ def measure_file(
             "large_documents": np.int64(large_documents),
             "large_bytes": np.int64(large_bytes),
             "large_extra": np.int64(large_extra),
+            "large_tokens": np.int64(large_tokens),
         }
     return measured
 
@@ -234,6 +237,8 @@ class TokenCalibration:
     large_documents: int
     large_bytes: int
     large_extra_bytes: int
+    large_tokens: int
+    """Tokens of the large documents, EOS included, counted."""
     sample_documents: int
     """Non-empty documents tokenized (empty ones have no tokens and no bytes)."""
     sample_bytes: int
@@ -262,6 +267,17 @@ class TokenCalibration:
     def estimated_extra_share(self) -> float:
         """Extra bytes over all bytes of the documents that are not large: the text the fit prices."""
         return (self.source_extra_bytes - self.large_extra_bytes) / max(self.source_bytes - self.large_bytes, 1)
+
+    @property
+    def priced_share(self) -> float:
+        """The share of the source's tokens that the fit prices: its estimate for the documents that are not
+        large (EOS included), against that and the large ones' count. The fit's errors bear on the source's
+        tokens in this proportion."""
+        ids = self.tokens_per_byte * (self.source_bytes - self.large_bytes) + self.tokens_per_extra_byte * (
+            self.source_extra_bytes - self.large_extra_bytes
+        )
+        priced = max(ids, 0.0) + self.ends_per_document * (self.sample_documents + self.estimated_documents)
+        return priced / (priced + self.large_tokens) if priced + self.large_tokens > 0 else 1.0
 
     @property
     def extra_bytes_unsampled(self) -> bool:
@@ -309,6 +325,7 @@ class TokenCalibration:
             "bytes_per_token": self.bytes_per_token,
             "estimated_extra_share": self.estimated_extra_share,
             "extra_bytes_unsampled": self.extra_bytes_unsampled,
+            "priced_share": self.priced_share,
         }
         fields = {key: value for key, value in asdict(self).items() if key != "mode"}
         for values in (derived, fields):
@@ -342,6 +359,7 @@ def calibrate(
     large_documents: int = 0,
     large_bytes: int = 0,
     large_extra_bytes: int = 0,
+    large_tokens: int = 0,
 ) -> TokenCalibration:
     """The fit of a source's sampled documents' ids on their bytes and extra bytes (listed in row order), with
     the whole source's documents, bytes and extra bytes, its non-empty documents left to estimate, and what its
@@ -389,6 +407,7 @@ def calibrate(
         large_documents,
         large_bytes,
         large_extra_bytes,
+        large_tokens,
         n,
         int(b.sum()),
         int(m.sum()),
