@@ -465,21 +465,31 @@ def test_auto_samples_only_large_sources():
 
 def test_sample_mode_reads_each_footer_once_for_its_bound(sample, tokenizer_dir, tmp_path, monkeypatch):
     """The large-document bound is the text column's bytes in every file's footer; worked out per measuring unit
-    (one file), a source of N files read N x N footers."""
+    (one file), a source of N files read N x N footers. An array task reads the footers of the sources it
+    measures, not of every source."""
     from smolctl import shards
 
     table = read_rows(sample / "web").select(["text"])
     (tmp_path / "web").mkdir()
     for i in range(8):
         pq.write_table(table.slice(i * 20, 20), tmp_path / "web" / f"part-{i}.parquet")
+    (tmp_path / "more").mkdir()
+    pq.write_table(table.slice(160, 100), tmp_path / "more" / "part-0.parquet")
+    sources = [f"web={tmp_path / 'web'}:1", f"more={tmp_path / 'more'}:1"]
     options = {"tokens": "5K", "tokenizer": str(tokenizer_dir), "token_estimate": "sample", "token_sample": 40}
-    job = prepare_mix(schedule_from_flags([f"web={tmp_path / 'web'}:1"], **options), tmp_path / "out")
     footers = []
     monkeypatch.setattr(shards, "read_footer", lambda path: footers.append(path) or pq.read_metadata(path))
+    # Units are the files in order, dealt round-robin: task 8 of 9 measures the one file of `more` alone.
+    task = prepare_mix(schedule_from_flags(sources, **options), tmp_path / "array")
+    footers.clear()  # opening the sources read each footer once
+    task.run(stage="measure", tasks=9, task_id=8)
+    assert footers == [tmp_path / "more" / "part-0.parquet"]
+    job = prepare_mix(schedule_from_flags(sources, **options), tmp_path / "out")
+    footers.clear()
     job.run()
-    assert sorted(footers) == sorted(tmp_path.glob("web/part-*.parquet"))
+    assert sorted(footers) == sorted([*tmp_path.glob("web/part-*.parquet"), tmp_path / "more" / "part-0.parquet"])
     text_bytes = job.sources["web"].column_bytes("text")  # 40 of 160 documents: ten mean documents is the bound
-    assert job.token_samples["web"].large_bytes == pytest.approx(text_bytes / 160 * 10)
+    assert job.token_sample("web").large_bytes == pytest.approx(text_bytes / 160 * 10)
 
 
 def test_same_seed_same_bytes_and_sources_interleaved(sample, tmp_path):

@@ -34,7 +34,6 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -448,6 +447,7 @@ class MixJob:
     area: WorkArea
     sample_fractions: dict[str, float | None]
     """Per source, the fraction of rows tokenized to calibrate its token estimate; None: count exactly."""
+    _token_samples: dict[str, TokenSample | None] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def total_rows(self) -> int:
@@ -458,19 +458,19 @@ class MixJob:
         """(source, file) of every measuring unit: the sources in order, each file in order."""
         return [(name, index) for name, source in self.sources.items() for index in range(len(source.files))]
 
-    @cached_property
-    def token_samples(self) -> dict[str, TokenSample | None]:
-        """Per source, the documents whose tokens `sample` mode counts (TokenSample); None: all of them. Worked
-        out once per process: the bound reads every file's footer, and every measuring unit needs it."""
-        samples = {}
-        for name, fraction in self.sample_fractions.items():
-            if fraction is None:
-                samples[name] = None
-                continue
-            text_bytes = self.sources[name].column_bytes(self.plan.text_column)
-            key = sample_key(self.plan.seed, name)
-            samples[name] = TokenSample.of(key, fraction, text_bytes, self.plan.token_sample)
-        return samples
+    def token_sample(self, name: str) -> TokenSample | None:
+        """The documents of source `name` whose tokens `sample` mode counts (TokenSample); None: all of them.
+        Worked out once per source and process, when first needed: the bound reads every file's footer, and
+        every measuring unit of the source needs it."""
+        if name not in self._token_samples:
+            fraction = self.sample_fractions[name]
+            sample = None
+            if fraction is not None:
+                text_bytes = self.sources[name].column_bytes(self.plan.text_column)
+                key = sample_key(self.plan.seed, name)
+                sample = TokenSample.of(key, fraction, text_bytes, self.plan.token_sample)
+            self._token_samples[name] = sample
+        return self._token_samples[name]
 
     def unit_count(self, stage: str) -> int:
         return len(self.measure_units) if stage == "measure" else len(self.blocks())
@@ -556,7 +556,7 @@ class MixJob:
                     source_key(self.plan.seed, name),
                     self.plan.text_column,
                     self.backend,
-                    self.token_samples[name],
+                    self.token_sample(name),
                     on_measure,
                 )
                 save_arrays(self.area.stage_dir("measure") / f"{unit:05d}.npz", **measured)
@@ -630,7 +630,7 @@ class MixJob:
                     source_bytes=int(units.sum() + sample["sample_bytes"].sum()) + large_bytes,
                     source_extra_bytes=int(totals["extra"].sum() + sample["sample_extra"].sum()) + large_extra,
                     estimated_documents=int(totals["nonempty"].sum()),
-                    large_document_bytes=self.token_samples[name].large_bytes,
+                    large_document_bytes=self.token_sample(name).large_bytes,
                     large_documents=int(totals["large_documents"]),
                     large_bytes=large_bytes,
                     large_extra_bytes=large_extra,
