@@ -952,6 +952,8 @@ class DocumentSource:
     file_bytes: list[int] = field(default_factory=list)
     """Each file's size uncompressed, as its footer records it (its row groups' total_byte_size): about what it
     takes decoded."""
+    file_column_bytes: list[dict[str, int]] = field(default_factory=list)
+    """Each file's bytes before compression per column, as its footer records them (`footer_column_bytes`)."""
     partitions: list[dict[str, str | None]] = field(default_factory=list)
     """Each file's Hive partition values (`lang=en/` → {"lang": "en"}), read as columns after the files' own (see
     `hive_partitions`); empty where the input is not partitioned."""
@@ -1056,14 +1058,7 @@ class DocumentSource:
         """The bytes of column `name` over all files before compression, as their footers record them: about the
         text a string column holds (plus four bytes of length per value), but a dictionary-encoded column's
         repeated values once; 0 for a partition column, which no file holds."""
-        total = 0
-        for path in self.files:
-            meta = read_footer(path)
-            for group in range(meta.num_row_groups):
-                row_group = meta.row_group(group)
-                columns = (row_group.column(i) for i in range(row_group.num_columns))
-                total += sum(c.total_uncompressed_size for c in columns if c.path_in_schema == name)
-        return total
+        return sum(sizes.get(name, 0) for sizes in self.file_column_bytes)
 
     def iter_batches(self, columns: Sequence[str] | None = None, batch_size: int = 8192) -> Iterator[pa.RecordBatch]:
         for index in range(len(self.files)):
@@ -1097,6 +1092,7 @@ def open_documents(spec: str | Path, columns: Sequence[str] | None = None) -> Do
     schemas: list[pa.Schema] = []
     rows: list[int] = []
     sizes: list[int] = []
+    column_sizes: list[dict[str, int]] = []
     for path in files:
         _check_parquet_magic(path)
         meta = read_footer(path)
@@ -1107,6 +1103,7 @@ def open_documents(spec: str | Path, columns: Sequence[str] | None = None) -> Do
         schemas.append(readable_schema(file_schema.remove_metadata()))
         rows.append(meta.num_rows)
         sizes.append(sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)))
+        column_sizes.append(footer_column_bytes(meta))
     root = Path(os.path.commonpath([file.parent for file in files]))
     labels = [str(file.relative_to(root).with_suffix("")) for file in files]
     if columns is not None and all(set(columns) <= set(schema.names) for schema in schemas):
@@ -1118,7 +1115,19 @@ def open_documents(spec: str | Path, columns: Sequence[str] | None = None) -> Do
     partitions = [{name: values[name] for name in names} for values in partitions] if names else []
     kinds = [partition_type([values[name] for values in partitions]) for name in names]
     schema = pa.schema([*schema, *(pa.field(name, kind) for name, kind in zip(names, kinds))])
-    return DocumentSource(str(spec), files, manifest, folder, schema, rows, labels, sizes, partitions)
+    return DocumentSource(str(spec), files, manifest, folder, schema, rows, labels, sizes, column_sizes, partitions)
+
+
+def footer_column_bytes(meta: pq.FileMetaData) -> dict[str, int]:
+    """A file's bytes before compression per column chunk path, summed over its row groups: a top-level string
+    column's path is its name (dots and all), a nested column's leaves have paths of their own."""
+    sizes: dict[str, int] = {}
+    for group in range(meta.num_row_groups):
+        row_group = meta.row_group(group)
+        for i in range(row_group.num_columns):
+            chunk = row_group.column(i)
+            sizes[chunk.path_in_schema] = sizes.get(chunk.path_in_schema, 0) + chunk.total_uncompressed_size
+    return sizes
 
 
 def unreadable_parquet(path: Path, exc: Exception) -> UserError:

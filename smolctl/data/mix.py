@@ -447,7 +447,6 @@ class MixJob:
     area: WorkArea
     sample_fractions: dict[str, float | None]
     """Per source, the fraction of rows tokenized to calibrate its token estimate; None: count exactly."""
-    _token_samples: dict[str, TokenSample | None] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def total_rows(self) -> int:
@@ -459,18 +458,12 @@ class MixJob:
         return [(name, index) for name, source in self.sources.items() for index in range(len(source.files))]
 
     def token_sample(self, name: str) -> TokenSample | None:
-        """The documents of source `name` whose tokens `sample` mode counts (TokenSample); None: all of them.
-        Worked out once per source and process, when first needed: the bound reads every file's footer, and
-        every measuring unit of the source needs it."""
-        if name not in self._token_samples:
-            fraction = self.sample_fractions[name]
-            sample = None
-            if fraction is not None:
-                text_bytes = self.sources[name].column_bytes(self.plan.text_column)
-                key = sample_key(self.plan.seed, name)
-                sample = TokenSample.of(key, fraction, text_bytes, self.plan.token_sample)
-            self._token_samples[name] = sample
-        return self._token_samples[name]
+        """The documents of source `name` whose tokens `sample` mode counts (TokenSample); None: all of them."""
+        fraction = self.sample_fractions[name]
+        if fraction is None:
+            return None
+        text_bytes = self.sources[name].column_bytes(self.plan.text_column)
+        return TokenSample.of(sample_key(self.plan.seed, name), fraction, text_bytes, self.plan.token_sample)
 
     def unit_count(self, stage: str) -> int:
         return len(self.measure_units) if stage == "measure" else len(self.blocks())
