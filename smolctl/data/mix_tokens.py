@@ -28,7 +28,8 @@ others' errors), so calibrations within 1% keep the shares within about half a p
 A split-half error above HOLDOUT_WARNING is reported as a warning: the sample does not predict its own halves
 well enough for that (documents of very different cost per byte, too few of them sampled). So is a source whose
 two standard errors would move its share by more than HALF_A_POINT, and one whose sample holds too little of its
-text beyond ASCII to price it (TokenCalibration.extra_bytes_unsampled).
+text beyond ASCII to price it (TokenCalibration.extra_bytes_unsampled). Both errors are the fit's: each counts
+for the share of the source's tokens the fit prices (TokenCalibration.priced_share), not the large documents'.
 """
 
 from __future__ import annotations
