@@ -143,19 +143,22 @@ def read_manifest(folder: Path) -> dict | None:
     return manifest
 
 
+def named_manifest(folder: Path) -> tuple[dict | None, str | None]:
+    """(manifest, why it is unreadable) of a folder named as an input without being read (a tokenizer, a model):
+    its manifest.json may be another tool's or not JSON at all, which names it with no kind and stops nothing."""
+    try:
+        return read_manifest(folder), None
+    except UserError as exc:
+        return None, exc.what
+
+
 def lineage_ref(folder: Path, manifest: dict | None = None) -> dict:
-    """How an output names one of its inputs: absolute path, kind, and the sha256 of the input's manifest. A
-    folder this names without reading its manifest (a tokenizer, a model) may hold a manifest.json that is not
-    smolctl's, or not JSON at all: it is named with no kind, and the command goes on."""
+    """How an output names one of its inputs: absolute path, kind, and the sha256 of the input's manifest (read
+    as `named_manifest` reads it, unless given)."""
     folder = Path(folder).resolve()
     manifest_path = folder / MANIFEST_NAME
     if manifest_path.is_file():
-        if manifest is None:
-            try:
-                manifest = read_manifest(folder)
-            except UserError:
-                manifest = None
-        kind = (manifest or {}).get("kind")
+        kind = (manifest or named_manifest(folder)[0] or {}).get("kind")
         return {"path": str(folder), "kind": kind, "manifest_sha256": sha256_file(manifest_path)}
     return {"path": str(folder), "kind": None, "manifest_sha256": None}
 
@@ -168,14 +171,10 @@ def lineage_chain(folder: Path) -> list[dict]:
     def visit(path: Path, depth: int, expected_sha: str | None) -> None:
         key = str(Path(path).resolve())
         unreadable = None
-        try:
+        if depth == 0:  # the folder asked about: its manifest must be readable
             manifest = read_manifest(path) if Path(path).is_dir() else None
-        except UserError as exc:
-            if depth == 0:
-                raise
-            # An input named without being read (a tokenizer, a model: lineage_ref) may hold a manifest.json that
-            # is not JSON or not smolctl's: the chain shows it and goes on.
-            manifest, unreadable = None, exc.what
+        else:  # an input: the chain shows an unreadable manifest and goes on
+            manifest, unreadable = named_manifest(path) if Path(path).is_dir() else (None, None)
         entry = {
             "depth": depth,
             "path": key,
@@ -952,8 +951,9 @@ class DocumentSource:
     file_bytes: list[int] = field(default_factory=list)
     """Each file's size uncompressed, as its footer records it (its row groups' total_byte_size): about what it
     takes decoded."""
-    file_column_bytes: list[dict[str, int]] = field(default_factory=list)
-    """Each file's bytes before compression per column, as its footer records them (`footer_column_bytes`)."""
+    column_file_bytes: dict[str, list[int]] = field(default_factory=dict)
+    """For each column named when the source was opened (open_documents' `sized_columns`), each file's bytes of it
+    before compression, as its footer records them."""
     partitions: list[dict[str, str | None]] = field(default_factory=list)
     """Each file's Hive partition values (`lang=en/` → {"lang": "en"}), read as columns after the files' own (see
     `hive_partitions`); empty where the input is not partitioned."""
@@ -1055,10 +1055,11 @@ class DocumentSource:
             raise unreadable_parquet(path, exc) from exc
 
     def column_bytes(self, name: str) -> int:
-        """The bytes of column `name` over all files before compression, as their footers record them: about the
-        text a string column holds (plus four bytes of length per value), but a dictionary-encoded column's
-        repeated values once; 0 for a partition column, which no file holds."""
-        return sum(sizes.get(name, 0) for sizes in self.file_column_bytes)
+        """The bytes of column `name` (one of the `sized_columns` the source was opened with) over all files before
+        compression, as their footers record them: about the text a string column holds (plus four bytes of length
+        per value), but a dictionary-encoded column's repeated values once; 0 for a partition column, which no file
+        holds."""
+        return sum(self.column_file_bytes[name])
 
     def iter_batches(self, columns: Sequence[str] | None = None, batch_size: int = 8192) -> Iterator[pa.RecordBatch]:
         for index in range(len(self.files)):
@@ -1082,17 +1083,20 @@ class DocumentSource:
         return kind.from_arrays(list(arrays.values()), schema=pa.schema([self.schema.field(n) for n in columns]))
 
 
-def open_documents(spec: str | Path, columns: Sequence[str] | None = None) -> DocumentSource:
+def open_documents(
+    spec: str | Path, columns: Sequence[str] | None = None, sized_columns: Sequence[str] = ()
+) -> DocumentSource:
     """Open a dataset folder, a plain folder of parquet files, a single parquet file or a glob. `columns`: the
     only ones the command reads (pack and train-tokenizer read the text): where every file holds them, the files
     need to agree on those alone (pandas writes an integer column with a null in it as float64 in that shard
-    only)."""
+    only). `sized_columns`: the columns whose bytes the caller needs (`DocumentSource.column_bytes`), taken from
+    the footers as they are read (each column of each row group costs a lookup: only these are summed)."""
     spec = home_expanded(spec)
     files, manifest, folder = resolve_parquet_files(spec)
     schemas: list[pa.Schema] = []
     rows: list[int] = []
     sizes: list[int] = []
-    column_sizes: list[dict[str, int]] = []
+    column_sizes: dict[str, list[int]] = {name: [] for name in sized_columns}
     for path in files:
         _check_parquet_magic(path)
         meta = read_footer(path)
@@ -1103,7 +1107,8 @@ def open_documents(spec: str | Path, columns: Sequence[str] | None = None) -> Do
         schemas.append(readable_schema(file_schema.remove_metadata()))
         rows.append(meta.num_rows)
         sizes.append(sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)))
-        column_sizes.append(footer_column_bytes(meta))
+        for name, size in footer_column_bytes(meta, sized_columns).items():
+            column_sizes[name].append(size)
     root = Path(os.path.commonpath([file.parent for file in files]))
     labels = [str(file.relative_to(root).with_suffix("")) for file in files]
     if columns is not None and all(set(columns) <= set(schema.names) for schema in schemas):
@@ -1118,16 +1123,17 @@ def open_documents(spec: str | Path, columns: Sequence[str] | None = None) -> Do
     return DocumentSource(str(spec), files, manifest, folder, schema, rows, labels, sizes, column_sizes, partitions)
 
 
-def footer_column_bytes(meta: pq.FileMetaData) -> dict[str, int]:
-    """A file's bytes before compression per column chunk path, summed over its row groups: a top-level string
-    column's path is its name (dots and all), a nested column's leaves have paths of their own."""
-    sizes: dict[str, int] = {}
-    for group in range(meta.num_row_groups):
-        row_group = meta.row_group(group)
-        for i in range(row_group.num_columns):
-            chunk = row_group.column(i)
-            sizes[chunk.path_in_schema] = sizes.get(chunk.path_in_schema, 0) + chunk.total_uncompressed_size
-    return sizes
+def footer_column_bytes(meta: pq.FileMetaData, names: Sequence[str]) -> dict[str, int]:
+    """A file's bytes before compression of each of the columns `names`, summed over its row groups (0 for one
+    the file does not hold). A top-level column's path is its name, dots and all."""
+    if not names:
+        return {}
+    index = {meta.schema.column(i).path: i for i in range(meta.num_columns)}
+    groups = [meta.row_group(g) for g in range(meta.num_row_groups)]
+    return {
+        name: sum(group.column(index[name]).total_uncompressed_size for group in groups) if name in index else 0
+        for name in names
+    }
 
 
 def unreadable_parquet(path: Path, exc: Exception) -> UserError:

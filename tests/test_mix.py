@@ -242,7 +242,9 @@ def test_sample_estimate_counts_documents_too_large_to_sample_exactly(sample, to
     for seed in (1, 7):
         result, share = mixed_share(sources, tmp_path / f"out-{seed}", tokenizer_dir, seed, 1000, "300K")
         calibration = result.token_estimates["mixed"]
-        assert calibration["large_document_bytes"] == pytest.approx(open_documents(mixed).column_bytes("text") / 1000)
+        assert calibration["large_document_bytes"] == pytest.approx(
+            open_documents(mixed, sized_columns=["text"]).column_bytes("text") / 1000
+        )
         assert calibration["large_documents"] >= 8 and calibration["large_bytes"] >= 8 * 8000
         assert abs(share - 0.5) < 0.005, seed
         assert result.warnings() == []
@@ -256,7 +258,7 @@ def test_large_documents_are_found_by_the_text_columns_bytes_alone(sample, token
     table = pq.read_table(mixed / "part-00000.parquet")
     html = [f"<html><body><p>{text}</p></body></html>" * 4 for text in table["text"].to_pylist()]
     pq.write_table(table.append_column("html", pa.array(html)), mixed / "part-00000.parquet")
-    source = open_documents(mixed)
+    source = open_documents(mixed, sized_columns=["text"])
     assert sum(source.file_bytes) > 4 * source.column_bytes("text") > 4 * 2_000_000
     sources = [f"mixed={mixed}:1", f"web={sample}/web:1"]
     result, share = mixed_share(sources, tmp_path / "out", tokenizer_dir, 1, 1000, "300K")

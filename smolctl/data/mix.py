@@ -801,7 +801,7 @@ def prepare_mix(plan: MixSchedule, output: str | Path, *, overwrite: bool = Fals
     # The shards a mix writes, each stage's in a folder of its own when it has stages.
     shards = [f"{stage.name}/part-00000.parquet" for stage in plan.stages] if plan.staged else ["part-00000.parquet"]
     for name in used:
-        source = open_documents(plan.sources[name])
+        source = open_documents(plan.sources[name], sized_columns=[plan.text_column])  # for TokenSample
         source.require(text=[plan.text_column])
         source.check_output_spares(output, shards=shards)
         for file in source.files:

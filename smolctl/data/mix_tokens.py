@@ -107,8 +107,12 @@ def document_sizes(texts: pa.Array, backend) -> np.ndarray:
     """Tokens (ids + the EOS `pack` appends; 0 for an empty document) or UTF-8 bytes of each document."""
     if backend is None:
         return text_bytes(texts)
-    lengths = text_tokens(texts, backend)
-    return np.where(lengths > 0, lengths + 1, 0)
+    return with_end(text_tokens(texts, backend))
+
+
+def with_end(ids: np.ndarray) -> np.ndarray:
+    """Documents' token ids and the EOS `pack` appends to each that has any."""
+    return np.where(ids > 0, ids + 1, 0)
 
 
 def sample_key(seed: int, name: str) -> int:
@@ -158,8 +162,8 @@ def measure_file(
     the documents outside it and not large, `extra` their extra bytes (extra_bytes), `nonempty` counts those that
     are not empty and `sampled` holds the tokens (EOS included) of the sampled and the large ones; `sample_bytes`,
     `sample_extra` and `sample_tokens` (ids, no EOS) list the sampled documents that are not large in row order,
-    and `large_documents`, `large_bytes`, `large_extra` and `large_tokens` (EOS included) total the large ones. Only the sampled and the large
-    documents are tokenized.
+    and `large_documents`, `large_bytes`, `large_extra` and `large_tokens` (EOS included) total the large ones.
+    Only the sampled and the large documents are tokenized.
     """
     estimating = backend is not None and sample is not None
     units = np.zeros(BINS, dtype=np.int64)
@@ -182,16 +186,15 @@ def measure_file(
             picked = in_sample(sample.key, sample.fraction, rows) & ~large
             counted = picked | large
             tokens = text_tokens(texts.filter(pa.array(counted)), backend)
-            sampled += np.bincount(bins[counted], weights=np.where(tokens > 0, tokens + 1, 0), minlength=BINS).astype(
-                np.int64
-            )
+            counted_tokens = with_end(tokens)
+            sampled += np.bincount(bins[counted], weights=counted_tokens, minlength=BINS).astype(np.int64)
             sampled_bytes.append(sizes[picked])
             sampled_extra.append(beyond[picked])
             sampled_tokens.append(tokens[picked[counted]])
             large_documents += int(large.sum())
             large_bytes += int(sizes[large].sum())
             large_extra += int(beyond[large].sum())
-            large_tokens += int(np.where(tokens > 0, tokens + 1, 0)[large[counted]].sum())
+            large_tokens += int(counted_tokens[large[counted]].sum())
             # Counted exactly above: `units`, `extra` and `nonempty` hold only what is left to estimate.
             sizes[counted] = beyond[counted] = 0
             extra += np.bincount(bins, weights=beyond, minlength=BINS).astype(np.int64)
