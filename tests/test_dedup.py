@@ -257,15 +257,19 @@ def test_planted_duplicates_removed_distinct_kept_and_accounted(planted, tmp_pat
 
 
 def test_same_output_whatever_workers_tasks_or_shard_layout(planted, tmp_path):
-    dedup(planted["input"], tmp_path / "local", workers=1)
+    local = dedup(planted["input"], tmp_path / "local", workers=1)  # a small corpus: its 20 bands are one bucket unit
+    staged = tmp_path / "staged"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("smolctl.data.dedup.POOL_MIN_DOCUMENTS", 0)  # a real pool, on a small corpus
+        # Bucket units of 3 bands, as a large corpus would have: 7 units, the last of 2 bands.
+        patch.setattr("smolctl.data.dedup_plan.BUCKET_UNIT_KEYS", 3 * planted["table"].num_rows)
         dedup(planted["input"], tmp_path / "pool", workers=2)
-    staged = tmp_path / "staged"
-    for stage, tasks in (("signatures", 2), ("buckets", 3), ("components", 1), ("filter", 2)):
-        for task in range(tasks):
-            result = dedup(planted["input"], staged, stage=stage, tasks=tasks, task_id=task)
-    assert result.finished
+        for stage, tasks in (("signatures", 2), ("buckets", 3), ("components", 1), ("filter", 2)):
+            for task in range(tasks):
+                result = dedup(planted["input"], staged, stage=stage, tasks=tasks, task_id=task)
+                if stage == "buckets":
+                    assert result.units_done == len(range(task, 7, tasks))
+    assert result.finished and result.candidate_pairs == local.candidate_pairs > 0  # every band's pairs, once
     resharded = write_shards(tmp_path / "resharded", planted["table"], 5)
     dedup(resharded, tmp_path / "layout", workers=1)
     reference_kept, reference_report = read_output(tmp_path / "local")

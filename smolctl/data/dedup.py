@@ -3,7 +3,8 @@
     smolctl dedup data/sample/web out/web --minhash
 
 1. signatures  (one unit per input/reference shard): normalised-text hash, MinHash signature, band keys
-2. buckets     (one unit per band): candidate pairs among documents sharing that band's key
+2. buckets     (one unit per band, or per few bands of a small input): candidate pairs among documents sharing
+               a band's key
 3. components  (one unit): verify candidates (exact Jaccard in the grey zone), union-find with exact groups,
                one kept document per component
 4. filter      (one unit per input shard): drop the removed rows; the task that completes the set assembles
@@ -293,7 +294,7 @@ def _stage_total(plan_: DedupPlan, stage: str, units: list[int]) -> int:
         return sum(source.file_rows[i] for source, i in (plan_.units[u] for u in units))
     if stage == "filter":
         return sum(plan_.source.file_rows[u] for u in units)
-    return len(units) if stage == "buckets" else 0
+    return sum(len(plan_.bucket_bands(u)) for u in units) if stage == "buckets" else 0
 
 
 def _final_stats(plan_: DedupPlan) -> dict:

@@ -75,8 +75,19 @@ class DedupPlan:
         if stage == "signatures":
             return len(self.units)
         if stage == "buckets":
-            return self.config.minhash.bands if self.config.minhash else 0
+            return -(-self.config.minhash.bands // self.bands_per_bucket_unit) if self.config.minhash else 0
         return 1 if stage == "components" else len(self.source.files)
+
+    @property
+    def bands_per_bucket_unit(self) -> int:
+        """Bands a bucket unit sorts: enough that each unit sorts BUCKET_UNIT_KEYS keys or more. A small input's
+        bands are then one unit, with one file and one marker instead of one of each per band."""
+        documents = self.source.num_rows + (self.reference.num_rows if self.reference else 0)
+        return max(1, min(self.config.minhash.bands, BUCKET_UNIT_KEYS // max(documents, 1)))
+
+    def bucket_bands(self, unit: int) -> range:
+        per_unit = self.bands_per_bucket_unit
+        return range(unit * per_unit, min((unit + 1) * per_unit, self.config.minhash.bands))
 
     def marker(self, stage: str, unit: int) -> Path:
         return self.area.marker(stage, unit)
@@ -85,9 +96,13 @@ class DedupPlan:
         return self.area.stage_done(stage, self.unit_count(stage))
 
 
+BUCKET_UNIT_KEYS = 2**20
+"""Keys a bucket unit sorts at least (documents x its bands): below this, files, markers and per-unit work cost
+more than the sorting."""
+
 # Bumped whenever the layout or content of the files under OUTPUT/_work changes: a work area of another version is
-# not resumed (5: the shingle hashes kept for verification whole, not their upper 32 bits).
-WORK_FILES_VERSION = 5
+# not resumed (6: a bucket unit holds several bands when the input is small).
+WORK_FILES_VERSION = 6
 
 
 def fingerprint(config: DedupConfig, source: DocumentSource, reference: DocumentSource | None) -> dict:

@@ -159,24 +159,23 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
 # Stage 2: buckets
 
 
-def bucket_unit(plan_: DedupPlan, band: int, report: Report) -> dict:
-    keys, docs, start = [], [], 0
-    for unit, (source, file_index) in enumerate(plan_.units):
-        row_keys = _band_row(
-            plan_.work / "signatures" / f"{unit:05d}.bands",
-            band,
-            plan_.config.minhash.bands,
-            source.file_rows[file_index],
-        )
-        matchable = row_keys != NO_BUCKET
-        keys.append(np.asarray(row_keys[matchable]))
-        docs.append(np.arange(start, start + len(row_keys), dtype=np.int64)[matchable])
-        start += len(row_keys)
-    pairs = bucket_pairs(np.concatenate(keys), np.concatenate(docs))
-    # Pairs inside the reference are never removed, so they need no verification (pairs are i < j).
-    pairs = pairs[(pairs >> np.uint64(32)) < np.uint64(plan_.source.num_rows)]
-    _atomic_save(plan_.work / "buckets" / f"{band:05d}.npy", pairs)
-    report("buckets", 1)
+def bucket_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
+    """The candidate pairs of the unit's bands (`DedupPlan.bucket_bands`), band after band in one file."""
+    bands, pieces = plan_.bucket_bands(unit), []
+    rows = [
+        _band_rows(plan_.work / "signatures" / f"{u:05d}.bands", bands, plan_.config.minhash.bands, source.file_rows[i])
+        for u, (source, i) in enumerate(plan_.units)
+    ]
+    docs = np.arange(sum(source.file_rows[i] for source, i in plan_.units), dtype=np.int64)
+    for band in range(len(bands)):
+        keys = np.concatenate([r[band] for r in rows])
+        matchable = keys != NO_BUCKET
+        pairs = bucket_pairs(keys[matchable], docs[matchable])
+        # Pairs inside the reference are never removed, so they need no verification (pairs are i < j).
+        pieces.append(pairs[(pairs >> np.uint64(32)) < np.uint64(plan_.source.num_rows)])
+        report("buckets", 1)
+    pairs = np.concatenate(pieces)
+    _atomic_save(plan_.work / "buckets" / f"{unit:05d}.npy", pairs)
     return {"pairs": len(pairs)}
 
 
@@ -213,7 +212,10 @@ def components_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     if config.minhash:
         pairs = sorted_unique(
             np.concatenate(
-                [read_work_file(plan_.work / "buckets" / f"{b:05d}.npy", np.load) for b in range(config.minhash.bands)]
+                [
+                    read_work_file(plan_.work / "buckets" / f"{u:05d}.npy", np.load)
+                    for u in range(plan_.unit_count("buckets"))
+                ]
             )
         )
         accepted, stats = verify_pairs(plan_, pairs, report, representative)
@@ -571,9 +573,11 @@ def read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table:
     return pq.ParquetFile(path).read(columns, use_threads=False)
 
 
-def _band_row(path: Path, band: int, bands: int, rows: int) -> np.ndarray:
+def _band_rows(path: Path, wanted: range, bands: int, rows: int) -> np.ndarray:
+    """Rows `wanted` of a shard's (bands, documents) keys: one read, as the file holds them band after band."""
     _checked_size(path, bands * rows * 8, f"{bands} bands x {rows} documents")
-    return np.fromfile(path, dtype="<u8", count=rows, offset=band * rows * 8)
+    keys = np.fromfile(path, dtype="<u8", count=rows * len(wanted), offset=wanted.start * rows * 8)
+    return keys.reshape(len(wanted), rows)
 
 
 def _checked_size(path: Path, size: int, layout: str) -> Path:
