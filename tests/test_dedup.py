@@ -17,6 +17,7 @@ from conftest import SAMPLE, run_cli, work_area
 
 from smolctl.data import dedup_stages
 from smolctl.data.dedup import DedupConfig, run
+from smolctl.data.dedup_plan import plan
 from smolctl.data.minhash import arrays, kernels, lsh, normalization, params, shingles
 from smolctl.data.minhash.params import MinHashParams
 from smolctl.errors import UserError
@@ -279,6 +280,35 @@ def test_same_output_whatever_workers_tasks_or_shard_layout(planted, tmp_path):
     for name in ("pool", "staged"):
         for shard in ("part-00000.parquet", "part-00002.parquet", "duplicates/part-00000.parquet"):
             assert (tmp_path / name / shard).read_bytes() == (tmp_path / "local" / shard).read_bytes()
+
+
+@pytest.mark.parametrize(("most", "units"), [(1, 20), (3, 7), (19, 2), (20, 1)])
+@pytest.mark.parametrize("with_reference", [False, True])
+def test_bucket_units_hold_every_band_once(planted, tmp_path, most, units, with_reference):
+    """However the bands are grouped into units (at most `most` bands a unit, spread evenly), the bucket files in
+    unit order are the pairs of every band, once each, band after band: what a unit per band wrote."""
+    table = planted["table"]
+    against = str(write_shards(tmp_path / "reference", table.slice(0, 60), 1)) if with_reference else None
+    documents = table.num_rows + (60 if with_reference else 0)
+    out = tmp_path / "out"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("smolctl.data.dedup_plan.BUCKET_UNIT_KEYS", most * documents)
+        for stage in ("signatures", "buckets"):
+            dedup(planted["input"], out, stage=stage, against=against)
+        run_plan = plan(DedupConfig(input=str(planted["input"]), output=str(out), minhash=PARAMS, against=against))
+        sizes = [len(run_plan.bucket_bands(unit)) for unit in range(run_plan.unit_count("buckets"))]
+    assert sum(sizes) == 20 and max(sizes) - min(sizes) <= 1, sizes
+    work = work_area(out)
+    written = sorted((work / "buckets").glob("*.npy"))
+    assert len(written) == units
+    keys = np.concatenate([np.fromfile(f, "<u8").reshape(20, -1) for f in sorted(work.glob("signatures/*.bands"))], 1)
+    assert keys.shape[1] == documents
+    band_by_band = []
+    for band in keys:
+        docs = np.flatnonzero(band != dedup_stages.NO_BUCKET)
+        pairs = lsh.bucket_pairs(band[docs], docs)
+        band_by_band.append(pairs[(pairs >> np.uint64(32)) < np.uint64(table.num_rows)])  # none inside the reference
+    assert np.concatenate([np.load(f) for f in written]).tobytes() == np.concatenate(band_by_band).tobytes()
 
 
 def test_repeated_ids_are_found_once_locally_and_by_the_components_task(tmp_path, monkeypatch):

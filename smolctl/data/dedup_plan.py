@@ -80,10 +80,13 @@ class DedupPlan:
 
     @property
     def bands_per_bucket_unit(self) -> int:
-        """Bands a bucket unit sorts: enough that each unit sorts BUCKET_UNIT_KEYS keys or more. A small input's
-        bands are then one unit, with one file and one marker instead of one of each per band."""
+        """Bands a bucket unit sorts together: as many as keep it within BUCKET_UNIT_KEYS keys (documents x bands),
+        at least one, spread evenly over the units (20 bands of at most 19 a unit are 2 units of 10, not 19 and 1).
+        A small input's bands are one unit: one file and one marker instead of one of each per band."""
+        bands = self.config.minhash.bands
         documents = self.source.num_rows + (self.reference.num_rows if self.reference else 0)
-        return max(1, min(self.config.minhash.bands, BUCKET_UNIT_KEYS // max(documents, 1)))
+        most = max(1, min(bands, BUCKET_UNIT_KEYS // max(documents, 1)))
+        return -(-bands // -(-bands // most))
 
     def bucket_bands(self, unit: int) -> range:
         per_unit = self.bands_per_bucket_unit
@@ -97,11 +100,12 @@ class DedupPlan:
 
 
 BUCKET_UNIT_KEYS = 2**20
-"""Keys a bucket unit sorts at least (documents x its bands): below this, files, markers and per-unit work cost
-more than the sorting."""
+"""The most keys (documents x bands) a bucket unit of several bands sorts: up to this, one unit's file, marker and
+reads cost less than one per band (below ~52k documents, all 20 default bands are one unit)."""
 
 # Bumped whenever the layout or content of the files under OUTPUT/_work changes: a work area of another version is
-# not resumed (6: a bucket unit holds several bands when the input is small).
+# not resumed (6: a bucket unit holds several bands when the input is small). BUCKET_UNIT_KEYS sets how bands are
+# grouped into units and is not in the fingerprint: changing it needs a new version too.
 WORK_FILES_VERSION = 6
 
 

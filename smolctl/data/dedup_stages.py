@@ -127,7 +127,7 @@ def signature_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
     if params:
         keys = np.concatenate(key_parts) if key_parts else np.zeros((0, params.bands), np.uint64)
         keys[repeats] = NO_BUCKET
-        # (bands, docs) raw little-endian uint64: each bucket task reads its band's row at a known offset, with
+        # (bands, docs) raw little-endian uint64: each bucket unit reads its bands' rows at a known offset, with
         # no header to parse (20 bands x every shard would parse thousands of .npy headers).
         atomic_write_bytes(
             plan_.work / "signatures" / f"{unit:05d}.bands",
@@ -166,11 +166,10 @@ def bucket_unit(plan_: DedupPlan, unit: int, report: Report) -> dict:
         _band_rows(plan_.work / "signatures" / f"{u:05d}.bands", bands, plan_.config.minhash.bands, source.file_rows[i])
         for u, (source, i) in enumerate(plan_.units)
     ]
-    docs = np.arange(sum(source.file_rows[i] for source, i in plan_.units), dtype=np.int64)
     for band in range(len(bands)):
         keys = np.concatenate([r[band] for r in rows])
-        matchable = keys != NO_BUCKET
-        pairs = bucket_pairs(keys[matchable], docs[matchable])
+        matchable = np.flatnonzero(keys != NO_BUCKET)  # the documents, by their position in the run
+        pairs = bucket_pairs(keys[matchable], matchable)
         # Pairs inside the reference are never removed, so they need no verification (pairs are i < j).
         pieces.append(pairs[(pairs >> np.uint64(32)) < np.uint64(plan_.source.num_rows)])
         report("buckets", 1)
