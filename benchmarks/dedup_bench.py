@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/dedup_bench.py --docs 25000 --repeat 5 --cpu 0
     .venv/bin/python benchmarks/dedup_bench.py --scale 1000000 --scale-corpus /tmp/dedup-1m --repeat 2
     .venv/bin/python benchmarks/dedup_bench.py --startup --repeat 21
+    mkdir /tmp/before && git archive HEAD~1 | tar -x -C /tmp/before && (cd /tmp/before && python setup.py -q build_ext --inplace)
+    .venv/bin/python benchmarks/dedup_bench.py --methods smolctl,rensa --baseline /tmp/before --repeat 16
 
 1. Corpus: the sample corpus plus /usr/share/doc texts (real prose, licences, changelogs: natural near
    duplicates included), cut into ~1.2 KB documents; 15% of them get a planted copy with random word edits
@@ -15,6 +17,10 @@
    imports, reading, hashing, indexing, deciding, writing the kept documents), in interleaved rounds: wall and
    CPU seconds, ratios against rensa within each round, peak RSS, precision / recall / F1 of the removed set,
    documents removed without any true duplicate, and clusters of distinct documents emptied entirely.
+
+With --baseline, smolctl from another source tree (its kernels built) runs in the same rounds, and the change's
+effect is printed as the median of each round's CPU difference: at ~1% effects the machine's drift between
+rounds is larger than the effect, and only runs side by side show it.
 
 smolctl runs as its CLI (`python -m smolctl dedup CORPUS OUT --minhash --workers 1`). rensa runs exactly as its
 README shows (RMinHashDeduplicator(threshold, num_perm=128, use_lsh=True).add_pairs of (key, text.split())), and
@@ -277,9 +283,10 @@ def child(method: str, corpus: Path, work: Path, threshold: float) -> None:
     (work / "removed.json").write_text(json.dumps(removed))
 
 
-def run_whole_process(method: str, corpus: Path, threshold: float, cpu: int) -> dict:
+def run_whole_process(method: str, corpus: Path, threshold: float, cpu: int, tree: Path = REPO) -> dict:
     """One run of a method as a fresh process pinned to `cpu`: wall and CPU seconds of the whole process (start-up
-    and imports included), its peak RSS, and the documents it removed."""
+    and imports included), its peak RSS, and the documents it removed. smolctl runs from the source tree `tree`,
+    as its working directory and PYTHONPATH (`python -m` puts the working directory first on sys.path)."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         command = (
@@ -301,7 +308,8 @@ def run_whole_process(method: str, corpus: Path, threshold: float, cpu: int) -> 
         started = time.perf_counter()
         process = subprocess.Popen(
             command,
-            cwd=REPO,
+            cwd=tree,
+            env={**os.environ, "PYTHONPATH": str(tree)} if tree != REPO else None,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             preexec_fn=lambda: os.sched_setaffinity(0, {cpu}),
@@ -428,6 +436,11 @@ def main() -> None:
     )
     parser.add_argument("--scale-corpus", type=Path, help="Folder to keep the --scale documents in (made if missing).")
     parser.add_argument("--startup", action="store_true", help="Only measure what a run's imports cost a process.")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="Also run smolctl from this source tree (its kernels built), in the same rounds, and print the change.",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--corpus", type=Path, help=argparse.SUPPRESS)
@@ -449,6 +462,17 @@ def main() -> None:
         prepare(args.corpus, args.docs, args.threshold)
         return
     methods = args.methods.split(",")
+    trees = {method: REPO for method in methods}
+    if args.baseline:
+        if "smolctl" not in methods:
+            sys.exit("--baseline is compared with this tree's smolctl: keep smolctl in --methods")
+        baseline_tree = args.baseline.resolve()
+        if not list((baseline_tree / "smolctl" / "data").glob("_minhash*.so")):
+            sys.exit(f"{baseline_tree}: its kernels are not built; run `python setup.py -q build_ext --inplace` there")
+        compileall.compile_dir(str(baseline_tree / "smolctl"), quiet=1)
+        methods.append("baseline")
+        trees["baseline"] = baseline_tree
+        LABELS["baseline"] = f"smolctl dedup --minhash from {baseline_tree}"
     with tempfile.TemporaryDirectory() as tmp:
         corpus_dir = Path(tmp) / "corpus"
         # In a process of its own: a child's peak RSS starts from its parent's (Linux carries it over fork and
@@ -479,12 +503,15 @@ def main() -> None:
             f"ground truth: {facts['pairs']} pairs >= {args.threshold}, {len(truth['remove'])} documents to remove",
             flush=True,
         )
-        # Rounds interleave the methods (A B C A B C, not A A B B), so that a change in the machine's speed during
-        # the run (shared machines drift by 10-30% within minutes) reaches every method alike.
+        # Rounds interleave the methods (A B C, B C A, C A B, not A A B B), so that a change in the machine's speed
+        # during the run (shared machines drift by 10-30% within minutes) reaches every method alike, and no method
+        # always runs after the same one.
         runs: dict[str, list[dict]] = {m: [] for m in methods}
         for round_ in range(args.repeat):
-            for method in methods:
-                runs[method].append(run_whole_process(method, corpus_dir, args.threshold, args.cpu))
+            shift = round_ % len(methods)
+            for method in methods[shift:] + methods[:shift]:
+                command = "smolctl" if method == "baseline" else method
+                runs[method].append(run_whole_process(command, corpus_dir, args.threshold, args.cpu, trees[method]))
             print(
                 f"  round {round_ + 1}: "
                 + ", ".join(
@@ -513,6 +540,14 @@ def main() -> None:
             f"{max(r['max_rss_mib'] for r in runs[method]):.0f} MiB | {quality['removed']}{'' if same else ' (varies)'} | "
             f"{quality['precision']:.4f} | {quality['recall']:.4f} | {quality['f1']:.4f} | {quality['no_duplicate']} | "
             f"{quality['emptied']} |"
+        )
+    if args.baseline:
+        # Each round's difference, then their median: the rounds run side by side, the machine drifts between them.
+        change = np.median([n["cpu_seconds"] - b["cpu_seconds"] for n, b in zip(runs["smolctl"], runs["baseline"])])
+        before = float(np.median([b["cpu_seconds"] for b in runs["baseline"]]))
+        print(
+            f"\nthis tree against {baseline_tree}: {change * 1000:+.0f} ms CPU, the median of {args.repeat} rounds' "
+            f"differences ({change / before:+.1%} of the baseline's median {before:.3f} s)"
         )
 
 
