@@ -311,6 +311,26 @@ def test_bucket_units_hold_every_band_once(planted, tmp_path, most, units, with_
     assert np.concatenate([np.load(f) for f in written]).tobytes() == np.concatenate(band_by_band).tobytes()
 
 
+@pytest.mark.parametrize("most", [1, 3, 20])
+def test_progress_of_each_stage_reaches_its_total(planted, tmp_path, most):
+    """Each stage's advances add up to the total it announced: documents for the shard stages, bands for the
+    buckets however they are grouped into units (a bar of units would stop at 1 of 20, or run past it)."""
+    totals, advanced = {}, {}
+
+    def report(stage, advance, total=None):
+        if total is not None:
+            totals[stage] = total
+        advanced[stage] = advanced.get(stage, 0) + advance
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("smolctl.data.dedup_plan.BUCKET_UNIT_KEYS", most * planted["table"].num_rows)
+        run(DedupConfig(input=str(planted["input"]), output=str(tmp_path / "out"), minhash=PARAMS), report=report)
+    rows = planted["table"].num_rows
+    expected = {"signatures": rows, "buckets": 20, "filter": rows}
+    assert {stage: totals[stage] for stage in expected} == expected
+    assert {stage: advanced[stage] for stage in expected} == expected
+
+
 def test_repeated_ids_are_found_once_locally_and_by_the_components_task(tmp_path, monkeypatch):
     """A local run checks the ids before any work and the components stage does not count them again; an array
     has no such first check, so its components task must find them."""
