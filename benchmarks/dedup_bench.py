@@ -309,7 +309,7 @@ def run_whole_process(method: str, corpus: Path, threshold: float, cpu: int, tre
         process = subprocess.Popen(
             command,
             cwd=tree,
-            env={**os.environ, "PYTHONPATH": str(tree)} if tree != REPO else None,
+            env={**os.environ, "PYTHONPATH": str(tree)},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             preexec_fn=lambda: os.sched_setaffinity(0, {cpu}),
@@ -462,7 +462,6 @@ def main() -> None:
         prepare(args.corpus, args.docs, args.threshold)
         return
     methods = args.methods.split(",")
-    trees = {method: REPO for method in methods}
     if args.baseline:
         if "smolctl" not in methods:
             sys.exit("--baseline is compared with this tree's smolctl: keep smolctl in --methods")
@@ -471,7 +470,6 @@ def main() -> None:
             sys.exit(f"{baseline_tree}: its kernels are not built; run `python setup.py -q build_ext --inplace` there")
         compileall.compile_dir(str(baseline_tree / "smolctl"), quiet=1)
         methods.append("baseline")
-        trees["baseline"] = baseline_tree
         LABELS["baseline"] = f"smolctl dedup --minhash from {baseline_tree}"
     with tempfile.TemporaryDirectory() as tmp:
         corpus_dir = Path(tmp) / "corpus"
@@ -510,8 +508,11 @@ def main() -> None:
         for round_ in range(args.repeat):
             shift = round_ % len(methods)
             for method in methods[shift:] + methods[:shift]:
-                command = "smolctl" if method == "baseline" else method
-                runs[method].append(run_whole_process(command, corpus_dir, args.threshold, args.cpu, trees[method]))
+                if method == "baseline":
+                    run = run_whole_process("smolctl", corpus_dir, args.threshold, args.cpu, baseline_tree)
+                else:
+                    run = run_whole_process(method, corpus_dir, args.threshold, args.cpu)
+                runs[method].append(run)
             print(
                 f"  round {round_ + 1}: "
                 + ", ".join(
