@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/dedup_bench.py --startup --repeat 21
     mkdir /tmp/before && git archive HEAD~1 | tar -x -C /tmp/before && (cd /tmp/before && python setup.py -q build_ext --inplace)
     .venv/bin/python benchmarks/dedup_bench.py --methods smolctl,rensa --baseline /tmp/before --repeat 16
+    .venv/bin/python benchmarks/dedup_bench.py --methods smolctl,rensa --baseline /tmp/before --instructions --repeat 1
 
 1. Corpus: the sample corpus plus /usr/share/doc texts (real prose, licences, changelogs: natural near
    duplicates included), cut into ~1.2 KB documents; 15% of them get a planted copy with random word edits
@@ -22,6 +23,12 @@ With --baseline, smolctl from another source tree (its kernels built) runs in th
 effect is printed as the median of each round's CPU difference: at ~1% effects the machine's drift between
 rounds is larger than the effect, and only runs side by side show it.
 
+With --instructions, every run goes through valgrind's cachegrind and also counts the instructions its whole
+process executed: the same from run to run within ~0.1%, whatever else the machine is doing, so a change of a
+few milliseconds shows in one round. It is not time: SIMD kernels do more per instruction than the
+interpreter, so the ratio against rensa in instructions is lower than in CPU seconds (and the wall and CPU
+columns then time valgrind, ~40x slower).
+
 smolctl runs as its CLI (`python -m smolctl dedup CORPUS OUT --minhash --workers 1`). rensa runs exactly as its
 README shows (RMinHashDeduplicator(threshold, num_perm=128, use_lsh=True).add_pairs of (key, text.split())), and
 once more fed the ground truth's word 5-gram shingles; datasketch as its README shows (MinHash.bulk + MinHashLSH,
@@ -37,6 +44,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -283,13 +291,17 @@ def child(method: str, corpus: Path, work: Path, threshold: float) -> None:
     (work / "removed.json").write_text(json.dumps(removed))
 
 
-def run_whole_process(method: str, corpus: Path, threshold: float, cpu: int, tree: Path = REPO) -> dict:
+def run_whole_process(
+    method: str, corpus: Path, threshold: float, cpu: int, tree: Path = REPO, instructions: bool = False
+) -> dict:
     """One run of a method as a fresh process pinned to `cpu`: wall and CPU seconds of the whole process (start-up
-    and imports included), its peak RSS, and the documents it removed. smolctl runs from the source tree `tree`,
-    as its working directory and PYTHONPATH (`python -m` puts the working directory first on sys.path)."""
+    and imports included), its peak RSS, and the documents it removed; with `instructions`, run under cachegrind,
+    also the instructions it executed. smolctl runs from the source tree `tree`, as its working directory and
+    PYTHONPATH (`python -m` puts the working directory first on sys.path)."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        command = (
+        counter = ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={work / 'counts'}"]
+        command = (counter if instructions else []) + (
             smolctl_command(corpus, work, threshold)
             if method == "smolctl"
             else [
@@ -321,11 +333,14 @@ def run_whole_process(method: str, corpus: Path, threshold: float, cpu: int, tre
         if process.returncode != 0:
             sys.exit(f"{method} failed:\n{stderr.decode()[-3000:]}")
         removed = smolctl_removed(work) if method == "smolctl" else json.loads((work / "removed.json").read_text())
+        # cachegrind's file ends with "summary: <instructions>" (Ir, the only event counted without --cache-sim).
+        counted = re.search(r"^summary: (\d+)", (work / "counts").read_text(), re.M) if instructions else None
     return {
         "seconds": seconds,
         "cpu_seconds": usage.ru_utime + usage.ru_stime,
         "max_rss_mib": usage.ru_maxrss / 1024,
         "removed": removed,
+        "instructions": int(counted.group(1)) if counted else None,
     }
 
 
@@ -441,6 +456,11 @@ def main() -> None:
         type=Path,
         help="Also run smolctl from this source tree (its kernels built), in the same rounds, and print the change.",
     )
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="Run every process under valgrind's cachegrind and also count its instructions (deterministic).",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--corpus", type=Path, help=argparse.SUPPRESS)
@@ -462,6 +482,8 @@ def main() -> None:
         prepare(args.corpus, args.docs, args.threshold)
         return
     methods = args.methods.split(",")
+    if args.instructions and shutil.which("valgrind") is None:
+        sys.exit("--instructions counts with valgrind, which is not on PATH (apt install valgrind)")
     if args.baseline:
         if "smolctl" not in methods:
             sys.exit("--baseline is compared with this tree's smolctl: keep smolctl in --methods")
@@ -508,15 +530,16 @@ def main() -> None:
         for round_ in range(args.repeat):
             shift = round_ % len(methods)
             for method in methods[shift:] + methods[:shift]:
-                if method == "baseline":
-                    run = run_whole_process("smolctl", corpus_dir, args.threshold, args.cpu, baseline_tree)
-                else:
-                    run = run_whole_process(method, corpus_dir, args.threshold, args.cpu)
+                tree = baseline_tree if method == "baseline" else REPO
+                program = "smolctl" if method == "baseline" else method
+                run = run_whole_process(program, corpus_dir, args.threshold, args.cpu, tree, args.instructions)
                 runs[method].append(run)
             print(
                 f"  round {round_ + 1}: "
                 + ", ".join(
-                    f"{m} {runs[m][-1]['seconds']:.2f} s ({runs[m][-1]['cpu_seconds']:.2f} s CPU)" for m in methods
+                    f"{m} {runs[m][-1]['seconds']:.2f} s ({runs[m][-1]['cpu_seconds']:.2f} s CPU"
+                    + (f", {runs[m][-1]['instructions'] / 1e9:.3f} G instructions)" if args.instructions else ")")
+                    for m in methods
                 ),
                 flush=True,
             )
@@ -524,7 +547,8 @@ def main() -> None:
     print(f"\nload average after the runs: {os.getloadavg()[0]:.1f} (on {os.cpu_count()} CPUs)")
     header = (
         "| method | wall s (median) | CPU s (median) | docs/s | vs rensa, wall (median of rounds) | vs rensa, CPU "
-        "| peak RSS | removed | precision | recall | F1 | removed w/o duplicate | clusters emptied |"
+        + ("| G instructions (median) | vs rensa, instructions " if args.instructions else "")
+        + "| peak RSS | removed | precision | recall | F1 | removed w/o duplicate | clusters emptied |"
     )
     print("\n" + header)
     print("|" + "---|" * (header.count("|") - 1))
@@ -536,9 +560,14 @@ def main() -> None:
         cpu_ratio = np.median([b["cpu_seconds"] / r["cpu_seconds"] for r, b in zip(runs[method], runs[baseline])])
         quality = score(runs[method][0]["removed"], truth)
         same = all(sorted(r["removed"]) == sorted(runs[method][0]["removed"]) for r in runs[method])
+        counted = ""
+        if args.instructions:
+            count = float(np.median([r["instructions"] for r in runs[method]]))
+            ratio = np.median([b["instructions"] / r["instructions"] for r, b in zip(runs[method], runs[baseline])])
+            counted = f"{count / 1e9:.3f} | {ratio:.2f}x | "
         print(
             f"| {LABELS[method]} | {wall:.2f} | {cpu:.2f} | {documents / wall:,.0f} | {wall_ratio:.2f}x | {cpu_ratio:.2f}x | "
-            f"{max(r['max_rss_mib'] for r in runs[method]):.0f} MiB | {quality['removed']}{'' if same else ' (varies)'} | "
+            f"{counted}{max(r['max_rss_mib'] for r in runs[method]):.0f} MiB | {quality['removed']}{'' if same else ' (varies)'} | "
             f"{quality['precision']:.4f} | {quality['recall']:.4f} | {quality['f1']:.4f} | {quality['no_duplicate']} | "
             f"{quality['emptied']} |"
         )
@@ -550,6 +579,14 @@ def main() -> None:
             f"\nthis tree against {baseline_tree}: {change * 1000:+.0f} ms CPU, the median of {args.repeat} rounds' "
             f"differences ({change / before:+.1%} of the baseline's median {before:.3f} s)"
         )
+        if args.instructions:
+            counts = [(n["instructions"], b["instructions"]) for n, b in zip(runs["smolctl"], runs["baseline"])]
+            change = np.median([n - b for n, b in counts])
+            before = float(np.median([b for _, b in counts]))
+            print(
+                f"this tree against {baseline_tree}: {change / 1e6:+.1f} M instructions, the median of {args.repeat} "
+                f"rounds' differences ({change / before:+.2%} of the baseline's median {before / 1e9:.3f} G)"
+            )
 
 
 if __name__ == "__main__":
