@@ -86,7 +86,8 @@ class DedupPlan:
         bands = self.config.minhash.bands
         documents = self.source.num_rows + (self.reference.num_rows if self.reference else 0)
         most = max(1, min(bands, BUCKET_UNIT_KEYS // max(documents, 1)))
-        return -(-bands // -(-bands // most))
+        units = -(-bands // most)
+        return -(-bands // units)
 
     def bucket_bands(self, unit: int) -> range:
         per_unit = self.bands_per_bucket_unit
