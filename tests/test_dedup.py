@@ -506,7 +506,7 @@ def test_short_documents_whose_32_bit_shingle_keys_collide_are_both_kept(tmp_pat
     texts = ["Alpha B\U0001f43ac Delta echo", "I\u4848\u0307 x\u4848\u4848 \u4848", "alpha, b\U0001f43ac delta echo!"]
     hashes, offsets = shingles.shingle_hashes(texts)
     assert list(np.diff(offsets)) == [1, 1, 1] and hashes[0] != hashes[1] and hashes[0] == hashes[2]
-    assert (arrays.high_halves(hashes[:1]) == arrays.high_halves(hashes[1:2])).all()  # the collision itself
+    assert hashes[0] >> np.uint64(32) == hashes[1] >> np.uint64(32)  # the collision itself
     source = write_shards(tmp_path / "in", pa.table({"id": ["a", "b", "c"], "text": texts}), 1)
     result = dedup(source, tmp_path / "out", workers=1)
     kept, report = read_output(tmp_path / "out")

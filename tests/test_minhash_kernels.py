@@ -168,20 +168,19 @@ def test_shingles_match_the_python_definition(kernel_impl):
             assert hashes[shingle_offsets[i] : shingle_offsets[i + 1]].tolist() == want
 
 
-def test_key_signatures_read_each_document_where_its_keys_lie(kernel_impl, tmp_path):
-    """Ranges out of order, overlapping, empty and at the very end of a memory-mapped file of keys (as the
-    components stage reads the kept keys) give the rows of the same documents laid end to end."""
+def test_signatures_read_only_the_shingles_their_offsets_cover(kernel_impl):
+    """Offsets that start past the first hash and end before the last: the hashes outside (here the smallest
+    keys of all) must not reach any row, and each row is that of its own hashes alone."""
     rng = np.random.default_rng(5)
-    keys = rng.integers(0, 2**32, 200, dtype=np.uint32)
-    np.save(tmp_path / "keys.npy", keys)
-    mapped = np.load(tmp_path / "keys.npy", mmap_mode="r")
-    starts, ends = np.array([150, 0, 10, 40, 199, 7], np.int64), np.array([200, 30, 10, 45, 200, 12], np.int64)
+    inside = rng.integers(2**40, 2**64, 60, dtype=np.uint64)
+    smallest = np.array([1, 2], np.uint64) << np.uint64(32)
+    shingles = np.concatenate([smallest[:1], inside, smallest[1:]])
+    offsets = np.array([1, 21, 21, 61], np.int64)
     multipliers = params.MinHashParams().permutations()
-    joined = np.concatenate([keys[s:e] for s, e in zip(starts, ends)]).astype(np.uint64) << np.uint64(32)
-    offsets = np.concatenate([[0], np.cumsum(ends - starts)]).astype(np.int64)
-    expected = kernels.signatures(joined, offsets, multipliers)
-    assert np.array_equal(kernels.key_signatures(mapped, starts, ends, multipliers), expected)
-    assert (expected[2] == 0xFFFFFFFF).all() and not (expected[0] == 0xFFFFFFFF).any()
+    sigs = kernels.signatures(shingles, offsets, multipliers)
+    assert np.array_equal(sigs[0], kernels.signatures(inside[:20], np.array([0, 20]), multipliers)[0])
+    assert (sigs[1] == 0xFFFFFFFF).all()
+    assert np.array_equal(sigs[2], kernels.signatures(inside[20:], np.array([0, 40]), multipliers)[0])
 
 
 def test_signatures_are_the_minimum_over_shingles_of_each_permutation(kernel_impl):
@@ -401,14 +400,13 @@ def test_kernels_refuse_buffers_that_do_not_fit(kernel_impl):
             np.empty(2, np.uint64),
             np.empty(1, np.int64),
         )
-    for starts, ends in (([0], [4]), ([2], [1]), ([-1], [1]), ([0, 1], [1])):  # past the end, reversed, short
+    for offsets, rows in (([0, 4], 1), ([2, 1], 1), ([-1, 1], 1), ([0, 1, 2], 1), ([], 0)):  # past, reversed, short
         with pytest.raises(ValueError, match="do not fit"):
             kernel_impl.signatures(
-                np.zeros(3, np.uint32),
-                np.array(starts, np.int64),
-                np.array(ends, np.int64),
+                np.zeros(3, np.uint64),
+                np.array(offsets, np.int64),
                 np.ones(4, np.uint32),
-                np.empty(4 * len(starts), np.uint32),
+                np.empty(4 * rows, np.uint32),
             )
     with pytest.raises(ValueError, match="do not fit"):
         kernel_impl.intersections(

@@ -29,11 +29,10 @@
        out[k] = |set left[k] & set right[k]|, set i being the sorted unique values[bounds[i]:bounds[i + 1]].
    agreements(signatures, perms, left, right, out)
        out[k] = how many of the perms values of rows left[k] and right[k] of signatures (uint32[n, perms]) agree.
-   signatures(keys, starts, ends, multipliers, out)
-       out[i, p] = min over the keys k of document i, keys[starts[i]:ends[i]] (uint32: the upper halves of its
-       shingle hashes), of (uint32)(multipliers[p] * k); 0xFFFFFFFF for a document without keys. The ranges may
-       lie anywhere in keys, in any order (the verified documents' rows are read where the signatures stage
-       left them). out: uint32[n, len(multipliers)], C order.
+   signatures(shingles, offsets, multipliers, out)
+       out[i, p] = min over the shingle hashes s of document i, shingles[offsets[i]:offsets[i + 1]] (uint64), of
+       (uint32)(multipliers[p] * (s >> 32)); 0xFFFFFFFF for a document without shingles. The upper halves are
+       read where they lie, not copied out first. out: uint32[n, len(multipliers)], C order.
    changing_documents(data, starts, ends, table, out)
        out[i] = 1 if the UTF-8 bytes [starts[i], ends[i]) of data hold a non-ASCII character whose bit is set in
        table (one bit per code point below 8 * len(table), little-endian within each byte; len(table) >= 16) or
@@ -88,13 +87,6 @@ static int check_offsets(const int64_t *offsets, Py_ssize_t docs, Py_ssize_t ite
     if (docs < 0 || offsets[0] < 0 || offsets[docs] > items) return 0;
     for (Py_ssize_t i = 0; i < docs; i++)
         if (offsets[i] > offsets[i + 1]) return 0;
-    return 1;
-}
-
-/* Every range [starts[i], ends[i]) lies inside `items` values. */
-static int ranges_inside(const int64_t *starts, const int64_t *ends, Py_ssize_t count, Py_ssize_t items) {
-    for (Py_ssize_t i = 0; i < count; i++)
-        if (starts[i] < 0 || starts[i] > ends[i] || ends[i] > items) return 0;
     return 1;
 }
 
@@ -423,6 +415,27 @@ static int tokenize_document(Classified *c, size_t length, uint64_t *restrict ex
     return 1;
 }
 
+/* Every document of a batch through classify and tokenize_document; 0 if the word room ran out. Everything it
+   calls is inlined (flatten) into each clone: on x86-64 a second copy is built for x86-64-v3, whose BMI
+   instructions shift, mask and count the bitmaps' bits without going through the CL register, picked at load
+   time. */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("arch=x86-64-v3", "default"), flatten))
+#endif
+static int tokenize_batch(const uint8_t *data, Py_ssize_t data_size, const uint8_t *extra, const int64_t *starts,
+                          const int64_t *ends, Py_ssize_t docs, Classified *classified, uint64_t *exact,
+                          uint64_t *word_hashes, int64_t *word_counts, Py_ssize_t *words, Py_ssize_t word_room) {
+    for (Py_ssize_t i = 0; i < docs; i++) {
+        Py_ssize_t words_before = *words;
+        const uint8_t *start = starts[i] < data_size || ends[i] == starts[i] ? data + starts[i] : extra + (starts[i] - data_size);
+        size_t length = (size_t)(ends[i] - starts[i]);
+        classify(start, length, classified);
+        if (!tokenize_document(classified, length, exact + 2 * i, word_hashes, words, word_room)) return 0;
+        word_counts[i] = *words - words_before;
+    }
+    return 1;
+}
+
 static PyObject *tokenize(PyObject *self, PyObject *args) {
     PyObject *objects[7];
     if (!PyArg_ParseTuple(args, "OOOOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4], &objects[5],
@@ -457,14 +470,8 @@ static PyObject *tokenize(PyObject *self, PyObject *args) {
     Py_ssize_t words = 0;
     int overflow = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < docs && !overflow; i++) {
-        Py_ssize_t words_before = words;
-        const uint8_t *start = starts[i] < data_size || ends[i] == starts[i] ? data + starts[i] : extra + (starts[i] - data_size);
-        size_t length = (size_t)(ends[i] - starts[i]);
-        classify(start, length, &classified);
-        overflow = !tokenize_document(&classified, length, exact + 2 * i, word_hashes, &words, word_room);
-        word_counts[i] = words - words_before;
-    }
+    overflow = !tokenize_batch(data, data_size, extra, starts, ends, docs, &classified, exact, word_hashes, word_counts,
+                               &words, word_room);
     Py_END_ALLOW_THREADS
     free(room);
     if (overflow) return refuse(b, 7, "word_hashes is too small for the batch");
@@ -478,13 +485,13 @@ static PyObject *tokenize(PyObject *self, PyObject *args) {
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx2", "default")))
 #endif
-static void signature_rows(const uint32_t *keys, const int64_t *starts, const int64_t *ends, Py_ssize_t docs,
+static void signature_rows(const uint64_t *shingles, const int64_t *offsets, Py_ssize_t docs,
                            const uint32_t *restrict multipliers, Py_ssize_t perms, uint32_t *restrict out) {
     for (Py_ssize_t i = 0; i < docs; i++) {
         uint32_t *restrict row = out + i * perms;
         for (Py_ssize_t p = 0; p < perms; p++) row[p] = 0xFFFFFFFFu;
-        for (int64_t j = starts[i]; j < ends[i]; j++) {
-            uint32_t key = keys[j];
+        for (int64_t j = offsets[i]; j < offsets[i + 1]; j++) {
+            uint32_t key = (uint32_t)(shingles[j] >> 32);
             for (Py_ssize_t p = 0; p < perms; p++) {
                 uint32_t value = multipliers[p] * key;
                 row[p] = value < row[p] ? value : row[p];
@@ -494,22 +501,40 @@ static void signature_rows(const uint32_t *keys, const int64_t *starts, const in
 }
 
 static PyObject *signatures(PyObject *self, PyObject *args) {
-    PyObject *objects[5];
-    if (!PyArg_ParseTuple(args, "OOOOO", &objects[0], &objects[1], &objects[2], &objects[3], &objects[4])) return NULL;
-    Buffer b[5];
-    static const char *names[5] = {"keys", "starts", "ends", "multipliers", "out"};
-    static const Py_ssize_t sizes[5] = {4, 8, 8, 4, 4};
-    if (get_buffers(objects, b, 5, names, sizes, 4) < 0) return NULL;
-    const int64_t *starts = b[1].view.buf, *ends = b[2].view.buf;
-    Py_ssize_t docs = b[1].view.len / 8, perms = b[3].view.len / 4, keys = b[0].view.len / 4;
-    if (perms <= 0 || b[2].view.len / 8 != docs || !ranges_inside(starts, ends, docs, keys) ||
-        b[4].view.len / 4 != docs * perms)
-        return refuse(b, 5, "signatures: ranges, multipliers and out do not fit together");
+    PyObject *objects[4];
+    if (!PyArg_ParseTuple(args, "OOOO", &objects[0], &objects[1], &objects[2], &objects[3])) return NULL;
+    Buffer b[4];
+    static const char *names[4] = {"shingles", "offsets", "multipliers", "out"};
+    static const Py_ssize_t sizes[4] = {8, 8, 4, 4};
+    if (get_buffers(objects, b, 4, names, sizes, 3) < 0) return NULL;
+    const int64_t *offsets = b[1].view.buf;
+    Py_ssize_t docs = b[1].view.len / 8 - 1, perms = b[2].view.len / 4, items = b[0].view.len / 8;
+    if (perms <= 0 || !check_offsets(offsets, docs, items) || b[3].view.len / 4 != docs * perms)
+        return refuse(b, 4, "signatures: shingles, offsets, multipliers and out do not fit together");
     Py_BEGIN_ALLOW_THREADS
-    signature_rows(b[0].view.buf, starts, ends, docs, b[3].view.buf, perms, b[4].view.buf);
+    signature_rows(b[0].view.buf, offsets, docs, b[2].view.buf, perms, b[3].view.buf);
     Py_END_ALLOW_THREADS
-    release(b, 5);
+    release(b, 4);
     Py_RETURN_NONE;
+}
+
+/* The shingles of one document's `count` tokens into out; returns how many. Inlined with ngram a constant for
+   dedup's 5 words: the sum unrolls and the weights stay in registers (restrict: out never overlaps them). */
+static inline __attribute__((always_inline)) Py_ssize_t
+document_shingles(const uint64_t *restrict t, Py_ssize_t count, const uint64_t *restrict weights, Py_ssize_t ngram,
+                  uint64_t *restrict out) {
+    Py_ssize_t written = 0;
+    if (count > 0 && count < ngram) {
+        uint64_t sum = 0;
+        for (Py_ssize_t k = 0; k < count; k++) sum += t[k] * weights[k];
+        out[written++] = mix64(sum);
+    }
+    for (Py_ssize_t j = 0; j + ngram <= count; j++) {
+        uint64_t sum = 0;
+        for (Py_ssize_t k = 0; k < ngram; k++) sum += t[j + k] * weights[k];
+        out[written++] = mix64(sum);
+    }
+    return written;
 }
 
 static PyObject *shingles(PyObject *self, PyObject *args) {
@@ -531,18 +556,10 @@ static PyObject *shingles(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < docs; i++) {
         const uint64_t *t = tokens + offsets[i];
-        Py_ssize_t count = offsets[i + 1] - offsets[i], before = total;
-        if (count > 0 && count < ngram) {
-            uint64_t sum = 0;
-            for (Py_ssize_t k = 0; k < count; k++) sum += t[k] * weights[k];
-            out[total++] = mix64(sum);
-        }
-        for (Py_ssize_t j = 0; j + ngram <= count; j++) {
-            uint64_t sum = 0;
-            for (Py_ssize_t k = 0; k < ngram; k++) sum += t[j + k] * weights[k];
-            out[total++] = mix64(sum);
-        }
-        counts[i] = total - before;
+        Py_ssize_t count = offsets[i + 1] - offsets[i];
+        counts[i] = ngram == 5 ? document_shingles(t, count, weights, 5, out + total)
+                               : document_shingles(t, count, weights, ngram, out + total);
+        total += counts[i];
     }
     Py_END_ALLOW_THREADS
     release(b, 5);
@@ -826,14 +843,25 @@ static inline int decode_utf8(const uint8_t *p, const uint8_t *end, uint32_t *co
     return length;
 }
 
+/* The first byte at or after p, before end, that is not ASCII (or end). */
+static inline const uint8_t *skip_ascii(const uint8_t *p, const uint8_t *end) {
+#if defined(__SSE2__)
+    for (; end - p >= 16; p += 16) {
+        int highs = _mm_movemask_epi8(_mm_loadu_si128((const __m128i *)p));
+        if (highs) return p + __builtin_ctz((unsigned)highs);
+    }
+#endif
+    for (; end - p >= 8; p += 8) {
+        uint64_t x;
+        memcpy(&x, p, 8);
+        if (x & HIGHS) break;
+    }
+    while (p < end && *p < 0x80) p++;
+    return p;
+}
+
 static int document_changes(const uint8_t *p, const uint8_t *end, const uint8_t *table, uint64_t table_bits) {
-    while (p < end) {
-        if (end - p >= 8) {
-            uint64_t x;
-            memcpy(&x, p, 8);
-            if (!(x & HIGHS)) { p += 8; continue; }  /* eight ASCII bytes: nothing to look up */
-        }
-        if (*p < 0x80) { p++; continue; }
+    while ((p = skip_ascii(p, end)) < end) {  /* ASCII characters never change */
         uint32_t code_point;
         int length = decode_utf8(p, end, &code_point);
         if (length == 0) { p++; continue; }

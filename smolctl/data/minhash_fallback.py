@@ -1,7 +1,7 @@
 """The MinHash kernels of _minhash.c in numpy, for installs where the C extension could not be built.
 
     from smolctl.data import minhash_fallback as kernels
-    kernels.signatures(keys, starts, ends, multipliers, out)   # same arguments, results and errors as _minhash
+    kernels.signatures(shingles, offsets, multipliers, out)   # same arguments, results and errors as _minhash
 
 Each function takes the same buffers as its C twin, fills the same outputs bit for bit (sorted_sets and
 fold_documents: up to the end they report; past it the C kernels leave scratch) and refuses the same
@@ -225,31 +225,20 @@ def shingles(tokens, offsets, weights, out, out_counts) -> int:
     return len(sums)
 
 
-def signatures(keys, starts, ends, multipliers, out) -> None:
-    """out[i, p] = min over document i's keys k, keys[starts[i]:ends[i]], of (uint32)(multipliers[p] * k),
-    0xFFFFFFFF for a document without keys."""
-    keys, starts, ends = (
-        _array(keys, "keys", np.uint32),
-        _array(starts, "starts", np.int64),
-        _array(ends, "ends", np.int64),
-    )
+def signatures(shingles, offsets, multipliers, out) -> None:
+    """out[i, p] = min over document i's shingle hashes s, shingles[offsets[i]:offsets[i + 1]], of
+    (uint32)(multipliers[p] * (s >> 32)), 0xFFFFFFFF for a document without shingles."""
+    shingles, offsets = _array(shingles, "shingles", np.uint64), _array(offsets, "offsets", np.int64)
     multipliers, out = _array(multipliers, "multipliers", np.uint32), _array(out, "out", np.uint32, writable=True)
-    docs, perms = len(starts), len(multipliers)
-    if (
-        perms <= 0
-        or len(ends) != docs
-        or ((starts < 0) | (starts > ends) | (ends > len(keys))).any()
-        or len(out) != docs * perms
-    ):
-        raise ValueError("signatures: ranges, multipliers and out do not fit together")
+    docs, perms = len(offsets) - 1, len(multipliers)
+    if perms <= 0 or not _offsets_fit(offsets, len(shingles)) or len(out) != docs * perms:
+        raise ValueError("signatures: shingles, offsets, multipliers and out do not fit together")
     rows = out.reshape(docs, perms)
     rows[:] = NO_SHINGLE
-    counts = ends - starts
-    filled = np.flatnonzero(counts > 0)
-    # The documents' keys gathered end to end; reduceat over the starts of the non-empty ones: each runs to the
-    # next one's start, the last to the end.
-    segment_starts = np.concatenate([[0], np.cumsum(counts[filled])[:-1]]).astype(np.int64)
-    keys = keys[np.arange(int(counts.sum())) - np.repeat(segment_starts - starts[filled], counts[filled])]
+    keys = (shingles[offsets[0] : offsets[-1]] >> np.uint64(32)).astype(np.uint32)
+    filled = np.flatnonzero(np.diff(offsets) > 0)
+    # reduceat over the starts of the non-empty documents: each runs to the next one's start, the last to the end.
+    segment_starts = offsets[filled] - offsets[0]
     for p in range(perms):
         if len(filled):
             rows[filled, p] = np.minimum.reduceat(keys * multipliers[p], segment_starts)

@@ -13,13 +13,6 @@ def mix64(x: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def high_halves(values: np.ndarray) -> np.ndarray:
-    """The upper 32 bits of each uint64, as a new uint32 array: one strided copy out of a view of the values (a
-    shift then a cast would write a second full-width array first)."""
-    values = np.ascontiguousarray(values, np.uint64)
-    return values.view(np.uint32)[1 if np.little_endian else 0 :: 2].copy()
-
-
 def odd_constants(count: int, salt: int) -> np.ndarray:
     """Random odd uint64 constants, splitmix64 of their position: fixed forever, so hashes never change across
     releases, machines or processes (Python's hash() is salted per process, which would break determinism)."""

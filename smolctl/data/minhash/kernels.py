@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 from smolctl.arrow_arrays import compute, from_numpy, plain_strings, to_numpy_filled
-from smolctl.data.minhash.arrays import high_halves, odd_constants, offsets_from_counts
+from smolctl.data.minhash.arrays import odd_constants, offsets_from_counts
 from smolctl.data.minhash.normalization import normalization_tables, normalize
 
 try:
@@ -119,8 +119,14 @@ def ngrams(tokens: np.ndarray, offsets: np.ndarray, ngram: int) -> tuple[np.ndar
 def signatures(shingles: np.ndarray, offsets: np.ndarray, multipliers: np.ndarray) -> np.ndarray:
     """(docs, num_perm) uint32 MinHash signatures: value p of document i is the minimum over its shingles s of
     multipliers[p] * (s >> 32) mod 2^32; a document without shingles gets all 0xFFFFFFFF (_minhash.c)."""
-    offsets = np.asarray(offsets, np.int64)
-    return key_signatures(high_halves(shingles), offsets[:-1], offsets[1:], multipliers)
+    out = np.empty((len(offsets) - 1, len(multipliers)), dtype=np.uint32)
+    _minhash.signatures(
+        np.ascontiguousarray(shingles, np.uint64),
+        np.ascontiguousarray(offsets, np.int64),
+        np.ascontiguousarray(multipliers, np.uint32),
+        out,
+    )
+    return out
 
 
 def keys_behind(sigs: np.ndarray, multipliers: np.ndarray) -> np.ndarray:
@@ -134,20 +140,6 @@ def keys_behind(sigs: np.ndarray, multipliers: np.ndarray) -> np.ndarray:
         inverse *= np.uint32(2) - multipliers * inverse
     keys = np.sort(np.asarray(sigs, np.uint32) * inverse, axis=1)
     return 1 + (keys[:, 1:] != keys[:, :-1]).sum(axis=1)
-
-
-def key_signatures(keys: np.ndarray, starts: np.ndarray, ends: np.ndarray, multipliers: np.ndarray) -> np.ndarray:
-    """signatures() of documents given as ranges keys[starts[i]:ends[i]] of 32-bit keys (the upper halves of
-    their shingle hashes, as the signatures stage keeps them): read where they lie, in any order, no copy."""
-    out = np.empty((len(starts), len(multipliers)), dtype=np.uint32)
-    _minhash.signatures(
-        np.ascontiguousarray(keys, np.uint32),
-        np.ascontiguousarray(starts, np.int64),
-        np.ascontiguousarray(ends, np.int64),
-        np.ascontiguousarray(multipliers, np.uint32),
-        out,
-    )
-    return out
 
 
 def sorted_sets(values: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
