@@ -148,7 +148,7 @@ static inline uint64_t hash_short(const uint8_t *lowered, size_t length) {
 }
 
 /* hash_lowered of a span of more than 16 bytes: one chunk per 8 bytes. */
-static uint64_t hash_long(const uint8_t *lowered, size_t length) {
+__attribute__((noinline)) static uint64_t hash_long(const uint8_t *lowered, size_t length) {
     uint64_t mixed = (uint64_t)length * (LENGTH_WEIGHT * FINISH_MULTIPLIER), multiplier = FIRST_CHUNK;
     size_t k = 0;
     for (; k + 8 <= length; k += 8, multiplier *= RADIX_8) mixed += load_little_endian(lowered + k) * multiplier;
@@ -294,7 +294,7 @@ static inline size_t list_positions(uint64_t bits, size_t base, size_t *out) {
 static inline uint64_t low_bits(size_t n) { return ~0ULL >> (64 - n); }
 
 /* The first set bit of bitmap in [from, to), or `to`. */
-static size_t first_set(const uint64_t *bitmap, size_t from, size_t to) {
+__attribute__((noinline)) static size_t first_set(const uint64_t *bitmap, size_t from, size_t to) {
     for (size_t q = from; q < to; q += 64) {
         uint64_t bits = window(bitmap, q);
         if (bits) return q + __builtin_ctzll(bits) < to ? q + __builtin_ctzll(bits) : to;
@@ -303,7 +303,7 @@ static size_t first_set(const uint64_t *bitmap, size_t from, size_t to) {
 }
 
 /* The last set bit of bitmap in [from, to), or `to`. */
-static size_t last_set(const uint64_t *bitmap, size_t from, size_t to) {
+__attribute__((noinline)) static size_t last_set(const uint64_t *bitmap, size_t from, size_t to) {
     for (size_t q = to; q > from;) {
         size_t start = q - from > 64 ? q - 64 : from;
         uint64_t bits = window(bitmap, start) & low_bits(q - start);
@@ -418,7 +418,8 @@ static int tokenize_document(Classified *c, size_t length, uint64_t *restrict ex
 /* Every document of a batch through classify and tokenize_document; 0 if the word room ran out. Everything it
    calls is inlined (flatten) into each clone: on x86-64 a second copy is built for x86-64-v3, whose BMI
    instructions shift, mask and count the bitmaps' bits without going through the CL register, picked at load
-   time. */
+   time. hash_long, first_set and last_set (spans past 16 bytes, tokens of 64 bytes or more: rare) are kept out of
+   line, so that the loop over tokens has registers enough not to spill its sums to the stack. */
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("arch=x86-64-v3", "default"), flatten))
 #endif
