@@ -480,12 +480,8 @@ static PyObject *tokenize(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(words);
 }
 
-/* The inner loop over permutations is what the compiler vectorises; on x86-64 a second copy is built for
-   AVX2 (eight 32-bit multiplies and minima at once; SSE2, the baseline, has neither instruction) and picked
-   at load time. */
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx2", "default")))
-#endif
+/* The loop over permutations is what the compiler vectorises (SSE2, the baseline, has no 32-bit multiply or
+   unsigned minimum: it emulates them). Each key reads and writes the whole row. */
 static void signature_rows(const uint64_t *shingles, const int64_t *offsets, Py_ssize_t docs,
                            const uint32_t *restrict multipliers, Py_ssize_t perms, uint32_t *restrict out) {
     for (Py_ssize_t i = 0; i < docs; i++) {
@@ -501,6 +497,45 @@ static void signature_rows(const uint64_t *shingles, const int64_t *offsets, Py_
     }
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HAVE_AVX2_ROWS 1
+#include <immintrin.h>
+
+/* The minima of `vectors` x 8 permutations (a constant where it is inlined) over the keys [first, end), held in
+   registers from the first key to the last: the row is written once, not read and written once per key. */
+__attribute__((target("avx2"), always_inline)) static inline void
+minima_in_registers(const uint64_t *shingles, int64_t first, int64_t end, const uint32_t *multipliers, uint32_t *row,
+                    int vectors) {
+    __m256i minima[8];
+    for (int v = 0; v < vectors; v++) minima[v] = _mm256_set1_epi32(-1);
+    for (int64_t j = first; j < end; j++) {
+        __m256i key = _mm256_set1_epi32((int)(uint32_t)(shingles[j] >> 32));
+        for (int v = 0; v < vectors; v++) {
+            __m256i multiplier = _mm256_loadu_si256((const __m256i *)(multipliers + 8 * v));
+            minima[v] = _mm256_min_epu32(minima[v], _mm256_mullo_epi32(multiplier, key));
+        }
+    }
+    for (int v = 0; v < vectors; v++) _mm256_storeu_si256((__m256i *)(row + 8 * v), minima[v]);
+}
+
+/* signature_rows with AVX2, in blocks of up to 64 permutations (8 registers of minima, 16 in all), the last
+   fewer than 8 one at a time; picked at run time where the CPU has AVX2. */
+__attribute__((target("avx2"))) static void signature_rows_avx2(const uint64_t *shingles, const int64_t *offsets,
+                                                                Py_ssize_t docs, const uint32_t *multipliers,
+                                                                Py_ssize_t perms, uint32_t *out) {
+    for (Py_ssize_t i = 0; i < docs; i++) {
+        uint32_t *row = out + i * perms;
+        int64_t first = offsets[i], end = offsets[i + 1];
+        Py_ssize_t p = 0;
+        for (; perms - p >= 64; p += 64) minima_in_registers(shingles, first, end, multipliers + p, row + p, 8);
+        if (perms - p >= 32) minima_in_registers(shingles, first, end, multipliers + p, row + p, 4), p += 32;
+        if (perms - p >= 16) minima_in_registers(shingles, first, end, multipliers + p, row + p, 2), p += 16;
+        if (perms - p >= 8) minima_in_registers(shingles, first, end, multipliers + p, row + p, 1), p += 8;
+        if (p < perms) signature_rows(shingles, offsets + i, 1, multipliers + p, perms - p, row + p);
+    }
+}
+#endif
+
 static PyObject *signatures(PyObject *self, PyObject *args) {
     PyObject *objects[4];
     if (!PyArg_ParseTuple(args, "OOOO", &objects[0], &objects[1], &objects[2], &objects[3])) return NULL;
@@ -513,7 +548,12 @@ static PyObject *signatures(PyObject *self, PyObject *args) {
     if (perms <= 0 || !check_offsets(offsets, docs, items) || b[3].view.len / 4 != docs * perms)
         return refuse(b, 4, "signatures: shingles, offsets, multipliers and out do not fit together");
     Py_BEGIN_ALLOW_THREADS
-    signature_rows(b[0].view.buf, offsets, docs, b[2].view.buf, perms, b[3].view.buf);
+#ifdef HAVE_AVX2_ROWS
+    if (__builtin_cpu_supports("avx2"))
+        signature_rows_avx2(b[0].view.buf, offsets, docs, b[2].view.buf, perms, b[3].view.buf);
+    else
+#endif
+        signature_rows(b[0].view.buf, offsets, docs, b[2].view.buf, perms, b[3].view.buf);
     Py_END_ALLOW_THREADS
     release(b, 4);
     Py_RETURN_NONE;
