@@ -200,6 +200,23 @@ def test_signatures_are_the_minimum_over_shingles_of_each_permutation(kernel_imp
         assert np.array_equal(sigs[i], want)
 
 
+@pytest.mark.parametrize("perms", [1, 3, 8, 13, 24, 56, 64, 100, 128, 203])
+def test_signatures_of_any_number_of_permutations(kernel_impl, perms):
+    """Every split of a row into the kernel's blocks (64, 32, 16 and 8 permutations at once, the rest one at a
+    time) gives the minima of the definition."""
+    rng = np.random.default_rng(perms)
+    counts = [5, 0, 1, 40]
+    shingles = rng.integers(0, 2**64, sum(counts), dtype=np.uint64)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    multipliers = rng.integers(0, 2**32, perms, dtype=np.uint32) | np.uint32(1)
+    keys = (shingles >> np.uint64(32)).astype(np.uint32)
+    want = np.full((len(counts), perms), 0xFFFFFFFF, np.uint32)
+    for i in range(len(counts)):
+        if counts[i]:
+            want[i] = (multipliers[:, None] * keys[None, offsets[i] : offsets[i + 1]]).min(axis=1)
+    assert np.array_equal(kernels.signatures(shingles, offsets, multipliers), want)
+
+
 def test_keys_behind_a_signature_are_the_documents_keys_for_a_few_and_never_more(kernel_impl):
     """A document of k different keys (a repeat among them) has exactly k behind its signature while k is small
     (each key wins some permutation), and never more than k: the count verification trusts to find short
