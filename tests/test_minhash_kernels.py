@@ -1,5 +1,5 @@
-"""The C kernels of smolctl/data/_minhash.c, and their numpy fallback (smolctl/data/minhash_fallback.py, for installs
-without a compiler), against plain-Python statements of what they compute, bit for bit, on the awkward cases: empty
+"""The C kernels of smolctl/data/_minhash.c (as built, and built with SMOLCTL_PORTABLE_KERNELS: the code CPUs without
+SSE2 or AVX2 run), and their numpy fallback (smolctl/data/minhash_fallback.py, for installs without a compiler), against plain-Python statements of what they compute, bit for bit, on the awkward cases: empty
 and whitespace-only documents, punctuation-only tokens, upper-case ASCII, non-ASCII bytes, every separator the
 tokeniser knows, tokens of thousands of bytes, arrays sliced at an offset, documents shorter than the n-gram, and
 malformed buffers."""
@@ -7,9 +7,15 @@ malformed buffers."""
 from __future__ import annotations
 
 import functools
+import importlib.machinery
+import importlib.util
 import itertools
 import random
+import shlex
+import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -30,12 +36,42 @@ RADIX = 0x100000001B3
 SPACES = b"\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f "
 
 
-@pytest.fixture(params=["c", "numpy"])
+@pytest.fixture(scope="session")
+def portable_minhash(tmp_path_factory):
+    """_minhash.c compiled with SMOLCTL_PORTABLE_KERNELS (no SSE2, no x86-64-v3 clone, no AVX2) by the compiler
+    Python was built with: on an x86-64 machine the tests would otherwise never run the code other CPUs take."""
+    source = Path(__file__).resolve().parent.parent / "smolctl" / "data" / "_minhash.c"
+    built = tmp_path_factory.mktemp("portable") / "_minhash.so"
+    command = shlex.split(sysconfig.get_config_var("LDSHARED") or "cc -shared") + [
+        "-O2",
+        "-std=c11",
+        "-fPIC",
+        "-DSMOLCTL_PORTABLE_KERNELS",
+        "-DPy_LIMITED_API=0x030B0000",
+        f"-I{sysconfig.get_paths()['include']}",
+        str(source),
+        "-o",
+        str(built),
+    ]
+    try:
+        subprocess.run(command, check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"no C compiler to build the portable kernels ({exc})")
+    loader = importlib.machinery.ExtensionFileLoader("portable._minhash", str(built))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(loader.name, built, loader=loader))
+    loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(params=["c", "portable", "numpy"])
 def kernel_impl(request, monkeypatch):
-    """The kernels every smolctl module calls, for the length of one test: the C extension or the numpy fallback."""
-    chosen = _minhash if request.param == "c" else minhash_fallback
-    if chosen is None:
+    """The kernels every smolctl module calls, for the length of one test: the C extension as built, built portable,
+    or the numpy fallback."""
+    if request.param == "c" and _minhash is None:
         pytest.skip("the C extension is not built")
+    chosen = {"c": _minhash, "numpy": minhash_fallback}.get(request.param) or request.getfixturevalue(
+        "portable_minhash"
+    )
     for module in list(sys.modules.values()):
         if module.__name__.startswith("smolctl.") and getattr(module, "_minhash", None) in (_minhash, minhash_fallback):
             monkeypatch.setattr(module, "_minhash", chosen)
@@ -169,8 +205,8 @@ def test_shingles_match_the_python_definition(kernel_impl):
 
 
 def test_signatures_read_only_the_shingles_their_offsets_cover(kernel_impl):
-    """Offsets that start past the first hash and end before the last: the hashes outside (here the smallest
-    keys of all) must not reach any row, and each row is that of its own hashes alone."""
+    """Offsets that start past the first hash and end before the last: the hashes outside (keys 1 and 2, whose
+    products are small for most permutations) must not reach any row, and each row is that of its own hashes."""
     rng = np.random.default_rng(5)
     inside = rng.integers(2**40, 2**64, 60, dtype=np.uint64)
     smallest = np.array([1, 2], np.uint64) << np.uint64(32)

@@ -56,6 +56,26 @@
 
 #define RADIX 0x100000001B3ULL
 
+/* Where the machine allows it, three kernels take faster instructions than C11 gives: SSE2 (the tokeniser's byte
+   classes, changing_documents' ASCII runs), a tokeniser cloned for x86-64-v3 (GCC 12 on: older ones refuse the
+   arch name in target_clones, and Linux only: the clones are picked through ifunc), and AVX2 signatures (Linux:
+   __builtin_cpu_supports needs libgcc's CPU model, which Apple's toolchain lacks). Defining
+   SMOLCTL_PORTABLE_KERNELS builds without any of them, the code other CPUs run: tests/test_minhash_kernels.py
+   builds it so to check that both give the same results. */
+#if defined(__SSE2__) && !defined(SMOLCTL_PORTABLE_KERNELS)
+#define USE_SSE2 1
+#endif
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && \
+    !defined(SMOLCTL_PORTABLE_KERNELS)
+#define CLONED_FOR_X86_64_V3 __attribute__((target_clones("arch=x86-64-v3", "default"), flatten))
+#else
+#define CLONED_FOR_X86_64_V3
+#endif
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(SMOLCTL_PORTABLE_KERNELS)
+#define HAVE_AVX2_ROWS 1
+#endif
+
+
 /* splitmix64's finaliser (minhash.mix64). */
 static inline uint64_t mix64(uint64_t z) {
     z += 0x9E3779B97F4A7C15ULL;
@@ -192,7 +212,7 @@ static uint8_t *classified_room(Classified *c, size_t longest) {
     return room;
 }
 
-#if defined(__SSE2__)
+#ifdef USE_SSE2
 #include <emmintrin.h>
 
 /* 0xFF for each byte of x in [low, high] (ASCII bounds): x + (128 - low) wraps the range onto the lowest
@@ -420,9 +440,7 @@ static int tokenize_document(Classified *c, size_t length, uint64_t *restrict ex
    instructions shift, mask and count the bitmaps' bits without going through the CL register, picked at load
    time. hash_long, first_set and last_set (spans past 16 bytes, tokens of 64 bytes or more: rare) are kept out of
    line, so that the loop over tokens has registers enough not to spill its sums to the stack. */
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("arch=x86-64-v3", "default"), flatten))
-#endif
+CLONED_FOR_X86_64_V3
 static int tokenize_batch(const uint8_t *data, Py_ssize_t data_size, const uint8_t *extra, const int64_t *starts,
                           const int64_t *ends, Py_ssize_t docs, Classified *classified, uint64_t *exact,
                           uint64_t *word_hashes, int64_t *word_counts, Py_ssize_t *words, Py_ssize_t word_room) {
@@ -497,8 +515,7 @@ static void signature_rows(const uint64_t *shingles, const int64_t *offsets, Py_
     }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define HAVE_AVX2_ROWS 1
+#ifdef HAVE_AVX2_ROWS
 #include <immintrin.h>
 
 /* The minima of `vectors` x 8 permutations (a constant where it is inlined) over the keys [first, end), held in
@@ -886,7 +903,7 @@ static inline int decode_utf8(const uint8_t *p, const uint8_t *end, uint32_t *co
 
 /* The first byte at or after p, before end, that is not ASCII (or end). */
 static inline const uint8_t *skip_ascii(const uint8_t *p, const uint8_t *end) {
-#if defined(__SSE2__)
+#ifdef USE_SSE2
     for (; end - p >= 16; p += 16) {
         int highs = _mm_movemask_epi8(_mm_loadu_si128((const __m128i *)p));
         if (highs) return p + __builtin_ctz((unsigned)highs);
