@@ -10,7 +10,8 @@
 1. Corpus: the sample corpus plus /usr/share/doc texts (real prose, licences, changelogs: natural near
    duplicates included), cut into ~1.2 KB documents; 15% of them get a planted copy with random word edits
    (0-30% of the words, so similarities spread across the threshold) and 3% an exact copy with case and
-   spacing changes, each inserted somewhere later.
+   spacing changes, each inserted somewhere later. The corpus's digest is printed with it: another machine's, or
+   this one after a package install, gives another corpus, and its figures do not compare.
 2. Ground truth: the exact Jaccard of every pair of documents sharing a word 5-gram (a sparse product of the
    document x shingle matrix), pairs at or above the threshold joined into clusters; all but the first document
    of each cluster should go.
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import compileall
 import gzip
+import hashlib
 import json
 import os
 import random
@@ -278,6 +280,9 @@ def prepare(folder: Path, docs: int, threshold: float) -> None:
     facts = {
         "documents": len(corpus),
         "megabytes": sum(len(t.encode()) for t in corpus) / 1e6,
+        # The corpus is what this machine's /usr/share/doc holds: installing a package changes it, and with it
+        # every figure. Runs are comparable only where this digest is the same.
+        "digest": hashlib.sha256("\0".join(corpus).encode()).hexdigest()[:12],
         "pairs": truth["pairs"],
         "remove": sorted(truth["remove"]),
         "has_duplicate": sorted(truth["has_duplicate"]),
@@ -520,7 +525,8 @@ def main() -> None:
         documents, megabytes = facts["documents"], facts["megabytes"]
         print(
             f"corpus: {documents} documents, {megabytes:.1f} MB, {megabytes * 1e6 / documents:.0f} B/doc; "
-            f"ground truth: {facts['pairs']} pairs >= {args.threshold}, {len(truth['remove'])} documents to remove",
+            f"ground truth: {facts['pairs']} pairs >= {args.threshold}, {len(truth['remove'])} documents to remove; "
+            f"digest {facts['digest']}",
             flush=True,
         )
         # Rounds interleave the methods (A B C, B C A, C A B, not A A B B), so that a change in the machine's speed
