@@ -78,6 +78,15 @@ def kernel_impl(request, monkeypatch):
     return chosen
 
 
+def test_the_portable_build_has_none_of_the_fast_paths(portable_minhash):
+    """Were SMOLCTL_PORTABLE_KERNELS ignored, the portable runs would test the fast code twice and the code other
+    CPUs take never: the AVX2 signatures and the x86-64-v3 clone leave their names in the library's symbols."""
+    built = Path(portable_minhash.__file__).read_bytes()
+    assert b"avx2" not in built and b"x86_64_v3" not in built
+    if _minhash is not None and sys.platform == "linux" and "x86_64" in sysconfig.get_platform():
+        assert b"signature_rows_avx2" in Path(_minhash.__file__).read_bytes()  # the names the check looks for
+
+
 def is_word_byte(b: int) -> bool:
     return b >= 128 or chr(b).isalnum() or b == ord("_")
 
